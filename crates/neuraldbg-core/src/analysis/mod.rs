@@ -1,0 +1,459 @@
+//! Post-hoc analysis of an engine's state: failure episodes, root causes, couplings and ranked
+//! causal hypotheses.
+//!
+//! The pipeline is one direction: events -> episodes (clusters of failure events, each with a
+//! root located by the rules of [`episodes`]) -> links (which episode is a consequence of which)
+//! -> evidence -> scored causes ([`causes`]) -> hypotheses sorted by confidence.
+
+mod causes;
+mod episodes;
+mod text;
+mod vocab;
+
+use serde::{Deserialize, Serialize};
+
+use crate::engine::{Engine, Run};
+use crate::error::EngineError;
+use crate::event::{EventType, SemanticEvent, Subject};
+
+pub use text::num as format_number;
+pub use vocab::{Cause, Failure};
+
+use episodes::Episode;
+
+/// One ranked explanation of a failure.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CausalHypothesis {
+    pub failure: Failure,
+    pub cause: Cause,
+    /// Root-cause layer (qualified module name), None when no single layer is to blame.
+    pub layer: Option<String>,
+    /// Step the failure began.
+    pub step: Option<u64>,
+    /// `P(failure is real) x P(cause | evidence)`, in [0, 1].
+    pub confidence: f64,
+    /// One sentence: what failed, where, from when, and why.
+    pub description: String,
+    /// The events that support it, root first.
+    pub evidence: Vec<SemanticEvent>,
+    /// Cause to consequences, one line each.
+    pub causal_chain: Vec<String>,
+    pub remedies: Vec<String>,
+}
+
+impl std::fmt::Display for CausalHypothesis {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "[{:.2}] {} / {} (layer {}, step {}): {}",
+            self.confidence,
+            self.failure,
+            self.cause,
+            self.layer.as_deref().map_or("-".to_string(), text::show),
+            self.step.map_or("-".to_string(), |s| s.to_string()),
+            self.description
+        )
+    }
+}
+
+/// The root of one failure episode that no other failure explains.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RootCause {
+    pub failure: Failure,
+    pub layer: Option<String>,
+    pub step: u64,
+    /// The event at the root.
+    pub event: Option<SemanticEvent>,
+    /// Modules that showed the failure, in forward order.
+    pub affected: Vec<String>,
+    /// Failures that followed from it.
+    pub consequences: Vec<Failure>,
+}
+
+/// How two events are coupled.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CouplingKind {
+    /// In adjacent monitored modules (layer N and N-1 in forward order) within the window.
+    Structural,
+    /// Within the window in steps, anywhere in the model.
+    Temporal,
+}
+
+/// Two failure events close in steps.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Coupling {
+    pub kind: CouplingKind,
+    pub first: SemanticEvent,
+    pub second: SemanticEvent,
+    /// Steps from the first to the second.
+    pub lag: u64,
+}
+
+/// Couplings reported at most (the closest pairs are kept).
+const MAX_COUPLINGS: usize = 10_000;
+
+/// An analysis snapshot of an engine.
+pub struct Analysis<'a> {
+    run: &'a Run,
+    events: Vec<SemanticEvent>,
+    episodes: Vec<Episode>,
+    evidence: causes::Evidence,
+}
+
+impl std::fmt::Debug for Analysis<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Analysis")
+            .field("events", &self.events.len())
+            .field("episodes", &self.episodes.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<'a> Analysis<'a> {
+    /// Analyses the engine's current state. Returns None when no model is registered.
+    pub fn new(engine: &'a Engine) -> Option<Self> {
+        let run = engine.run()?;
+        let events = engine.events();
+        let mut episodes = episodes::build(run, &events, engine.config());
+        let p: Vec<f64> = (0..episodes.len())
+            .map(|k| causes::failure_probability(run, &episodes, k))
+            .collect();
+        for (e, p) in episodes.iter_mut().zip(p) {
+            e.p_failure = p;
+        }
+        let evidence = causes::Evidence::gather(run);
+        Some(Self {
+            run,
+            events,
+            episodes,
+            evidence,
+        })
+    }
+
+    fn name(&self, m: usize) -> String {
+        self.run.model.module_name(m).to_string()
+    }
+
+    /// Ranked hypotheses, optionally for one failure only.
+    pub fn hypotheses(&self, only: Option<Failure>) -> Vec<CausalHypothesis> {
+        let mut out: Vec<(CausalHypothesis, usize)> = Vec::new();
+        for k in 0..self.episodes.len() {
+            let e = &self.episodes[k];
+            if only.is_some_and(|f| f != e.failure) {
+                continue;
+            }
+            let f = causes::features(self.run, &self.evidence, &self.events, &self.episodes, k);
+            let ranked = causes::rank_causes(self.run, &self.evidence, &self.episodes, k, &f);
+            let discount = if e.explained_by.is_some() { 0.9 } else { 1.0 };
+            for (scored, p_cause) in ranked.into_iter().take(3) {
+                let confidence = (e.p_failure * p_cause * discount).clamp(0.0, 1.0);
+                if confidence < 0.02 {
+                    continue;
+                }
+                let description = text::describe(
+                    self.run,
+                    &self.episodes,
+                    k,
+                    &self.events,
+                    scored.cause,
+                    &scored.reasons,
+                );
+                out.push((
+                    CausalHypothesis {
+                        failure: e.failure,
+                        cause: scored.cause,
+                        layer: e.root.map(|m| self.name(m)),
+                        step: Some(e.onset),
+                        confidence,
+                        description,
+                        evidence: self.evidence_of(k),
+                        causal_chain: self.chain_lines(k),
+                        remedies: text::remedies(self.run, e, scored.cause),
+                    },
+                    k,
+                ));
+            }
+        }
+        // A consequence never outranks the failure that explains it.
+        let best_of = |k: usize, out: &[(CausalHypothesis, usize)]| {
+            out.iter()
+                .filter(|(_, j)| *j == k)
+                .map(|(h, _)| h.confidence)
+                .fold(0.0f64, f64::max)
+        };
+        let caps: Vec<Option<f64>> = out
+            .iter()
+            .map(|(_, k)| {
+                self.root_of(*k)
+                    .filter(|r| r != k)
+                    .map(|r| best_of(r, &out))
+                    .filter(|c| *c > 0.0)
+            })
+            .collect();
+        for ((h, _), cap) in out.iter_mut().zip(caps) {
+            if let Some(cap) = cap {
+                h.confidence = h.confidence.min(cap * 0.97);
+            }
+        }
+        // Keep the best hypothesis per (failure, cause, layer).
+        out.sort_by(|a, b| {
+            b.0.confidence
+                .total_cmp(&a.0.confidence)
+                .then(a.1.cmp(&b.1))
+        });
+        let mut seen = std::collections::HashSet::new();
+        out.into_iter()
+            .filter(|(h, _)| seen.insert((h.failure, h.cause, h.layer.clone())))
+            .map(|(h, _)| h)
+            .collect()
+    }
+
+    /// The episode at the start of `k`'s consequence chain.
+    fn root_of(&self, mut k: usize) -> Option<usize> {
+        let mut guard = 0;
+        while let Some(j) = self.episodes[k].explained_by {
+            k = j;
+            guard += 1;
+            if guard > self.episodes.len() {
+                return None;
+            }
+        }
+        Some(k)
+    }
+
+    fn evidence_of(&self, k: usize) -> Vec<SemanticEvent> {
+        let e = &self.episodes[k];
+        let mut idx: Vec<usize> = Vec::new();
+        if let Some(r) = e.root_event {
+            idx.push(r);
+        }
+        if let Some(j) = e.explained_by {
+            idx.extend(self.episodes[j].root_event);
+        }
+        for &i in &e.events {
+            if !idx.contains(&i) && idx.len() < 20 {
+                idx.push(i);
+            }
+        }
+        idx.into_iter().map(|i| self.events[i].clone()).collect()
+    }
+
+    fn chain_episodes(&self, k: usize) -> Vec<usize> {
+        // Walk up to the root, then list the root's consequences in onset order.
+        let root = self.root_of(k).unwrap_or(k);
+        let mut chain = vec![root];
+        let mut frontier = vec![root];
+        while let Some(r) = frontier.pop() {
+            let mut kids: Vec<usize> = (0..self.episodes.len())
+                .filter(|&j| self.episodes[j].explained_by == Some(r) && !chain.contains(&j))
+                .collect();
+            kids.sort_by_key(|&j| self.episodes[j].onset);
+            chain.extend(&kids);
+            frontier.extend(kids);
+        }
+        chain
+    }
+
+    fn chain_lines(&self, k: usize) -> Vec<String> {
+        let mut lines = Vec::new();
+        for j in self.chain_episodes(k) {
+            let e = &self.episodes[j];
+            if let Some(i) = e.root_event {
+                lines.push(text::event_line(self.run, &self.events[i]));
+            }
+            if e.affected.len() > 1 {
+                let names: Vec<String> = e
+                    .affected
+                    .iter()
+                    .filter(|&&m| Some(m) != e.root)
+                    .take(6)
+                    .map(|&m| text::show(self.run.model.module_name(m)))
+                    .collect();
+                let more = e.affected.len() - 1 - names.len().min(e.affected.len() - 1);
+                lines.push(format!(
+                    "then {} in {}{}",
+                    e.failure.phrase().to_lowercase(),
+                    names.join(", "),
+                    if more > 0 {
+                        format!(" and {more} more")
+                    } else {
+                        String::new()
+                    }
+                ));
+            }
+        }
+        lines
+    }
+
+    /// The root of every failure episode no other failure explains, in step order.
+    pub fn root_causes(&self) -> Vec<RootCause> {
+        let mut out: Vec<RootCause> = self
+            .episodes
+            .iter()
+            .enumerate()
+            .filter(|(_, e)| e.explained_by.is_none() && e.p_failure >= 0.3)
+            .map(|(k, e)| RootCause {
+                failure: e.failure,
+                layer: e.root.map(|m| self.name(m)),
+                step: e.onset,
+                event: e.root_event.map(|i| self.events[i].clone()),
+                affected: e.affected.iter().map(|&m| self.name(m)).collect(),
+                consequences: self
+                    .chain_episodes(k)
+                    .into_iter()
+                    .skip(1)
+                    .map(|j| self.episodes[j].failure)
+                    .collect(),
+            })
+            .collect();
+        out.sort_by_key(|r| r.step);
+        out
+    }
+
+    /// The events of the most significant episode of `failure`, from its root cause through
+    /// its consequences.
+    pub fn causal_chain(&self, failure: Failure) -> Vec<SemanticEvent> {
+        let Some(k) = (0..self.episodes.len())
+            .filter(|&k| self.episodes[k].failure == failure)
+            .max_by(|&a, &b| {
+                self.episodes[a]
+                    .p_failure
+                    .total_cmp(&self.episodes[b].p_failure)
+            })
+        else {
+            return Vec::new();
+        };
+        let mut out: Vec<usize> = Vec::new();
+        for j in self.chain_episodes(k) {
+            let e = &self.episodes[j];
+            if let Some(r) = e.root_event {
+                if !out.contains(&r) {
+                    out.push(r);
+                }
+            }
+            let mut rest: Vec<usize> = e
+                .events
+                .iter()
+                .copied()
+                .filter(|i| !out.contains(i))
+                .collect();
+            rest.sort_by_key(|&i| self.events[i].step);
+            out.extend(rest);
+        }
+        out.into_iter().map(|i| self.events[i].clone()).collect()
+    }
+
+    /// Pairs of failure events within `window` steps of each other; structural when they are in
+    /// adjacent monitored modules (forward order), temporal otherwise.
+    pub fn couplings(&self, window: u64) -> Vec<Coupling> {
+        let model = &self.run.model;
+        // Position of each monitored module (layer or activation) in forward order.
+        let mut position = vec![None; model.spec.modules.len()];
+        let mut next = 0usize;
+        for (m, slot) in position.iter_mut().enumerate() {
+            if model.module_layer[m].is_some() || model.module_activation[m].is_some() {
+                *slot = Some(next);
+                next += 1;
+            }
+        }
+        let failing: Vec<&SemanticEvent> = self
+            .events
+            .iter()
+            .filter(|e| episodes::failure_of(e).is_some_and(|f| f != Failure::SaturatedGradients))
+            .collect();
+        let mut out = Vec::new();
+        for (a_i, a) in failing.iter().enumerate() {
+            for b in failing[a_i + 1..].iter() {
+                if b.step > a.step + window {
+                    break;
+                }
+                if a.subject == b.subject {
+                    continue;
+                }
+                let adjacent = match (a.subject, b.subject) {
+                    (Subject::Module(x), Subject::Module(y)) => match (position[x], position[y]) {
+                        (Some(px), Some(py)) => px.abs_diff(py) == 1,
+                        _ => false,
+                    },
+                    _ => false,
+                };
+                out.push(Coupling {
+                    kind: if adjacent {
+                        CouplingKind::Structural
+                    } else {
+                        CouplingKind::Temporal
+                    },
+                    first: (*a).clone(),
+                    second: (*b).clone(),
+                    lag: b.step - a.step,
+                });
+                if out.len() >= MAX_COUPLINGS {
+                    return out;
+                }
+            }
+        }
+        out
+    }
+
+    /// The causal graph as a Mermaid flowchart: root causes, the failures they lead to, and
+    /// the layers involved.
+    pub fn mermaid(&self) -> String {
+        let hyps = self.hypotheses(None);
+        let mut lines = vec!["graph TD".to_string()];
+        let esc = |s: &str| s.replace('"', "'");
+        let mut done = std::collections::HashSet::new();
+        for h in hyps.iter().filter(|h| h.confidence >= 0.3) {
+            if !done.insert(h.failure) {
+                continue;
+            }
+            let cause_id = format!("cause_{}", h.cause.as_str());
+            let fail_id = format!("fail_{}", h.failure.as_str());
+            lines.push(format!(
+                "    {cause_id}[\"cause: {}\"] -->|{:.2}| {fail_id}[\"{} at step {}{}\"]",
+                esc(h.cause.as_str()),
+                h.confidence,
+                esc(h.failure.as_str()),
+                h.step.map_or("-".into(), |s| s.to_string()),
+                h.layer
+                    .as_deref()
+                    .map(|l| format!(" in {}", esc(if l.is_empty() { "<model>" } else { l })))
+                    .unwrap_or_default()
+            ));
+        }
+        for (k, e) in self.episodes.iter().enumerate() {
+            if let Some(j) = e.explained_by {
+                let (a, b) = (self.episodes[j].failure, self.episodes[k].failure);
+                if a != b && done.contains(&a) && done.contains(&b) {
+                    lines.push(format!("    fail_{} --> fail_{}", a.as_str(), b.as_str()));
+                }
+            }
+        }
+        if lines.len() == 1 {
+            lines.push("    healthy[\"no failure detected\"]".into());
+        }
+        lines.join("\n")
+    }
+}
+
+/// Parses a failure name with a helpful error.
+pub fn parse_failure(name: &str) -> Result<Failure, EngineError> {
+    Failure::parse(name).ok_or_else(|| EngineError::Unknown {
+        what: "failure",
+        name: name.to_string(),
+        expected: Failure::names(),
+    })
+}
+
+/// Parses an event type name with a helpful error.
+pub fn parse_event_type(name: &str) -> Result<EventType, EngineError> {
+    EventType::parse(name).ok_or_else(|| EngineError::Unknown {
+        what: "event type",
+        name: name.to_string(),
+        expected: EventType::ALL
+            .iter()
+            .map(|e| e.as_str())
+            .collect::<Vec<_>>()
+            .join(", "),
+    })
+}

@@ -1,0 +1,249 @@
+//! Human-facing text: the hypothesis sentence, the causal chain and the remedies.
+
+use crate::engine::Run;
+use crate::event::{EventType, SemanticEvent, Subject};
+use crate::health::State;
+
+use super::episodes::Episode;
+use super::vocab::{Cause, Failure};
+
+/// A number in 3 significant digits, scientific outside [1e-3, 1e4).
+pub fn num(v: f64) -> String {
+    if !v.is_finite() {
+        return if v.is_nan() {
+            "NaN".into()
+        } else if v > 0.0 {
+            "inf".into()
+        } else {
+            "-inf".into()
+        };
+    }
+    let a = v.abs();
+    if a == 0.0 {
+        "0".into()
+    } else if !(1e-3..1e4).contains(&a) {
+        format!("{v:.2e}")
+    } else if a >= 100.0 {
+        format!("{v:.0}")
+    } else if a >= 1.0 {
+        format!("{v:.3}")
+            .trim_end_matches('0')
+            .trim_end_matches('.')
+            .to_string()
+    } else {
+        format!("{v:.4}")
+            .trim_end_matches('0')
+            .trim_end_matches('.')
+            .to_string()
+    }
+}
+
+/// A module name as shown in sentences (the root module has the empty name).
+pub fn show(name: &str) -> String {
+    if name.is_empty() {
+        "`<model>`".into()
+    } else {
+        format!("`{name}`")
+    }
+}
+
+/// One line describing an event.
+pub fn event_line(run: &Run, e: &SemanticEvent) -> String {
+    let who = subject(run, e.subject);
+    match e.event_type {
+        EventType::NonFiniteOutput => {
+            format!(
+                "step {}: {who} produced the first non-finite output of the forward pass",
+                e.step
+            )
+        }
+        EventType::DataAnomaly => match e.to_state {
+            State::Data(crate::health::DataHealth::NonFinite) => {
+                format!("step {}: the input batch contained NaN/Inf", e.step)
+            }
+            State::Data(crate::health::DataHealth::OutOfDistribution) => format!(
+                "step {}: the input batch's scale was {}x off the usual",
+                e.step,
+                num(e.value)
+            ),
+            _ => format!("step {}: input batches back to normal", e.step),
+        },
+        _ => {
+            let kind = match e.event_type {
+                EventType::GradientHealth => "gradient",
+                EventType::ActivationHealth => "activation",
+                _ => "loss",
+            };
+            let value = match e.to_state {
+                State::Activation(
+                    crate::health::ActivationHealth::Dead
+                    | crate::health::ActivationHealth::Saturated,
+                ) => format!(" ({:.0}% of units/outputs)", 100.0 * e.value),
+                _ if e.value.is_finite() => format!(" ({})", num(e.value)),
+                _ => String::new(),
+            };
+            format!(
+                "step {}: {who} {kind} {} -> {}{value}",
+                e.step, e.from_state, e.to_state
+            )
+        }
+    }
+}
+
+fn subject(run: &Run, s: Subject) -> String {
+    match s {
+        Subject::Module(m) => show(run.model.module_name(m)),
+        Subject::Input => "input".into(),
+        Subject::Loss => "loss".into(),
+    }
+}
+
+/// The hypothesis sentence.
+pub fn describe(
+    run: &Run,
+    episodes: &[Episode],
+    k: usize,
+    events: &[SemanticEvent],
+    cause: Cause,
+    reasons: &[String],
+) -> String {
+    let e = &episodes[k];
+    let mut s = String::from(e.failure.phrase());
+    s.push_str(&format!(" at step {}", e.onset));
+    if let Some(m) = e.root {
+        let name = show(run.model.module_name(m));
+        let extra = e.affected.len().saturating_sub(1);
+        match e.failure {
+            Failure::VanishingGradients
+            | Failure::ExplodingGradients
+            | Failure::SaturatedGradients => {
+                if let Some(j) = e
+                    .explained_by
+                    .filter(|&j| episodes[j].failure == Failure::DeadNeurons)
+                {
+                    s.push_str(&format!(
+                        " in {} layer(s) behind the dead layer {name} (dead from step {})",
+                        e.affected.len(),
+                        episodes[j].onset
+                    ));
+                } else {
+                    s.push_str(&format!(", beginning in {name}"));
+                    if extra > 0 {
+                        s.push_str(&format!(" and reaching {extra} more layer(s)"));
+                    }
+                }
+            }
+            Failure::NonFinite => {
+                let how = e.root_event.map(|i| &events[i]);
+                match how.map(|ev| ev.event_type) {
+                    Some(EventType::NonFiniteOutput) => {
+                        s.push_str(&format!(", first in the forward output of {name}"));
+                    }
+                    Some(EventType::GradientHealth) => {
+                        s.push_str(&format!(", entering the backward pass at {name}"));
+                    }
+                    _ => s.push_str(&format!(" in {name}")),
+                }
+            }
+            _ => {
+                s.push_str(&format!(" in {name}"));
+                if e.fraction.is_finite() {
+                    s.push_str(&format!(" ({:.0}%)", 100.0 * e.fraction));
+                }
+                if extra > 0 {
+                    s.push_str(&format!(" and {extra} more module(s)"));
+                }
+            }
+        }
+    }
+    if e.to_end {
+        s.push_str(", and it persisted to the end");
+    } else if e.duration > 1 {
+        s.push_str(&format!(", for {} steps", e.duration));
+    }
+    s.push_str(&format!(". Likely cause: {}", cause.phrase()));
+    if !reasons.is_empty() {
+        s.push_str(" — ");
+        s.push_str(&reasons.join("; "));
+    }
+    s.push('.');
+    s
+}
+
+/// Concrete remedies for a failure with a cause.
+pub fn remedies(run: &Run, e: &Episode, cause: Cause) -> Vec<String> {
+    let layer = e.root.map(|m| show(run.model.module_name(m)));
+    let lr = run.lr_first.map(num);
+    let lower = lr.as_ref().map_or_else(
+        || "lower the learning rate 10x".to_string(),
+        |lr| format!("lower the learning rate 10x (it was {lr})"),
+    );
+    let mut r: Vec<String> = match cause {
+        Cause::LearningRateTooHigh => vec![
+            lower,
+            "clip gradients: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0) before optimizer.step()".into(),
+            "add a learning-rate warmup over the first few hundred steps".into(),
+        ],
+        Cause::LearningRateTooLow => vec![
+            lr.map_or_else(
+                || "raise the learning rate 10x".to_string(),
+                |lr| format!("raise the learning rate 10x (it was {lr})"),
+            ),
+            "run a learning-rate range test (increase lr each step and watch the loss)".into(),
+            "switch to an adaptive optimizer such as Adam".into(),
+        ],
+        Cause::PoorInitialization => vec![
+            "initialize weights for the activation: kaiming_normal_ for ReLU, xavier_normal_ (gain 5/3 for tanh) otherwise".into(),
+            format!(
+                "check custom init code{} for weights scaled far from 1/sqrt(fan_in)",
+                layer.as_ref().map(|l| format!(" of {l}")).unwrap_or_default()
+            ),
+        ],
+        Cause::SaturatingActivation => vec![
+            "replace tanh/sigmoid with ReLU, GELU or SiLU in hidden layers".into(),
+            "use xavier_normal_ initialization and normalize the inputs so pre-activations stay near zero".into(),
+            "add LayerNorm or BatchNorm before the saturating activations".into(),
+        ],
+        Cause::DyingRelu => vec![
+            format!(
+                "replace ReLU{} with LeakyReLU(0.01) or GELU",
+                layer.as_ref().map(|l| format!(" ({l})")).unwrap_or_default()
+            ),
+            lower,
+            "check the bias initialization of the layer before it (negative biases switch units off)".into(),
+            "add BatchNorm before the ReLU".into(),
+        ],
+        Cause::BadInputData => vec![
+            format!(
+                "inspect the batch of step {}: assert torch.isfinite(x).all() in the data pipeline",
+                e.onset
+            ),
+            "normalize inputs (zero mean, unit variance) and filter corrupt samples".into(),
+        ],
+        Cause::NumericalInstability => vec![
+            format!(
+                "look for log, division, sqrt, exp or pow on unbounded values in the forward{}; add an eps or clamp",
+                layer.as_ref().map(|l| format!(" of {l}")).unwrap_or_default()
+            ),
+            "compute that operation in float32 if it runs in half precision".into(),
+            "run that one step under torch.autograd.detect_anomaly() to get the exact operation".into(),
+        ],
+        Cause::NetworkDepth => vec![
+            "add residual (skip) connections so gradients bypass the deep stack".into(),
+            "add normalization (LayerNorm/BatchNorm) between blocks".into(),
+            "reduce the depth, or initialize for depth (e.g. scaled or orthogonal init)".into(),
+        ],
+        Cause::MissingNormalization => vec![
+            "add BatchNorm (CNNs) or LayerNorm (MLPs, transformers) between layers".into(),
+            "initialize weights for the activation so the signal keeps its scale".into(),
+        ],
+        Cause::Unknown => vec![
+            "inspect the gradient-norm history of the first failing layer (dbg.history)".into(),
+            "rerun the failing step under torch.autograd.detect_anomaly()".into(),
+        ],
+    };
+    if e.failure == Failure::ExplodingGradients && cause != Cause::LearningRateTooHigh {
+        r.push("clip gradients at 1.0 while you fix the cause".into());
+    }
+    r
+}

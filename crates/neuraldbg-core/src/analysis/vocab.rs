@@ -1,0 +1,109 @@
+//! The failure and cause vocabularies of design.md.
+
+use serde::{Deserialize, Serialize};
+
+macro_rules! vocab {
+    ($(#[$meta:meta])* $name:ident { $($variant:ident => $text:literal),+ $(,)? }) => {
+        $(#[$meta])*
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+        #[serde(rename_all = "snake_case")]
+        pub enum $name { $($variant),+ }
+
+        impl $name {
+            pub const ALL: &'static [$name] = &[$($name::$variant),+];
+
+            pub fn as_str(self) -> &'static str {
+                match self { $($name::$variant => $text),+ }
+            }
+
+            pub fn parse(text: &str) -> Option<Self> {
+                match text { $($text => Some($name::$variant),)+ _ => None }
+            }
+
+            /// All names, comma separated (for error messages).
+            pub fn names() -> String {
+                Self::ALL.iter().map(|v| v.as_str()).collect::<Vec<_>>().join(", ")
+            }
+        }
+
+        impl std::fmt::Display for $name {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+    };
+}
+
+vocab! {
+    /// What went wrong.
+    Failure {
+        VanishingGradients => "vanishing_gradients",
+        ExplodingGradients => "exploding_gradients",
+        SaturatedGradients => "saturated_gradients",
+        SaturatedActivations => "saturated_activations",
+        DeadNeurons => "dead_neurons",
+        NonFinite => "non_finite",
+        DataAnomaly => "data_anomaly",
+        LossDivergence => "loss_divergence",
+        LossPlateau => "loss_plateau",
+    }
+}
+
+vocab! {
+    /// Why it went wrong.
+    Cause {
+        SaturatingActivation => "saturating_activation",
+        PoorInitialization => "poor_initialization",
+        LearningRateTooHigh => "learning_rate_too_high",
+        LearningRateTooLow => "learning_rate_too_low",
+        DyingRelu => "dying_relu",
+        BadInputData => "bad_input_data",
+        NumericalInstability => "numerical_instability",
+        NetworkDepth => "network_depth",
+        MissingNormalization => "missing_normalization",
+        Unknown => "unknown",
+    }
+}
+
+impl Failure {
+    /// How the failure reads in a sentence.
+    pub fn phrase(self) -> &'static str {
+        match self {
+            Failure::VanishingGradients => "Gradients vanished",
+            Failure::ExplodingGradients => "Gradients exploded",
+            Failure::SaturatedGradients => "Gradient norms ran high",
+            Failure::SaturatedActivations => "Activations saturated",
+            Failure::DeadNeurons => "ReLU units died",
+            Failure::NonFinite => "Values became non-finite (NaN/Inf)",
+            Failure::DataAnomaly => "An anomalous input batch reached the model",
+            Failure::LossDivergence => "The loss diverged",
+            Failure::LossPlateau => "The loss plateaued",
+        }
+    }
+
+    /// Gradient failures are located where they begin along the backward pass; the others at
+    /// the first module in forward order that shows them.
+    pub fn is_gradient(self) -> bool {
+        matches!(
+            self,
+            Failure::VanishingGradients | Failure::ExplodingGradients | Failure::SaturatedGradients
+        )
+    }
+}
+
+impl Cause {
+    pub fn phrase(self) -> &'static str {
+        match self {
+            Cause::SaturatingActivation => "a saturating activation",
+            Cause::PoorInitialization => "poor weight initialization",
+            Cause::LearningRateTooHigh => "a learning rate that is too high",
+            Cause::LearningRateTooLow => "a learning rate that is too low",
+            Cause::DyingRelu => "dying ReLU units",
+            Cause::BadInputData => "bad input data",
+            Cause::NumericalInstability => "a numerically unstable operation",
+            Cause::NetworkDepth => "the depth of the network",
+            Cause::MissingNormalization => "missing normalization",
+            Cause::Unknown => "an undetermined cause",
+        }
+    }
+}

@@ -1,0 +1,687 @@
+//! The engine: consumes one [`StepView`] per training step, keeps trackers and bounded history,
+//! and emits [`SemanticEvent`]s on confirmed transitions. Analysis ([`crate::analysis`]) reads
+//! its state on demand.
+
+use crate::config::Config;
+use crate::detector::Transition;
+use crate::error::EngineError;
+use crate::event::{EventType, SemanticEvent, Subject, event_confidence};
+use crate::health::{
+    ActivationHealth, ActivationSample, DataHealth, GradientHealth, OutputHealth, State,
+};
+use crate::history::{History, Reduce};
+use crate::model::{ActivationProbe, Model, ModelSpec};
+use crate::observation::{ACTIVATION_STATS, INPUT_STATS, StepView};
+use crate::track::{ActTrack, DataTrack, Early, LayerTrack, LossTrack};
+
+/// Global series stored after the per-layer ones in the gradient history.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Global {
+    TotalGradNorm = 0,
+    Loss = 1,
+    Lr = 2,
+    InputScale = 3,
+}
+const GLOBALS: usize = 4;
+
+/// Where the first non-finite module output of an episode was found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NonFiniteOrigin {
+    pub step: u64,
+    pub module: usize,
+}
+
+/// Everything observed for a registered model.
+#[derive(Debug)]
+pub(crate) struct Run {
+    pub model: Model,
+    pub layers: Vec<LayerTrack>,
+    pub acts: Vec<ActTrack>,
+    pub loss: LossTrack,
+    pub data: DataTrack,
+    pub output: OutputHealth,
+    pub origins: Vec<NonFiniteOrigin>,
+    pub events: Vec<SemanticEvent>,
+    /// Events stored per module and event type, to cap a misbehaving layer's share.
+    event_counts: Vec<[u32; 2]>,
+    pub suppressed_events: u64,
+    pub grads: History,
+    pub weights: History,
+    pub activations: History,
+    pub steps_observed: u64,
+    pub first_step: Option<u64>,
+    pub last_step: Option<u64>,
+    pub lr_first: Option<f64>,
+    pub lr_max: f64,
+    pub total_early: Early,
+    /// Steps whose gradients or loss were not all finite.
+    pub nonfinite_steps: u64,
+    /// Largest total gradient norm (and its step) before anything went non-finite.
+    pub total_peak: Option<(f64, u64)>,
+    sums: Vec<f64>,
+    present: Vec<bool>,
+}
+
+/// The NeuralDBG engine.
+#[derive(Debug)]
+pub struct Engine {
+    config: Config,
+    run: Option<Run>,
+}
+
+impl Engine {
+    /// An engine with a validated configuration.
+    pub fn new(config: Config) -> Result<Self, EngineError> {
+        config.validate()?;
+        Ok(Self { config, run: None })
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// Registers the watched model; returns what to measure on each activation module.
+    pub fn register_model(&mut self, spec: ModelSpec) -> Result<Vec<ActivationProbe>, EngineError> {
+        if self.run.is_some() {
+            return Err(EngineError::ModelAlreadyRegistered);
+        }
+        let model = Model::new(spec)?;
+        let probes = model.probes(self.config.activation_saturation_band);
+        let n_layers = model.layers.len();
+        let n_acts = model.activations.len();
+        let cap = self.config.history_capacity;
+        self.run = Some(Run {
+            layers: vec![LayerTrack::default(); n_layers],
+            acts: vec![ActTrack::default(); n_acts],
+            loss: LossTrack::default(),
+            data: DataTrack::default(),
+            output: OutputHealth::Finite,
+            origins: Vec::new(),
+            events: Vec::new(),
+            event_counts: vec![[0; 2]; model.spec.modules.len()],
+            suppressed_events: 0,
+            grads: History::new(n_layers + GLOBALS, cap),
+            weights: History::new(n_layers, cap),
+            activations: History::new(n_acts * 3, cap),
+            steps_observed: 0,
+            first_step: None,
+            last_step: None,
+            lr_first: None,
+            lr_max: 0.0,
+            total_early: Early::default(),
+            nonfinite_steps: 0,
+            total_peak: None,
+            sums: vec![0.0; n_layers],
+            present: vec![false; n_layers],
+            model,
+        });
+        Ok(probes)
+    }
+
+    /// The registered model, if any.
+    pub fn model(&self) -> Option<&Model> {
+        self.run.as_ref().map(|r| &r.model)
+    }
+
+    pub(crate) fn run(&self) -> Option<&Run> {
+        self.run.as_ref()
+    }
+
+    /// Number of steps observed so far.
+    pub fn steps_observed(&self) -> u64 {
+        self.run.as_ref().map_or(0, |r| r.steps_observed)
+    }
+
+    /// The last observed step.
+    pub fn last_step(&self) -> Option<u64> {
+        self.run.as_ref().and_then(|r| r.last_step)
+    }
+
+    /// Events in step order (ties: in the order they were confirmed).
+    pub fn events(&self) -> Vec<SemanticEvent> {
+        let mut events = self
+            .run
+            .as_ref()
+            .map(|r| r.events.clone())
+            .unwrap_or_default();
+        events.sort_by_key(|e| e.step);
+        events
+    }
+
+    /// Name of the subject of an event (`""` for the root module, `"(input)"`, `"(loss)"`).
+    pub fn subject_name(&self, subject: Subject) -> String {
+        match (subject, self.model()) {
+            (Subject::Module(m), Some(model)) if m < model.spec.modules.len() => {
+                model.spec.modules[m].name.clone()
+            }
+            (Subject::Module(m), _) => format!("(module {m})"),
+            (Subject::Input, _) => "(input)".into(),
+            (Subject::Loss, _) => "(loss)".into(),
+        }
+    }
+
+    /// Feeds one step.
+    pub fn observe(&mut self, view: &StepView<'_>) -> Result<(), EngineError> {
+        let config = &self.config;
+        let run = self.run.as_mut().ok_or(EngineError::NoModel)?;
+        run.check(view)?;
+        run.observe(view, config);
+        Ok(())
+    }
+
+    /// A series for plotting: `(steps, values)`. `name` is a layer or activation module's
+    /// qualified name, or None for run-wide series. Metrics: `grad_norm`, `weight_norm` (layers);
+    /// `saturated_fraction`, `dead_fraction`, `activation_absmax` (activations); `loss`, `lr`,
+    /// `grad_norm` (total), `input_scale` (run-wide).
+    pub fn history(
+        &self,
+        name: Option<&str>,
+        metric: &str,
+        reduce: Reduce,
+    ) -> Result<(Vec<u64>, Vec<f64>), EngineError> {
+        let run = self.run.as_ref().ok_or(EngineError::NoModel)?;
+        let model = &run.model;
+        let unknown_metric = |expected: &str| EngineError::Unknown {
+            what: "metric",
+            name: metric.to_string(),
+            expected: expected.to_string(),
+        };
+        let Some(name) = name else {
+            let g = match metric {
+                "grad_norm" => Global::TotalGradNorm,
+                "loss" => Global::Loss,
+                "lr" => Global::Lr,
+                "input_scale" => Global::InputScale,
+                _ => return Err(unknown_metric("grad_norm, loss, lr, input_scale")),
+            };
+            return Ok(run.grads.read(model.layers.len() + g as usize, reduce));
+        };
+        let module = model
+            .module_index(name)
+            .ok_or_else(|| EngineError::Unknown {
+                what: "layer",
+                name: name.to_string(),
+                expected: "a qualified module name from model.named_modules()".into(),
+            })?;
+        match metric {
+            "grad_norm" | "weight_norm" => {
+                let layer = model.module_layer[module].ok_or_else(|| EngineError::Unknown {
+                    what: "layer with parameters",
+                    name: name.to_string(),
+                    expected: format!(
+                        "one of {}",
+                        short_list(model.layers.iter().map(|l| l.name.as_str()))
+                    ),
+                })?;
+                Ok(if metric == "grad_norm" {
+                    run.grads.read(layer, reduce)
+                } else {
+                    run.weights.read(layer, reduce)
+                })
+            }
+            "saturated_fraction" | "dead_fraction" | "activation_absmax" => {
+                let a = model.module_activation[module].ok_or_else(|| EngineError::Unknown {
+                    what: "activation module",
+                    name: name.to_string(),
+                    expected: format!(
+                        "one of {}",
+                        short_list(model.activations.iter().map(|a| a.name.as_str()))
+                    ),
+                })?;
+                let offset = match metric {
+                    "saturated_fraction" => 0,
+                    "dead_fraction" => 1,
+                    _ => 2,
+                };
+                Ok(run.activations.read(3 * a + offset, reduce))
+            }
+            _ => Err(unknown_metric(
+                "grad_norm, weight_norm, saturated_fraction, dead_fraction, activation_absmax",
+            )),
+        }
+    }
+
+    /// Bytes held by histories and events (for memory accounting).
+    pub fn heap_bytes(&self) -> usize {
+        self.run.as_ref().map_or(0, |r| {
+            r.grads.heap_bytes()
+                + r.weights.heap_bytes()
+                + r.activations.heap_bytes()
+                + r.events.capacity() * std::mem::size_of::<SemanticEvent>()
+                + r.layers.capacity() * std::mem::size_of::<LayerTrack>()
+                + r.acts.capacity() * std::mem::size_of::<ActTrack>()
+        })
+    }
+}
+
+fn short_list<'a>(names: impl Iterator<Item = &'a str>) -> String {
+    let names: Vec<&str> = names.collect();
+    let shown: Vec<String> = names.iter().take(8).map(|n| format!("{n:?}")).collect();
+    if names.len() > 8 {
+        format!("{}, ... ({} in all)", shown.join(", "), names.len())
+    } else {
+        shown.join(", ")
+    }
+}
+
+impl Run {
+    fn check(&self, v: &StepView<'_>) -> Result<(), EngineError> {
+        if let Some(last) = self.last_step {
+            if v.step <= last {
+                return Err(EngineError::StepOrder { step: v.step, last });
+            }
+        }
+        let n_params = self.model.spec.params.len();
+        if v.grad_norms.len() != n_params {
+            return Err(EngineError::Length {
+                what: "grad_norms",
+                got: v.grad_norms.len(),
+                expected: n_params,
+            });
+        }
+        if let Some(w) = v.weight_norms {
+            if w.len() != n_params {
+                return Err(EngineError::Length {
+                    what: "weight_norms",
+                    got: w.len(),
+                    expected: n_params,
+                });
+            }
+        }
+        if let Some(a) = v.activations {
+            let expected = self.model.activations.len() * ACTIVATION_STATS;
+            if a.len() != expected {
+                return Err(EngineError::Length {
+                    what: "activations",
+                    got: a.len(),
+                    expected,
+                });
+            }
+        }
+        if v.inputs.len() % INPUT_STATS != 0 {
+            return Err(EngineError::Length {
+                what: "inputs",
+                got: v.inputs.len(),
+                expected: v.inputs.len().next_multiple_of(INPUT_STATS),
+            });
+        }
+        if let Some(m) = v.nonfinite_module {
+            if m >= self.model.spec.modules.len() {
+                return Err(EngineError::ModuleIndex {
+                    index: m,
+                    count: self.model.spec.modules.len(),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    fn push_event(&mut self, event: SemanticEvent, config: &Config) {
+        if let Subject::Module(m) = event.subject {
+            let slot = usize::from(event.event_type == EventType::ActivationHealth);
+            let count = &mut self.event_counts[m][slot];
+            // Non-finite transitions are always kept: they are the ones that must never be missed.
+            let critical = matches!(
+                event.to_state,
+                State::Gradient(GradientHealth::NonFinite)
+                    | State::Activation(ActivationHealth::NonFinite)
+            );
+            if *count as usize >= config.max_events_per_layer && !critical {
+                self.suppressed_events += 1;
+                return;
+            }
+            *count += 1;
+        }
+        self.events.push(event);
+    }
+
+    fn event_from<S: Copy>(
+        t: &Transition<S>,
+        event_type: EventType,
+        subject: Subject,
+        wrap: impl Fn(S) -> State,
+    ) -> SemanticEvent {
+        SemanticEvent {
+            step: t.onset,
+            event_type,
+            subject,
+            from_state: wrap(t.from),
+            to_state: wrap(t.to),
+            confidence: event_confidence(t.margin, t.persistence),
+            value: t.value,
+            threshold: t.threshold,
+            confirmed_step: t.confirmed,
+            persistence: t.persistence,
+            margin: t.margin,
+        }
+    }
+
+    fn observe(&mut self, v: &StepView<'_>, config: &Config) {
+        let step = v.step;
+        self.first_step.get_or_insert(step);
+        self.last_step = Some(step);
+        self.steps_observed += 1;
+
+        // Parameter norms -> layer norms (L2 over all of a layer's parameters).
+        self.sums.fill(0.0);
+        self.present.fill(false);
+        for (i, &g) in v.grad_norms.iter().enumerate() {
+            // Negative means "no gradient"; NaN and infinities are not negative and flow through.
+            if g < 0.0 {
+                continue;
+            }
+            let l = self.model.param_layer[i];
+            let g = f64::from(g);
+            self.sums[l] += g * g;
+            self.present[l] = true;
+        }
+        let n_layers = self.model.layers.len();
+        self.grads.begin(step);
+        let mut total = 0.0f64;
+        let mut any_grad = false;
+        let mut all_finite = true;
+        for l in 0..n_layers {
+            if !self.present[l] {
+                continue;
+            }
+            any_grad = true;
+            let norm = self.sums[l].sqrt();
+            total += self.sums[l];
+            all_finite &= norm.is_finite();
+            self.grads.record(l, norm as f32);
+            if let Some((t, _)) = self.layers[l].observe(step, norm, config) {
+                let subject = Subject::Module(self.model.layers[l].module);
+                let e = Self::event_from(&t, EventType::GradientHealth, subject, State::Gradient);
+                self.push_event(e, config);
+            }
+        }
+        if any_grad {
+            let total = total.sqrt();
+            self.grads
+                .record(n_layers + Global::TotalGradNorm as usize, total as f32);
+            self.total_early.push(total);
+            if self.nonfinite_steps == 0
+                && all_finite
+                && self.total_peak.is_none_or(|(p, _)| total > p)
+            {
+                self.total_peak = Some((total, step));
+            }
+        }
+
+        if let Some(w) = v.weight_norms {
+            self.observe_weights(step, w);
+        }
+        if let Some(a) = v.activations {
+            self.observe_activations(step, a, config);
+        }
+        if !v.inputs.is_empty() {
+            self.observe_inputs(step, v.inputs, config);
+        }
+        if let Some(loss) = v.loss {
+            all_finite &= loss.is_finite();
+            self.grads
+                .record(n_layers + Global::Loss as usize, loss as f32);
+            if let Some(t) = self.loss.observe(step, loss, config) {
+                let e = Self::event_from(&t, EventType::LossHealth, Subject::Loss, State::Loss);
+                self.push_event(e, config);
+            }
+        }
+        if let Some(lr) = v.lr.filter(|lr| lr.is_finite()) {
+            self.lr_first.get_or_insert(lr);
+            self.lr_max = self.lr_max.max(lr);
+            self.grads.record(n_layers + Global::Lr as usize, lr as f32);
+        }
+        if !all_finite {
+            self.nonfinite_steps += 1;
+        }
+        self.observe_output(
+            step,
+            v.nonfinite_module,
+            all_finite && v.nonfinite_module.is_none(),
+            config,
+        );
+    }
+
+    fn observe_weights(&mut self, step: u64, w: &[f32]) {
+        self.weights.begin(step);
+        self.sums.fill(0.0);
+        self.present.fill(false);
+        for (i, &n) in w.iter().enumerate() {
+            if n < 0.0 {
+                continue;
+            }
+            let l = self.model.param_layer[i];
+            self.sums[l] += f64::from(n) * f64::from(n);
+            self.present[l] = true;
+        }
+        for (l, layer) in self.model.layers.iter().enumerate() {
+            if !self.present[l] {
+                continue;
+            }
+            let norm = self.sums[l].sqrt();
+            self.weights.record(l, norm as f32);
+            let track = &mut self.layers[l];
+            track.weight_first.get_or_insert(norm);
+            track.weight_last = Some(norm);
+            if track.gain_first.is_none() {
+                if let Some((p, fan_in)) = layer.weight {
+                    let wn = f64::from(w[p]);
+                    let numel = self.model.spec.params[p].numel as f64;
+                    if wn.is_finite() && wn >= 0.0 && numel > 0.0 {
+                        track.gain_first = Some(wn / numel.sqrt() * (fan_in as f64).sqrt());
+                    }
+                }
+            }
+        }
+    }
+
+    fn observe_activations(&mut self, step: u64, a: &[f32], config: &Config) {
+        self.activations.begin(step);
+        for (i, row) in a.chunks_exact(ACTIVATION_STATS).enumerate() {
+            let sample = ActivationSample {
+                absmax: f64::from(row[0]),
+                saturated_fraction: f64::from(row[1]),
+                dead_fraction: f64::from(row[2]),
+                samples_per_unit: f64::from(row[3]),
+            };
+            if sample.samples_per_unit.is_nan() {
+                continue; // not measured this step
+            }
+            self.activations.record(3 * i, row[1]);
+            self.activations.record(3 * i + 1, row[2]);
+            self.activations.record(3 * i + 2, row[0]);
+            let traits = self.model.activations[i].traits;
+            if let Some((t, _)) = self.acts[i].observe(step, &sample, traits, config) {
+                let subject = Subject::Module(self.model.activations[i].module);
+                let e =
+                    Self::event_from(&t, EventType::ActivationHealth, subject, State::Activation);
+                self.push_event(e, config);
+            }
+        }
+    }
+
+    fn observe_inputs(&mut self, step: u64, inputs: &[f32], config: &Config) {
+        let mut worst = DataHealth::Normal;
+        let mut worst_ratio = 1.0f64;
+        let mut scale = 0.0f64;
+        for row in inputs.chunks_exact(INPUT_STATS) {
+            let row = [
+                f64::from(row[0]),
+                f64::from(row[1]),
+                f64::from(row[2]),
+                f64::from(row[3]),
+            ];
+            let (state, ratio) = self.data.judge(row, config);
+            let s = row[0].abs().max(row[1].abs());
+            scale = if s.is_nan() { f64::NAN } else { scale.max(s) };
+            let rank = |d: DataHealth| match d {
+                DataHealth::Normal => 0,
+                DataHealth::OutOfDistribution => 1,
+                DataHealth::NonFinite => 2,
+            };
+            if rank(state) > rank(worst) || (state == worst && ratio > worst_ratio) {
+                worst = state;
+                worst_ratio = ratio;
+            }
+        }
+        let n_layers = self.model.layers.len();
+        self.grads
+            .record(n_layers + Global::InputScale as usize, scale as f32);
+        if let Some((from, to, ratio)) = self.data.step(step, worst, worst_ratio) {
+            let margin = if to == DataHealth::NonFinite {
+                f64::INFINITY
+            } else if to == DataHealth::OutOfDistribution {
+                crate::health::decades(ratio, config.data_ood_factor)
+            } else {
+                0.0
+            };
+            let e = SemanticEvent {
+                step,
+                event_type: EventType::DataAnomaly,
+                subject: Subject::Input,
+                from_state: State::Data(from),
+                to_state: State::Data(to),
+                confidence: event_confidence(margin, 1).max(if to == DataHealth::Normal {
+                    0.5
+                } else {
+                    0.0
+                }),
+                value: ratio,
+                threshold: config.data_ood_factor,
+                confirmed_step: step,
+                persistence: 1,
+                margin,
+            };
+            self.push_event(e, config);
+        }
+    }
+
+    fn observe_output(&mut self, step: u64, module: Option<usize>, clean: bool, config: &Config) {
+        match (module, self.output) {
+            (Some(m), OutputHealth::Finite) => {
+                self.output = OutputHealth::NonFinite;
+                if self.origins.len() < 64 {
+                    self.origins.push(NonFiniteOrigin { step, module: m });
+                }
+                let e = SemanticEvent {
+                    step,
+                    event_type: EventType::NonFiniteOutput,
+                    subject: Subject::Module(m),
+                    from_state: State::Output(OutputHealth::Finite),
+                    to_state: State::Output(OutputHealth::NonFinite),
+                    confidence: 1.0,
+                    value: f64::NAN,
+                    threshold: f64::NAN,
+                    confirmed_step: step,
+                    persistence: 1,
+                    margin: f64::INFINITY,
+                };
+                self.push_event(e, config);
+            }
+            (None, OutputHealth::NonFinite) if clean => self.output = OutputHealth::Finite,
+            _ => {}
+        }
+    }
+
+    /// Largest learning rate recorded in the buckets around `[from, to]`.
+    pub fn lr_between(&self, from: u64, to: u64) -> Option<f64> {
+        self.grads
+            .max_between(self.model.layers.len() + Global::Lr as usize, from, to)
+    }
+
+    /// Largest total gradient norm recorded around `[from, to]`.
+    pub fn total_grad_between(&self, from: u64, to: u64) -> Option<f64> {
+        self.grads.max_between(
+            self.model.layers.len() + Global::TotalGradNorm as usize,
+            from,
+            to,
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::tests::mlp_spec;
+    use crate::observation::Observation;
+
+    fn engine(depth: usize, act: &str) -> Engine {
+        let mut e = Engine::new(Config::default()).unwrap();
+        e.register_model(mlp_spec(depth, act)).unwrap();
+        e
+    }
+
+    fn obs(step: u64, layer_norms: &[f32]) -> Observation {
+        // Each layer has a weight and a bias; put the whole norm on the weight.
+        let grad_norms = layer_norms.iter().flat_map(|n| [*n, 0.0]).collect();
+        Observation {
+            step,
+            grad_norms,
+            ..Observation::default()
+        }
+    }
+
+    #[test]
+    fn rejects_wrong_lengths_and_step_order() {
+        let mut e = engine(2, "Tanh");
+        let err = e
+            .observe(
+                &Observation {
+                    step: 0,
+                    grad_norms: vec![1.0],
+                    ..Default::default()
+                }
+                .view(),
+            )
+            .unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("grad_norms has 1 values, expected 4"),
+            "{err}"
+        );
+        e.observe(&obs(3, &[0.1, 0.1]).view()).unwrap();
+        let err = e.observe(&obs(3, &[0.1, 0.1]).view()).unwrap_err();
+        assert!(matches!(err, EngineError::StepOrder { .. }));
+        let mut fresh = Engine::new(Config::default()).unwrap();
+        assert_eq!(
+            fresh.observe(&obs(0, &[0.1]).view()).unwrap_err(),
+            EngineError::NoModel
+        );
+    }
+
+    #[test]
+    fn vanishing_transition_becomes_one_event_at_onset() {
+        let mut e = engine(3, "Tanh");
+        for step in 0..40u64 {
+            let low = if step >= 10 { 1e-8 } else { 0.1 };
+            e.observe(&obs(step, &[low, 0.1, 0.1]).view()).unwrap();
+        }
+        let events = e.events();
+        assert_eq!(events.len(), 1, "{events:?}");
+        let ev = &events[0];
+        assert_eq!(ev.step, 10);
+        assert_eq!(ev.subject, Subject::Module(0));
+        assert_eq!(ev.to_state, State::Gradient(GradientHealth::Vanishing));
+        assert!(ev.confidence > 0.9, "{}", ev.confidence);
+    }
+
+    #[test]
+    fn history_is_bounded_and_readable_by_name() {
+        let mut e = engine(2, "ReLU");
+        for step in 0..10_000u64 {
+            e.observe(&obs(step, &[0.5, 0.25]).view()).unwrap();
+        }
+        let (steps, values) = e.history(Some("fc1"), "grad_norm", Reduce::Last).unwrap();
+        assert!(steps.len() <= 512);
+        assert_eq!(*steps.last().unwrap(), 9_999);
+        assert!(values.iter().all(|v| (*v - 0.25).abs() < 1e-6));
+        let err = e
+            .history(Some("nope"), "grad_norm", Reduce::Last)
+            .unwrap_err();
+        assert!(err.to_string().contains("nope"));
+        let err = e
+            .history(Some("act0"), "grad_norm", Reduce::Last)
+            .unwrap_err();
+        assert!(err.to_string().contains("fc0"), "{err}");
+    }
+}

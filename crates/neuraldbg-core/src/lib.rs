@@ -1,0 +1,59 @@
+//! # neuraldbg-core
+//!
+//! The NeuralDBG engine: a causal debugger for deep-learning training that knows nothing about
+//! any framework. A collector (the PyTorch package, a candle loop, a trace reader) registers a
+//! [`ModelSpec`] and feeds one [`StepView`] of small statistics per training step; the engine
+//! classifies gradient and activation health ([`GradientHealth`], [`ActivationHealth`]), emits a
+//! [`SemanticEvent`] on each confirmed transition (causal compression), and on demand explains
+//! the failure as ranked [`CausalHypothesis`] values.
+//!
+//! ```
+//! use neuraldbg_core::{Config, Engine, ModelSpec, ModuleSpec, ParamSpec, ParamRole, Observation};
+//! use neuraldbg_core::analysis::Analysis;
+//!
+//! let mut engine = Engine::new(Config::default()).unwrap();
+//! let module = |name: &str, kind: &str| ModuleSpec { name: name.into(), kind: kind.into(), attrs: vec![], executed: true };
+//! engine.register_model(ModelSpec {
+//!     modules: vec![module("fc", "Linear"), module("", "Net")],
+//!     params: vec![ParamSpec { module: 0, name: "fc.weight".into(), numel: 64, role: ParamRole::Weight, fan_in: Some(8) }],
+//!     optimizer: Some("SGD".into()),
+//! }).unwrap();
+//! for step in 0..20 {
+//!     let norm = if step < 10 { 0.1 } else { f32::NAN };
+//!     engine.observe(&Observation { step, grad_norms: vec![norm], ..Default::default() }.view()).unwrap();
+//! }
+//! let analysis = Analysis::new(&engine).unwrap();
+//! let top = &analysis.hypotheses(None)[0];
+//! assert_eq!(top.failure.as_str(), "non_finite");
+//! assert_eq!(top.step, Some(10));
+//! ```
+#![forbid(unsafe_code)]
+
+pub mod analysis;
+mod config;
+mod detector;
+mod engine;
+mod error;
+mod event;
+mod health;
+mod history;
+mod model;
+mod observation;
+pub mod output;
+mod track;
+
+pub use analysis::{Analysis, CausalHypothesis, Cause, Coupling, CouplingKind, Failure, RootCause};
+pub use config::Config;
+pub use detector::{Debounce, Transition};
+pub use engine::{Engine, NonFiniteOrigin};
+pub use error::{ConfigError, EngineError};
+pub use event::{EventType, SemanticEvent, Subject, event_confidence};
+pub use health::{
+    ActivationHealth, ActivationSample, ActivationTraits, DataHealth, GradientHealth, LossHealth,
+    OutputHealth, State, classify_activation, classify_gradient,
+};
+pub use history::{History, Reduce};
+pub use model::{
+    ActivationProbe, Model, ModelSpec, ModuleSpec, ParamRole, ParamSpec, activation_traits,
+};
+pub use observation::{ACTIVATION_STATS, INPUT_STATS, Observation, StepView};

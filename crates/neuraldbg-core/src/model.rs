@@ -1,0 +1,369 @@
+//! What the engine knows about the watched model: its modules in forward-execution order,
+//! which of them own parameters (the "layers" whose gradient health is tracked), which are
+//! activations, and how each parameter maps to its layer.
+//!
+//! The description is framework-neutral: PyTorch's collector builds it from
+//! `model.named_modules()`, a Rust training loop can build it by hand.
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::EngineError;
+use crate::health::ActivationTraits;
+
+/// One module of the model, as described by the collector.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ModuleSpec {
+    /// Qualified name (`encoder.layers.0.linear1`); the root module is `""`.
+    pub name: String,
+    /// Class name (`Linear`, `Tanh`, `MyBlock`); decides activation traits and normalization.
+    pub kind: String,
+    /// Numeric attributes that change an activation's behaviour (`min_val`, `max_val` of
+    /// Hardtanh). Empty for most modules.
+    #[serde(default)]
+    pub attrs: Vec<(String, f64)>,
+    /// False when the module never ran in the forward pass that fixed the order (its position
+    /// then follows its parent).
+    #[serde(default = "yes")]
+    pub executed: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// What a parameter is to its layer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ParamRole {
+    Weight,
+    Bias,
+    Other,
+}
+
+/// One trainable parameter, in the order of the per-step gradient-norm array.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ParamSpec {
+    /// Index into [`ModelSpec::modules`] of the module that owns the parameter.
+    pub module: usize,
+    /// Qualified parameter name (`fc1.weight`).
+    pub name: String,
+    pub numel: u64,
+    pub role: ParamRole,
+    /// Inputs feeding one output unit (Linear: in_features; Conv: in_channels/groups x kernel).
+    #[serde(default)]
+    pub fan_in: Option<u64>,
+}
+
+/// The model as the engine sees it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ModelSpec {
+    /// Every module, in forward-execution order (the order their forward calls completed in
+    /// the first observed forward pass).
+    pub modules: Vec<ModuleSpec>,
+    /// Trainable parameters; the gradient-norm array of each step follows this order.
+    pub params: Vec<ParamSpec>,
+    /// Class name of the optimizer that steps the model (`Adam`, `SGD`), when known: adaptive
+    /// optimizers move each weight by about the learning rate whatever the gradient's size.
+    #[serde(default)]
+    pub optimizer: Option<String>,
+}
+
+/// A module that owns parameters: the unit of gradient health.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Layer {
+    /// Index into [`ModelSpec::modules`].
+    pub module: usize,
+    pub name: String,
+    pub kind: String,
+    /// Parameters of this layer (indices into [`ModelSpec::params`]).
+    pub params: Vec<usize>,
+    /// The weight parameter whose scale is judged against its fan-in, when there is one.
+    pub weight: Option<(usize, u64)>,
+    /// Total number of parameter elements.
+    pub numel: u64,
+}
+
+/// An activation module.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Activation {
+    pub module: usize,
+    pub name: String,
+    pub kind: String,
+    pub traits: ActivationTraits,
+}
+
+/// What the collector should measure on one activation module's output.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ActivationProbe {
+    /// Index into [`ModelSpec::modules`].
+    pub module: usize,
+    /// `(center, half_width)`: an output `y` is saturated when `|y - center| > half_width`.
+    pub saturation: Option<(f64, f64)>,
+    /// Whether to count units that output zero over the whole batch.
+    pub death: bool,
+}
+
+/// The validated model with derived indices.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Model {
+    pub spec: ModelSpec,
+    pub layers: Vec<Layer>,
+    /// Layer index of each parameter.
+    pub param_layer: Vec<usize>,
+    pub activations: Vec<Activation>,
+    /// Layer index of each module (None for modules without parameters).
+    pub module_layer: Vec<Option<usize>>,
+    /// Activation index of each module.
+    pub module_activation: Vec<Option<usize>>,
+    /// True when some module normalizes activations (BatchNorm, LayerNorm, GroupNorm...).
+    pub has_normalization: bool,
+    /// Layers with a weight matrix or kernel (the depth that gradients travel through).
+    pub weighted_depth: usize,
+    /// The optimizer scales each update to about the learning rate (Adam and its family).
+    pub adaptive_optimizer: bool,
+}
+
+/// Activation traits of a module class, or None when it is not an activation.
+pub fn activation_traits(kind: &str, attrs: &[(String, f64)]) -> Option<ActivationTraits> {
+    let attr = |key: &str| attrs.iter().find(|(k, _)| k == key).map(|(_, v)| *v);
+    let bounded = |lo, hi| ActivationTraits {
+        bounded: Some((lo, hi)),
+        can_die: false,
+    };
+    let plain = ActivationTraits {
+        bounded: None,
+        can_die: false,
+    };
+    Some(match kind {
+        "Tanh" | "Softsign" => bounded(-1.0, 1.0),
+        "Sigmoid" | "Hardsigmoid" => bounded(0.0, 1.0),
+        "Hardtanh" => bounded(
+            attr("min_val").unwrap_or(-1.0),
+            attr("max_val").unwrap_or(1.0),
+        ),
+        // ReLU6's lower flat region is where it dies; judging "saturation" there would call half
+        // of every healthy batch saturated.
+        "ReLU" | "ReLU6" => ActivationTraits {
+            bounded: None,
+            can_die: true,
+        },
+        "LeakyReLU" | "PReLU" | "RReLU" | "ELU" | "CELU" | "SELU" | "GELU" | "SiLU" | "Mish"
+        | "Softplus" | "Hardswish" | "Softshrink" | "Hardshrink" | "Tanhshrink" => plain,
+        _ => return None,
+    })
+}
+
+/// Optimizers whose per-weight step is normalized by a running gradient scale.
+fn is_adaptive(optimizer: &str) -> bool {
+    let o = optimizer.to_ascii_lowercase();
+    [
+        "adam",
+        "rmsprop",
+        "adagrad",
+        "adadelta",
+        "adafactor",
+        "lion",
+        "lamb",
+        "radam",
+        "nadam",
+    ]
+    .iter()
+    .any(|a| o.contains(a))
+}
+
+fn is_normalization(kind: &str) -> bool {
+    kind.contains("Norm") && kind != "LocalResponseNorm"
+}
+
+impl Model {
+    /// Validates a description and derives the layer and activation tables.
+    pub fn new(spec: ModelSpec) -> Result<Self, EngineError> {
+        let n_modules = spec.modules.len();
+        if n_modules == 0 {
+            return Err(EngineError::Model("the model has no modules".into()));
+        }
+        let mut module_layer = vec![None; n_modules];
+        let mut layers: Vec<Layer> = Vec::new();
+        let mut param_layer = Vec::with_capacity(spec.params.len());
+        // Layers are ordered like their modules (forward order), not like the parameter list.
+        let mut owners: Vec<usize> = spec.params.iter().map(|p| p.module).collect();
+        for (i, p) in spec.params.iter().enumerate() {
+            if p.module >= n_modules {
+                return Err(EngineError::Model(format!(
+                    "parameter {} (#{i}) names module {} but the model has {n_modules} modules",
+                    p.name, p.module
+                )));
+            }
+        }
+        owners.sort_unstable();
+        owners.dedup();
+        for m in owners {
+            module_layer[m] = Some(layers.len());
+            layers.push(Layer {
+                module: m,
+                name: spec.modules[m].name.clone(),
+                kind: spec.modules[m].kind.clone(),
+                params: Vec::new(),
+                weight: None,
+                numel: 0,
+            });
+        }
+        for (i, p) in spec.params.iter().enumerate() {
+            let l = module_layer[p.module].expect("every owner module has a layer");
+            param_layer.push(l);
+            let layer = &mut layers[l];
+            layer.params.push(i);
+            layer.numel += p.numel;
+            if p.role == ParamRole::Weight && layer.weight.is_none() {
+                if let Some(fan_in) = p.fan_in.filter(|f| *f > 0) {
+                    layer.weight = Some((i, fan_in));
+                }
+            }
+        }
+        let mut module_activation = vec![None; n_modules];
+        let mut activations = Vec::new();
+        for (m, module) in spec.modules.iter().enumerate() {
+            if let Some(traits) = activation_traits(&module.kind, &module.attrs) {
+                if let Some((lo, hi)) = traits.bounded {
+                    if !(lo.is_finite() && hi.is_finite() && lo < hi) {
+                        return Err(EngineError::Model(format!(
+                            "activation {:?} has bounds ({lo}, {hi}); expected finite lo < hi",
+                            module.name
+                        )));
+                    }
+                }
+                module_activation[m] = Some(activations.len());
+                activations.push(Activation {
+                    module: m,
+                    name: module.name.clone(),
+                    kind: module.kind.clone(),
+                    traits,
+                });
+            }
+        }
+        let has_normalization = spec.modules.iter().any(|m| is_normalization(&m.kind));
+        let weighted_depth = layers.iter().filter(|l| l.weight.is_some()).count();
+        let adaptive_optimizer = spec.optimizer.as_deref().is_some_and(is_adaptive);
+        Ok(Self {
+            spec,
+            layers,
+            param_layer,
+            activations,
+            module_layer,
+            module_activation,
+            has_normalization,
+            weighted_depth,
+            adaptive_optimizer,
+        })
+    }
+
+    /// What the collector should measure for each activation module, in activation order.
+    pub fn probes(&self, saturation_band: f64) -> Vec<ActivationProbe> {
+        self.activations
+            .iter()
+            .map(|a| ActivationProbe {
+                module: a.module,
+                saturation: a.traits.bounded.map(|(lo, hi)| {
+                    let half = (hi - lo) / 2.0;
+                    (lo + half, half - saturation_band * (hi - lo))
+                }),
+                death: a.traits.can_die,
+            })
+            .collect()
+    }
+
+    /// Index of the module with this qualified name.
+    pub fn module_index(&self, name: &str) -> Option<usize> {
+        self.spec.modules.iter().position(|m| m.name == name)
+    }
+
+    /// Position of a module in forward order (its index).
+    pub fn module_name(&self, index: usize) -> &str {
+        &self.spec.modules[index].name
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    /// A Linear/Tanh stack of `depth` blocks: modules `fc{i}`, `act{i}`, root last.
+    pub fn mlp_spec(depth: usize, act: &str) -> ModelSpec {
+        let mut modules = Vec::new();
+        let mut params = Vec::new();
+        for i in 0..depth {
+            let m = modules.len();
+            modules.push(ModuleSpec {
+                name: format!("fc{i}"),
+                kind: "Linear".into(),
+                attrs: vec![],
+                executed: true,
+            });
+            params.push(ParamSpec {
+                module: m,
+                name: format!("fc{i}.weight"),
+                numel: 1024,
+                role: ParamRole::Weight,
+                fan_in: Some(32),
+            });
+            params.push(ParamSpec {
+                module: m,
+                name: format!("fc{i}.bias"),
+                numel: 32,
+                role: ParamRole::Bias,
+                fan_in: None,
+            });
+            modules.push(ModuleSpec {
+                name: format!("act{i}"),
+                kind: act.into(),
+                attrs: vec![],
+                executed: true,
+            });
+        }
+        modules.push(ModuleSpec {
+            name: String::new(),
+            kind: "Sequential".into(),
+            attrs: vec![],
+            executed: true,
+        });
+        ModelSpec {
+            modules,
+            params,
+            optimizer: Some("SGD".into()),
+        }
+    }
+
+    #[test]
+    fn layers_follow_forward_order_and_params_map_to_them() {
+        let m = Model::new(mlp_spec(3, "Tanh")).unwrap();
+        assert_eq!(m.layers.len(), 3);
+        assert_eq!(m.layers[1].name, "fc1");
+        assert_eq!(m.param_layer, vec![0, 0, 1, 1, 2, 2]);
+        assert_eq!(m.activations.len(), 3);
+        assert_eq!(m.weighted_depth, 3);
+        assert!(!m.has_normalization);
+        let probes = m.probes(0.01);
+        let (c, h) = probes[0].saturation.unwrap();
+        assert!((c - 0.0).abs() < 1e-12 && (h - 0.98).abs() < 1e-12);
+        assert!(!probes[0].death);
+    }
+
+    #[test]
+    fn relu_dies_but_does_not_saturate_and_linear_is_not_an_activation() {
+        let m = Model::new(mlp_spec(2, "ReLU")).unwrap();
+        let probes = m.probes(0.01);
+        assert!(probes[0].saturation.is_none());
+        assert!(probes[0].death);
+        assert!(activation_traits("Linear", &[]).is_none());
+        let sig = activation_traits("Sigmoid", &[]).unwrap();
+        assert_eq!(sig.bounded, Some((0.0, 1.0)));
+    }
+
+    #[test]
+    fn bad_param_owner_is_an_error() {
+        let mut spec = mlp_spec(1, "ReLU");
+        spec.params[0].module = 99;
+        let err = Model::new(spec).unwrap_err().to_string();
+        assert!(err.contains("fc0.weight"), "{err}");
+    }
+}

@@ -1,0 +1,571 @@
+//! Per-series trackers: everything the engine remembers about a layer, an activation, the loss
+//! and the input data between steps. Each is O(1) memory; analysis reads them post hoc.
+
+use std::collections::VecDeque;
+
+use crate::config::Config;
+use crate::detector::{Debounce, Transition};
+use crate::health::{
+    ActivationHealth, ActivationSample, ActivationTraits, Classified, DataHealth, GradientHealth,
+    LossHealth, classify_activation, classify_gradient, decades,
+};
+
+/// The first few values of a series, for a robust "how it started" level.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Early {
+    values: [f64; 5],
+    len: usize,
+}
+
+impl Early {
+    pub fn push(&mut self, v: f64) {
+        if self.len < self.values.len() && v.is_finite() {
+            self.values[self.len] = v;
+            self.len += 1;
+        }
+    }
+
+    /// Median of the values kept so far.
+    pub fn median(&self) -> Option<f64> {
+        median(&self.values[..self.len])
+    }
+}
+
+/// Median of a small slice (None when empty).
+pub fn median(values: &[f64]) -> Option<f64> {
+    if values.is_empty() {
+        return None;
+    }
+    let mut v = values.to_vec();
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    Some(if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    })
+}
+
+/// Counters shared by every tracked series: how long it spent in each state and when it first
+/// entered each.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StateLog<const N: usize> {
+    /// Observations spent in each confirmed state.
+    pub steps_in: [u64; N],
+    /// Onset step of the first confirmed entry into each state.
+    pub first_onset: [Option<u64>; N],
+    /// Onset of the most recent confirmed entry into each state.
+    pub last_onset: [Option<u64>; N],
+}
+
+impl<const N: usize> Default for StateLog<N> {
+    fn default() -> Self {
+        Self {
+            steps_in: [0; N],
+            first_onset: [None; N],
+            last_onset: [None; N],
+        }
+    }
+}
+
+impl<const N: usize> StateLog<N> {
+    fn enter(&mut self, state: usize, onset: u64) {
+        self.first_onset[state].get_or_insert(onset);
+        self.last_onset[state] = Some(onset);
+    }
+}
+
+/// Everything remembered about one layer's gradient.
+#[derive(Clone, Debug)]
+pub struct LayerTrack {
+    pub detector: Debounce<GradientHealth>,
+    pub observed: u64,
+    pub first_step: Option<u64>,
+    /// Raw class of the first observation (before any debouncing).
+    pub first_raw: Option<GradientHealth>,
+    pub early: Early,
+    pub last: f64,
+    pub peak: f64,
+    pub peak_step: u64,
+    pub log: StateLog<5>,
+    /// Scale of the weight at its first measurement relative to a variance-preserving init:
+    /// `std(W) * sqrt(fan_in)` (PyTorch's default Linear init gives ~0.58, He init ~1.41).
+    pub gain_first: Option<f64>,
+    pub weight_first: Option<f64>,
+    pub weight_last: Option<f64>,
+}
+
+impl Default for LayerTrack {
+    fn default() -> Self {
+        Self {
+            detector: Debounce::new(GradientHealth::Healthy),
+            observed: 0,
+            first_step: None,
+            first_raw: None,
+            early: Early::default(),
+            last: f64::NAN,
+            peak: 0.0,
+            peak_step: 0,
+            log: StateLog::default(),
+            gain_first: None,
+            weight_first: None,
+            weight_last: None,
+        }
+    }
+}
+
+impl LayerTrack {
+    /// Feeds one gradient norm; returns the confirmed transition, if any.
+    #[inline]
+    pub fn observe(
+        &mut self,
+        step: u64,
+        norm: f64,
+        config: &Config,
+    ) -> Option<(Transition<GradientHealth>, Classified<GradientHealth>)> {
+        let c = classify_gradient(norm, self.detector.state(), config);
+        if self.observed == 0 {
+            self.first_step = Some(step);
+            self.first_raw = Some(c.state);
+        }
+        self.observed += 1;
+        self.early.push(norm);
+        self.last = norm;
+        if !(norm <= self.peak) {
+            // Also true for NaN: a non-finite value is the peak from then on.
+            if !self.peak.is_nan() {
+                self.peak = norm;
+                self.peak_step = step;
+            }
+        }
+        let urgent = c.state == GradientHealth::NonFinite;
+        let t = self.detector.update(step, norm, c, urgent, config);
+        if let Some(t) = &t {
+            self.log.enter(t.to as usize, t.onset);
+        }
+        self.log.steps_in[self.detector.state() as usize] += 1;
+        t.map(|t| (t, c))
+    }
+
+    pub fn state(&self) -> GradientHealth {
+        self.detector.state()
+    }
+}
+
+/// Everything remembered about one activation module's output.
+#[derive(Clone, Debug)]
+pub struct ActTrack {
+    pub detector: Debounce<ActivationHealth>,
+    pub observed: u64,
+    pub first_step: Option<u64>,
+    pub first_raw: Option<ActivationHealth>,
+    pub log: StateLog<5>,
+    pub first_saturated: f64,
+    pub first_dead: f64,
+    pub max_saturated: f64,
+    pub max_dead: f64,
+    pub last_saturated: f64,
+    pub last_dead: f64,
+    pub last_absmax: f64,
+    absmax_ring: [f64; 16],
+    ring_len: usize,
+    ring_pos: usize,
+}
+
+impl Default for ActTrack {
+    fn default() -> Self {
+        Self {
+            detector: Debounce::new(ActivationHealth::Normal),
+            observed: 0,
+            first_step: None,
+            first_raw: None,
+            log: StateLog::default(),
+            first_saturated: f64::NAN,
+            first_dead: f64::NAN,
+            max_saturated: f64::NAN,
+            max_dead: f64::NAN,
+            last_saturated: f64::NAN,
+            last_dead: f64::NAN,
+            last_absmax: f64::NAN,
+            absmax_ring: [0.0; 16],
+            ring_len: 0,
+            ring_pos: 0,
+        }
+    }
+}
+
+fn nan_max(a: f64, b: f64) -> f64 {
+    if a.is_nan() {
+        b
+    } else if b.is_nan() {
+        a
+    } else {
+        a.max(b)
+    }
+}
+
+impl ActTrack {
+    pub fn observe(
+        &mut self,
+        step: u64,
+        sample: &ActivationSample,
+        traits: ActivationTraits,
+        config: &Config,
+    ) -> Option<(Transition<ActivationHealth>, Classified<ActivationHealth>)> {
+        let median = (self.ring_len >= 4)
+            .then(|| median(&self.absmax_ring[..self.ring_len]))
+            .flatten();
+        let c = classify_activation(sample, traits, self.detector.state(), median, config);
+        if self.observed == 0 {
+            self.first_step = Some(step);
+            self.first_raw = Some(c.state);
+            self.first_saturated = sample.saturated_fraction;
+            self.first_dead = sample.dead_fraction;
+        }
+        self.observed += 1;
+        self.max_saturated = nan_max(self.max_saturated, sample.saturated_fraction);
+        self.max_dead = nan_max(self.max_dead, sample.dead_fraction);
+        self.last_saturated = sample.saturated_fraction;
+        self.last_dead = sample.dead_fraction;
+        self.last_absmax = sample.absmax;
+        // Only ordinary samples feed the baseline, so an anomaly cannot become the new normal.
+        if c.state == ActivationHealth::Normal && sample.absmax.is_finite() {
+            self.absmax_ring[self.ring_pos] = sample.absmax;
+            self.ring_pos = (self.ring_pos + 1) % self.absmax_ring.len();
+            self.ring_len = (self.ring_len + 1).min(self.absmax_ring.len());
+        }
+        let value = match c.state {
+            ActivationHealth::Dead => sample.dead_fraction,
+            ActivationHealth::Saturated => sample.saturated_fraction,
+            _ => sample.absmax,
+        };
+        let urgent = c.state == ActivationHealth::NonFinite;
+        let t = self.detector.update(step, value, c, urgent, config);
+        if let Some(t) = &t {
+            self.log.enter(t.to as usize, t.onset);
+        }
+        self.log.steps_in[self.detector.state() as usize] += 1;
+        t.map(|t| (t, c))
+    }
+
+    pub fn state(&self) -> ActivationHealth {
+        self.detector.state()
+    }
+}
+
+/// The training loss: smoothed, with divergence and plateau detection.
+#[derive(Clone, Debug)]
+pub struct LossTrack {
+    pub detector: Debounce<LossHealth>,
+    pub observed: u64,
+    pub first_step: Option<u64>,
+    pub log: StateLog<4>,
+    recent: VecDeque<f64>,
+    first: Vec<f64>,
+    /// Median of the first three finite losses.
+    pub initial: Option<f64>,
+    /// Lowest smoothed loss so far.
+    pub best: f64,
+    pub last: f64,
+    pub last_smoothed: f64,
+    /// Largest smoothed loss relative to the best before it.
+    pub peak_ratio: f64,
+    window: VecDeque<(u64, f64)>,
+}
+
+impl Default for LossTrack {
+    fn default() -> Self {
+        Self {
+            detector: Debounce::new(LossHealth::Normal),
+            observed: 0,
+            first_step: None,
+            log: StateLog::default(),
+            recent: VecDeque::with_capacity(3),
+            first: Vec::with_capacity(3),
+            initial: None,
+            best: f64::INFINITY,
+            last: f64::NAN,
+            last_smoothed: f64::NAN,
+            peak_ratio: 1.0,
+            window: VecDeque::new(),
+        }
+    }
+}
+
+impl LossTrack {
+    pub fn observe(
+        &mut self,
+        step: u64,
+        loss: f64,
+        config: &Config,
+    ) -> Option<Transition<LossHealth>> {
+        self.observed += 1;
+        self.first_step.get_or_insert(step);
+        self.last = loss;
+        let mut c = Classified {
+            state: LossHealth::Normal,
+            margin: 0.0,
+            threshold: f64::NAN,
+        };
+        let mut onset_shift = 0;
+        if loss.is_finite() {
+            if self.first.len() < 3 {
+                self.first.push(loss);
+                self.initial = median(&self.first);
+            }
+            if self.recent.len() == 3 {
+                self.recent.pop_front();
+            }
+            self.recent.push_back(loss);
+            let s = median(self.recent.make_contiguous()).unwrap_or(loss);
+            self.last_smoothed = s;
+            let initial = self.initial.unwrap_or(s);
+            let current = self.detector.state();
+            let h = config.hysteresis;
+            // Divergence: far above the best so far and worse than where training started.
+            // Only judged for positive losses, where ratios mean something.
+            if self.best > 0.0 && self.best.is_finite() && initial > 0.0 {
+                let factor = if current == LossHealth::Diverging {
+                    config.loss_divergence_factor / h
+                } else {
+                    config.loss_divergence_factor
+                };
+                let ratio = s / self.best;
+                self.peak_ratio = self.peak_ratio.max(ratio);
+                if ratio > factor.max(1.0) && s > initial {
+                    c = Classified {
+                        state: LossHealth::Diverging,
+                        margin: decades(s, self.best * config.loss_divergence_factor),
+                        threshold: self.best * config.loss_divergence_factor,
+                    };
+                }
+            }
+            // Plateau: no real improvement over a window while still near the starting level.
+            let w = u64::from(config.loss_plateau_window);
+            if c.state == LossHealth::Normal && initial > 0.0 {
+                if let Some(&(old_step, old)) = self.window.front() {
+                    if step.saturating_sub(old_step) >= w && old > 0.0 {
+                        let improvement = (old - s) / old;
+                        let tolerance = if current == LossHealth::Plateau {
+                            config.loss_plateau_tolerance * h
+                        } else {
+                            config.loss_plateau_tolerance
+                        };
+                        if improvement < tolerance && s > config.loss_plateau_level * initial {
+                            c = Classified {
+                                state: LossHealth::Plateau,
+                                margin: 0.0,
+                                threshold: config.loss_plateau_tolerance,
+                            };
+                            onset_shift = step - old_step;
+                        }
+                    }
+                }
+            }
+            if s < self.best {
+                self.best = s;
+            }
+            self.window.push_back((step, s));
+            while self.window.front().is_some_and(|(st, _)| step - st > w) {
+                self.window.pop_front();
+            }
+        } else {
+            c = Classified {
+                state: LossHealth::NonFinite,
+                margin: f64::INFINITY,
+                threshold: f64::NAN,
+            };
+        }
+        let urgent = c.state == LossHealth::NonFinite;
+        let mut t = self.detector.update(step, loss, c, urgent, config);
+        if let Some(t) = &mut t {
+            if t.to == LossHealth::Plateau {
+                // The plateau began where the flat window began.
+                t.onset = t.onset.saturating_sub(onset_shift);
+            }
+            self.log.enter(t.to as usize, t.onset);
+        }
+        self.log.steps_in[self.detector.state() as usize] += 1;
+        t
+    }
+}
+
+/// One anomalous input batch.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DataAnomaly {
+    pub step: u64,
+    pub kind: DataHealth,
+    /// How many times larger (or smaller) the batch's scale was than usual; inf for non-finite.
+    pub ratio: f64,
+}
+
+/// Input batches: non-finite values and scale jumps against a running baseline.
+#[derive(Clone, Debug)]
+pub struct DataTrack {
+    pub state: DataHealth,
+    pub batches: u64,
+    /// Scale (largest magnitude) of the first batch.
+    pub first_scale: Option<f64>,
+    scales: VecDeque<f64>,
+    stds: VecDeque<f64>,
+    /// The first anomalies (bounded).
+    pub anomalies: Vec<DataAnomaly>,
+    pub anomaly_count: u64,
+}
+
+impl Default for DataTrack {
+    fn default() -> Self {
+        Self {
+            state: DataHealth::Normal,
+            batches: 0,
+            first_scale: None,
+            scales: VecDeque::new(),
+            stds: VecDeque::new(),
+            anomalies: Vec::new(),
+            anomaly_count: 0,
+        }
+    }
+}
+
+const DATA_BASELINE: usize = 64;
+const MAX_ANOMALIES: usize = 256;
+
+impl DataTrack {
+    /// Judges one batch from `(min, max, mean, std)`; returns its state and the scale ratio.
+    pub fn judge(&mut self, row: [f64; 4], config: &Config) -> (DataHealth, f64) {
+        let [min, max, _mean, std] = row;
+        self.batches += 1;
+        if !min.is_finite() || !max.is_finite() {
+            return (DataHealth::NonFinite, f64::INFINITY);
+        }
+        let scale = min.abs().max(max.abs());
+        self.first_scale.get_or_insert(scale);
+        let mut ratio = 1.0f64;
+        let mut state = DataHealth::Normal;
+        if self.scales.len() >= config.data_baseline_batches as usize {
+            let f = config.data_ood_factor;
+            let ms = median(self.scales.make_contiguous()).unwrap_or(scale);
+            let md = median(self.stds.make_contiguous()).unwrap_or(std);
+            for (v, m) in [(scale, ms), (std, md)] {
+                if m > 0.0 && v.is_finite() {
+                    let r = if v >= m {
+                        v / m
+                    } else if v > 0.0 {
+                        m / v
+                    } else {
+                        f64::INFINITY
+                    };
+                    if r > ratio {
+                        ratio = r;
+                    }
+                }
+            }
+            if ratio >= f {
+                state = DataHealth::OutOfDistribution;
+            }
+        }
+        if state == DataHealth::Normal {
+            if self.scales.len() == DATA_BASELINE {
+                self.scales.pop_front();
+                self.stds.pop_front();
+            }
+            self.scales.push_back(scale);
+            self.stds.push_back(if std.is_finite() { std } else { 0.0 });
+        }
+        (state, ratio)
+    }
+
+    /// Records the worst judgement of a step; returns the transition `(from, to, ratio)` if
+    /// the step changed the data state.
+    pub fn step(
+        &mut self,
+        step: u64,
+        worst: DataHealth,
+        ratio: f64,
+    ) -> Option<(DataHealth, DataHealth, f64)> {
+        if worst != DataHealth::Normal {
+            self.anomaly_count += 1;
+            if self.anomalies.len() < MAX_ANOMALIES {
+                self.anomalies.push(DataAnomaly {
+                    step,
+                    kind: worst,
+                    ratio,
+                });
+            }
+        }
+        if worst == self.state {
+            return None;
+        }
+        let from = self.state;
+        self.state = worst;
+        Some((from, worst, ratio))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn loss_divergence_and_plateau() {
+        let config = Config::default();
+        let mut t = LossTrack::default();
+        let mut events = Vec::new();
+        for step in 0..10u64 {
+            let loss = 2.0 - 0.1 * step as f64;
+            events.extend(t.observe(step, loss, &config));
+        }
+        assert!(events.is_empty());
+        for step in 10..20u64 {
+            let loss = 1.0 * 2f64.powi((step - 9) as i32);
+            events.extend(t.observe(step, loss, &config));
+        }
+        assert_eq!(events.len(), 1, "{events:?}");
+        assert_eq!(events[0].to, LossHealth::Diverging);
+
+        let mut t = LossTrack::default();
+        let mut events = Vec::new();
+        for step in 0..200u64 {
+            events.extend(t.observe(step, 2.3 + 0.001 * ((step % 7) as f64), &config));
+        }
+        assert_eq!(events.len(), 1, "{events:?}");
+        assert_eq!(events[0].to, LossHealth::Plateau);
+        assert_eq!(events[0].onset, 0);
+    }
+
+    #[test]
+    fn converged_loss_is_not_a_plateau() {
+        let config = Config::default();
+        let mut t = LossTrack::default();
+        let mut events = Vec::new();
+        for step in 0..300u64 {
+            let loss = 0.05 + 2.0 * (-(step as f64) / 20.0).exp();
+            events.extend(t.observe(step, loss, &config));
+        }
+        assert!(events.is_empty(), "{events:?}");
+    }
+
+    #[test]
+    fn data_scale_jump_and_nan() {
+        let config = Config::default();
+        let mut d = DataTrack::default();
+        for _ in 0..10 {
+            assert_eq!(
+                d.judge([-2.0, 2.0, 0.0, 1.0], &config).0,
+                DataHealth::Normal
+            );
+        }
+        assert_eq!(
+            d.judge([-2000.0, 2000.0, 0.0, 1000.0], &config).0,
+            DataHealth::OutOfDistribution
+        );
+        assert_eq!(
+            d.judge([f64::NAN, 1.0, 0.0, 1.0], &config).0,
+            DataHealth::NonFinite
+        );
+        assert_eq!(
+            d.judge([-2.5, 2.1, 0.1, 1.1], &config).0,
+            DataHealth::Normal
+        );
+    }
+}

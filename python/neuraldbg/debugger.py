@@ -1,0 +1,243 @@
+"""``NeuralDbg``: the context manager researchers wrap around an unchanged training loop."""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, Union
+
+import numpy as np
+
+from . import _native
+from .errors import ConfigError, ModelError, NeuralDbgError
+from .types import CausalHypothesis, CoupledFailure, Failure, RootCause, SemanticEvent
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+__all__ = ["NeuralDbg"]
+
+_DEFAULTS: Dict[str, Any] = json.loads(_native.default_config_json())
+_FORWARD_CHECKS = ("auto", "lazy", "off")
+_STEP_ON = ("optimizer", "backward")
+
+
+class NeuralDbg:
+    """Watches one model's training and explains why it failed.
+
+    Use it as a context manager around an unchanged training loop::
+
+        with NeuralDbg(model) as dbg:
+            for x, y in loader:
+                optimizer.zero_grad()
+                loss = criterion(model(x), y)
+                loss.backward()
+                optimizer.step()
+        for h in dbg.explain_failure():
+            print(h)
+
+    Hooks are installed on ``__enter__`` and removed on ``__exit__`` (also when the loop
+    raises; the exception propagates unchanged). Only ``model`` is observed: other models and
+    optimizers in the process are untouched. Steps are counted automatically at each
+    ``optimizer.step()`` of an optimizer that holds the model's parameters; several backward
+    passes before one optimizer step (gradient accumulation) are one step.
+
+    Args:
+        model: the ``torch.nn.Module`` to watch.
+        threshold_vanishing: a layer gradient norm below this is VANISHING (seed default 1e-6).
+        threshold_exploding: above this it is EXPLODING (1e3).
+        threshold_saturated: above this (and not exploding) it is SATURATED, a warning (1.0).
+        criterion: the loss module (e.g. ``nn.CrossEntropyLoss()``) used in the loop. When given,
+            its output is read each step (no extra synchronization: it travels with the
+            step's other statistics) and loss divergence and plateaus are diagnosed. Without
+            it, call :meth:`record_loss` or go without loss-level diagnosis.
+        activation_every: measure activation statistics (saturation, dead units) every this
+            many steps after the first ``dense_steps`` (1 = every step).
+        weight_every: measure parameter norms every this many steps after ``dense_steps``.
+        dense_steps: steps at the start that are always fully measured.
+        forward_check: ``"auto"``/``"lazy"``: when a step's gradients or loss are NaN/Inf, scan
+            that step's module outputs in forward order for the first non-finite one (free on
+            healthy steps). ``"off"``: don't keep outputs (saves memory; the origin of a NaN is
+            then located from gradients only).
+        step_on: ``"optimizer"`` (default) counts a step per ``optimizer.step()``;
+            ``"backward"`` counts one per backward pass, for loops without a torch optimizer.
+        **engine_options: any other engine setting (``persistence``, ``hysteresis``,
+            ``activation_dead_fraction``, ``history_capacity``, ...; see :attr:`DEFAULTS`).
+
+    Raises:
+        ModelError: ``model`` is not a ``torch.nn.Module``.
+        ConfigError: an option is out of range (e.g. a negative threshold, or
+            ``threshold_vanishing >= threshold_exploding``).
+    """
+
+    DEFAULTS: Dict[str, Any] = dict(_DEFAULTS)
+    """The engine's default settings."""
+
+    def __init__(
+        self,
+        model: "torch.nn.Module",
+        *,
+        threshold_vanishing: float = 1e-6,
+        threshold_exploding: float = 1e3,
+        threshold_saturated: float = 1.0,
+        criterion: "Optional[torch.nn.Module]" = None,
+        activation_every: int = 1,
+        weight_every: int = 10,
+        dense_steps: int = 10,
+        forward_check: str = "auto",
+        step_on: str = "optimizer",
+        **engine_options: Any,
+    ) -> None:
+        try:
+            import torch
+        except ImportError as e:  # pragma: no cover - depends on the environment
+            raise ModelError("NeuralDbg needs PyTorch: pip install torch") from e
+        if not isinstance(model, torch.nn.Module):
+            raise ModelError(
+                f"NeuralDbg watches a torch.nn.Module, got {type(model).__module__}.{type(model).__qualname__}"
+            )
+        if criterion is not None and not isinstance(criterion, torch.nn.Module):
+            raise ConfigError(
+                "criterion must be the loss module used in the loop (e.g. nn.MSELoss()), "
+                f"got {type(criterion).__qualname__}; for a functional loss call dbg.record_loss(loss)"
+            )
+        for name, value in (
+            ("activation_every", activation_every),
+            ("weight_every", weight_every),
+            ("dense_steps", dense_steps),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "dense_steps" else 1):
+                lowest = 0 if name == "dense_steps" else 1
+                raise ConfigError(f"{name} must be an integer >= {lowest}, got {value!r}")
+        if forward_check not in _FORWARD_CHECKS:
+            raise ConfigError(f"forward_check must be one of {_FORWARD_CHECKS}, got {forward_check!r}")
+        if step_on not in _STEP_ON:
+            raise ConfigError(f"step_on must be one of {_STEP_ON}, got {step_on!r}")
+        unknown = sorted(set(engine_options) - set(_DEFAULTS))
+        if unknown:
+            raise ConfigError(
+                f"unknown option(s) {', '.join(unknown)}; engine options are: {', '.join(sorted(_DEFAULTS))}"
+            )
+        config = dict(engine_options)
+        config.update(
+            threshold_vanishing=_number("threshold_vanishing", threshold_vanishing),
+            threshold_exploding=_number("threshold_exploding", threshold_exploding),
+            threshold_saturated=_number("threshold_saturated", threshold_saturated),
+        )
+        # Validated by the engine; raises ConfigError with the offending name.
+        self._engine = _native.Engine(json.dumps(config))
+        self.model = model
+        self._options = dict(
+            criterion=criterion,
+            activation_every=activation_every,
+            weight_every=weight_every,
+            dense_steps=dense_steps,
+            forward_check=forward_check,
+            step_on=step_on,
+        )
+        self._collector: Any = None
+        self._active = False
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def __enter__(self) -> "NeuralDbg":
+        if self._active:
+            raise NeuralDbgError("this NeuralDbg is already active; use one `with` block per debugger")
+        if self._collector is not None:
+            raise NeuralDbgError(
+                "a NeuralDbg watches one training run; create a new NeuralDbg for another run"
+            )
+        from ._collect import Collector
+
+        self._collector = Collector(self.model, self._engine, **self._options)
+        self._collector.install()
+        self._active = True
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        collector = self._collector
+        try:
+            if collector is not None:
+                collector.finish(crashed=exc_type is not None)
+        finally:
+            if collector is not None:
+                collector.remove()
+            self._active = False
+        return False  # never swallow the user's exception
+
+    # ---------------------------------------------------------------- observation
+
+    @property
+    def step(self) -> int:
+        """Completed ``optimizer.step()`` calls of the model's optimizer(s) (0 during the first
+        iteration)."""
+        return 0 if self._collector is None else int(self._collector.step)
+
+    def record_loss(self, loss: Any) -> None:
+        """Optionally tells the debugger this iteration's loss (a tensor or a number), for loops
+        whose loss is not an ``nn.Module`` given as ``criterion``. No synchronization happens
+        here: the value is read with the step's other statistics."""
+        if self._collector is None or not self._active:
+            raise NeuralDbgError("record_loss() is only meaningful inside the `with NeuralDbg(...)` block")
+        self._collector.record_loss(loss)
+
+    # ---------------------------------------------------------------- results
+
+    @property
+    def events(self) -> List[SemanticEvent]:
+        """Semantic events (confirmed health transitions), in step order."""
+        return [SemanticEvent._from_json(e) for e in json.loads(self._engine.events_json())]
+
+    def explain_failure(self, failure_type: Union[str, Failure, None] = None) -> List[CausalHypothesis]:
+        """Ranked causal hypotheses, most likely first.
+
+        With no argument, explains whatever went wrong; with a failure name (see
+        :class:`~neuraldbg.Failure`) only that failure. A healthy run returns no hypothesis with
+        confidence >= 0.5.
+        """
+        name = None if failure_type is None else str(failure_type)
+        return [CausalHypothesis._from_json(h) for h in json.loads(self._engine.explain_json(name))]
+
+    def get_root_causes(self) -> List[RootCause]:
+        """The root of each failure that no other failure explains, in step order."""
+        return [RootCause._from_json(r) for r in json.loads(self._engine.root_causes_json())]
+
+    def detect_coupled_failures(self, window: int = 5) -> List[CoupledFailure]:
+        """Pairs of failure events within ``window`` steps: ``structural`` when they are in
+        adjacent layers (N and N-1 in forward order), ``temporal`` otherwise."""
+        if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+            raise ConfigError(f"window must be a non-negative integer, got {window!r}")
+        return [CoupledFailure._from_json(c) for c in json.loads(self._engine.couplings_json(window))]
+
+    def trace_causal_chain(self, kind: Union[str, Failure]) -> List[SemanticEvent]:
+        """The events of the most significant ``kind`` failure, from its root cause through its
+        consequences."""
+        return [SemanticEvent._from_json(e) for e in json.loads(self._engine.causal_chain_json(str(kind)))]
+
+    def export_mermaid_causal_graph(self) -> str:
+        """The causal graph (causes -> failures -> consequences) as a Mermaid flowchart."""
+        return str(self._engine.mermaid())
+
+    def history(
+        self, layer: Optional[str], metric: str = "grad_norm", reduce: str = "last"
+    ) -> Tuple[np.ndarray, np.ndarray]:
+        """``(steps, values)`` of one series, for plotting.
+
+        ``layer`` is a qualified module name (``model.named_modules()``), or None for run-wide
+        series. Layer metrics: ``grad_norm``, ``weight_norm``; activation modules:
+        ``saturated_fraction``, ``dead_fraction``, ``activation_absmax``; run-wide: ``loss``,
+        ``lr``, ``grad_norm`` (total), ``input_scale``. Memory is bounded: long runs are
+        downsampled into buckets (``reduce``: ``last``, ``min`` or ``max`` of each bucket;
+        ``max`` is NaN for a bucket that held a NaN/Inf).
+        """
+        steps, values = self._engine.history(layer, metric, reduce)
+        return np.asarray(steps), np.asarray(values)
+
+    def __repr__(self) -> str:
+        state = "active" if self._active else "idle"
+        return f"NeuralDbg({type(self.model).__name__}, step={self.step}, {state})"
+
+
+def _number(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{name} must be a number, got {value!r}")
+    return float(value)

@@ -1,0 +1,41 @@
+"""Exceptions raised by NeuralDBG.
+
+Every error the package raises derives from :class:`NeuralDbgError`, and also from the builtin
+exception a caller would naturally catch (``ValueError`` for bad values, ``TypeError`` for a
+wrong kind of object), so both ``except NeuralDbgError`` and ``except ValueError`` work.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "NeuralDbgError",
+    "ConfigError",
+    "ModelError",
+    "EngineError",
+    "UnknownNameError",
+    "NeuralDbgWarning",
+]
+
+
+class NeuralDbgError(Exception):
+    """Base class of every NeuralDBG error."""
+
+
+class ConfigError(NeuralDbgError, ValueError):
+    """An option of :class:`neuraldbg.NeuralDbg` is out of range or inconsistent."""
+
+
+class ModelError(NeuralDbgError, TypeError):
+    """The object to watch is not a ``torch.nn.Module``, or has nothing to watch."""
+
+
+class EngineError(NeuralDbgError, RuntimeError):
+    """The engine was fed inconsistent statistics (a bug in a collector, or a misuse)."""
+
+
+class UnknownNameError(NeuralDbgError, ValueError):
+    """A layer, metric, failure or event name that does not exist."""
+
+
+class NeuralDbgWarning(UserWarning):
+    """Something NeuralDBG could not observe; training continues unaffected."""

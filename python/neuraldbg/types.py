@@ -1,0 +1,256 @@
+"""The seed's data structures: health states, semantic events and causal hypotheses.
+
+These are plain, immutable Python objects built from what the Rust engine returns; they hold
+no logic beyond formatting.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+__all__ = [
+    "EventType",
+    "GradientHealth",
+    "ActivationHealth",
+    "LossHealth",
+    "DataHealth",
+    "Failure",
+    "Cause",
+    "SemanticEvent",
+    "CausalHypothesis",
+    "RootCause",
+    "CoupledFailure",
+]
+
+
+class _StrEnum(str, Enum):
+    def __str__(self) -> str:
+        return str(self.value)
+
+
+class EventType(_StrEnum):
+    """What an event is about; ``from_state``/``to_state`` say which transition."""
+
+    GRADIENT_HEALTH = "gradient_health"
+    """A layer's gradient health changed (states: :class:`GradientHealth`)."""
+    ACTIVATION_HEALTH = "activation_health"
+    """An activation module's output health changed (:class:`ActivationHealth`)."""
+    NON_FINITE_OUTPUT = "non_finite_output"
+    """The first module, in forward order, whose output was NaN/Inf on that step."""
+    DATA_ANOMALY = "data_anomaly"
+    """The input batches changed health (:class:`DataHealth`)."""
+    LOSS_HEALTH = "loss_health"
+    """The loss changed health (:class:`LossHealth`)."""
+
+
+class GradientHealth(_StrEnum):
+    """Health of a layer's gradient norm (seed thresholds by default)."""
+
+    HEALTHY = "HEALTHY"
+    VANISHING = "VANISHING"
+    SATURATED = "SATURATED"
+    EXPLODING = "EXPLODING"
+    NON_FINITE = "NON_FINITE"
+
+
+class ActivationHealth(_StrEnum):
+    """Health of an activation module's output."""
+
+    NORMAL = "NORMAL"
+    SATURATED = "SATURATED"
+    DEAD = "DEAD"
+    ANOMALOUS = "ANOMALOUS"
+    NON_FINITE = "NON_FINITE"
+
+
+class LossHealth(_StrEnum):
+    NORMAL = "NORMAL"
+    DIVERGING = "DIVERGING"
+    PLATEAU = "PLATEAU"
+    NON_FINITE = "NON_FINITE"
+
+
+class DataHealth(_StrEnum):
+    NORMAL = "NORMAL"
+    OUT_OF_DISTRIBUTION = "OUT_OF_DISTRIBUTION"
+    NON_FINITE = "NON_FINITE"
+
+
+class Failure(_StrEnum):
+    """What went wrong (design.md vocabulary)."""
+
+    VANISHING_GRADIENTS = "vanishing_gradients"
+    EXPLODING_GRADIENTS = "exploding_gradients"
+    SATURATED_GRADIENTS = "saturated_gradients"
+    SATURATED_ACTIVATIONS = "saturated_activations"
+    DEAD_NEURONS = "dead_neurons"
+    NON_FINITE = "non_finite"
+    DATA_ANOMALY = "data_anomaly"
+    LOSS_DIVERGENCE = "loss_divergence"
+    LOSS_PLATEAU = "loss_plateau"
+
+
+class Cause(_StrEnum):
+    """Why it went wrong (design.md vocabulary)."""
+
+    SATURATING_ACTIVATION = "saturating_activation"
+    POOR_INITIALIZATION = "poor_initialization"
+    LEARNING_RATE_TOO_HIGH = "learning_rate_too_high"
+    LEARNING_RATE_TOO_LOW = "learning_rate_too_low"
+    DYING_RELU = "dying_relu"
+    BAD_INPUT_DATA = "bad_input_data"
+    NUMERICAL_INSTABILITY = "numerical_instability"
+    NETWORK_DEPTH = "network_depth"
+    MISSING_NORMALIZATION = "missing_normalization"
+    UNKNOWN = "unknown"
+
+
+def _float(v: Any) -> float:
+    """JSON from the engine writes non-finite floats as strings; turn them back into floats."""
+    if isinstance(v, str):
+        return {"NaN": math.nan, "inf": math.inf, "-inf": -math.inf}.get(v, math.nan)
+    return float(v)
+
+
+def _metadata(raw: Dict[str, Any]) -> Dict[str, Union[float, str]]:
+    out: Dict[str, Union[float, str]] = {}
+    for k, v in raw.items():
+        out[k] = _float(v) if isinstance(v, (int, float, str)) and k != "note" else v
+    return out
+
+
+def _layer(name: Optional[str]) -> str:
+    if name is None:
+        return "-"
+    return "<model>" if name == "" else name
+
+
+@dataclass(frozen=True)
+class SemanticEvent:
+    """A confirmed health transition (the seed's causal compression: transitions only).
+
+    ``confidence`` is ``1 - exp(-(margin/0.5 + persistence/3))``: how far past its threshold
+    the value went (decades for norms, share of the remaining range for fractions) and for how
+    many consecutive observations it held when confirmed. ``metadata`` holds ``value`` (observed
+    at onset), ``threshold``, ``confirmed_step``, ``persistence`` and ``margin``.
+    """
+
+    event_type: EventType
+    layer_name: str
+    step: int
+    from_state: str
+    to_state: str
+    confidence: float
+    metadata: Dict[str, Union[float, str]] = field(default_factory=dict)
+
+    @classmethod
+    def _from_json(cls, d: Dict[str, Any]) -> "SemanticEvent":
+        return cls(
+            event_type=EventType(d["event_type"]),
+            layer_name=d["layer_name"],
+            step=int(d["step"]),
+            from_state=d["from_state"],
+            to_state=d["to_state"],
+            confidence=_float(d["confidence"]),
+            metadata=_metadata(d.get("metadata", {})),
+        )
+
+    def __str__(self) -> str:
+        value = self.metadata.get("value")
+        shown = f" value={value:.3g}" if isinstance(value, float) and math.isfinite(value) else ""
+        return (
+            f"step {self.step:>6}  {_layer(self.layer_name)}  {self.event_type}: "
+            f"{self.from_state} -> {self.to_state}{shown} (confidence {self.confidence:.2f})"
+        )
+
+
+@dataclass(frozen=True)
+class CausalHypothesis:
+    """One ranked explanation of a failure: what failed, where, from when, why, what to do."""
+
+    description: str
+    confidence: float
+    evidence: List[SemanticEvent]
+    causal_chain: List[str]
+    failure: Failure
+    cause: Cause
+    layer: Optional[str]
+    """Root-cause layer (qualified module name), or None when no single layer is to blame."""
+    step: Optional[int]
+    """Step the failure began, or None."""
+    remedies: List[str]
+
+    @classmethod
+    def _from_json(cls, d: Dict[str, Any]) -> "CausalHypothesis":
+        return cls(
+            description=d["description"],
+            confidence=_float(d["confidence"]),
+            evidence=[SemanticEvent._from_json(e) for e in d["evidence"]],
+            causal_chain=list(d["causal_chain"]),
+            failure=Failure(d["failure"]),
+            cause=Cause(d["cause"]),
+            layer=d["layer"],
+            step=None if d["step"] is None else int(d["step"]),
+            remedies=list(d["remedies"]),
+        )
+
+    def __str__(self) -> str:
+        where = f"layer {_layer(self.layer)}, step {self.step if self.step is not None else '-'}"
+        return f"[{self.confidence:.2f}] {self.failure} <- {self.cause} ({where}): {self.description}"
+
+
+@dataclass(frozen=True)
+class RootCause:
+    """The root of a failure that no other failure explains."""
+
+    failure: Failure
+    layer: Optional[str]
+    step: int
+    event: Optional[SemanticEvent]
+    affected: List[str]
+    consequences: List[Failure]
+
+    @classmethod
+    def _from_json(cls, d: Dict[str, Any]) -> "RootCause":
+        return cls(
+            failure=Failure(d["failure"]),
+            layer=d["layer"],
+            step=int(d["step"]),
+            event=None if d["event"] is None else SemanticEvent._from_json(d["event"]),
+            affected=list(d["affected"]),
+            consequences=[Failure(c) for c in d["consequences"]],
+        )
+
+    def __str__(self) -> str:
+        then = f" -> {', '.join(map(str, self.consequences))}" if self.consequences else ""
+        return f"{self.failure} at step {self.step} in {_layer(self.layer)}{then}"
+
+
+@dataclass(frozen=True)
+class CoupledFailure:
+    """Two failure events within the coupling window.
+
+    ``coupling`` is ``"structural"`` when they are in adjacent monitored modules (layer N and
+    N-1 in forward order), ``"temporal"`` otherwise; ``lag`` is the steps between them.
+    """
+
+    coupling: str
+    first: SemanticEvent
+    second: SemanticEvent
+    lag: int
+
+    @property
+    def layers(self) -> Tuple[str, str]:
+        return (self.first.layer_name, self.second.layer_name)
+
+    @classmethod
+    def _from_json(cls, d: Dict[str, Any]) -> "CoupledFailure":
+        return cls(
+            coupling=d["kind"],
+            first=SemanticEvent._from_json(d["first"]),
+            second=SemanticEvent._from_json(d["second"]),
+            lag=int(d["lag"]),
+        )
