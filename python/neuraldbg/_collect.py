@@ -81,7 +81,7 @@ def _float_tensors(obj: Any, out: "List[torch.Tensor]", depth: int = 0) -> None:
 class _Probe:
     """What to measure on one activation module (decided by the engine)."""
 
-    __slots__ = ("row", "module", "center", "half", "death", "unit_axis")
+    __slots__ = ("row", "module", "center", "half", "death", "slope", "unit_axis")
 
     def __init__(self, row: int, d: Dict[str, Any], unit_axis: int) -> None:
         self.row = row
@@ -90,6 +90,7 @@ class _Probe:
         self.center: Optional[float] = None if sat is None else float(sat[0])
         self.half: Optional[float] = None if sat is None else float(sat[1])
         self.death: bool = bool(d["death"])
+        self.slope: Optional[str] = d.get("slope")
         self.unit_axis = unit_axis
 
 
@@ -127,6 +128,7 @@ class Collector:
             self.names.append(name)
             self.modules.append(m)
         self.module_index = {id(m): i for i, m in enumerate(self.modules)}
+        self.by_name = {n: i for i, n in enumerate(self.names)}
 
         # Trainable parameters, each owned by the first module that holds it directly.
         self.params: List[torch.nn.Parameter] = []
@@ -145,10 +147,18 @@ class Collector:
 
         self.step = 0
         self.handles: List[Any] = []
-        self.refs: List[Tuple[int, Any]] = []
+        # (module index, output, positional args) of every module call of the current forward,
+        # in completion order.
+        self.refs: List[Tuple[int, Any, Any]] = []
         self.order: Optional[List[int]] = None
         self.inputs: List[torch.Tensor] = []
-        self.loss: Optional[torch.Tensor] = None
+        # Losses of this step: given explicitly (criterion hook, record_loss) or picked up from
+        # the backward call they were passed to. Averaged over micro-batches.
+        self.losses: List[torch.Tensor] = []
+        self.auto_losses: List[torch.Tensor] = []
+        # grad_fn of the model's outputs in this step: a backward() whose graph reaches one of
+        # them is this model's loss.
+        self.output_fns: List[Any] = []
         self.forward_gen = 0
         self.observed_gen = 0
         self.count_pending = False
@@ -179,6 +189,8 @@ class Collector:
 
         self.handles.append(register_optimizer_step_pre_hook(self._on_optimizer_pre))
         self.handles.append(register_optimizer_step_post_hook(self._on_optimizer_post))
+        if self.criterion is None:
+            _BACKWARD_TAP.add(self)
 
     def remove(self) -> None:
         for h in self.handles:
@@ -189,7 +201,10 @@ class Collector:
         self.handles.clear()
         self.refs.clear()
         self.inputs.clear()
-        self.loss = None
+        self.losses.clear()
+        self.auto_losses.clear()
+        self.output_fns.clear()
+        _BACKWARD_TAP.remove(self)
 
     # ----------------------------------------------------------------------- hooks
 
@@ -218,11 +233,15 @@ class Collector:
     def _on_root_post(self, module: Any, args: Any, output: Any) -> None:
         if self.disabled:
             return
-        self.refs.append((0, output))
+        self.refs.append((0, output, args))
+        if self.criterion is None:
+            t = _first_float_tensor(output)
+            if t is not None and t.grad_fn is not None and len(self.output_fns) < 8:
+                self.output_fns.append(t.grad_fn)
         if self.order is None:
             order: List[int] = []
             done = set()
-            for i, _ in self.refs:
+            for i, _, _ in self.refs:
                 if i not in done:
                     done.add(i)
                     order.append(i)
@@ -246,16 +265,34 @@ class Collector:
     def _on_criterion(self, module: Any, args: Any, output: Any) -> None:
         torch = self.torch
         if isinstance(output, torch.Tensor) and output.numel() == 1:
-            self.loss = output.detach()
+            self.losses.append(output.detach())
 
     def record_loss(self, loss: Any) -> None:
         torch = self.torch
         if isinstance(loss, torch.Tensor):
             if loss.numel() != 1:
                 loss = loss.detach().float().mean()
-            self.loss = loss.detach()
+            self.losses.append(loss.detach())
         else:
-            self.loss = torch.tensor(float(loss))
+            self.losses.append(torch.tensor(float(loss)))
+
+    def on_backward(self, tensors: Any) -> None:
+        """A ``backward()`` started somewhere in the process: keep its tensor if it is a scalar
+        whose graph reaches this model's output (the loss of this model, not of another)."""
+        torch = self.torch
+        if self.disabled or not self.output_fns or not isinstance(tensors, torch.Tensor):
+            return
+        fn = tensors.grad_fn
+        if fn is None or tensors.numel() != 1 or not _reaches(fn, self.output_fns):
+            return
+        loss = tensors.detach()
+        # GradScaler's `scaler.scale(loss)` multiplies by a constant 1-element scale tensor:
+        # undo it so the loss keeps its own scale when the scale factor changes.
+        if type(fn).__name__ == "MulBackward0":
+            other = getattr(fn, "_saved_other", None)
+            if isinstance(other, torch.Tensor) and other.numel() == 1 and not other.requires_grad:
+                loss = loss / other.detach()
+        self.auto_losses.append(loss.reshape(()))
 
     def _is_relevant(self, optimizer: Any) -> bool:
         key = id(optimizer)
@@ -297,7 +334,7 @@ class Collector:
     def _register(self) -> None:
         executed = self.order or []
         pos = {m: k for k, m in enumerate(executed)}
-        by_name = {n: i for i, n in enumerate(self.names)}
+        by_name = self.by_name
         # Modules that never ran go right after their nearest ancestor that did.
         keys: List[Tuple[float, int]] = []
         for i, name in enumerate(self.names):
@@ -370,7 +407,9 @@ class Collector:
         finally:
             self.observed_gen = self.forward_gen
             self.inputs.clear()
-            self.loss = None
+            self.losses.clear()
+            self.auto_losses.clear()
+            self.output_fns.clear()
             if not final:
                 self.refs.clear()
 
@@ -402,10 +441,12 @@ class Collector:
                 if act_vals:
                     device = device or act_vals[0].device
                     parts.append(_stack(act_vals, device))
-            loss = self.loss
-            if loss is not None:
-                device = device or loss.device
-                parts.append(loss.reshape(1).to(device=device, dtype=torch.float32))
+            pending = self.losses or self.auto_losses
+            loss = None
+            if pending:
+                device = device or pending[0].device
+                loss = torch.stack([t.reshape(()).to(device=device, dtype=torch.float32) for t in pending]).mean()
+                parts.append(loss.reshape(1))
             inputs = self.inputs
             if inputs:
                 device = device or inputs[0].device
@@ -424,11 +465,11 @@ class Collector:
             off += n_params
         activations = None
         if act_samples is not None:
-            table = np.full((len(self.probes), 4), np.nan, dtype=np.float32)
+            table = np.full((len(self.probes), 5), np.nan, dtype=np.float32)
             for (row, col), v in zip(act_slots, flat[off : off + len(act_vals)]):
                 table[row, col] = v
             off += len(act_vals)
-            table[:, 3] = act_samples
+            table[:, 4] = act_samples
             activations = table.reshape(-1)
         loss_value = None
         if loss is not None:
@@ -438,6 +479,17 @@ class Collector:
         if inputs:
             input_stats = np.ascontiguousarray(flat[off : off + 4 * len(inputs)])
             off += 4 * len(inputs)
+
+        zeros = np.flatnonzero(grad_norms == 0.0)
+        if zeros.size and self.order:
+            # An exactly-zero gradient of a module that ran before but not in this step is
+            # "no gradient" (zero_grad(set_to_none=False) leaves zeros), not a vanishing one.
+            ran_before = set(self.order)
+            ran_now = {i for i, _, _ in self.refs}
+            for p in zeros:
+                owner = self.param_owner[p]
+                if owner in ran_before and owner not in ran_now:
+                    grad_norms[p] = -1.0
 
         nonfinite = None
         suspicious = final or not np.isfinite(grad_norms[grad_norms >= 0]).all() or (
@@ -464,7 +516,7 @@ class Collector:
         samples-per-unit column (NaN for modules not measured this step)."""
         torch = self.torch
         latest: Dict[int, Any] = {}
-        for i, out in self.refs:
+        for i, out, _ in self.refs:
             latest[i] = out
         samples = np.full(len(self.probes), np.nan, dtype=np.float32)
         for probe in self.probes:
@@ -492,26 +544,45 @@ class Collector:
                     alive = torch.count_nonzero(y)
                 vals.append(1.0 - alive / units)
                 slots.append((probe.row, 2))
+            if probe.slope == "tanh":
+                vals.append(1.0 - y.square().mean())
+            elif probe.slope == "sigmoid":
+                vals.append((y * (1.0 - y)).mean())
+            elif probe.slope == "softsign":
+                vals.append((1.0 - y.abs()).square().mean())
+            else:
+                continue
+            slots.append((probe.row, 3))
         return samples
 
     def _first_nonfinite(self) -> Optional[int]:
-        """Index (in the engine's module order) of the first module whose output this step was
-        not finite, scanning outputs in completion order."""
+        """Index (in the engine's module order) of the module whose own computation first
+        produced a NaN/Inf in this step's forward pass.
+
+        Module calls are scanned in completion order. The first call with a non-finite output
+        is the origin if its inputs were finite. If its inputs were already non-finite, no
+        module that had finished produced them: they came from inline code (``torch.softmax``,
+        a division...) of a module still running, i.e. the enclosing module, which is reported.
+        """
         torch = self.torch
-        tensors: List[torch.Tensor] = []
-        owners: List[int] = []
-        for i, out in self.refs:
-            before = len(tensors)
-            _float_tensors(out, tensors)
-            owners.extend([i] * (len(tensors) - before))
-        if not tensors:
-            return None
-        with torch.no_grad():
-            flags = torch.stack([torch.isfinite(t).all() for t in tensors]).cpu().numpy()
-        for ok, i in zip(flags, owners):
-            if not ok:
+        for i, out, args in self.refs:
+            outs: List[torch.Tensor] = []
+            _float_tensors(out, outs)
+            with torch.no_grad():
+                if all(bool(torch.isfinite(t).all()) for t in outs):
+                    continue
+                ins: List[torch.Tensor] = []
+                _float_tensors(args, ins)
+                inputs_finite = all(bool(torch.isfinite(t).all()) for t in ins)
+            if inputs_finite or i == 0:
                 return self.rank[i]
+            return self.rank[self._parent(i)]
         return None
+
+    def _parent(self, i: int) -> int:
+        name = self.names[i]
+        parent = name.rsplit(".", 1)[0] if "." in name else ""
+        return self.by_name.get(parent, 0)
 
     def finish(self, crashed: bool) -> None:
         """Called on exit. When the loop raised after a forward pass that never reached
@@ -525,7 +596,7 @@ class Collector:
 
 def _make_ref_hook(index: int, append: Callable[[Any], None]) -> Callable[..., None]:
     def hook(module: Any, args: Any, output: Any) -> None:
-        append((index, output))
+        append((index, output, args))
 
     return hook
 
@@ -548,3 +619,61 @@ def _lr_of(optimizer: Any) -> Optional[float]:
     if isinstance(lr, torch.Tensor) and lr.device.type == "cpu" and lr.numel() == 1:
         return float(lr)
     return None
+
+
+def _reaches(fn: Any, targets: List[Any], limit: int = 512) -> bool:
+    """Whether autograd node ``fn`` leads (through ``next_functions``) to one of ``targets``,
+    visiting at most ``limit`` nodes."""
+    wanted = {id(t) for t in targets}
+    stack = [fn]
+    seen = {id(fn)}
+    while stack and limit > 0:
+        node = stack.pop()
+        limit -= 1
+        if id(node) in wanted:
+            return True
+        for nxt, _ in getattr(node, "next_functions", ()):
+            if nxt is not None and id(nxt) not in seen:
+                seen.add(id(nxt))
+                stack.append(nxt)
+    return False
+
+
+class _BackwardTap:
+    """Observes ``torch.autograd.backward`` (which ``Tensor.backward`` calls) while at least one
+    collector without an explicit criterion is active, to read each step's loss without a
+    change to the training loop. The call itself is passed through untouched; the original
+    function is restored when the last collector leaves."""
+
+    def __init__(self) -> None:
+        self.collectors: List[Collector] = []
+        self.original: Optional[Callable[..., Any]] = None
+        self.installed = self._backward  # one bound method, so identity checks work
+
+    def add(self, c: "Collector") -> None:
+        import torch.autograd
+
+        if not self.collectors:
+            self.original = torch.autograd.backward
+            torch.autograd.backward = self.installed  # type: ignore[assignment]
+        self.collectors.append(c)
+
+    def remove(self, c: "Collector") -> None:
+        import torch.autograd
+
+        if c in self.collectors:
+            self.collectors.remove(c)
+            if not self.collectors and torch.autograd.backward is self.installed:
+                torch.autograd.backward = self.original  # type: ignore[assignment]
+
+    def _backward(self, tensors: Any, *args: Any, **kwargs: Any) -> Any:
+        for c in list(self.collectors):
+            try:
+                c.on_backward(tensors)
+            except Exception:  # never let observation break the user's backward
+                pass
+        assert self.original is not None
+        return self.original(tensors, *args, **kwargs)
+
+
+_BACKWARD_TAP = _BackwardTap()

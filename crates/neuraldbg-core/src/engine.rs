@@ -62,7 +62,7 @@ pub(crate) struct Run {
     present: Vec<bool>,
 }
 
-/// The NeuralDBG engine.
+/// The `NeuralDBG` engine.
 #[derive(Debug)]
 pub struct Engine {
     config: Config,
@@ -482,7 +482,8 @@ impl Run {
                 absmax: f64::from(row[0]),
                 saturated_fraction: f64::from(row[1]),
                 dead_fraction: f64::from(row[2]),
-                samples_per_unit: f64::from(row[3]),
+                mean_slope: f64::from(row[3]),
+                samples_per_unit: f64::from(row[4]),
             };
             if sample.samples_per_unit.is_nan() {
                 continue; // not measured this step
@@ -587,15 +588,6 @@ impl Run {
     pub fn lr_between(&self, from: u64, to: u64) -> Option<f64> {
         self.grads
             .max_between(self.model.layers.len() + Global::Lr as usize, from, to)
-    }
-
-    /// Largest total gradient norm recorded around `[from, to]`.
-    pub fn total_grad_between(&self, from: u64, to: u64) -> Option<f64> {
-        self.grads.max_between(
-            self.model.layers.len() + Global::TotalGradNorm as usize,
-            from,
-            to,
-        )
     }
 }
 

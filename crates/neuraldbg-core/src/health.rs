@@ -214,6 +214,21 @@ pub struct ActivationTraits {
     pub bounded: Option<(f64, f64)>,
     /// True for ReLU-family units whose output is exactly zero on half the line: they can die.
     pub can_die: bool,
+    /// How to compute the derivative from the output, for functions where it is a function of
+    /// the output alone.
+    pub slope: Option<SlopeFormula>,
+}
+
+/// Derivative of an activation expressed through its output `y`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SlopeFormula {
+    /// tanh: `1 - y^2`.
+    Tanh,
+    /// sigmoid: `y (1 - y)` (never above 0.25).
+    Sigmoid,
+    /// softsign: `(1 - |y|)^2`.
+    Softsign,
 }
 
 /// Per-step statistics of one activation module's output.
@@ -225,6 +240,9 @@ pub struct ActivationSample {
     pub saturated_fraction: f64,
     /// Fraction of units that output zero over the whole batch (NaN when not measured).
     pub dead_fraction: f64,
+    /// Mean derivative of the activation at its outputs (bounded activations; NaN otherwise):
+    /// how much of the gradient the activation passes back on average.
+    pub mean_slope: f64,
     /// Batch x spatial samples behind each unit's death verdict.
     pub samples_per_unit: f64,
 }
@@ -384,11 +402,13 @@ mod tests {
         let unbounded = ActivationTraits {
             bounded: None,
             can_die: false,
+            slope: None,
         };
         let s = ActivationSample {
             absmax: 1.0,
             saturated_fraction: 1.0,
             dead_fraction: 1.0,
+            mean_slope: f64::NAN,
             samples_per_unit: 64.0,
         };
         assert_eq!(
@@ -403,11 +423,13 @@ mod tests {
         let relu = ActivationTraits {
             bounded: None,
             can_die: true,
+            slope: None,
         };
         let mut s = ActivationSample {
             absmax: 1.0,
             saturated_fraction: f64::NAN,
             dead_fraction: 0.9,
+            mean_slope: f64::NAN,
             samples_per_unit: 4.0,
         };
         assert_eq!(

@@ -230,6 +230,7 @@ impl History {
 }
 
 #[cfg(test)]
+#[allow(clippy::float_cmp)] // extremes must survive coarsening exactly
 mod tests {
     use super::*;
     use proptest::prelude::*;
@@ -244,7 +245,7 @@ mod tests {
         }
         let (steps, v) = h.read(0, Reduce::Last);
         assert_eq!(steps, (0..8).collect::<Vec<_>>());
-        assert_eq!(v, (0..8).map(|s| s as f64).collect::<Vec<_>>());
+        assert_eq!(v, (0..8).map(f64::from).collect::<Vec<_>>());
         h.begin(8);
         h.record(0, 8.0);
         let (steps, v) = h.read(0, Reduce::Max);

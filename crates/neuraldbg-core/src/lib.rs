@@ -1,7 +1,7 @@
 //! # neuraldbg-core
 //!
-//! The NeuralDBG engine: a causal debugger for deep-learning training that knows nothing about
-//! any framework. A collector (the PyTorch package, a candle loop, a trace reader) registers a
+//! The `NeuralDBG` engine: a causal debugger for deep-learning training that knows nothing
+//! about any framework. A collector (the `PyTorch` package, a candle loop, a trace reader) registers a
 //! [`ModelSpec`] and feeds one [`StepView`] of small statistics per training step; the engine
 //! classifies gradient and activation health ([`GradientHealth`], [`ActivationHealth`]), emits a
 //! [`SemanticEvent`] on each confirmed transition (causal compression), and on demand explains
@@ -50,7 +50,7 @@ pub use error::{ConfigError, EngineError};
 pub use event::{EventType, SemanticEvent, Subject, event_confidence};
 pub use health::{
     ActivationHealth, ActivationSample, ActivationTraits, DataHealth, GradientHealth, LossHealth,
-    OutputHealth, State, classify_activation, classify_gradient,
+    OutputHealth, SlopeFormula, State, classify_activation, classify_gradient,
 };
 pub use history::{History, Reduce};
 pub use model::{

@@ -2,13 +2,13 @@
 //! which of them own parameters (the "layers" whose gradient health is tracked), which are
 //! activations, and how each parameter maps to its layer.
 //!
-//! The description is framework-neutral: PyTorch's collector builds it from
+//! The description is framework-neutral: `PyTorch`'s collector builds it from
 //! `model.named_modules()`, a Rust training loop can build it by hand.
 
 use serde::{Deserialize, Serialize};
 
 use crate::error::EngineError;
-use crate::health::ActivationTraits;
+use crate::health::{ActivationTraits, SlopeFormula};
 
 /// One module of the model, as described by the collector.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -49,7 +49,7 @@ pub struct ParamSpec {
     pub name: String,
     pub numel: u64,
     pub role: ParamRole,
-    /// Inputs feeding one output unit (Linear: in_features; Conv: in_channels/groups x kernel).
+    /// Inputs feeding one output unit (`Linear`: `in_features`; `Conv`: `in_channels / groups x kernel`).
     #[serde(default)]
     pub fan_in: Option<u64>,
 }
@@ -101,6 +101,8 @@ pub struct ActivationProbe {
     pub saturation: Option<(f64, f64)>,
     /// Whether to count units that output zero over the whole batch.
     pub death: bool,
+    /// How to compute the mean derivative from the outputs, when it can be.
+    pub slope: Option<SlopeFormula>,
 }
 
 /// The validated model with derived indices.
@@ -115,7 +117,7 @@ pub struct Model {
     pub module_layer: Vec<Option<usize>>,
     /// Activation index of each module.
     pub module_activation: Vec<Option<usize>>,
-    /// True when some module normalizes activations (BatchNorm, LayerNorm, GroupNorm...).
+    /// True when some module normalizes activations (`BatchNorm`, `LayerNorm`, `GroupNorm`...).
     pub has_normalization: bool,
     /// Layers with a weight matrix or kernel (the depth that gradients travel through).
     pub weighted_depth: usize,
@@ -126,26 +128,32 @@ pub struct Model {
 /// Activation traits of a module class, or None when it is not an activation.
 pub fn activation_traits(kind: &str, attrs: &[(String, f64)]) -> Option<ActivationTraits> {
     let attr = |key: &str| attrs.iter().find(|(k, _)| k == key).map(|(_, v)| *v);
-    let bounded = |lo, hi| ActivationTraits {
+    let bounded = |lo, hi, slope| ActivationTraits {
         bounded: Some((lo, hi)),
         can_die: false,
+        slope,
     };
     let plain = ActivationTraits {
         bounded: None,
         can_die: false,
+        slope: None,
     };
     Some(match kind {
-        "Tanh" | "Softsign" => bounded(-1.0, 1.0),
-        "Sigmoid" | "Hardsigmoid" => bounded(0.0, 1.0),
+        "Tanh" => bounded(-1.0, 1.0, Some(SlopeFormula::Tanh)),
+        "Softsign" => bounded(-1.0, 1.0, Some(SlopeFormula::Softsign)),
+        "Sigmoid" => bounded(0.0, 1.0, Some(SlopeFormula::Sigmoid)),
+        "Hardsigmoid" => bounded(0.0, 1.0, None),
         "Hardtanh" => bounded(
             attr("min_val").unwrap_or(-1.0),
             attr("max_val").unwrap_or(1.0),
+            None,
         ),
         // ReLU6's lower flat region is where it dies; judging "saturation" there would call half
         // of every healthy batch saturated.
         "ReLU" | "ReLU6" => ActivationTraits {
             bounded: None,
             can_die: true,
+            slope: None,
         },
         "LeakyReLU" | "PReLU" | "RReLU" | "ELU" | "CELU" | "SELU" | "GELU" | "SiLU" | "Mish"
         | "Softplus" | "Hardswish" | "Softshrink" | "Hardshrink" | "Tanhshrink" => plain,
@@ -268,6 +276,7 @@ impl Model {
                     (lo + half, half - saturation_band * (hi - lo))
                 }),
                 death: a.traits.can_die,
+                slope: a.traits.slope,
             })
             .collect()
     }

@@ -1,6 +1,6 @@
 //! One training step's statistics, as handed to the engine.
 //!
-//! Everything is a small flat array of numbers, so any collector (PyTorch, candle, a trace file)
+//! Everything is a small flat array of numbers, so any collector (`PyTorch`, candle, a trace file)
 //! can produce it and the engine never sees a tensor.
 
 use serde::{Deserialize, Serialize};
@@ -8,8 +8,8 @@ use serde::{Deserialize, Serialize};
 /// Columns of one row of [`StepView::inputs`]: `min, max, mean, std` of one input batch.
 pub const INPUT_STATS: usize = 4;
 /// Columns of one row of [`StepView::activations`]:
-/// `absmax, saturated_fraction, dead_fraction, samples_per_unit`.
-pub const ACTIVATION_STATS: usize = 4;
+/// `absmax, saturated_fraction, dead_fraction, mean_slope, samples_per_unit`.
+pub const ACTIVATION_STATS: usize = 5;
 
 /// A step's statistics, borrowed. Build one from slices the collector already has.
 #[derive(Clone, Copy, Debug, Default)]

@@ -44,7 +44,7 @@ pub fn events_json(engine: &Engine, events: &[SemanticEvent]) -> Value {
     Value::Array(events.iter().map(|e| event_json(engine, e)).collect())
 }
 
-/// A hypothesis with the CausalHypothesis fields of design.md.
+/// A hypothesis with the `CausalHypothesis` fields of design.md.
 pub fn hypothesis_json(engine: &Engine, h: &CausalHypothesis) -> Value {
     json!({
         "failure": h.failure.as_str(),

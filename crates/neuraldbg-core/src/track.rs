@@ -42,7 +42,7 @@ pub fn median(values: &[f64]) -> Option<f64> {
     Some(if n % 2 == 1 {
         v[n / 2]
     } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
+        f64::midpoint(v[n / 2 - 1], v[n / 2])
     })
 }
 
@@ -89,7 +89,7 @@ pub struct LayerTrack {
     pub peak_step: u64,
     pub log: StateLog<5>,
     /// Scale of the weight at its first measurement relative to a variance-preserving init:
-    /// `std(W) * sqrt(fan_in)` (PyTorch's default Linear init gives ~0.58, He init ~1.41).
+    /// `std(W) * sqrt(fan_in)` (`PyTorch`'s default `Linear` init gives ~0.58, He init ~1.41).
     pub gain_first: Option<f64>,
     pub weight_first: Option<f64>,
     pub weight_last: Option<f64>,
@@ -131,12 +131,10 @@ impl LayerTrack {
         self.observed += 1;
         self.early.push(norm);
         self.last = norm;
-        if !(norm <= self.peak) {
-            // Also true for NaN: a non-finite value is the peak from then on.
-            if !self.peak.is_nan() {
-                self.peak = norm;
-                self.peak_step = step;
-            }
+        // A non-finite value is the peak from then on.
+        if !self.peak.is_nan() && (norm.is_nan() || norm > self.peak) {
+            self.peak = norm;
+            self.peak_step = step;
         }
         let urgent = c.state == GradientHealth::NonFinite;
         let t = self.detector.update(step, norm, c, urgent, config);
@@ -145,10 +143,6 @@ impl LayerTrack {
         }
         self.log.steps_in[self.detector.state() as usize] += 1;
         t.map(|t| (t, c))
-    }
-
-    pub fn state(&self) -> GradientHealth {
-        self.detector.state()
     }
 }
 
@@ -167,6 +161,9 @@ pub struct ActTrack {
     pub last_saturated: f64,
     pub last_dead: f64,
     pub last_absmax: f64,
+    /// Mean slope at the first measurement and the smallest seen (bounded activations).
+    pub first_slope: f64,
+    pub min_slope: f64,
     absmax_ring: [f64; 16],
     ring_len: usize,
     ring_pos: usize,
@@ -187,6 +184,8 @@ impl Default for ActTrack {
             last_saturated: f64::NAN,
             last_dead: f64::NAN,
             last_absmax: f64::NAN,
+            first_slope: f64::NAN,
+            min_slope: f64::NAN,
             absmax_ring: [0.0; 16],
             ring_len: 0,
             ring_pos: 0,
@@ -221,6 +220,14 @@ impl ActTrack {
             self.first_raw = Some(c.state);
             self.first_saturated = sample.saturated_fraction;
             self.first_dead = sample.dead_fraction;
+            self.first_slope = sample.mean_slope;
+        }
+        if sample.mean_slope.is_finite() {
+            self.min_slope = if self.min_slope.is_nan() {
+                sample.mean_slope
+            } else {
+                self.min_slope.min(sample.mean_slope)
+            };
         }
         self.observed += 1;
         self.max_saturated = nan_max(self.max_saturated, sample.saturated_fraction);
@@ -246,10 +253,6 @@ impl ActTrack {
         }
         self.log.steps_in[self.detector.state() as usize] += 1;
         t.map(|t| (t, c))
-    }
-
-    pub fn state(&self) -> ActivationHealth {
-        self.detector.state()
     }
 }
 

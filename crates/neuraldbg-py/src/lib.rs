@@ -1,8 +1,11 @@
-//! `neuraldbg._native`: thin PyO3 wrappers around `neuraldbg-core`.
+//! `neuraldbg._native`: thin `PyO3` wrappers around `neuraldbg-core`.
 //!
 //! Only conversions live here: numpy arrays in, JSON strings and numpy arrays out, and engine
 //! errors mapped to the package's exception classes (`neuraldbg.errors`) in one place
 //! ([`to_py_err`]). Structured results cross as JSON so this crate never mirrors core types.
+
+// PyO3 extracts arguments by value; the borrow checker, not clippy, decides here.
+#![allow(clippy::needless_pass_by_value)]
 
 use neuraldbg_core::analysis::{Analysis, parse_failure};
 use neuraldbg_core::{
@@ -46,6 +49,9 @@ fn slice<'a>(py: Python<'_>, name: &str, a: &'a PyReadonlyArray1<'_, f32>) -> Py
         )
     })
 }
+
+/// `(steps, values)` of a history series.
+type Series<'py> = (Bound<'py, PyArray1<u64>>, Bound<'py, PyArray1<f64>>);
 
 /// The engine. One per watched model.
 #[pyclass(module = "neuraldbg._native", name = "Engine", unsendable)]
@@ -187,7 +193,7 @@ impl PyEngine {
         name: Option<&str>,
         metric: &str,
         reduce: &str,
-    ) -> PyResult<(Bound<'py, PyArray1<u64>>, Bound<'py, PyArray1<f64>>)> {
+    ) -> PyResult<Series<'py>> {
         let reduce = Reduce::parse(reduce).ok_or_else(|| {
             raise(
                 py,

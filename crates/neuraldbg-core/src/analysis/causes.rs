@@ -20,13 +20,11 @@ use super::vocab::{Cause, Failure};
 #[derive(Clone, Debug, Default)]
 pub(crate) struct Evidence {
     pub first_step: u64,
-    pub last_step: u64,
     pub depth: usize,
     pub has_norm: bool,
-    /// Median, smallest and largest weight gain at the first measurement (`std(W) * sqrt(fan_in)`;
-    /// 0.58 for PyTorch's default Linear init, 1.41 for He).
+    /// Median and largest weight gain at the first measurement (`std(W) * sqrt(fan_in)`;
+    /// 0.58 for `PyTorch`'s default `Linear` init, 1.41 for He).
     pub gain_median: Option<f64>,
-    pub gain_min: Option<(f64, usize)>,
     pub gain_max: Option<(f64, usize)>,
     /// How the first gradient norms change along the layers (see [`Profile`]).
     pub profile: Option<Profile>,
@@ -38,6 +36,12 @@ pub(crate) struct Evidence {
     /// Largest finite total gradient norm before anything went non-finite.
     pub total_peak: Option<(f64, u64)>,
     pub activation_gap: u64,
+    /// Median mean-slope of the bounded activations at their first measurement, and the median
+    /// of their lowest: the share of gradient a bounded activation passes back.
+    pub slope_first: Option<f64>,
+    pub slope_min: Option<f64>,
+    /// Class name of the bounded activations (for sentences).
+    pub bounded_kind: Option<String>,
 }
 
 /// Gradient norms of the weighted layers at the start, in forward order: `slope` is decades
@@ -146,13 +150,23 @@ impl Evidence {
                 Some(step / w)
             })
             .collect();
+        let slopes = |f: fn(&crate::track::ActTrack) -> f64| {
+            let v: Vec<f64> = run.acts.iter().map(f).filter(|s| s.is_finite()).collect();
+            median(&v)
+        };
+        let bounded_kind = model
+            .activations
+            .iter()
+            .find(|a| a.traits.bounded.is_some())
+            .map(|a| a.kind.clone());
         Self {
+            slope_first: slopes(|a| a.first_slope),
+            slope_min: slopes(|a| a.min_slope),
+            bounded_kind,
             first_step: run.first_step.unwrap_or(0),
-            last_step: run.last_step.unwrap_or(0),
             depth: model.weighted_depth,
             has_norm: model.has_normalization,
             gain_median: median(&gain_values),
-            gain_min: gains.first().copied(),
             gain_max: gains.last().copied(),
             profile,
             update_ratio: median(&ratios),
@@ -181,6 +195,7 @@ impl Evidence {
 
 /// Per-episode facts.
 #[derive(Clone, Debug, Default)]
+#[allow(clippy::struct_excessive_bools)]
 pub(crate) struct Features {
     /// The failure was there at the very first observed step.
     pub at_start: bool,
@@ -309,6 +324,7 @@ pub(crate) fn features(
 
 /// Probability that an episode is a real failure, from how far past its threshold it went, how
 /// long it lasted, how much of the model it reached and what followed from it.
+#[allow(clippy::many_single_char_names)]
 pub(crate) fn failure_probability(run: &Run, episodes: &[Episode], k: usize) -> f64 {
     let e = &episodes[k];
     let n_layers = run.model.layers.len().max(1) as f64;
@@ -361,7 +377,18 @@ pub(crate) fn failure_probability(run: &Run, episodes: &[Episode], k: usize) -> 
         }
         Failure::SaturatedActivations => {
             let t = 0.5;
-            let base = ((e.fraction - t) / (1.0 - t)).clamp(0.0, 1.0);
+            // Severity: the share of saturated outputs, or how little gradient the activation
+            // still passes back (1 - 2 x mean slope), whichever is worse.
+            let slope = e
+                .root
+                .and_then(|m| run.model.module_activation[m])
+                .map_or(f64::NAN, |a| run.acts[a].min_slope);
+            let by_slope = if slope.is_finite() {
+                (1.0 - 2.0 * slope).clamp(0.0, 1.0)
+            } else {
+                0.0
+            };
+            let base = ((e.fraction - t) / (1.0 - t)).clamp(0.0, 1.0).max(by_slope);
             let persist = if e.to_end || e.duration >= 10 {
                 1.0
             } else {
@@ -380,7 +407,13 @@ pub(crate) fn failure_probability(run: &Run, episodes: &[Episode], k: usize) -> 
         }
         Failure::LossDivergence => {
             let x = 1.0 + 2.0 * e.margin.min(3.0) + d.min(20.0) / 10.0 + 0.5 * end;
-            1.0 - (-x).exp()
+            let p = 1.0 - (-x).exp();
+            // A spike the run recovered from within a few steps is a warning more than a failure.
+            if !e.to_end && e.duration <= 5 {
+                p.min(0.6)
+            } else {
+                p
+            }
         }
         Failure::LossPlateau => {
             let w = 100.0;
@@ -474,7 +507,6 @@ pub(crate) fn rank_causes(
 ) -> Vec<(Scored, f64)> {
     use Cause as C;
     let e = &episodes[k];
-    let deep = ev.depth >= 8;
     let lr_txt = ev
         .lr_first
         .map_or(String::new(), |lr| format!(" (lr {})", fmt_g(lr)));
@@ -505,26 +537,7 @@ pub(crate) fn rank_causes(
                         ),
                     );
                 }
-                if deep && ev.profile.is_some_and(|p| p.growing()) {
-                    b.add(
-                        C::NetworkDepth,
-                        1.5,
-                        format!(
-                            "gradient norms grow geometrically over {} layers towards the input",
-                            ev.depth
-                        ),
-                    );
-                    if ev.gain_normal() {
-                        b.add(C::NetworkDepth, 0.5, "the initial weight scale is ordinary");
-                    }
-                    if !ev.has_norm {
-                        b.add(
-                            C::MissingNormalization,
-                            1.0,
-                            "no normalization layer rescales the signal between layers",
-                        );
-                    }
-                }
+                depth_evidence(&mut b, ev, false);
             } else {
                 b.add(C::PoorInitialization, -1.0, "");
             }
@@ -553,6 +566,19 @@ pub(crate) fn rank_causes(
             if let Some(j) = f.saturation {
                 b.add(C::SaturatingActivation, 3.0, format!("bounded activations were saturated ({:.0}% of outputs at their bounds) by step {}", 100.0 * episodes[j].fraction, episodes[j].onset));
             }
+            let slope = if f.at_start {
+                ev.slope_first
+            } else {
+                ev.slope_min
+            };
+            if let Some(s) = slope.filter(|s| *s < 0.5) {
+                let kind = ev.bounded_kind.as_deref().unwrap_or("bounded");
+                b.add(
+                    C::SaturatingActivation,
+                    3.0 * ((0.5 - s) / 0.25).clamp(0.0, 1.0),
+                    format!("the {kind} activations pass back only {:.0}% of the gradient on average (mean slope {})", 100.0 * s, fmt_g(s)),
+                );
+            }
             if f.at_start {
                 b.add(
                     C::PoorInitialization,
@@ -569,27 +595,7 @@ pub(crate) fn rank_causes(
                         ),
                     );
                 }
-                if deep && ev.profile.is_some_and(|p| p.shrinking()) {
-                    let span = ev.profile.map_or(0.0, |p| p.span);
-                    b.add(
-                        C::NetworkDepth,
-                        1.5,
-                        format!(
-                            "gradient norms shrink geometrically, {span:.1} decades over {} layers",
-                            ev.depth
-                        ),
-                    );
-                    if ev.gain_normal() {
-                        b.add(C::NetworkDepth, 0.5, "the initial weight scale is ordinary");
-                    }
-                    if !ev.has_norm {
-                        b.add(
-                            C::MissingNormalization,
-                            1.0,
-                            "no normalization layer rescales the signal between layers",
-                        );
-                    }
-                }
+                depth_evidence(&mut b, ev, true);
             } else {
                 b.add(C::PoorInitialization, -1.0, "");
                 if f.healthy_start && (f.prior_explosion.is_some() || f.weight_growth >= 0.5) {
@@ -691,6 +697,16 @@ pub(crate) fn rank_causes(
                     2.0,
                     "the units were dead at the first step, before any update",
                 );
+                if let Some(g) = ev.gain_median.filter(|_| ev.gain_too_small()) {
+                    b.add(
+                        C::PoorInitialization,
+                        2.0,
+                        format!(
+                            "initial weights are only {}x a variance-preserving scale",
+                            fmt_g(g)
+                        ),
+                    );
+                }
             } else if f.healthy_start {
                 b.add(
                     C::LearningRateTooHigh,
@@ -781,17 +797,17 @@ pub(crate) fn rank_causes(
                 C::NumericalInstability,
                 C::PoorInitialization,
             ]);
-            if !f.at_start {
-                b.add(
-                    C::LearningRateTooHigh,
-                    2.0,
-                    "the loss rose after a healthy start, i.e. after updates",
-                );
-            } else {
+            if f.at_start {
                 b.add(
                     C::PoorInitialization,
                     1.0,
                     "the loss rose from the first steps",
+                );
+            } else {
+                b.add(
+                    C::LearningRateTooHigh,
+                    2.0,
+                    "the loss rose after a healthy start, i.e. after updates",
                 );
             }
             lr_evidence_common(&mut b, ev, f, &lr_txt);
@@ -888,6 +904,67 @@ pub(crate) fn rank_causes(
         }
     }
     b.finish()
+}
+
+/// Gradients that shrink (or grow) geometrically along the layers at the start: a mild loss per
+/// layer compounded over many layers is the depth's doing; a severe one per layer is the
+/// weights' scale.
+fn depth_evidence(b: &mut Ballot, ev: &Evidence, shrinking: bool) {
+    let Some(p) = ev.profile else { return };
+    let geometric = if shrinking {
+        p.shrinking()
+    } else {
+        p.growing()
+    };
+    if !geometric {
+        return;
+    }
+    let per_layer = p.slope.abs();
+    let way = if shrinking { "shrink" } else { "grow" };
+    if ev.depth >= 8 {
+        b.add(
+            Cause::NetworkDepth,
+            1.5,
+            format!(
+                "gradient norms {way} geometrically, {:.1} decades over {} layers",
+                p.span.abs(),
+                ev.depth
+            ),
+        );
+        if ev.gain_normal() {
+            b.add(
+                Cause::NetworkDepth,
+                0.5,
+                "the initial weight scale is ordinary",
+            );
+        }
+        if ev.depth >= 16 && per_layer < 0.5 {
+            b.add(
+                Cause::NetworkDepth,
+                1.0,
+                format!(
+                    "each layer changes the gradient by only {per_layer:.2} decades: it is the number of layers that compounds it"
+                ),
+            );
+        }
+        if !ev.has_norm {
+            b.add(
+                Cause::MissingNormalization,
+                1.0,
+                "no normalization layer rescales the signal between layers",
+            );
+        }
+    }
+    if per_layer >= 1.0 {
+        b.add(
+            Cause::PoorInitialization,
+            1.0,
+            format!(
+                "each layer changes the gradient {:.0}x: the weights are far off scale",
+                10f64.powf(per_layer)
+            ),
+        );
+    }
 }
 
 fn lr_evidence(b: &mut Ballot, ev: &Evidence, f: &Features, lr_txt: &str) {

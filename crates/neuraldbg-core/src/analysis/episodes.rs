@@ -169,6 +169,11 @@ fn episode(
     affected.dedup();
 
     let (root_event, root) = locate_root(run, events, failure, &cluster, onset);
+    // An activation failure is dated where its root module's failure began.
+    let onset = match (failure, root_event) {
+        (Failure::SaturatedActivations | Failure::DeadNeurons, Some(i)) => events[i].step,
+        _ => onset,
+    };
     let (duration, to_end) = root_event.map_or_else(
         || {
             cluster
@@ -186,16 +191,14 @@ fn episode(
                 .fold((d, end), |(d, e), (dj, ej)| (d.max(dj), e || ej))
         },
     );
-    let fraction = cluster
-        .iter()
-        .filter(|&&i| events[i].event_type == EventType::ActivationHealth)
-        .map(|&i| events[i].value)
-        .fold(f64::NAN, |a, b| if a.is_nan() { b } else { a.max(b) });
-    let fraction = match (failure, root.and_then(|m| run.model.module_activation[m])) {
-        (Failure::DeadNeurons, Some(a)) => run.acts[a].max_dead.max(fraction),
-        (Failure::SaturatedActivations, Some(a)) => run.acts[a].max_saturated.max(fraction),
-        _ => fraction,
-    };
+    // Worst share reached by the root module (dead or saturated units).
+    let fraction = root
+        .and_then(|m| run.model.module_activation[m])
+        .map_or(f64::NAN, |a| match failure {
+            Failure::DeadNeurons => run.acts[a].max_dead,
+            Failure::SaturatedActivations => run.acts[a].max_saturated,
+            _ => f64::NAN,
+        });
     let exact_zero = failure == Failure::VanishingGradients
         && cluster
             .iter()
@@ -295,10 +298,35 @@ fn locate_root(
             (at_onset.first().copied(), None)
         }
         Failure::SaturatedActivations | Failure::DeadNeurons => {
-            let i = at_onset
+            // The first module in forward order that shows the failure during the episode,
+            // preferring modules that went (nearly) all the way: a layer with >= 90% of its
+            // units dead blocks the gradient; one flickering around half does not.
+            let worst = |i: usize| {
+                module_of(&events[i])
+                    .and_then(|m| run.model.module_activation[m])
+                    .map_or(0.0, |a| {
+                        let t = &run.acts[a];
+                        if failure == Failure::DeadNeurons {
+                            t.max_dead
+                        } else {
+                            t.max_saturated
+                        }
+                    })
+            };
+            let severe: Vec<usize> = cluster
                 .iter()
                 .copied()
-                .min_by_key(|&i| module_of(&events[i]));
+                .filter(|&i| worst(i) >= 0.9)
+                .collect();
+            let pool = if severe.is_empty() {
+                cluster
+            } else {
+                &severe[..]
+            };
+            let i = pool
+                .iter()
+                .copied()
+                .min_by_key(|&i| (module_of(&events[i]), events[i].step));
             (i, i.and_then(|i| module_of(&events[i])))
         }
         Failure::DataAnomaly | Failure::LossDivergence | Failure::LossPlateau => {
@@ -340,15 +368,18 @@ fn link(run: &Run, events: &[SemanticEvent], episodes: &mut [Episode], config: &
             }
         }
     }
-    // A dead layer that blocks the backward pass is the root of the vanishing below it.
     for i in 0..n {
-        if episodes[i].failure != Failure::VanishingGradients {
+        let Some(j) = episodes[i].explained_by else {
             continue;
-        }
-        if let Some(j) = episodes[i].explained_by {
-            if episodes[j].failure == Failure::DeadNeurons {
+        };
+        match (episodes[j].failure, episodes[i].failure) {
+            // A dead layer that blocks the backward pass is the root of the vanishing below it.
+            (Failure::DeadNeurons, Failure::VanishingGradients) => {
                 episodes[i].root = episodes[j].root;
             }
+            // NaN/Inf that came in with the data is no module's fault.
+            (Failure::DataAnomaly, Failure::NonFinite) => episodes[i].root = None,
+            _ => {}
         }
     }
 }
@@ -385,11 +416,12 @@ fn explains(events: &[SemanticEvent], a: &Episode, b: &Episode, tol: u64, config
                 && a.onset <= b.onset
                 && b.onset <= a.onset + 1
         }
-        // A dead layer explains vanishing gradients in the layers before it.
+        // A (nearly) completely dead layer explains vanishing gradients in the layers before it.
         (F::DeadNeurons, F::VanishingGradients) => {
-            let dead_module = a.root.unwrap_or(0);
             let vanishing_root = b.root.unwrap_or(usize::MAX);
-            a.fraction >= 0.9 && vanishing_root < dead_module && a.onset <= b.onset + tol
+            a.fraction >= 0.9
+                && a.affected.iter().any(|&m| m > vanishing_root)
+                && a.onset <= b.onset + tol
         }
         // Saturation is the mechanism of the vanishing it precedes: the vanishing is the failure
         // users see, so the saturation episode ranks under it.
@@ -398,14 +430,15 @@ fn explains(events: &[SemanticEvent], a: &Episode, b: &Episode, tol: u64, config
             before_or_with && near(a.onset, b.onset, 200)
         }
         // Exploding gradients and a diverging loss are one blow-up seen twice; the gradients
-        // locate it.
-        (F::ExplodingGradients, F::LossDivergence) => near(a.onset, b.onset, 20),
+        // locate it. A diverging loss also explains the large gradients that come with it.
+        (F::ExplodingGradients, F::LossDivergence) | (F::LossDivergence, F::SaturatedGradients) => {
+            near(a.onset, b.onset, 20)
+        }
         (F::LossDivergence, F::NonFinite) => a.onset < b.onset,
         // The plateau's onset is back-dated to the start of its flat window.
         (F::DeadNeurons | F::VanishingGradients | F::SaturatedActivations, F::LossPlateau) => {
             a.onset <= b.onset + u64::from(config.loss_plateau_window)
         }
-        (F::LossDivergence, F::SaturatedGradients) => near(a.onset, b.onset, 20),
         (F::NonFinite, F::LossDivergence | F::SaturatedGradients) => a.onset <= b.onset,
         _ => false,
     }

@@ -364,7 +364,7 @@ impl<'a> Analysis<'a> {
             .collect();
         let mut out = Vec::new();
         for (a_i, a) in failing.iter().enumerate() {
-            for b in failing[a_i + 1..].iter() {
+            for b in &failing[a_i + 1..] {
                 if b.step > a.step + window {
                     break;
                 }

@@ -1,5 +1,7 @@
 //! Human-facing text: the hypothesis sentence, the causal chain and the remedies.
 
+use std::fmt::Write as _;
+
 use crate::engine::Run;
 use crate::event::{EventType, SemanticEvent, Subject};
 use crate::health::State;
@@ -109,7 +111,7 @@ pub fn describe(
 ) -> String {
     let e = &episodes[k];
     let mut s = String::from(e.failure.phrase());
-    s.push_str(&format!(" at step {}", e.onset));
+    let _ = write!(s, " at step {}", e.onset);
     if let Some(m) = e.root {
         let name = show(run.model.module_name(m));
         let extra = e.affected.len().saturating_sub(1);
@@ -121,15 +123,16 @@ pub fn describe(
                     .explained_by
                     .filter(|&j| episodes[j].failure == Failure::DeadNeurons)
                 {
-                    s.push_str(&format!(
+                    let _ = write!(
+                        s,
                         " in {} layer(s) behind the dead layer {name} (dead from step {})",
                         e.affected.len(),
                         episodes[j].onset
-                    ));
+                    );
                 } else {
-                    s.push_str(&format!(", beginning in {name}"));
+                    let _ = write!(s, ", beginning in {name}");
                     if extra > 0 {
-                        s.push_str(&format!(" and reaching {extra} more layer(s)"));
+                        let _ = write!(s, " and reaching {extra} more layer(s)");
                     }
                 }
             }
@@ -137,21 +140,23 @@ pub fn describe(
                 let how = e.root_event.map(|i| &events[i]);
                 match how.map(|ev| ev.event_type) {
                     Some(EventType::NonFiniteOutput) => {
-                        s.push_str(&format!(", first in the forward output of {name}"));
+                        let _ = write!(s, ", first in the forward output of {name}");
                     }
                     Some(EventType::GradientHealth) => {
-                        s.push_str(&format!(", entering the backward pass at {name}"));
+                        let _ = write!(s, ", entering the backward pass at {name}");
                     }
-                    _ => s.push_str(&format!(" in {name}")),
+                    _ => {
+                        let _ = write!(s, " in {name}");
+                    }
                 }
             }
             _ => {
-                s.push_str(&format!(" in {name}"));
+                let _ = write!(s, " in {name}");
                 if e.fraction.is_finite() {
-                    s.push_str(&format!(" ({:.0}%)", 100.0 * e.fraction));
+                    let _ = write!(s, " ({:.0}%)", 100.0 * e.fraction);
                 }
                 if extra > 0 {
-                    s.push_str(&format!(" and {extra} more module(s)"));
+                    let _ = write!(s, " and {extra} more module(s)");
                 }
             }
         }
@@ -159,9 +164,9 @@ pub fn describe(
     if e.to_end {
         s.push_str(", and it persisted to the end");
     } else if e.duration > 1 {
-        s.push_str(&format!(", for {} steps", e.duration));
+        let _ = write!(s, ", for {} steps", e.duration);
     }
-    s.push_str(&format!(". Likely cause: {}", cause.phrase()));
+    let _ = write!(s, ". Likely cause: {}", cause.phrase());
     if !reasons.is_empty() {
         s.push_str(" — ");
         s.push_str(&reasons.join("; "));

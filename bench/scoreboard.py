@@ -1,0 +1,95 @@
+#!/usr/bin/env python3
+"""Per-scenario scoreboard of the diagnosis (`make bench-diagnosis`).
+
+For every scenario: prove its ground truth from the independent record, run the default
+`NeuralDbg(model)` on the same run, and compare the top hypothesis with the truth
+(F: failure, C: cause, L: layer, S: onset step; '-' where the scenario does not define it).
+Healthy runs pass when no hypothesis reaches confidence 0.5.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import warnings
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+
+from bench import scenarios as S  # noqa: E402
+from bench import suite  # noqa: E402
+
+
+def mark(v) -> str:
+    return "-" if v is None else ("ok" if v else "XX")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("names", nargs="*", help="only these scenarios")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("-v", "--verbose", action="store_true", help="print the top hypotheses")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    warnings.simplefilter("ignore")
+
+    rows = []
+    t0 = time.perf_counter()
+    for s in suite.all_scenarios():
+        if args.names and s.name not in args.names:
+            continue
+        o = S.evaluate(s)
+        try:
+            S.verify_truth(s, o.record)
+            truth_ok = True
+        except AssertionError as e:
+            truth_ok = False
+            o.score = {"truth": False}
+            print(f"!! {s.name}: ground truth not confirmed: {e}")
+        rows.append((s, o, truth_ok))
+        if args.verbose:
+            for h in o.hypotheses[:3]:
+                print(f"   {s.name}: {h}")
+
+    print()
+    print(f"{'scenario':<34} {'arch':<30} {'truth':<58} {'top hypothesis':<58} F  C  L  S  conf")
+    print("-" * 200)
+    failures = healthy = ok_fail = ok_healthy = 0
+    for s, o, truth_ok in rows:
+        t = s.truth
+        if t.failure is None:
+            healthy += 1
+            top = max((h.confidence for h in o.hypotheses), default=0.0)
+            good = truth_ok and o.score.get("healthy", False)
+            ok_healthy += good
+            best = o.hypotheses[0] if o.hypotheses else None
+            desc = f"{best.failure}/{best.cause}" if best else "(none)"
+            print(f"{s.name:<34} {s.arch:<30} {'healthy':<58} {desc:<58} {'ok' if good else 'XX':<11} {top:.2f}")
+            continue
+        failures += 1
+        good = truth_ok and S.passed(o)
+        ok_fail += good
+        tt = f"{t.failure}/{t.cause}/{t.layer if t.layer is not None else '-'}/{t.step if t.step is not None else '-'}"
+        if o.hypotheses:
+            h = o.hypotheses[0]
+            hh = f"{h.failure}/{h.cause}/{h.layer if h.layer is not None else '-'}/{h.step}"
+            conf = f"{h.confidence:.2f}"
+        else:
+            hh, conf = "(none)", "-"
+        sc = o.score
+        marks = " ".join(mark(sc.get(k)) for k in ("failure", "cause", "layer", "step")) if truth_ok else "truth not confirmed"
+        print(f"{s.name:<34} {s.arch:<30} {tt:<58} {hh:<58} {marks} {conf}")
+    print("-" * 200)
+    print(
+        f"planted failures diagnosed correctly by the top hypothesis: {ok_fail}/{failures}; "
+        f"healthy runs with no hypothesis >= 0.5: {ok_healthy}/{healthy}; "
+        f"{time.perf_counter() - t0:.0f}s, torch {torch.__version__}, {args.threads} thread(s)"
+    )
+    return 0 if (ok_fail == failures and ok_healthy == healthy) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

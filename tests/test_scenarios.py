@@ -1,0 +1,38 @@
+"""The scenario suite: each planted failure is diagnosed correctly by the top hypothesis, and no
+healthy run gets a hypothesis with confidence >= 0.5. Ground truth is proven first, from the
+independent plain-PyTorch record of the same run (and a counterfactual run where the cause is
+an intervention)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench import scenarios as S
+from bench import suite
+
+SCENARIOS = suite.all_scenarios()
+
+
+def test_suite_is_broad_enough():
+    failures = [s for s in SCENARIOS if s.truth.failure is not None]
+    healthy = [s for s in SCENARIOS if s.truth.failure is None]
+    assert len(failures) >= 16 and len(healthy) >= 6
+    kinds = {s.truth.failure for s in failures}
+    # Every failure PyTorch produces on CPU (saturated_gradients is a warning, never the failure).
+    assert kinds >= {
+        "vanishing_gradients", "exploding_gradients", "saturated_activations", "dead_neurons",
+        "non_finite", "data_anomaly", "loss_divergence", "loss_plateau",
+    }
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=[s.name for s in SCENARIOS])
+def test_scenario(scenario):
+    torch.set_num_threads(1)
+    outcome = S.evaluate(scenario)
+    S.verify_truth(scenario, outcome.record)
+    tops = "\n".join(str(h) for h in outcome.hypotheses[:3])
+    if scenario.truth.failure is None:
+        assert outcome.score["healthy"], f"healthy run got a confident hypothesis:\n{tops}"
+    else:
+        assert S.passed(outcome), f"truth {scenario.truth}, score {outcome.score}, top:\n{tops}"
