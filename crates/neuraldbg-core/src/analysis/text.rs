@@ -72,9 +72,9 @@ pub fn event_line(run: &Run, e: &SemanticEvent) -> String {
         },
         _ => {
             let kind = match e.event_type {
-                EventType::GradientHealth => "gradient",
-                EventType::ActivationHealth => "activation",
-                _ => "loss",
+                EventType::GradientHealth => " gradient",
+                EventType::ActivationHealth => " activation",
+                _ => "",
             };
             let value = match e.to_state {
                 State::Activation(
@@ -85,7 +85,7 @@ pub fn event_line(run: &Run, e: &SemanticEvent) -> String {
                 _ => String::new(),
             };
             format!(
-                "step {}: {who} {kind} {} -> {}{value}",
+                "step {}: {who}{kind} {} -> {}{value}",
                 e.step, e.from_state, e.to_state
             )
         }
