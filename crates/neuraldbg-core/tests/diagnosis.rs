@@ -1,0 +1,480 @@
+#![allow(clippy::unwrap_used)] // a test crate: a failed unwrap is a failed test
+//! End-to-end tests of the engine on synthetic observations: the reasoning rules of design.md
+//! (root cause along the backward pass, a dead layer as the root, forward order for non-finite
+//! values), and that healthy noise never produces a confident hypothesis.
+
+use neuraldbg_core::analysis::Analysis;
+use neuraldbg_core::{
+    ACTIVATION_STATS, CausalHypothesis, Cause, Config, Engine, EventType, Failure, GradientHealth,
+    INPUT_STATS, ModelSpec, ModuleSpec, Observation, ParamRole, ParamSpec, State,
+};
+use proptest::prelude::*;
+
+/// `depth` blocks of Linear + activation, then a head and the root, in forward order:
+/// modules `fc0, act0, fc1, act1, ..., head, <root>`.
+fn mlp(depth: usize, act: &str, optimizer: &str) -> ModelSpec {
+    let module = |name: String, kind: &str| ModuleSpec {
+        name,
+        kind: kind.into(),
+        attrs: vec![],
+        executed: true,
+    };
+    let mut modules = Vec::new();
+    let mut params = Vec::new();
+    let mut add_linear = |modules: &mut Vec<ModuleSpec>, name: String| {
+        let m = modules.len();
+        modules.push(module(name.clone(), "Linear"));
+        params.push(ParamSpec {
+            module: m,
+            name: format!("{name}.weight"),
+            numel: 1024,
+            role: ParamRole::Weight,
+            fan_in: Some(32),
+        });
+        params.push(ParamSpec {
+            module: m,
+            name: format!("{name}.bias"),
+            numel: 32,
+            role: ParamRole::Bias,
+            fan_in: None,
+        });
+    };
+    for i in 0..depth {
+        add_linear(&mut modules, format!("fc{i}"));
+        modules.push(module(format!("act{i}"), act));
+    }
+    add_linear(&mut modules, "head".into());
+    modules.push(module(String::new(), "Net"));
+    ModelSpec {
+        modules,
+        params,
+        optimizer: Some(optimizer.into()),
+    }
+}
+
+/// Linear layers of `mlp(depth, ..)`: fc0..fc{depth-1}, head.
+fn layers(depth: usize) -> usize {
+    depth + 1
+}
+
+struct Step {
+    layer_norms: Vec<f32>,
+    acts: Option<Vec<[f32; ACTIVATION_STATS]>>,
+    weight_gain: Option<f32>,
+    input: Option<[f32; INPUT_STATS]>,
+    loss: Option<f64>,
+    lr: f64,
+    nonfinite_module: Option<usize>,
+}
+
+fn observation(step: u64, s: &Step) -> Observation {
+    Observation {
+        step,
+        // The whole layer norm on the weight, zero on the bias.
+        grad_norms: s.layer_norms.iter().flat_map(|n| [*n, 0.0]).collect(),
+        // weight norm = gain * sqrt(numel / fan_in) = gain * sqrt(32)
+        weight_norms: s.weight_gain.map(|g| {
+            s.layer_norms
+                .iter()
+                .flat_map(|_| [g * 32f32.sqrt(), 0.1])
+                .collect()
+        }),
+        activations: s
+            .acts
+            .as_ref()
+            .map(|rows| rows.iter().flat_map(|r| r.iter().copied()).collect()),
+        inputs: s.input.map(|r| r.to_vec()).unwrap_or_default(),
+        loss: s.loss,
+        lr: Some(s.lr),
+        nonfinite_module: s.nonfinite_module,
+    }
+}
+
+fn run(spec: ModelSpec, steps: u64, mut f: impl FnMut(u64) -> Step) -> Engine {
+    let mut engine = Engine::new(Config::default()).unwrap();
+    engine.register_model(spec).unwrap();
+    for step in 0..steps {
+        engine.observe(&observation(step, &f(step)).view()).unwrap();
+    }
+    engine
+}
+
+fn explain(engine: &Engine) -> Vec<CausalHypothesis> {
+    Analysis::new(engine).unwrap().hypotheses(None)
+}
+
+fn relu_row(dead: f32) -> [f32; ACTIVATION_STATS] {
+    [1.0, f32::NAN, dead, f32::NAN, 64.0]
+}
+
+fn healthy_input() -> [f32; INPUT_STATS] {
+    [-3.0, 3.0, 0.0, 1.0]
+}
+
+#[test]
+fn dead_layer_is_the_root_not_the_layers_that_vanish_behind_it() {
+    // act2 (module index 5) dies at step 10: fc0..fc2 get exactly zero gradient from then on.
+    let depth = 4;
+    let engine = run(mlp(depth, "ReLU", "SGD"), 60, |step| {
+        let dead = step >= 10;
+        Step {
+            layer_norms: (0..layers(depth))
+                .map(|l| if dead && l <= 2 { 0.0 } else { 0.05 })
+                .collect(),
+            acts: Some(
+                (0..depth)
+                    .map(|a| relu_row(if dead && a == 2 { 1.0 } else { 0.05 }))
+                    .collect(),
+            ),
+            weight_gain: Some(0.6),
+            input: Some(healthy_input()),
+            loss: Some(1.0 - 0.001 * step as f64),
+            lr: 0.01,
+            nonfinite_module: None,
+        }
+    });
+    let h = explain(&engine);
+    let top = &h[0];
+    assert_eq!(top.failure, Failure::DeadNeurons, "{top}");
+    assert_eq!(top.cause, Cause::DyingRelu, "{top}");
+    assert_eq!(top.layer.as_deref(), Some("act2"), "{top}");
+    assert_eq!(top.step, Some(10));
+    // The vanishing gradients are explained by it, located at the dead layer, and rank below.
+    let v = h
+        .iter()
+        .find(|h| h.failure == Failure::VanishingGradients)
+        .expect("vanishing is reported too");
+    assert_eq!(v.layer.as_deref(), Some("act2"));
+    assert!(v.confidence < top.confidence);
+    let roots = Analysis::new(&engine).unwrap().root_causes();
+    assert_eq!(roots.len(), 1, "{roots:?}");
+    assert_eq!(roots[0].consequences, vec![Failure::VanishingGradients]);
+}
+
+#[test]
+fn vanishing_begins_where_it_starts_along_the_backward_pass() {
+    // Geometric decay from the head towards the input; fc0..fc5 below 1e-6 from step 0.
+    let depth = 20;
+    let engine = run(mlp(depth, "Tanh", "SGD"), 40, |_| Step {
+        layer_norms: (0..layers(depth))
+            .map(|l| (0.1 * 10f64.powf(-0.4 * (layers(depth) - 1 - l) as f64)) as f32)
+            .collect(),
+        acts: Some(
+            (0..depth)
+                .map(|_| [0.5, 0.0, f32::NAN, 0.9, 64.0])
+                .collect(),
+        ),
+        weight_gain: Some(0.58),
+        input: Some(healthy_input()),
+        loss: None,
+        lr: 0.01,
+        nonfinite_module: None,
+    });
+    let top = &explain(&engine)[0];
+    assert_eq!(top.failure, Failure::VanishingGradients, "{top}");
+    // 0.1 * 10^(-0.4 k) < 1e-6 for k >= 13: layers fc0..fc7 (k = 20..13) vanish; fc7 is last.
+    assert_eq!(top.layer.as_deref(), Some("fc7"), "{top}");
+    assert_eq!(top.step, Some(0));
+    assert_eq!(top.cause, Cause::NetworkDepth, "{top}");
+}
+
+#[test]
+fn nan_in_a_module_output_is_located_there_on_its_step() {
+    let depth = 3;
+    let engine = run(mlp(depth, "GELU", "Adam"), 40, |step| {
+        let bad = step >= 25;
+        Step {
+            layer_norms: (0..layers(depth))
+                .map(|_| if bad { f32::NAN } else { 0.1 })
+                .collect(),
+            acts: None,
+            weight_gain: None,
+            input: Some(healthy_input()),
+            loss: Some(if bad { f64::NAN } else { 1.0 }),
+            lr: 1e-3,
+            // module 2 is fc1
+            nonfinite_module: (step == 25).then_some(2),
+        }
+    });
+    let top = &explain(&engine)[0];
+    assert_eq!(top.failure, Failure::NonFinite, "{top}");
+    assert_eq!(top.cause, Cause::NumericalInstability, "{top}");
+    assert_eq!(top.layer.as_deref(), Some("fc1"));
+    assert_eq!(top.step, Some(25));
+}
+
+#[test]
+fn a_nan_batch_is_the_data_not_the_first_layer() {
+    let depth = 3;
+    let engine = run(mlp(depth, "ReLU", "SGD"), 30, |step| {
+        let bad = step >= 12;
+        Step {
+            layer_norms: (0..layers(depth))
+                .map(|_| if bad { f32::NAN } else { 0.1 })
+                .collect(),
+            acts: None,
+            weight_gain: None,
+            input: Some(if step == 12 {
+                [f32::NAN, f32::NAN, f32::NAN, f32::NAN]
+            } else {
+                healthy_input()
+            }),
+            loss: Some(if bad { f64::NAN } else { 1.0 }),
+            lr: 0.01,
+            nonfinite_module: (step == 12).then_some(0),
+        }
+    });
+    let h = explain(&engine);
+    assert_eq!(h[0].failure, Failure::DataAnomaly, "{}", h[0]);
+    assert_eq!(h[0].cause, Cause::BadInputData);
+    assert_eq!(h[0].step, Some(12));
+    let nf = h.iter().find(|h| h.failure == Failure::NonFinite).unwrap();
+    assert_eq!(nf.cause, Cause::BadInputData);
+    assert_eq!(
+        nf.layer, None,
+        "NaN that came with the data is no layer's fault"
+    );
+}
+
+#[test]
+fn healthy_start_then_blow_up_points_to_the_learning_rate() {
+    let depth = 3;
+    let engine = run(mlp(depth, "ReLU", "SGD"), 60, |step| {
+        let g = if step < 30 {
+            0.2
+        } else {
+            0.2 * 10f32.powf((step - 29) as f32 * 0.6)
+        };
+        Step {
+            layer_norms: (0..layers(depth)).map(|_| g).collect(),
+            acts: None,
+            weight_gain: Some(0.6),
+            input: Some(healthy_input()),
+            loss: Some(if step < 30 { 1.0 } else { f64::from(g) }),
+            lr: if step < 30 { 0.01 } else { 1.0 },
+            nonfinite_module: None,
+        }
+    });
+    let top = &explain(&engine)[0];
+    assert_eq!(top.failure, Failure::ExplodingGradients, "{top}");
+    assert_eq!(top.cause, Cause::LearningRateTooHigh, "{top}");
+    // 0.2 * 10^(0.6 k) > 1e3 first for k = 7 -> step 36.
+    assert_eq!(top.step, Some(36));
+}
+
+#[test]
+fn failure_present_at_step_zero_points_to_initialization() {
+    let depth = 3;
+    let engine = run(mlp(depth, "ReLU", "SGD"), 30, |_| Step {
+        layer_norms: (0..layers(depth)).map(|_| 5e4).collect(),
+        acts: None,
+        weight_gain: Some(20.0),
+        input: Some(healthy_input()),
+        loss: Some(1e4),
+        lr: 1e-4,
+        nonfinite_module: None,
+    });
+    let top = &explain(&engine)[0];
+    assert_eq!(top.failure, Failure::ExplodingGradients, "{top}");
+    assert_eq!(top.cause, Cause::PoorInitialization, "{top}");
+    assert_eq!(top.step, Some(0));
+}
+
+#[test]
+fn saturation_before_vanishing_points_to_the_activation() {
+    let depth = 4;
+    let engine = run(mlp(depth, "Sigmoid", "SGD"), 30, |step| {
+        let sat = step >= 5;
+        Step {
+            layer_norms: (0..layers(depth))
+                .map(|l| if sat && l < 3 { 1e-8 } else { 0.05 })
+                .collect(),
+            acts: Some(
+                (0..depth)
+                    .map(|_| {
+                        if sat {
+                            [1.0, 0.95, f32::NAN, 0.01, 64.0]
+                        } else {
+                            [0.7, 0.0, f32::NAN, 0.22, 64.0]
+                        }
+                    })
+                    .collect(),
+            ),
+            weight_gain: Some(1.0),
+            input: Some(healthy_input()),
+            loss: None,
+            lr: 0.1,
+            nonfinite_module: None,
+        }
+    });
+    let h = explain(&engine);
+    assert_eq!(h[0].failure, Failure::VanishingGradients, "{}", h[0]);
+    assert_eq!(h[0].cause, Cause::SaturatingActivation, "{}", h[0]);
+    assert_eq!(h[0].step, Some(5));
+    let chain = Analysis::new(&engine)
+        .unwrap()
+        .causal_chain(Failure::VanishingGradients);
+    assert!(
+        chain
+            .iter()
+            .any(|e| e.event_type == EventType::GradientHealth)
+    );
+}
+
+#[test]
+fn only_one_failure_kind_when_asked_and_mermaid_names_it() {
+    let depth = 3;
+    let engine = run(mlp(depth, "ReLU", "SGD"), 30, |step| Step {
+        layer_norms: (0..layers(depth))
+            .map(|_| if step >= 10 { f32::INFINITY } else { 0.1 })
+            .collect(),
+        acts: None,
+        weight_gain: None,
+        input: None,
+        loss: None,
+        lr: 0.01,
+        nonfinite_module: None,
+    });
+    let a = Analysis::new(&engine).unwrap();
+    let only = a.hypotheses(Some(Failure::NonFinite));
+    assert!(!only.is_empty() && only.iter().all(|h| h.failure == Failure::NonFinite));
+    assert!(a.hypotheses(Some(Failure::LossPlateau)).is_empty());
+    assert!(a.mermaid().contains("non_finite"));
+    // The gradient went non-finite in every layer at once: the backward pass brought it in at
+    // the layer latest in forward order.
+    assert_eq!(only[0].layer.as_deref(), Some("head"));
+}
+
+#[test]
+fn couplings_distinguish_adjacent_layers_from_mere_timing() {
+    let depth = 4;
+    let engine = run(mlp(depth, "ReLU", "SGD"), 30, |step| Step {
+        // fc0 and fc1 vanish at step 5; act0 (between them) dies at step 7.
+        layer_norms: (0..layers(depth))
+            .map(|l| if step >= 5 && l <= 1 { 1e-9 } else { 0.1 })
+            .collect(),
+        acts: Some(
+            (0..depth)
+                .map(|a| relu_row(if step >= 7 && a == 0 { 1.0 } else { 0.05 }))
+                .collect(),
+        ),
+        weight_gain: None,
+        input: None,
+        loss: None,
+        lr: 0.01,
+        nonfinite_module: None,
+    });
+    let c = Analysis::new(&engine).unwrap().couplings(5);
+    let kinds: Vec<_> = c
+        .iter()
+        .map(|c| {
+            (
+                engine.subject_name(c.first.subject),
+                engine.subject_name(c.second.subject),
+                c.kind,
+                c.lag,
+            )
+        })
+        .collect();
+    use neuraldbg_core::CouplingKind::{Structural, Temporal};
+    // fc0-fc1: same step but act0 sits between them; fc0-act0 and act0-fc1 are adjacent.
+    assert!(
+        kinds.contains(&("fc0".into(), "fc1".into(), Temporal, 0)),
+        "{kinds:?}"
+    );
+    assert!(
+        kinds.contains(&("fc0".into(), "act0".into(), Structural, 2)),
+        "{kinds:?}"
+    );
+    assert!(
+        kinds.contains(&("fc1".into(), "act0".into(), Structural, 2)),
+        "{kinds:?}"
+    );
+    assert_eq!(kinds.len(), 3, "{kinds:?}");
+    assert!(Analysis::new(&engine).unwrap().couplings(1).len() == 1);
+}
+
+#[test]
+fn replaying_the_same_observations_gives_the_same_diagnosis() {
+    let depth = 3;
+    let make = |step: u64| Step {
+        layer_norms: (0..layers(depth))
+            .map(|l| {
+                if step > 20 && l == 0 {
+                    1e-9
+                } else {
+                    0.1 / (1.0 + l as f32)
+                }
+            })
+            .collect(),
+        acts: Some((0..depth).map(|_| relu_row(0.1)).collect()),
+        weight_gain: Some(0.6),
+        input: Some(healthy_input()),
+        loss: Some(2.0 / (1.0 + step as f64)),
+        lr: 0.01,
+        nonfinite_module: None,
+    };
+    let a = run(mlp(depth, "ReLU", "SGD"), 50, make);
+    let b = run(mlp(depth, "ReLU", "SGD"), 50, make);
+    assert_eq!(explain(&a), explain(&b));
+    assert_eq!(a.events(), b.events());
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    /// Healthy training: gradient norms wander inside the healthy band (with occasional >1
+    /// "saturated" warnings), activations alive and unsaturated, the loss noisy but falling.
+    /// No hypothesis may reach confidence 0.5.
+    #[test]
+    fn healthy_noise_is_never_a_confident_failure(
+        seed in 0u64..1_000_000,
+        depth in 2usize..12,
+        steps in 30u64..300,
+        scale in 1e-4f64..0.5,
+    ) {
+        let mut x = seed;
+        let mut rand = move || {
+            x ^= x << 13; x ^= x >> 7; x ^= x << 17;
+            (x % 1_000_000) as f64 / 1_000_000.0
+        };
+        let engine = run(mlp(depth, "ReLU", "Adam"), steps, |step| Step {
+            layer_norms: (0..layers(depth))
+                .map(|_| (scale * (0.3 + 4.0 * rand())) as f32)
+                .collect(),
+            acts: Some((0..depth).map(|_| relu_row((0.2 * rand()) as f32)).collect()),
+            weight_gain: Some(0.6),
+            input: Some([
+                (-3.0 - rand()) as f32, (3.0 + rand()) as f32, (0.1 * rand()) as f32,
+                (1.0 + 0.1 * rand()) as f32,
+            ]),
+            loss: Some(2.3 * (-(step as f64) / 100.0).exp() + 0.2 + 0.1 * rand()),
+            lr: 1e-3,
+            nonfinite_module: None,
+        });
+        let h = explain(&engine);
+        let top = h.first().map_or(0.0, |h| h.confidence);
+        prop_assert!(top < 0.5, "{}", h[0]);
+    }
+
+    /// A gradient norm that hovers around the vanishing threshold, inside the hysteresis band,
+    /// yields at most one transition per layer, whatever the jitter.
+    #[test]
+    fn hovering_at_a_threshold_does_not_flood_events(jitter in proptest::collection::vec(0.55f64..1.9, 50..400)) {
+        let depth = 2;
+        let n = jitter.len() as u64;
+        let engine = run(mlp(depth, "ReLU", "SGD"), n, |step| Step {
+            layer_norms: (0..layers(depth)).map(|_| (jitter[step as usize] * 1e-6) as f32).collect(),
+            acts: None, weight_gain: None, input: None, loss: None, lr: 0.01, nonfinite_module: None,
+        });
+        let grad_events = engine
+            .events()
+            .into_iter()
+            .filter(|e| e.event_type == EventType::GradientHealth)
+            .count();
+        prop_assert!(grad_events <= layers(depth), "{grad_events} events");
+        for e in engine.events() {
+            prop_assert!(matches!(e.to_state, State::Gradient(GradientHealth::Vanishing)));
+        }
+    }
+}
