@@ -3,6 +3,7 @@
 //! (root cause along the backward pass, a dead layer as the root, forward order for non-finite
 //! values), and that healthy noise never produces a confident hypothesis.
 
+use neuraldbg_core::CouplingKind::{Structural, Temporal};
 use neuraldbg_core::analysis::Analysis;
 use neuraldbg_core::{
     ACTIVATION_STATS, CausalHypothesis, Cause, Config, Engine, EventType, Failure, GradientHealth,
@@ -376,7 +377,6 @@ fn couplings_distinguish_adjacent_layers_from_mere_timing() {
             )
         })
         .collect();
-    use neuraldbg_core::CouplingKind::{Structural, Temporal};
     // fc0-fc1: same step but act0 sits between them; fc0-act0 and act0-fc1 are adjacent.
     assert!(
         kinds.contains(&("fc0".into(), "fc1".into(), Temporal, 0)),
