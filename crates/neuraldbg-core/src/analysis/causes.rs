@@ -285,8 +285,15 @@ pub(crate) fn features(
             .iter()
             .any(|&i| events[i].to_state == State::Data(DataHealth::NonFinite))
     });
-    let vanishing_or_dead = find(Failure::VanishingGradients, &|o| o.onset <= onset + 50)
-        .or_else(|| find(Failure::DeadNeurons, &|o| o.onset <= onset + 50));
+    // A real failure that stops learning (for a plateau to inherit its cause).
+    let vanishing_or_dead = find(Failure::VanishingGradients, &|o| {
+        o.onset <= onset + 50 && o.p_failure >= 0.5
+    })
+    .or_else(|| {
+        find(Failure::DeadNeurons, &|o| {
+            o.onset <= onset + 50 && o.p_failure >= 0.5
+        })
+    });
     let forward_origin = e
         .root_event
         .is_some_and(|i| events[i].event_type == EventType::NonFiniteOutput);
@@ -323,18 +330,13 @@ pub(crate) fn features(
 }
 
 /// Probability that an episode is a real failure, from how far past its threshold it went, how
-/// long it lasted, how much of the model it reached and what followed from it.
+/// long it lasted and how much of the model it reached.
 #[allow(clippy::many_single_char_names)]
-pub(crate) fn failure_probability(run: &Run, episodes: &[Episode], k: usize) -> f64 {
-    let e = &episodes[k];
+pub(crate) fn base_probability(run: &Run, e: &Episode) -> f64 {
     let n_layers = run.model.layers.len().max(1) as f64;
     let breadth = e.affected.len() as f64 / n_layers;
     let d = e.duration as f64;
     let end = if e.to_end { 1.0 } else { 0.0 };
-    let consequences = episodes
-        .iter()
-        .filter(|o| o.explained_by == Some(k))
-        .count() as f64;
     let sig = |x: f64| 1.0 / (1.0 + (-x).exp());
     let p = match e.failure {
         Failure::NonFinite => {
@@ -424,7 +426,16 @@ pub(crate) fn failure_probability(run: &Run, episodes: &[Episode], k: usize) -> 
             0.35 + 0.2 * (d / w).min(1.0) + if stuck { 0.2 } else { 0.0 } + 0.1 * end
         }
     };
-    // Each failure this one explains corroborates it.
+    p.clamp(0.0, 0.99)
+}
+
+/// The base probability, corroborated by each failure this one explains.
+pub(crate) fn failure_probability(episodes: &[Episode], k: usize) -> f64 {
+    let p = episodes[k].p_failure;
+    let consequences = episodes
+        .iter()
+        .filter(|o| o.explained_by == Some(k))
+        .count() as f64;
     (p + 0.1 * consequences * (1.0 - p)).clamp(0.0, 0.99)
 }
 
@@ -736,29 +747,36 @@ pub(crate) fn rank_causes(
             if f.at_start {
                 b.add(
                     C::PoorInitialization,
-                    1.5,
+                    1.0,
                     "the activations were saturated at the first step, before any update",
                 );
                 if let Some((g, _)) = ev.gain_max.filter(|_| ev.gain_too_large()) {
                     b.add(
                         C::PoorInitialization,
-                        1.5,
+                        2.0,
                         format!(
                             "initial weights are {}x a variance-preserving scale",
                             fmt_g(g)
                         ),
                     );
                 }
+                // Inputs far beyond a normalized range saturate the first bounded activation
+                // however well the weights are scaled.
                 let first_act = run.model.activations.first().map(|a| a.module);
-                if ev.input_scale_first.is_some_and(|s| s > 20.0) && e.root == first_act {
+                let scale = ev.input_scale_first.unwrap_or(0.0);
+                if scale > 20.0 && e.root == first_act {
                     b.add(
                         C::BadInputData,
-                        1.5,
-                        format!(
-                            "inputs reach magnitude {} (not normalized)",
-                            fmt_g(ev.input_scale_first.unwrap_or(0.0))
-                        ),
+                        3.0,
+                        format!("inputs reach magnitude {} (not normalized)", fmt_g(scale)),
                     );
+                    if ev.gain_normal() {
+                        b.add(
+                            C::BadInputData,
+                            1.0,
+                            "the weights themselves are ordinarily scaled",
+                        );
+                    }
                 }
             } else if f.healthy_start {
                 b.add(

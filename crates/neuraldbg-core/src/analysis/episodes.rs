@@ -35,7 +35,8 @@ pub(crate) struct Episode {
     pub duration: u64,
     /// Still in the failure state at the last observed step.
     pub to_end: bool,
-    /// Probability that this is a real failure rather than noise (see `failure_probability`).
+    /// Probability that this is a real failure rather than noise: the base probability while
+    /// linking, then corroborated by its consequences (see `causes`).
     pub p_failure: f64,
     /// The episode that explains this one (its consequence chain starts there).
     pub explained_by: Option<usize>,
@@ -137,6 +138,9 @@ pub(crate) fn build(run: &Run, events: &[SemanticEvent], config: &Config) -> Vec
         if !cluster.is_empty() {
             episodes.push(episode(run, events, &timeline, failure, cluster));
         }
+    }
+    for e in &mut episodes {
+        e.p_failure = super::causes::base_probability(run, e);
     }
     link(run, events, &mut episodes, config);
     episodes
@@ -435,9 +439,10 @@ fn explains(events: &[SemanticEvent], a: &Episode, b: &Episode, tol: u64, config
             near(a.onset, b.onset, 20)
         }
         (F::LossDivergence, F::NonFinite) => a.onset < b.onset,
-        // The plateau's onset is back-dated to the start of its flat window.
+        // A failure that stops learning explains a flat loss, if it is itself a real failure.
+        // (The plateau's onset is back-dated to the start of its flat window.)
         (F::DeadNeurons | F::VanishingGradients | F::SaturatedActivations, F::LossPlateau) => {
-            a.onset <= b.onset + u64::from(config.loss_plateau_window)
+            a.p_failure >= 0.5 && a.onset <= b.onset + u64::from(config.loss_plateau_window)
         }
         (F::NonFinite, F::LossDivergence | F::SaturatedGradients) => a.onset <= b.onset,
         _ => false,

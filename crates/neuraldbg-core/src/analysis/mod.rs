@@ -117,7 +117,7 @@ impl<'a> Analysis<'a> {
         let events = engine.events();
         let mut episodes = episodes::build(run, &events, engine.config());
         let p: Vec<f64> = (0..episodes.len())
-            .map(|k| causes::failure_probability(run, &episodes, k))
+            .map(|k| causes::failure_probability(&episodes, k))
             .collect();
         for (e, p) in episodes.iter_mut().zip(p) {
             e.p_failure = p;
