@@ -565,6 +565,137 @@ def softmax_overflow() -> Scenario:
     )
 
 
+def unscaled_targets() -> Scenario:
+    truth = Truth("exploding_gradients", "bad_input_data", None, 0)
+
+    def make(scale: float, shift: float) -> Setup:
+        model = mlp([16, 64, 64, 1], nn.ReLU)
+        g = torch.Generator().manual_seed(5)
+        w = torch.randn(16, 1, generator=g)
+
+        def data(i: int):
+            gi = torch.Generator().manual_seed(i)
+            x = torch.randn(64, 16, generator=gi)
+            return x, (x @ w) * scale + shift
+
+        return Setup(model, torch.optim.Adam(model.parameters(), lr=1e-3), nn.MSELoss(), data, 60)
+
+    def check(r: Record) -> None:
+        expect(truth, "step", first_exploding(r)[0])
+        assert r.loss[0] > 1e4, "the loss starts huge"
+
+    def counter_check(r: Record) -> None:
+        assert first_exploding(r)[0] is None, "the same model on standardized targets is fine"
+
+    return Scenario(
+        "regression_unscaled_targets", "MLP 2x ReLU, MSE",
+        "regression targets around 500 with spread 100 (not standardized): an MSE of ~4e5 and "
+        "gradients above 1e3 from the first step, with ordinarily initialized weights",
+        lambda: make(100.0, 500.0), truth, check, lambda: make(1.0, 0.0), counter_check,
+    )
+
+
+def double_he_init() -> Scenario:
+    truth = Truth("exploding_gradients", "poor_initialization", None, 0)
+
+    def make(factor: float) -> Setup:
+        model = mlp([16] + [64] * 10 + [4], nn.ReLU)
+        for m in model.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.kaiming_normal_(m.weight, nonlinearity="relu")
+                m.weight.data.mul_(factor)
+        return Setup(model, torch.optim.SGD(model.parameters(), lr=1e-3), CE(), teacher_data(16, 4, 64), 30)
+
+    def check(r: Record) -> None:
+        expect(truth, "step", first_exploding(r)[0])
+        # The forward signal grows 2x per layer and the backward signal 2x per layer back, so
+        # every layer's weight gradient (their product) is huge, not just the first.
+        assert r.loss[0] > 100, "the logits, and the loss, are huge from the first step"
+        assert all(r.grad[n][0] > 100 for n in r.layer_names), "every layer's gradient is huge"
+
+    def counter_check(r: Record) -> None:
+        assert first_exploding(r)[0] is None, "He init itself (factor 1) is stable"
+
+    return Scenario(
+        "mlp_double_he_init", "MLP 10x ReLU",
+        "He initialization scaled by 2: every layer doubles the signal, 2^10 over ten layers: "
+        "huge logits, a huge loss, and gradients above 1e3 in every layer from the first step",
+        lambda: make(2.0), truth, check, lambda: make(1.0), counter_check,
+    )
+
+
+def unnormalized_pixels() -> Scenario:
+    truth = Truth("saturated_activations", "bad_input_data", "1", 0)
+
+    def make(raw: bool) -> Setup:
+        base = image_data(3, 8, 5, 32)
+
+        def data(i: int):
+            x, y = base(i)
+            x = (x * 40 + 128).clamp(0, 255).flatten(1)  # 8-bit pixel values
+            return (x if raw else (x - 128) / 40), y
+
+        model = nn.Sequential(nn.Linear(192, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 5))
+        return Setup(model, torch.optim.SGD(model.parameters(), lr=0.01), CE(), data, 40)
+
+    def check(r: Record) -> None:
+        first = [n for n in r.module_order if n in r.saturated and r.saturated[n][0] >= 0.5]
+        expect(truth, "layer", first[0])
+        assert max(r.input_scale) > 200, "8-bit pixels straight into the model"
+
+    def counter_check(r: Record) -> None:
+        assert all(v[0] < 0.5 for v in r.saturated.values()), "normalized inputs do not saturate"
+
+    return Scenario(
+        "mlp_unnormalized_pixels", "MLP 2x Tanh",
+        "raw 0..255 pixel values fed to a tanh MLP with ordinary init: the first tanh is pinned "
+        "at +-1 from the first step",
+        lambda: make(True), truth, check, lambda: make(False), counter_check,
+    )
+
+
+def zero_batch() -> Scenario:
+    truth = Truth("data_anomaly", "bad_input_data", None, 30)
+
+    def build() -> Setup:
+        model = mlp([16, 64, 64, 4], nn.ReLU)
+        data = corrupt(teacher_data(16, 4, 64), 30, lambda x: x * 0.0)
+        return Setup(model, torch.optim.SGD(model.parameters(), lr=0.05), CE(), data, 45)
+
+    def check(r: Record) -> None:
+        expect(truth, "step", next(s for s in range(r.steps) if r.input_scale[s] == 0.0))
+
+    return Scenario(
+        "mlp_all_zero_batch", "MLP 2x ReLU",
+        "the loader yields an all-zero batch at step 30 (a blank shard): finite, but no signal at all",
+        build, truth, check,
+    )
+
+
+def warmup_too_high() -> Scenario:
+    truth = Truth("loss_divergence", "learning_rate_too_high", None, None)
+
+    def make(peak: float) -> Setup:
+        model = mlp([16, 64, 64, 4], nn.ReLU)
+        return Setup(
+            model, torch.optim.SGD(model.parameters(), lr=0.01), CE(), teacher_data(16, 4, 64), 80,
+            before_step=lr_at(lambda s: min(peak, 0.01 * (1 + 10 * s))),
+        )
+
+    def check(r: Record) -> None:
+        assert max(r.loss) > 5 * min(r.loss[:30]) and max(r.loss) > r.loss[0], "the loss blows up"
+        assert first_exploding(r)[0] is None, "gradients stay below 1e3"
+
+    def counter_check(r: Record) -> None:
+        assert max(r.loss[10:]) < r.loss[0]
+
+    return Scenario(
+        "mlp_warmup_to_lr_5", "MLP 2x ReLU",
+        "a linear warmup that never stops: the lr reaches 5.0 around step 50 and the loss blows up",
+        lambda: make(5.0), truth, check, lambda: make(0.1), counter_check,
+    )
+
+
 # ============================================================================ healthy
 
 
@@ -611,7 +742,31 @@ def healthy_runs() -> List[Scenario]:
         model = ResNetMLP(16, 32, 3, 4)
         return Setup(model, torch.optim.SGD(model.parameters(), lr=0.05), CE(), teacher_data(16, 4, 16), 60, accumulate=4)
 
+    def h_dropout() -> Setup:
+        model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.5), nn.Linear(64, 64), nn.ReLU(), nn.Dropout(0.5), nn.Linear(64, 4))
+        return Setup(model, torch.optim.Adam(model.parameters(), lr=1e-3), CE(), teacher_data(16, 4, 64), 150)
+
+    def h_clipped() -> Setup:
+        model = mlp([16, 64, 64, 4], nn.ReLU)
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        step = opt.step
+
+        def clipped_step(*a, **k):  # clip inside step, like a training framework would
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            return step(*a, **k)
+
+        opt.step = clipped_step  # type: ignore[method-assign]
+        return Setup(model, opt, CE(), teacher_data(16, 4, 64), 100)
+
+    def h_long() -> Setup:
+        model = ConvNet([3, 8, 16], 5, norm=True)
+        return Setup(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), CE(), image_data(3, 12, 5, 32), 400)
+
     return [
+        healthy("healthy_dropout", "MLP 2x ReLU + Dropout", "dropout 0.5 between layers", h_dropout),
+        healthy("healthy_high_lr_clipped", "MLP 2x ReLU", "SGD at lr=1 with gradient clipping at 1.0", h_clipped),
+        healthy("healthy_long_converged_cnn", "CNN + BatchNorm",
+                "400 steps, converged for most of them: a flat converged loss is not a plateau", h_long, 0.9),
         healthy("healthy_mlp_adam", "MLP 2x ReLU", "a ReLU MLP with Adam", h_mlp),
         healthy("healthy_cnn_bn", "CNN + BatchNorm", "Conv-BN-ReLU with SGD+momentum", h_cnn),
         healthy("healthy_lstm", "LSTM", "an LSTM classifier with Adam", h_lstm, 0.1),
@@ -645,5 +800,10 @@ def all_scenarios() -> List[Scenario]:
         tanh_saturated(),
         lstm_nan_input(),
         softmax_overflow(),
+        unscaled_targets(),
+        double_he_init(),
+        unnormalized_pixels(),
+        zero_batch(),
+        warmup_too_high(),
     ]
     return failures + healthy_runs()

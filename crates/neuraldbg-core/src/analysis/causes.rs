@@ -42,6 +42,17 @@ pub(crate) struct Evidence {
     pub slope_min: Option<f64>,
     /// Class name of the bounded activations (for sentences).
     pub bounded_kind: Option<String>,
+    /// The loss at the start (median of the first three), and its largest smoothed value
+    /// relative to the best before it.
+    pub loss_initial: Option<f64>,
+    pub loss_peak_ratio: f64,
+    /// Median, over weighted layers, of `log10(gain / reference)`: decades per layer by which
+    /// the initial weights scale the signal away from what the activation after them needs to
+    /// keep it (reference gain sqrt(2) before ReLU-family units, 1 otherwise).
+    pub init_error: Option<f64>,
+    /// Median `log10(mean slope)` of the bounded activations at the start: decades per layer
+    /// the activations themselves take off the gradient (0 without bounded activations).
+    pub act_attenuation: f64,
 }
 
 /// Gradient norms of the weighted layers at the start, in forward order: `slope` is decades
@@ -159,7 +170,42 @@ impl Evidence {
             .iter()
             .find(|a| a.traits.bounded.is_some())
             .map(|a| a.kind.clone());
+        // Which activation follows each layer in forward order (before the next layer).
+        let mut next_act: Vec<Option<usize>> = vec![None; model.layers.len()];
+        let mut pending: Option<usize> = None;
+        for m in 0..model.spec.modules.len() {
+            if let Some(l) = model.module_layer[m] {
+                pending = Some(l);
+            } else if let (Some(a), Some(l)) = (model.module_activation[m], pending) {
+                next_act[l] = Some(a);
+                pending = None;
+            }
+        }
+        let errors: Vec<f64> = run
+            .layers
+            .iter()
+            .enumerate()
+            .filter_map(|(l, t)| {
+                let g = t.gain_first.filter(|g| *g > 0.0 && g.is_finite())?;
+                let reference = match next_act[l].map(|a| model.activations[a].traits) {
+                    Some(tr) if tr.can_die => std::f64::consts::SQRT_2,
+                    _ => 1.0,
+                };
+                Some((g / reference).log10())
+            })
+            .collect();
+        let attenuations: Vec<f64> = run
+            .acts
+            .iter()
+            .map(|a| a.first_slope)
+            .filter(|s| s.is_finite() && *s > 0.0)
+            .map(f64::log10)
+            .collect();
         Self {
+            init_error: median(&errors),
+            act_attenuation: median(&attenuations).unwrap_or(0.0),
+            loss_initial: run.loss.initial,
+            loss_peak_ratio: run.loss.peak_ratio,
             slope_first: slopes(|a| a.first_slope),
             slope_min: slopes(|a| a.min_slope),
             bounded_kind,
@@ -218,6 +264,8 @@ pub(crate) struct Features {
     /// Decades the root layer's weight norm grew from its first measurement.
     pub weight_growth: f64,
     pub vanishing_or_dead: Option<usize>,
+    /// The top cause of the failure this one is a consequence of, and that failure's episode.
+    pub root_cause: Option<(Cause, usize)>,
 }
 
 fn decades_ratio(a: f64, b: f64) -> f64 {
@@ -326,6 +374,7 @@ pub(crate) fn features(
         backward_origin,
         weight_growth,
         vanishing_or_dead,
+        root_cause: None,
     }
 }
 
@@ -535,9 +584,31 @@ pub(crate) fn rank_causes(
             if f.at_start {
                 b.add(
                     C::PoorInitialization,
-                    2.0,
+                    1.5,
                     "gradients were already exploding at the first step, before any update",
                 );
+                init_compounding(&mut b, ev, false);
+                // Ordinary weights that do not amplify the signal, yet a huge loss or huge
+                // inputs: the data is off scale (unnormalized inputs or regression targets).
+                if ev.gain_normal() && network_gain(ev) < 1.0 {
+                    if let Some(l) = ev.loss_initial.filter(|l| *l > 1e3) {
+                        b.add(
+                            C::BadInputData,
+                            2.5,
+                            format!(
+                                "the weights are ordinarily scaled but the loss starts at {}: targets or inputs are far off scale",
+                                fmt_g(l)
+                            ),
+                        );
+                    }
+                    if let Some(x) = ev.input_scale_first.filter(|x| *x > 20.0) {
+                        b.add(
+                            C::BadInputData,
+                            1.5,
+                            format!("inputs reach magnitude {} (not normalized)", fmt_g(x)),
+                        );
+                    }
+                }
                 if let Some((g, _)) = ev.gain_max.filter(|_| ev.gain_too_large()) {
                     b.add(
                         C::PoorInitialization,
@@ -607,6 +678,7 @@ pub(crate) fn rank_causes(
                     );
                 }
                 depth_evidence(&mut b, ev, true);
+                init_compounding(&mut b, ev, true);
             } else {
                 b.add(C::PoorInitialization, -1.0, "");
                 if f.healthy_start && (f.prior_explosion.is_some() || f.weight_growth >= 0.5) {
@@ -638,7 +710,7 @@ pub(crate) fn rank_causes(
             }
             let blew_up =
                 f.prior_explosion.is_some() || f.growth >= 2.0 || f.prior_divergence.is_some();
-            if blew_up {
+            if blew_up && f.root_cause.is_none() {
                 let why = if let Some(j) = f.prior_explosion {
                     format!(
                         "gradients exploded from step {} before the first NaN/Inf",
@@ -849,7 +921,9 @@ pub(crate) fn rank_causes(
                 C::DyingRelu,
                 C::NetworkDepth,
             ]);
-            if let Some(j) = f.vanishing_or_dead {
+            if f.root_cause.is_some() {
+                b.add(C::LearningRateTooLow, -2.0, "");
+            } else if let Some(j) = f.vanishing_or_dead {
                 let inherited = match episodes[j].failure {
                     Failure::DeadNeurons => C::DyingRelu,
                     _ if f.saturation.is_some() => C::SaturatingActivation,
@@ -865,11 +939,21 @@ pub(crate) fn rank_causes(
                     ),
                 );
                 b.add(C::LearningRateTooLow, -2.0, "");
-            } else {
+            } else if ev.update_ratio.is_none_or(|r| r < 1e-3) {
                 b.add(
                     C::LearningRateTooLow,
                     1.0,
                     "gradients are healthy, yet the loss does not move",
+                );
+            }
+            if ev.loss_peak_ratio >= 2.0 {
+                b.add(
+                    C::LearningRateTooHigh,
+                    1.5,
+                    format!(
+                        "the loss jumped to {:.1}x its best before it flattened: the steps overshoot",
+                        ev.loss_peak_ratio
+                    ),
                 );
             }
             if let Some(r) = ev.update_ratio {
@@ -921,7 +1005,51 @@ pub(crate) fn rank_causes(
             }
         }
     }
+    // A consequence shares the cause of the failure it follows from.
+    if let Some((cause, j)) = f.root_cause {
+        b.add(
+            cause,
+            3.0,
+            format!(
+                "it follows from the {} at step {} ({})",
+                episodes[j].failure.as_str().replace('_', " "),
+                episodes[j].onset,
+                cause.phrase()
+            ),
+        );
+    }
     b.finish()
+}
+
+/// Weights mis-scaled for their activation, compounded over the layers, explain a failure at
+/// the start in a network of moderate depth (in a very deep one, even a mild per-layer error is
+/// the depth's doing) when the weights, not the activations, carry most of the per-layer change.
+fn init_compounding(b: &mut Ballot, ev: &Evidence, shrinking: bool) {
+    let Some(w) = ev.init_error else { return };
+    let right_way = if shrinking { w < 0.0 } else { w > 0.0 };
+    let compounded = w * ev.depth as f64;
+    if right_way
+        && w.abs() >= 0.12
+        && w.abs() >= ev.act_attenuation.abs()
+        && compounded.abs() >= 1.5
+        && ev.depth < 16
+    {
+        b.add(
+            Cause::PoorInitialization,
+            2.0,
+            format!(
+                "each layer's weights scale the signal {}x away from what its activation keeps stable, {:.1} decades over {} layers",
+                fmt_g(10f64.powf(w)),
+                compounded.abs(),
+                ev.depth
+            ),
+        );
+    }
+}
+
+/// The network itself amplifies (or attenuates) the signal by this many decades at the start.
+fn network_gain(ev: &Evidence) -> f64 {
+    ev.init_error.map_or(0.0, |w| w * ev.depth as f64)
 }
 
 /// Gradients that shrink (or grow) geometrically along the layers at the start: a mild loss per

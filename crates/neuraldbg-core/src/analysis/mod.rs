@@ -137,14 +137,35 @@ impl<'a> Analysis<'a> {
 
     /// Ranked hypotheses, optionally for one failure only.
     pub fn hypotheses(&self, only: Option<Failure>) -> Vec<CausalHypothesis> {
+        // Rank causes root-first, so a consequence can inherit its root's top cause.
+        let n = self.episodes.len();
+        let depth = |mut k: usize| {
+            let mut d = 0;
+            while let Some(j) = self.episodes[k].explained_by {
+                k = j;
+                d += 1;
+                if d > n {
+                    break;
+                }
+            }
+            d
+        };
+        let mut order: Vec<usize> = (0..n).collect();
+        order.sort_by_key(|&k| depth(k));
+        let mut rankings: Vec<Vec<(causes::Scored, f64)>> = vec![Vec::new(); n];
+        for k in order {
+            let mut f = causes::features(self.run, &self.evidence, &self.events, &self.episodes, k);
+            f.root_cause = self.episodes[k]
+                .explained_by
+                .and_then(|j| rankings[j].first().map(|(s, _)| (s.cause, j)));
+            rankings[k] = causes::rank_causes(self.run, &self.evidence, &self.episodes, k, &f);
+        }
         let mut out: Vec<(CausalHypothesis, usize)> = Vec::new();
-        for k in 0..self.episodes.len() {
+        for (k, ranked) in rankings.into_iter().enumerate() {
             let e = &self.episodes[k];
             if only.is_some_and(|f| f != e.failure) {
                 continue;
             }
-            let f = causes::features(self.run, &self.evidence, &self.events, &self.episodes, k);
-            let ranked = causes::rank_causes(self.run, &self.evidence, &self.episodes, k, &f);
             let discount = if e.explained_by.is_some() { 0.9 } else { 1.0 };
             for (scored, p_cause) in ranked.into_iter().take(3) {
                 let confidence = (e.p_failure * p_cause * discount).clamp(0.0, 1.0);
