@@ -4,16 +4,19 @@ from typing import Optional, Tuple
 
 import numpy as np
 import numpy.typing as npt
+from typing_extensions import final
 
+__all__ = ["Engine", "__version__", "default_config_json"]
 __version__: str
 
 def default_config_json() -> str:
     """The engine's default configuration as a JSON object."""
 
+@final
 class Engine:
     """The NeuralDBG engine for one watched model."""
 
-    def __init__(self, config_json: str) -> None: ...
+    def __new__(cls, config_json: str) -> "Engine": ...
     def register_model(self, spec_json: str) -> str:
         """Registers the model (JSON ModelSpec); returns the activation probes as JSON."""
     @property

@@ -1,0 +1,18 @@
+"""The hand-written stubs of the native module match the module (mypy's stubtest)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+
+
+def test_native_stub_matches_the_extension():
+    out = subprocess.run(
+        [sys.executable, "-m", "mypy.stubtest", "neuraldbg._native"],
+        capture_output=True, text=True, cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+
