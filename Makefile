@@ -58,7 +58,7 @@ bench-report:
 
 # docs/report.png: the report of a scenario with a planted failure, as Chromium draws it.
 report-screenshot: build browser
-	$(PY) bench/report.py relu_dies_adam_lr -o runs/report.html --png docs/report.png
+	$(PY) bench/report.py cnn_lr_schedule_explosion -o runs/report.html --png docs/report.png
 
 clean:
 	rm -rf $(STAMPS) target

@@ -555,11 +555,15 @@ fn curves(
     let mut ranked: Vec<((bool, bool, u32), usize)> =
         (0..grid.len()).map(|l| (score(l), l)).collect();
     ranked.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
+    // Only while the hypothesis named few layers, and not right next to one already drawn
+    // (its curve would mostly repeat it).
     for &((_, _, s), l) in &ranked {
-        if chosen.len() >= MAX_CURVES - 1 || s == 0 {
+        if chosen.len() >= MAX_CURVES - 2 || s == 0 {
             break;
         }
-        push(l, "anomalous", &mut chosen);
+        if !chosen.iter().any(|(c, _)| c.abs_diff(l) <= 1) {
+            push(l, "anomalous", &mut chosen);
+        }
     }
     if let Some(&(_, l)) = ranked
         .iter()

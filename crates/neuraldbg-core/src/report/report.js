@@ -20,7 +20,14 @@
     ['gradient_health', 'gradient health'], ['activation_health', 'activation health'],
     ['non_finite_output', 'non-finite output'], ['data_anomaly', 'input data'], ['loss_health', 'loss'],
   ];
-  const CURVE_COLOURS = ['#c0392b', '#2c7fb8', '#7b3294', '#1b9e77', '#e6ab02', '#888888'];
+  const ROOT_COLOUR = '#c0392b', REFERENCE_COLOUR = '#8a8f99';
+  const CURVE_COLOURS = ['#2c7fb8', '#7b3294', '#1b9e77', '#e6ab02', '#d95f02'];
+  // Red for the root cause, grey for the healthy reference, distinct hues for the rest.
+  function curveColours(series) {
+    let next = 0;
+    return series.map((s) => s.role === 'root' || s.role === 'feeds root' ? ROOT_COLOUR
+      : s.role === 'reference' ? REFERENCE_COLOUR : CURVE_COLOURS[next++ % CURVE_COLOURS.length]);
+  }
 
   const $ = (id) => document.getElementById(id);
   const tooltip = $('tooltip');
@@ -156,9 +163,18 @@
         el('line', { x1: xl(d), x2: xl(d), y1: 30, y2: 34, stroke: '#8a91a0' }, svg);
         text(svg, xl(d), 45, decade(d), { 'text-anchor': 'middle' });
       }
-      [[LV, 'vanishing <'], [LS, 'saturated >'], [LE, 'exploding >']].forEach(([l, name]) => {
-        el('line', { x1: xl(l), x2: xl(l), y1: 14, y2: 32, stroke: '#1d2330', 'stroke-width': 1.5 }, svg);
-        text(svg, xl(l), 11, name + ' ' + decade(Math.round(l)), { 'text-anchor': 'middle', fill: '#1d2330' });
+      // Threshold labels sit centred on their mark unless a neighbour is too close; then the
+      // pair splits, one to each side.
+      const marks = [[LV, 'vanishing <'], [LS, 'saturated >'], [LE, 'exploding >']]
+        .map(([l, name]) => ({ x: xl(l), label: name + ' ' + decade(Math.round(l)), anchor: 'middle' }));
+      for (let i = 1; i < marks.length; i++) {
+        const need = (marks[i - 1].label.length + marks[i].label.length) * 3.3 + 8;
+        if (marks[i].x - marks[i - 1].x < need) { marks[i - 1].anchor = 'end'; marks[i].anchor = 'start'; }
+      }
+      marks.forEach((m) => {
+        el('line', { x1: m.x, x2: m.x, y1: 14, y2: 32, stroke: '#1d2330', 'stroke-width': 1.5 }, svg);
+        const dx = m.anchor === 'end' ? -3 : m.anchor === 'start' ? 3 : 0;
+        text(svg, m.x + dx, 11, m.label, { 'text-anchor': m.anchor, fill: '#1d2330' });
       });
       text(svg, LEFT - 8, 28, 'gradient norm', { 'text-anchor': 'end' });
       let x = x0 + w + 24;
@@ -238,7 +254,7 @@
           ringed.add(cell);
           ctx.strokeStyle = keys[p] >= 5000 ? rgb(COL_NAN) : '#67001f';
           ctx.lineWidth = 1.5;
-          ctx.strokeRect(LEFT + x - 4, TOP + y - 4, 9, 9);
+          ctx.strokeRect(LEFT + x - 5, TOP + y - 5, 11, 11);
         });
       }
 
@@ -252,7 +268,7 @@
       if (focus && focus.rows) rootY = TOP + (focus.rows[0] + focus.rows[1]) / 2 * rowH;
       for (let r = 0; r < rows; r += every) {
         const y = TOP + (r + 0.5) * rowH;
-        if (rootY !== null && Math.abs(y - rootY) < 13) continue;
+        if (rootY !== null && Math.abs(y - rootY) < 11) continue;
         ctx.fillStyle = '#4a5263';
         ctx.fillText(ellipsize(ctx, H.rows[r].name, LEFT - 14), LEFT - 6, y);
       }
@@ -381,7 +397,9 @@
         const x = xOf(focus.step);
         el('line', { x1: x, x2: x, y1: TOP, y2: TOP + ph, stroke: '#111', 'stroke-dasharray': '5 3' }, svg);
       }
-      series.forEach((s, si) => {
+      // Drawn last to first, so the first series (the root cause) lies on top.
+      series.slice().reverse().forEach((s, ri) => {
+        const si = series.length - 1 - ri;
         const colour = opts.colours[si % opts.colours.length];
         const mins = s.min.map(num), maxs = s.max.map(num), lasts = s.last.map(num);
         // Band: min to max over runs of columns that have both.
@@ -406,7 +424,7 @@
           d += (pen ? 'L' : 'M') + mid(c).toFixed(1) + ',' + y(v).toFixed(1);
           pen = true;
         }
-        el('path', { d: d, fill: 'none', stroke: colour, 'stroke-width': si === 0 && opts.emphasise ? 2.2 : 1.5,
+        el('path', { d: d, fill: 'none', stroke: colour, 'stroke-width': opts.emphasise && (s.role === 'root' || s.role === 'feeds root') ? 2.2 : 1.5,
           'stroke-dasharray': s.role === 'reference' ? '4 3' : 'none' }, svg);
         for (let c = 0; c < cols.length; c++) {
           if (maxs[c] !== null && Number.isNaN(maxs[c])) {
@@ -443,7 +461,7 @@
     }
 
     if (D.curves.length) {
-      lineChart($('curves'), D.curves, { height: 300, log: true, thresholds: true, colours: CURVE_COLOURS, chips: true, emphasise: true });
+      lineChart($('curves'), D.curves, { height: 300, log: true, thresholds: true, colours: curveColours(D.curves), chips: true, emphasise: true });
     } else {
       $('curves').textContent = 'No layer gradient was observed.';
     }
