@@ -26,6 +26,7 @@ FLAGS = [
     "--disable-background-networking",
     "--disable-component-update",
     "--disable-sync",
+    "--disable-dev-shm-usage",  # containers often have a tiny /dev/shm
     "--hide-scrollbars",
     "--force-device-scale-factor=1",
 ]
