@@ -5,9 +5,9 @@
 VENV    ?= .venv
 PY      := $(VENV)/bin/python
 STAMPS  := .stamps
-SOURCES := $(shell find crates python -type f \( -name '*.rs' -o -name '*.py' -o -name '*.pyi' -o -name 'Cargo.toml' \) 2>/dev/null) Cargo.toml pyproject.toml
+SOURCES := $(shell find crates python -type f \( -name '*.rs' -o -name '*.py' -o -name '*.pyi' -o -name 'Cargo.toml' -o -name '*.js' -o -name '*.css' -o -name '*.html' \) 2>/dev/null) Cargo.toml pyproject.toml
 
-.PHONY: all demo test test-rust test-python lint bench bench-diagnosis build clean
+.PHONY: all demo test test-rust test-python lint bench bench-diagnosis bench-report build browser report-screenshot clean
 
 all: test
 
@@ -25,6 +25,15 @@ $(STAMPS)/build: $(STAMPS)/deps $(SOURCES)
 
 build: $(STAMPS)/build
 
+# Headless Chromium renders the HTML report in the tests: Debian's package, installed once (CI
+# runs as root on a clean machine; elsewhere through sudo). Nothing to do when it is there.
+CHROMIUM ?= /usr/bin/chromium
+$(CHROMIUM):
+	$(if $(filter 0,$(shell id -u)),,sudo) apt-get update -qq
+	DEBIAN_FRONTEND=noninteractive $(if $(filter 0,$(shell id -u)),,sudo) apt-get install -y -qq chromium >/dev/null
+
+browser: $(CHROMIUM)
+
 demo: build
 	$(PY) examples/demo_vanishing_gradients.py
 
@@ -35,13 +44,21 @@ lint:
 test-rust:
 	cargo test --workspace --quiet
 
-test-python: build
-	$(PY) -m pytest tests
+test-python: build browser
+	NEURALDBG_CHROMIUM=$(CHROMIUM) $(PY) -m pytest tests
 
 test: lint test-rust test-python
 
 bench-diagnosis: build
 	$(PY) bench/scoreboard.py
+
+# Size and generation time of the report for 1,000 layers x 100,000 synthetic steps (release).
+bench-report:
+	cargo test --release -p neuraldbg-core --lib report::tests::scale_1000_layers_100k_steps -- --nocapture
+
+# docs/report.png: the report of a scenario with a planted failure, as Chromium draws it.
+report-screenshot: build browser
+	$(PY) bench/report.py cnn_lr_schedule_explosion -o runs/report.html --png docs/report.png
 
 clean:
 	rm -rf $(STAMPS) target

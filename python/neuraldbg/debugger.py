@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, Union
 
 import numpy as np
@@ -216,6 +217,25 @@ class NeuralDbg:
     def export_mermaid_causal_graph(self) -> str:
         """The causal graph (causes -> failures -> consequences) as a Mermaid flowchart."""
         return str(self._engine.mermaid())
+
+    def save_report(self, path: Union[str, "os.PathLike[str]"], title: Optional[str] = None) -> None:
+        """Writes a self-contained HTML report of the run to ``path`` (UTF-8).
+
+        Open it in any browser, offline: it loads nothing from the network. It shows the
+        verdict first (the ranked hypotheses with their remedies), a layers x steps heatmap of
+        gradient norms (log colour scale, thresholds marked, the root-cause layer and onset
+        step highlighted), the gradient-norm curves of the implicated layers, the event
+        timeline and the causal graph. Long or wide runs are downsampled keeping each bucket's
+        minimum and maximum, so a NaN or a spike always shows; the file stays a few MB at most.
+
+        Can be called during training (a snapshot so far) or after it. ``title`` defaults to
+        ``"NeuralDBG report: <model class>"``.
+        """
+        if title is None:
+            title = f"NeuralDBG report: {type(self.model).__name__}"
+        html = self._engine.report_html(str(title))
+        with open(os.fspath(path), "w", encoding="utf-8") as f:
+            f.write(html)
 
     def history(
         self, layer: Optional[str], metric: str = "grad_norm", reduce: str = "last"

@@ -584,6 +584,11 @@ impl Run {
         }
     }
 
+    /// Index in `grads` of a run-wide series (they follow the per-layer ones).
+    pub(crate) fn global_series(&self, g: Global) -> usize {
+        self.model.layers.len() + g as usize
+    }
+
     /// Largest learning rate recorded in the buckets around `[from, to]`.
     pub fn lr_between(&self, from: u64, to: u64) -> Option<f64> {
         self.grads

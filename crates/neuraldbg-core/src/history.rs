@@ -54,6 +54,46 @@ impl Cell {
     }
 }
 
+/// One stored bucket of one series, as [`History::buckets`] reads it back.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Bucket {
+    /// Smallest finite value; `+inf` when the bucket held only non-finite values.
+    pub min: f32,
+    /// Largest finite value, or NaN once the bucket held a NaN or an infinity.
+    pub max: f32,
+    /// The last value recorded.
+    pub last: f32,
+}
+
+impl Bucket {
+    /// The bucket held a NaN or an infinity.
+    pub fn non_finite(&self) -> bool {
+        self.max.is_nan()
+    }
+
+    /// The bucket covering both, `later` after `self`.
+    #[must_use]
+    pub fn merge(self, later: Bucket) -> Bucket {
+        let c = Cell::merge(
+            Cell {
+                min: self.min,
+                max: self.max,
+                last: self.last,
+            },
+            Cell {
+                min: later.min,
+                max: later.max,
+                last: later.last,
+            },
+        );
+        Bucket {
+            min: c.min,
+            max: c.max,
+            last: c.last,
+        }
+    }
+}
+
 /// How a bucket is summarised when read back.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Reduce {
@@ -202,6 +242,26 @@ impl History {
         (self.steps.clone(), values)
     }
 
+    /// Last step covered by each bucket.
+    pub fn steps(&self) -> &[u64] {
+        &self.steps
+    }
+
+    /// Every bucket of a series as stored (None: the series had no value in it), so readers
+    /// that need both extremes, or must tell "no value" from "non-finite", get them unreduced.
+    pub fn buckets(&self, series: usize) -> Vec<Option<Bucket>> {
+        (0..self.steps.len())
+            .map(|b| {
+                let c = self.cells[b * self.series + series];
+                (!c.is_empty()).then_some(Bucket {
+                    min: c.min,
+                    max: c.max,
+                    last: c.last,
+                })
+            })
+            .collect()
+    }
+
     /// Largest value of a series over the buckets overlapping `[from, to]` (NaN if any of them
     /// held a non-finite value, None if none has a value).
     pub fn max_between(&self, series: usize, from: u64, to: u64) -> Option<f64> {
@@ -265,6 +325,34 @@ mod tests {
         let hit: Vec<_> = steps.iter().zip(&max).filter(|(_, v)| v.is_nan()).collect();
         assert_eq!(hit.len(), 1, "{steps:?} {max:?}");
         assert!(h.max_between(0, 30, 40).unwrap().is_nan());
+    }
+
+    #[test]
+    fn buckets_tell_no_value_from_non_finite_and_merge_like_coarsening() {
+        let mut h = History::new(2, 8);
+        for step in 0..4u64 {
+            h.begin(step);
+            h.record(
+                0,
+                if step == 2 {
+                    f32::INFINITY
+                } else {
+                    step as f32
+                },
+            );
+        }
+        let b = h.buckets(0);
+        let empty = h.buckets(1);
+        assert!(
+            empty.iter().all(Option::is_none),
+            "series 1 never had a value"
+        );
+        assert!(b[2].unwrap().non_finite() && !b[1].unwrap().non_finite());
+        let merged = b[1].unwrap().merge(b[2].unwrap()).merge(b[3].unwrap());
+        assert!(merged.non_finite());
+        assert_eq!(merged.min, 1.0);
+        assert_eq!(merged.last, 3.0);
+        assert_eq!(h.steps(), &[0, 1, 2, 3]);
     }
 
     proptest! {

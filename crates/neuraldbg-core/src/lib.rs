@@ -40,6 +40,7 @@ mod history;
 mod model;
 mod observation;
 pub mod output;
+pub mod report;
 mod track;
 
 pub use analysis::{Analysis, CausalHypothesis, Cause, Coupling, CouplingKind, Failure, RootCause};
@@ -52,7 +53,7 @@ pub use health::{
     ActivationHealth, ActivationSample, ActivationTraits, DataHealth, GradientHealth, LossHealth,
     OutputHealth, SlopeFormula, State, classify_activation, classify_gradient,
 };
-pub use history::{History, Reduce};
+pub use history::{Bucket, History, Reduce};
 pub use model::{
     ActivationProbe, Model, ModelSpec, ModuleSpec, ParamRole, ParamSpec, activation_traits,
 };

@@ -185,6 +185,12 @@ impl PyEngine {
         )
     }
 
+    /// The self-contained HTML report of the run (`neuraldbg_core::report::render_html`).
+    fn report_html(&self, py: Python<'_>, title: &str) -> String {
+        let engine = &self.inner;
+        py.detach(|| neuraldbg_core::report::render_html(engine, title))
+    }
+
     /// `(steps, values)` of a series as numpy arrays.
     #[pyo3(signature = (name, metric, reduce="last"))]
     fn history<'py>(
