@@ -464,13 +464,17 @@ impl Run {
             track.weight_first.get_or_insert(norm);
             track.weight_last = Some(norm);
             if track.gain_first.is_none() {
-                if let Some((p, fan_in)) = layer.weight {
-                    let wn = f64::from(w[p]);
-                    let numel = self.model.spec.params[p].numel as f64;
-                    if wn.is_finite() && wn >= 0.0 && numel > 0.0 {
-                        track.gain_first = Some(wn / numel.sqrt() * (fan_in as f64).sqrt());
-                    }
-                }
+                // std(W) * sqrt(fan_in) of each weight (assuming zero mean); the largest counts.
+                track.gain_first = layer
+                    .weights
+                    .iter()
+                    .filter_map(|&(p, fan_in)| {
+                        let wn = f64::from(w[p]);
+                        let numel = self.model.spec.params[p].numel as f64;
+                        (wn.is_finite() && wn >= 0.0 && numel > 0.0)
+                            .then(|| wn / numel.sqrt() * (fan_in as f64).sqrt())
+                    })
+                    .reduce(f64::max);
             }
         }
     }

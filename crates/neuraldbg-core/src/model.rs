@@ -77,8 +77,11 @@ pub struct Layer {
     pub kind: String,
     /// Parameters of this layer (indices into [`ModelSpec::params`]).
     pub params: Vec<usize>,
-    /// The weight parameter whose scale is judged against its fan-in, when there is one.
+    /// The first weight parameter with a fan-in (its presence makes the layer "weighted").
     pub weight: Option<(usize, u64)>,
+    /// Every weight parameter with a fan-in (an LSTM has input and recurrent weights), whose
+    /// scale is judged against its fan-in.
+    pub weights: Vec<(usize, u64)>,
     /// Total number of parameter elements.
     pub numel: u64,
 }
@@ -121,6 +124,8 @@ pub struct Model {
     pub has_normalization: bool,
     /// Layers with a weight matrix or kernel (the depth that gradients travel through).
     pub weighted_depth: usize,
+    /// Module index by qualified name.
+    by_name: std::collections::HashMap<String, usize>,
     /// The optimizer scales each update to about the learning rate (Adam and its family).
     pub adaptive_optimizer: bool,
 }
@@ -213,6 +218,7 @@ impl Model {
                 kind: spec.modules[m].kind.clone(),
                 params: Vec::new(),
                 weight: None,
+                weights: Vec::new(),
                 numel: 0,
             });
         }
@@ -222,9 +228,10 @@ impl Model {
             let layer = &mut layers[l];
             layer.params.push(i);
             layer.numel += p.numel;
-            if p.role == ParamRole::Weight && layer.weight.is_none() {
+            if p.role == ParamRole::Weight {
                 if let Some(fan_in) = p.fan_in.filter(|f| *f > 0) {
-                    layer.weight = Some((i, fan_in));
+                    layer.weight.get_or_insert((i, fan_in));
+                    layer.weights.push((i, fan_in));
                 }
             }
         }
@@ -252,7 +259,14 @@ impl Model {
         let has_normalization = spec.modules.iter().any(|m| is_normalization(&m.kind));
         let weighted_depth = layers.iter().filter(|l| l.weight.is_some()).count();
         let adaptive_optimizer = spec.optimizer.as_deref().is_some_and(is_adaptive);
+        let by_name = spec
+            .modules
+            .iter()
+            .enumerate()
+            .map(|(i, m)| (m.name.clone(), i))
+            .collect();
         Ok(Self {
+            by_name,
             spec,
             layers,
             param_layer,
@@ -283,7 +297,7 @@ impl Model {
 
     /// Index of the module with this qualified name.
     pub fn module_index(&self, name: &str) -> Option<usize> {
-        self.spec.modules.iter().position(|m| m.name == name)
+        self.by_name.get(name).copied()
     }
 
     /// Position of a module in forward order (its index).

@@ -496,17 +496,26 @@ pub(crate) struct Scored {
     pub reasons: Vec<String>,
 }
 
+/// How far below `unknown` every named cause starts.
+const NAMED_PRIOR: f64 = 1.5;
+
 struct Ballot {
     scored: Vec<Scored>,
 }
 
 impl Ballot {
     fn new(candidates: &[Cause]) -> Self {
+        // A named cause starts below `unknown`: it must bring evidence just to tie with "we
+        // don't know", so a failure nothing explains is reported as one of unknown cause.
         let mut scored: Vec<Scored> = candidates
             .iter()
             .map(|&cause| Scored {
                 cause,
-                score: 0.0,
+                score: if cause == Cause::Unknown {
+                    0.0
+                } else {
+                    -NAMED_PRIOR
+                },
                 reasons: Vec::new(),
             })
             .collect();
@@ -584,12 +593,17 @@ pub(crate) fn rank_causes(
             if f.at_start {
                 b.add(
                     C::PoorInitialization,
-                    1.5,
+                    2.5,
                     "gradients were already exploding at the first step, before any update",
                 );
                 init_compounding(&mut b, ev, false);
                 // Ordinary weights that do not amplify the signal, yet a huge loss or huge
                 // inputs: the data is off scale (unnormalized inputs or regression targets).
+                let data_off_scale = ev.loss_initial.is_some_and(|l| l > 1e3)
+                    || ev.input_scale_first.is_some_and(|x| x > 20.0);
+                if ev.gain_normal() && network_gain(ev) < 1.0 && data_off_scale {
+                    b.add(C::PoorInitialization, -1.0, "");
+                }
                 if ev.gain_normal() && network_gain(ev) < 1.0 {
                     if let Some(l) = ev.loss_initial.filter(|l| *l > 1e3) {
                         b.add(
@@ -638,7 +652,11 @@ pub(crate) fn rank_causes(
             if let Some(j) = f.dead {
                 b.add(C::DyingRelu, 4.0, format!("{:.0}% of the units of a ReLU layer downstream output zero for the whole batch", 100.0 * episodes[j].fraction));
             }
-            if e.exact_zero {
+            // Exactly-zero gradients look like a blocked ReLU path only if the model can have
+            // one: ReLU-family modules, or no activation modules at all (functional ReLUs).
+            let may_have_relu = run.model.activations.is_empty()
+                || run.model.activations.iter().any(|a| a.traits.can_die);
+            if e.exact_zero && may_have_relu {
                 b.add(
                     C::DyingRelu,
                     1.0,
@@ -664,7 +682,7 @@ pub(crate) fn rank_causes(
             if f.at_start {
                 b.add(
                     C::PoorInitialization,
-                    1.5,
+                    2.0,
                     "gradients vanished from the first step, before any update",
                 );
                 if let Some((g, _)) = ev.gain_median.zip(Some(0)).filter(|_| ev.gain_too_small()) {
@@ -747,7 +765,7 @@ pub(crate) fn rank_causes(
                 b.add(C::LearningRateTooHigh, -1.5, "");
                 b.add(
                     C::PoorInitialization,
-                    1.0,
+                    1.5,
                     "values were non-finite from the first step, before any update",
                 );
                 if ev.gain_too_large() || ev.gain_too_small() {
