@@ -266,7 +266,6 @@ impl Model {
             .map(|(i, m)| (m.name.clone(), i))
             .collect();
         Ok(Self {
-            by_name,
             spec,
             layers,
             param_layer,
@@ -275,6 +274,7 @@ impl Model {
             module_activation,
             has_normalization,
             weighted_depth,
+            by_name,
             adaptive_optimizer,
         })
     }
