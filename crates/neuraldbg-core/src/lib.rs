@@ -40,6 +40,7 @@ mod history;
 mod model;
 mod observation;
 pub mod output;
+pub mod trace;
 mod track;
 
 pub use analysis::{Analysis, CausalHypothesis, Cause, Coupling, CouplingKind, Failure, RootCause};
