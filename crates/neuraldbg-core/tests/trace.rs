@@ -124,10 +124,10 @@ fn record(path: &PathBuf, spec: &ModelSpec, obs: &[Observation], close: bool) ->
     })
     .unwrap();
     live.register_model(spec.clone()).unwrap();
-    let mut writer = TraceWriter::create(path, WriterOptions::default()).unwrap();
     let mut meta = Map::new();
     meta.insert("producer".into(), json!("trace tests"));
-    writer.write_header(live.config(), spec, &meta).unwrap();
+    let mut writer = TraceWriter::create(path, meta, WriterOptions::default()).unwrap();
+    writer.write_header(live.config(), spec).unwrap();
     for o in obs {
         live.observe(&o.view()).unwrap();
         writer.write_step(&o.view()).unwrap();
@@ -219,7 +219,7 @@ fn empty_runs_header_only_and_no_header() {
 
     // Never registered: the file has a preamble and the reader says what that means.
     let path = temp_path("no-header.ndbg");
-    TraceWriter::create(&path, WriterOptions::default())
+    TraceWriter::create(&path, Map::new(), WriterOptions::default())
         .unwrap()
         .close()
         .unwrap();
@@ -267,15 +267,20 @@ fn foreign_missing_newer_and_unwritable_files_are_clear_errors() {
     // A regular file where a directory should be: creating the trace fails with the path.
     let blocker = dir.join("file");
     std::fs::write(&blocker, b"").unwrap();
-    let err = TraceWriter::create(blocker.join("run.ndbg"), WriterOptions::default()).unwrap_err();
+    let err = TraceWriter::create(
+        blocker.join("run.ndbg"),
+        Map::new(),
+        WriterOptions::default(),
+    )
+    .unwrap_err();
     assert!(matches!(err, TraceError::Io { .. }), "{err}");
     assert!(err.to_string().contains("file"), "{err}");
-    let err = TraceWriter::create(dir, WriterOptions::default()).unwrap_err();
+    let err = TraceWriter::create(dir, Map::new(), WriterOptions::default()).unwrap_err();
     assert!(err.to_string().contains("directory"), "{err}");
 
     // Directories are created.
     let nested = dir.join("a/b/c/run.ndbg");
-    TraceWriter::create(&nested, WriterOptions::default()).unwrap();
+    TraceWriter::create(&nested, Map::new(), WriterOptions::default()).unwrap();
     assert!(nested.exists());
     std::fs::remove_dir_all(dir).unwrap();
 }
@@ -285,6 +290,7 @@ fn writer_refuses_steps_out_of_order_and_before_the_header() {
     let path = temp_path("order.ndbg");
     let mut w = TraceWriter::create(
         &path,
+        Map::new(),
         WriterOptions {
             sync: SyncPolicy::EveryRecord,
         },
@@ -296,12 +302,8 @@ fn writer_refuses_steps_out_of_order_and_before_the_header() {
         ..Observation::default()
     };
     assert!(w.write_step(&obs(0).view()).is_err());
-    w.write_header(&Config::default(), &mlp(2, "Tanh"), &Map::new())
-        .unwrap();
-    assert!(
-        w.write_header(&Config::default(), &mlp(2, "Tanh"), &Map::new())
-            .is_err()
-    );
+    w.write_header(&Config::default(), &mlp(2, "Tanh")).unwrap();
+    assert!(w.write_header(&Config::default(), &mlp(2, "Tanh")).is_err());
     w.write_step(&obs(3).view()).unwrap();
     let err = w.write_step(&obs(3).view()).unwrap_err();
     assert!(err.to_string().contains("step 3"), "{err}");
@@ -491,9 +493,8 @@ fn optional_records_of_later_writers_are_skipped_and_unknown_mandatory_ones_are_
 fn a_step_the_engine_refuses_ends_the_replay_there() {
     let path = temp_path("refused.ndbg");
     let spec = mlp(2, "Tanh");
-    let mut w = TraceWriter::create(&path, WriterOptions::default()).unwrap();
-    w.write_header(&Config::default(), &spec, &Map::new())
-        .unwrap();
+    let mut w = TraceWriter::create(&path, Map::new(), WriterOptions::default()).unwrap();
+    w.write_header(&Config::default(), &spec).unwrap();
     for step in 0..3 {
         // The third step has the wrong number of activation values.
         let acts = if step == 2 { 3 } else { 2 * ACTIVATION_STATS };

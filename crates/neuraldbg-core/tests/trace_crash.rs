@@ -61,13 +61,13 @@ fn observation(step: u64) -> Observation {
 fn child(path: &Path) {
     let mut w = TraceWriter::create(
         path,
+        Map::new(),
         WriterOptions {
             sync: SyncPolicy::OnClose,
         },
     )
     .unwrap();
-    w.write_header(&Config::default(), &spec(), &Map::new())
-        .unwrap();
+    w.write_header(&Config::default(), &spec()).unwrap();
     let mut out = std::io::stdout().lock();
     let mut obs = observation(0);
     for step in 0.. {

@@ -24,8 +24,8 @@
 //! };
 //! let mut live = Engine::new(Config::default()).unwrap();
 //! live.register_model(spec.clone()).unwrap();
-//! let mut writer = TraceWriter::create(&path, WriterOptions::default()).unwrap();
-//! writer.write_header(live.config(), &spec, &serde_json::Map::new()).unwrap();
+//! let mut writer = TraceWriter::create(&path, serde_json::Map::new(), WriterOptions::default()).unwrap();
+//! writer.write_header(live.config(), &spec).unwrap();
 //! for step in 0..5 {
 //!     let obs = Observation { step, grad_norms: vec![1e-9], ..Default::default() };
 //!     live.observe(&obs.view()).unwrap();

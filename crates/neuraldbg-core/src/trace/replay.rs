@@ -20,6 +20,10 @@ pub struct Replay {
     pub origin: String,
     /// Steps replayed.
     pub steps: u64,
+    /// The first step replayed.
+    pub first_step: Option<u64>,
+    /// Bytes of the step records replayed, framing included: what each step costs on disk.
+    pub step_bytes: u64,
     /// Bytes of the trace that were used (up to the end of the last good record).
     pub bytes: u64,
     /// Size of the file, when read from one.
@@ -63,12 +67,19 @@ impl Replay {
         let mut engine = Engine::new(header.config.clone()).map_err(bad)?;
         engine.register_model(header.model.clone()).map_err(bad)?;
         let mut steps = 0u64;
+        let mut first_step = None;
+        let mut step_bytes = 0;
+        let mut start = reader.offset();
         while let Some(record) = reader.next_record() {
+            let size = reader.offset() - start;
+            start = reader.offset();
             if let Record::Step(obs) = record {
                 if let Err(e) = engine.observe(&obs.view()) {
                     reader.reject_last(e.to_string());
                     break;
                 }
+                first_step.get_or_insert(obs.step);
+                step_bytes += size;
                 steps += 1;
                 if steps % PROGRESS_EVERY == 0 {
                     progress(reader.offset());
@@ -83,6 +94,8 @@ impl Replay {
             header,
             origin,
             steps,
+            first_step,
+            step_bytes,
             bytes,
             file_len: reader.len(),
             damage,

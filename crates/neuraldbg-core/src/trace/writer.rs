@@ -28,6 +28,22 @@ pub enum SyncPolicy {
     EveryRecord,
 }
 
+impl SyncPolicy {
+    /// The policy of syncing every `seconds`: 0 is every record, infinity only on close.
+    /// None for a negative or NaN interval.
+    pub fn every(seconds: f64) -> Option<Self> {
+        if seconds == 0.0 {
+            Some(Self::EveryRecord)
+        } else if seconds == f64::INFINITY {
+            Some(Self::OnClose)
+        } else if seconds > 0.0 && seconds.is_finite() {
+            Some(Self::Interval(Duration::from_secs_f64(seconds)))
+        } else {
+            None
+        }
+    }
+}
+
 /// How a [`TraceWriter`] behaves.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct WriterOptions {
@@ -51,6 +67,7 @@ pub struct TraceWriter {
     file: File,
     path: PathBuf,
     options: WriterOptions,
+    meta: Map<String, Value>,
     frame: Vec<u8>,
     payload: Vec<u8>,
     bytes: u64,
@@ -66,8 +83,12 @@ pub struct TraceWriter {
 
 impl TraceWriter {
     /// Creates (or truncates) the trace at `path`, creating missing directories, and writes
-    /// its preamble.
-    pub fn create(path: impl AsRef<Path>, options: WriterOptions) -> Result<Self, TraceError> {
+    /// its preamble. `meta` (producer, framework versions, start time...) goes into the header.
+    pub fn create(
+        path: impl AsRef<Path>,
+        meta: Map<String, Value>,
+        options: WriterOptions,
+    ) -> Result<Self, TraceError> {
         let path = path.as_ref().to_path_buf();
         let io = |op: &'static str, path: &Path| {
             let path = path.to_path_buf();
@@ -93,6 +114,7 @@ impl TraceWriter {
             file,
             path,
             options,
+            meta,
             frame: Vec::new(),
             payload: Vec::new(),
             bytes: format::PREAMBLE_LEN as u64,
@@ -130,14 +152,9 @@ impl TraceWriter {
         self.header
     }
 
-    /// Writes the header: the engine's configuration, the registered model and free-form
-    /// metadata (producer, framework versions...). Synced at once: without it nothing replays.
-    pub fn write_header(
-        &mut self,
-        config: &Config,
-        model: &ModelSpec,
-        meta: &Map<String, Value>,
-    ) -> Result<(), TraceError> {
+    /// Writes the header: the engine's configuration, the registered model and the metadata.
+    /// Synced at once: without it nothing replays.
+    pub fn write_header(&mut self, config: &Config, model: &ModelSpec) -> Result<(), TraceError> {
         if self.header {
             return Err(self.usage("the header is already written"));
         }
@@ -145,7 +162,7 @@ impl TraceWriter {
             "format": format::VERSION,
             "config": config,
             "model": model,
-            "meta": meta,
+            "meta": self.meta,
         });
         let text = serde_json::to_vec(&header).map_err(|e| self.usage(&e.to_string()))?;
         // Replay is exact only if every number reads back as the same bits.
