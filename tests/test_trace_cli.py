@@ -376,3 +376,26 @@ def test_a_failing_disk_stops_the_trace_not_the_diagnosis(tmp_path: Path) -> Non
     assert path.stat().st_size <= 8_000
     # The failing write left at most a partial record, which the reader leaves out.
     assert info["damage"] is None or "the file ends" in info["damage"]["message"]
+
+
+def test_native_engine_traces_after_registration_and_checks_sync(tmp_path: Path) -> None:
+    """Opening a trace on an engine whose model is already registered writes the header at
+    once; bad sync intervals are configuration errors."""
+    from neuraldbg import _native
+
+    engine = _native.Engine("{}")
+    spec = {
+        "modules": [{"name": "fc", "kind": "Linear"}, {"name": "", "kind": "Net"}],
+        "params": [{"module": 0, "name": "fc.weight", "numel": 4, "role": "weight", "fan_in": 2}],
+    }
+    engine.register_model(json.dumps(spec))
+    with pytest.raises(ConfigError, match="sync_interval"):
+        engine.open_trace(str(tmp_path / "bad.ndbg"), sync_interval=-1.0)
+    engine.open_trace(tmp_path / "late.ndbg", '{"who": "test"}', sync_interval=0.0)
+    for step in range(5):
+        engine.observe(step, np.array([1e-9], np.float32))
+    assert engine.close_trace() == (str(tmp_path / "late.ndbg"), 5, (tmp_path / "late.ndbg").stat().st_size, True)
+    assert engine.close_trace() is None
+    info = json.loads(neuraldbg("info", tmp_path / "late.ndbg", "--json").stdout)
+    assert info["steps"] == 5 and info["meta"] == {"who": "test"}
+    assert json.loads(neuraldbg("events", tmp_path / "late.ndbg", "--json").stdout) == json.loads(engine.events_json())

@@ -309,10 +309,28 @@ fn writer_refuses_steps_out_of_order_and_before_the_header() {
     assert!(err.to_string().contains("step 3"), "{err}");
     w.write_step(&obs(4).view()).unwrap();
     assert_eq!(w.steps(), 2);
-    drop(w); // dropping closes
+    w.close().unwrap();
+    let closed_at = w.bytes();
+    assert!(w.write_step(&obs(5).view()).is_err());
+    w.close().unwrap(); // closing twice is harmless
+    drop(w); // and so is dropping a closed writer
+    assert_eq!(std::fs::metadata(&path).unwrap().len(), closed_at);
     let replay = Replay::read(TraceReader::open(&path).unwrap(), |_| {}).unwrap();
     assert!(replay.closed);
     assert_eq!(replay.engine.last_step(), Some(4));
+}
+
+#[test]
+fn sync_policy_from_seconds() {
+    use std::time::Duration;
+    assert_eq!(SyncPolicy::every(0.0), Some(SyncPolicy::EveryRecord));
+    assert_eq!(SyncPolicy::every(f64::INFINITY), Some(SyncPolicy::OnClose));
+    assert_eq!(
+        SyncPolicy::every(2.5),
+        Some(SyncPolicy::Interval(Duration::from_millis(2500)))
+    );
+    assert_eq!(SyncPolicy::every(-1.0), None);
+    assert_eq!(SyncPolicy::every(f64::NAN), None);
 }
 
 /// A closed trace of a small failing run, its records, and where each record starts.

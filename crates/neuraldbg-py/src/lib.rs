@@ -152,19 +152,18 @@ impl PyEngine {
 
     /// Closes the trace: `(path, steps, bytes, has_header)`, or None when no trace was open.
     fn close_trace(&mut self, py: Python<'_>) -> PyResult<Option<(String, u64, u64, bool)>> {
-        let Some(writer) = self.trace.take() else {
+        let Some(mut writer) = self.trace.take() else {
             return Ok(None);
         };
-        let summary = (
+        writer
+            .close()
+            .map_err(|e| raise(py, "EngineError", &e.to_string()))?;
+        Ok(Some((
             writer.path().display().to_string(),
             writer.steps(),
             writer.bytes(),
             writer.has_header(),
-        );
-        writer
-            .close()
-            .map_err(|e| raise(py, "EngineError", &e.to_string()))?;
-        Ok(Some(summary))
+        )))
     }
 
     /// Registers the model (JSON `ModelSpec`); returns the activation probes as JSON.

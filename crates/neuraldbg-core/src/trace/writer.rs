@@ -206,22 +206,19 @@ impl TraceWriter {
         Ok(())
     }
 
-    /// Writes the end record and syncs. A trace without an end record is still readable; the
-    /// reader then reports that the run did not close it (it was killed or crashed).
-    pub fn close(mut self) -> Result<(), TraceError> {
-        self.finish()
-    }
-
-    fn finish(&mut self) -> Result<(), TraceError> {
+    /// Writes the end record and syncs; later calls do nothing and later writes fail. A trace
+    /// without an end record is still readable; the reader then reports that the run did not
+    /// close it (it was killed or crashed).
+    pub fn close(&mut self) -> Result<(), TraceError> {
         if self.closed || self.failed {
             return Ok(());
         }
-        self.closed = true;
         // A trace without a header has nothing to end: readers say "no model" instead.
         if self.header {
             self.payload = format::encode_end(self.steps).to_vec();
             self.write_record(Kind::End)?;
         }
+        self.closed = true;
         self.sync()
     }
 
@@ -235,6 +232,9 @@ impl TraceWriter {
     fn write_record(&mut self, kind: Kind) -> Result<(), TraceError> {
         if self.failed {
             return Err(self.usage("writing stopped after an earlier error"));
+        }
+        if self.closed {
+            return Err(self.usage("the trace is closed"));
         }
         if self.payload.len() > MAX_PAYLOAD as usize {
             return Err(self.usage("the record is too large"));
@@ -272,6 +272,6 @@ impl TraceWriter {
 impl Drop for TraceWriter {
     /// Closes the trace like [`TraceWriter::close`], ignoring errors (nobody can receive them).
     fn drop(&mut self) {
-        let _ = self.finish();
+        let _ = self.close();
     }
 }
