@@ -7,7 +7,7 @@ PY      := $(VENV)/bin/python
 STAMPS  := .stamps
 SOURCES := $(shell find crates python -type f \( -name '*.rs' -o -name '*.py' -o -name '*.pyi' -o -name 'Cargo.toml' \) 2>/dev/null) Cargo.toml pyproject.toml
 
-.PHONY: all demo test test-rust test-python lint bench bench-diagnosis build clean
+.PHONY: all demo test test-rust test-python lint bench bench-diagnosis bench-trace build clean
 
 all: test
 
@@ -42,6 +42,9 @@ test: lint test-rust test-python
 
 bench-diagnosis: build
 	$(PY) bench/scoreboard.py
+
+bench-trace: build
+	$(PY) bench/trace_size.py
 
 clean:
 	rm -rf $(STAMPS) target

@@ -16,11 +16,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     """Runs the CLI with ``argv`` (default: the process's arguments); returns the exit code."""
     from . import _native
 
-    # Behave like a native command: Ctrl-C ends it at once, and a closed pipe (`| head`) ends
-    # it quietly instead of raising in Python.
+    # Ctrl-C ends the command at once, as it does the native binary (Python would only see it
+    # once the Rust code returns).
     signal.signal(signal.SIGINT, signal.SIG_DFL)
-    if hasattr(signal, "SIGPIPE"):
-        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     args = sys.argv[1:] if argv is None else argv
     sys.stdout.flush()
     return int(_native.cli_main(["neuraldbg", *args]))

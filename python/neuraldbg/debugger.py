@@ -168,8 +168,12 @@ class NeuralDbg:
         if self._trace_path is not None:
             # Opened before any hook is installed, so a bad path leaves nothing behind.
             self._engine.open_trace(self._trace_path, json.dumps(self._trace_meta()))
-        self._collector = Collector(self.model, self._engine, **self._options)
-        self._collector.install()
+        try:
+            self._collector = Collector(self.model, self._engine, **self._options)
+            self._collector.install()
+        except BaseException:
+            self._close_trace()
+            raise
         self._active = True
         return self
 
