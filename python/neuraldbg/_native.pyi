@@ -1,7 +1,7 @@
 """Type stubs of the Rust extension module (crates/neuraldbg-py)."""
 
 import os
-from typing import List, Optional, Tuple, Union
+from typing import Optional, Sequence, Tuple, Union
 
 import numpy as np
 import numpy.typing as npt
@@ -11,7 +11,7 @@ __version__: str
 def default_config_json() -> str:
     """The engine's default configuration as a JSON object."""
 
-def cli_main(argv: List[str]) -> int:
+def cli_main(argv: Sequence[str]) -> int:
     """Runs the ``neuraldbg`` command line (program name first); returns its exit code."""
 
 class Engine:
