@@ -17,7 +17,8 @@ Exit codes:
   3  the trace cannot be read: missing file, not a trace, damaged before its first step,
      or no model header (the run ended before its first observed step)
   4  the trace was written by a newer NeuralDBG (upgrade to read it)
-  5  with --strict: the trace is damaged (the recovered part is still printed)";
+  5  with --strict: the trace is damaged (the recovered part is still printed)
+  70 internal error (a bug in neuraldbg)";
 
 #[derive(Debug, Parser)]
 #[command(

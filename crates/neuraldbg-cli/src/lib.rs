@@ -46,6 +46,8 @@ pub const EXIT_UNREADABLE: i32 = 3;
 pub const EXIT_NEWER: i32 = 4;
 /// `--strict` and the trace is damaged.
 pub const EXIT_DAMAGED: i32 = 5;
+/// A bug in `neuraldbg` itself (a panic, caught so it is reported rather than aborting).
+pub const EXIT_INTERNAL: i32 = 70;
 
 /// Why a command stopped: the exit code and the message for standard error (none: stop
 /// quietly).
@@ -145,7 +147,15 @@ where
         err,
         progress: progress && !cli.quiet,
     };
-    let result = dispatch(&cli, &mut io);
+    // Malformed traces are errors, never panics; should a bug panic anyway, say so plainly
+    // (the default hook has already printed where).
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| dispatch(&cli, &mut io)))
+        .unwrap_or_else(|_| {
+            Err(Stop::new(
+                EXIT_INTERNAL,
+                "internal error (a bug in neuraldbg): please report it with the trace",
+            ))
+        });
     let flushed = io.out.flush();
     match result.and_then(|code| flushed.map(|()| code).map_err(|e| output_error(&e))) {
         Ok(code) => code,
