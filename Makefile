@@ -7,7 +7,7 @@ PY      := $(VENV)/bin/python
 STAMPS  := .stamps
 SOURCES := $(shell find crates python -type f \( -name '*.rs' -o -name '*.py' -o -name '*.pyi' -o -name 'Cargo.toml' -o -name '*.js' -o -name '*.css' -o -name '*.html' \) 2>/dev/null) Cargo.toml pyproject.toml
 
-.PHONY: all demo test test-rust test-python lint bench bench-diagnosis bench-report build browser report-screenshot clean
+.PHONY: all demo test test-rust test-python lint bench bench-diagnosis bench-report bench-trace build browser report-screenshot clean
 
 all: test
 
@@ -59,6 +59,9 @@ bench-report:
 # docs/report.png: the report of a scenario with a planted failure, as Chromium draws it.
 report-screenshot: build browser
 	$(PY) bench/report.py cnn_lr_schedule_explosion -o runs/report.html --png docs/report.png
+
+bench-trace: build
+	$(PY) bench/trace_size.py
 
 clean:
 	rm -rf $(STAMPS) target

@@ -1,22 +1,37 @@
 """Type stubs of the Rust extension module (crates/neuraldbg-py)."""
 
-from typing import Optional, Tuple
+import os
+from typing import Optional, Sequence, Tuple, Union
 
 import numpy as np
 import numpy.typing as npt
 from typing_extensions import final
 
-__all__ = ["Engine", "__version__", "default_config_json"]
+__all__ = ["Engine", "__version__", "cli_main", "default_config_json"]
 __version__: str
 
 def default_config_json() -> str:
     """The engine's default configuration as a JSON object."""
+
+def cli_main(argv: Sequence[str]) -> int:
+    """Runs the ``neuraldbg`` command line (program name first); returns its exit code."""
 
 @final
 class Engine:
     """The NeuralDBG engine for one watched model."""
 
     def __new__(cls, config_json: str) -> "Engine": ...
+    def open_trace(
+        self,
+        path: Union[str, os.PathLike[str]],
+        meta_json: str = "{}",
+        sync_interval: Optional[float] = None,
+    ) -> None:
+        """Starts recording the engine's inputs to a trace file (ConfigError if it cannot be
+        created). ``sync_interval``: seconds between syncs to disk (0: every step; inf: only
+        on close; None: the default)."""
+    def close_trace(self) -> Optional[Tuple[str, int, int, bool]]:
+        """Closes the trace: ``(path, steps, bytes, has_header)``, or None if none was open."""
     def register_model(self, spec_json: str) -> str:
         """Registers the model (JSON ModelSpec); returns the activation probes as JSON."""
     @property

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+import platform
+import time
+import warnings
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 
 from . import _native
-from .errors import ConfigError, ModelError, NeuralDbgError
+from .errors import ConfigError, ModelError, NeuralDbgError, NeuralDbgWarning
 from .types import CausalHypothesis, CoupledFailure, Failure, RootCause, SemanticEvent
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -61,13 +64,19 @@ class NeuralDbg:
             then located from gradients only).
         step_on: ``"optimizer"`` (default) counts a step per ``optimizer.step()``;
             ``"backward"`` counts one per backward pass, for loops without a torch optimizer.
+        trace: a file path (``"runs/x.ndbg"``) to record the run to while it trains, for
+            ``neuraldbg explain runs/x.ndbg`` and the other commands after the run, even if it
+            crashed or was killed: every completed step is on disk as soon as it is observed.
+            Missing directories are created; an existing file is replaced. The trace is closed
+            on ``__exit__``, also when the loop raises. Format: docs/trace-format.md.
         **engine_options: any other engine setting (``persistence``, ``hysteresis``,
             ``activation_dead_fraction``, ``history_capacity``, ...; see :attr:`DEFAULTS`).
 
     Raises:
         ModelError: ``model`` is not a ``torch.nn.Module``.
         ConfigError: an option is out of range (e.g. a negative threshold, or
-            ``threshold_vanishing >= threshold_exploding``).
+            ``threshold_vanishing >= threshold_exploding``), or the trace file cannot be
+            created (raised by ``__enter__``).
     """
 
     DEFAULTS: Dict[str, Any] = dict(_DEFAULTS)
@@ -86,6 +95,7 @@ class NeuralDbg:
         dense_steps: int = 10,
         forward_check: str = "auto",
         step_on: str = "optimizer",
+        trace: "Union[str, os.PathLike[str], None]" = None,
         **engine_options: Any,
     ) -> None:
         try:
@@ -113,6 +123,11 @@ class NeuralDbg:
             raise ConfigError(f"forward_check must be one of {_FORWARD_CHECKS}, got {forward_check!r}")
         if step_on not in _STEP_ON:
             raise ConfigError(f"step_on must be one of {_STEP_ON}, got {step_on!r}")
+        if trace is not None and not isinstance(trace, (str, os.PathLike)):
+            raise ConfigError(f"trace must be a file path or None, got {type(trace).__qualname__}")
+        trace_path = None if trace is None else os.fspath(trace)
+        if trace_path is not None and (not isinstance(trace_path, str) or not trace_path):
+            raise ConfigError(f"trace must be a non-empty file path, got {trace!r}")
         unknown = sorted(set(engine_options) - set(_DEFAULTS))
         if unknown:
             raise ConfigError(
@@ -135,6 +150,7 @@ class NeuralDbg:
             forward_check=forward_check,
             step_on=step_on,
         )
+        self._trace_path: Optional[str] = trace_path
         self._collector: Any = None
         self._active = False
 
@@ -149,8 +165,15 @@ class NeuralDbg:
             )
         from ._collect import Collector
 
-        self._collector = Collector(self.model, self._engine, **self._options)
-        self._collector.install()
+        if self._trace_path is not None:
+            # Opened before any hook is installed, so a bad path leaves nothing behind.
+            self._engine.open_trace(self._trace_path, json.dumps(self._trace_meta()))
+        try:
+            self._collector = Collector(self.model, self._engine, **self._options)
+            self._collector.install()
+        except BaseException:
+            self._close_trace()
+            raise
         self._active = True
         return self
 
@@ -160,10 +183,41 @@ class NeuralDbg:
             if collector is not None:
                 collector.finish(crashed=exc_type is not None)
         finally:
-            if collector is not None:
-                collector.remove()
-            self._active = False
+            try:
+                if collector is not None:
+                    collector.remove()
+            finally:
+                self._active = False
+                self._close_trace()
         return False  # never swallow the user's exception
+
+    def _trace_meta(self) -> Dict[str, Any]:
+        """Facts about the run stored in the trace header."""
+        import torch
+
+        return {
+            "producer": f"neuraldbg {_native.__version__} (python)",
+            "python": platform.python_version(),
+            "torch": str(torch.__version__),
+            "model": type(self.model).__qualname__,
+            "started": time.time(),
+        }
+
+    def _close_trace(self) -> None:
+        """Closes the trace; problems are warnings, never an exception that would replace the
+        user's own."""
+        try:
+            summary = self._engine.close_trace()
+        except NeuralDbgError as e:
+            warnings.warn(f"NeuralDBG could not close the trace: {e}", NeuralDbgWarning, stacklevel=3)
+            return
+        if summary is not None and not summary[3]:
+            warnings.warn(
+                f"the trace {summary[0]} holds no model header: no training step was observed "
+                "(no optimizer.step() on the model's parameters), so there is nothing to replay",
+                NeuralDbgWarning,
+                stacklevel=3,
+            )
 
     # ---------------------------------------------------------------- observation
 

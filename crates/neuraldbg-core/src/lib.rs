@@ -41,6 +41,7 @@ mod model;
 mod observation;
 pub mod output;
 pub mod report;
+pub mod trace;
 mod track;
 
 pub use analysis::{Analysis, CausalHypothesis, Cause, Coupling, CouplingKind, Failure, RootCause};

@@ -7,7 +7,10 @@
 // PyO3 extracts arguments by value; the borrow checker, not clippy, decides here.
 #![allow(clippy::needless_pass_by_value)]
 
+use std::ffi::CString;
+
 use neuraldbg_core::analysis::{Analysis, parse_failure};
+use neuraldbg_core::trace::{SyncPolicy, TraceWriter, WriterOptions};
 use neuraldbg_core::{
     Config, ConfigError, Engine, EngineError, ModelSpec, Reduce, StepView, output,
 };
@@ -53,10 +56,50 @@ fn slice<'a>(py: Python<'_>, name: &str, a: &'a PyReadonlyArray1<'_, f32>) -> Py
 /// `(steps, values)` of a history series.
 type Series<'py> = (Bound<'py, PyArray1<u64>>, Bound<'py, PyArray1<f64>>);
 
+/// Emits a `neuraldbg.NeuralDbgWarning` (best effort: a warning filter that raises is ignored,
+/// monitoring must not break training).
+fn warn(py: Python<'_>, message: &str) {
+    let Ok(category) = py
+        .import("neuraldbg.errors")
+        .and_then(|m| m.getattr("NeuralDbgWarning"))
+    else {
+        return;
+    };
+    let message = CString::new(message.replace('\0', " ")).unwrap_or_default();
+    let _ = PyErr::warn(py, &category, &message, 2);
+}
+
 /// The engine. One per watched model.
 #[pyclass(module = "neuraldbg._native", name = "Engine", unsendable)]
 struct PyEngine {
     inner: Engine,
+    /// Where the engine's inputs are recorded, when a trace is open.
+    trace: Option<TraceWriter>,
+}
+
+impl PyEngine {
+    /// Runs one trace write; on failure stops tracing with a warning, and the live diagnosis
+    /// goes on.
+    fn traced(
+        &mut self,
+        py: Python<'_>,
+        what: &str,
+        write: impl FnOnce(&Engine, &mut TraceWriter) -> Result<(), neuraldbg_core::trace::TraceError>,
+    ) {
+        let Some(writer) = self.trace.as_mut() else {
+            return;
+        };
+        if let Err(e) = write(&self.inner, writer) {
+            let steps = writer.steps();
+            self.trace = None;
+            warn(
+                py,
+                &format!(
+                    "NeuralDBG stopped writing the trace: {what} failed ({e}); the trace keeps its first {steps} steps, the live diagnosis continues"
+                ),
+            );
+        }
+    }
 }
 
 #[pymethods]
@@ -66,7 +109,61 @@ impl PyEngine {
     fn new(py: Python<'_>, config_json: &str) -> PyResult<Self> {
         let config = Config::from_json(config_json).map_err(|e| config_err(py, &e))?;
         let inner = Engine::new(config).map_err(|e| to_py_err(py, &e))?;
-        Ok(Self { inner })
+        Ok(Self { inner, trace: None })
+    }
+
+    /// Starts recording this engine's inputs to a trace file (directories are created, an
+    /// existing file is replaced). The header is written once the model is registered.
+    /// `sync_interval`: seconds between syncs to disk; 0 syncs every step, infinity only on
+    /// close, None the default.
+    #[pyo3(signature = (path, meta_json="{}", sync_interval=None))]
+    fn open_trace(
+        &mut self,
+        py: Python<'_>,
+        path: std::path::PathBuf,
+        meta_json: &str,
+        sync_interval: Option<f64>,
+    ) -> PyResult<()> {
+        if self.trace.is_some() {
+            return Err(raise(py, "EngineError", "a trace is already open"));
+        }
+        let meta: serde_json::Map<String, serde_json::Value> = serde_json::from_str(meta_json)
+            .map_err(|e| raise(py, "ConfigError", &format!("trace metadata: {e}")))?;
+        let sync = match sync_interval {
+            None => WriterOptions::default().sync,
+            Some(s) => SyncPolicy::every(s).ok_or_else(|| {
+                raise(
+                    py,
+                    "ConfigError",
+                    &format!("sync_interval must be >= 0 seconds, got {s}"),
+                )
+            })?,
+        };
+        let mut writer = TraceWriter::create(&path, meta, WriterOptions { sync })
+            .map_err(|e| raise(py, "ConfigError", &e.to_string()))?;
+        if let Some(model) = self.inner.model() {
+            writer
+                .write_header(self.inner.config(), &model.spec)
+                .map_err(|e| raise(py, "EngineError", &e.to_string()))?;
+        }
+        self.trace = Some(writer);
+        Ok(())
+    }
+
+    /// Closes the trace: `(path, steps, bytes, has_header)`, or None when no trace was open.
+    fn close_trace(&mut self, py: Python<'_>) -> PyResult<Option<(String, u64, u64, bool)>> {
+        let Some(mut writer) = self.trace.take() else {
+            return Ok(None);
+        };
+        writer
+            .close()
+            .map_err(|e| raise(py, "EngineError", &e.to_string()))?;
+        Ok(Some((
+            writer.path().display().to_string(),
+            writer.steps(),
+            writer.bytes(),
+            writer.has_header(),
+        )))
     }
 
     /// Registers the model (JSON `ModelSpec`); returns the activation probes as JSON.
@@ -77,6 +174,10 @@ impl PyEngine {
             .inner
             .register_model(spec)
             .map_err(|e| to_py_err(py, &e))?;
+        self.traced(py, "writing the header", |engine, w| {
+            let model = &engine.model().expect("just registered").spec;
+            w.write_header(engine.config(), model)
+        });
         serde_json::to_string(&probes).map_err(|e| raise(py, "EngineError", &e.to_string()))
     }
 
@@ -131,7 +232,9 @@ impl PyEngine {
             lr,
             nonfinite_module,
         };
-        self.inner.observe(&view).map_err(|e| to_py_err(py, &e))
+        self.inner.observe(&view).map_err(|e| to_py_err(py, &e))?;
+        self.traced(py, "writing a step", |_, w| w.write_step(&view));
+        Ok(())
     }
 
     /// All events, in step order, as a JSON list.
@@ -226,10 +329,17 @@ fn default_config_json() -> String {
     serde_json::to_string(&Config::default()).unwrap_or_default()
 }
 
+/// Runs the `neuraldbg` command line with `argv` (program name first); returns its exit code.
+#[pyfunction]
+fn cli_main(py: Python<'_>, argv: Vec<String>) -> i32 {
+    py.detach(|| neuraldbg_cli::run(argv))
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyEngine>()?;
     m.add_function(wrap_pyfunction!(default_config_json, m)?)?;
+    m.add_function(wrap_pyfunction!(cli_main, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -1,0 +1,267 @@
+#![allow(clippy::unwrap_used)] // a test crate: a failed unwrap is a failed test
+//! The command on real traces: same diagnosis as the live engine, exit codes, damage handling,
+//! exports.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use neuraldbg_cli::{EXIT_DAMAGED, EXIT_NEWER, EXIT_OK, EXIT_UNREADABLE, EXIT_USAGE, run_with};
+use neuraldbg_core::analysis::Analysis;
+use neuraldbg_core::output::{events_json, hypotheses_json};
+use neuraldbg_core::trace::{TraceWriter, WriterOptions};
+use neuraldbg_core::{
+    Config, Engine, ModelSpec, ModuleSpec, Observation, ParamRole, ParamSpec, Reduce,
+};
+use serde_json::{Map, Value};
+
+fn temp_dir() -> PathBuf {
+    static N: AtomicU32 = AtomicU32::new(0);
+    let dir = std::env::temp_dir().join(format!(
+        "ndbg-cli-test-{}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn spec(depth: usize) -> ModelSpec {
+    let module = |name: String, kind: &str| ModuleSpec {
+        name,
+        kind: kind.into(),
+        attrs: vec![],
+        executed: true,
+    };
+    let mut modules = Vec::new();
+    let mut params = Vec::new();
+    for i in 0..depth {
+        params.push(ParamSpec {
+            module: modules.len(),
+            name: format!("fc{i}.weight"),
+            numel: 256,
+            role: ParamRole::Weight,
+            fan_in: Some(16),
+        });
+        modules.push(module(format!("fc{i}"), "Linear"));
+        modules.push(module(format!("act{i}"), "Tanh"));
+    }
+    modules.push(module(String::new(), "Net"));
+    ModelSpec {
+        modules,
+        params,
+        optimizer: Some("SGD".into()),
+    }
+}
+
+/// Gradients vanish in the first layers from step 10, then the last layer goes NaN.
+fn observation(depth: usize, step: u64) -> Observation {
+    Observation {
+        step,
+        grad_norms: (0..depth)
+            .map(|l| match (step, l) {
+                (s, l) if s >= 35 && l == depth - 1 => f32::NAN,
+                (s, l) if s >= 10 && l < 2 => 1e-9,
+                _ => 0.05,
+            })
+            .collect(),
+        activations: Some(
+            (0..depth)
+                .flat_map(|_| [0.8, 0.1, f32::NAN, 0.5, 32.0])
+                .collect(),
+        ),
+        inputs: vec![-3.0, 3.0, 0.0, 1.0],
+        loss: Some(1.0),
+        lr: Some(0.01),
+        ..Observation::default()
+    }
+}
+
+/// Writes a trace of a failing run; returns its path and the live engine.
+fn failing_trace(dir: &Path) -> (PathBuf, Engine) {
+    let depth = 4;
+    let path = dir.join("run.ndbg");
+    let mut live = Engine::new(Config::default()).unwrap();
+    live.register_model(spec(depth)).unwrap();
+    let mut w = TraceWriter::create(&path, Map::new(), WriterOptions::default()).unwrap();
+    w.write_header(live.config(), &spec(depth)).unwrap();
+    for step in 0..40 {
+        let obs = observation(depth, step);
+        live.observe(&obs.view()).unwrap();
+        w.write_step(&obs.view()).unwrap();
+    }
+    w.close().unwrap();
+    (path, live)
+}
+
+fn cli(args: &[&str]) -> (i32, String, String) {
+    let (mut out, mut err) = (Vec::new(), Vec::new());
+    let argv = std::iter::once("neuraldbg").chain(args.iter().copied());
+    let code = run_with(argv, &mut out, &mut err, false);
+    (
+        code,
+        String::from_utf8(out).unwrap(),
+        String::from_utf8(err).unwrap(),
+    )
+}
+
+#[test]
+fn explain_and_events_are_the_live_engine_s() {
+    let dir = temp_dir();
+    let (path, live) = failing_trace(&dir);
+    let p = path.to_str().unwrap();
+    let analysis = Analysis::new(&live).unwrap();
+    let hypotheses = analysis.hypotheses(None);
+    assert!(hypotheses.len() >= 2);
+
+    let (code, out, err) = cli(&["explain", p, "--json"]);
+    assert_eq!(code, EXIT_OK, "{err}");
+    let got: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(got, hypotheses_json(&live, &hypotheses));
+    assert!(err.is_empty(), "a clean trace gives no warning: {err}");
+
+    let (_, out, _) = cli(&["explain", p]);
+    assert_eq!(out.lines().count(), hypotheses.len());
+    assert!(out.starts_with(&format!("[{:.2}] ", hypotheses[0].confidence)));
+
+    let (_, out, _) = cli(&["events", p, "--json"]);
+    let got: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(got, events_json(&live, &live.events()));
+
+    let (_, out, _) = cli(&["events", p, "--kind", "NON_FINITE", "--layer", "fc3"]);
+    assert_eq!(out.lines().count(), 1, "{out}");
+    assert!(
+        out.contains("fc3  gradient_health: HEALTHY -> NON_FINITE"),
+        "{out}"
+    );
+    let (_, out, _) = cli(&["events", p, "--kind", "gradient_health", "--json"]);
+    let n = serde_json::from_str::<Value>(&out)
+        .unwrap()
+        .as_array()
+        .unwrap()
+        .len();
+    assert_eq!(n, 3, "fc0 and fc1 vanish, fc3 goes NaN");
+
+    let (code, _, err) = cli(&["events", p, "--layer", "fc9"]);
+    assert_eq!(code, EXIT_USAGE);
+    assert!(err.contains("fc9") && err.contains("fc0"), "{err}");
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn exports_write_json_mermaid_and_tensorboard_records() {
+    let dir = temp_dir();
+    let (path, live) = failing_trace(&dir);
+    let p = path.to_str().unwrap();
+
+    let out_json = dir.join("out/x.json");
+    let (code, _, err) = cli(&[
+        "export",
+        p,
+        "--format",
+        "json",
+        "-o",
+        out_json.to_str().unwrap(),
+    ]);
+    assert_eq!(code, EXIT_OK, "{err}");
+    let doc: Value = serde_json::from_str(&std::fs::read_to_string(&out_json).unwrap()).unwrap();
+    assert_eq!(doc["events"], events_json(&live, &live.events()));
+    let (steps, _) = live
+        .history(Some("fc2"), "grad_norm", Reduce::Last)
+        .unwrap();
+    assert_eq!(
+        doc["history"]["layers"]["fc2"]["grad_norm"]["steps"],
+        serde_json::json!(steps)
+    );
+    assert_eq!(doc["history"]["run"]["loss"]["values"][0], 1.0);
+    assert_eq!(doc["trace"]["steps"], 40);
+
+    let (_, out, _) = cli(&["export", p, "--format", "mermaid"]);
+    assert_eq!(out.trim_end(), Analysis::new(&live).unwrap().mermaid());
+
+    let tb = dir.join("tb");
+    let (code, _, err) = cli(&["export", p, "-f", "tensorboard", "-o", tb.to_str().unwrap()]);
+    assert_eq!(code, EXIT_OK, "{err}");
+    let files: Vec<_> = std::fs::read_dir(&tb).unwrap().collect();
+    assert_eq!(files.len(), 1);
+    let file = files[0].as_ref().unwrap().path();
+    assert!(
+        file.file_name()
+            .unwrap()
+            .to_str()
+            .unwrap()
+            .contains("tfevents")
+    );
+    // TFRecord framing with masked CRC32C, record after record to the end of the file.
+    let bytes = std::fs::read(&file).unwrap();
+    let mask = |d: &[u8]| crc32c::crc32c(d).rotate_right(15).wrapping_add(0xa282_ead8);
+    let mut rest = &bytes[..];
+    let mut records = 0;
+    while !rest.is_empty() {
+        let len = u64::from_le_bytes(rest[..8].try_into().unwrap()) as usize;
+        assert_eq!(rest[8..12], mask(&rest[..8]).to_le_bytes());
+        assert_eq!(
+            rest[12 + len..16 + len],
+            mask(&rest[12..12 + len]).to_le_bytes()
+        );
+        rest = &rest[16 + len..];
+        records += 1;
+    }
+    assert!(records > 40, "one event per step at least: {records}");
+    // Exporting again replaces the same file.
+    cli(&["export", p, "-f", "tensorboard", "-o", tb.to_str().unwrap()]);
+    assert_eq!(std::fs::read_dir(&tb).unwrap().count(), 1);
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn damaged_newer_and_empty_traces() {
+    let dir = temp_dir();
+    let (path, _) = failing_trace(&dir);
+    let bytes = std::fs::read(&path).unwrap();
+
+    // A flipped byte near the end: everything before is used, the warning says where, and
+    // --strict makes it exit code 5.
+    let mut damaged = bytes.clone();
+    let at = damaged.len() - 300;
+    damaged[at] ^= 0x55;
+    let bad = dir.join("damaged.ndbg");
+    std::fs::write(&bad, &damaged).unwrap();
+    let b = bad.to_str().unwrap();
+    let (code, out, err) = cli(&["info", b, "--json"]);
+    assert_eq!(code, EXIT_OK);
+    assert!(err.contains("warning") && err.contains("checksum"), "{err}");
+    let info: Value = serde_json::from_str(&out).unwrap();
+    let offset = info["damage"]["offset"].as_u64().unwrap();
+    assert!(offset <= at as u64 && at as u64 - offset < 1000);
+    assert!(info["steps"].as_u64().unwrap() < 40);
+    let (code, out, _) = cli(&["--strict", "explain", b]);
+    assert_eq!(code, EXIT_DAMAGED);
+    assert!(!out.is_empty(), "the recovered part is still explained");
+
+    // A version from the future.
+    let mut newer = bytes[..16].to_vec();
+    newer[8] = 9;
+    let crc = crc32c::crc32c(&newer[..12]);
+    newer[12..].copy_from_slice(&crc.to_le_bytes());
+    let future = dir.join("future.ndbg");
+    std::fs::write(&future, &newer).unwrap();
+    let (code, _, err) = cli(&["explain", future.to_str().unwrap()]);
+    assert_eq!(code, EXIT_NEWER);
+    assert!(
+        err.contains("version 9") && err.contains("upgrade"),
+        "{err}"
+    );
+
+    // Only a preamble: the run never got to a step.
+    let empty = dir.join("empty.ndbg");
+    std::fs::write(&empty, &bytes[..16]).unwrap();
+    let (code, _, err) = cli(&["explain", empty.to_str().unwrap()]);
+    assert_eq!(code, EXIT_UNREADABLE);
+    assert!(err.contains("no model header"), "{err}");
+
+    // A directory is not a trace.
+    let (code, _, err) = cli(&["events", dir.to_str().unwrap()]);
+    assert_eq!(code, EXIT_UNREADABLE);
+    assert!(err.contains("directory"), "{err}");
+    std::fs::remove_dir_all(dir).unwrap();
+}

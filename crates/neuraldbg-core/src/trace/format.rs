@@ -1,0 +1,398 @@
+//! The bytes of a trace: preamble, record frames and the step encoding (docs/trace-format.md).
+//!
+//! Everything here is pure encoding and decoding of byte slices; files live in the writer and
+//! the reader.
+
+use crate::observation::{Observation, StepView};
+
+/// First bytes of every trace. The high first byte and the CR LF / SUB bytes catch text-mode
+/// transfers and `cat`-ing a trace, like PNG's signature.
+pub const MAGIC: [u8; 8] = *b"\x89NDBG\r\n\x1a";
+/// Format version written by this build; readers accept any version up to it.
+pub const VERSION: u16 = 1;
+/// Preamble: magic, version (u16), reserved (u16, zero), CRC32C of the 12 bytes before it.
+pub const PREAMBLE_LEN: usize = 16;
+/// Frame header: payload length (u32), kind (u8), three zero bytes, CRC32C of those 8 bytes.
+pub const FRAME_HEADER_LEN: usize = 12;
+/// Bytes a frame adds around its payload: the header and the payload's CRC32C.
+pub const FRAME_OVERHEAD: usize = FRAME_HEADER_LEN + 4;
+/// Largest payload a reader accepts; a larger length can only come from a bug.
+pub const MAX_PAYLOAD: u32 = 1 << 30;
+
+/// What a record holds. Kinds from [`OPTIONAL_KINDS`] on may be skipped by readers that do
+/// not know them; an unknown kind below it is damage.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Kind {
+    /// JSON: the engine configuration, the model description, free-form metadata.
+    Header = 1,
+    /// Binary: one [`Observation`].
+    Step = 2,
+    /// Binary: the number of step records written; present only when the writer closed.
+    End = 3,
+}
+
+pub const OPTIONAL_KINDS: u8 = 0x80;
+
+impl Kind {
+    pub fn from_u8(k: u8) -> Option<Self> {
+        match k {
+            1 => Some(Kind::Header),
+            2 => Some(Kind::Step),
+            3 => Some(Kind::End),
+            _ => None,
+        }
+    }
+}
+
+pub fn preamble() -> [u8; PREAMBLE_LEN] {
+    let mut p = [0u8; PREAMBLE_LEN];
+    p[..8].copy_from_slice(&MAGIC);
+    p[8..10].copy_from_slice(&VERSION.to_le_bytes());
+    let crc = crc32c::crc32c(&p[..12]);
+    p[12..].copy_from_slice(&crc.to_le_bytes());
+    p
+}
+
+/// What the first bytes of a file say.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Preamble {
+    /// A trace of this version.
+    Trace(u16),
+    /// Not a trace at all.
+    Foreign,
+    /// Starts like a trace but the preamble is cut short or its checksum fails.
+    Damaged,
+}
+
+pub fn check_preamble(bytes: &[u8]) -> Preamble {
+    let n = bytes.len().min(MAGIC.len());
+    if bytes[..n] != MAGIC[..n] || bytes.is_empty() {
+        return Preamble::Foreign;
+    }
+    if bytes.len() < PREAMBLE_LEN {
+        return Preamble::Damaged;
+    }
+    let crc = u32::from_le_bytes([bytes[12], bytes[13], bytes[14], bytes[15]]);
+    if crc != crc32c::crc32c(&bytes[..12]) {
+        return Preamble::Damaged;
+    }
+    Preamble::Trace(u16::from_le_bytes([bytes[8], bytes[9]]))
+}
+
+/// Appends one framed record to `out`.
+pub fn frame(out: &mut Vec<u8>, kind: u8, payload: &[u8]) {
+    let len = u32::try_from(payload.len()).expect("payload checked against MAX_PAYLOAD");
+    let mut head = [0u8; FRAME_HEADER_LEN];
+    head[..4].copy_from_slice(&len.to_le_bytes());
+    head[4] = kind;
+    let crc = crc32c::crc32c(&head[..8]);
+    head[8..].copy_from_slice(&crc.to_le_bytes());
+    out.extend_from_slice(&head);
+    out.extend_from_slice(payload);
+    out.extend_from_slice(&crc32c::crc32c(payload).to_le_bytes());
+}
+
+/// A frame header that passed its checksum.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FrameHeader {
+    pub len: u32,
+    pub kind: u8,
+}
+
+/// Why a frame header is not valid.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BadHeader {
+    Checksum,
+    Reserved,
+    TooLong(u32),
+}
+
+pub fn parse_frame_header(h: &[u8; FRAME_HEADER_LEN]) -> Result<FrameHeader, BadHeader> {
+    let crc = u32::from_le_bytes([h[8], h[9], h[10], h[11]]);
+    if crc != crc32c::crc32c(&h[..8]) {
+        return Err(BadHeader::Checksum);
+    }
+    if h[5..8] != [0, 0, 0] {
+        return Err(BadHeader::Reserved);
+    }
+    let len = u32::from_le_bytes([h[0], h[1], h[2], h[3]]);
+    if len > MAX_PAYLOAD {
+        return Err(BadHeader::TooLong(len));
+    }
+    Ok(FrameHeader { len, kind: h[4] })
+}
+
+/// Checks a payload against the CRC32C stored after it.
+pub fn payload_ok(payload: &[u8], crc: [u8; 4]) -> bool {
+    crc32c::crc32c(payload) == u32::from_le_bytes(crc)
+}
+
+const HAS_WEIGHTS: u8 = 1;
+const HAS_ACTIVATIONS: u8 = 2;
+const HAS_LOSS: u8 = 4;
+const HAS_LR: u8 = 8;
+const HAS_NONFINITE: u8 = 16;
+const KNOWN_FLAGS: u8 = 31;
+
+/// Size of the fixed part of a step payload: step (u64), flags (u8), four array lengths (u32).
+const STEP_HEAD: usize = 8 + 1 + 4 * 4;
+
+/// Why a step cannot be encoded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TooLarge {
+    Array(&'static str, usize),
+    Module(usize),
+    Payload(usize),
+}
+
+fn count(what: &'static str, a: &[f32]) -> Result<u32, TooLarge> {
+    u32::try_from(a.len()).map_err(|_| TooLarge::Array(what, a.len()))
+}
+
+/// Encodes a step into `out` (cleared first). Layout, all little-endian:
+/// `step u64, flags u8, n_grad u32, n_weight u32, n_act u32, n_input u32,
+/// [loss f64], [lr f64], [nonfinite_module u32], grad f32*, weight f32*, act f32*, input f32*`.
+/// Absent optional arrays have length 0 and their flag clear.
+pub fn encode_step(out: &mut Vec<u8>, v: &StepView<'_>) -> Result<(), TooLarge> {
+    out.clear();
+    let weights = v.weight_norms.unwrap_or(&[]);
+    let acts = v.activations.unwrap_or(&[]);
+    let mut flags = 0u8;
+    for (present, bit) in [
+        (v.weight_norms.is_some(), HAS_WEIGHTS),
+        (v.activations.is_some(), HAS_ACTIVATIONS),
+        (v.loss.is_some(), HAS_LOSS),
+        (v.lr.is_some(), HAS_LR),
+        (v.nonfinite_module.is_some(), HAS_NONFINITE),
+    ] {
+        if present {
+            flags |= bit;
+        }
+    }
+    let counts = [
+        count("grad_norms", v.grad_norms)?,
+        count("weight_norms", weights)?,
+        count("activations", acts)?,
+        count("inputs", v.inputs)?,
+    ];
+    let floats = v.grad_norms.len() + weights.len() + acts.len() + v.inputs.len();
+    let size = STEP_HEAD + 8 + 8 + 4 + 4 * floats;
+    if size > MAX_PAYLOAD as usize {
+        return Err(TooLarge::Payload(size));
+    }
+    out.reserve(size);
+    out.extend_from_slice(&v.step.to_le_bytes());
+    out.push(flags);
+    for c in counts {
+        out.extend_from_slice(&c.to_le_bytes());
+    }
+    if let Some(loss) = v.loss {
+        out.extend_from_slice(&loss.to_le_bytes());
+    }
+    if let Some(lr) = v.lr {
+        out.extend_from_slice(&lr.to_le_bytes());
+    }
+    if let Some(m) = v.nonfinite_module {
+        let m = u32::try_from(m).map_err(|_| TooLarge::Module(m))?;
+        out.extend_from_slice(&m.to_le_bytes());
+    }
+    for a in [v.grad_norms, weights, acts, v.inputs] {
+        put_f32s(out, a);
+    }
+    Ok(())
+}
+
+/// Appends floats in little-endian order: a plain copy on little-endian machines.
+fn put_f32s(out: &mut Vec<u8>, a: &[f32]) {
+    #[cfg(target_endian = "little")]
+    out.extend_from_slice(bytemuck::cast_slice(a));
+    #[cfg(target_endian = "big")]
+    for x in a {
+        out.extend_from_slice(&x.to_le_bytes());
+    }
+}
+
+/// Reads little-endian floats (`bytes.len()` is a multiple of 4).
+fn get_f32s(bytes: &[u8]) -> Vec<f32> {
+    #[cfg(target_endian = "little")]
+    return bytemuck::pod_collect_to_vec(bytes);
+    #[cfg(target_endian = "big")]
+    return bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect();
+}
+
+/// A cursor over a payload that never reads past its end.
+struct Cursor<'a> {
+    bytes: &'a [u8],
+}
+
+impl<'a> Cursor<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], String> {
+        if self.bytes.len() < n {
+            return Err(format!(
+                "the step record is {} bytes too short",
+                n - self.bytes.len()
+            ));
+        }
+        let (head, rest) = self.bytes.split_at(n);
+        self.bytes = rest;
+        Ok(head)
+    }
+
+    fn array<const N: usize>(&mut self) -> Result<[u8; N], String> {
+        let mut a = [0u8; N];
+        a.copy_from_slice(self.take(N)?);
+        Ok(a)
+    }
+
+    fn u32(&mut self) -> Result<u32, String> {
+        self.array().map(u32::from_le_bytes)
+    }
+
+    fn f64(&mut self) -> Result<f64, String> {
+        self.array().map(f64::from_le_bytes)
+    }
+
+    fn floats(&mut self, n: u32) -> Result<Vec<f32>, String> {
+        self.take(n as usize * 4).map(get_f32s)
+    }
+}
+
+/// Decodes a step payload; the error says what is inconsistent.
+pub fn decode_step(payload: &[u8]) -> Result<Observation, String> {
+    let mut c = Cursor { bytes: payload };
+    let step = u64::from_le_bytes(c.array()?);
+    let [flags] = c.array()?;
+    if flags & !KNOWN_FLAGS != 0 {
+        return Err(format!("unknown step flags {flags:#04x}"));
+    }
+    let [n_grad, n_weight, n_act, n_input] = [c.u32()?, c.u32()?, c.u32()?, c.u32()?];
+    let has = |bit: u8| flags & bit != 0;
+    if (!has(HAS_WEIGHTS) && n_weight != 0) || (!has(HAS_ACTIVATIONS) && n_act != 0) {
+        return Err("an absent array has a non-zero length".into());
+    }
+    let floats = u64::from(n_grad) + u64::from(n_weight) + u64::from(n_act) + u64::from(n_input);
+    let fixed = 8 * u64::from(has(HAS_LOSS))
+        + 8 * u64::from(has(HAS_LR))
+        + 4 * u64::from(has(HAS_NONFINITE));
+    let expected = STEP_HEAD as u64 + fixed + 4 * floats;
+    if expected != payload.len() as u64 {
+        return Err(format!(
+            "the step record holds {} bytes but its lengths say {expected}",
+            payload.len()
+        ));
+    }
+    let loss = has(HAS_LOSS).then(|| c.f64()).transpose()?;
+    let lr = has(HAS_LR).then(|| c.f64()).transpose()?;
+    let nonfinite_module = has(HAS_NONFINITE)
+        .then(|| c.u32().map(|m| m as usize))
+        .transpose()?;
+    let grad_norms = c.floats(n_grad)?;
+    let weight_norms = has(HAS_WEIGHTS).then(|| c.floats(n_weight)).transpose()?;
+    let activations = has(HAS_ACTIVATIONS).then(|| c.floats(n_act)).transpose()?;
+    let inputs = c.floats(n_input)?;
+    Ok(Observation {
+        step,
+        grad_norms,
+        weight_norms,
+        activations,
+        inputs,
+        loss,
+        lr,
+        nonfinite_module,
+    })
+}
+
+/// The end record: the number of step records written.
+pub fn encode_end(steps: u64) -> [u8; 8] {
+    steps.to_le_bytes()
+}
+
+pub fn decode_end(payload: &[u8]) -> Result<u64, String> {
+    <[u8; 8]>::try_from(payload)
+        .map(u64::from_le_bytes)
+        .map_err(|_| format!("the end record holds {} bytes, expected 8", payload.len()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|x| x.to_bits()).collect()
+    }
+
+    #[test]
+    fn preamble_round_trip_and_foreign_files() {
+        assert_eq!(check_preamble(&preamble()), Preamble::Trace(VERSION));
+        assert_eq!(check_preamble(b"{\"json\": 1}"), Preamble::Foreign);
+        assert_eq!(check_preamble(b""), Preamble::Foreign);
+        assert_eq!(check_preamble(&preamble()[..5]), Preamble::Damaged);
+        let mut p = preamble();
+        p[9] ^= 1;
+        assert_eq!(check_preamble(&p), Preamble::Damaged);
+    }
+
+    #[test]
+    fn frame_header_detects_every_single_bit_flip() {
+        let mut out = Vec::new();
+        frame(&mut out, Kind::Step as u8, b"abc");
+        let head: [u8; FRAME_HEADER_LEN] = out[..FRAME_HEADER_LEN].try_into().unwrap();
+        assert_eq!(
+            parse_frame_header(&head),
+            Ok(FrameHeader {
+                len: 3,
+                kind: Kind::Step as u8
+            })
+        );
+        for bit in 0..FRAME_HEADER_LEN * 8 {
+            let mut h = head;
+            h[bit / 8] ^= 1 << (bit % 8);
+            assert!(parse_frame_header(&h).is_err(), "bit {bit}");
+        }
+    }
+
+    proptest! {
+        /// Every observation survives encoding bit for bit (NaN payloads and signed zeros too).
+        #[test]
+        fn step_round_trip(
+            step in any::<u64>(),
+            grads in proptest::collection::vec(any::<f32>(), 0..40),
+            weights in proptest::option::of(proptest::collection::vec(any::<f32>(), 0..40)),
+            acts in proptest::option::of(proptest::collection::vec(any::<f32>(), 0..40)),
+            inputs in proptest::collection::vec(any::<f32>(), 0..12),
+            loss in proptest::option::of(any::<f64>()),
+            lr in proptest::option::of(any::<f64>()),
+            module in proptest::option::of(0usize..100_000),
+        ) {
+            let obs = Observation { step, grad_norms: grads, weight_norms: weights, activations: acts, inputs, loss, lr, nonfinite_module: module };
+            let mut buf = Vec::new();
+            encode_step(&mut buf, &obs.view()).unwrap();
+            let back = decode_step(&buf).unwrap();
+            prop_assert_eq!(back.step, obs.step);
+            prop_assert_eq!(bits(&back.grad_norms), bits(&obs.grad_norms));
+            prop_assert_eq!(back.weight_norms.as_deref().map(bits), obs.weight_norms.as_deref().map(bits));
+            prop_assert_eq!(back.activations.as_deref().map(bits), obs.activations.as_deref().map(bits));
+            prop_assert_eq!(bits(&back.inputs), bits(&obs.inputs));
+            prop_assert_eq!(back.loss.map(f64::to_bits), obs.loss.map(f64::to_bits));
+            prop_assert_eq!(back.lr.map(f64::to_bits), obs.lr.map(f64::to_bits));
+            prop_assert_eq!(back.nonfinite_module, obs.nonfinite_module);
+            // Any shorter or longer payload is refused, never misread.
+            for cut in 0..buf.len() {
+                prop_assert!(decode_step(&buf[..cut]).is_err());
+            }
+            buf.push(0);
+            prop_assert!(decode_step(&buf).is_err());
+        }
+
+        /// Arbitrary bytes never panic the step decoder.
+        #[test]
+        fn decode_step_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..200)) {
+            let _ = decode_step(&bytes);
+        }
+    }
+}

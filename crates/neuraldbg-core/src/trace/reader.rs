@@ -1,0 +1,338 @@
+//! Reading a trace record by record, recovering everything before the first damage.
+
+use std::fs::File;
+use std::io::{BufReader, ErrorKind, Read};
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+use super::format::{self, BadHeader, FRAME_HEADER_LEN, Kind, OPTIONAL_KINDS, Preamble};
+use super::{Damage, DamageKind, TraceError};
+use crate::config::Config;
+use crate::model::ModelSpec;
+use crate::observation::Observation;
+
+/// The first record of a trace: what replay needs to rebuild the engine.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TraceHeader {
+    /// Format version of the writer.
+    pub format: u16,
+    pub config: Config,
+    pub model: ModelSpec,
+    /// Free-form facts about the run (producer, framework versions, start time...).
+    #[serde(default)]
+    pub meta: Map<String, Value>,
+}
+
+/// One record of a trace.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Record {
+    Header(Box<TraceHeader>),
+    Step(Observation),
+    /// The writer closed the trace after this many steps.
+    End {
+        steps: u64,
+    },
+}
+
+/// Reads records in order. Iteration ends at the end of the file or at the first damaged
+/// record; [`Self::damage`] then says which.
+#[derive(Debug)]
+pub struct TraceReader<R> {
+    inner: R,
+    origin: String,
+    version: u16,
+    len: Option<u64>,
+    /// Offset of the next record.
+    offset: u64,
+    /// Index of the next record.
+    record: u64,
+    /// Offset and index of the last record returned.
+    last: (u64, u64),
+    header_seen: bool,
+    last_step: Option<u64>,
+    steps: u64,
+    ended: bool,
+    done: bool,
+    damage: Option<Damage>,
+    buf: Vec<u8>,
+}
+
+impl TraceReader<BufReader<File>> {
+    /// Opens a trace file and checks its preamble.
+    pub fn open(path: impl AsRef<Path>) -> Result<Self, TraceError> {
+        let path = path.as_ref();
+        let io = |source| TraceError::Io {
+            op: "open",
+            path: path.to_path_buf(),
+            source,
+        };
+        let file = File::open(path).map_err(io)?;
+        let meta = file.metadata().map_err(io)?;
+        if meta.is_dir() {
+            return Err(io(std::io::Error::new(
+                ErrorKind::IsADirectory,
+                "it is a directory, not a trace file",
+            )));
+        }
+        let mut reader = Self::new(
+            BufReader::with_capacity(1 << 18, file),
+            &path.display().to_string(),
+        )?;
+        reader.len = Some(meta.len());
+        Ok(reader)
+    }
+}
+
+/// Reads until `buf` is full or the input ends; returns the bytes read.
+fn fill(r: &mut impl Read, buf: &mut [u8]) -> std::io::Result<usize> {
+    let mut n = 0;
+    while n < buf.len() {
+        match r.read(&mut buf[n..]) {
+            Ok(0) => break,
+            Ok(k) => n += k,
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(n)
+}
+
+impl<R: Read> TraceReader<R> {
+    /// Reads the preamble from `inner`; `origin` names the input in messages.
+    pub fn new(mut inner: R, origin: &str) -> Result<Self, TraceError> {
+        let origin = origin.to_string();
+        let mut pre = [0u8; format::PREAMBLE_LEN];
+        let n = fill(&mut inner, &mut pre).map_err(|source| TraceError::Read {
+            origin: origin.clone(),
+            source,
+        })?;
+        let version = match format::check_preamble(&pre[..n]) {
+            Preamble::Foreign => return Err(TraceError::NotATrace { origin }),
+            Preamble::Damaged => {
+                return Err(TraceError::Unrecoverable {
+                    origin,
+                    damage: Damage {
+                        offset: 0,
+                        record: 0,
+                        kind: DamageKind::Preamble,
+                    },
+                });
+            }
+            Preamble::Trace(v) if v > format::VERSION => {
+                return Err(TraceError::NewerVersion {
+                    origin,
+                    found: v,
+                    supported: format::VERSION,
+                });
+            }
+            Preamble::Trace(v) => v,
+        };
+        Ok(Self {
+            inner,
+            origin,
+            version,
+            len: None,
+            offset: format::PREAMBLE_LEN as u64,
+            record: 0,
+            last: (0, 0),
+            header_seen: false,
+            last_step: None,
+            steps: 0,
+            ended: false,
+            done: false,
+            damage: None,
+            buf: Vec::new(),
+        })
+    }
+
+    /// The name of the input, as given to [`Self::new`] or the path.
+    pub fn origin(&self) -> &str {
+        &self.origin
+    }
+
+    pub fn version(&self) -> u16 {
+        self.version
+    }
+
+    /// Bytes consumed: the end of the last record read.
+    pub fn offset(&self) -> u64 {
+        self.offset
+    }
+
+    /// The file's size, when read from a file.
+    pub fn len(&self) -> Option<u64> {
+        self.len
+    }
+
+    /// Whether the file holds nothing but its preamble (unknown when not read from a file).
+    pub fn is_empty(&self) -> Option<bool> {
+        self.len.map(|l| l <= format::PREAMBLE_LEN as u64)
+    }
+
+    /// Records read so far (including skipped optional ones).
+    pub fn records(&self) -> u64 {
+        self.record
+    }
+
+    /// Whether the end record was read: the writer closed the trace.
+    pub fn closed(&self) -> bool {
+        self.ended
+    }
+
+    /// The first damage met, once iteration stopped at it.
+    pub fn damage(&self) -> Option<&Damage> {
+        self.damage.as_ref()
+    }
+
+    /// Marks the last record returned as unusable (e.g. the engine refused its step) and stops.
+    pub fn reject_last(&mut self, why: String) {
+        let (offset, record) = self.last;
+        self.damage = Some(Damage {
+            offset,
+            record,
+            kind: DamageKind::Rejected(why),
+        });
+        self.done = true;
+    }
+
+    fn stop(&mut self, kind: DamageKind) -> Option<Record> {
+        self.damage = Some(Damage {
+            offset: self.offset,
+            record: self.record,
+            kind,
+        });
+        self.done = true;
+        None
+    }
+
+    /// The next record, or None at the end of the trace or at the first damage.
+    pub fn next_record(&mut self) -> Option<Record> {
+        loop {
+            if self.done {
+                return None;
+            }
+            let mut head = [0u8; FRAME_HEADER_LEN];
+            let n = match fill(&mut self.inner, &mut head) {
+                Ok(n) => n,
+                Err(e) => return self.stop(DamageKind::Unreadable(e.to_string())),
+            };
+            if n == 0 {
+                self.done = true;
+                return None;
+            }
+            if n < FRAME_HEADER_LEN {
+                return self.stop(DamageKind::Truncated {
+                    needed: FRAME_HEADER_LEN as u64,
+                    available: n as u64,
+                });
+            }
+            let frame = match format::parse_frame_header(&head) {
+                Ok(f) => f,
+                Err(BadHeader::Checksum) => return self.stop(DamageKind::HeaderChecksum),
+                Err(BadHeader::Reserved) => {
+                    return self.stop(DamageKind::Malformed(
+                        "reserved header bytes are not zero".into(),
+                    ));
+                }
+                Err(BadHeader::TooLong(len)) => {
+                    return self.stop(DamageKind::Malformed(format!(
+                        "a record length of {len} bytes exceeds the maximum"
+                    )));
+                }
+            };
+            let body = u64::from(frame.len) + 4;
+            self.buf.clear();
+            let got = match (&mut self.inner).take(body).read_to_end(&mut self.buf) {
+                Ok(n) => n as u64,
+                Err(e) => return self.stop(DamageKind::Unreadable(e.to_string())),
+            };
+            if got < body {
+                return self.stop(DamageKind::Truncated {
+                    needed: FRAME_HEADER_LEN as u64 + body,
+                    available: FRAME_HEADER_LEN as u64 + got,
+                });
+            }
+            let (payload, crc) = self.buf.split_at(frame.len as usize);
+            if !format::payload_ok(payload, [crc[0], crc[1], crc[2], crc[3]]) {
+                return self.stop(DamageKind::PayloadChecksum);
+            }
+            let record = match self.decode(frame.kind) {
+                Ok(Some(r)) => r,
+                Ok(None) => {
+                    // An optional record of a later writer: skip it.
+                    self.advance(body);
+                    continue;
+                }
+                Err(why) => return self.stop(DamageKind::Malformed(why)),
+            };
+            self.advance(body);
+            return Some(record);
+        }
+    }
+
+    fn advance(&mut self, body: u64) {
+        self.last = (self.offset, self.record);
+        self.offset += FRAME_HEADER_LEN as u64 + body;
+        self.record += 1;
+    }
+
+    /// Decodes the payload in `self.buf`; None for an optional kind this build does not know.
+    fn decode(&mut self, kind: u8) -> Result<Option<Record>, String> {
+        let payload = &self.buf[..self.buf.len() - 4];
+        if self.ended {
+            return Err("a record follows the end record".into());
+        }
+        let Some(kind) = Kind::from_u8(kind) else {
+            return if kind >= OPTIONAL_KINDS {
+                Ok(None)
+            } else {
+                Err(format!("unknown record kind {kind}"))
+            };
+        };
+        if (kind == Kind::Header) == self.header_seen {
+            return Err(if self.header_seen {
+                "a second header".into()
+            } else {
+                "the first record is not the header".into()
+            });
+        }
+        Ok(Some(match kind {
+            Kind::Header => {
+                let header: TraceHeader = serde_json::from_slice(payload)
+                    .map_err(|e| format!("unreadable header: {e}"))?;
+                self.header_seen = true;
+                Record::Header(Box::new(header))
+            }
+            Kind::Step => {
+                let obs = format::decode_step(payload)?;
+                if let Some(last) = self.last_step.filter(|l| obs.step <= *l) {
+                    return Err(format!("step {} follows step {last}", obs.step));
+                }
+                self.last_step = Some(obs.step);
+                self.steps += 1;
+                Record::Step(obs)
+            }
+            Kind::End => {
+                let steps = format::decode_end(payload)?;
+                if steps != self.steps {
+                    return Err(format!(
+                        "the end record counts {steps} steps but {} precede it",
+                        self.steps
+                    ));
+                }
+                self.ended = true;
+                Record::End { steps }
+            }
+        }))
+    }
+}
+
+impl<R: Read> Iterator for TraceReader<R> {
+    type Item = Record;
+
+    fn next(&mut self) -> Option<Record> {
+        self.next_record()
+    }
+}
