@@ -1,6 +1,7 @@
 //! `neuraldbg export`: the diagnosis of a replayed trace in other formats.
 
 use neuraldbg_core::analysis::Analysis;
+use neuraldbg_core::output::float;
 use neuraldbg_core::output::{events_json, hypotheses_json};
 use neuraldbg_core::trace::Replay;
 use neuraldbg_core::{Engine, Reduce};
@@ -15,19 +16,6 @@ const LAYER_METRICS: [&str; 2] = ["grad_norm", "weight_norm"];
 const ACTIVATION_METRICS: [&str; 3] = ["saturated_fraction", "dead_fraction", "activation_absmax"];
 /// Run-wide series.
 const RUN_METRICS: [&str; 4] = ["loss", "lr", "grad_norm", "input_scale"];
-
-/// A float for JSON, as `neuraldbg_core::output` writes them: non-finite values as strings.
-fn float(v: f64) -> Value {
-    if v.is_finite() {
-        json!(v)
-    } else if v.is_nan() {
-        json!("NaN")
-    } else if v > 0.0 {
-        json!("inf")
-    } else {
-        json!("-inf")
-    }
-}
 
 /// Who a series is about.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -49,17 +49,9 @@ pub fn general3(x: f64) -> String {
     }
 }
 
-/// `str(hypothesis)` in Python.
+/// `str(hypothesis)` in Python (the core's `Display`).
 pub fn hypothesis_line(h: &CausalHypothesis) -> String {
-    let step = h.step.map_or_else(|| "-".to_string(), |s| s.to_string());
-    format!(
-        "[{}] {} <- {} (layer {}, step {step}): {}",
-        fixed2(h.confidence),
-        h.failure,
-        h.cause,
-        layer(h.layer.as_deref()),
-        h.description
-    )
+    h.to_string()
 }
 
 /// `str(event)` in Python.

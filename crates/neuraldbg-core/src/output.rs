@@ -9,7 +9,7 @@ use crate::event::SemanticEvent;
 
 /// A float for JSON: non-finite values become the strings `"NaN"`, `"inf"`, `"-inf"` so nothing
 /// is silently turned into `null`.
-fn float(v: f64) -> Value {
+pub fn float(v: f64) -> Value {
     if v.is_finite() {
         json!(v)
     } else if v.is_nan() {

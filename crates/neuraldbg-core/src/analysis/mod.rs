@@ -41,17 +41,19 @@ pub struct CausalHypothesis {
     pub remedies: Vec<String>,
 }
 
+/// One line, exactly as Python's `str(h)` (and the CLI) print it.
 impl std::fmt::Display for CausalHypothesis {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let layer = match self.layer.as_deref() {
+            None => "-",
+            Some("") => "<model>",
+            Some(name) => name,
+        };
+        let step = self.step.map_or_else(|| "-".to_string(), |s| s.to_string());
         write!(
             f,
-            "[{:.2}] {} / {} (layer {}, step {}): {}",
-            self.confidence,
-            self.failure,
-            self.cause,
-            self.layer.as_deref().map_or("-".to_string(), text::show),
-            self.step.map_or("-".to_string(), |s| s.to_string()),
-            self.description
+            "[{:.2}] {} <- {} (layer {layer}, step {step}): {}",
+            self.confidence, self.failure, self.cause, self.description
         )
     }
 }
