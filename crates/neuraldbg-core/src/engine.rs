@@ -41,6 +41,9 @@ pub(crate) struct Run {
     pub data: DataTrack,
     pub output: OutputHealth,
     pub origins: Vec<NonFiniteOrigin>,
+    /// Steps with NaN/Inf gradients or loss whose module outputs were all checked finite: the
+    /// value was born in the loss computation or the backward pass (first few kept).
+    pub finite_forward: Vec<u64>,
     pub events: Vec<SemanticEvent>,
     /// Events stored per module and event type, to cap a misbehaving layer's share.
     event_counts: Vec<[u32; 2]>,
@@ -97,6 +100,7 @@ impl Engine {
             data: DataTrack::default(),
             output: OutputHealth::Finite,
             origins: Vec::new(),
+            finite_forward: Vec::new(),
             events: Vec::new(),
             event_counts: vec![[0; 2]; model.spec.modules.len()],
             suppressed_events: 0,
@@ -433,6 +437,9 @@ impl Run {
         }
         if !all_finite {
             self.nonfinite_steps += 1;
+            if v.outputs_checked && v.nonfinite_module.is_none() && self.finite_forward.len() < 64 {
+                self.finite_forward.push(step);
+            }
         }
         self.observe_output(
             step,

@@ -34,6 +34,9 @@ pub struct StepView<'a> {
     /// Index of the first module (in forward order) whose output was not finite in this step's
     /// forward pass, when the collector looked.
     pub nonfinite_module: Option<usize>,
+    /// The collector scanned this step's module outputs (so `nonfinite_module: None` means they
+    /// were all finite, and a NaN/Inf came from the loss computation or the backward pass).
+    pub outputs_checked: bool,
 }
 
 /// A step's statistics, owned: what a trace stores and replays.
@@ -53,6 +56,8 @@ pub struct Observation {
     pub lr: Option<f64>,
     #[serde(default)]
     pub nonfinite_module: Option<usize>,
+    #[serde(default)]
+    pub outputs_checked: bool,
 }
 
 impl Observation {
@@ -67,6 +72,7 @@ impl Observation {
             loss: self.loss,
             lr: self.lr,
             nonfinite_module: self.nonfinite_module,
+            outputs_checked: self.outputs_checked,
         }
     }
 }
@@ -83,6 +89,7 @@ impl StepView<'_> {
             loss: self.loss,
             lr: self.lr,
             nonfinite_module: self.nonfinite_module,
+            outputs_checked: self.outputs_checked,
         }
     }
 }

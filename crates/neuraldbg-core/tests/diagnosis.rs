@@ -88,6 +88,9 @@ fn observation(step: u64, s: &Step) -> Observation {
         loss: s.loss,
         lr: Some(s.lr),
         nonfinite_module: s.nonfinite_module,
+        // The collector scans outputs exactly on steps with NaN/Inf gradients or loss.
+        outputs_checked: s.layer_norms.iter().any(|n| !n.is_finite())
+            || s.loss.is_some_and(|l| !l.is_finite()),
     }
 }
 
@@ -202,6 +205,32 @@ fn nan_in_a_module_output_is_located_there_on_its_step() {
     assert_eq!(top.cause, Cause::NumericalInstability, "{top}");
     assert_eq!(top.layer.as_deref(), Some("fc1"));
     assert_eq!(top.step, Some(25));
+}
+
+#[test]
+fn nan_born_in_the_loss_function_is_no_layers_fault() {
+    // Every module output finite (checked), the loss NaN: log(0) in the criterion.
+    let depth = 3;
+    let engine = run(mlp(depth, "ReLU", "SGD"), 30, |step| {
+        let bad = step >= 14;
+        Step {
+            layer_norms: (0..layers(depth))
+                .map(|_| if bad { f32::NAN } else { 0.1 })
+                .collect(),
+            acts: None,
+            weight_gain: None,
+            input: Some(healthy_input()),
+            loss: Some(if bad { f64::INFINITY } else { 1.0 }),
+            lr: 0.01,
+            nonfinite_module: None,
+        }
+    });
+    let top = &explain(&engine)[0];
+    assert_eq!(top.failure, Failure::NonFinite, "{top}");
+    assert_eq!(top.cause, Cause::NumericalInstability, "{top}");
+    assert_eq!(top.step, Some(14));
+    assert_eq!(top.layer, None, "{top}");
+    assert!(top.description.contains("loss computation"), "{top}");
 }
 
 #[test]

@@ -111,6 +111,7 @@ fn failing_run(depth: usize, steps: u64, seed: u64) -> Vec<Observation> {
                 loss: Some(2.0 - f64::from(rng.next()) * 0.01),
                 lr: Some(0.01),
                 nonfinite_module: (step >= steps - 5).then_some(2 * depth - 2),
+                outputs_checked: step >= steps - 5,
             }
         })
         .collect()

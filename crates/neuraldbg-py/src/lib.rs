@@ -198,7 +198,7 @@ impl PyEngine {
     }
 
     /// Feeds one step of statistics.
-    #[pyo3(signature = (step, grad_norms, weight_norms=None, activations=None, inputs=None, loss=None, lr=None, nonfinite_module=None))]
+    #[pyo3(signature = (step, grad_norms, weight_norms=None, activations=None, inputs=None, loss=None, lr=None, nonfinite_module=None, outputs_checked=false))]
     #[allow(clippy::too_many_arguments)]
     fn observe(
         &mut self,
@@ -211,6 +211,7 @@ impl PyEngine {
         loss: Option<f64>,
         lr: Option<f64>,
         nonfinite_module: Option<usize>,
+        outputs_checked: bool,
     ) -> PyResult<()> {
         let view = StepView {
             step,
@@ -231,6 +232,7 @@ impl PyEngine {
             loss,
             lr,
             nonfinite_module,
+            outputs_checked,
         };
         self.inner.observe(&view).map_err(|e| to_py_err(py, &e))?;
         self.traced(py, "writing a step", |_, w| w.write_step(&view));

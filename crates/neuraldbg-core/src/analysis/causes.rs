@@ -261,6 +261,8 @@ pub(crate) struct Features {
     pub nonfinite_input: bool,
     pub forward_origin: bool,
     pub backward_origin: bool,
+    /// The model's outputs were checked finite on the onset step; the loss was not.
+    pub loss_origin: bool,
     /// Decades the root layer's weight norm grew from its first measurement.
     pub weight_growth: f64,
     pub vanishing_or_dead: Option<usize>,
@@ -345,9 +347,14 @@ pub(crate) fn features(
     let forward_origin = e
         .root_event
         .is_some_and(|i| events[i].event_type == EventType::NonFiniteOutput);
+    let checked_finite = run.finite_forward.contains(&onset);
     let backward_origin = !forward_origin
+        && checked_finite
         && e.root_event
             .is_some_and(|i| events[i].event_type == EventType::GradientHealth);
+    let loss_origin = checked_finite
+        && e.root_event
+            .is_some_and(|i| events[i].event_type == EventType::LossHealth);
     let lr_spike = match (ev.lr_first, run.lr_between(onset.saturating_sub(5), onset)) {
         (Some(first), Some(now)) if first > 0.0 && now.is_finite() => now / first,
         _ => 1.0,
@@ -372,6 +379,7 @@ pub(crate) fn features(
         nonfinite_input,
         forward_origin,
         backward_origin,
+        loss_origin,
         weight_growth,
         vanishing_or_dead,
         root_cause: None,
@@ -750,6 +758,12 @@ pub(crate) fn rank_causes(
             } else {
                 if f.forward_origin {
                     b.add(C::NumericalInstability, 2.5, "a module's forward output went non-finite while gradients and inputs were finite and stable");
+                } else if f.loss_origin {
+                    b.add(
+                        C::NumericalInstability,
+                        2.5,
+                        "the model's outputs were finite: the loss computation itself produced the first NaN/Inf (log of 0, a division by zero...)",
+                    );
                 } else if f.backward_origin {
                     b.add(C::NumericalInstability, 1.5, "the forward pass was finite; the gradient went non-finite inside the backward pass");
                 }

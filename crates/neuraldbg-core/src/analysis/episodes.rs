@@ -283,6 +283,17 @@ fn locate_root(
             if let Some(i) = origin {
                 return (Some(i), module_of(&events[i]));
             }
+            // Every module output was checked finite, yet the loss was not: the loss
+            // computation itself made it. No layer is to blame.
+            if run.finite_forward.contains(&onset) {
+                let loss = at_onset
+                    .iter()
+                    .copied()
+                    .find(|&i| events[i].to_state == State::Loss(LossHealth::NonFinite));
+                if let Some(i) = loss {
+                    return (Some(i), None);
+                }
+            }
             let grad = at_onset
                 .iter()
                 .copied()

@@ -112,6 +112,13 @@ pub fn describe(
     let e = &episodes[k];
     let mut s = String::from(e.failure.phrase());
     let _ = write!(s, " at step {}", e.onset);
+    let loss_origin = e.failure == Failure::NonFinite
+        && e.root.is_none()
+        && e.root_event
+            .is_some_and(|i| events[i].event_type == EventType::LossHealth);
+    if loss_origin {
+        s.push_str(", in the loss computation (the model's outputs were finite)");
+    }
     if let Some(m) = e.root {
         let name = show(run.model.module_name(m));
         let extra = e.affected.len().saturating_sub(1);

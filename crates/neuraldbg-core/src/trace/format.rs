@@ -133,7 +133,9 @@ const HAS_ACTIVATIONS: u8 = 2;
 const HAS_LOSS: u8 = 4;
 const HAS_LR: u8 = 8;
 const HAS_NONFINITE: u8 = 16;
-const KNOWN_FLAGS: u8 = 31;
+/// The step's module outputs were scanned for NaN/Inf (no payload).
+const OUTPUTS_CHECKED: u8 = 32;
+const KNOWN_FLAGS: u8 = 63;
 
 /// Size of the fixed part of a step payload: step (u64), flags (u8), four array lengths (u32).
 const STEP_HEAD: usize = 8 + 1 + 4 * 4;
@@ -165,6 +167,7 @@ pub fn encode_step(out: &mut Vec<u8>, v: &StepView<'_>) -> Result<(), TooLarge> 
         (v.loss.is_some(), HAS_LOSS),
         (v.lr.is_some(), HAS_LR),
         (v.nonfinite_module.is_some(), HAS_NONFINITE),
+        (v.outputs_checked, OUTPUTS_CHECKED),
     ] {
         if present {
             flags |= bit;
@@ -303,6 +306,7 @@ pub fn decode_step(payload: &[u8]) -> Result<Observation, String> {
         loss,
         lr,
         nonfinite_module,
+        outputs_checked: has(OUTPUTS_CHECKED),
     })
 }
 
@@ -368,8 +372,9 @@ mod tests {
             loss in proptest::option::of(any::<f64>()),
             lr in proptest::option::of(any::<f64>()),
             module in proptest::option::of(0usize..100_000),
+            checked in any::<bool>(),
         ) {
-            let obs = Observation { step, grad_norms: grads, weight_norms: weights, activations: acts, inputs, loss, lr, nonfinite_module: module };
+            let obs = Observation { step, grad_norms: grads, weight_norms: weights, activations: acts, inputs, loss, lr, nonfinite_module: module, outputs_checked: checked };
             let mut buf = Vec::new();
             encode_step(&mut buf, &obs.view()).unwrap();
             let back = decode_step(&buf).unwrap();
@@ -381,6 +386,7 @@ mod tests {
             prop_assert_eq!(back.loss.map(f64::to_bits), obs.loss.map(f64::to_bits));
             prop_assert_eq!(back.lr.map(f64::to_bits), obs.lr.map(f64::to_bits));
             prop_assert_eq!(back.nonfinite_module, obs.nonfinite_module);
+            prop_assert_eq!(back.outputs_checked, obs.outputs_checked);
             // Any shorter or longer payload is refused, never misread.
             for cut in 0..buf.len() {
                 prop_assert!(decode_step(&buf[..cut]).is_err());
