@@ -19,12 +19,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-try:
-    from .recorder import EXPLODING, VANISHING, Record, Recorder
-except ImportError:  # run as a script from bench/
-    from recorder import EXPLODING, VANISHING, Record, Recorder  # type: ignore[no-redef]
+from .recorder import EXPLODING, VANISHING, Record, Recorder
 
 Batch = Tuple[torch.Tensor, torch.Tensor]
 

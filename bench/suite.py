@@ -9,54 +9,29 @@ from typing import List
 import torch
 import torch.nn as nn
 
-try:
-    from .recorder import EXPLODING, VANISHING, Record
-    from .scenarios import (
-        ConvNet,
-        LSTMClassifier,
-        NormalizedMLP,
-        PaddedEncoder,
-        ResNetMLP,
-        Scenario,
-        Setup,
-        TinyTransformer,
-        Truth,
-        corrupt,
-        expect,
-        float_sequences,
-        healthy_check,
-        image_data,
-        init_weights,
-        learns,
-        lr_at,
-        mlp,
-        sequence_data,
-        teacher_data,
-    )
-except ImportError:  # run as a script from bench/
-    from recorder import EXPLODING, VANISHING, Record  # type: ignore[no-redef]
-    from scenarios import (  # type: ignore[no-redef]
-        ConvNet,
-        LSTMClassifier,
-        NormalizedMLP,
-        PaddedEncoder,
-        ResNetMLP,
-        Scenario,
-        Setup,
-        TinyTransformer,
-        Truth,
-        corrupt,
-        expect,
-        float_sequences,
-        healthy_check,
-        image_data,
-        init_weights,
-        learns,
-        lr_at,
-        mlp,
-        sequence_data,
-        teacher_data,
-    )
+from .recorder import EXPLODING, VANISHING, Record
+from .scenarios import (
+    ConvNet,
+    LSTMClassifier,
+    NormalizedMLP,
+    PaddedEncoder,
+    ResNetMLP,
+    Scenario,
+    Setup,
+    TinyTransformer,
+    Truth,
+    corrupt,
+    expect,
+    float_sequences,
+    healthy_check,
+    image_data,
+    init_weights,
+    learns,
+    lr_at,
+    mlp,
+    sequence_data,
+    teacher_data,
+)
 
 CE = nn.CrossEntropyLoss
 
