@@ -10,6 +10,7 @@ Run it with ``make demo`` (sets everything up) or ``python examples/demo_vanishi
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.nn as nn
@@ -49,7 +50,8 @@ def main() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     criterion = nn.CrossEntropyLoss()
 
-    with NeuralDbg(model) as dbg:
+    os.makedirs("runs", exist_ok=True)
+    with NeuralDbg(model, trace="runs/demo_vanishing_gradients.ndbg") as dbg:
         for step, (x, y) in enumerate(train_loader(STEPS)):
             optimizer.zero_grad()
             output = model(x)
@@ -81,6 +83,10 @@ def main() -> None:
         print(f"  - {r}")
     print("\nCausal graph (Mermaid):")
     print(dbg.export_mermaid_causal_graph())
+
+    dbg.save_report("runs/demo_vanishing_gradients.html")
+    print("\nReport: runs/demo_vanishing_gradients.html (open it in a browser)")
+    print("Trace:  runs/demo_vanishing_gradients.ndbg (try: neuraldbg explain runs/demo_vanishing_gradients.ndbg)")
 
 
 if __name__ == "__main__":
