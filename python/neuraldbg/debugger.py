@@ -182,9 +182,16 @@ class NeuralDbg:
 
     # ---------------------------------------------------------------- results
 
+    def _sync(self) -> None:
+        # On CUDA the last step's statistics reach the engine when the next forward starts;
+        # results read mid-training include it.
+        if self._collector is not None and self._active:
+            self._collector.flush()
+
     @property
     def events(self) -> List[SemanticEvent]:
         """Semantic events (confirmed health transitions), in step order."""
+        self._sync()
         return [SemanticEvent._from_json(e) for e in json.loads(self._engine.events_json())]
 
     def explain_failure(self, failure_type: Union[str, Failure, None] = None) -> List[CausalHypothesis]:
@@ -194,11 +201,13 @@ class NeuralDbg:
         :class:`~neuraldbg.Failure`) only that failure. A healthy run returns no hypothesis with
         confidence >= 0.5.
         """
+        self._sync()
         name = None if failure_type is None else str(failure_type)
         return [CausalHypothesis._from_json(h) for h in json.loads(self._engine.explain_json(name))]
 
     def get_root_causes(self) -> List[RootCause]:
         """The root of each failure that no other failure explains, in step order."""
+        self._sync()
         return [RootCause._from_json(r) for r in json.loads(self._engine.root_causes_json())]
 
     def detect_coupled_failures(self, window: int = 5) -> List[CoupledFailure]:
@@ -206,15 +215,18 @@ class NeuralDbg:
         adjacent layers (N and N-1 in forward order), ``temporal`` otherwise."""
         if isinstance(window, bool) or not isinstance(window, int) or window < 0:
             raise ConfigError(f"window must be a non-negative integer, got {window!r}")
+        self._sync()
         return [CoupledFailure._from_json(c) for c in json.loads(self._engine.couplings_json(window))]
 
     def trace_causal_chain(self, kind: Union[str, Failure]) -> List[SemanticEvent]:
         """The events of the most significant ``kind`` failure, from its root cause through its
         consequences."""
+        self._sync()
         return [SemanticEvent._from_json(e) for e in json.loads(self._engine.causal_chain_json(str(kind)))]
 
     def export_mermaid_causal_graph(self) -> str:
         """The causal graph (causes -> failures -> consequences) as a Mermaid flowchart."""
+        self._sync()
         return str(self._engine.mermaid())
 
     def history(
@@ -229,6 +241,7 @@ class NeuralDbg:
         downsampled into buckets (``reduce``: ``last``, ``min`` or ``max`` of each bucket;
         ``max`` is NaN for a bucket that held a NaN/Inf).
         """
+        self._sync()
         steps, values = self._engine.history(layer, metric, reduce)
         return np.asarray(steps), np.asarray(values)
 
