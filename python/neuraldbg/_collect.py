@@ -500,7 +500,7 @@ class Collector:
             return
         self._observe(lr=None)
         self.step += 1
-        self._arm_probes(self._sampled(self.activation_every))
+        self._arm_probes(self._activations_next())
 
     def _on_criterion(self, module: Any, args: Any, output: Any) -> None:
         torch = self.torch
@@ -583,7 +583,7 @@ class Collector:
         if self.count_pending and self._is_relevant(optimizer):
             self.step += 1
             self.count_pending = False
-            self._arm_probes(self._sampled(self.activation_every))
+            self._arm_probes(self._activations_next())
 
     # ------------------------------------------------------------------ observation
 
@@ -679,6 +679,12 @@ class Collector:
 
     def _sampled(self, every: int) -> bool:
         return self.step < self.dense_steps or (every > 0 and self.step % every == 0)
+
+    def _activations_next(self) -> bool:
+        """Measure activations in the coming step: on its sample period, or densely while the
+        engine has an unconfirmed activation change (so it is confirmed within `persistence`
+        steps, not `persistence` samples)."""
+        return self._sampled(self.activation_every) or bool(self.engine.activation_pending)
 
     def _observe(self, lr: Optional[float], final: bool = False) -> None:
         try:
@@ -781,8 +787,8 @@ class Collector:
         if p is None or self.disabled:
             return
         try:
-            if p.event is not None:
-                p.event.synchronize()
+            if p.event is not None and not p.event.query():
+                p.event.synchronize()  # rare: the CPU ran more than a step ahead of the GPU
             self._ingest(p.layout, p.host, p.refs)
         except Exception as e:
             self._fail(e)
@@ -793,24 +799,30 @@ class Collector:
             self._consume()
 
     def _gradient_norms(self, parts: "List[torch.Tensor]", layout: _Layout) -> None:
-        params = self.params
-        grads = [p.grad for p in params]
+        grads = [p.grad for p in self.params]
         if not grads:
             return
+        plan = self.norm_plan
+        if plan is not None:
+            n_before = len(parts)
+            try:
+                plan(grads, parts)
+                layout.grad_order = plan.order
+                return
+            except (TypeError, AttributeError):
+                pass  # a parameter without gradient this step
+            except RuntimeError:
+                self.norm_plan = None  # a sparse or moved gradient: the generic path from now
+            del parts[n_before:]
         present = [i for i, g in enumerate(grads) if g is not None]
         if not present:
             return
-        if len(present) == len(grads):
+        if len(present) == len(grads) and not self.plan_tried:
             plan = self._plan(grads)
             if plan is not None:
-                try:
-                    n_before = len(parts)
-                    plan(grads, parts)
-                    layout.grad_order = plan.order
-                    return
-                except RuntimeError:
-                    del parts[n_before:]
-                    self.norm_plan = None  # a sparse or moved gradient: the generic path from now
+                plan(grads, parts)
+                layout.grad_order = plan.order
+                return
         self._generic_norms([grads[i] for i in present], parts)
         layout.grad_order = np.asarray(present, dtype=np.intp)
 
@@ -833,7 +845,7 @@ class Collector:
             parts.append(torch.stack([torch.linalg.vector_norm(t).to(device) for t in tensors]).float())
 
     def _weight_norms(self, parts: "List[torch.Tensor]", layout: _Layout) -> None:
-        weights = [p.detach() for p in self.params]
+        weights = self.params  # read under no_grad: no graph, no detach needed
         plan = self.norm_plan
         if plan is not None:
             try:
@@ -843,7 +855,7 @@ class Collector:
                 return
             except RuntimeError:
                 del parts[n_before:]
-        self._generic_norms(weights, parts)
+        self._generic_norms(list(weights), parts)
         layout.weight_order = np.arange(len(weights), dtype=np.intp)
 
     def _activation_parts(self) -> Optional[Tuple[List[Any], np.ndarray, np.ndarray]]:
@@ -929,8 +941,8 @@ class Collector:
         if layout.n_inputs:
             input_stats = np.ascontiguousarray(flat[off : off + 4 * layout.n_inputs])
 
-        zeros = np.flatnonzero(grad_norms == 0.0)
-        if zeros.size and self.order:
+        if not grad_norms.all() and self.order:
+            zeros = np.flatnonzero(grad_norms == 0.0)
             # An exactly-zero gradient of a module that ran before but not in this step is
             # "no gradient" (zero_grad(set_to_none=False) leaves zeros), not a vanishing one.
             ran_before = set(self.order)
@@ -941,7 +953,8 @@ class Collector:
                     grad_norms[p] = -1.0
 
         nonfinite = None
-        suspicious = layout.final or not np.isfinite(grad_norms[grad_norms >= 0]).all() or (
+        # "No gradient" is -1, finite: the float64 sum is finite iff every norm is.
+        suspicious = layout.final or not math.isfinite(float(grad_norms.sum(dtype=np.float64))) or (
             loss_value is not None and not math.isfinite(loss_value)
         )
         if suspicious and self.forward_check != "off":

@@ -51,7 +51,10 @@ class NeuralDbg:
             step's other statistics) and loss divergence and plateaus are diagnosed. Without
             it, call :meth:`record_loss` or go without loss-level diagnosis.
         activation_every: measure activation statistics (saturation, dead units) every this
-            many steps after the first ``dense_steps`` (1 = every step).
+            many steps after the first ``dense_steps`` (1 = every step). While an activation
+            module shows a new, unconfirmed state, every step is measured until it is confirmed
+            or dismissed. Gradients, loss, inputs and NaN/Inf are watched on every step
+            regardless.
         weight_every: measure parameter norms every this many steps after ``dense_steps``.
         dense_steps: steps at the start that are always fully measured.
         forward_check: ``"auto"``/``"lazy"``: when a step's gradients or loss are NaN/Inf, scan
@@ -80,7 +83,7 @@ class NeuralDbg:
         threshold_exploding: float = 1e3,
         threshold_saturated: float = 1.0,
         criterion: "Optional[torch.nn.Module]" = None,
-        activation_every: int = 1,
+        activation_every: int = 10,
         weight_every: int = 10,
         dense_steps: int = 10,
         forward_check: str = "auto",

@@ -127,6 +127,15 @@ impl Engine {
         self.run.as_ref()
     }
 
+    /// Whether some activation module shows a new state not yet confirmed: a collector that
+    /// samples activations should measure the next steps densely, so that the change is
+    /// confirmed (or dismissed) within `persistence` steps instead of `persistence` samples.
+    pub fn activation_pending(&self) -> bool {
+        self.run
+            .as_ref()
+            .is_some_and(|r| r.acts.iter().any(|a| a.detector.pending()))
+    }
+
     /// Number of steps observed so far.
     pub fn steps_observed(&self) -> u64 {
         self.run.as_ref().map_or(0, |r| r.steps_observed)
