@@ -287,7 +287,7 @@ def legacy_python(path: Optional[str]) -> Optional[str]:
     candidates = [path] if path else [os.path.join(ROOT, ".bench-venv", "bin", "python")]
     for c in candidates:
         if c and os.path.exists(c):
-            return c
+            return os.path.abspath(c)  # the worker runs in a scratch directory
     return None
 
 

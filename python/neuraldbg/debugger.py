@@ -57,10 +57,12 @@ class NeuralDbg:
             regardless.
         weight_every: measure parameter norms every this many steps after ``dense_steps``.
         dense_steps: steps at the start that are always fully measured.
-        forward_check: ``"auto"``/``"lazy"``: when a step's gradients or loss are NaN/Inf, scan
-            that step's module outputs in forward order for the first non-finite one (free on
-            healthy steps). ``"off"``: don't keep outputs (saves memory; the origin of a NaN is
-            then located from gradients only).
+        forward_check: ``"auto"``/``"lazy"``: when a step's loss is NaN/Inf, scan that step's
+            module outputs in forward order for the first non-finite one (free on healthy
+            steps). On CPU the loss is checked when backward starts and the outputs are let go
+            there; on CUDA they are kept until the step's statistics reach the host, when the
+            next forward starts (more memory during backward, no synchronization). ``"off"``:
+            don't keep outputs (the origin of a NaN is then located from gradients only).
         step_on: ``"optimizer"`` (default) counts a step per ``optimizer.step()``;
             ``"backward"`` counts one per backward pass, for loops without a torch optimizer.
         **engine_options: any other engine setting (``persistence``, ``hysteresis``,
