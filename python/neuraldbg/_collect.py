@@ -201,7 +201,7 @@ def _activation_group(probe: _Probe, y: "torch.Tensor") -> "torch.Tensor":
     nd = y.dim() - 1
     flat = y.reshape(g, -1)
     n = flat.shape[1]
-    cols: List[torch.Tensor] = []
+    cols: List[Any] = []
     dead = None
     if probe.death:
         # ReLU family: outputs are >= 0, so the per-unit maximum gives both the dead units
@@ -238,7 +238,7 @@ class _Layout:
     """Where each statistic of one step sits in the step's flat vector (host-side metadata)."""
 
     __slots__ = ("step", "lr", "grad_order", "weight_order", "act_index", "act_samples", "n_act",
-                 "loss", "n_inputs", "size", "final", "origin", "ran")
+                 "loss", "n_inputs", "final", "origin", "ran")
 
     def __init__(self, step: int, lr: Optional[float], final: bool) -> None:
         self.step = step
@@ -251,7 +251,6 @@ class _Layout:
         self.n_act = 0
         self.loss = False
         self.n_inputs = 0
-        self.size = 0
         # Found when the loss appeared (CPU): the non-finite origin, and which modules ran.
         self.origin: Optional[int] = None
         self.ran: Optional[List[int]] = None
@@ -298,14 +297,14 @@ class Collector:
         self.on_observed = on_observed
 
         self.names: List[str] = []
-        self.modules: List[torch.nn.Module] = []
+        self.modules: List[Any] = []
         for name, m in model.named_modules():
             self.names.append(name)
             self.modules.append(m)
         self.by_name = {n: i for i, n in enumerate(self.names)}
 
         # Trainable parameters, each owned by the first module that holds it directly.
-        self.params: List[torch.nn.Parameter] = []
+        self.params: List[Any] = []
         self.param_names: List[str] = []
         self.param_owner: List[int] = []
         seen: set = set()
@@ -333,11 +332,11 @@ class Collector:
         self.act_out: List[Any] = []
         self.act_none: List[Any] = []
         self.order: Optional[List[int]] = None
-        self.inputs: List[torch.Tensor] = []
+        self.inputs: List[Any] = []
         # Losses of this step: given explicitly (criterion hook, record_loss) or picked up from
         # the backward call they were passed to. Averaged over micro-batches.
-        self.losses: List[torch.Tensor] = []
-        self.auto_losses: List[torch.Tensor] = []
+        self.losses: List[Any] = []
+        self.auto_losses: List[Any] = []
         # grad_fn of the model's outputs in this step: a backward() whose graph reaches one of
         # them is this model's loss.
         self.output_fns: List[Any] = []
@@ -710,7 +709,7 @@ class Collector:
         if first:
             self._register()
         layout = _Layout(self.step, lr, final)
-        parts: List[torch.Tensor] = []
+        parts: List[Any] = []
         with torch.no_grad():
             self._gradient_norms(parts, layout)
             if self.params and self._sampled(self.weight_every):
@@ -734,7 +733,6 @@ class Collector:
                 layout.n_inputs = len(self.inputs)
                 parts.extend(self.inputs)
             flat = self._flatten(parts)
-        layout.size = int(flat.numel()) if flat is not None else 0
         refs = self.refs
         if first:
             self._rehook()
@@ -900,7 +898,7 @@ class Collector:
     def _run_act_plan(self, plan: List[Tuple[_Probe, Callable[[Sequence[Any]], Sequence[Any]], np.ndarray, np.ndarray]]) -> Tuple[List[Any], np.ndarray, np.ndarray]:
         torch = self.torch
         outs = self.act_out
-        parts: List[torch.Tensor] = []
+        parts: List[Any] = []
         samples = np.full(len(self.probes), np.nan, dtype=np.float32)
         for probe, get, rows, _ in plan:
             ys = get(outs)
@@ -1039,9 +1037,9 @@ def _finite_flags(objs: Sequence[Any]) -> List[bool]:
     """Whether every float tensor inside each object is finite: one transfer for all of them.
     Uses min/max (finite iff both are) to avoid a full-size boolean mask per tensor."""
     torch = _torch()
-    per_obj: List[List[torch.Tensor]] = []
+    per_obj: List[List[Any]] = []
     for obj in objs:
-        ts: List[torch.Tensor] = []
+        ts: List[Any] = []
         _float_tensors(obj, ts)
         per_obj.append(ts)
     flat = [t for ts in per_obj for t in ts]
