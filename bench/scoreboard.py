@@ -10,6 +10,7 @@ Healthy runs pass when no hypothesis reaches confidence 0.5.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -32,6 +33,7 @@ def main() -> int:
     ap.add_argument("names", nargs="*", help="only these scenarios")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("-v", "--verbose", action="store_true", help="print the top hypotheses")
+    ap.add_argument("--options", default="{}", help="JSON keyword options for NeuralDbg (default: none)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     warnings.simplefilter("ignore")
@@ -41,7 +43,7 @@ def main() -> int:
     for s in suite.all_scenarios():
         if args.names and s.name not in args.names:
             continue
-        o = S.evaluate(s)
+        o = S.evaluate(s, json.loads(args.options) or None)
         try:
             S.verify_truth(s, o.record)
             truth_ok = True

@@ -69,6 +69,38 @@ def test_crashed_loop_still_leaves_the_diagnosis():
     assert top.cause == "numerical_instability"
 
 
+def test_a_loop_that_stops_itself_on_nan_is_still_diagnosed():
+    """`if not torch.isfinite(loss): break` before backward: no exception, no optimizer step,
+    yet that last forward is observed on exit and names the module; a final healthy
+    evaluation pass is not counted as a step."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with NeuralDbg(model) as dbg:
+        for i, (x, y) in enumerate(batches(30)):
+            model.bad.scale = 0.0 if i == 8 else 1.0
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(model(x), y)
+            if not torch.isfinite(loss):
+                break
+            loss.backward()
+            opt.step()
+    top = dbg.explain_failure()[0]
+    assert (str(top.failure), top.layer, top.step) == ("non_finite", "bad", 8)
+
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with NeuralDbg(model) as dbg:
+        for x, y in batches(5):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        with torch.no_grad():
+            model(torch.randn(4, 8))  # evaluation
+    assert len(dbg.history("fc1")[0]) == 5
+
+
 def test_nan_origin_on_the_step_it_happens_without_crash():
     torch.manual_seed(0)
     model = Net()

@@ -40,6 +40,9 @@ class Engine:
     def steps_observed(self) -> int: ...
     @property
     def last_step(self) -> Optional[int]: ...
+    @property
+    def activation_pending(self) -> bool:
+        """Whether an activation module shows an unconfirmed new state (measure densely)."""
     def observe(
         self,
         step: int,

@@ -55,13 +55,18 @@ class NeuralDbg:
             step's other statistics) and loss divergence and plateaus are diagnosed. Without
             it, call :meth:`record_loss` or go without loss-level diagnosis.
         activation_every: measure activation statistics (saturation, dead units) every this
-            many steps after the first ``dense_steps`` (1 = every step).
+            many steps after the first ``dense_steps`` (1 = every step). While an activation
+            module shows a new, unconfirmed state, every step is measured until it is confirmed
+            or dismissed. Gradients, loss, inputs and NaN/Inf are watched on every step
+            regardless.
         weight_every: measure parameter norms every this many steps after ``dense_steps``.
         dense_steps: steps at the start that are always fully measured.
-        forward_check: ``"auto"``/``"lazy"``: when a step's gradients or loss are NaN/Inf, scan
-            that step's module outputs in forward order for the first non-finite one (free on
-            healthy steps). ``"off"``: don't keep outputs (saves memory; the origin of a NaN is
-            then located from gradients only).
+        forward_check: ``"auto"``/``"lazy"``: when a step's loss is NaN/Inf, scan that step's
+            module outputs in forward order for the first non-finite one (free on healthy
+            steps). On CPU the loss is checked when backward starts and the outputs are let go
+            there; on CUDA they are kept until the step's statistics reach the host, when the
+            next forward starts (more memory during backward, no synchronization). ``"off"``:
+            don't keep outputs (the origin of a NaN is then located from gradients only).
         step_on: ``"optimizer"`` (default) counts a step per ``optimizer.step()``;
             ``"backward"`` counts one per backward pass, for loops without a torch optimizer.
         trace: a file path (``"runs/x.ndbg"``) to record the run to while it trains, for
@@ -90,7 +95,7 @@ class NeuralDbg:
         threshold_exploding: float = 1e3,
         threshold_saturated: float = 1.0,
         criterion: "Optional[torch.nn.Module]" = None,
-        activation_every: int = 1,
+        activation_every: int = 10,
         weight_every: int = 10,
         dense_steps: int = 10,
         forward_check: str = "auto",
@@ -237,9 +242,16 @@ class NeuralDbg:
 
     # ---------------------------------------------------------------- results
 
+    def _sync(self) -> None:
+        # On CUDA the last step's statistics reach the engine when the next forward starts;
+        # results read mid-training include it.
+        if self._collector is not None and self._active:
+            self._collector.flush()
+
     @property
     def events(self) -> List[SemanticEvent]:
         """Semantic events (confirmed health transitions), in step order."""
+        self._sync()
         return [SemanticEvent._from_json(e) for e in json.loads(self._engine.events_json())]
 
     def explain_failure(self, failure_type: Union[str, Failure, None] = None) -> List[CausalHypothesis]:
@@ -249,11 +261,13 @@ class NeuralDbg:
         :class:`~neuraldbg.Failure`) only that failure. A healthy run returns no hypothesis with
         confidence >= 0.5.
         """
+        self._sync()
         name = None if failure_type is None else str(failure_type)
         return [CausalHypothesis._from_json(h) for h in json.loads(self._engine.explain_json(name))]
 
     def get_root_causes(self) -> List[RootCause]:
         """The root of each failure that no other failure explains, in step order."""
+        self._sync()
         return [RootCause._from_json(r) for r in json.loads(self._engine.root_causes_json())]
 
     def detect_coupled_failures(self, window: int = 5) -> List[CoupledFailure]:
@@ -261,15 +275,18 @@ class NeuralDbg:
         adjacent layers (N and N-1 in forward order), ``temporal`` otherwise."""
         if isinstance(window, bool) or not isinstance(window, int) or window < 0:
             raise ConfigError(f"window must be a non-negative integer, got {window!r}")
+        self._sync()
         return [CoupledFailure._from_json(c) for c in json.loads(self._engine.couplings_json(window))]
 
     def trace_causal_chain(self, kind: Union[str, Failure]) -> List[SemanticEvent]:
         """The events of the most significant ``kind`` failure, from its root cause through its
         consequences."""
+        self._sync()
         return [SemanticEvent._from_json(e) for e in json.loads(self._engine.causal_chain_json(str(kind)))]
 
     def export_mermaid_causal_graph(self) -> str:
         """The causal graph (causes -> failures -> consequences) as a Mermaid flowchart."""
+        self._sync()
         return str(self._engine.mermaid())
 
     def save_report(self, path: Union[str, "os.PathLike[str]"], title: Optional[str] = None) -> None:
@@ -303,6 +320,7 @@ class NeuralDbg:
         downsampled into buckets (``reduce``: ``last``, ``min`` or ``max`` of each bucket;
         ``max`` is NaN for a bucket that held a NaN/Inf).
         """
+        self._sync()
         steps, values = self._engine.history(layer, metric, reduce)
         return np.asarray(steps), np.asarray(values)
 

@@ -59,6 +59,10 @@ pub struct Config {
     /// Buckets kept per history series; older buckets are merged pairwise so memory stays
     /// bounded however long training runs.
     pub history_capacity: usize,
+    /// Upper bound on the bytes all histories may hold together. A model so large that
+    /// `history_capacity` buckets per series would exceed it gets fewer buckets (coarser plots),
+    /// never more memory: 10,000 layers keep ~200 buckets in the default 128 MiB.
+    pub history_max_bytes: usize,
     /// Events kept per layer and event type; transitions beyond it are counted, not stored.
     pub max_events_per_layer: usize,
     /// Steps within which two events count as temporally coupled.
@@ -86,6 +90,7 @@ impl Default for Config {
             loss_plateau_tolerance: 0.01,
             loss_plateau_level: 0.8,
             history_capacity: 512,
+            history_max_bytes: 128 << 20,
             max_events_per_layer: 64,
             coupling_window: 5,
         }
@@ -192,6 +197,11 @@ impl Config {
         fraction("loss_plateau_tolerance", self.loss_plateau_tolerance)?;
         fraction("loss_plateau_level", self.loss_plateau_level)?;
         at_least("history_capacity", self.history_capacity as f64, 16.0)?;
+        at_least(
+            "history_max_bytes",
+            self.history_max_bytes as f64,
+            f64::from(1u32 << 20),
+        )?;
         at_least(
             "max_events_per_layer",
             self.max_events_per_layer as f64,

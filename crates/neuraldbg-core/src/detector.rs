@@ -61,6 +61,11 @@ impl<S: Copy + PartialEq> Debounce<S> {
         self.stable
     }
 
+    /// Whether a new state has been observed but not yet confirmed.
+    pub fn pending(&self) -> bool {
+        self.candidate.is_some()
+    }
+
     /// Feeds one classified observation. `urgent` confirms a new state at once (non-finite
     /// values are never debounced).
     pub fn update(

@@ -63,6 +63,8 @@ pub(crate) struct Run {
     pub total_peak: Option<(f64, u64)>,
     sums: Vec<f64>,
     present: Vec<bool>,
+    /// Gradient transitions confirmed during the current step (reused buffer).
+    fired: Vec<(usize, Transition<GradientHealth>)>,
 }
 
 /// The `NeuralDBG` engine.
@@ -92,7 +94,7 @@ impl Engine {
         let probes = model.probes(self.config.activation_saturation_band);
         let n_layers = model.layers.len();
         let n_acts = model.activations.len();
-        let cap = self.config.history_capacity;
+        let cap = history_capacity(&self.config, n_layers + GLOBALS + n_layers + 3 * n_acts);
         self.run = Some(Run {
             layers: vec![LayerTrack::default(); n_layers],
             acts: vec![ActTrack::default(); n_acts],
@@ -117,6 +119,7 @@ impl Engine {
             total_peak: None,
             sums: vec![0.0; n_layers],
             present: vec![false; n_layers],
+            fired: Vec::new(),
             model,
         });
         Ok(probes)
@@ -129,6 +132,15 @@ impl Engine {
 
     pub(crate) fn run(&self) -> Option<&Run> {
         self.run.as_ref()
+    }
+
+    /// Whether some activation module shows a new state not yet confirmed: a collector that
+    /// samples activations should measure the next steps densely, so that the change is
+    /// confirmed (or dismissed) within `persistence` steps instead of `persistence` samples.
+    pub fn activation_pending(&self) -> bool {
+        self.run
+            .as_ref()
+            .is_some_and(|r| r.acts.iter().any(|a| a.detector.pending()))
     }
 
     /// Number of steps observed so far.
@@ -245,17 +257,30 @@ impl Engine {
         }
     }
 
+    /// Bytes reserved by the histories (at most `history_max_bytes`, plus one bucket's steps).
+    pub fn history_bytes(&self) -> usize {
+        self.run.as_ref().map_or(0, |r| {
+            r.grads.heap_bytes() + r.weights.heap_bytes() + r.activations.heap_bytes()
+        })
+    }
+
     /// Bytes held by histories and events (for memory accounting).
     pub fn heap_bytes(&self) -> usize {
         self.run.as_ref().map_or(0, |r| {
-            r.grads.heap_bytes()
-                + r.weights.heap_bytes()
-                + r.activations.heap_bytes()
+            self.history_bytes()
                 + r.events.capacity() * std::mem::size_of::<SemanticEvent>()
                 + r.layers.capacity() * std::mem::size_of::<LayerTrack>()
                 + r.acts.capacity() * std::mem::size_of::<ActTrack>()
         })
     }
+}
+
+/// Buckets per history: `history_capacity`, fewer when the model is so large that all its
+/// series together would exceed `history_max_bytes`.
+fn history_capacity(config: &Config, series: usize) -> usize {
+    let per_bucket = series * History::CELL_BYTES + std::mem::size_of::<u64>();
+    let fit = config.history_max_bytes / per_bucket.max(1);
+    config.history_capacity.min(fit).max(16)
 }
 
 fn short_list<'a>(names: impl Iterator<Item = &'a str>) -> String {
@@ -366,39 +391,66 @@ impl Run {
         self.last_step = Some(step);
         self.steps_observed += 1;
 
-        // Parameter norms -> layer norms (L2 over all of a layer's parameters).
-        self.sums.fill(0.0);
-        self.present.fill(false);
-        for (i, &g) in v.grad_norms.iter().enumerate() {
-            // Negative means "no gradient"; NaN and infinities are not negative and flow through.
-            if g < 0.0 {
-                continue;
-            }
-            let l = self.model.param_layer[i];
-            let g = f64::from(g);
-            self.sums[l] += g * g;
-            self.present[l] = true;
-        }
+        // Parameter norms -> layer norms (L2 over all of a layer's parameters). Negative means
+        // "no gradient"; NaN and infinities are not negative and flow through.
         let n_layers = self.model.layers.len();
         self.grads.begin(step);
         let mut total = 0.0f64;
         let mut any_grad = false;
         let mut all_finite = true;
-        for l in 0..n_layers {
-            if !self.present[l] {
-                continue;
-            }
-            any_grad = true;
-            let norm = self.sums[l].sqrt();
-            total += self.sums[l];
-            all_finite &= norm.is_finite();
-            self.grads.record(l, norm as f32);
-            if let Some((t, _)) = self.layers[l].observe(step, norm, config) {
-                let subject = Subject::Module(self.model.layers[l].module);
-                let e = Self::event_from(&t, EventType::GradientHealth, subject, State::Gradient);
-                self.push_event(e, config);
+        let mut fired = std::mem::take(&mut self.fired);
+        {
+            let mut row = self.grads.row();
+            let layers = &mut self.layers;
+            let mut layer_step = |l: usize, sum: f64| {
+                let norm = sum.sqrt();
+                any_grad = true;
+                total += sum;
+                all_finite &= norm.is_finite();
+                row.record(l, norm as f32);
+                if let Some((t, _)) = layers[l].observe(step, norm, config) {
+                    fired.push((l, t));
+                }
+            };
+            if let Some(ranges) = &self.model.layer_ranges {
+                for (l, &(a, b)) in ranges.iter().enumerate() {
+                    let mut sum = 0.0f64;
+                    let mut present = false;
+                    for &g in &v.grad_norms[a..b] {
+                        if g < 0.0 {
+                            continue;
+                        }
+                        sum += f64::from(g) * f64::from(g);
+                        present = true;
+                    }
+                    if present {
+                        layer_step(l, sum);
+                    }
+                }
+            } else {
+                self.sums.fill(0.0);
+                self.present.fill(false);
+                for (i, &g) in v.grad_norms.iter().enumerate() {
+                    if g < 0.0 {
+                        continue;
+                    }
+                    let l = self.model.param_layer[i];
+                    self.sums[l] += f64::from(g) * f64::from(g);
+                    self.present[l] = true;
+                }
+                for l in 0..n_layers {
+                    if self.present[l] {
+                        layer_step(l, self.sums[l]);
+                    }
+                }
             }
         }
+        for (l, t) in fired.drain(..) {
+            let subject = Subject::Module(self.model.layers[l].module);
+            let e = Self::event_from(&t, EventType::GradientHealth, subject, State::Gradient);
+            self.push_event(e, config);
+        }
+        self.fired = fired;
         if any_grad {
             let total = total.sqrt();
             self.grads

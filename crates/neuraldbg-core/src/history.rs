@@ -94,6 +94,17 @@ impl Bucket {
     }
 }
 
+/// The cells of the current observation (see [`History::row`]).
+#[derive(Debug)]
+pub(crate) struct Row<'a>(&'a mut [Cell]);
+
+impl Row<'_> {
+    #[inline]
+    pub(crate) fn record(&mut self, series: usize, value: f32) {
+        self.0[series].record(value);
+    }
+}
+
 /// How a bucket is summarised when read back.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Reduce {
@@ -132,7 +143,12 @@ pub struct History {
 }
 
 impl History {
+    /// Bytes one bucket of one series takes.
+    pub const CELL_BYTES: usize = std::mem::size_of::<Cell>();
+
     /// A history of `series` series keeping between `capacity / 2` and `capacity` buckets.
+    /// The full size is reserved at once (pages are only touched as buckets fill): growing by
+    /// doubling would copy everything and could overshoot the budget by half.
     pub fn new(series: usize, capacity: usize) -> Self {
         let capacity = capacity.max(2) & !1;
         Self {
@@ -140,9 +156,14 @@ impl History {
             series,
             stride: 1,
             fill: 0,
-            steps: Vec::new(),
-            cells: Vec::new(),
+            steps: Vec::with_capacity(capacity),
+            cells: Vec::with_capacity(capacity * series),
         }
+    }
+
+    /// Buckets kept at most.
+    pub fn capacity(&self) -> usize {
+        self.capacity
     }
 
     pub fn series(&self) -> usize {
@@ -192,6 +213,14 @@ impl History {
         debug_assert!(series < self.series);
         let base = (self.steps.len() - 1) * self.series;
         self.cells[base + series].record(value);
+    }
+
+    /// The current observation's cells, to record many series without recomputing where the
+    /// row starts for each.
+    #[inline]
+    pub(crate) fn row(&mut self) -> Row<'_> {
+        let base = (self.steps.len() - 1) * self.series;
+        Row(&mut self.cells[base..base + self.series])
     }
 
     /// Records a whole row of values (one per series, in order) for the current observation.

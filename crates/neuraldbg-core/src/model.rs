@@ -128,6 +128,10 @@ pub struct Model {
     by_name: std::collections::HashMap<String, usize>,
     /// The optimizer scales each update to about the learning rate (Adam and its family).
     pub adaptive_optimizer: bool,
+    /// Each layer's parameters as a range of the parameter list, when every layer's
+    /// parameters are contiguous there (collectors list a module's parameters together): the
+    /// engine then sums each layer's norms in one pass instead of scattering per parameter.
+    pub layer_ranges: Option<Vec<(usize, usize)>>,
 }
 
 /// Activation traits of a module class, or None when it is not an activation.
@@ -265,6 +269,13 @@ impl Model {
             .enumerate()
             .map(|(i, m)| (m.name.clone(), i))
             .collect();
+        let layer_ranges = layers
+            .iter()
+            .map(|l| {
+                let (first, last) = (*l.params.first()?, *l.params.last()?);
+                (last + 1 - first == l.params.len()).then_some((first, last + 1))
+            })
+            .collect();
         Ok(Self {
             spec,
             layers,
@@ -276,6 +287,7 @@ impl Model {
             weighted_depth,
             by_name,
             adaptive_optimizer,
+            layer_ranges,
         })
     }
 
@@ -362,6 +374,7 @@ pub(crate) mod tests {
         assert_eq!(m.layers.len(), 3);
         assert_eq!(m.layers[1].name, "fc1");
         assert_eq!(m.param_layer, vec![0, 0, 1, 1, 2, 2]);
+        assert_eq!(m.layer_ranges, Some(vec![(0, 2), (2, 4), (4, 6)]));
         assert_eq!(m.activations.len(), 3);
         assert_eq!(m.weighted_depth, 3);
         assert!(!m.has_normalization);
@@ -380,6 +393,15 @@ pub(crate) mod tests {
         assert!(activation_traits("Linear", &[]).is_none());
         let sig = activation_traits("Sigmoid", &[]).unwrap();
         assert_eq!(sig.bounded, Some((0.0, 1.0)));
+    }
+
+    #[test]
+    fn interleaved_parameters_have_no_ranges() {
+        let mut spec = mlp_spec(2, "ReLU");
+        spec.params.swap(1, 2); // fc0.weight, fc1.weight, fc0.bias, fc1.bias
+        let m = Model::new(spec).unwrap();
+        assert_eq!(m.layer_ranges, None);
+        assert_eq!(m.param_layer, vec![0, 1, 0, 1]);
     }
 
     #[test]

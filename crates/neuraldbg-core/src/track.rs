@@ -12,9 +12,10 @@ use crate::health::{
 
 /// The first few values of a series, for a robust "how it started" level.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[repr(C)] // `len`, read on every push, first
 pub struct Early {
-    values: [f64; 5],
     len: usize,
+    values: [f64; 5],
 }
 
 impl Early {
@@ -31,24 +32,36 @@ impl Early {
     }
 }
 
-/// Median of a small slice (None when empty).
+/// Median of a slice (None when empty), in `f64::total_cmp` order. Trackers call it every
+/// step on their small windows: up to 64 values it works on a stack copy (no allocation) and
+/// selects rather than sorts.
 pub fn median(values: &[f64]) -> Option<f64> {
-    if values.is_empty() {
+    let n = values.len();
+    if n == 0 {
         return None;
     }
-    let mut v = values.to_vec();
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    Some(if n % 2 == 1 {
-        v[n / 2]
+    let mut stack = [0.0f64; 64];
+    let mut heap = Vec::new();
+    let v: &mut [f64] = if n <= stack.len() {
+        stack[..n].copy_from_slice(values);
+        &mut stack[..n]
     } else {
-        f64::midpoint(v[n / 2 - 1], v[n / 2])
+        heap.extend_from_slice(values);
+        &mut heap
+    };
+    let (below, &mut mid, _) = v.select_nth_unstable_by(n / 2, f64::total_cmp);
+    Some(if n % 2 == 1 {
+        mid
+    } else {
+        let lower = below.iter().copied().max_by(f64::total_cmp).unwrap_or(mid);
+        f64::midpoint(lower, mid)
     })
 }
 
 /// Counters shared by every tracked series: how long it spent in each state and when it first
 /// entered each.
 #[derive(Clone, Copy, Debug, PartialEq)]
+#[repr(C)] // `steps_in`, written every step, first
 pub struct StateLog<const N: usize> {
     /// Observations spent in each confirmed state.
     pub steps_in: [u64; N],
@@ -76,18 +89,23 @@ impl<const N: usize> StateLog<N> {
 }
 
 /// Everything remembered about one layer's gradient.
+///
+/// `repr(C)` keeps the fields every step touches first and together (three cache lines of a
+/// ~430-byte struct): with 100,000 layers the trackers no longer fit in cache, and each line
+/// per layer is a memory access per step.
 #[derive(Clone, Debug)]
+#[repr(C)]
 pub struct LayerTrack {
     pub detector: Debounce<GradientHealth>,
     pub observed: u64,
-    pub first_step: Option<u64>,
-    /// Raw class of the first observation (before any debouncing).
-    pub first_raw: Option<GradientHealth>,
-    pub early: Early,
     pub last: f64,
     pub peak: f64,
     pub peak_step: u64,
+    pub early: Early,
     pub log: StateLog<5>,
+    pub first_step: Option<u64>,
+    /// Raw class of the first observation (before any debouncing).
+    pub first_raw: Option<GradientHealth>,
     /// Scale of the weight at its first measurement relative to a variance-preserving init:
     /// `std(W) * sqrt(fan_in)` (`PyTorch`'s default `Linear` init gives ~0.58, He init ~1.41).
     pub gain_first: Option<f64>,
@@ -393,6 +411,42 @@ impl LossTrack {
     }
 }
 
+/// The last values of a series, also kept sorted, so its median costs O(1) per step and an
+/// update O(window) moves instead of a sort.
+#[derive(Clone, Debug, Default)]
+struct Window {
+    arrival: VecDeque<f64>,
+    sorted: Vec<f64>,
+}
+
+impl Window {
+    fn len(&self) -> usize {
+        self.arrival.len()
+    }
+
+    /// Adds `v`, dropping the oldest value beyond `cap`.
+    fn push(&mut self, v: f64, cap: usize) {
+        if self.arrival.len() == cap {
+            if let Some(old) = self.arrival.pop_front() {
+                let at = self.sorted.partition_point(|x| x.total_cmp(&old).is_lt());
+                self.sorted.remove(at);
+            }
+        }
+        self.arrival.push_back(v);
+        let at = self.sorted.partition_point(|x| x.total_cmp(&v).is_lt());
+        self.sorted.insert(at, v);
+    }
+
+    fn median(&self) -> Option<f64> {
+        let n = self.sorted.len();
+        match n {
+            0 => None,
+            _ if n % 2 == 1 => Some(self.sorted[n / 2]),
+            _ => Some(f64::midpoint(self.sorted[n / 2 - 1], self.sorted[n / 2])),
+        }
+    }
+}
+
 /// One anomalous input batch.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct DataAnomaly {
@@ -409,8 +463,8 @@ pub struct DataTrack {
     pub batches: u64,
     /// Scale (largest magnitude) of the first batch.
     pub first_scale: Option<f64>,
-    scales: VecDeque<f64>,
-    stds: VecDeque<f64>,
+    scales: Window,
+    stds: Window,
     /// The first anomalies (bounded).
     pub anomalies: Vec<DataAnomaly>,
     pub anomaly_count: u64,
@@ -422,8 +476,8 @@ impl Default for DataTrack {
             state: DataHealth::Normal,
             batches: 0,
             first_scale: None,
-            scales: VecDeque::new(),
-            stds: VecDeque::new(),
+            scales: Window::default(),
+            stds: Window::default(),
             anomalies: Vec::new(),
             anomaly_count: 0,
         }
@@ -447,8 +501,8 @@ impl DataTrack {
         let mut state = DataHealth::Normal;
         if self.scales.len() >= config.data_baseline_batches as usize {
             let f = config.data_ood_factor;
-            let ms = median(self.scales.make_contiguous()).unwrap_or(scale);
-            let md = median(self.stds.make_contiguous()).unwrap_or(std);
+            let ms = self.scales.median().unwrap_or(scale);
+            let md = self.stds.median().unwrap_or(std);
             for (v, m) in [(scale, ms), (std, md)] {
                 if m > 0.0 && v.is_finite() {
                     let r = if v >= m {
@@ -468,12 +522,9 @@ impl DataTrack {
             }
         }
         if state == DataHealth::Normal {
-            if self.scales.len() == DATA_BASELINE {
-                self.scales.pop_front();
-                self.stds.pop_front();
-            }
-            self.scales.push_back(scale);
-            self.stds.push_back(if std.is_finite() { std } else { 0.0 });
+            self.scales.push(scale, DATA_BASELINE);
+            self.stds
+                .push(if std.is_finite() { std } else { 0.0 }, DATA_BASELINE);
         }
         (state, ratio)
     }
@@ -508,6 +559,37 @@ impl DataTrack {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn window_median_matches_median_of_its_values() {
+        let mut w = Window::default();
+        let mut kept: VecDeque<f64> = VecDeque::new();
+        let mut x = 7u64;
+        for _ in 0..500 {
+            x = x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+            let v = (x >> 40) as f64 / 1e3;
+            w.push(v, 64);
+            kept.push_back(v);
+            if kept.len() > 64 {
+                kept.pop_front();
+            }
+            assert_eq!(w.len(), kept.len());
+            assert_eq!(w.median(), median(kept.make_contiguous()));
+        }
+    }
+
+    #[test]
+    #[allow(clippy::float_cmp)] // exact selections of input values
+    fn median_matches_sorting() {
+        assert_eq!(median(&[]), None);
+        assert_eq!(median(&[3.0]), Some(3.0));
+        assert_eq!(median(&[4.0, 1.0]), Some(2.5));
+        assert_eq!(median(&[5.0, 1.0, 3.0]), Some(3.0));
+        let long: Vec<f64> = (0..101).map(|i| f64::from((i * 37) % 101)).collect();
+        assert_eq!(median(&long), Some(50.0));
+        let even: Vec<f64> = (0..64).map(|i| f64::from((i * 7) % 64)).collect();
+        assert_eq!(median(&even), Some(31.5));
+    }
 
     #[test]
     fn loss_divergence_and_plateau() {

@@ -197,6 +197,12 @@ impl PyEngine {
         self.inner.last_step()
     }
 
+    /// Whether an activation module shows an unconfirmed new state (measure densely).
+    #[getter]
+    fn activation_pending(&self) -> bool {
+        self.inner.activation_pending()
+    }
+
     /// Feeds one step of statistics.
     #[pyo3(signature = (step, grad_norms, weight_norms=None, activations=None, inputs=None, loss=None, lr=None, nonfinite_module=None, outputs_checked=false))]
     #[allow(clippy::too_many_arguments)]

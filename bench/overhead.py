@@ -1,0 +1,397 @@
+#!/usr/bin/env python3
+"""Overhead benchmark (`make bench`): what watching a training run costs.
+
+Every arm trains its own copy of the same model (same initial weights, Adam, ``loss.item()``
+each step, CPU, one thread) in ONE process, and the arms take turns: each round runs a short
+block of steps of every arm, in a rotating order, so drift of the machine (other processes,
+frequency scaling, caches) hits all arms alike. A block is ``--block`` steps (default 10, the
+period of the debugger's sampled measurements, so a block always holds the same share of
+periodic work). The reported number for an arm is ``median(block time of the arm) /
+median(block time of plain)``; the warm-up (registration, the debugger's dense first steps) is
+excluded.
+
+Arms:
+
+* ``plain``: the loop alone.
+* ``A/A``: a second, identical plain arm: the ratio it gets is the noise of the measurement.
+* ``floor``: plain plus one ``torch._foreach_norm`` over every gradient and one transfer of the
+  stacked norms: the least any per-layer gradient monitor must do.
+* ``neuraldbg``: plain inside ``with NeuralDbg(model):`` (the default configuration).
+* ``anomaly``: plain under ``torch.autograd.detect_anomaly()``.
+* ``1.3.2``: the Python NeuralDBG 1.3.2 from PyPI. It shares the import name ``neuraldbg``, so
+  it lives in its own virtualenv (``.bench-venv``) and runs in a subprocess that interleaves it
+  with its own plain arm the same way; its ratio is against that plain arm.
+
+Run ``python bench/overhead.py --help`` for options; ``make bench`` runs the default set.
+This file must not import ``neuraldbg`` at module level: the 1.3.2 worker imports it too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+Batch = Tuple[torch.Tensor, torch.Tensor]
+
+# What a block costs: CPU time of this thread by default. With torch.set_num_threads(1) every
+# kernel of the loop (forward, backward, optimizer) runs on this thread, and thread CPU time does
+# not count the time other processes of a shared machine hold the core; `--clock wall` measures
+# elapsed time instead.
+CLOCK: Callable[[], float] = time.thread_time
+
+
+# ----------------------------------------------------------------------------- models
+
+
+class MLP(nn.Sequential):
+    """``depth`` x (Linear(width, width) + ReLU), then a linear head."""
+
+    def __init__(self, depth: int = 64, width: int = 32, classes: int = 10) -> None:
+        layers: List[nn.Module] = []
+        for _ in range(depth):
+            layers += [nn.Linear(width, width), nn.ReLU()]
+        layers.append(nn.Linear(width, classes))
+        super().__init__(*layers)
+
+
+class CNN(nn.Module):
+    """Conv-BN-ReLU(-MaxPool) blocks, global average pooling, linear head."""
+
+    def __init__(self, channels: Tuple[int, ...] = (3, 32, 64, 128, 128), classes: int = 10) -> None:
+        super().__init__()
+        blocks = []
+        for cin, cout in zip(channels[:-1], channels[1:]):
+            blocks.append(
+                nn.Sequential(
+                    nn.Conv2d(cin, cout, 3, padding=1, bias=False),
+                    nn.BatchNorm2d(cout),
+                    nn.ReLU(),
+                    nn.MaxPool2d(2),
+                )
+            )
+        self.blocks = nn.Sequential(*blocks)
+        self.head = nn.Linear(channels[-1], classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(x).mean(dim=(2, 3)))
+
+
+class Transformer(nn.Module):
+    """Token embedding, ``nn.TransformerEncoder`` (post-norm, ReLU, dropout 0.1), mean pooling,
+    linear head."""
+
+    def __init__(self, vocab: int, d: int, heads: int, layers: int, classes: int = 10) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        layer = nn.TransformerEncoderLayer(d, heads, dim_feedforward=4 * d, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.embed(x)).mean(dim=1))
+
+
+def _batches(make: Callable[[torch.Generator], Batch], n: int = 8) -> List[Batch]:
+    g = torch.Generator().manual_seed(1)
+    return [make(g) for _ in range(n)]
+
+
+# name -> (description, model factory, batch pool factory, default rounds)
+MODELS: Dict[str, Tuple[str, Callable[[], nn.Module], Callable[[], List[Batch]], int]] = {
+    "transformer": (
+        "Transformer encoder, 4 layers, d_model 128, 4 heads, seq 64, batch 16",
+        lambda: Transformer(1000, 128, 4, 4),
+        lambda: _batches(lambda g: (torch.randint(0, 1000, (16, 64), generator=g), torch.randint(0, 10, (16,), generator=g))),
+        12,
+    ),
+    "cnn": (
+        "CNN, 4 x Conv-BN-ReLU-MaxPool (32-64-128-128 ch), 32x32 images, batch 16",
+        CNN,
+        lambda: _batches(lambda g: (torch.randn(16, 3, 32, 32, generator=g), torch.randint(0, 10, (16,), generator=g))),
+        20,
+    ),
+    "mlp": (
+        "MLP, 64 x (Linear 32x32 + ReLU) + head, batch 64",
+        MLP,
+        lambda: _batches(lambda g: (torch.randn(64, 32, generator=g), torch.randint(0, 10, (64,), generator=g))),
+        40,
+    ),
+    "transformer-large": (
+        "Transformer encoder, 6 layers, d_model 256, 8 heads, seq 128, batch 8",
+        lambda: Transformer(4000, 256, 8, 6),
+        lambda: _batches(lambda g: (torch.randint(0, 4000, (8, 128), generator=g), torch.randint(0, 10, (8,), generator=g))),
+        6,
+    ),
+}
+DEFAULT_MODELS = ["transformer", "cnn", "mlp"]
+
+
+# ----------------------------------------------------------------------------- arms
+
+
+class Arm:
+    """One training loop over its own copy of the model."""
+
+    def __init__(self, name: str, model: nn.Module, batches: List[Batch]) -> None:
+        self.name = name
+        self.model = model
+        self.batches = batches
+        self.opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        self.crit = nn.CrossEntropyLoss()
+        self.i = 0
+        self.times: List[float] = []
+
+    def enter(self) -> None:
+        pass
+
+    def exit(self) -> None:
+        pass
+
+    def step(self) -> None:
+        x, y = self.batches[self.i % len(self.batches)]
+        self.i += 1
+        self.opt.zero_grad()
+        loss = self.crit(self.model(x), y)
+        loss.backward()
+        self.after_backward()
+        self.opt.step()
+        self.after_step(loss.item())
+
+    def after_backward(self) -> None:
+        pass
+
+    def after_step(self, loss: float) -> None:
+        pass
+
+    def block(self, n: int, record: bool) -> None:
+        t0 = CLOCK()
+        for _ in range(n):
+            self.step()
+        if record:
+            self.times.append(CLOCK() - t0)
+
+
+class Floor(Arm):
+    """Reads every gradient once (one fused norm call) and moves the norms to the host once."""
+
+    def after_backward(self) -> None:
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        torch.stack(torch._foreach_norm(grads)).cpu()
+
+
+class Anomaly(Arm):
+    def step(self) -> None:
+        with torch.autograd.detect_anomaly():
+            super().step()
+
+
+class Ours(Arm):
+    options: Dict[str, object] = {}
+
+    def enter(self) -> None:
+        from neuraldbg import NeuralDbg
+
+        self.dbg = NeuralDbg(self.model, **self.options)
+        self.dbg.__enter__()
+
+    def exit(self) -> None:
+        self.dbg.__exit__(None, None, None)
+
+
+class Legacy(Arm):
+    """NeuralDBG 1.3.2 as its README shows it: hooks on entry, ``record_loss(loss.item())`` and
+    ``step_iteration()`` each step."""
+
+    def enter(self) -> None:
+        from neuraldbg import NeuralDbg  # the 1.3.2 package of the bench virtualenv
+
+        self.dbg = NeuralDbg(self.model)
+        self.dbg.__enter__()
+
+    def exit(self) -> None:
+        self.dbg.__exit__(None, None, None)
+
+    def step(self) -> None:
+        x, y = self.batches[self.i % len(self.batches)]
+        self.i += 1
+        self.opt.zero_grad()
+        loss = self.crit(self.model(x), y)
+        loss.backward()
+        self.opt.step()
+        self.dbg.record_loss(loss.item())
+        self.dbg.step_iteration()
+
+
+ARMS: Dict[str, type] = {
+    "plain": Arm,
+    "A/A": Arm,
+    "floor": Floor,
+    "neuraldbg": Ours,
+    "anomaly": Anomaly,
+    "1.3.2": Legacy,
+}
+
+
+def measure(model_name: str, arm_names: List[str], rounds: int, block: int, warmup: int) -> Dict[str, object]:
+    """Interleaved block timing of the arms on one model; ratios against ``plain``."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    _, factory, batches_of, _ = MODELS[model_name]
+    base = factory()
+    batches = batches_of()
+    arms = [ARMS[a](a, copy.deepcopy(base), batches) for a in arm_names]
+    for a in arms:
+        a.enter()
+    try:
+        for _ in range(warmup):
+            for a in arms:
+                a.block(1, record=False)
+        for r in range(rounds):
+            k = r % len(arms)
+            for a in arms[k:] + arms[:k]:
+                a.block(block, record=True)
+    finally:
+        for a in arms:
+            a.exit()
+    med = {a.name: statistics.median(a.times) / block for a in arms}
+    plain = med["plain"]
+    return {
+        "model": model_name,
+        "step_ms": {n: round(v * 1e3, 3) for n, v in med.items()},
+        "ratio": {n: round(v / plain, 3) for n, v in med.items()},
+        "rounds": rounds,
+        "block": block,
+    }
+
+
+# ----------------------------------------------------------------------------- legacy worker
+
+
+def legacy_python(path: Optional[str]) -> Optional[str]:
+    candidates = [path] if path else [os.path.join(ROOT, ".bench-venv", "bin", "python")]
+    for c in candidates:
+        if c and os.path.exists(c):
+            return os.path.abspath(c)  # the worker runs in a scratch directory
+    return None
+
+
+def run_legacy(python: str, model: str, rounds: int, block: int, warmup: int) -> Dict[str, object]:
+    # 1.3.2 writes a tensor cache directory into the working directory: give it a scratch one.
+    with tempfile.TemporaryDirectory() as tmp:
+        out = subprocess.run(
+            [python, os.path.abspath(__file__), "--worker", "--models", model, "--arms", "plain,1.3.2",
+             "--clock", "thread" if CLOCK is time.thread_time else "wall",
+             "--rounds", str(rounds), "--block", str(block), "--warmup", str(warmup)],
+            cwd=tmp, capture_output=True, text=True, check=False,
+        )
+    if out.returncode != 0:
+        raise RuntimeError(f"1.3.2 worker failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def machine() -> str:
+    cpu = platform.processor() or "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} logical CPUs, torch {torch.__version__}, Python {platform.python_version()}"
+
+
+COLUMNS = ["A/A", "floor", "neuraldbg", "anomaly", "1.3.2"]
+
+
+def table(results: List[Dict[str, object]]) -> str:
+    head = f"| model | plain step | {' | '.join(COLUMNS)} |"
+    lines = [head, "|" + "---|" * (len(COLUMNS) + 2)]
+    for r in results:
+        ratio = r["ratio"]  # type: ignore[index]
+        cells = [f"{ratio[c]:.3f}x" if c in ratio else "n/a" for c in COLUMNS]  # type: ignore[operator]
+        step = r["step_ms"]["plain"]  # type: ignore[index]
+        lines.append(f"| {r['model']} | {step:.2f} ms | {' | '.join(cells)} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default=",".join(DEFAULT_MODELS), help=f"comma-separated, from {', '.join(MODELS)}")
+    ap.add_argument("--arms", default="plain,A/A,floor,neuraldbg,anomaly", help="in-process arms")
+    ap.add_argument("--rounds", type=int, default=0, help="rounds per model (0: the model's default)")
+    ap.add_argument("--block", type=int, default=10, help="steps per arm per round")
+    ap.add_argument("--warmup", type=int, default=20, help="steps per arm before timing")
+    ap.add_argument("--legacy-python", default=None, help="python of the virtualenv holding neuraldbg==1.3.2")
+    ap.add_argument("--no-legacy", action="store_true", help="skip the 1.3.2 arm")
+    ap.add_argument("--clock", choices=("thread", "wall"), default="thread",
+                    help="thread CPU time (default; robust on a shared machine) or wall time")
+    ap.add_argument("--options", default="{}", help="JSON keyword options for NeuralDbg (ablations)")
+    ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    warnings.simplefilter("ignore")
+    Ours.options = json.loads(args.options)
+    global CLOCK
+    CLOCK = time.thread_time if args.clock == "thread" else time.perf_counter
+    models = [m for m in args.models.split(",") if m]
+    arms = [a for a in args.arms.split(",") if a]
+    if "plain" not in arms:
+        arms.insert(0, "plain")
+
+    if args.worker:
+        for m in models:
+            print(json.dumps(measure(m, arms, args.rounds or MODELS[m][3], args.block, args.warmup)), flush=True)
+        return 0
+
+    legacy = None if args.no_legacy else legacy_python(args.legacy_python)
+    if not args.no_legacy and legacy is None:
+        print("note: no .bench-venv/bin/python: the 1.3.2 column is skipped (make bench creates it)", file=sys.stderr)
+    results = []
+    for m in models:
+        rounds = args.rounds or MODELS[m][3]
+        t0 = time.perf_counter()
+        r = measure(m, arms, rounds, args.block, args.warmup)
+        if legacy is not None:
+            lr = run_legacy(legacy, m, rounds, args.block, args.warmup)
+            r["ratio"]["1.3.2"] = lr["ratio"]["1.3.2"]  # type: ignore[index]
+            r["step_ms"]["1.3.2"] = lr["step_ms"]["1.3.2"]  # type: ignore[index]
+            r["step_ms"]["plain (1.3.2 worker)"] = lr["step_ms"]["plain"]  # type: ignore[index]
+        r["seconds"] = round(time.perf_counter() - t0, 1)
+        results.append(r)
+        print(f"{m}: {MODELS[m][0]}: {json.dumps(r['ratio'])} ({r['seconds']}s)", file=sys.stderr, flush=True)
+
+    print()
+    print(f"Overhead: median block time / median plain block time ({args.block}-step blocks, interleaved, "
+          f"{'thread CPU' if args.clock == 'thread' else 'wall'} time)")
+    print(f"machine: {machine()}; torch.set_num_threads(1)")
+    print()
+    print(table(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": machine(), "results": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

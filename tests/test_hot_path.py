@@ -1,0 +1,305 @@
+"""The collector's hot path: how many host reads a step costs, where hooks live, the deferred
+(CUDA-style) transfer, and that batching changed no number the engine sees."""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from contextlib import contextmanager
+from typing import Iterator, List
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+from neuraldbg import NeuralDbg
+
+PACKAGE = "/neuraldbg/"
+# Everything that moves a tensor's values to the host (or blocks on a device).
+READS = ("item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__", "__index__")
+
+
+@contextmanager
+def count_reads() -> Iterator[Counter]:
+    """Counts host reads of tensor values made by NeuralDBG's own code (not by torch or the
+    test's loop)."""
+    counts: Counter = Counter()
+    originals = {name: getattr(torch.Tensor, name) for name in READS}
+
+    def wrap(name: str, fn):  # type: ignore[no-untyped-def]
+        def wrapper(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            caller = sys._getframe(1).f_code.co_filename
+            if PACKAGE in caller.replace("\\", "/"):
+                counts[name] += 1
+            return fn(self, *args, **kwargs)
+
+        return wrapper
+
+    for name, fn in originals.items():
+        setattr(torch.Tensor, name, wrap(name, fn))
+    try:
+        yield counts
+    finally:
+        for name, fn in originals.items():
+            setattr(torch.Tensor, name, fn)
+
+
+def mlp(depth: int, width: int = 16) -> nn.Sequential:
+    layers: List[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    layers.append(nn.Linear(width, 4))
+    return nn.Sequential(*layers)
+
+
+def step(model: nn.Module, opt: torch.optim.Optimizer, width: int = 16, device: str = "cpu") -> torch.Tensor:
+    opt.zero_grad()
+    x = torch.randn(32, width, device=device)
+    y = torch.randint(0, 4, (32,), device=device)
+    loss = nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    return loss
+
+
+@pytest.mark.parametrize("depth", [2, 24])
+def test_cpu_step_reads_the_host_once_whatever_the_depth(depth):
+    """Per healthy step: one bulk read of all statistics (``.numpy()`` of one vector, no copy
+    on CPU) and one scalar read of the loss when backward starts; nothing per module. Sampled
+    steps (activations, weights) add values to the same vector, not reads."""
+    torch.manual_seed(0)
+    model = mlp(depth)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with NeuralDbg(model) as dbg:
+        for _ in range(12):  # registration and the dense first steps
+            step(model, opt)
+        with count_reads() as counts:
+            n = 20
+            for _ in range(n):
+                step(model, opt)
+        assert dbg.step == 32
+    assert counts["numpy"] == n, counts
+    assert counts["__float__"] == n, counts  # the loss, read once when backward starts
+    assert sum(counts.values()) == 2 * n, counts
+
+
+def test_deferred_transfer_reads_nothing_inside_the_step():
+    """The CUDA path, exercised on CPU: the step's vector is copied out once (no host read of
+    a device value) and handed to the engine when the next forward starts; the engine lags by
+    less than a step, results read mid-training include everything, and the numbers are those
+    of the direct path."""
+    torch.manual_seed(0)
+    direct_model = mlp(3)
+    deferred_model = mlp(3)
+    deferred_model.load_state_dict(direct_model.state_dict())
+    runs = {}
+    for mode, model in (("direct", direct_model), ("deferred", deferred_model)):
+        torch.manual_seed(1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        with NeuralDbg(model, activation_every=1) as dbg:
+            dbg._collector.defer = mode == "deferred"
+            for i in range(15):
+                loss = step(model, opt)
+                if mode == "deferred" and i >= 1:
+                    # Observed at optimizer.step(), not yet handed over.
+                    assert dbg._engine.last_step == i - 1
+                    assert dbg._collector.pending is not None
+            steps, values = dbg.history("0", "grad_norm")  # flushes
+            assert list(steps) == list(range(15))
+            runs[mode] = (values, dbg.history(None, "loss")[1], dbg.history("1", "dead_fraction")[1])
+        assert dbg._collector.pending is None
+    for a, b in zip(runs["direct"], runs["deferred"]):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_deferred_transfer_has_no_host_read_in_the_step():
+    torch.manual_seed(0)
+    model = mlp(6)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with NeuralDbg(model) as dbg:
+        dbg._collector.defer = True
+        for _ in range(12):
+            step(model, opt)
+        with count_reads() as counts:
+            for _ in range(20):
+                step(model, opt)
+    # The CPU stand-in for the pinned copy is the only call, once per step.
+    assert counts == Counter(numpy=20), counts
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_steps_never_synchronize():
+    """With a GPU: no synchronizing call in a monitored healthy step."""
+    torch.manual_seed(0)
+    model = mlp(8).cuda()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with NeuralDbg(model) as dbg:
+        for _ in range(12):
+            step(model, opt, device="cuda")
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(25):
+                step(model, opt, device="cuda")
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert dbg._collector.defer is True
+    assert len(dbg.history("0", "grad_norm")[0]) == 37
+
+
+class Normalize(nn.Module):
+    """Divides each sample by its norm, without an epsilon: 0/0 on an all-zero sample."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x / x.norm(dim=1, keepdim=True)
+
+
+def nan_model() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), Normalize(), nn.Linear(16, 4))
+
+
+@pytest.mark.parametrize("mode", ["direct", "deferred"])
+def test_nan_origin_is_named_on_its_step(mode):
+    torch.manual_seed(0)
+    model = nan_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with NeuralDbg(model) as dbg:
+        dbg._collector.defer = mode == "deferred"
+        for i in range(20):
+            opt.zero_grad()
+            x = torch.randn(16, 8)
+            if i == 15:
+                x[3] = -1.0  # ReLU(Linear(x)) can be all zero for this sample: force it below
+                with torch.no_grad():
+                    model[0].bias.fill_(-100.0)
+            loss = nn.functional.cross_entropy(model(x), torch.randint(0, 4, (16,)))
+            loss.backward()
+            opt.step()
+    top = dbg.explain_failure()[0]
+    assert (top.failure, top.layer, top.step) == ("non_finite", "2", 15), top
+
+
+@pytest.mark.parametrize("mode", ["direct", "deferred"])
+def test_crash_after_a_nan_forward_is_still_diagnosed(mode):
+    """The loop raises before optimizer.step(): exit observes that step and scans it."""
+    torch.manual_seed(0)
+    model = nan_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.raises(FloatingPointError):
+        with NeuralDbg(model) as dbg:
+            dbg._collector.defer = mode == "deferred"
+            for i in range(10):
+                opt.zero_grad()
+                if i == 7:
+                    with torch.no_grad():
+                        model[0].bias.fill_(-100.0)
+                loss = nn.functional.cross_entropy(model(torch.randn(16, 8)), torch.randint(0, 4, (16,)))
+                if not torch.isfinite(loss):
+                    raise FloatingPointError("loss is NaN")
+                loss.backward()
+                opt.step()
+    # The dead ReLU that feeds it zeros is the deeper cause; the non-finite origin is named too.
+    top = dbg.explain_failure("non_finite")[0]
+    assert (top.failure, top.layer, top.step) == ("non_finite", "2", 7), top
+
+
+def forward_hooked(model: nn.Module) -> set:
+    return {name for name, m in model.named_modules() if m._forward_hooks}
+
+
+def test_hooks_only_where_a_nan_can_start_and_probes_only_when_sampled():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Dropout(0.1), nn.Sequential(nn.Linear(16, 16), nn.Tanh()), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with NeuralDbg(model, activation_every=5, dense_steps=2) as dbg:
+        for _ in range(3):
+            step(model, opt)
+        assert dbg.step == 3
+        # Step 3 is not sampled: only parameter owners (and the root) are hooked.
+        assert forward_hooked(model) == {"", "0", "3.0", "4"}
+        step(model, opt)
+        step(model, opt)
+        # Step 5 is sampled: the activation modules are hooked for it.
+        assert forward_hooked(model) == {"", "0", "3.0", "4", "1", "3.1"}
+    assert forward_hooked(model) == set()
+
+
+def test_activation_sampling_measures_densely_while_a_change_is_unconfirmed():
+    torch.manual_seed(0)
+    model = mlp(2)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with NeuralDbg(model, activation_every=10, dense_steps=0) as dbg:
+        for i in range(45):
+            if i == 21:
+                with torch.no_grad():
+                    model[2].bias[:11] = -1e3  # 11 of 16 units of the second ReLU die
+            step(model, opt)
+    steps, dead = dbg.history("3", "dead_fraction")
+    # Every 10th step until the first sample that sees it (30), then every step until the
+    # change is confirmed (3 observations: 69% dead is not far enough past 50% to be confirmed
+    # at once), then every 10th again.
+    assert list(steps) == [0, 10, 20, 30, 31, 32, 40], list(steps)
+    np.testing.assert_allclose(dead[3:], 11 / 16)
+    dead_events = [e for e in dbg.events if e.layer_name == "3" and str(e.to_state).endswith("DEAD")]
+    assert [e.step for e in dead_events] == [30]
+
+
+def test_conv_bn_relu_units_are_channels():
+    """Dead units after Conv -> BatchNorm -> ReLU are channels, not image columns."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 64, 4))
+    with torch.no_grad():
+        model[1].bias[:4] = -50.0  # four of eight channels are off everywhere
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    with NeuralDbg(model, activation_every=1) as dbg:
+        for _ in range(3):
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(model(torch.randn(16, 3, 8, 8)), torch.randint(0, 4, (16,)))
+            loss.backward()
+            opt.step()
+    _, dead = dbg.history("2", "dead_fraction")
+    np.testing.assert_allclose(dead, 0.5)
+
+
+class Branchy(nn.Module):
+    """A sparse embedding, and a branch that runs on odd calls only: gradients go missing and
+    come back, and one of them is sparse."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(50, 16, sparse=True)
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 4)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        h = self.embed(x).mean(dim=1)
+        h = self.a(h)
+        if self.calls % 2:
+            h = self.b(h)
+        return self.head(torch.relu(h))
+
+
+def test_gradient_norms_match_torch_when_gradients_come_and_go():
+    torch.manual_seed(0)
+    model = Branchy()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    expected = {"a": [], "b": [], "embed": []}
+    with NeuralDbg(model) as dbg:
+        for _ in range(12):
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(model(torch.randint(0, 50, (8, 5))), torch.randint(0, 4, (8,)))
+            loss.backward()
+            for name in expected:
+                grads = [p.grad for p in getattr(model, name).parameters() if p.grad is not None]
+                if grads:
+                    dense = [g.coalesce().values() if g.is_sparse else g for g in grads]
+                    expected[name].append(float(torch.sqrt(sum(torch.sum(g * g) for g in dense))))
+            opt.step()
+    for name, values in expected.items():
+        _, got = dbg.history(name, "grad_norm")
+        np.testing.assert_allclose(got[np.isfinite(got)], values, rtol=1e-5)  # NaN: no gradient
+    assert len(expected["b"]) == 6
