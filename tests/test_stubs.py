@@ -1,4 +1,5 @@
-"""The hand-written stubs of the native module match the module (mypy's stubtest)."""
+"""The hand-written stubs of the native module match the module (mypy's stubtest), and the
+package type-checks against them."""
 
 from __future__ import annotations
 
@@ -16,3 +17,12 @@ def test_native_stub_matches_the_extension():
     )
     assert out.returncode == 0, out.stdout + out.stderr
 
+
+
+def test_package_type_checks():
+    out = subprocess.run(
+        [sys.executable, "-m", "mypy", "--ignore-missing-imports", "--no-error-summary",
+         os.path.join(ROOT, "python", "neuraldbg")],
+        capture_output=True, text=True, cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr

@@ -7,7 +7,7 @@ import os
 import platform
 import time
 import warnings
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Literal, Optional, Tuple, Union
 
 import numpy as np
 
@@ -147,7 +147,7 @@ class NeuralDbg:
         # Validated by the engine; raises ConfigError with the offending name.
         self._engine = _native.Engine(json.dumps(config))
         self.model = model
-        self._options = dict(
+        self._options: Dict[str, Any] = dict(
             criterion=criterion,
             activation_every=activation_every,
             weight_every=weight_every,
@@ -182,7 +182,7 @@ class NeuralDbg:
         self._active = True
         return self
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> "Literal[False]":
         collector = self._collector
         try:
             if collector is not None:
