@@ -631,16 +631,7 @@ pub(crate) fn rank_causes(
                         );
                     }
                 }
-                if let Some((g, _)) = ev.gain_max.filter(|_| ev.gain_too_large()) {
-                    b.add(
-                        C::PoorInitialization,
-                        1.5,
-                        format!(
-                            "initial weights are {}x a variance-preserving scale",
-                            fmt_g(g)
-                        ),
-                    );
-                }
+                large_weights(&mut b, ev, 1.5);
                 depth_evidence(&mut b, ev, false);
             } else {
                 b.add(C::PoorInitialization, -1.0, "");
@@ -693,16 +684,7 @@ pub(crate) fn rank_causes(
                     2.0,
                     "gradients vanished from the first step, before any update",
                 );
-                if let Some((g, _)) = ev.gain_median.zip(Some(0)).filter(|_| ev.gain_too_small()) {
-                    b.add(
-                        C::PoorInitialization,
-                        2.0,
-                        format!(
-                            "initial weights are only {}x a variance-preserving scale",
-                            fmt_g(g)
-                        ),
-                    );
-                }
+                small_weights(&mut b, ev, 2.0);
                 depth_evidence(&mut b, ev, true);
                 init_compounding(&mut b, ev, true);
             } else {
@@ -812,16 +794,7 @@ pub(crate) fn rank_causes(
                     2.0,
                     "the units were dead at the first step, before any update",
                 );
-                if let Some(g) = ev.gain_median.filter(|_| ev.gain_too_small()) {
-                    b.add(
-                        C::PoorInitialization,
-                        2.0,
-                        format!(
-                            "initial weights are only {}x a variance-preserving scale",
-                            fmt_g(g)
-                        ),
-                    );
-                }
+                small_weights(&mut b, ev, 2.0);
             } else if f.healthy_start {
                 b.add(
                     C::LearningRateTooHigh,
@@ -854,16 +827,7 @@ pub(crate) fn rank_causes(
                     1.0,
                     "the activations were saturated at the first step, before any update",
                 );
-                if let Some((g, _)) = ev.gain_max.filter(|_| ev.gain_too_large()) {
-                    b.add(
-                        C::PoorInitialization,
-                        2.0,
-                        format!(
-                            "initial weights are {}x a variance-preserving scale",
-                            fmt_g(g)
-                        ),
-                    );
-                }
+                large_weights(&mut b, ev, 2.0);
                 // Inputs far beyond a normalized range saturate the first bounded activation
                 // however well the weights are scaled.
                 let first_act = run.model.activations.first().map(|a| a.module);
@@ -1051,6 +1015,34 @@ pub(crate) fn rank_causes(
         );
     }
     b.finish()
+}
+
+/// Initial weights far below a variance-preserving scale.
+fn small_weights(b: &mut Ballot, ev: &Evidence, weight: f64) {
+    if let Some(g) = ev.gain_median.filter(|_| ev.gain_too_small()) {
+        b.add(
+            Cause::PoorInitialization,
+            weight,
+            format!(
+                "initial weights are only {}x a variance-preserving scale",
+                fmt_g(g)
+            ),
+        );
+    }
+}
+
+/// Initial weights far above a variance-preserving scale.
+fn large_weights(b: &mut Ballot, ev: &Evidence, weight: f64) {
+    if let Some((g, _)) = ev.gain_max.filter(|_| ev.gain_too_large()) {
+        b.add(
+            Cause::PoorInitialization,
+            weight,
+            format!(
+                "initial weights are {}x a variance-preserving scale",
+                fmt_g(g)
+            ),
+        );
+    }
 }
 
 /// Weights mis-scaled for their activation, compounded over the layers, explain a failure at
