@@ -2,8 +2,8 @@
 //! causal hypotheses.
 //!
 //! The pipeline is one direction: events -> episodes (clusters of failure events, each with a
-//! root located by the rules of [`episodes`]) -> links (which episode is a consequence of which)
-//! -> evidence -> scored causes ([`causes`]) -> hypotheses sorted by confidence.
+//! root located by the rules of the `episodes` module) -> links (which episode is a consequence of which)
+//! -> evidence -> scored causes (the `causes` module) -> hypotheses sorted by confidence.
 
 mod causes;
 mod episodes;
