@@ -2,7 +2,7 @@
 //!
 //! Only conversions live here: numpy arrays in, JSON strings and numpy arrays out, and engine
 //! errors mapped to the package's exception classes (`neuraldbg.errors`) in one place
-//! ([`to_py_err`]). Structured results cross as JSON so this crate never mirrors core types.
+//! (`to_py_err`). Structured results cross as JSON so this crate never mirrors core types.
 
 // PyO3 extracts arguments by value; the borrow checker, not clippy, decides here.
 #![allow(clippy::needless_pass_by_value)]
