@@ -1,21 +1,15 @@
 //! `neuraldbg export`: the diagnosis of a replayed trace in other formats.
 
-use neuraldbg_core::analysis::Analysis;
-use neuraldbg_core::output::float;
-use neuraldbg_core::output::{events_json, hypotheses_json};
+use neuraldbg_core::analysis::explain;
+use neuraldbg_core::output::{events_json, float, hypotheses_json};
 use neuraldbg_core::trace::Replay;
-use neuraldbg_core::{Engine, Reduce};
+use neuraldbg_core::{
+    ACTIVATION_METRICS, Engine, LAYER_METRICS, RUN_METRICS, Reduce, display_name,
+};
 use serde_json::{Map, Value, json};
 
 use crate::tensorboard::{self, EventFile};
 use crate::text;
-
-/// Series of each layer (module owning parameters).
-const LAYER_METRICS: [&str; 2] = ["grad_norm", "weight_norm"];
-/// Series of each activation module.
-const ACTIVATION_METRICS: [&str; 3] = ["saturated_fraction", "dead_fraction", "activation_absmax"];
-/// Run-wide series.
-const RUN_METRICS: [&str; 4] = ["loss", "lr", "grad_norm", "input_scale"];
 
 /// Who a series is about.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -106,9 +100,7 @@ pub fn trace_json(replay: &Replay) -> Value {
 /// Events, hypotheses and every history series in one document.
 pub fn json(replay: &Replay) -> Value {
     let engine = &replay.engine;
-    let hypotheses = Analysis::new(engine).map_or(Value::Array(vec![]), |a| {
-        hypotheses_json(engine, &a.hypotheses(None))
-    });
+    let hypotheses = hypotheses_json(engine, &explain(engine, None));
     let mut groups: Map<String, Value> = ["layers", "activations", "run"]
         .iter()
         .map(|g| ((*g).to_string(), Value::Object(Map::new())))
@@ -147,19 +139,6 @@ pub fn json(replay: &Replay) -> Value {
     })
 }
 
-/// The causal graph, as `dbg.export_mermaid_causal_graph()`.
-pub fn mermaid(replay: &Replay) -> String {
-    Analysis::new(&replay.engine).map_or_else(
-        || "graph TD\n    healthy[\"no steps observed\"]".to_string(),
-        |a| a.mermaid(),
-    )
-}
-
-/// A module name in a `TensorBoard` tag: the root module is `<model>`.
-fn tag_name(name: &str) -> &str {
-    if name.is_empty() { "<model>" } else { name }
-}
-
 /// One event file: every series as scalars (NaN points, i.e. buckets without a value, are left
 /// out), each step's events as a text list, and the ranked hypotheses as text at the last step.
 pub fn tensorboard(replay: &Replay) -> EventFile {
@@ -169,8 +148,8 @@ pub fn tensorboard(replay: &Replay) -> EventFile {
         let metric = s.metric;
         let tag = match (s.group, &s.name) {
             (Group::Run, _) | (_, None) => format!("run/{metric}"),
-            (Group::Layer, Some(n)) => format!("{metric}/{}", tag_name(n)),
-            (Group::Activation, Some(n)) => format!("activation/{metric}/{}", tag_name(n)),
+            (Group::Layer, Some(n)) => format!("{metric}/{}", display_name(n)),
+            (Group::Activation, Some(n)) => format!("activation/{metric}/{}", display_name(n)),
         };
         for (step, v) in s.steps.into_iter().zip(s.values) {
             if !v.is_nan() {
@@ -189,8 +168,8 @@ pub fn tensorboard(replay: &Replay) -> EventFile {
         }
         file.add(step, tensorboard::text("events", &lines.join("\n")));
     }
-    if let Some(a) = Analysis::new(engine) {
-        let hypotheses = a.hypotheses(None);
+    if engine.model().is_some() {
+        let hypotheses = explain(engine, None);
         let body = if hypotheses.is_empty() {
             "no failure detected".to_string()
         } else {

@@ -25,10 +25,10 @@ use std::io::{IsTerminal, Write};
 use std::path::Path;
 
 use clap::Parser;
-use neuraldbg_core::analysis::{Analysis, parse_failure};
+use neuraldbg_core::analysis::{explain as ranked, parse_failure};
 use neuraldbg_core::output::{events_json, hypotheses_json};
 use neuraldbg_core::trace::{Replay, TraceError, TraceReader};
-use neuraldbg_core::{Engine, EventType, SemanticEvent};
+use neuraldbg_core::{Engine, EventType, SemanticEvent, Subject, display_name};
 use serde_json::Value;
 
 use cli::{Cli, Command, Format};
@@ -237,7 +237,7 @@ fn explain(replay: &Replay, a: &cli::Explain, io: &mut Io<'_>) -> Result<(), Sto
         .map(parse_failure)
         .transpose()
         .map_err(|e| Stop::new(EXIT_USAGE, e.to_string()))?;
-    let hypotheses = Analysis::new(engine).map_or_else(Vec::new, |an| an.hypotheses(only));
+    let hypotheses = ranked(engine, only);
     if a.json {
         return io.print(&to_json(&hypotheses_json(engine, &hypotheses)));
     }
@@ -263,10 +263,10 @@ fn kind_matches(e: &SemanticEvent, kind: &str) -> bool {
 
 /// The name `--layer` refers to, checked against the model.
 fn resolve_layer(engine: &Engine, layer: &str) -> Result<String, Stop> {
-    let name = if layer == "<model>" { "" } else { layer };
+    let name = if layer == display_name("") { "" } else { layer };
     let known = |n: &str| {
-        n == "(loss)"
-            || n == "(input)"
+        n == Subject::LOSS_NAME
+            || n == Subject::INPUT_NAME
             || engine.model().is_some_and(|m| m.module_index(n).is_some())
     };
     if known(name) {
@@ -284,7 +284,7 @@ fn resolve_layer(engine: &Engine, layer: &str) -> Result<String, Stop> {
                 .collect()
         })
         .unwrap_or_default();
-    names.extend(["<model>".to_string(), "(loss)".into(), "(input)".into()]);
+    names.extend([display_name(""), Subject::LOSS_NAME, Subject::INPUT_NAME].map(String::from));
     Err(Stop::new(
         EXIT_USAGE,
         format!(
@@ -346,7 +346,7 @@ fn report(replay: &Replay, a: &cli::Report, io: &mut Io<'_>) -> Result<(), Stop>
 fn export(replay: &Replay, a: &cli::Export, io: &mut Io<'_>) -> Result<(), Stop> {
     let text = match a.format {
         Format::Json => to_json(&export::json(replay)),
-        Format::Mermaid => export::mermaid(replay),
+        Format::Mermaid => neuraldbg_core::analysis::mermaid(&replay.engine),
         Format::Tensorboard => {
             let dir = a.output.as_deref().unwrap_or(Path::new("."));
             let wall = started(replay);

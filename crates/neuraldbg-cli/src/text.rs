@@ -1,16 +1,7 @@
 //! Human-readable lines, identical to what the Python package prints (`print(h)`, `print(e)`
 //! in `python/neuraldbg/types.py`), so a diagnosis reads the same live and post-mortem.
 
-use neuraldbg_core::{CausalHypothesis, Engine, SemanticEvent};
-
-/// A layer name as Python's `_layer` shows it: the root module is `<model>`.
-fn layer(name: Option<&str>) -> &str {
-    match name {
-        None => "-",
-        Some("") => "<model>",
-        Some(n) => n,
-    }
-}
+use neuraldbg_core::{CausalHypothesis, Engine, SemanticEvent, display_name};
 
 /// Python's `format(x, ".2f")`.
 fn fixed2(x: f64) -> String {
@@ -64,7 +55,7 @@ pub fn event_line(engine: &Engine, e: &SemanticEvent) -> String {
     format!(
         "step {:>6}  {}  {}: {} -> {}{shown} (confidence {})",
         e.step,
-        layer(Some(&engine.subject_name(e.subject))),
+        display_name(&engine.subject_name(e.subject)),
         e.event_type,
         e.from_state,
         e.to_state,

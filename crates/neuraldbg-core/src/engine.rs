@@ -14,6 +14,14 @@ use crate::model::{ActivationProbe, Model, ModelSpec};
 use crate::observation::{ACTIVATION_STATS, INPUT_STATS, StepView};
 use crate::track::{ActTrack, DataTrack, Early, LayerTrack, LossTrack};
 
+/// History metrics of a layer (a module owning parameters), for [`Engine::history`].
+pub const LAYER_METRICS: [&str; 2] = ["grad_norm", "weight_norm"];
+/// History metrics of an activation module.
+pub const ACTIVATION_METRICS: [&str; 3] =
+    ["saturated_fraction", "dead_fraction", "activation_absmax"];
+/// Run-wide history metrics (`name` None).
+pub const RUN_METRICS: [&str; 4] = ["grad_norm", "loss", "lr", "input_scale"];
+
 /// Global series stored after the per-layer ones in the gradient history.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Global {
@@ -164,15 +172,16 @@ impl Engine {
         events
     }
 
-    /// Name of the subject of an event (`""` for the root module, `"(input)"`, `"(loss)"`).
+    /// Name of the subject of an event: a qualified module name (`""` for the root module),
+    /// [`Subject::INPUT_NAME`] or [`Subject::LOSS_NAME`].
     pub fn subject_name(&self, subject: Subject) -> String {
         match (subject, self.model()) {
             (Subject::Module(m), Some(model)) if m < model.spec.modules.len() => {
                 model.spec.modules[m].name.clone()
             }
             (Subject::Module(m), _) => format!("(module {m})"),
-            (Subject::Input, _) => "(input)".into(),
-            (Subject::Loss, _) => "(loss)".into(),
+            (Subject::Input, _) => Subject::INPUT_NAME.into(),
+            (Subject::Loss, _) => Subject::LOSS_NAME.into(),
         }
     }
 
@@ -208,9 +217,9 @@ impl Engine {
                 "loss" => Global::Loss,
                 "lr" => Global::Lr,
                 "input_scale" => Global::InputScale,
-                _ => return Err(unknown_metric("grad_norm, loss, lr, input_scale")),
+                _ => return Err(unknown_metric(&RUN_METRICS.join(", "))),
             };
-            return Ok(run.grads.read(model.layers.len() + g as usize, reduce));
+            return Ok(run.grads.read(run.global_series(g), reduce));
         };
         let module = model
             .module_index(name)
@@ -252,7 +261,9 @@ impl Engine {
                 Ok(run.activations.read(3 * a + offset, reduce))
             }
             _ => Err(unknown_metric(
-                "grad_norm, weight_norm, saturated_fraction, dead_fraction, activation_absmax",
+                &[&LAYER_METRICS[..], &ACTIVATION_METRICS[..]]
+                    .concat()
+                    .join(", "),
             )),
         }
     }
@@ -454,7 +465,7 @@ impl Run {
         if any_grad {
             let total = total.sqrt();
             self.grads
-                .record(n_layers + Global::TotalGradNorm as usize, total as f32);
+                .record(self.global_series(Global::TotalGradNorm), total as f32);
             self.total_early.push(total);
             if self.nonfinite_steps == 0
                 && all_finite
@@ -476,7 +487,7 @@ impl Run {
         if let Some(loss) = v.loss {
             all_finite &= loss.is_finite();
             self.grads
-                .record(n_layers + Global::Loss as usize, loss as f32);
+                .record(self.global_series(Global::Loss), loss as f32);
             if let Some(t) = self.loss.observe(step, loss, config) {
                 let e = Self::event_from(&t, EventType::LossHealth, Subject::Loss, State::Loss);
                 self.push_event(e, config);
@@ -485,7 +496,7 @@ impl Run {
         if let Some(lr) = v.lr.filter(|lr| lr.is_finite()) {
             self.lr_first.get_or_insert(lr);
             self.lr_max = self.lr_max.max(lr);
-            self.grads.record(n_layers + Global::Lr as usize, lr as f32);
+            self.grads.record(self.global_series(Global::Lr), lr as f32);
         }
         if !all_finite {
             self.nonfinite_steps += 1;
@@ -588,9 +599,8 @@ impl Run {
                 worst_ratio = ratio;
             }
         }
-        let n_layers = self.model.layers.len();
         self.grads
-            .record(n_layers + Global::InputScale as usize, scale as f32);
+            .record(self.global_series(Global::InputScale), scale as f32);
         if let Some((from, to, ratio)) = self.data.step(step, worst, worst_ratio) {
             let margin = if to == DataHealth::NonFinite {
                 f64::INFINITY
@@ -655,7 +665,7 @@ impl Run {
     /// Largest learning rate recorded in the buckets around `[from, to]`.
     pub fn lr_between(&self, from: u64, to: u64) -> Option<f64> {
         self.grads
-            .max_between(self.model.layers.len() + Global::Lr as usize, from, to)
+            .max_between(self.global_series(Global::Lr), from, to)
     }
 }
 

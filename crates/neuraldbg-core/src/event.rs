@@ -63,6 +63,13 @@ pub enum Subject {
     Loss,
 }
 
+impl Subject {
+    /// The name events about the input batches carry as their layer name.
+    pub const INPUT_NAME: &'static str = "(input)";
+    /// The name events about the loss carry as their layer name.
+    pub const LOSS_NAME: &'static str = "(loss)";
+}
+
 /// A confirmed transition.
 ///
 /// `confidence` is `1 - exp(-(margin / 0.5 + persistence / 3))`: how far past its threshold the

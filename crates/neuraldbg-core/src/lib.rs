@@ -47,7 +47,7 @@ mod track;
 pub use analysis::{Analysis, CausalHypothesis, Cause, Coupling, CouplingKind, Failure, RootCause};
 pub use config::Config;
 pub use detector::{Debounce, Transition};
-pub use engine::{Engine, NonFiniteOrigin};
+pub use engine::{ACTIVATION_METRICS, Engine, LAYER_METRICS, NonFiniteOrigin, RUN_METRICS};
 pub use error::{ConfigError, EngineError};
 pub use event::{EventType, SemanticEvent, Subject, event_confidence};
 pub use health::{
@@ -57,5 +57,6 @@ pub use health::{
 pub use history::{Bucket, History, Reduce};
 pub use model::{
     ActivationProbe, Model, ModelSpec, ModuleSpec, ParamRole, ParamSpec, activation_traits,
+    display_name,
 };
 pub use observation::{ACTIVATION_STATS, INPUT_STATS, Observation, StepView};

@@ -134,6 +134,12 @@ pub struct Model {
     pub layer_ranges: Option<Vec<(usize, usize)>>,
 }
 
+/// How a module name is shown to people: the root module, whose qualified name is `""`, is
+/// `<model>`.
+pub fn display_name(name: &str) -> &str {
+    if name.is_empty() { "<model>" } else { name }
+}
+
 /// Activation traits of a module class, or None when it is not an activation.
 pub fn activation_traits(kind: &str, attrs: &[(String, f64)]) -> Option<ActivationTraits> {
     let attr = |key: &str| attrs.iter().find(|(k, _)| k == key).map(|(_, v)| *v);

@@ -7,17 +7,25 @@ use crate::analysis::{CausalHypothesis, Coupling, RootCause};
 use crate::engine::Engine;
 use crate::event::SemanticEvent;
 
-/// A float for JSON: non-finite values become the strings `"NaN"`, `"inf"`, `"-inf"` so nothing
-/// is silently turned into `null`.
+/// How a non-finite value is spelled in JSON, which has no NaN or infinity: `"NaN"`, `"inf"`,
+/// `"-inf"` (the Python package reads them back as floats).
+pub fn non_finite_name(v: f64) -> &'static str {
+    if v.is_nan() {
+        "NaN"
+    } else if v > 0.0 {
+        "inf"
+    } else {
+        "-inf"
+    }
+}
+
+/// A float for JSON: non-finite values become [`non_finite_name`] strings, so nothing is
+/// silently turned into `null`.
 pub fn float(v: f64) -> Value {
     if v.is_finite() {
         json!(v)
-    } else if v.is_nan() {
-        json!("NaN")
-    } else if v > 0.0 {
-        json!("inf")
     } else {
-        json!("-inf")
+        json!(non_finite_name(v))
     }
 }
 

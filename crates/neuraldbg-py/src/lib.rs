@@ -9,7 +9,7 @@
 
 use std::ffi::CString;
 
-use neuraldbg_core::analysis::{Analysis, parse_failure};
+use neuraldbg_core::analysis::{self, Analysis, parse_failure};
 use neuraldbg_core::trace::{SyncPolicy, TraceWriter, WriterOptions};
 use neuraldbg_core::{
     Config, ConfigError, Engine, EngineError, ModelSpec, Reduce, StepView, output,
@@ -78,6 +78,11 @@ struct PyEngine {
 }
 
 impl PyEngine {
+    /// A JSON list computed from the analysis; empty before a model is registered.
+    fn analysed(&self, f: impl FnOnce(&Analysis<'_>) -> serde_json::Value) -> String {
+        Analysis::new(&self.inner).map_or_else(|| "[]".to_string(), |a| f(&a).to_string())
+    }
+
     /// Runs one trace write; on failure stops tracing with a warning, and the live diagnosis
     /// goes on.
     fn traced(
@@ -258,42 +263,26 @@ impl PyEngine {
             .transpose()
             .map_err(|e| to_py_err(py, &e))?;
         let engine = &self.inner;
-        let json = py.detach(|| {
-            Analysis::new(engine).map_or_else(
-                || "[]".to_string(),
-                |a| output::hypotheses_json(engine, &a.hypotheses(only)).to_string(),
-            )
-        });
-        Ok(json)
+        Ok(py.detach(|| {
+            output::hypotheses_json(engine, &analysis::explain(engine, only)).to_string()
+        }))
     }
 
     fn root_causes_json(&self) -> String {
-        Analysis::new(&self.inner).map_or_else(
-            || "[]".to_string(),
-            |a| output::root_causes_json(&self.inner, &a.root_causes()).to_string(),
-        )
+        self.analysed(|a| output::root_causes_json(&self.inner, &a.root_causes()))
     }
 
     fn couplings_json(&self, window: u64) -> String {
-        Analysis::new(&self.inner).map_or_else(
-            || "[]".to_string(),
-            |a| output::couplings_json(&self.inner, &a.couplings(window)).to_string(),
-        )
+        self.analysed(|a| output::couplings_json(&self.inner, &a.couplings(window)))
     }
 
     fn causal_chain_json(&self, py: Python<'_>, failure: &str) -> PyResult<String> {
         let f = parse_failure(failure).map_err(|e| to_py_err(py, &e))?;
-        Ok(Analysis::new(&self.inner).map_or_else(
-            || "[]".to_string(),
-            |a| output::events_json(&self.inner, &a.causal_chain(f)).to_string(),
-        ))
+        Ok(self.analysed(|a| output::events_json(&self.inner, &a.causal_chain(f))))
     }
 
     fn mermaid(&self) -> String {
-        Analysis::new(&self.inner).map_or_else(
-            || "graph TD\n    healthy[\"no steps observed\"]".to_string(),
-            |a| a.mermaid(),
-        )
+        analysis::mermaid(&self.inner)
     }
 
     /// The self-contained HTML report of the run (`neuraldbg_core::report::render_html`).

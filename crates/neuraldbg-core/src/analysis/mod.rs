@@ -44,11 +44,10 @@ pub struct CausalHypothesis {
 /// One line, exactly as Python's `str(h)` (and the CLI) print it.
 impl std::fmt::Display for CausalHypothesis {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let layer = match self.layer.as_deref() {
-            None => "-",
-            Some("") => "<model>",
-            Some(name) => name,
-        };
+        let layer = self
+            .layer
+            .as_deref()
+            .map_or("-", crate::model::display_name);
         let step = self.step.map_or_else(|| "-".to_string(), |s| s.to_string());
         write!(
             f,
@@ -440,7 +439,7 @@ impl<'a> Analysis<'a> {
                 h.step.map_or("-".into(), |s| s.to_string()),
                 h.layer
                     .as_deref()
-                    .map(|l| format!(" in {}", esc(if l.is_empty() { "<model>" } else { l })))
+                    .map(|l| format!(" in {}", esc(crate::model::display_name(l))))
                     .unwrap_or_default()
             ));
         }
@@ -457,6 +456,21 @@ impl<'a> Analysis<'a> {
         }
         lines.join("\n")
     }
+}
+
+/// Ranked hypotheses of `engine` (none before a model is registered), optionally for one
+/// failure: what `dbg.explain_failure()` and `neuraldbg explain` print.
+pub fn explain(engine: &Engine, only: Option<Failure>) -> Vec<CausalHypothesis> {
+    Analysis::new(engine).map_or_else(Vec::new, |a| a.hypotheses(only))
+}
+
+/// The causal graph of `engine` as a Mermaid flowchart (a one-node graph before any model is
+/// registered).
+pub fn mermaid(engine: &Engine) -> String {
+    Analysis::new(engine).map_or_else(
+        || "graph TD\n    healthy[\"no steps observed\"]".to_string(),
+        |a| a.mermaid(),
+    )
 }
 
 /// Parses a failure name with a helpful error.

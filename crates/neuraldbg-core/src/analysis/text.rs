@@ -42,11 +42,7 @@ pub fn num(v: f64) -> String {
 
 /// A module name as shown in sentences (the root module has the empty name).
 pub fn show(name: &str) -> String {
-    if name.is_empty() {
-        "`<model>`".into()
-    } else {
-        format!("`{name}`")
-    }
+    format!("`{}`", crate::model::display_name(name))
 }
 
 /// One line describing an event.

@@ -37,7 +37,7 @@ use crate::config::Config;
 use crate::engine::{Engine, Global, Run};
 use crate::event::{EventType, SemanticEvent, Subject};
 use crate::history::Bucket;
-use crate::model::Model;
+use crate::model::{Model, display_name};
 
 /// Step columns at most (history buckets beyond are merged in groups).
 pub const MAX_COLUMNS: usize = 512;
@@ -238,13 +238,7 @@ impl Serialize for Num {
             Num::F32(v) => f64::from(v),
             Num::F64(v) => v,
         };
-        s.serialize_str(if v.is_nan() {
-            "NaN"
-        } else if v > 0.0 {
-            "inf"
-        } else {
-            "-inf"
-        })
+        s.serialize_str(crate::output::non_finite_name(v))
     }
 }
 
@@ -352,14 +346,6 @@ fn merge_columns(
         .collect()
 }
 
-fn display_name(name: &str) -> String {
-    if name.is_empty() {
-        "<model>".into()
-    } else {
-        name.to_string()
-    }
-}
-
 fn heatmap(model: &Model, grid: &[Vec<Option<Bucket>>], per_row: usize, cols: usize) -> Heatmap {
     let n_layers = grid.len();
     let rows: Vec<Vec<Option<Bucket>>> = (0..n_layers)
@@ -409,7 +395,7 @@ fn heatmap(model: &Model, grid: &[Vec<Option<Bucket>>], per_row: usize, cols: us
             let (a, b) = (&model.layers[l0], &model.layers[l1 - 1]);
             Row {
                 name: if l1 - l0 == 1 {
-                    display_name(&a.name)
+                    display_name(&a.name).to_string()
                 } else {
                     format!("{} … {}", display_name(&a.name), display_name(&b.name))
                 },
@@ -579,7 +565,7 @@ fn curves(
     }
     chosen
         .into_iter()
-        .map(|(l, role)| curve(&display_name(&model.layers[l].name), role, &grid[l]))
+        .map(|(l, role)| curve(display_name(&model.layers[l].name), role, &grid[l]))
         .collect()
 }
 
@@ -620,7 +606,7 @@ fn pick_events(
             Ev {
                 step: e.step,
                 kind: e.event_type.as_str(),
-                who: display_name(&engine.subject_name(e.subject)),
+                who: display_name(&engine.subject_name(e.subject)).to_string(),
                 from: e.from_state.as_str(),
                 to: e.to_state.as_str(),
                 confidence: Num::F64(e.confidence),
@@ -642,7 +628,7 @@ fn graph(analysis: &Analysis<'_>, hypotheses: &[CausalHypothesis]) -> Vec<GraphR
                 cause: h.cause.as_str(),
                 confidence: h.confidence,
                 failure: r.failure.as_str(),
-                layer: r.layer.as_deref().map(display_name),
+                layer: r.layer.as_deref().map(|l| display_name(l).to_string()),
                 step: r.step,
                 affected: r.affected.len(),
                 consequences: r.consequences.iter().map(|f| f.as_str()).collect(),
@@ -731,7 +717,7 @@ fn hypothesis_card(h: &CausalHypothesis, top: bool) -> String {
         h.cause.as_str(),
         h.layer.as_deref().map_or_else(
             || "—".to_string(),
-            |l| format!("<code>{}</code>", escape(&display_name(l)))
+            |l| format!("<code>{}</code>", escape(display_name(l)))
         ),
         h.step.map_or_else(|| "—".to_string(), |s| s.to_string()),
     );
