@@ -9,9 +9,7 @@ use neuraldbg_cli::{EXIT_DAMAGED, EXIT_NEWER, EXIT_OK, EXIT_UNREADABLE, EXIT_USA
 use neuraldbg_core::analysis::Analysis;
 use neuraldbg_core::output::{events_json, hypotheses_json};
 use neuraldbg_core::trace::{TraceWriter, WriterOptions};
-use neuraldbg_core::{
-    Config, Engine, ModelSpec, ModuleSpec, Observation, ParamRole, ParamSpec, Reduce,
-};
+use neuraldbg_core::{Config, Engine, ModelSpec, Observation, Reduce};
 use serde_json::{Map, Value};
 
 fn temp_dir() -> PathBuf {
@@ -26,31 +24,15 @@ fn temp_dir() -> PathBuf {
 }
 
 fn spec(depth: usize) -> ModelSpec {
-    let module = |name: String, kind: &str| ModuleSpec {
-        name,
-        kind: kind.into(),
-        attrs: vec![],
-        executed: true,
-    };
-    let mut modules = Vec::new();
-    let mut params = Vec::new();
+    let mut spec = ModelSpec::default();
     for i in 0..depth {
-        params.push(ParamSpec {
-            module: modules.len(),
-            name: format!("fc{i}.weight"),
-            numel: 256,
-            role: ParamRole::Weight,
-            fan_in: Some(16),
-        });
-        modules.push(module(format!("fc{i}"), "Linear"));
-        modules.push(module(format!("act{i}"), "Tanh"));
+        let fc = spec.module(format!("fc{i}"), "Linear");
+        spec.param(fc, format!("fc{i}.weight"), &[16, 16]);
+        spec.module(format!("act{i}"), "Tanh");
     }
-    modules.push(module(String::new(), "Net"));
-    ModelSpec {
-        modules,
-        params,
-        optimizer: Some("SGD".into()),
-    }
+    spec.module("", "Net");
+    spec.optimizer = Some("SGD".into());
+    spec
 }
 
 /// Gradients vanish in the first layers from step 10, then the last layer goes NaN.

@@ -4,50 +4,21 @@
 use serde::{Deserialize, Serialize};
 
 use crate::health::State;
+use crate::named::named_enum;
 
-/// What kind of signal an event is about. `from_state`/`to_state` say which transition.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, PartialOrd, Ord)]
-#[serde(rename_all = "snake_case")]
-pub enum EventType {
-    /// A layer's gradient health changed (states: [`crate::GradientHealth`]).
-    GradientHealth,
-    /// An activation module's output health changed ([`crate::ActivationHealth`]).
-    ActivationHealth,
-    /// A module was the first, in forward order, whose output was not finite.
-    NonFiniteOutput,
-    /// The input batches changed health ([`crate::DataHealth`]).
-    DataAnomaly,
-    /// The loss changed health ([`crate::LossHealth`]).
-    LossHealth,
-}
-
-impl EventType {
-    pub const ALL: &'static [EventType] = &[
-        EventType::GradientHealth,
-        EventType::ActivationHealth,
-        EventType::NonFiniteOutput,
-        EventType::DataAnomaly,
-        EventType::LossHealth,
-    ];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            EventType::GradientHealth => "gradient_health",
-            EventType::ActivationHealth => "activation_health",
-            EventType::NonFiniteOutput => "non_finite_output",
-            EventType::DataAnomaly => "data_anomaly",
-            EventType::LossHealth => "loss_health",
-        }
-    }
-
-    pub fn parse(text: &str) -> Option<Self> {
-        Self::ALL.iter().copied().find(|e| e.as_str() == text)
-    }
-}
-
-impl std::fmt::Display for EventType {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
+named_enum! {
+    /// What kind of signal an event is about. `from_state`/`to_state` say which transition.
+    EventType {
+        /// A layer's gradient health changed (states: [`crate::GradientHealth`]).
+        GradientHealth => "gradient_health",
+        /// An activation module's output health changed ([`crate::ActivationHealth`]).
+        ActivationHealth => "activation_health",
+        /// A module was the first, in forward order, whose output was not finite.
+        NonFiniteOutput => "non_finite_output",
+        /// The input batches changed health ([`crate::DataHealth`]).
+        DataAnomaly => "data_anomaly",
+        /// The loss changed health ([`crate::LossHealth`]).
+        LossHealth => "loss_health",
     }
 }
 

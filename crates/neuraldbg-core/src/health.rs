@@ -6,39 +6,11 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::named::named_enum;
+
 use crate::config::Config;
 
-macro_rules! state_enum {
-    ($(#[$meta:meta])* $name:ident { $($(#[$vmeta:meta])* $variant:ident => $text:literal),+ $(,)? }) => {
-        $(#[$meta])*
-        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, PartialOrd, Ord)]
-        #[serde(rename_all = "SCREAMING_SNAKE_CASE")]
-        pub enum $name { $($(#[$vmeta])* $variant),+ }
-
-        impl $name {
-            /// Every state, in declaration order.
-            pub const ALL: &'static [$name] = &[$($name::$variant),+];
-
-            /// The state's name as it appears in events and traces (`"VANISHING"`).
-            pub fn as_str(self) -> &'static str {
-                match self { $($name::$variant => $text),+ }
-            }
-
-            /// Parses the name produced by [`Self::as_str`].
-            pub fn parse(text: &str) -> Option<Self> {
-                match text { $($text => Some($name::$variant),)+ _ => None }
-            }
-        }
-
-        impl std::fmt::Display for $name {
-            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                f.write_str(self.as_str())
-            }
-        }
-    };
-}
-
-state_enum! {
+named_enum! {
     /// Health of one layer's gradient, judged on the L2 norm of all its parameters' gradients.
     GradientHealth {
         /// Norm within `[threshold_vanishing, threshold_saturated]`.
@@ -54,7 +26,7 @@ state_enum! {
     }
 }
 
-state_enum! {
+named_enum! {
     /// Health of one activation module's output.
     ActivationHealth {
         Normal => "NORMAL",
@@ -68,7 +40,7 @@ state_enum! {
     }
 }
 
-state_enum! {
+named_enum! {
     /// Health of the training loss.
     LossHealth {
         Normal => "NORMAL",
@@ -80,7 +52,7 @@ state_enum! {
     }
 }
 
-state_enum! {
+named_enum! {
     /// Health of the input batches the model is fed.
     DataHealth {
         Normal => "NORMAL",
@@ -90,7 +62,7 @@ state_enum! {
     }
 }
 
-state_enum! {
+named_enum! {
     /// Whether a module's forward output is finite.
     OutputHealth {
         Finite => "FINITE",

@@ -8,16 +8,15 @@
 //! the failure as ranked [`CausalHypothesis`] values.
 //!
 //! ```
-//! use neuraldbg_core::{Config, Engine, ModelSpec, ModuleSpec, ParamSpec, ParamRole, Observation};
+//! use neuraldbg_core::{Config, Engine, ModelSpec, Observation};
 //! use neuraldbg_core::analysis::Analysis;
 //!
 //! let mut engine = Engine::new(Config::default()).unwrap();
-//! let module = |name: &str, kind: &str| ModuleSpec { name: name.into(), kind: kind.into(), attrs: vec![], executed: true };
-//! engine.register_model(ModelSpec {
-//!     modules: vec![module("fc", "Linear"), module("", "Net")],
-//!     params: vec![ParamSpec { module: 0, name: "fc.weight".into(), numel: 64, role: ParamRole::Weight, fan_in: Some(8) }],
-//!     optimizer: Some("SGD".into()),
-//! }).unwrap();
+//! let mut spec = ModelSpec::default();
+//! let fc = spec.module("fc", "Linear");
+//! spec.param(fc, "fc.weight", &[8, 8]);
+//! spec.module("", "Net");
+//! engine.register_model(spec).unwrap();
 //! for step in 0..20 {
 //!     let norm = if step < 10 { 0.1 } else { f32::NAN };
 //!     engine.observe(&Observation { step, grad_norms: vec![norm], ..Default::default() }.view()).unwrap();
@@ -38,6 +37,7 @@ mod event;
 mod health;
 mod history;
 mod model;
+mod named;
 mod observation;
 pub mod output;
 pub mod report;

@@ -55,7 +55,22 @@ pub struct ParamSpec {
 }
 
 /// The model as the engine sees it.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+///
+/// A native training loop builds it with [`ModelSpec::module`] and [`ModelSpec::param`]:
+///
+/// ```
+/// use neuraldbg_core::{ModelSpec, ParamRole};
+///
+/// let mut spec = ModelSpec::default();
+/// let fc = spec.module("fc", "Linear");
+/// spec.param(fc, "fc.weight", &[10, 32]); // role Weight, fan_in 32
+/// spec.param(fc, "fc.bias", &[10]);       // role Bias
+/// spec.module("act", "ReLU");
+/// spec.module("", "Net"); // the root completes last
+/// assert_eq!(spec.params[0].fan_in, Some(32));
+/// assert_eq!(spec.params[1].role, ParamRole::Bias);
+/// ```
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct ModelSpec {
     /// Every module, in forward-execution order (the order their forward calls completed in
     /// the first observed forward pass).
@@ -66,6 +81,45 @@ pub struct ModelSpec {
     /// optimizers move each weight by about the learning rate whatever the gradient's size.
     #[serde(default)]
     pub optimizer: Option<String>,
+}
+
+impl ModelSpec {
+    /// Appends a module (modules are listed in forward-execution order); returns its index.
+    pub fn module(&mut self, name: impl Into<String>, kind: impl Into<String>) -> usize {
+        self.modules.push(ModuleSpec {
+            name: name.into(),
+            kind: kind.into(),
+            attrs: Vec::new(),
+            executed: true,
+        });
+        self.modules.len() - 1
+    }
+
+    /// Appends a trainable parameter of `module` with this shape; returns its index (its place
+    /// in each step's gradient-norm array). As in `PyTorch`, the last component of the name
+    /// gives the role (`weight...`, `bias...`, else other) and a weight of rank 2 or more has
+    /// `fan_in = shape[1] x shape[2..]` (set `fan_in` to None afterwards for lookup tables).
+    pub fn param(&mut self, module: usize, name: impl Into<String>, shape: &[u64]) -> usize {
+        let name = name.into();
+        let leaf = name.rsplit('.').next().unwrap_or_default();
+        let role = if leaf.starts_with("weight") {
+            ParamRole::Weight
+        } else if leaf.starts_with("bias") {
+            ParamRole::Bias
+        } else {
+            ParamRole::Other
+        };
+        let fan_in =
+            (role == ParamRole::Weight && shape.len() >= 2).then(|| shape[1..].iter().product());
+        self.params.push(ParamSpec {
+            module,
+            name,
+            numel: shape.iter().product(),
+            role,
+            fan_in,
+        });
+        self.params.len() - 1
+    }
 }
 
 /// A module that owns parameters: the unit of gradient health.
@@ -328,50 +382,18 @@ impl Model {
 pub(crate) mod tests {
     use super::*;
 
-    /// A Linear/Tanh stack of `depth` blocks: modules `fc{i}`, `act{i}`, root last.
+    /// A Linear/activation stack of `depth` blocks: modules `fc{i}`, `act{i}`, root last.
     pub fn mlp_spec(depth: usize, act: &str) -> ModelSpec {
-        let mut modules = Vec::new();
-        let mut params = Vec::new();
+        let mut spec = ModelSpec::default();
         for i in 0..depth {
-            let m = modules.len();
-            modules.push(ModuleSpec {
-                name: format!("fc{i}"),
-                kind: "Linear".into(),
-                attrs: vec![],
-                executed: true,
-            });
-            params.push(ParamSpec {
-                module: m,
-                name: format!("fc{i}.weight"),
-                numel: 1024,
-                role: ParamRole::Weight,
-                fan_in: Some(32),
-            });
-            params.push(ParamSpec {
-                module: m,
-                name: format!("fc{i}.bias"),
-                numel: 32,
-                role: ParamRole::Bias,
-                fan_in: None,
-            });
-            modules.push(ModuleSpec {
-                name: format!("act{i}"),
-                kind: act.into(),
-                attrs: vec![],
-                executed: true,
-            });
+            let fc = spec.module(format!("fc{i}"), "Linear");
+            spec.param(fc, format!("fc{i}.weight"), &[32, 32]);
+            spec.param(fc, format!("fc{i}.bias"), &[32]);
+            spec.module(format!("act{i}"), act);
         }
-        modules.push(ModuleSpec {
-            name: String::new(),
-            kind: "Sequential".into(),
-            attrs: vec![],
-            executed: true,
-        });
-        ModelSpec {
-            modules,
-            params,
-            optimizer: Some("SGD".into()),
-        }
+        spec.module("", "Sequential");
+        spec.optimizer = Some("SGD".into());
+        spec
     }
 
     #[test]

@@ -7,50 +7,27 @@ use neuraldbg_core::CouplingKind::{Structural, Temporal};
 use neuraldbg_core::analysis::Analysis;
 use neuraldbg_core::{
     ACTIVATION_STATS, CausalHypothesis, Cause, Config, Engine, EventType, Failure, GradientHealth,
-    INPUT_STATS, ModelSpec, ModuleSpec, Observation, ParamRole, ParamSpec, State,
+    INPUT_STATS, ModelSpec, Observation, State,
 };
 use proptest::prelude::*;
 
 /// `depth` blocks of Linear + activation, then a head and the root, in forward order:
 /// modules `fc0, act0, fc1, act1, ..., head, <root>`.
 fn mlp(depth: usize, act: &str, optimizer: &str) -> ModelSpec {
-    let module = |name: String, kind: &str| ModuleSpec {
-        name,
-        kind: kind.into(),
-        attrs: vec![],
-        executed: true,
-    };
-    let mut modules = Vec::new();
-    let mut params = Vec::new();
-    let mut add_linear = |modules: &mut Vec<ModuleSpec>, name: String| {
-        let m = modules.len();
-        modules.push(module(name.clone(), "Linear"));
-        params.push(ParamSpec {
-            module: m,
-            name: format!("{name}.weight"),
-            numel: 1024,
-            role: ParamRole::Weight,
-            fan_in: Some(32),
-        });
-        params.push(ParamSpec {
-            module: m,
-            name: format!("{name}.bias"),
-            numel: 32,
-            role: ParamRole::Bias,
-            fan_in: None,
-        });
+    let mut spec = ModelSpec::default();
+    let linear = |spec: &mut ModelSpec, name: &str| {
+        let m = spec.module(name, "Linear");
+        spec.param(m, format!("{name}.weight"), &[32, 32]);
+        spec.param(m, format!("{name}.bias"), &[32]);
     };
     for i in 0..depth {
-        add_linear(&mut modules, format!("fc{i}"));
-        modules.push(module(format!("act{i}"), act));
+        linear(&mut spec, &format!("fc{i}"));
+        spec.module(format!("act{i}"), act);
     }
-    add_linear(&mut modules, "head".into());
-    modules.push(module(String::new(), "Net"));
-    ModelSpec {
-        modules,
-        params,
-        optimizer: Some(optimizer.into()),
-    }
+    linear(&mut spec, "head");
+    spec.module("", "Net");
+    spec.optimizer = Some(optimizer.into());
+    spec
 }
 
 /// Linear layers of `mlp(depth, ..)`: fc0..fc{depth-1}, head.

@@ -9,10 +9,7 @@ use neuraldbg_core::output::{events_json, hypotheses_json, root_causes_json};
 use neuraldbg_core::trace::{
     DamageKind, Record, Replay, SyncPolicy, TraceError, TraceReader, TraceWriter, WriterOptions,
 };
-use neuraldbg_core::{
-    ACTIVATION_STATS, Config, Engine, ModelSpec, ModuleSpec, Observation, ParamRole, ParamSpec,
-    Reduce,
-};
+use neuraldbg_core::{ACTIVATION_STATS, Config, Engine, ModelSpec, Observation, Reduce};
 use proptest::prelude::*;
 use serde_json::{Map, Value, json};
 
@@ -30,38 +27,16 @@ fn temp_path(name: &str) -> PathBuf {
 
 /// `depth` Linear + activation blocks and the root, in forward order.
 fn mlp(depth: usize, act: &str) -> ModelSpec {
-    let module = |name: String, kind: &str| ModuleSpec {
-        name,
-        kind: kind.into(),
-        attrs: vec![],
-        executed: true,
-    };
-    let mut modules = Vec::new();
-    let mut params = Vec::new();
+    let mut spec = ModelSpec::default();
     for i in 0..depth {
-        params.push(ParamSpec {
-            module: modules.len(),
-            name: format!("fc{i}.weight"),
-            numel: 1024,
-            role: ParamRole::Weight,
-            fan_in: Some(32),
-        });
-        params.push(ParamSpec {
-            module: modules.len(),
-            name: format!("fc{i}.bias"),
-            numel: 32,
-            role: ParamRole::Bias,
-            fan_in: None,
-        });
-        modules.push(module(format!("fc{i}"), "Linear"));
-        modules.push(module(format!("act{i}"), act));
+        let fc = spec.module(format!("fc{i}"), "Linear");
+        spec.param(fc, format!("fc{i}.weight"), &[32, 32]);
+        spec.param(fc, format!("fc{i}.bias"), &[32]);
+        spec.module(format!("act{i}"), act);
     }
-    modules.push(module(String::new(), "Net"));
-    ModelSpec {
-        modules,
-        params,
-        optimizer: Some("SGD".into()),
-    }
+    spec.module("", "Net");
+    spec.optimizer = Some("SGD".into());
+    spec
 }
 
 /// A small deterministic noise source, so failures are reproducible.

@@ -11,7 +11,7 @@ use std::time::Instant;
 use neuraldbg_core::trace::{
     DamageKind, Record, SyncPolicy, TraceReader, TraceWriter, WriterOptions,
 };
-use neuraldbg_core::{Config, ModelSpec, ModuleSpec, Observation, ParamRole, ParamSpec};
+use neuraldbg_core::{Config, ModelSpec, Observation};
 use serde_json::Map;
 
 const CHILD_ENV: &str = "NDBG_TRACE_CRASH_CHILD";
@@ -20,30 +20,11 @@ const CHILD_ENV: &str = "NDBG_TRACE_CRASH_CHILD";
 const INPUTS: usize = 1 << 18;
 
 fn spec() -> ModelSpec {
-    ModelSpec {
-        modules: vec![
-            ModuleSpec {
-                name: "big".into(),
-                kind: "Linear".into(),
-                attrs: vec![],
-                executed: true,
-            },
-            ModuleSpec {
-                name: String::new(),
-                kind: "Net".into(),
-                attrs: vec![],
-                executed: true,
-            },
-        ],
-        params: vec![ParamSpec {
-            module: 0,
-            name: "big.weight".into(),
-            numel: 1,
-            role: ParamRole::Weight,
-            fan_in: Some(1),
-        }],
-        optimizer: None,
-    }
+    let mut spec = ModelSpec::default();
+    let big = spec.module("big", "Linear");
+    spec.param(big, "big.weight", &[1, 1]);
+    spec.module("", "Net");
+    spec
 }
 
 /// The observation the child writes at `step`: the parent checks every value it reads back.

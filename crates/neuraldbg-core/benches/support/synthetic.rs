@@ -3,53 +3,21 @@
 
 #![allow(dead_code)] // each user takes what it needs
 
-use neuraldbg_core::{ModelSpec, ModuleSpec, ParamRole, ParamSpec, StepView};
+use neuraldbg_core::{ModelSpec, StepView};
 
 /// `layers` x (`Linear` with weight and bias, then `ReLU`), and the root: what the `PyTorch`
 /// collector registers for an MLP.
 pub fn mlp(layers: usize) -> ModelSpec {
-    let mut modules = Vec::with_capacity(2 * layers + 1);
-    let mut params = Vec::with_capacity(2 * layers);
+    let mut spec = ModelSpec::default();
     for i in 0..layers {
-        let m = modules.len();
-        modules.push(ModuleSpec {
-            name: format!("{}", 2 * i),
-            kind: "Linear".into(),
-            attrs: vec![],
-            executed: true,
-        });
-        params.push(ParamSpec {
-            module: m,
-            name: format!("{}.weight", 2 * i),
-            numel: 1024,
-            role: ParamRole::Weight,
-            fan_in: Some(32),
-        });
-        params.push(ParamSpec {
-            module: m,
-            name: format!("{}.bias", 2 * i),
-            numel: 32,
-            role: ParamRole::Bias,
-            fan_in: None,
-        });
-        modules.push(ModuleSpec {
-            name: format!("{}", 2 * i + 1),
-            kind: "ReLU".into(),
-            attrs: vec![],
-            executed: true,
-        });
+        let fc = spec.module(format!("{}", 2 * i), "Linear");
+        spec.param(fc, format!("{}.weight", 2 * i), &[32, 32]);
+        spec.param(fc, format!("{}.bias", 2 * i), &[32]);
+        spec.module(format!("{}", 2 * i + 1), "ReLU");
     }
-    modules.push(ModuleSpec {
-        name: String::new(),
-        kind: "Sequential".into(),
-        attrs: vec![],
-        executed: true,
-    });
-    ModelSpec {
-        modules,
-        params,
-        optimizer: Some("Adam".into()),
-    }
+    spec.module("", "Sequential");
+    spec.optimizer = Some("Adam".into());
+    spec
 }
 
 /// A small, fast, deterministic generator (xorshift64*).

@@ -487,10 +487,6 @@ pub fn parse_event_type(name: &str) -> Result<EventType, EngineError> {
     EventType::parse(name).ok_or_else(|| EngineError::Unknown {
         what: "event type",
         name: name.to_string(),
-        expected: EventType::ALL
-            .iter()
-            .map(|e| e.as_str())
-            .collect::<Vec<_>>()
-            .join(", "),
+        expected: EventType::names(),
     })
 }

@@ -1,40 +1,8 @@
 //! The failure and cause vocabularies of design.md.
 
-use serde::{Deserialize, Serialize};
+use crate::named::named_enum;
 
-macro_rules! vocab {
-    ($(#[$meta:meta])* $name:ident { $($variant:ident => $text:literal),+ $(,)? }) => {
-        $(#[$meta])*
-        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-        #[serde(rename_all = "snake_case")]
-        pub enum $name { $($variant),+ }
-
-        impl $name {
-            pub const ALL: &'static [$name] = &[$($name::$variant),+];
-
-            pub fn as_str(self) -> &'static str {
-                match self { $($name::$variant => $text),+ }
-            }
-
-            pub fn parse(text: &str) -> Option<Self> {
-                match text { $($text => Some($name::$variant),)+ _ => None }
-            }
-
-            /// All names, comma separated (for error messages).
-            pub fn names() -> String {
-                Self::ALL.iter().map(|v| v.as_str()).collect::<Vec<_>>().join(", ")
-            }
-        }
-
-        impl std::fmt::Display for $name {
-            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                f.write_str(self.as_str())
-            }
-        }
-    };
-}
-
-vocab! {
+named_enum! {
     /// What went wrong.
     Failure {
         VanishingGradients => "vanishing_gradients",
@@ -49,7 +17,7 @@ vocab! {
     }
 }
 
-vocab! {
+named_enum! {
     /// Why it went wrong.
     Cause {
         SaturatingActivation => "saturating_activation",

@@ -10,15 +10,14 @@
 //! extreme in the heatmap, and at most [`MAX_EVENTS`] events.
 //!
 //! ```
-//! use neuraldbg_core::{Config, Engine, ModelSpec, ModuleSpec, ParamSpec, ParamRole, Observation};
+//! use neuraldbg_core::{Config, Engine, ModelSpec, Observation};
 //!
 //! let mut engine = Engine::new(Config::default()).unwrap();
-//! let module = |name: &str, kind: &str| ModuleSpec { name: name.into(), kind: kind.into(), attrs: vec![], executed: true };
-//! engine.register_model(ModelSpec {
-//!     modules: vec![module("fc", "Linear"), module("", "Net")],
-//!     params: vec![ParamSpec { module: 0, name: "fc.weight".into(), numel: 64, role: ParamRole::Weight, fan_in: Some(8) }],
-//!     optimizer: None,
-//! }).unwrap();
+//! let mut spec = ModelSpec::default();
+//! let fc = spec.module("fc", "Linear");
+//! spec.param(fc, "fc.weight", &[8, 8]);
+//! spec.module("", "Net");
+//! engine.register_model(spec).unwrap();
 //! for step in 0..20 {
 //!     let norm = if step < 10 { 0.1 } else { f32::NAN };
 //!     engine.observe(&Observation { step, grad_norms: vec![norm], ..Default::default() }.view()).unwrap();

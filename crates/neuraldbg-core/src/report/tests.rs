@@ -1,45 +1,20 @@
 use super::*;
 use crate::Config;
-use crate::model::{ModelSpec, ModuleSpec, ParamRole, ParamSpec};
+use crate::model::ModelSpec;
 use crate::observation::Observation;
 use serde_json::Value;
 
 /// `n` Linear+Tanh blocks, one weight parameter per Linear, root last.
 fn spec(n: usize, name: impl Fn(usize) -> String) -> ModelSpec {
-    let mut modules = Vec::new();
-    let mut params = Vec::new();
+    let mut spec = ModelSpec::default();
     for i in 0..n {
-        params.push(ParamSpec {
-            module: modules.len(),
-            name: format!("{}.weight", name(i)),
-            numel: 256,
-            role: ParamRole::Weight,
-            fan_in: Some(16),
-        });
-        modules.push(ModuleSpec {
-            name: name(i),
-            kind: "Linear".into(),
-            attrs: vec![],
-            executed: true,
-        });
-        modules.push(ModuleSpec {
-            name: format!("act{i}"),
-            kind: "Tanh".into(),
-            attrs: vec![],
-            executed: true,
-        });
+        let fc = spec.module(name(i), "Linear");
+        spec.param(fc, format!("{}.weight", name(i)), &[16, 16]);
+        spec.module(format!("act{i}"), "Tanh");
     }
-    modules.push(ModuleSpec {
-        name: String::new(),
-        kind: "Sequential".into(),
-        attrs: vec![],
-        executed: true,
-    });
-    ModelSpec {
-        modules,
-        params,
-        optimizer: Some("SGD".into()),
-    }
+    spec.module("", "Sequential");
+    spec.optimizer = Some("SGD".into());
+    spec
 }
 
 fn engine(n: usize, config: Config) -> Engine {

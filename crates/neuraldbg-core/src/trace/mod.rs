@@ -13,15 +13,13 @@
 //!
 //! ```
 //! use neuraldbg_core::trace::{Replay, TraceReader, TraceWriter, WriterOptions};
-//! use neuraldbg_core::{Config, Engine, ModelSpec, ModuleSpec, Observation, ParamRole, ParamSpec};
+//! use neuraldbg_core::{Config, Engine, ModelSpec, Observation};
 //!
 //! let dir = std::env::temp_dir().join(format!("ndbg-doc-{}", std::process::id()));
 //! let path = dir.join("run.ndbg");
-//! let spec = ModelSpec {
-//!     modules: vec![ModuleSpec { name: "fc".into(), kind: "Linear".into(), attrs: vec![], executed: true }],
-//!     params: vec![ParamSpec { module: 0, name: "fc.weight".into(), numel: 4, role: ParamRole::Weight, fan_in: Some(2) }],
-//!     optimizer: None,
-//! };
+//! let mut spec = ModelSpec::default();
+//! let fc = spec.module("fc", "Linear");
+//! spec.param(fc, "fc.weight", &[2, 2]);
 //! let mut live = Engine::new(Config::default()).unwrap();
 //! live.register_model(spec.clone()).unwrap();
 //! let mut writer = TraceWriter::create(&path, serde_json::Map::new(), WriterOptions::default()).unwrap();
