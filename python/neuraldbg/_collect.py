@@ -206,10 +206,7 @@ def _activation_group(probe: _Probe, y: "torch.Tensor") -> "torch.Tensor":
     if probe.death:
         # ReLU family: outputs are >= 0, so the per-unit maximum gives both the dead units
         # (maximum exactly 0 over the whole batch) and the largest magnitude.
-        axis = probe.unit_axis if nd >= 2 else 0
-        if axis == 1 and nd < 3:
-            axis = -1
-        axis %= max(nd, 1)
+        axis = _unit_axis(probe, nd) % max(nd, 1)
         dims = tuple(d + 1 for d in range(nd) if d != axis)
         per_unit = y.amax(dim=dims) if dims else y
         cols.append(per_unit.amax(dim=1))
@@ -334,6 +331,7 @@ class Collector:
         self.act_out: List[Any] = []
         self.act_none: List[Any] = []
         self.order: Optional[List[int]] = None
+        self.order_set: set = set()
         self.inputs: List[Any] = []
         # Losses of this step: given explicitly (criterion hook, record_loss) or picked up from
         # the backward call they were passed to. Averaged over micro-batches.
@@ -487,6 +485,7 @@ class Collector:
                     done.add(i)
                     order.append(i)
             self.order = order
+            self.order_set = done
         if self.step_on == "backward":
             t = _first_float_tensor(output)
             if t is not None and t.requires_grad:
@@ -949,7 +948,7 @@ class Collector:
             zeros = np.flatnonzero(grad_norms == 0.0)
             # An exactly-zero gradient of a module that ran before but not in this step is
             # "no gradient" (zero_grad(set_to_none=False) leaves zeros), not a vanishing one.
-            ran_before = set(self.order)
+            ran_before = self.order_set
             ran_now = set(layout.ran) if layout.ran is not None else {i for i, _, _ in refs}
             for p in zeros:
                 owner = self.param_owner[p]
@@ -1046,14 +1045,23 @@ class Collector:
             return False
 
 
+def _unit_axis(probe: _Probe, nd: int) -> int:
+    """The axis of one module output (``nd`` dimensions, batch first) that indexes units:
+    channels after a convolution when there are spatial dimensions, else the last axis; the
+    only axis of an unbatched vector."""
+    if nd < 2:
+        return 0
+    if probe.unit_axis == 1 and nd < 3:
+        return -1
+    return probe.unit_axis
+
+
 def _samples_per_unit(probe: _Probe, shape: Sequence[int]) -> float:
     """Batch x spatial samples behind each unit's death verdict (host-side: shapes only)."""
     nd = len(shape)
     if nd == 0:
         return 1.0
-    axis = probe.unit_axis if nd >= 2 else 0
-    if axis == 1 and nd < 3:
-        axis = -1
+    axis = _unit_axis(probe, nd)
     numel = 1
     for d in shape:
         numel *= int(d)

@@ -116,13 +116,12 @@ class NeuralDbg:
                 "criterion must be the loss module used in the loop (e.g. nn.MSELoss()), "
                 f"got {type(criterion).__qualname__}; for a functional loss call dbg.record_loss(loss)"
             )
-        for name, value in (
-            ("activation_every", activation_every),
-            ("weight_every", weight_every),
-            ("dense_steps", dense_steps),
+        for name, value, lowest in (
+            ("activation_every", activation_every, 1),
+            ("weight_every", weight_every, 1),
+            ("dense_steps", dense_steps, 0),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "dense_steps" else 1):
-                lowest = 0 if name == "dense_steps" else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < lowest:
                 raise ConfigError(f"{name} must be an integer >= {lowest}, got {value!r}")
         if forward_check not in _FORWARD_CHECKS:
             raise ConfigError(f"forward_check must be one of {_FORWARD_CHECKS}, got {forward_check!r}")
