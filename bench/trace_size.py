@@ -3,7 +3,8 @@
 
 1. Size: trains a 100-layer MLP (100 x Linear(64, 64) + Tanh, so 200 parameters and 100
    activation modules) with ``NeuralDbg(model, trace=...)`` and its default sampling
-   (activations every step, parameter norms every 10 steps after the first 10), then reads the
+   (activation statistics and parameter norms on the first 10 steps, then every 10th), then
+   reads the
    trace back with ``neuraldbg info --json``: bytes per step are the step records' bytes,
    framing included, divided by the steps.
 2. Cost: feeds the engine the same shape of arrays directly (no torch in the loop) with no
