@@ -209,11 +209,18 @@ def test_result_types_and_printing():
     only = dbg.explain_failure("vanishing_gradients")
     assert only and all(h.failure == "vanishing_gradients" for h in only)
     graph = dbg.export_mermaid_causal_graph()
-    assert graph.startswith("graph TD")
-    assert isinstance(dbg.get_root_causes(), list)
-    assert isinstance(dbg.detect_coupled_failures(window=5), list)
+    assert graph.startswith("graph TD") and "dead_neurons" in graph
+    # relu(0 * x - 1) = 0: the ReLU after the zeroed layer is dead, and it is the root of the
+    # vanishing gradient of the layer before it.
+    roots = dbg.get_root_causes()
+    assert [(str(r.failure), r.layer, r.step) for r in roots] == [("dead_neurons", "1", 0)]
+    assert roots[0].consequences == ["vanishing_gradients"]
+    couplings = dbg.detect_coupled_failures(window=5)
+    assert any(c.coupling == "structural" and c.layers == ("0", "1") and c.lag == 0 for c in couplings)
+    assert all(c.coupling == "temporal" for c in couplings if c.layers != ("0", "1"))
     chain = dbg.trace_causal_chain("vanishing_gradients")
-    assert chain and chain[0].step <= chain[-1].step or len(chain) == 1
+    assert (chain[0].layer_name, chain[0].to_state) == ("1", "DEAD"), "the chain starts at its root"
+    assert any(e.layer_name == "0" and e.to_state == "VANISHING" for e in chain[1:])
 
 
 def test_version_and_stubs_present():
