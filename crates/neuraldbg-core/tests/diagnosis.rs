@@ -127,6 +127,18 @@ fn dead_layer_is_the_root_not_the_layers_that_vanish_behind_it() {
         .expect("vanishing is reported too");
     assert_eq!(v.layer.as_deref(), Some("act2"));
     assert!(v.confidence < top.confidence);
+    // Asking for one failure changes which hypotheses come back, not their confidence: the
+    // vanishing stays capped under the dead layer that explains it.
+    let only = Analysis::new(&engine)
+        .unwrap()
+        .hypotheses(Some(Failure::VanishingGradients));
+    assert_eq!(
+        only,
+        h.iter()
+            .filter(|x| x.failure == Failure::VanishingGradients)
+            .cloned()
+            .collect::<Vec<_>>()
+    );
     let roots = Analysis::new(&engine).unwrap().root_causes();
     assert_eq!(roots.len(), 1, "{roots:?}");
     assert_eq!(roots[0].consequences, vec![Failure::VanishingGradients]);

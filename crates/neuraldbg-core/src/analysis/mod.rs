@@ -162,12 +162,14 @@ impl<'a> Analysis<'a> {
             rankings[k] = causes::rank_causes(self.run, &self.evidence, &self.episodes, k, &f);
         }
         let mut out: Vec<(CausalHypothesis, usize)> = Vec::new();
+        // Every episode is ranked and capped, the filter applies last: a hypothesis has the
+        // same confidence whether or not the failure that explains it is asked for.
         for (k, ranked) in rankings.into_iter().enumerate() {
             let e = &self.episodes[k];
-            if only.is_some_and(|f| f != e.failure) {
-                continue;
-            }
             let discount = if e.explained_by.is_some() { 0.9 } else { 1.0 };
+            // The same evidence and chain for each cause of one episode.
+            let evidence = self.evidence_of(k);
+            let causal_chain = self.chain_lines(k);
             for (scored, p_cause) in ranked.into_iter().take(3) {
                 let confidence = (e.p_failure * p_cause * discount).clamp(0.0, 1.0);
                 if confidence < 0.02 {
@@ -189,8 +191,8 @@ impl<'a> Analysis<'a> {
                         step: Some(e.onset),
                         confidence,
                         description,
-                        evidence: self.evidence_of(k),
-                        causal_chain: self.chain_lines(k),
+                        evidence: evidence.clone(),
+                        causal_chain: causal_chain.clone(),
                         remedies: text::remedies(self.run, e, scored.cause),
                     },
                     k,
@@ -228,6 +230,7 @@ impl<'a> Analysis<'a> {
         out.into_iter()
             .filter(|(h, _)| seen.insert((h.failure, h.cause, h.layer.clone())))
             .map(|(h, _)| h)
+            .filter(|h| only.is_none_or(|f| f == h.failure))
             .collect()
     }
 
