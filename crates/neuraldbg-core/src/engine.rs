@@ -32,13 +32,6 @@ pub(crate) enum Global {
 }
 const GLOBALS: usize = 4;
 
-/// Where the first non-finite module output of an episode was found.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct NonFiniteOrigin {
-    pub step: u64,
-    pub module: usize,
-}
-
 /// Everything observed for a registered model.
 #[derive(Debug)]
 pub(crate) struct Run {
@@ -48,7 +41,6 @@ pub(crate) struct Run {
     pub loss: LossTrack,
     pub data: DataTrack,
     pub output: OutputHealth,
-    pub origins: Vec<NonFiniteOrigin>,
     /// Steps with NaN/Inf gradients or loss whose module outputs were all checked finite: the
     /// value was born in the loss computation or the backward pass (first few kept).
     pub finite_forward: Vec<u64>,
@@ -63,7 +55,6 @@ pub(crate) struct Run {
     pub first_step: Option<u64>,
     pub last_step: Option<u64>,
     pub lr_first: Option<f64>,
-    pub lr_max: f64,
     pub total_early: Early,
     /// Steps whose gradients or loss were not all finite.
     pub nonfinite_steps: u64,
@@ -109,7 +100,6 @@ impl Engine {
             loss: LossTrack::default(),
             data: DataTrack::default(),
             output: OutputHealth::Finite,
-            origins: Vec::new(),
             finite_forward: Vec::new(),
             events: Vec::new(),
             event_counts: vec![[0; 2]; model.spec.modules.len()],
@@ -121,7 +111,6 @@ impl Engine {
             first_step: None,
             last_step: None,
             lr_first: None,
-            lr_max: 0.0,
             total_early: Early::default(),
             nonfinite_steps: 0,
             total_peak: None,
@@ -495,7 +484,6 @@ impl Run {
         }
         if let Some(lr) = v.lr.filter(|lr| lr.is_finite()) {
             self.lr_first.get_or_insert(lr);
-            self.lr_max = self.lr_max.max(lr);
             self.grads.record(self.global_series(Global::Lr), lr as f32);
         }
         if !all_finite {
@@ -601,7 +589,7 @@ impl Run {
         }
         self.grads
             .record(self.global_series(Global::InputScale), scale as f32);
-        if let Some((from, to, ratio)) = self.data.step(step, worst, worst_ratio) {
+        if let Some((from, to, ratio)) = self.data.step(worst, worst_ratio) {
             let margin = if to == DataHealth::NonFinite {
                 f64::INFINITY
             } else if to == DataHealth::OutOfDistribution {
@@ -634,9 +622,6 @@ impl Run {
         match (module, self.output) {
             (Some(m), OutputHealth::Finite) => {
                 self.output = OutputHealth::NonFinite;
-                if self.origins.len() < 64 {
-                    self.origins.push(NonFiniteOrigin { step, module: m });
-                }
                 let e = SemanticEvent {
                     step,
                     event_type: EventType::NonFiniteOutput,

@@ -47,7 +47,7 @@ mod track;
 pub use analysis::{Analysis, CausalHypothesis, Cause, Coupling, CouplingKind, Failure, RootCause};
 pub use config::Config;
 pub use detector::{Debounce, Transition};
-pub use engine::{ACTIVATION_METRICS, Engine, LAYER_METRICS, NonFiniteOrigin, RUN_METRICS};
+pub use engine::{ACTIVATION_METRICS, Engine, LAYER_METRICS, RUN_METRICS};
 pub use error::{ConfigError, EngineError};
 pub use event::{EventType, SemanticEvent, Subject, event_confidence};
 pub use health::{

@@ -58,52 +58,16 @@ pub fn median(values: &[f64]) -> Option<f64> {
     })
 }
 
-/// Counters shared by every tracked series: how long it spent in each state and when it first
-/// entered each.
-#[derive(Clone, Copy, Debug, PartialEq)]
-#[repr(C)] // `steps_in`, written every step, first
-pub struct StateLog<const N: usize> {
-    /// Observations spent in each confirmed state.
-    pub steps_in: [u64; N],
-    /// Onset step of the first confirmed entry into each state.
-    pub first_onset: [Option<u64>; N],
-    /// Onset of the most recent confirmed entry into each state.
-    pub last_onset: [Option<u64>; N],
-}
-
-impl<const N: usize> Default for StateLog<N> {
-    fn default() -> Self {
-        Self {
-            steps_in: [0; N],
-            first_onset: [None; N],
-            last_onset: [None; N],
-        }
-    }
-}
-
-impl<const N: usize> StateLog<N> {
-    fn enter(&mut self, state: usize, onset: u64) {
-        self.first_onset[state].get_or_insert(onset);
-        self.last_onset[state] = Some(onset);
-    }
-}
-
 /// Everything remembered about one layer's gradient.
 ///
-/// `repr(C)` keeps the fields every step touches first and together (three cache lines of a
-/// ~430-byte struct): with 100,000 layers the trackers no longer fit in cache, and each line
-/// per layer is a memory access per step.
+/// `repr(C)` keeps the fields every step touches first and together: with 100,000 layers the
+/// trackers no longer fit in cache, and each cache line per layer is a memory access per step.
 #[derive(Clone, Debug)]
 #[repr(C)]
 pub struct LayerTrack {
     pub detector: Debounce<GradientHealth>,
     pub observed: u64,
-    pub last: f64,
-    pub peak: f64,
-    pub peak_step: u64,
     pub early: Early,
-    pub log: StateLog<5>,
-    pub first_step: Option<u64>,
     /// Raw class of the first observation (before any debouncing).
     pub first_raw: Option<GradientHealth>,
     /// Scale of the weight at its first measurement relative to a variance-preserving init:
@@ -118,13 +82,8 @@ impl Default for LayerTrack {
         Self {
             detector: Debounce::new(GradientHealth::Healthy),
             observed: 0,
-            first_step: None,
             first_raw: None,
             early: Early::default(),
-            last: f64::NAN,
-            peak: 0.0,
-            peak_step: 0,
-            log: StateLog::default(),
             gain_first: None,
             weight_first: None,
             weight_last: None,
@@ -143,24 +102,14 @@ impl LayerTrack {
     ) -> Option<(Transition<GradientHealth>, Classified<GradientHealth>)> {
         let c = classify_gradient(norm, self.detector.state(), config);
         if self.observed == 0 {
-            self.first_step = Some(step);
             self.first_raw = Some(c.state);
         }
         self.observed += 1;
         self.early.push(norm);
-        self.last = norm;
-        // A non-finite value is the peak from then on.
-        if !self.peak.is_nan() && (norm.is_nan() || norm > self.peak) {
-            self.peak = norm;
-            self.peak_step = step;
-        }
         let urgent = c.state == GradientHealth::NonFinite;
-        let t = self.detector.update(step, norm, c, urgent, config);
-        if let Some(t) = &t {
-            self.log.enter(t.to as usize, t.onset);
-        }
-        self.log.steps_in[self.detector.state() as usize] += 1;
-        t.map(|t| (t, c))
+        self.detector
+            .update(step, norm, c, urgent, config)
+            .map(|t| (t, c))
     }
 }
 
@@ -169,16 +118,9 @@ impl LayerTrack {
 pub struct ActTrack {
     pub detector: Debounce<ActivationHealth>,
     pub observed: u64,
-    pub first_step: Option<u64>,
     pub first_raw: Option<ActivationHealth>,
-    pub log: StateLog<5>,
-    pub first_saturated: f64,
-    pub first_dead: f64,
     pub max_saturated: f64,
     pub max_dead: f64,
-    pub last_saturated: f64,
-    pub last_dead: f64,
-    pub last_absmax: f64,
     /// Mean slope at the first measurement and the smallest seen (bounded activations).
     pub first_slope: f64,
     pub min_slope: f64,
@@ -192,16 +134,9 @@ impl Default for ActTrack {
         Self {
             detector: Debounce::new(ActivationHealth::Normal),
             observed: 0,
-            first_step: None,
             first_raw: None,
-            log: StateLog::default(),
-            first_saturated: f64::NAN,
-            first_dead: f64::NAN,
             max_saturated: f64::NAN,
             max_dead: f64::NAN,
-            last_saturated: f64::NAN,
-            last_dead: f64::NAN,
-            last_absmax: f64::NAN,
             first_slope: f64::NAN,
             min_slope: f64::NAN,
             absmax_ring: [0.0; 16],
@@ -234,10 +169,7 @@ impl ActTrack {
             .flatten();
         let c = classify_activation(sample, traits, self.detector.state(), median, config);
         if self.observed == 0 {
-            self.first_step = Some(step);
             self.first_raw = Some(c.state);
-            self.first_saturated = sample.saturated_fraction;
-            self.first_dead = sample.dead_fraction;
             self.first_slope = sample.mean_slope;
         }
         if sample.mean_slope.is_finite() {
@@ -250,9 +182,6 @@ impl ActTrack {
         self.observed += 1;
         self.max_saturated = nan_max(self.max_saturated, sample.saturated_fraction);
         self.max_dead = nan_max(self.max_dead, sample.dead_fraction);
-        self.last_saturated = sample.saturated_fraction;
-        self.last_dead = sample.dead_fraction;
-        self.last_absmax = sample.absmax;
         // Only ordinary samples feed the baseline, so an anomaly cannot become the new normal.
         if c.state == ActivationHealth::Normal && sample.absmax.is_finite() {
             self.absmax_ring[self.ring_pos] = sample.absmax;
@@ -265,12 +194,9 @@ impl ActTrack {
             _ => sample.absmax,
         };
         let urgent = c.state == ActivationHealth::NonFinite;
-        let t = self.detector.update(step, value, c, urgent, config);
-        if let Some(t) = &t {
-            self.log.enter(t.to as usize, t.onset);
-        }
-        self.log.steps_in[self.detector.state() as usize] += 1;
-        t.map(|t| (t, c))
+        self.detector
+            .update(step, value, c, urgent, config)
+            .map(|t| (t, c))
     }
 }
 
@@ -279,15 +205,12 @@ impl ActTrack {
 pub struct LossTrack {
     pub detector: Debounce<LossHealth>,
     pub observed: u64,
-    pub first_step: Option<u64>,
-    pub log: StateLog<4>,
     recent: VecDeque<f64>,
     first: Vec<f64>,
     /// Median of the first three finite losses.
     pub initial: Option<f64>,
     /// Lowest smoothed loss so far.
     pub best: f64,
-    pub last: f64,
     pub last_smoothed: f64,
     /// Largest smoothed loss relative to the best before it.
     pub peak_ratio: f64,
@@ -299,13 +222,10 @@ impl Default for LossTrack {
         Self {
             detector: Debounce::new(LossHealth::Normal),
             observed: 0,
-            first_step: None,
-            log: StateLog::default(),
             recent: VecDeque::with_capacity(3),
             first: Vec::with_capacity(3),
             initial: None,
             best: f64::INFINITY,
-            last: f64::NAN,
             last_smoothed: f64::NAN,
             peak_ratio: 1.0,
             window: VecDeque::new(),
@@ -321,8 +241,6 @@ impl LossTrack {
         config: &Config,
     ) -> Option<Transition<LossHealth>> {
         self.observed += 1;
-        self.first_step.get_or_insert(step);
-        self.last = loss;
         let mut c = Classified {
             state: LossHealth::Normal,
             margin: 0.0,
@@ -404,9 +322,7 @@ impl LossTrack {
                 // The plateau began where the flat window began.
                 t.onset = t.onset.saturating_sub(onset_shift);
             }
-            self.log.enter(t.to as usize, t.onset);
         }
-        self.log.steps_in[self.detector.state() as usize] += 1;
         t
     }
 }
@@ -447,51 +363,33 @@ impl Window {
     }
 }
 
-/// One anomalous input batch.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct DataAnomaly {
-    pub step: u64,
-    pub kind: DataHealth,
-    /// How many times larger (or smaller) the batch's scale was than usual; inf for non-finite.
-    pub ratio: f64,
-}
-
 /// Input batches: non-finite values and scale jumps against a running baseline.
 #[derive(Clone, Debug)]
 pub struct DataTrack {
     pub state: DataHealth,
-    pub batches: u64,
     /// Scale (largest magnitude) of the first batch.
     pub first_scale: Option<f64>,
     scales: Window,
     stds: Window,
-    /// The first anomalies (bounded).
-    pub anomalies: Vec<DataAnomaly>,
-    pub anomaly_count: u64,
 }
 
 impl Default for DataTrack {
     fn default() -> Self {
         Self {
             state: DataHealth::Normal,
-            batches: 0,
             first_scale: None,
             scales: Window::default(),
             stds: Window::default(),
-            anomalies: Vec::new(),
-            anomaly_count: 0,
         }
     }
 }
 
 const DATA_BASELINE: usize = 64;
-const MAX_ANOMALIES: usize = 256;
 
 impl DataTrack {
     /// Judges one batch from `(min, max, mean, std)`; returns its state and the scale ratio.
     pub fn judge(&mut self, row: [f64; 4], config: &Config) -> (DataHealth, f64) {
         let [min, max, _mean, std] = row;
-        self.batches += 1;
         if !min.is_finite() || !max.is_finite() {
             return (DataHealth::NonFinite, f64::INFINITY);
         }
@@ -531,22 +429,7 @@ impl DataTrack {
 
     /// Records the worst judgement of a step; returns the transition `(from, to, ratio)` if
     /// the step changed the data state.
-    pub fn step(
-        &mut self,
-        step: u64,
-        worst: DataHealth,
-        ratio: f64,
-    ) -> Option<(DataHealth, DataHealth, f64)> {
-        if worst != DataHealth::Normal {
-            self.anomaly_count += 1;
-            if self.anomalies.len() < MAX_ANOMALIES {
-                self.anomalies.push(DataAnomaly {
-                    step,
-                    kind: worst,
-                    ratio,
-                });
-            }
-        }
+    pub fn step(&mut self, worst: DataHealth, ratio: f64) -> Option<(DataHealth, DataHealth, f64)> {
         if worst == self.state {
             return None;
         }
