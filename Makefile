@@ -82,6 +82,7 @@ bench-overhead: build $(STAMPS)/bench-venv
 
 bench-engine:
 	cargo bench -p neuraldbg-core --bench observe
+	cargo run --release -q -p neuraldbg-core --example throughput
 
 bench-memory:
 	cargo run --release -p neuraldbg-core --example memory
