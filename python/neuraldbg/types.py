@@ -116,10 +116,9 @@ def _float(v: Any) -> float:
 
 
 def _metadata(raw: Dict[str, Any]) -> Dict[str, Union[float, str]]:
-    out: Dict[str, Union[float, str]] = {}
-    for k, v in raw.items():
-        out[k] = _float(v) if isinstance(v, (int, float, str)) and k != "note" else v
-    return out
+    """Event metadata as plain floats (the engine writes every value as a number, or as the
+    string of a non-finite one)."""
+    return {k: _float(v) if isinstance(v, (int, float, str)) else v for k, v in raw.items()}
 
 
 def _layer(name: Optional[str]) -> str:
