@@ -127,7 +127,6 @@ impl CauseRule for LearningRateTooHigh {
                     v.add(1.0, "gradient norms grew with it");
                 }
             }
-            Failure::LossScaleCollapse => {}
             Failure::LossPlateau => {
                 if ev.loss_peak_ratio >= 2.0 {
                     v.add(
@@ -154,7 +153,7 @@ impl CauseRule for LearningRateTooHigh {
                     v.add(0.5, "gradient norms grew after updates");
                 }
             }
-            Failure::DataAnomaly => {}
+            Failure::DataAnomaly | Failure::LossScaleCollapse => {}
         }
     }
 

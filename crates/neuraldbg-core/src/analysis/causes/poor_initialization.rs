@@ -96,7 +96,6 @@ impl CauseRule for PoorInitialization {
                     v.add(1.0, "the loss rose from the first steps");
                 }
             }
-            Failure::LossScaleCollapse => {}
             Failure::LossPlateau => {
                 if f.at_start && (ev.gain_too_large() || ev.gain_too_small()) {
                     v.add(
@@ -105,7 +104,7 @@ impl CauseRule for PoorInitialization {
                     );
                 }
             }
-            Failure::DataAnomaly | Failure::SaturatedGradients => {}
+            Failure::DataAnomaly | Failure::SaturatedGradients | Failure::LossScaleCollapse => {}
         }
     }
 
