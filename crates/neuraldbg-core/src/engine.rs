@@ -12,7 +12,7 @@ use crate::health::{
 use crate::history::{History, Reduce};
 use crate::model::{ActivationProbe, Model, ModelSpec};
 use crate::observation::{ACTIVATION_STATS, INPUT_STATS, StepView};
-use crate::track::{ActTrack, DataTrack, Early, LayerTrack, LossTrack};
+use crate::track::{ActTrack, DataTrack, Early, LayerTrack, LoopFacts, LossTrack};
 
 /// History metrics of a layer (a module owning parameters), for [`Engine::history`].
 pub const LAYER_METRICS: [&str; 2] = ["grad_norm", "weight_norm"];
@@ -60,6 +60,8 @@ pub(crate) struct Run {
     pub nonfinite_steps: u64,
     /// Largest total gradient norm (and its step) before anything went non-finite.
     pub total_peak: Option<(f64, u64)>,
+    /// Facts about the training loop (training mode, gradient accumulation), counted.
+    pub loop_facts: LoopFacts,
     sums: Vec<f64>,
     present: Vec<bool>,
     /// Gradient transitions confirmed during the current step (reused buffer).
@@ -114,6 +116,7 @@ impl Engine {
             total_early: Early::default(),
             nonfinite_steps: 0,
             total_peak: None,
+            loop_facts: LoopFacts::default(),
             sums: vec![0.0; n_layers],
             present: vec![false; n_layers],
             fired: Vec::new(),
@@ -519,8 +522,7 @@ impl Run {
             let norm = self.sums[l].sqrt();
             self.weights.record(l, norm as f32);
             let track = &mut self.layers[l];
-            track.weight_first.get_or_insert(norm);
-            track.weight_last = Some(norm);
+            track.observe_weight(step, norm);
             if track.gain_first.is_none() {
                 // std(W) * sqrt(fan_in) of each weight (assuming zero mean); the largest counts.
                 track.gain_first = layer

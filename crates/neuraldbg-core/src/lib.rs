@@ -56,7 +56,7 @@ pub use health::{
 };
 pub use history::{Bucket, History, Reduce};
 pub use model::{
-    ActivationProbe, Model, ModelSpec, ModuleSpec, ParamRole, ParamSpec, activation_traits,
-    display_name,
+    ActivationProbe, LossSpec, Model, ModelSpec, ModuleSpec, ParamRole, ParamSpec,
+    activation_traits, display_name,
 };
 pub use observation::{ACTIVATION_STATS, INPUT_STATS, Observation, StepView};

@@ -75,6 +75,15 @@ pub struct LayerTrack {
     pub gain_first: Option<f64>,
     pub weight_first: Option<f64>,
     pub weight_last: Option<f64>,
+    /// Weight-norm samples taken, and how many in a row (ending with the latest) were exactly
+    /// equal to the one before, since the step of the first of them (`still_since`).
+    pub weight_samples: u32,
+    pub weight_still: u32,
+    pub still_since: u64,
+    /// Step of the latest sample whose norm differed from the one before.
+    pub weight_moved: Option<u64>,
+    /// The latest gradient norm.
+    pub grad_last: f64,
 }
 
 impl Default for LayerTrack {
@@ -87,11 +96,32 @@ impl Default for LayerTrack {
             gain_first: None,
             weight_first: None,
             weight_last: None,
+            weight_samples: 0,
+            weight_still: 0,
+            still_since: 0,
+            weight_moved: None,
+            grad_last: f64::NAN,
         }
     }
 }
 
 impl LayerTrack {
+    /// Feeds one weight-norm sample.
+    pub fn observe_weight(&mut self, step: u64, norm: f64) {
+        match self.weight_last {
+            Some(prev) if prev.to_bits() == norm.to_bits() => self.weight_still += 1,
+            Some(_) => {
+                self.weight_still = 0;
+                self.still_since = step;
+                self.weight_moved = Some(step);
+            }
+            None => self.still_since = step,
+        }
+        self.weight_samples += 1;
+        self.weight_first.get_or_insert(norm);
+        self.weight_last = Some(norm);
+    }
+
     /// Feeds one gradient norm; returns the confirmed transition, if any.
     #[inline]
     pub fn observe(
@@ -105,6 +135,7 @@ impl LayerTrack {
             self.first_raw = Some(c.state);
         }
         self.observed += 1;
+        self.grad_last = norm;
         self.early.push(norm);
         let urgent = c.state == GradientHealth::NonFinite;
         self.detector
@@ -535,5 +566,30 @@ mod tests {
             d.judge([-2.5, 2.1, 0.1, 1.1], &config).0,
             DataHealth::Normal
         );
+    }
+}
+
+/// Facts about the training loop, counted over the steps that reported them.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct LoopFacts {
+    /// Steps that said whether the model was in training mode, and those where it was not.
+    pub mode_known: u64,
+    pub eval_steps: u64,
+    /// Steps that said whether their gradients were added onto the previous step's, and those
+    /// where they were.
+    pub accumulation_known: u64,
+    pub accumulated_steps: u64,
+}
+
+impl LoopFacts {
+    /// Share of the reporting steps run in eval mode.
+    pub fn eval_share(&self) -> Option<f64> {
+        (self.mode_known > 0).then(|| self.eval_steps as f64 / self.mode_known as f64)
+    }
+
+    /// Share of the reporting steps whose gradients accumulated onto the previous step's.
+    pub fn accumulated_share(&self) -> Option<f64> {
+        (self.accumulation_known > 0)
+            .then(|| self.accumulated_steps as f64 / self.accumulation_known as f64)
     }
 }

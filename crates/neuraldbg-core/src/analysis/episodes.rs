@@ -44,6 +44,9 @@ pub(crate) struct Episode {
     pub fraction: f64,
     /// Gradient norms of the affected layers were exactly zero at onset.
     pub exact_zero: bool,
+    /// For a stalled layer: it never received a gradient (rather than receiving gradients
+    /// its weights never followed).
+    pub no_gradient: bool,
 }
 
 /// The failure an event signals, if any (recoveries and warnings that are not failures map to
@@ -139,6 +142,7 @@ pub(crate) fn build(run: &Run, events: &[SemanticEvent], config: &Config) -> Vec
             episodes.push(episode(run, events, &timeline, failure, cluster));
         }
     }
+    episodes.extend(super::stalled::episodes(run, config));
     for e in &mut episodes {
         e.p_failure = super::causes::base_probability(run, e);
     }
@@ -222,6 +226,7 @@ fn episode(
         explained_by: None,
         fraction,
         exact_zero,
+        no_gradient: false,
     }
 }
 
@@ -344,9 +349,10 @@ fn locate_root(
                 .min_by_key(|&i| (module_of(&events[i]), events[i].step));
             (i, i.and_then(|i| module_of(&events[i])))
         }
-        Failure::DataAnomaly | Failure::LossDivergence | Failure::LossPlateau => {
-            (at_onset.first().copied(), None)
-        }
+        Failure::DataAnomaly
+        | Failure::LossDivergence
+        | Failure::LossPlateau
+        | Failure::StalledLayer => (at_onset.first().copied(), None),
     }
 }
 
@@ -403,7 +409,7 @@ fn link(run: &Run, events: &[SemanticEvent], episodes: &mut [Episode], config: &
 fn precedence(f: Failure) -> u8 {
     match f {
         Failure::DataAnomaly => 0,
-        Failure::DeadNeurons => 1,
+        Failure::DeadNeurons | Failure::StalledLayer => 1,
         Failure::ExplodingGradients => 2,
         Failure::VanishingGradients => 3,
         Failure::SaturatedActivations => 4,
@@ -452,9 +458,11 @@ fn explains(events: &[SemanticEvent], a: &Episode, b: &Episode, tol: u64, config
         (F::LossDivergence, F::NonFinite) => a.onset < b.onset,
         // A failure that stops learning explains a flat loss, if it is itself a real failure.
         // (The plateau's onset is back-dated to the start of its flat window.)
-        (F::DeadNeurons | F::VanishingGradients | F::SaturatedActivations, F::LossPlateau) => {
-            a.p_failure >= 0.5 && a.onset <= b.onset + u64::from(config.loss_plateau_window)
-        }
+        // A layer that does not learn can hold the loss flat too.
+        (
+            F::DeadNeurons | F::VanishingGradients | F::SaturatedActivations | F::StalledLayer,
+            F::LossPlateau,
+        ) => a.p_failure >= 0.5 && a.onset <= b.onset + u64::from(config.loss_plateau_window),
         (F::NonFinite, F::LossDivergence | F::SaturatedGradients) => a.onset <= b.onset,
         _ => false,
     }

@@ -14,6 +14,9 @@ named_enum! {
         DataAnomaly => "data_anomaly",
         LossDivergence => "loss_divergence",
         LossPlateau => "loss_plateau",
+        /// A layer whose parameters never change, or never receive a gradient, while the rest
+        /// of the model trains.
+        StalledLayer => "stalled_layer",
     }
 }
 
@@ -30,6 +33,18 @@ named_enum! {
         NetworkDepth => "network_depth",
         MissingNormalization => "missing_normalization",
         Unknown => "unknown",
+        // Mistakes in the training loop.
+        /// Gradients accumulate across steps: `.grad` is never zeroed.
+        MissingZeroGrad => "missing_zero_grad",
+        /// Parameters that are in no optimizer, in a param group with lr 0, or cut from the
+        /// graph (`.detach()`, `torch.no_grad()`, `.data`).
+        ParametersNotUpdated => "parameters_not_updated",
+        /// The model is optimized while in `eval()` mode.
+        EvalMode => "eval_mode",
+        /// The output activation does not fit the loss.
+        OutputLossMismatch => "output_loss_mismatch",
+        /// A loss that broadcasts `(N, 1)` against `(N,)`.
+        TargetShapeMismatch => "target_shape_mismatch",
     }
 }
 
@@ -46,6 +61,7 @@ impl Failure {
             Failure::DataAnomaly => "An anomalous input batch reached the model",
             Failure::LossDivergence => "The loss diverged",
             Failure::LossPlateau => "The loss plateaued",
+            Failure::StalledLayer => "A layer stopped training",
         }
     }
 

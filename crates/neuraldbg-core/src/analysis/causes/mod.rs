@@ -23,13 +23,18 @@ mod probability;
 
 mod bad_input_data;
 mod dying_relu;
+mod eval_mode;
 mod learning_rate_too_high;
 mod learning_rate_too_low;
 mod missing_normalization;
+mod missing_zero_grad;
 mod network_depth;
 mod numerical_instability;
+mod output_loss_mismatch;
+mod parameters_not_updated;
 mod poor_initialization;
 mod saturating_activation;
+mod target_shape_mismatch;
 mod unknown;
 
 use crate::engine::Run;
@@ -106,6 +111,12 @@ pub(crate) static RULES: &[&dyn CauseRule] = &[
     &missing_normalization::MissingNormalization,
     &bad_input_data::BadInputData,
     &numerical_instability::NumericalInstability,
+    // Mistakes in the training loop.
+    &missing_zero_grad::MissingZeroGrad,
+    &parameters_not_updated::ParametersNotUpdated,
+    &eval_mode::EvalMode,
+    &output_loss_mismatch::OutputLossMismatch,
+    &target_shape_mismatch::TargetShapeMismatch,
     &unknown::Unknown,
 ];
 
