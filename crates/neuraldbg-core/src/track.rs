@@ -582,6 +582,24 @@ pub struct LoopFacts {
 }
 
 impl LoopFacts {
+    /// Counts the loop facts of one step.
+    pub fn observe(&mut self, facts: &[(crate::observation::Fact, f64)]) {
+        use crate::observation::Fact;
+        for &(fact, value) in facts {
+            match fact {
+                Fact::Training => {
+                    self.mode_known += 1;
+                    self.eval_steps += u64::from(value == 0.0);
+                }
+                Fact::GradAccumulated => {
+                    self.accumulation_known += 1;
+                    self.accumulated_steps += u64::from(value != 0.0);
+                }
+                _ => {}
+            }
+        }
+    }
+
     /// Share of the reporting steps run in eval mode.
     pub fn eval_share(&self) -> Option<f64> {
         (self.mode_known > 0).then(|| self.eval_steps as f64 / self.mode_known as f64)

@@ -4,7 +4,7 @@
 
 use neuraldbg_core::analysis::explain;
 use neuraldbg_core::{
-    CausalHypothesis, Cause, Config, Engine, Failure, LossSpec, ModelSpec, Observation,
+    CausalHypothesis, Cause, Config, Engine, Fact, Failure, LossSpec, ModelSpec, Observation,
 };
 
 /// fc0 -> relu0 -> fc1 -> relu1 -> fc2 -> root, each Linear with weight and bias.
@@ -67,7 +67,13 @@ fn falling(step: u64) -> f64 {
 #[test]
 fn a_layer_cut_from_the_graph_is_stalled_for_lack_of_gradient() {
     // fc0 and fc1 run but never get a gradient (a .detach() after fc1); fc2 trains.
-    let h = run(spec(), 60, |l, _| (l == 2).then_some(0.1), |l| l == 2, falling);
+    let h = run(
+        spec(),
+        60,
+        |l, _| (l == 2).then_some(0.1),
+        |l| l == 2,
+        falling,
+    );
     let top = &h[0];
     assert_eq!(top.failure, Failure::StalledLayer, "{top}");
     assert_eq!(top.cause, Cause::ParametersNotUpdated, "{top}");
@@ -139,7 +145,13 @@ fn a_model_whose_weights_all_stand_still_has_no_stalled_layer() {
         h.iter().map(ToString::to_string).collect::<Vec<_>>()
     );
     // A short run (under 20 steps) with a layer that gets no gradient: too early to say.
-    let h = run(spec(), 10, |l, _| (l == 2).then_some(0.1), |l| l == 2, falling);
+    let h = run(
+        spec(),
+        10,
+        |l, _| (l == 2).then_some(0.1),
+        |l| l == 2,
+        falling,
+    );
     assert!(h.iter().all(|h| h.failure != Failure::StalledLayer));
 }
 
@@ -204,8 +216,9 @@ fn logits_into_cross_entropy_and_log_softmax_into_nll_are_no_mismatch() {
         });
         let h = run(s, 200, |_, _| Some(0.01), |_| true, plateau);
         assert!(
-            h.iter().all(|h| h.cause != Cause::OutputLossMismatch
-                && h.cause != Cause::TargetShapeMismatch),
+            h.iter()
+                .all(|h| h.cause != Cause::OutputLossMismatch
+                    && h.cause != Cause::TargetShapeMismatch),
             "{out}: {:?}",
             h.iter().map(ToString::to_string).collect::<Vec<_>>()
         );
@@ -240,4 +253,73 @@ fn a_broadcasting_regression_loss_is_a_target_shape_mismatch() {
     assert_eq!(h[0].failure, Failure::LossPlateau, "{}", h[0]);
     assert_eq!(h[0].cause, Cause::TargetShapeMismatch, "{}", h[0]);
     assert!(h[0].remedies[0].contains("squeeze"), "{:?}", h[0].remedies);
+}
+
+/// Gradients that grow linearly from a healthy start until they explode (what summing every
+/// step's gradient does), with the loop facts of each step.
+fn growing(spec: ModelSpec, facts: &[(Fact, f64)], steps: u64) -> Vec<CausalHypothesis> {
+    let mut engine = Engine::new(Config::default()).unwrap();
+    engine.register_model(spec).unwrap();
+    for step in 0..steps {
+        let g = 0.5 * (step + 1) as f32 * (step + 1) as f32;
+        let w = 2.0 + 0.01 * step as f32;
+        let obs = Observation {
+            step,
+            grad_norms: (0..3).flat_map(|_| [g, g / 4.0]).collect(),
+            weight_norms: Some((0..3).flat_map(|_| [w, 0.1]).collect()),
+            loss: Some(1.0 + 0.001 * (step * step) as f64),
+            lr: Some(0.05),
+            facts: facts.to_vec(),
+            ..Observation::default()
+        };
+        engine.observe(&obs.view()).unwrap();
+    }
+    explain(&engine, None)
+}
+
+#[test]
+fn gradients_that_accumulate_across_steps_are_missing_zero_grad() {
+    let h = growing(spec(), &[(Fact::GradAccumulated, 1.0)], 60);
+    let top = &h[0];
+    assert_eq!(top.failure, Failure::ExplodingGradients, "{top}");
+    assert_eq!(top.cause, Cause::MissingZeroGrad, "{top}");
+    assert!(top.remedies[0].contains("zero_grad"), "{:?}", top.remedies);
+    // The same growth in a loop that zeroes its gradients is not blamed on zeroing.
+    let h = growing(spec(), &[(Fact::GradAccumulated, 0.0)], 60);
+    assert_ne!(h[0].cause, Cause::MissingZeroGrad, "{}", h[0]);
+    assert!(h.iter().all(|h| h.cause != Cause::MissingZeroGrad));
+}
+
+fn with_module(kind: &str) -> ModelSpec {
+    let mut s = ModelSpec::default();
+    for i in 0..3 {
+        let m = s.module(format!("fc{i}"), "Linear");
+        s.param(m, format!("fc{i}.weight"), &[16, 16]);
+        s.param(m, format!("fc{i}.bias"), &[16]);
+        if i < 2 {
+            s.module(format!("norm{i}"), kind);
+            s.module(format!("relu{i}"), "ReLU");
+        }
+    }
+    s.module("", "Net");
+    s.optimizer = Some("SGD".into());
+    s
+}
+
+#[test]
+fn eval_mode_explains_a_failure_only_with_batch_statistics() {
+    let eval = [(Fact::Training, 0.0)];
+    let h = growing(with_module("BatchNorm1d"), &eval, 60);
+    assert_eq!(h[0].cause, Cause::EvalMode, "{}", h[0]);
+    assert!(
+        h[0].remedies[0].contains("model.train()"),
+        "{:?}",
+        h[0].remedies
+    );
+    // Dropout in eval mode only removes regularization: not the cause of anything.
+    let h = growing(with_module("Dropout"), &eval, 60);
+    assert!(h.iter().all(|h| h.cause != Cause::EvalMode), "{}", h[0]);
+    // Trained in train mode: not eval mode.
+    let h = growing(with_module("BatchNorm1d"), &[(Fact::Training, 1.0)], 60);
+    assert!(h.iter().all(|h| h.cause != Cause::EvalMode), "{}", h[0]);
 }
