@@ -31,6 +31,10 @@ impl CauseRule for EvalMode {
         )
     }
 
+    fn always_candidate(&self) -> bool {
+        false
+    }
+
     fn evidence(&self, c: &Case<'_>, v: &mut Votes) {
         let facts = &c.run.loop_facts;
         let Some(share) = facts.eval_share() else {

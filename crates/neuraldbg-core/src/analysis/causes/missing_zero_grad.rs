@@ -20,6 +20,10 @@ impl CauseRule for MissingZeroGrad {
         !matches!(failure, Failure::DataAnomaly | Failure::StalledLayer)
     }
 
+    fn always_candidate(&self) -> bool {
+        false
+    }
+
     fn evidence(&self, c: &Case<'_>, v: &mut Votes) {
         let facts = &c.run.loop_facts;
         let Some(share) = facts.accumulated_share() else {

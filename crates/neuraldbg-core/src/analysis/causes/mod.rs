@@ -92,6 +92,12 @@ pub(crate) trait CauseRule: Sync {
     fn phrase(&self) -> &'static str;
     /// Whether the cause is a candidate explanation of `failure`.
     fn explains(&self, failure: Failure) -> bool;
+    /// Whether the cause competes even without evidence (the default). A cause observed
+    /// directly (a loop mistake the collector reports) is a candidate only when its evidence
+    /// is there, so it never dilutes the others.
+    fn always_candidate(&self) -> bool {
+        true
+    }
     /// Adds the weighted evidence for this cause in `c` (called only when it explains
     /// `c.e.failure`). Reasons are listed in the order they are added.
     fn evidence(&self, c: &Case<'_>, v: &mut Votes);
@@ -218,7 +224,7 @@ pub(crate) fn rank_causes(
     let mut scored: Vec<Scored> = RULES
         .iter()
         .filter(|r| r.cause() == Cause::Unknown || r.explains(e.failure))
-        .map(|r| {
+        .filter_map(|r| {
             let mut v = Votes::default();
             if r.cause() != Cause::Unknown {
                 v.score = -NAMED_PRIOR;
@@ -236,11 +242,14 @@ pub(crate) fn rank_causes(
                     ),
                 );
             }
-            Scored {
+            if v.reasons.is_empty() && !r.always_candidate() {
+                return None;
+            }
+            Some(Scored {
                 cause: r.cause(),
                 score: v.score,
                 reasons: v.reasons,
-            }
+            })
         })
         .collect();
     // Probabilities by softmax with temperature 1/1.5, sorted descending.

@@ -104,6 +104,10 @@ impl CauseRule for OutputLossMismatch {
         )
     }
 
+    fn always_candidate(&self) -> bool {
+        false
+    }
+
     fn evidence(&self, c: &Case<'_>, v: &mut Votes) {
         let Some((m, loss)) = found(c.run) else {
             return;

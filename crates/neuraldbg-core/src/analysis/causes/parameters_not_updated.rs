@@ -21,6 +21,10 @@ impl CauseRule for ParametersNotUpdated {
         matches!(failure, Failure::StalledLayer | Failure::LossPlateau)
     }
 
+    fn always_candidate(&self) -> bool {
+        false
+    }
+
     fn evidence(&self, c: &Case<'_>, v: &mut Votes) {
         let episode = c.e;
         if episode.failure != Failure::StalledLayer {

@@ -27,6 +27,10 @@ impl CauseRule for TargetShapeMismatch {
         matches!(failure, Failure::LossPlateau | Failure::LossDivergence)
     }
 
+    fn always_candidate(&self) -> bool {
+        false
+    }
+
     fn evidence(&self, c: &Case<'_>, v: &mut Votes) {
         if let Some((out, compared)) = broadcast(c.run) {
             v.add(
