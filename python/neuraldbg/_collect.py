@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 import numpy as np
 
 from ._hooks import Hooks, reaches
+from ._loop import LoopFacts
 from ._measure import Measurer, Probe, first_float_tensor, input_stats
 from ._model import WatchedModel
 from ._transfer import HostCopy, Layout, Pending, Unpacked, flatten
@@ -83,6 +84,8 @@ class Collector:
         self.param_ids = self.watched.param_ids
         self.no_grads = np.full(len(self.params), -1.0, dtype=np.float32)
         self.measure = Measurer()
+        # Facts about the loop (training mode, gradient accumulation, optimizer groups, loss).
+        self.loop = LoopFacts(self.params)
 
         self.step = 0
         # (module index, output, positional args) of every hooked module call of the current
@@ -136,6 +139,7 @@ class Collector:
 
     def remove(self) -> None:
         self.hooks.remove(self)
+        self.loop.remove()
         self.pending = None
         self.refs.clear()
         self.act_out[:] = self.act_none
@@ -155,6 +159,7 @@ class Collector:
         self.refs.clear()
         self.ran = None
         self.act_out[:] = self.act_none
+        self.loop.on_forward(module.training, self.torch.is_grad_enabled())
         try:
             x = first_float_tensor(args)
             if x is None and kwargs:
@@ -168,10 +173,14 @@ class Collector:
         if self.disabled:
             return
         self.refs.append((0, output, args))
-        if self.criterion is None:
+        # The output's grad_fn: which backward is this model's loss (no criterion given), and,
+        # on the first step, where the loss's graph reaches the model (the loss facts).
+        if self.criterion is None or not self.registered:
             t = first_float_tensor(output)
             if t is not None and t.grad_fn is not None and len(self.output_fns) < 8:
                 self.output_fns.append(t.grad_fn)
+                if not self.registered and self.loop.first_output is None:
+                    self.loop.first_output = t
         if self.order is None:
             order: List[int] = []
             done = set()
@@ -202,6 +211,8 @@ class Collector:
         torch = self.torch
         if isinstance(output, torch.Tensor) and output.numel() == 1:
             self.losses.append(output.detach())
+            if not self.registered:
+                self.loop.describe_loss(output, self.output_fns)
             self._on_loss(output)
 
     def record_loss(self, loss: Any) -> None:
@@ -230,6 +241,8 @@ class Collector:
             if isinstance(other, torch.Tensor) and other.numel() == 1 and not other.requires_grad:
                 loss = loss / other.detach()
         self.auto_losses.append(loss.reshape(()))
+        if not self.registered:
+            self.loop.describe_loss(tensors, self.output_fns)
         self._on_loss(tensors)
 
     def _on_loss(self, loss: "torch.Tensor") -> None:
@@ -273,6 +286,8 @@ class Collector:
             return
         if self.forward_gen == self.observed_gen:
             return  # a second optimizer of the same iteration: one step
+        if not self.registered:
+            self.loop.optimizer = optimizer
         self._observe(lr=_lr_of(optimizer))
         self.count_pending = True
 
@@ -280,6 +295,10 @@ class Collector:
         if self.count_pending and self._is_relevant(optimizer):
             self.step += 1
             self.count_pending = False
+            try:
+                self.loop.after_optimizer_step()
+            except Exception as e:  # pragma: no cover - defensive
+                self._fail(e)
             self._arm_probes(self._activations_next())
 
     # ------------------------------------------------------------------ observation
@@ -298,6 +317,10 @@ class Collector:
     def _register(self) -> None:
         executed = self.order or []
         spec = self.watched.spec(executed, self.optimizer_name)
+        spec["param_lr"] = self.loop.param_lrs()
+        spec["loss"] = self.loop.loss
+        self.loop.install_probe()
+        self.loop.optimizer = None
         probes = json.loads(self.engine.register_model(json.dumps(spec)))
         axes = self.watched.unit_axes(executed)
         self.probes = []
@@ -350,6 +373,7 @@ class Collector:
         if first:
             self._register()
         layout = Layout(self.step, lr, final)
+        layout.facts = self.loop.step_facts()
         parts: List[Any] = []
         with torch.no_grad():
             layout.grad_order = self.measure.gradient_norms([p.grad for p in self.params], parts)
@@ -455,6 +479,7 @@ class Collector:
             lr=layout.lr,
             nonfinite_module=nonfinite,
             outputs_checked=checked,
+            facts=layout.facts or None,
         )
         if self.on_observed is not None:
             self.on_observed(layout.step)

@@ -9,7 +9,7 @@ copy into pinned memory with an event recorded after it (:class:`HostCopy`); the
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -20,7 +20,7 @@ class Layout:
     """Where each statistic of one step sits in the step's flat vector (host-side metadata)."""
 
     __slots__ = ("step", "lr", "grad_order", "weight_order", "act_index", "act_samples", "n_act",
-                 "loss", "n_inputs", "final", "origin", "checked", "ran")
+                 "loss", "n_inputs", "final", "origin", "checked", "ran", "facts")
 
     def __init__(self, step: int, lr: Optional[float], final: bool) -> None:
         self.step = step
@@ -38,6 +38,8 @@ class Layout:
         self.origin: Optional[int] = None
         self.checked = False
         self.ran: Optional[List[int]] = None
+        # Facts about the loop in this step (training mode, gradient accumulation).
+        self.facts: Optional[Dict[str, float]] = None
 
 
 class Pending:
