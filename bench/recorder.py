@@ -36,6 +36,8 @@ class Record:
     layer_names: List[str] = field(default_factory=list)  # modules owning parameters, forward order
     module_order: List[str] = field(default_factory=list)  # all modules, forward completion order
     grad: Dict[str, List[float]] = field(default_factory=dict)  # layer -> norm per step
+    weight: Dict[str, List[float]] = field(default_factory=dict)  # layer -> parameter norm per step (before its update)
+    training: List[bool] = field(default_factory=list)  # model.training at each step
     saturated: Dict[str, List[float]] = field(default_factory=dict)
     dead: Dict[str, List[float]] = field(default_factory=dict)
     slope: Dict[str, List[float]] = field(default_factory=dict)
@@ -180,6 +182,7 @@ class Recorder:
             )
             for n in self.rec.layer_names:
                 self.rec.grad[n] = []
+                self.rec.weight[n] = []
         for n, m in self._owners:
             sq = 0.0
             seen = False
@@ -188,6 +191,10 @@ class Recorder:
                     seen = True
                     sq += p.grad.detach().double().norm().item() ** 2
             self.rec.grad[n].append(math.sqrt(sq) if seen else math.nan)
+            self.rec.weight[n].append(
+                math.sqrt(sum(p.detach().double().norm().item() ** 2 for p in m.parameters(recurse=False)))
+            )
+        self.rec.training.append(self.model.training)
         self.rec.loss.append(float(loss.detach().item()))
         self.rec.first_nonfinite.append(self._step_nonfinite)
         self._step_nonfinite = None

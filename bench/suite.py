@@ -781,4 +781,6 @@ def all_scenarios() -> List[Scenario]:
         zero_batch(),
         warmup_too_high(),
     ]
-    return failures + healthy_runs()
+    from .loop_mistakes import healthy_loop_runs, loop_mistake_scenarios
+
+    return failures + loop_mistake_scenarios() + healthy_runs() + healthy_loop_runs()

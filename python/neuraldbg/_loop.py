@@ -17,6 +17,12 @@ from typing import Any, Dict, List, Optional, Tuple
 # Autograd node names end in "Backward0", "Backward1"...: the operation's name is before it.
 _BACKWARD = re.compile(r"Backward\d*$")
 
+# Operations that only index, reshape or copy their one input.
+_VIEWS = frozenset({
+    "Select", "Slice", "View", "Reshape", "Unsqueeze", "Squeeze", "Permute", "Transpose", "T",
+    "Clone", "Contiguous", "Flatten", "Unflatten", "Index", "Narrow", "Alias", "ToCopy",
+})
+
 # Autograd nodes visited at most when looking for the model's output from the loss.
 _WALK_LIMIT = 64
 
@@ -210,7 +216,17 @@ def _describe(loss: Any, output_fns: List[Any], output: Any) -> Optional[Dict[st
     if path is None:
         return None
     ops = [op_name(n) for n in path[:-1]]
-    d: Dict[str, Any] = {"ops": ops, "output_op": op_name(path[-1])}
+    # The operation that produced the output's values: past indexing and reshaping
+    # (``torch.sigmoid(z)[:, 0]`` is a sigmoid output).
+    producer = path[-1]
+    for _ in range(8):
+        if op_name(producer) not in _VIEWS:
+            break
+        nxt = [f for f, _ in getattr(producer, "next_functions", ()) if f is not None]
+        if len(nxt) != 1:
+            break
+        producer = nxt[0]
+    d: Dict[str, Any] = {"ops": ops, "output_op": op_name(producer)}
     if isinstance(output, torch.Tensor):
         d["output_numel"] = int(output.numel())
         if output.dim() >= 1:
@@ -225,7 +241,10 @@ def _describe(loss: Any, output_fns: List[Any], output: Any) -> Optional[Dict[st
         if isinstance(saved, torch.Tensor):
             d["compared_numel"] = int(saved.numel())
             break
-    target = getattr(path[0], "_saved_target", None)
+    target = next(
+        (t for t in (getattr(n, "_saved_target", None) for n in path[:-1]) if isinstance(t, torch.Tensor)),
+        None,
+    )
     if isinstance(target, torch.Tensor) and target.is_floating_point() and target.numel() > 0:
         lo, hi = torch.aminmax(target.detach().float())
         d["target_range"] = [float(lo), float(hi)]

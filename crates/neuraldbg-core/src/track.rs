@@ -245,6 +245,9 @@ pub struct LossTrack {
     pub last_smoothed: f64,
     /// Largest smoothed loss relative to the best before it.
     pub peak_ratio: f64,
+    /// Start of the current flat stretch (no real improvement over the plateau window), at
+    /// any level of the loss; None while it improves.
+    pub flat_since: Option<u64>,
     window: VecDeque<(u64, f64)>,
 }
 
@@ -259,6 +262,7 @@ impl Default for LossTrack {
             best: f64::INFINITY,
             last_smoothed: f64::NAN,
             peak_ratio: 1.0,
+            flat_since: None,
             window: VecDeque::new(),
         }
     }
@@ -316,6 +320,11 @@ impl LossTrack {
                 if let Some(&(old_step, old)) = self.window.front() {
                     if step.saturating_sub(old_step) >= w && old > 0.0 {
                         let improvement = (old - s) / old;
+                        if improvement < config.loss_plateau_tolerance {
+                            self.flat_since.get_or_insert(old_step);
+                        } else {
+                            self.flat_since = None;
+                        }
                         let tolerance = if current == LossHealth::Plateau {
                             config.loss_plateau_tolerance * h
                         } else {

@@ -143,11 +143,41 @@ pub(crate) fn build(run: &Run, events: &[SemanticEvent], config: &Config) -> Vec
         }
     }
     episodes.extend(super::stalled::episodes(run, config));
+    if !episodes.iter().any(|e| e.failure == Failure::LossPlateau) {
+        episodes.extend(floor_plateau(run));
+    }
     for e in &mut episodes {
         e.p_failure = super::causes::base_probability(run, e);
     }
     link(run, events, &mut episodes, config);
     episodes
+}
+
+/// A loss that went flat below the plateau level (which otherwise tells a converged run from a
+/// stuck one) is a plateau too when the loss provably cannot reach its optimum: the output does
+/// not fit the loss, or the loss broadcasts the target (see `causes`).
+fn floor_plateau(run: &Run) -> Option<Episode> {
+    let since = run.loss.flat_since?;
+    if !super::causes::loss_bounded_by_mistake(run) {
+        return None;
+    }
+    let last = run.last_step?;
+    Some(Episode {
+        failure: Failure::LossPlateau,
+        onset: since,
+        events: Vec::new(),
+        root: None,
+        root_event: None,
+        affected: Vec::new(),
+        margin: 0.0,
+        duration: last.saturating_sub(since) + 1,
+        to_end: true,
+        p_failure: 0.0,
+        explained_by: None,
+        fraction: f64::NAN,
+        exact_zero: false,
+        no_gradient: false,
+    })
 }
 
 fn module_of(e: &SemanticEvent) -> Option<usize> {

@@ -53,7 +53,6 @@ fn bounds(op: &str) -> Option<(f64, f64)> {
 pub(crate) fn mismatch(loss: &LossSpec) -> Option<Mismatch> {
     let out = loss.output_op.as_deref()?;
     let ops: Vec<&str> = loss.ops.iter().map(String::as_str).collect();
-    let first = ops.first().copied().unwrap_or_default();
     let has = |name: &str| ops.contains(&name);
     if out == "Softmax" && loss.output_units == Some(1) {
         return Some(Mismatch::OneUnitSoftmax);
@@ -61,7 +60,7 @@ pub(crate) fn mismatch(loss: &LossSpec) -> Option<Mismatch> {
     if out == "Softmax" && has("LogSoftmax") {
         return Some(Mismatch::SoftmaxIntoCrossEntropy);
     }
-    if out == "Softmax" && first == "NllLoss" && !has("Log") {
+    if out == "Softmax" && has("NllLoss") && !has("Log") {
         return Some(Mismatch::SoftmaxIntoNll);
     }
     if out == "Sigmoid" && has("BinaryCrossEntropyWithLogits") {
@@ -79,7 +78,7 @@ pub(crate) fn mismatch(loss: &LossSpec) -> Option<Mismatch> {
     None
 }
 
-fn found(run: &Run) -> Option<(Mismatch, &LossSpec)> {
+pub(crate) fn found(run: &Run) -> Option<(Mismatch, &LossSpec)> {
     let loss = run.model.spec.loss.as_ref()?;
     mismatch(loss).map(|m| (m, loss))
 }
