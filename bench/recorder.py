@@ -38,6 +38,7 @@ class Record:
     grad: Dict[str, List[float]] = field(default_factory=dict)  # layer -> norm per step
     weight: Dict[str, List[float]] = field(default_factory=dict)  # layer -> parameter norm per step (before its update)
     training: List[bool] = field(default_factory=list)  # model.training at each step
+    out_scale: Dict[str, float] = field(default_factory=dict)  # module -> largest |output| of the first step
     saturated: Dict[str, List[float]] = field(default_factory=dict)
     dead: Dict[str, List[float]] = field(default_factory=dict)
     slope: Dict[str, List[float]] = field(default_factory=dict)
@@ -123,6 +124,9 @@ class Recorder:
         if not ts:
             return
         y = ts[0].detach()
+        if self._first_forward:
+            scale = y.abs().max().item() if y.numel() else 0.0
+            self.rec.out_scale[name] = max(self.rec.out_scale.get(name, 0.0), scale)
         kind = type(module).__name__
         if kind == "Tanh":
             self._act(name, (y.abs() > 1 - 2 * self.band).float().mean().item(), None, (1 - y * y).mean().item())

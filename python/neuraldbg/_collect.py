@@ -123,6 +123,8 @@ class Collector:
         # statistics, and on CPU the loss check that lets module outputs go before backward.
         self.staged_gen = 0
         self.act_staged: Optional[Tuple[List[Any], np.ndarray, np.ndarray]] = None
+        # Largest magnitude of each kept module output, on the steps activations are measured.
+        self.out_staged: Optional[Tuple[Any, np.ndarray]] = None
         self.origin: Optional[int] = None
         self.origin_checked = False
         self.ran: Optional[List[int]] = None
@@ -260,6 +262,7 @@ class Collector:
             if self.hooks.probes_armed:
                 self.act_staged = self.measure.activation_parts(self.probes, self.act_out)
                 self.act_out[:] = self.act_none
+                self.out_staged = self.measure.output_absmax(self.refs, self.watched.rank)
             if self.forward_check != "off" and not self.defer and loss.device.type == "cpu":
                 if self.origin is None and not math.isfinite(float(loss.detach().reshape(-1)[0])):
                     self.origin = self.watched.first_nonfinite(self.refs)
@@ -363,6 +366,7 @@ class Collector:
                 self.refs.clear()
             self.act_out[:] = self.act_none
             self.act_staged = None
+            self.out_staged = None
             self.origin = None
             self.origin_checked = False
             self.ran = None
@@ -398,6 +402,13 @@ class Collector:
             if self.inputs:
                 layout.n_inputs = len(self.inputs)
                 parts.extend(self.inputs)
+            outs = self.out_staged
+            if outs is None and first:
+                outs = self.measure.output_absmax(self.refs, self.watched.rank)
+            if outs is not None:
+                # Last in the vector: the engine's per-module output scale (forward growth).
+                parts.append(outs[0])
+                layout.out_ranks = outs[1]
             flat = flatten(parts)
         refs = self.refs
         if first:
@@ -480,9 +491,19 @@ class Collector:
             nonfinite_module=nonfinite,
             outputs_checked=checked,
             facts=layout.facts or None,
+            measures=self._measures(layout, flat),
         )
         if self.on_observed is not None:
             self.on_observed(layout.step)
+
+    def _measures(self, layout: Layout, flat: np.ndarray) -> Optional[Dict[str, np.ndarray]]:
+        ranks = layout.out_ranks
+        if ranks is None or ranks.size == 0 or flat.size < ranks.size:
+            return None
+        table = np.full(len(self.watched.spec_order), np.nan, dtype=np.float32)
+        # A module called several times in the step (a shared block) keeps its largest output.
+        np.fmax.at(table, ranks, flat[flat.size - ranks.size :])
+        return {"output_absmax": table}
 
     def finish(self, crashed: bool) -> None:
         """Called on exit. A step still on its way to the host is handed to the engine. A

@@ -11,6 +11,7 @@ min/max (one host read).
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -233,7 +234,8 @@ def _describe(loss: Any, output_fns: List[Any], output: Any) -> Optional[Dict[st
             d["output_units"] = int(output.shape[-1])
         if output.is_floating_point() and output.numel() > 0:
             lo, hi = torch.aminmax(output.detach().float())
-            d["output_range"] = [float(lo), float(hi)]
+            if math.isfinite(float(lo)) and math.isfinite(float(hi)):
+                d["output_range"] = [float(lo), float(hi)]
     # What the loss compared with the target: the first node on the path that saved its input
     # (MseLoss, SmoothL1Loss, NllLoss...; Abs for a written-out L1).
     for node in path[:-1]:
@@ -247,5 +249,6 @@ def _describe(loss: Any, output_fns: List[Any], output: Any) -> Optional[Dict[st
     )
     if isinstance(target, torch.Tensor) and target.is_floating_point() and target.numel() > 0:
         lo, hi = torch.aminmax(target.detach().float())
-        d["target_range"] = [float(lo), float(hi)]
+        if math.isfinite(float(lo)) and math.isfinite(float(hi)):
+            d["target_range"] = [float(lo), float(hi)]
     return d

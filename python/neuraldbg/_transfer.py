@@ -20,7 +20,7 @@ class Layout:
     """Where each statistic of one step sits in the step's flat vector (host-side metadata)."""
 
     __slots__ = ("step", "lr", "grad_order", "weight_order", "act_index", "act_samples", "n_act",
-                 "loss", "n_inputs", "final", "origin", "checked", "ran", "facts")
+                 "loss", "n_inputs", "final", "origin", "checked", "ran", "facts", "out_ranks")
 
     def __init__(self, step: int, lr: Optional[float], final: bool) -> None:
         self.step = step
@@ -40,6 +40,8 @@ class Layout:
         self.ran: Optional[List[int]] = None
         # Facts about the loop in this step (training mode, gradient accumulation).
         self.facts: Optional[Dict[str, float]] = None
+        # Engine module index of each module-output scale at the end of the vector.
+        self.out_ranks: Optional[np.ndarray] = None
 
 
 class Pending:

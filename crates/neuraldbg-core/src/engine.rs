@@ -11,7 +11,7 @@ use crate::health::{
 };
 use crate::history::{History, Reduce};
 use crate::model::{ActivationProbe, Model, ModelSpec};
-use crate::observation::{ACTIVATION_STATS, Axis, INPUT_STATS, StepView};
+use crate::observation::{ACTIVATION_STATS, Axis, INPUT_STATS, Measure, StepView};
 use crate::track::{ActTrack, DataTrack, Early, LayerTrack, LoopFacts, LossTrack};
 
 /// History metrics of a layer (a module owning parameters), for [`Engine::history`].
@@ -60,6 +60,9 @@ pub(crate) struct Run {
     pub nonfinite_steps: u64,
     /// Largest total gradient norm (and its step) before anything went non-finite.
     pub total_peak: Option<(f64, u64)>,
+    /// The first measured scale of each module's output (largest magnitude, per module; NaN
+    /// where not measured) and its step.
+    pub outputs_first: Option<(u64, Vec<f32>)>,
     /// Facts about the training loop (training mode, gradient accumulation), counted.
     pub loop_facts: LoopFacts,
     sums: Vec<f64>,
@@ -117,6 +120,7 @@ impl Engine {
             nonfinite_steps: 0,
             total_peak: None,
             loop_facts: LoopFacts::default(),
+            outputs_first: None,
             sums: vec![0.0; n_layers],
             present: vec![false; n_layers],
             fired: Vec::new(),
@@ -514,6 +518,14 @@ impl Run {
             }
         }
         self.loop_facts.observe(v.facts);
+        if self.outputs_first.is_none() {
+            if let Some((_, values)) = v.measures.iter().find(|(m, _)| *m == Measure::OutputAbsMax)
+            {
+                if values.iter().any(|x| x.is_finite()) {
+                    self.outputs_first = Some((step, values.clone()));
+                }
+            }
+        }
         if let Some(lr) = v.lr.filter(|lr| lr.is_finite()) {
             self.lr_first.get_or_insert(lr);
             self.grads.record(self.global_series(Global::Lr), lr as f32);

@@ -142,6 +142,20 @@ pub(crate) fn build(run: &Run, events: &[SemanticEvent], config: &Config) -> Vec
             episodes.push(episode(run, events, &timeline, failure, cluster));
         }
     }
+    // Gradients exploding from the first step while the forward signal itself blew up inside
+    // one module: every later layer's weight gradient is large because its input is, so the
+    // explosion begins where the forward growth does, not at the end of the network.
+    if let Some(g) = super::causes::forward_growth(run) {
+        for e in &mut episodes {
+            if e.failure == Failure::ExplodingGradients && e.onset <= g.step {
+                e.root = Some(g.module);
+                if !e.affected.contains(&g.module) {
+                    e.affected.push(g.module);
+                    e.affected.sort_unstable();
+                }
+            }
+        }
+    }
     episodes.extend(super::stalled::episodes(run, config));
     if !episodes.iter().any(|e| e.failure == Failure::LossPlateau) {
         episodes.extend(floor_plateau(run));

@@ -42,7 +42,7 @@ use crate::engine::Run;
 use super::episodes::Episode;
 use super::vocab::{Cause, Failure};
 
-pub(crate) use evidence::{Evidence, Features, features};
+pub(crate) use evidence::{Evidence, Features, features, forward_growth};
 pub(crate) use probability::{base_probability, failure_probability};
 
 /// Everything a rule may look at when it weighs the evidence for its cause in one episode.
