@@ -485,3 +485,82 @@ def through_time_scenarios() -> List[Scenario]:
         amplified_through_time("rnn_relu_amplified_through_time", "nn.RNN (ReLU) + Linear", ReluRNN, "rnn"),
         amplified_through_time("custom_loop_rnn_amplified_through_time", "hand-written recurrence", LoopRNN, "rec"),
     ]
+
+
+# ============================================================================ functional activations
+
+
+class FunctionalMLP(nn.Module):
+    """ReLUs written inline (F.relu), no activation modules; fc2's bias pushes it far below 0."""
+
+    def __init__(self, bias: float) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(16, 64)
+        self.fc2 = nn.Linear(64, 64)
+        self.fc3 = nn.Linear(64, 4)
+        with torch.no_grad():
+            self.fc2.bias.fill_(bias)
+
+    def hidden(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.fc2(torch.relu(self.fc1(x))))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc3(self.hidden(x))
+
+
+class FunctionalCNN(nn.Module):
+    """Conv -> F.relu -> Conv -> F.relu -> pool -> Linear; conv2's bias switches it off."""
+
+    def __init__(self, bias: float) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.conv2 = nn.Conv2d(8, 16, 3, padding=1)
+        self.conv3 = nn.Conv2d(16, 16, 3, padding=1)
+        self.head = nn.Linear(16, 5)
+        with torch.no_grad():
+            self.conv2.bias.fill_(bias)
+
+    def hidden(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.conv2(torch.relu(self.conv1(x))))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.conv3(self.hidden(x))).mean(dim=(2, 3)))
+
+
+def functional_dead(name: str, arch: str, model: Callable[[float], nn.Module], data, layer: str) -> Scenario:
+    truth = Truth("dead_neurons", "dying_relu", layer, 0)
+
+    def make(bias: float) -> Setup:
+        m = model(bias)
+        return Setup(m, torch.optim.SGD(m.parameters(), lr=0.05), CE(), data, 60)
+
+    def check(r: Record) -> None:
+        # Rebuilt exactly as the run built it: every unit after `layer` is zero for the first
+        # batch, by direct computation.
+        torch.manual_seed(0)
+        m = model(-10.0)
+        x, _ = data(0)
+        with torch.no_grad():
+            assert (m.hidden(x) == 0).all(), "every unit of the layer is zero for the whole batch"
+        assert all(g == 0.0 for g in r.grad[layer]), "no gradient passes the dead units"
+
+    def counter_check(r: Record) -> None:
+        assert all(g > 0.0 for g in r.grad[layer]), "with a zero bias the layer gets gradients"
+
+    return Scenario(
+        name, arch,
+        "ReLUs applied inline with torch.relu (no module to observe) after a layer whose bias is "
+        "-10: every unit is dead for every sample from step 0",
+        lambda: make(-10.0), truth, check, lambda: make(0.0), counter_check,
+    )
+
+
+def functional_scenarios() -> List[Scenario]:
+    from .scenarios import image_data
+
+    return [
+        functional_dead("custom_functional_relu_mlp_dead", "custom MLP, inline torch.relu", FunctionalMLP,
+                        teacher_data(16, 4, 64), "fc2"),
+        functional_dead("custom_functional_relu_cnn_dead", "custom CNN, inline torch.relu", FunctionalCNN,
+                        image_data(3, 8, 5, 16), "conv2"),
+    ]

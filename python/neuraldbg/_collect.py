@@ -406,9 +406,15 @@ class Collector:
             if outs is None and first:
                 outs = self.measure.output_absmax(self.refs, self.watched.rank)
             if outs is not None:
-                # Last in the vector: the engine's per-module output scale (forward growth).
+                # At the end of the vector: the engine's per-module output scale (forward growth).
                 parts.append(outs[0])
                 layout.out_ranks = outs[1]
+            if self.params and self._sampled(self.activation_every):
+                # Last: units that never fire behind functional activations (zero gradient rows).
+                zeros = self.measure.grad_zero_shares([p.grad for p in self.params])
+                if zeros is not None:
+                    parts.append(zeros[0])
+                    layout.zero_index = zeros[1]
             flat = flatten(parts)
         refs = self.refs
         if first:
@@ -497,13 +503,25 @@ class Collector:
             self.on_observed(layout.step)
 
     def _measures(self, layout: Layout, flat: np.ndarray) -> Optional[Dict[str, np.ndarray]]:
+        """The named measures at the end of the step's vector (last part last)."""
+        out: Dict[str, np.ndarray] = {}
+        end = flat.size
+        index = layout.zero_index
+        if index is not None and end >= 2 * index.size:
+            k = index.size
+            shares = flat[end - 2 * k : end]
+            end -= 2 * k
+            for name, values in (("grad_zero_rows", shares[:k]), ("grad_zero_cols", shares[k:])):
+                table = np.full(len(self.params), np.nan, dtype=np.float32)
+                table[index] = values
+                out[name] = table
         ranks = layout.out_ranks
-        if ranks is None or ranks.size == 0 or flat.size < ranks.size:
-            return None
-        table = np.full(len(self.watched.spec_order), np.nan, dtype=np.float32)
-        # A module called several times in the step (a shared block) keeps its largest output.
-        np.fmax.at(table, ranks, flat[flat.size - ranks.size :])
-        return {"output_absmax": table}
+        if ranks is not None and ranks.size and end >= ranks.size:
+            table = np.full(len(self.watched.spec_order), np.nan, dtype=np.float32)
+            # A module called several times in the step (a shared block) keeps its largest output.
+            np.fmax.at(table, ranks, flat[end - ranks.size : end])
+            out["output_absmax"] = table
+        return out or None
 
     def finish(self, crashed: bool) -> None:
         """Called on exit. A step still on its way to the host is handed to the engine. A

@@ -284,6 +284,26 @@ class Measurer:
                 vec = torch.stack([n.reshape(()).to(torch.float32) for n in norms])
         return vec, np.asarray(ranks, dtype=np.intp)
 
+    def grad_zero_shares(self, grads: Sequence[Any]) -> Optional[Tuple[Any, np.ndarray]]:
+        """For each gradient of 2 or more dimensions: the share of its rows (output units) and
+        of its columns (input units) that are exactly zero, as (one device vector: all the row
+        shares, then all the column shares; the parameter index of each)."""
+        torch = self.torch
+        rows: List[Any] = []
+        cols: List[Any] = []
+        index: List[int] = []
+        with torch.no_grad():
+            for i, g in enumerate(grads):
+                if g is None or g.dim() < 2 or g.numel() == 0 or g.is_sparse:
+                    continue
+                a = g.detach().reshape(g.shape[0], g.shape[1], -1).abs()
+                rows.append((a.amax(dim=(1, 2)) == 0).float().mean())
+                cols.append((a.amax(dim=(0, 2)) == 0).float().mean())
+                index.append(i)
+            if not index:
+                return None
+            return torch.stack(rows + cols), np.asarray(index, dtype=np.intp)
+
     def activation_parts(self, probes: "Sequence[Probe]", outs: Sequence[Any]) -> Optional[Tuple[List[Any], np.ndarray, np.ndarray]]:
         """Stats of each probed module's latest output, as (device tensors, where they go in
         the engine's activation table, samples per unit). Modules measured alike whose outputs

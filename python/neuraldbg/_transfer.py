@@ -20,7 +20,7 @@ class Layout:
     """Where each statistic of one step sits in the step's flat vector (host-side metadata)."""
 
     __slots__ = ("step", "lr", "grad_order", "weight_order", "act_index", "act_samples", "n_act",
-                 "loss", "n_inputs", "final", "origin", "checked", "ran", "facts", "out_ranks")
+                 "loss", "n_inputs", "final", "origin", "checked", "ran", "facts", "out_ranks", "zero_index")
 
     def __init__(self, step: int, lr: Optional[float], final: bool) -> None:
         self.step = step
@@ -42,6 +42,8 @@ class Layout:
         self.facts: Optional[Dict[str, float]] = None
         # Engine module index of each module-output scale at the end of the vector.
         self.out_ranks: Optional[np.ndarray] = None
+        # Parameter index of each gradient's zero-row/zero-column share, after the output scales.
+        self.zero_index: Optional[np.ndarray] = None
 
 
 class Pending:

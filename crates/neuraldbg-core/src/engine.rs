@@ -518,6 +518,23 @@ impl Run {
             }
         }
         self.loop_facts.observe(v.facts);
+        for (measure, values) in v.measures {
+            let zero_rows = match measure {
+                Measure::GradZeroRows => true,
+                Measure::GradZeroCols => false,
+                Measure::OutputAbsMax => continue,
+            };
+            for (l, layer) in self.model.layers.iter().enumerate() {
+                let Some((p, _)) = layer.weight else { continue };
+                let share = f64::from(values[p]);
+                let track = &mut self.layers[l];
+                if zero_rows {
+                    track.zero_rows.observe(step, share);
+                } else {
+                    track.zero_cols.observe(step, share);
+                }
+            }
+        }
         if self.outputs_first.is_none() {
             if let Some((_, values)) = v.measures.iter().find(|(m, _)| *m == Measure::OutputAbsMax)
             {

@@ -84,6 +84,38 @@ pub struct LayerTrack {
     pub weight_moved: Option<u64>,
     /// The latest gradient norm.
     pub grad_last: f64,
+    /// Exactly-zero rows (output units) and columns (input units) of the weight's gradient:
+    /// the latest shares measured, and the first step of the current stretch at >= 90%.
+    pub zero_rows: ZeroShare,
+    pub zero_cols: ZeroShare,
+}
+
+/// The share of a weight gradient's rows or columns that are exactly zero, over the steps it
+/// was measured.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct ZeroShare {
+    pub last: Option<f64>,
+    pub max: f64,
+    /// First step of the current stretch of measurements at or above [`ZeroShare::DEAD`].
+    pub since: Option<u64>,
+}
+
+impl ZeroShare {
+    /// The share from which a layer's units count as dead.
+    pub const DEAD: f64 = 0.9;
+
+    pub fn observe(&mut self, step: u64, share: f64) {
+        if !share.is_finite() {
+            return;
+        }
+        self.last = Some(share);
+        self.max = self.max.max(share);
+        if share >= Self::DEAD {
+            self.since.get_or_insert(step);
+        } else {
+            self.since = None;
+        }
+    }
 }
 
 impl Default for LayerTrack {
@@ -101,6 +133,8 @@ impl Default for LayerTrack {
             still_since: 0,
             weight_moved: None,
             grad_last: f64::NAN,
+            zero_rows: ZeroShare::default(),
+            zero_cols: ZeroShare::default(),
         }
     }
 }

@@ -157,6 +157,7 @@ pub(crate) fn build(run: &Run, events: &[SemanticEvent], config: &Config) -> Vec
         }
     }
     episodes.extend(super::stalled::episodes(run, config));
+    episodes.extend(super::functional::dead_units(run));
     if !episodes.iter().any(|e| e.failure == Failure::LossPlateau) {
         episodes.extend(floor_plateau(run));
     }
@@ -484,8 +485,10 @@ fn explains(events: &[SemanticEvent], a: &Episode, b: &Episode, tol: u64, config
         // A (nearly) completely dead layer explains vanishing gradients in the layers before it.
         (F::DeadNeurons, F::VanishingGradients) => {
             let vanishing_root = b.root.unwrap_or(usize::MAX);
+            // (Dead units behind a functional activation are rooted at their own layer.)
             a.fraction >= 0.9
-                && a.affected.iter().any(|&m| m > vanishing_root)
+                && (a.affected.iter().any(|&m| m > vanishing_root)
+                    || (a.root.is_some() && a.root == b.root))
                 && a.onset <= b.onset + tol
         }
         // Saturation is the mechanism of the vanishing it precedes: the vanishing is the failure
