@@ -216,6 +216,30 @@ def softmax_into_cross_entropy() -> Scenario:
     )
 
 
+def tanh_logits_into_cross_entropy() -> Scenario:
+    truth = Truth("saturated_activations", "output_loss_mismatch", "3", None)
+
+    def make(last: nn.Module) -> Setup:
+        model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 10), last)
+        return Setup(model, torch.optim.Adam(model.parameters(), lr=1e-2), CE(), teacher_data(16, 10, 64), 200)
+
+    def check(r: Record) -> None:
+        # Logits in (-1, 1) over 10 classes: the right class gets at most e / (e + 9 / e) = 0.45,
+        # so the cross-entropy cannot fall below -log(0.45) = 0.80 on any sample.
+        floor = -math.log(math.e / (math.e + 9 / math.e))
+        assert min(r.loss) > floor - 1e-3, f"loss {min(r.loss):.3f} below the floor {floor:.3f}"
+        # Pushing the capped logits apart drives the tanh into its bounds.
+        assert r.saturated["3"][-1] > 0.6, "the tanh on the logits ends saturated"
+
+    return Scenario(
+        "mlp_tanh_logits_into_cross_entropy", "MLP 1x ReLU + Tanh logits",
+        "a tanh on the logits (a Keras Dense(10, activation='tanh') ported as is) before "
+        "CrossEntropyLoss: the logits are capped to (-1, 1), so the loss has a floor of 0.80 and "
+        "the tanh saturates trying to pass it",
+        lambda: make(nn.Tanh()), truth, check, lambda: make(nn.Identity()), learns_much_better(0.25),
+    )
+
+
 class SigmoidClassifier(nn.Module):
     """A binary classifier whose forward ends in torch.sigmoid (functional, a custom module)."""
 
@@ -396,6 +420,7 @@ def loop_mistake_scenarios() -> List[Scenario]:
         zero_lr_group(),
         detached_encoder(),
         softmax_into_cross_entropy(),
+        tanh_logits_into_cross_entropy(),
         sigmoid_into_logits_loss(),
         one_unit_softmax(),
         bounded_regression(),

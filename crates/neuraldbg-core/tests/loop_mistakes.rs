@@ -198,9 +198,23 @@ fn softmax_before_cross_entropy_explains_a_plateau() {
 }
 
 #[test]
+fn tanh_logits_into_cross_entropy_are_a_mismatch() {
+    let s = with_loss(LossSpec {
+        ops: ops(&["NllLoss", "LogSoftmax"]),
+        output_op: Some("Tanh".into()),
+        output_units: Some(10),
+        ..LossSpec::default()
+    });
+    let h = run(s, 200, |_, _| Some(0.01), |_| true, plateau);
+    assert_eq!(h[0].cause, Cause::OutputLossMismatch, "{}", h[0]);
+    assert!(h[0].remedies[0].contains("Tanh"), "{:?}", h[0].remedies);
+}
+
+#[test]
 fn logits_into_cross_entropy_and_log_softmax_into_nll_are_no_mismatch() {
     for (loss_ops, out) in [
         (&["NllLoss", "LogSoftmax"][..], "Addmm"),
+        (&["NllLoss", "LogSoftmax"][..], "Relu"),
         (&["NllLoss"][..], "LogSoftmax"),
         (&["BinaryCrossEntropy"][..], "Sigmoid"),
         (&["MseLoss"][..], "Tanh"),

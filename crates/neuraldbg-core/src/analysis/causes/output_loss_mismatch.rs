@@ -8,6 +8,8 @@
 //! - probabilities fed to a negative log-likelihood without the log;
 //! - a sigmoid output fed to a loss that applies its own sigmoid (BCE with logits): outputs
 //!   live in [0.5, 0.73], the loss has a floor of ~0.31 per sample;
+//! - a bounded activation (tanh, sigmoid) making the logits of such a loss: the logit gaps,
+//!   and with them how confident the loss can get, are capped;
 //! - a softmax over one unit: the output is the constant 1, every gradient is exactly zero;
 //! - a bounded output (sigmoid, tanh, `ReLU`...) regressing targets outside its range: the
 //!   error on those targets can never go below the distance to the bound.
@@ -26,8 +28,14 @@ pub(crate) enum Mismatch {
     SoftmaxIntoCrossEntropy,
     SoftmaxIntoNll,
     SigmoidIntoLogitsLoss,
+    /// A bounded activation (tanh, sigmoid...) producing the logits of a loss that applies its
+    /// own softmax or sigmoid: the logit gaps are capped, so the loss has a floor above zero.
+    BoundedLogits,
     OneUnitSoftmax,
-    BoundedRegression { lo: f64, hi: f64 },
+    BoundedRegression {
+        lo: f64,
+        hi: f64,
+    },
 }
 
 /// A regression loss, by the framework's operation names: a named one, or a mean of absolute
@@ -65,6 +73,10 @@ pub(crate) fn mismatch(loss: &LossSpec) -> Option<Mismatch> {
     }
     if out == "Sigmoid" && has("BinaryCrossEntropyWithLogits") {
         return Some(Mismatch::SigmoidIntoLogitsLoss);
+    }
+    let logits_loss = has("LogSoftmax") || has("BinaryCrossEntropyWithLogits");
+    if logits_loss && bounds(out).is_some_and(|(lo, hi)| hi - lo <= 2.0) {
+        return Some(Mismatch::BoundedLogits);
     }
     if is_regression(&ops) {
         let (lo, hi) = bounds(out)?;
@@ -125,6 +137,9 @@ impl CauseRule for OutputLossMismatch {
             Mismatch::SigmoidIntoLogitsLoss => {
                 "the model outputs a sigmoid and the loss applies its own sigmoid (BCEWithLogitsLoss expects raw logits): outputs are confined to [0.5, 0.73]".to_string()
             }
+            Mismatch::BoundedLogits => format!(
+                "the model's logits come out of {out}, bounded to a range of at most 2, and the loss applies its own softmax/sigmoid: the logit gaps are capped, so the loss cannot approach zero"
+            ),
             Mismatch::BoundedRegression { lo, hi } => {
                 let (tmin, tmax) = loss.target_range.unwrap_or((f64::NAN, f64::NAN));
                 format!(
@@ -171,6 +186,12 @@ impl CauseRule for OutputLossMismatch {
             Mismatch::SigmoidIntoLogitsLoss => vec![
                 "remove the final Sigmoid (or torch.sigmoid) from the model: BCEWithLogitsLoss applies it; apply sigmoid only at inference".into(),
                 "or keep the sigmoid and use BCELoss".into(),
+            ],
+            Mismatch::BoundedLogits => vec![
+                format!(
+                    "remove the final {} from the model: CrossEntropyLoss and BCEWithLogitsLoss take raw, unbounded logits (a plain Linear output)",
+                    loss.output_op.as_deref().unwrap_or("activation")
+                ),
             ],
             Mismatch::BoundedRegression { .. } => vec![
                 format!(
