@@ -25,6 +25,7 @@ from .types import (
     Failure,
     GradientHealth,
     LossHealth,
+    ReplicaHealth,
     RootCause,
     SemanticEvent,
 )
@@ -42,6 +43,7 @@ __all__ = [
     "ActivationHealth",
     "LossHealth",
     "DataHealth",
+    "ReplicaHealth",
     "Failure",
     "Cause",
     "NeuralDbgError",

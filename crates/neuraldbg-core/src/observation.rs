@@ -31,6 +31,9 @@ named_enum! {
         WorldSize => "world_size",
         /// The rank of the process that made this observation.
         Rank => "rank",
+        /// The rank whose forward pass produced this step's first non-finite module output
+        /// (the module is [`StepView::nonfinite_module`]).
+        NonFiniteRank => "nonfinite_rank",
 
         // --- Loop mistakes and framework state.
         /// Whether the model was in training mode during the step's forward pass (1.0) or in
@@ -47,6 +50,20 @@ named_enum! {
         /// Largest magnitude of each module's output in the step's forward pass, per module
         /// (NaN: not measured).
         OutputAbsMax => "output_absmax",
+
+        // --- Distributed training.
+        /// The rank each row of [`StepView::inputs`] came from.
+        InputRank => "input_rank",
+        /// Per parameter, how far its gradient norm differs across the ranks that should hold
+        /// identical replicas of it (DDP): `(max - min) / max`, NaN when not a replica or not
+        /// measured.
+        ReplicaGradSpread => "replica_grad_spread",
+        /// The same for the parameter's own norm (on steps whose parameter norms are measured).
+        ReplicaWeightSpread => "replica_weight_spread",
+        /// Per rank: the sum of squares of its replicated gradients.
+        RankGradSumsq => "rank_grad_sumsq",
+        /// Per rank: the sum of squares of its replicated parameters.
+        RankWeightSumsq => "rank_weight_sumsq",
     }
 }
 
@@ -66,6 +83,8 @@ impl Measure {
     pub fn axis(self) -> Axis {
         match self {
             Measure::OutputAbsMax => Axis::Modules,
+            Measure::ReplicaGradSpread | Measure::ReplicaWeightSpread => Axis::Params,
+            Measure::InputRank | Measure::RankGradSumsq | Measure::RankWeightSumsq => Axis::Free,
         }
     }
 }

@@ -14,6 +14,7 @@ named_enum! {
         DataAnomaly => "data_anomaly",
         LossDivergence => "loss_divergence",
         LossPlateau => "loss_plateau",
+        ReplicaDivergence => "replica_divergence",
     }
 }
 
@@ -46,6 +47,7 @@ impl Failure {
             Failure::DataAnomaly => "An anomalous input batch reached the model",
             Failure::LossDivergence => "The loss diverged",
             Failure::LossPlateau => "The loss plateaued",
+            Failure::ReplicaDivergence => "A data-parallel replica diverged from the others",
         }
     }
 
