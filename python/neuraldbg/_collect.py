@@ -63,6 +63,7 @@ class Collector:
         forward_check: str,
         step_on: str,
         on_observed: Optional[Callable[[int], None]] = None,
+        distributed: Any = None,
     ) -> None:
         import torch
 
@@ -83,6 +84,10 @@ class Collector:
         self.param_ids = self.watched.param_ids
         self.no_grads = np.full(len(self.params), -1.0, dtype=np.float32)
         self.measure = Measurer()
+        # Under torch.distributed: the job-wide exchange (neuraldbg._distributed.Distributed).
+        self.dist = distributed
+        if distributed is not None:
+            distributed.bind(self.params, model)
 
         self.step = 0
         # (module index, output, positional args) of every hooked module call of the current
@@ -149,7 +154,7 @@ class Collector:
     def _on_root_pre(self, module: Any, args: Any, kwargs: Any) -> None:
         if self.disabled:
             return
-        if self.pending is not None:
+        if self.pending is not None and self.pending.ready():
             self._consume()
         self.forward_gen += 1
         self.refs.clear()
@@ -289,8 +294,12 @@ class Collector:
         self.internal_error = e
         self.disabled = True
         self.pending = None
+        who = "NeuralDBG"
+        if self.dist is not None:
+            self.dist.abandon(e)
+            who = f"NeuralDBG (rank {self.dist.rank})"
         warnings.warn(
-            f"NeuralDBG stopped observing after an internal error: {type(e).__name__}: {e}",
+            f"{who} stopped observing after an internal error: {type(e).__name__}: {e}",
             NeuralDbgWarning,
             stacklevel=3,
         )
@@ -306,6 +315,8 @@ class Collector:
             d = dict(d, module=module)
             self.probes.append(Probe(row, d, axes.get(module, -1)))
         self.act_none = [None] * len(self.probes)
+        if self.dist is not None:
+            self.dist.setup(len(self.params), len(self.probes))
         # This first step ran with every module hooked: its probe outputs are in refs.
         self.act_out[:] = self.act_none
         row_of = {p.module: p.row for p in self.probes}
@@ -352,9 +363,13 @@ class Collector:
         layout = Layout(self.step, lr, final)
         parts: List[Any] = []
         with torch.no_grad():
-            layout.grad_order = self.measure.gradient_norms([p.grad for p in self.params], parts)
+            grads = [p.grad for p in self.params]
+            weights = self.params
+            if self.dist is not None:  # each rank measures what it holds: DTensors' local shards
+                grads, weights = self.dist.local(grads), self.dist.local(weights)
+            layout.grad_order = self.measure.gradient_norms(grads, parts)
             if self.params and self._sampled(self.weight_every):
-                layout.weight_order = self.measure.weight_norms(self.params, parts)
+                layout.weight_order = self.measure.weight_norms(weights, parts)
             staged = self.act_staged
             if staged is None and self.probes and (first or self.hooks.probes_armed):
                 staged = self.measure.activation_parts(self.probes, self.act_out)
@@ -378,6 +393,15 @@ class Collector:
         refs = self.refs
         if first:
             self.hooks.rehook(set(self.param_owner))
+        if self.dist is not None and not final:
+            # The job's one collective for this step; the job-wide step reaches the engine
+            # when it has arrived (see _distributed.py). A crashed rank's last forward (final)
+            # is observed alone: the other ranks are not there to exchange with.
+            if self.pending is not None:
+                self._consume()
+            keep = list(refs) if self.forward_check != "off" else [(i, None, None) for i, _, _ in refs]
+            self.pending = Pending(layout, None, None, keep, self.dist.exchange(layout, flat))
+            return
         if flat is None:
             self._ingest(layout, np.zeros(0, np.float32), refs)
             return
@@ -404,8 +428,12 @@ class Collector:
         if p is None or self.disabled:
             return
         try:
+            if p.exchange is not None:
+                self._feed(p.layout, self.dist.receive(p.exchange, p.layout), p.refs)
+                return
             if p.event is not None and not p.event.query():
                 p.event.synchronize()  # rare: the CPU ran more than a step ahead of the GPU
+            assert p.host is not None
             self._ingest(p.layout, p.host, p.refs)
         except Exception as e:
             self._fail(e)
@@ -417,7 +445,11 @@ class Collector:
 
     def _ingest(self, layout: Layout, flat: np.ndarray, refs: List[Tuple[int, Any, Any]]) -> None:
         """Host side of one step: unpack the flat vector and feed the engine."""
-        u = Unpacked(layout, flat, self.no_grads, len(self.probes))
+        self._feed(layout, Unpacked(layout, flat, self.no_grads, len(self.probes)), refs)
+
+    def _feed(self, layout: Layout, u: Any, refs: List[Tuple[int, Any, Any]]) -> None:
+        """Feeds the engine one step's host arrays (:class:`Unpacked`, or a distributed job's
+        step, which also carries per-rank facts and measures)."""
         grad_norms = u.grad_norms
         loss_value = u.loss
         if not grad_norms.all() and self.order:
@@ -455,6 +487,7 @@ class Collector:
             lr=layout.lr,
             nonfinite_module=nonfinite,
             outputs_checked=checked,
+            **getattr(u, "extra", {}),
         )
         if self.on_observed is not None:
             self.on_observed(layout.step)
