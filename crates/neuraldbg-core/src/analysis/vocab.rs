@@ -51,6 +51,13 @@ impl Failure {
         }
     }
 
+    /// Whether the causes of the vocabulary can explain this failure at all: a diverged
+    /// replica is a fault in the job's code that none of them names (its remedies say where
+    /// to look), so only `unknown` is a candidate.
+    pub fn has_named_causes(self) -> bool {
+        !matches!(self, Failure::ReplicaDivergence)
+    }
+
     /// Gradient failures are located where they begin along the backward pass; the others at
     /// the first module in forward order that shows them.
     pub fn is_gradient(self) -> bool {
@@ -62,18 +69,8 @@ impl Failure {
 }
 
 impl Cause {
+    /// How the cause reads in a sentence (each cause's rule in `causes` says it).
     pub fn phrase(self) -> &'static str {
-        match self {
-            Cause::SaturatingActivation => "a saturating activation",
-            Cause::PoorInitialization => "poor weight initialization",
-            Cause::LearningRateTooHigh => "a learning rate that is too high",
-            Cause::LearningRateTooLow => "a learning rate that is too low",
-            Cause::DyingRelu => "dying ReLU units",
-            Cause::BadInputData => "bad input data",
-            Cause::NumericalInstability => "a numerically unstable operation",
-            Cause::NetworkDepth => "the depth of the network",
-            Cause::MissingNormalization => "missing normalization",
-            Cause::Unknown => "an undetermined cause",
-        }
+        super::causes::rule(self).phrase()
     }
 }
