@@ -217,6 +217,34 @@ def nan_batch(rank: int, world: int, out: str) -> Dict[str, Any]:
             "events": [dict(e.metadata, type=str(e.event_type), layer=e.layer_name, step=e.step) for e in dbg.events]}
 
 
+class Div(nn.Module):
+    """``x / d - x / d + x``: the identity, until ``d`` is set to 0 (then inf - inf = NaN)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.d = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x / self.d - x / self.d + x
+
+
+def nan_forward(rank: int, world: int, out: str) -> Dict[str, Any]:
+    """A module's own computation makes NaN on the last rank at step 4 (a DDP job)."""
+    bad_rank, bad_step = world - 1, 4
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(
+        nn.Sequential(nn.Linear(6, 16), Div(), nn.Tanh(), nn.Linear(16, 3))
+    )
+
+    def plan(step: int, x: torch.Tensor, m: nn.Module, opt: Any) -> torch.Tensor:
+        if rank == bad_rank and step == bad_step:
+            m.module[1].d = 0.0
+        return x
+
+    dbg = train(model, 7, rank, world, plan=plan)
+    return {"bad_rank": bad_rank, "bad_step": bad_step, "hypotheses": hypotheses(dbg)}
+
+
 def lr_explosion(rank: int, world: int, out: str) -> Dict[str, Any]:
     """The learning rate multiplied by 1000 at step 15, in a DDP job and in one process on the
     global batch: the same diagnosis."""
@@ -323,6 +351,7 @@ SCENARIOS: Dict[str, Callable[[int, int, str], Dict[str, Any]]] = {
     "fsdp_bf16": lambda r, w, o: norms("fsdp_bf16", r, w, o),
     "hsdp": lambda r, w, o: norms("hsdp", r, w, o),
     "nan_batch": nan_batch,
+    "nan_forward": nan_forward,
     "lr_explosion": lr_explosion,
     "diverged": diverged,
     "fails_locally": fails_locally,

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 JOBS = {
-    2: ["ddp", "fsdp", "fsdp_keep", "fsdp_bf16", "nan_batch", "lr_explosion", "fails_locally", "raises"],
+    2: ["ddp", "fsdp", "fsdp_keep", "fsdp_bf16", "nan_batch", "nan_forward", "lr_explosion", "fails_locally", "raises"],
     4: ["hsdp", "fsdp", "diverged", "nan_batch"],
 }
 
@@ -117,6 +117,19 @@ def test_nan_batch_is_named_with_its_rank_and_step(job: Dict[str, Any]) -> None:
         # The NaN that followed is a consequence of that batch, not a module's fault.
         nonfinite = [h for h in d["hypotheses"] if h["failure"] == "non_finite"]
         assert nonfinite and nonfinite[0]["cause"] == "bad_input_data"
+
+
+def test_nan_made_by_a_module_names_the_module_and_the_rank(job: Dict[str, Any]) -> None:
+    if "nan_forward" not in job["results"]:
+        pytest.skip("runs in the 2-process job")
+    for d in job["results"]["nan_forward"]:
+        top = d["hypotheses"][0]
+        assert (top["failure"], top["cause"], top["layer"], top["step"]) == (
+            "non_finite", "numerical_instability", "module.1", d["bad_step"]
+        ), top
+        assert f"on rank {d['bad_rank']}" in top["description"], top["description"]
+        origin = [e for e in top["evidence"] if e["layer"] == "module.1"]
+        assert origin and origin[0]["rank"] == d["bad_rank"]
 
 
 def test_learning_rate_explosion_diagnosed_as_in_one_process(job: Dict[str, Any]) -> None:
