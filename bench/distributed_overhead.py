@@ -4,9 +4,14 @@ counted by wrapping torch.distributed's collectives (not assumed).
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 bench/distributed_overhead.py
 
-(`make bench-distributed` runs exactly this.) Rank 0 prints one line per configuration: the
-median time of a training step unwatched and watched over ROUNDS alternating rounds of STEPS
-steps, their ratio, and collectives per step unwatched and watched.
+(`make bench-distributed` runs exactly this.) Three arms take turns in rotating order, ROUNDS
+rounds of STEPS steps each: unwatched, watched per rank (`distributed="off"`: what one process
+costs) and watched job-wide (the default). Rank 0 prints the median time of a training step of
+each, its ratio to unwatched, and collectives per step. Two clocks: the training
+thread's CPU time (`time.thread_time`; with one torch thread every kernel of the loop runs on it,
+and it does not count time other processes held the core or time spent waiting for the other
+rank: what watching costs this rank's CPU) and wall time between two barriers (what the job
+feels, including any wait; noisy on a shared machine).
 """
 
 from __future__ import annotations
@@ -24,7 +29,10 @@ import torch.nn as nn
 from neuraldbg import NeuralDbg
 
 STEPS = 50
-ROUNDS = 5
+ROUNDS = 9
+# plain: unwatched; rank: NeuralDbg(distributed="off") (each rank watches itself, no
+# collective); job: the default, job-wide statistics (one collective per step).
+ARMS = ["plain", "rank", "job"]
 WIDTH = 256
 DEPTH = 8
 BATCH = 64
@@ -75,7 +83,7 @@ def build(kind: str) -> nn.Module:
     return model
 
 
-def run(model: nn.Module, watched: bool, steps: int) -> "tuple[float, int]":
+def run(model: nn.Module, arm: str, steps: int) -> "tuple[float, float, int]":
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     criterion = nn.CrossEntropyLoss()
     g = torch.Generator().manual_seed(dist.get_rank())
@@ -88,15 +96,19 @@ def run(model: nn.Module, watched: bool, steps: int) -> "tuple[float, int]":
             opt.step()
 
     # Entering the block (hooks, our process group) is once per run: outside the timing.
-    dbg = NeuralDbg(model, criterion=criterion) if watched else contextlib.nullcontext()
+    if arm == "plain":
+        dbg: Any = contextlib.nullcontext()
+    else:
+        dbg = NeuralDbg(model, criterion=criterion, distributed="auto" if arm == "job" else "off")
     with dbg:
         dist.barrier()
         with Count() as c:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             loop()
+            c1 = time.thread_time()
             dist.barrier()
             dt = time.perf_counter() - t0
-    return dt / steps, c.n - 1  # the closing barrier is ours, not the loop's
+    return dt / steps, (c1 - c0) / steps, c.n - 1  # the closing barrier is ours, not the loop's
 
 
 def main() -> None:
@@ -105,22 +117,28 @@ def main() -> None:
     rank = dist.get_rank()
     for kind in ("ddp", "fsdp2"):
         model = build(kind)
-        run(model, False, 5)  # warm-up
-        run(model, True, 5)
-        plain: List[float] = []
-        watched: List[float] = []
-        counts = {False: 0, True: 0}
-        for _ in range(ROUNDS):
-            for w in (False, True):
-                dt, n = run(model, w, STEPS)
-                (watched if w else plain).append(dt)
-                counts[w] = n
+        for arm in ARMS:  # warm-up
+            run(model, arm, 5)
+        wall: Dict[str, List[float]] = {a: [] for a in ARMS}
+        cpu: Dict[str, List[float]] = {a: [] for a in ARMS}
+        counts = {a: 0 for a in ARMS}
+        for i in range(ROUNDS):
+            for arm in ARMS[i % 3 :] + ARMS[: i % 3]:  # rotating order
+                dt, ct, n = run(model, arm, STEPS)
+                wall[arm].append(dt)
+                cpu[arm].append(ct)
+                counts[arm] = n
         if rank == 0:
-            p, m = statistics.median(plain), statistics.median(watched)
+            c = {a: statistics.median(cpu[a]) for a in ARMS}
+            w = {a: statistics.median(wall[a]) for a in ARMS}
             print(
-                f"{kind:6s} {dist.get_world_size()} ranks, {DEPTH} x Linear({WIDTH}), batch {BATCH}/rank: "
-                f"plain {p * 1e3:.2f} ms/step, watched {m * 1e3:.2f} ms/step, x{m / p:.3f}; "
-                f"collectives/step plain {counts[False] / STEPS:.2f}, watched {counts[True] / STEPS:.2f}",
+                f"{kind:6s} {dist.get_world_size()} ranks, {DEPTH} x Linear({WIDTH}), batch {BATCH}/rank\n"
+                f"  thread CPU ms/step: plain {c['plain'] * 1e3:.2f}, per-rank {c['rank'] * 1e3:.2f} "
+                f"(x{c['rank'] / c['plain']:.3f}), job-wide {c['job'] * 1e3:.2f} (x{c['job'] / c['plain']:.3f})\n"
+                f"  wall ms/step:       plain {w['plain'] * 1e3:.2f}, per-rank {w['rank'] * 1e3:.2f} "
+                f"(x{w['rank'] / w['plain']:.3f}), job-wide {w['job'] * 1e3:.2f} (x{w['job'] / w['plain']:.3f})\n"
+                f"  collectives/step:   plain {counts['plain'] / STEPS:.2f}, per-rank {counts['rank'] / STEPS:.2f}, "
+                f"job-wide {counts['job'] / STEPS:.2f}",
                 flush=True,
             )
     dist.destroy_process_group()

@@ -140,6 +140,8 @@ class Distributed:
         self.replicated = np.zeros(0, dtype=bool)
         self.layout: Optional[Layout] = None
         self._device: Any = None  # where our vectors live (NCCL: the GPU)
+        # Device index tensors of recent layouts (the norm plans' order arrays are reused objects).
+        self._index: Dict[Any, Any] = {}
         self.collectives = 0  # issued by us (tests and `make bench` count them)
 
     def bind(self, params: Sequence[Any], model: Any) -> None:
@@ -181,7 +183,11 @@ class Distributed:
 
     def receive(self, ex: "Exchange", layout: Any) -> "JobStep":
         """The job-wide step of an exchange (waits for it if it is still in flight)."""
-        job = JobStep(self.combine(self.wait(ex)), layout.weight_order is not None, self.rank)
+        job = JobStep(
+            self.combine(self.wait(ex), layout.weight_order is not None),
+            layout.weight_order is not None,
+            self.rank,
+        )
         if job.origin is not None:
             layout.origin, layout.checked = job.origin, True
         elif job.checked:
@@ -221,33 +227,45 @@ class Distributed:
         )
         if act_samples is not None:
             base[lay.acts + 4 : lay.inputs : 5] = act_samples
+        k_g = 0 if grad_order is None else grad_order.size
+        k_w = 0 if weight_order is None else weight_order.size
+        n_norms = k_g + k_w
+        # Norms -> sums of squares, in one op; activation cells and the loss as they are.
         parts: List[Any] = []
-        index: List[np.ndarray] = []
-        off = 0
-        for order, at in ((grad_order, lay.grads), (weight_order, lay.weights)):
-            if order is not None and order.size:
-                k = order.size
-                parts.append(flat[off : off + k].double().square().float())
-                index.append(at + order)
-                off += k
-        if act_index is not None and n_act:
-            parts.append(flat[off : off + n_act])
-            index.append(lay.acts + act_index)
-            off += n_act
-        if has_loss:
-            parts.append(flat[off : off + 1])
-            index.append(np.array([lay.header + 1]))
-            off += 1
-        if n_inputs:
-            rows = flat[off : off + 4 * n_inputs].reshape(n_inputs, 4)
+        if n_norms:
+            parts.append(flat[:n_norms].square())
+        rest = n_norms + (n_act if act_index is not None else 0) + int(has_loss)
+        if rest > n_norms:
+            parts.append(flat[n_norms:rest])
+        if n_inputs == 1:
+            parts.append(flat[rest : rest + 4])
+        elif n_inputs:
+            rows = flat[rest : rest + 4 * n_inputs].reshape(n_inputs, 4)
             parts.append(
                 torch.stack((rows[:, 0].min(), rows[:, 1].max(), rows[:, 2].mean(), rows[:, 3].max()))
             )
-            index.append(np.arange(lay.inputs, lay.inputs + 4))
         vec = _to_device(torch, base, device)
         if parts:
-            idx = _to_device(torch, np.concatenate(index).astype(np.int64), device)
-            vec.index_copy_(0, idx, torch.cat([p.reshape(-1).to(torch.float32) for p in parts]))
+            key = (id(grad_order), k_g, id(weight_order), k_w, id(act_index), n_act, has_loss, n_inputs > 0, device)
+            idx = self._index.get(key)
+            if idx is None:
+                index: List[np.ndarray] = []
+                if grad_order is not None and k_g:
+                    index.append(lay.grads + grad_order)
+                if weight_order is not None and k_w:
+                    index.append(lay.weights + weight_order)
+                if act_index is not None and n_act:
+                    index.append(lay.acts + act_index)
+                if has_loss:
+                    index.append(np.array([lay.header + 1]))
+                if n_inputs:
+                    index.append(np.arange(lay.inputs, lay.inputs + 4))
+                idx = _to_device(torch, np.concatenate(index).astype(np.int64), device)
+                if len(self._index) > 16:
+                    self._index.clear()
+                self._index[key] = idx
+            src = torch.cat(parts) if len(parts) > 1 else parts[0]
+            vec.index_copy_(0, idx, src.to(torch.float32))
         return vec
 
     def abandon(self, error: BaseException) -> None:
@@ -312,8 +330,9 @@ class Distributed:
 
     # ----------------------------------------------------------------- job-wide step
 
-    def combine(self, g: np.ndarray) -> Dict[str, Any]:
-        """The job's step from every rank's vector (``g``: ``(world, K)``)."""
+    def combine(self, g: np.ndarray, with_weights: bool = True) -> Dict[str, Any]:
+        """The job's step from every rank's vector (``g``: ``(world, K)``); ``with_weights``:
+        the step measured parameter norms."""
         lay = self.layout
         assert lay is not None
         world = self.world
@@ -335,7 +354,7 @@ class Distributed:
         weights = g64[:, lay.weights : lay.weights + lay.n_params]
         g_norms = norms(grads)
         out["grad_norms"] = g_norms if g_norms is not None else np.full(lay.n_params, -1.0, dtype=np.float32)
-        out["weight_norms"] = norms(weights)
+        out["weight_norms"] = norms(weights) if with_weights else None
 
         if lay.n_probes:
             acts = g64[:, lay.acts : lay.inputs].reshape(world, lay.n_probes, 5)
@@ -377,11 +396,11 @@ class Distributed:
         if self.replicated.any():
             out["spreads"] = {
                 "grad": _spread(grads, self.replicated),
-                "weight": _spread(weights, self.replicated),
+                "weight": _spread(weights, self.replicated) if with_weights else None,
             }
             out["rank_sumsq"] = {
                 "grad": _rank_totals(grads, self.replicated),
-                "weight": _rank_totals(weights, self.replicated),
+                "weight": _rank_totals(weights, self.replicated) if with_weights else None,
             }
         return out
 
