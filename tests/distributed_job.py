@@ -201,6 +201,25 @@ def norms(kind: str, rank: int, world: int, out: str) -> Dict[str, Any]:
     }
 
 
+def fsdp_rank(rank: int, world: int, out: str) -> Dict[str, Any]:
+    """FSDP2 watched per rank (``distributed="off"``): each rank's numbers are its own shards'."""
+    model = wrap("fsdp", mlp(), world)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dbg = train(model, 3, rank, world, distributed="off")
+    names = [n for n, m in model.named_modules() if list(m.parameters(recurse=False))]
+    shard = {
+        n: float(torch.sqrt(sum((p.grad._local_tensor.double() ** 2).sum() for p in m.parameters(recurse=False))))
+        for n, m in model.named_modules() if n in names
+    }
+    return {
+        "steps": dbg.step,
+        "warnings": [str(w.message) for w in caught if issubclass(w.category, NeuralDbgWarning)],
+        "shard": shard,
+        "last": {n: float(dbg.history(n, "grad_norm")[1][-1]) for n in names},
+    }
+
+
 def nan_batch(rank: int, world: int, out: str) -> Dict[str, Any]:
     """A NaN batch on the last rank at step 5 of a DDP job."""
     bad_rank, bad_step = world - 1, 5
@@ -350,6 +369,7 @@ SCENARIOS: Dict[str, Callable[[int, int, str], Dict[str, Any]]] = {
     "fsdp_keep": lambda r, w, o: norms("fsdp_keep", r, w, o),
     "fsdp_bf16": lambda r, w, o: norms("fsdp_bf16", r, w, o),
     "hsdp": lambda r, w, o: norms("hsdp", r, w, o),
+    "fsdp_rank": fsdp_rank,
     "nan_batch": nan_batch,
     "nan_forward": nan_forward,
     "lr_explosion": lr_explosion,

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 JOBS = {
-    2: ["ddp", "fsdp", "fsdp_keep", "fsdp_bf16", "nan_batch", "nan_forward", "lr_explosion", "fails_locally", "raises"],
+    2: ["ddp", "fsdp", "fsdp_keep", "fsdp_bf16", "fsdp_rank", "nan_batch", "nan_forward", "lr_explosion", "fails_locally", "raises"],
     4: ["hsdp", "fsdp", "diverged", "nan_batch"],
 }
 
@@ -80,6 +80,17 @@ def test_layer_norms_are_the_single_process_norms(job: Dict[str, Any], kind: str
             assert _close(d["loss"][str(step)], r["loss"], max(rtol, 1e-6))
         # Under sharding a layer's local norm is off by about sqrt(world): the check above
         # would fail on per-shard numbers.
+
+
+def test_fsdp_watched_per_rank_sees_its_own_shards(job: Dict[str, Any]) -> None:
+    """``distributed="off"`` under FSDP2: no crash, every step observed, and each rank's layer
+    norms are those of its local shards (plain torch on ``_local_tensor``)."""
+    if "fsdp_rank" not in job["results"]:
+        pytest.skip("runs in the 2-process job")
+    for d in job["results"]["fsdp_rank"]:
+        assert d["steps"] == 3 and d["warnings"] == []
+        for layer, want in d["shard"].items():
+            assert _close(d["last"][layer], want, 1e-5), (layer, d["last"][layer], want)
 
 
 @pytest.mark.parametrize("kind", ["ddp", "fsdp", "hsdp"])

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from ._distributed import has_shards, local_tensors
 from ._hooks import Hooks, reaches
 from ._measure import Measurer, Probe, first_float_tensor, input_stats
 from ._model import WatchedModel
@@ -86,6 +87,7 @@ class Collector:
         self.measure = Measurer()
         # Under torch.distributed: the job-wide exchange (neuraldbg._distributed.Distributed).
         self.dist = distributed
+        self.sharded = has_shards(self.params)
         if distributed is not None:
             distributed.bind(self.params, model)
 
@@ -365,8 +367,8 @@ class Collector:
         with torch.no_grad():
             grads = [p.grad for p in self.params]
             weights = self.params
-            if self.dist is not None:  # each rank measures what it holds: DTensors' local shards
-                grads, weights = self.dist.local(grads), self.dist.local(weights)
+            if self.sharded:  # each rank measures what it holds: DTensors' local shards
+                grads, weights = local_tensors(grads), local_tensors(weights)
             layout.grad_order = self.measure.gradient_norms(grads, parts)
             if self.params and self._sampled(self.weight_every):
                 layout.weight_order = self.measure.weight_norms(weights, parts)

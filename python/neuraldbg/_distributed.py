@@ -71,6 +71,17 @@ def _local(t: Any) -> Any:
     return t if inner is None else inner
 
 
+def has_shards(params: Sequence[Any]) -> bool:
+    """Whether some parameter is a DTensor (FSDP2, HSDP, tensor parallel)."""
+    return any(getattr(p, "_local_tensor", None) is not None for p in params)
+
+
+def local_tensors(tensors: Sequence[Any]) -> List[Any]:
+    """What this rank holds of each tensor (None stays None). Measuring DTensors through their
+    own operations would run a collective per tensor (or fail mixed with plain tensors)."""
+    return [None if t is None else _local(t) for t in tensors]
+
+
 def _replicas(t: Any, world: int) -> float:
     """How many ranks hold the same values of ``t``: for a DTensor, the product of the sizes of
     the mesh dimensions it is not sharded on (they hold replicas); for a plain tensor every
@@ -135,7 +146,6 @@ class Distributed:
         # disagree about ours (one stopped observing) can never shift the job's own collectives.
         # Creating it is a collective over every rank: each rank enters its `with NeuralDbg`.
         self.group: Any = dist.new_group(backend=self.backend, timeout=self.timeout)
-        self.sharded = False
         self.scale = np.zeros(0)
         self.replicated = np.zeros(0, dtype=bool)
         self.layout: Optional[Layout] = None
@@ -147,7 +157,6 @@ class Distributed:
     def bind(self, params: Sequence[Any], model: Any) -> None:
         """The watched parameters (in the engine's order) and the model that holds them."""
         torch = self.torch
-        self.sharded = any(getattr(p, "_local_tensor", None) is not None for p in params)
         # 1 / (ranks holding the same values) per parameter: summing a parameter's entries over
         # the ranks then counts each distinct value once.
         self.scale = np.array([1.0 / _replicas(p, self.world) for p in params], dtype=np.float64)
@@ -159,12 +168,6 @@ class Distributed:
 
     def setup(self, n_params: int, n_probes: int) -> None:
         self.layout = Layout(n_params, n_probes)
-
-    def local(self, tensors: Sequence[Any]) -> List[Any]:
-        """What this rank holds of each tensor (None stays None)."""
-        if not self.sharded:
-            return list(tensors)
-        return [None if t is None else _local(t) for t in tensors]
 
     def exchange(self, layout: Any, flat: Any) -> "Exchange":
         """Packs this rank's step (the collector's :class:`~._transfer.Layout` and flat vector
