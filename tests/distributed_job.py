@@ -29,6 +29,10 @@ import torch.nn as nn
 from neuraldbg import NeuralDbg, NeuralDbgWarning
 
 GLOBAL_BATCH = 8
+# The job's backend: gloo on CPU (default), or NEURALDBG_TEST_BACKEND=nccl on a GPU machine,
+# which runs every scenario with the model, the batches and our collective on the GPUs.
+BACKEND = os.environ.get("NEURALDBG_TEST_BACKEND", "gloo")
+DEVICE = torch.device("cpu")
 
 
 def mlp(seed: int = 0) -> nn.Module:
@@ -46,7 +50,7 @@ def global_batch(step: int) -> "tuple[torch.Tensor, torch.Tensor]":
 def local_batch(step: int, rank: int, world: int) -> "tuple[torch.Tensor, torch.Tensor]":
     x, y = global_batch(step)
     n = GLOBAL_BATCH // world
-    return x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n]
+    return x[rank * n : (rank + 1) * n].to(DEVICE), y[rank * n : (rank + 1) * n].to(DEVICE)
 
 
 def layer_norms(model: nn.Module, attr: str) -> Dict[str, float]:
@@ -121,15 +125,16 @@ class Counter:
 
 
 def wrap(kind: str, model: nn.Module, world: int) -> nn.Module:
+    model = model.to(DEVICE)
     if kind == "ddp":
         return nn.parallel.DistributedDataParallel(model)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if kind == "hsdp":
-        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        mesh = init_device_mesh(DEVICE.type, (2, world // 2), mesh_dim_names=("replicate", "shard"))
     else:
-        mesh = init_device_mesh("cpu", (world,))
+        mesh = init_device_mesh(DEVICE.type, (world,))
     reshard = kind != "fsdp_keep"
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if kind == "fsdp_bf16" else MixedPrecisionPolicy()
     for i in (0, 2, 4):
@@ -252,7 +257,7 @@ def nan_forward(rank: int, world: int, out: str) -> Dict[str, Any]:
     bad_rank, bad_step = world - 1, 4
     torch.manual_seed(0)
     model = nn.parallel.DistributedDataParallel(
-        nn.Sequential(nn.Linear(6, 16), Div(), nn.Tanh(), nn.Linear(16, 3))
+        nn.Sequential(nn.Linear(6, 16), Div(), nn.Tanh(), nn.Linear(16, 3)).to(DEVICE)
     )
 
     def plan(step: int, x: torch.Tensor, m: nn.Module, opt: Any) -> torch.Tensor:
@@ -336,7 +341,7 @@ def raises(rank: int, world: int, out: str) -> Dict[str, Any]:
     must finish their loop within bounded time, monitoring turned off with a warning."""
     bad_rank = world - 1
     t0 = time.monotonic()
-    model = mlp()  # independent replicas: only our collective links the ranks
+    model = mlp().to(DEVICE)  # independent replicas: only our collective links the ranks
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     error = None
     loop_steps = 0
@@ -381,7 +386,11 @@ SCENARIOS: Dict[str, Callable[[int, int, str], Dict[str, Any]]] = {
 
 def main() -> None:
     out, names = sys.argv[1], sys.argv[2:]
-    dist.init_process_group("gloo")
+    global DEVICE
+    if BACKEND == "nccl":
+        DEVICE = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(DEVICE)
+    dist.init_process_group(BACKEND)
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
     for name in names:

@@ -1,4 +1,5 @@
-"""Distributed training (gloo on CPU, launched with torchrun as users launch their jobs): exact
+"""Distributed training (gloo on CPU by default, NEURALDBG_TEST_BACKEND=nccl for the same jobs on
+GPUs; launched with torchrun as users launch their jobs): exact
 job-wide per-layer norms under DDP, FSDP2 and a 2-D mesh (HSDP), one extra collective per step,
 per-rank signals named with their rank, a diverged replica, the same diagnosis as one process,
 and a rank that raises without leaving the others blocked.
@@ -19,9 +20,16 @@ from typing import Any, Dict, List
 
 import pytest
 
-pytestmark = pytest.mark.skipif(
-    not __import__("torch").distributed.is_available(), reason="torch built without distributed"
-)
+_torch = __import__("torch")
+# NEURALDBG_TEST_BACKEND=nccl runs the same jobs on GPUs (one per process).
+_BACKEND = os.environ.get("NEURALDBG_TEST_BACKEND", "gloo")
+pytestmark = [
+    pytest.mark.skipif(not _torch.distributed.is_available(), reason="torch built without distributed"),
+    pytest.mark.skipif(
+        _BACKEND == "nccl" and _torch.cuda.device_count() < 4,
+        reason="NEURALDBG_TEST_BACKEND=nccl needs 4 GPUs",
+    ),
+]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 JOBS = {
@@ -133,6 +141,8 @@ def test_nan_batch_is_named_with_its_rank_and_step(job: Dict[str, Any]) -> None:
 def test_nan_made_by_a_module_names_the_module_and_the_rank(job: Dict[str, Any]) -> None:
     if "nan_forward" not in job["results"]:
         pytest.skip("runs in the 2-process job")
+    if _BACKEND == "nccl":
+        pytest.xfail("on CUDA each rank finds a forward NaN's origin in its own outputs only (docs)")
     for d in job["results"]["nan_forward"]:
         top = d["hypotheses"][0]
         assert (top["failure"], top["cause"], top["layer"], top["step"]) == (
