@@ -48,9 +48,7 @@ def _run_job(world: int, out: str) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["2proc", "4proc"])
-def job(request: Any, tmp_path_factory: Any) -> Dict[str, Any]:
-    world = request.param
+def _job(world: int, tmp_path_factory: Any) -> Dict[str, Any]:
     out = str(tmp_path_factory.mktemp(f"job{world}"))
     _run_job(world, out)
     results: Dict[str, List[Dict[str, Any]]] = {}
@@ -65,17 +63,39 @@ def job(request: Any, tmp_path_factory: Any) -> Dict[str, Any]:
     return {"world": world, "out": out, "results": results}
 
 
+@pytest.fixture(scope="module")
+def job2(tmp_path_factory: Any) -> Dict[str, Any]:
+    return _job(2, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def job4(tmp_path_factory: Any) -> Dict[str, Any]:
+    return _job(4, tmp_path_factory)
+
+
+@pytest.fixture(params=[2, 4], ids=["2proc", "4proc"])
+def job(request: Any) -> Dict[str, Any]:
+    """Scenarios both jobs run (the 2- and the 4-process one)."""
+    return request.getfixturevalue(f"job{request.param}")
+
+
+def _in(world: int, kind: str) -> Any:
+    return pytest.param(world, kind, id=f"{world}proc-{kind}")
+
+
 def _close(a: float, b: float, rtol: float) -> bool:
     return math.isclose(a, b, rel_tol=rtol, abs_tol=1e-7)
 
 
-@pytest.mark.parametrize("kind", ["ddp", "fsdp", "fsdp_keep", "fsdp_bf16", "hsdp"])
-def test_layer_norms_are_the_single_process_norms(job: Dict[str, Any], kind: str) -> None:
+@pytest.mark.parametrize(
+    "world,kind",
+    [_in(2, "ddp"), _in(2, "fsdp"), _in(2, "fsdp_keep"), _in(2, "fsdp_bf16"), _in(4, "fsdp"), _in(4, "hsdp")],
+)
+def test_layer_norms_are_the_single_process_norms(request: Any, world: int, kind: str) -> None:
     """Every rank's history holds, at every step, each layer's gradient and parameter norm of
     the single-process run on the global batch (bf16 compute: to bf16 tolerance), and the
     loss is the global batch's loss."""
-    if kind not in job["results"]:
-        pytest.skip(f"{kind} runs in the other job")
+    job = request.getfixturevalue(f"job{world}")
     rtol = 2e-2 if kind == "fsdp_bf16" else 1e-5
     for d in job["results"][kind]:
         ref = d["reference"]
@@ -90,22 +110,19 @@ def test_layer_norms_are_the_single_process_norms(job: Dict[str, Any], kind: str
         # would fail on per-shard numbers.
 
 
-def test_fsdp_watched_per_rank_sees_its_own_shards(job: Dict[str, Any]) -> None:
+def test_fsdp_watched_per_rank_sees_its_own_shards(job2: Dict[str, Any]) -> None:
     """``distributed="off"`` under FSDP2: no crash, every step observed, and each rank's layer
     norms are those of its local shards (plain torch on ``_local_tensor``)."""
-    if "fsdp_rank" not in job["results"]:
-        pytest.skip("runs in the 2-process job")
-    for d in job["results"]["fsdp_rank"]:
+    for d in job2["results"]["fsdp_rank"]:
         assert d["steps"] == 3 and d["warnings"] == []
         for layer, want in d["shard"].items():
             assert _close(d["last"][layer], want, 1e-5), (layer, d["last"][layer], want)
 
 
-@pytest.mark.parametrize("kind", ["ddp", "fsdp", "hsdp"])
-def test_one_extra_collective_per_step(job: Dict[str, Any], kind: str) -> None:
+@pytest.mark.parametrize("world,kind", [_in(2, "ddp"), _in(2, "fsdp"), _in(4, "fsdp"), _in(4, "hsdp")])
+def test_one_extra_collective_per_step(request: Any, world: int, kind: str) -> None:
     """Collectives issued through torch.distributed, watched minus unwatched, per step."""
-    if kind not in job["results"]:
-        pytest.skip(f"{kind} runs in the other job")
+    job = request.getfixturevalue(f"job{world}")
     for d in job["results"][kind]:
         assert d["collectives_watched"] - d["collectives_unwatched"] == d["steps"]
 
@@ -138,12 +155,10 @@ def test_nan_batch_is_named_with_its_rank_and_step(job: Dict[str, Any]) -> None:
         assert nonfinite and nonfinite[0]["cause"] == "bad_input_data"
 
 
-def test_nan_made_by_a_module_names_the_module_and_the_rank(job: Dict[str, Any]) -> None:
-    if "nan_forward" not in job["results"]:
-        pytest.skip("runs in the 2-process job")
+def test_nan_made_by_a_module_names_the_module_and_the_rank(job2: Dict[str, Any]) -> None:
     if _BACKEND == "nccl":
         pytest.xfail("on CUDA each rank finds a forward NaN's origin in its own outputs only (docs)")
-    for d in job["results"]["nan_forward"]:
+    for d in job2["results"]["nan_forward"]:
         top = d["hypotheses"][0]
         assert (top["failure"], top["cause"], top["layer"], top["step"]) == (
             "non_finite", "numerical_instability", "module.1", d["bad_step"]
@@ -153,20 +168,16 @@ def test_nan_made_by_a_module_names_the_module_and_the_rank(job: Dict[str, Any])
         assert origin and origin[0]["rank"] == d["bad_rank"]
 
 
-def test_learning_rate_explosion_diagnosed_as_in_one_process(job: Dict[str, Any]) -> None:
-    if "lr_explosion" not in job["results"]:
-        pytest.skip("runs in the 2-process job")
-    for d in job["results"]["lr_explosion"]:
+def test_learning_rate_explosion_diagnosed_as_in_one_process(job2: Dict[str, Any]) -> None:
+    for d in job2["results"]["lr_explosion"]:
         job_top = [(h["failure"], h["cause"], h["layer"].removeprefix("module.") if h["layer"] else None, h["step"]) for h in d["job"][:3]]
         single_top = [(h["failure"], h["cause"], h["layer"], h["step"]) for h in d["single"][:3]]
         assert job_top == single_top
         assert job_top[0][:2] == ("exploding_gradients", "learning_rate_too_high")
 
 
-def test_diverged_replica_is_a_failure_of_its_own(job: Dict[str, Any]) -> None:
-    if "diverged" not in job["results"]:
-        pytest.skip("runs in the 4-process job")
-    for d in job["results"]["diverged"]:
+def test_diverged_replica_is_a_failure_of_its_own(job4: Dict[str, Any]) -> None:
+    for d in job4["results"]["diverged"]:
         top = d["hypotheses"][0]
         assert top["failure"] == "replica_divergence"
         assert top["step"] == d["bad_step"]
@@ -174,10 +185,8 @@ def test_diverged_replica_is_a_failure_of_its_own(job: Dict[str, Any]) -> None:
         assert top["evidence"][0]["rank"] == d["bad_rank"]
 
 
-def test_a_rank_that_raises_leaves_no_one_blocked(job: Dict[str, Any]) -> None:
-    if "raises" not in job["results"]:
-        pytest.skip("runs in the 2-process job")
-    for r, d in enumerate(job["results"]["raises"]):
+def test_a_rank_that_raises_leaves_no_one_blocked(job2: Dict[str, Any]) -> None:
+    for r, d in enumerate(job2["results"]["raises"]):
         if r == d["bad_rank"]:
             assert d["error"] == "KeyError('planted')"
             assert d["loop_steps"] == 3
@@ -187,13 +196,11 @@ def test_a_rank_that_raises_leaves_no_one_blocked(job: Dict[str, Any]) -> None:
             assert any("stopped observing" in w for w in d["warnings"]), d["warnings"]
 
 
-def test_an_error_in_our_path_stops_every_rank_at_once(job: Dict[str, Any]) -> None:
+def test_an_error_in_our_path_stops_every_rank_at_once(job2: Dict[str, Any]) -> None:
     """One rank's collection breaks: every rank warns and stops observing (the others told by
     that rank's last collective, well within the 60 s timeout), and every loop runs to its
     end."""
-    if "fails_locally" not in job["results"]:
-        pytest.skip("runs in the 2-process job")
-    for r, d in enumerate(job["results"]["fails_locally"]):
+    for r, d in enumerate(job2["results"]["fails_locally"]):
         assert d["loop_steps"] == 8
         assert d["seconds"] < 30
         assert len(d["warnings"]) == 1 and "stopped observing" in d["warnings"][0]
