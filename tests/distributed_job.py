@@ -67,8 +67,8 @@ def layer_norms(model: nn.Module, attr: str) -> Dict[str, float]:
 
 
 def reference(steps: int, lr: float) -> List[Dict[str, Any]]:
-    """The single-process run on the global batch: per step, layer gradient norms (before the
-    update), layer parameter norms (before the update) and the loss."""
+    """The single-process run on the global batch: per step, layer gradient norms (as the
+    backward pass produced them), layer parameter norms (after the update) and the loss."""
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     out = []
@@ -77,10 +77,10 @@ def reference(steps: int, lr: float) -> List[Dict[str, Any]]:
         opt.zero_grad()
         loss = nn.functional.mse_loss(model(x), y)
         loss.backward()
-        out.append(
-            {"grad": layer_norms(model, "grad"), "weight": layer_norms(model, "data"), "loss": float(loss)}
-        )
+        grad = layer_norms(model, "grad")
         opt.step()
+        # Parameter norms are read at the step boundary, after the update.
+        out.append({"grad": grad, "weight": layer_norms(model, "data"), "loss": float(loss.detach())})
     return out
 
 

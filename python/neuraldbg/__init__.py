@@ -13,6 +13,7 @@ from .errors import (
     ModelError,
     NeuralDbgError,
     NeuralDbgWarning,
+    TrainingFailure,
     UnknownNameError,
 )
 from .types import (
@@ -51,6 +52,7 @@ __all__ = [
     "ModelError",
     "EngineError",
     "UnknownNameError",
+    "TrainingFailure",
     "NeuralDbgWarning",
     "__version__",
 ]

@@ -44,8 +44,9 @@ import numpy as np
 from .errors import NeuralDbgWarning
 
 # Header of each rank's vector: has_loss, loss, origin module (-1: none), outputs checked,
-# number of forward passes in the step, stop (this rank stopped observing).
-_HEADER = 6
+# number of forward passes in the step, stop (this rank stopped observing), the clipped
+# gradient norm of the collector's clip probe (NaN: none), the loss scale (NaN: none).
+_HEADER = 8
 
 
 class CollectiveError(RuntimeError):
@@ -152,6 +153,7 @@ class Distributed:
         self._device: Any = None  # where our vectors live (NCCL: the GPU)
         # Device index tensors of recent layouts (the norm plans' order arrays are reused objects).
         self._index: Dict[Any, Any] = {}
+        self.clip_index: Optional[int] = None  # the collector's clip probe (a parameter)
         self.collectives = 0  # issued by us (tests and `make bench` count them)
 
     def bind(self, params: Sequence[Any], model: Any) -> None:
@@ -179,6 +181,8 @@ class Distributed:
         vec = self.pack(
             flat, layout.grad_order, layout.weight_order, layout.act_index, layout.act_samples,
             layout.n_act, layout.loss, layout.n_inputs, layout.origin, layout.checked, device,
+            clip=getattr(layout, "clip_index", None) is not None,
+            loss_scale=bool(getattr(layout, "loss_scale", False)),
         )
         if vec.device.type == "cuda":  # pragma: no cover - needs a GPU
             return self.start_device(vec)
@@ -186,10 +190,12 @@ class Distributed:
 
     def receive(self, ex: "Exchange", layout: Any) -> "JobStep":
         """The job-wide step of an exchange (waits for it if it is still in flight)."""
+        self.clip_index = getattr(layout, "clip_index", None)
         job = JobStep(
             self.combine(self.wait(ex), layout.weight_order is not None),
             layout.weight_order is not None,
             self.rank,
+            getattr(layout, "skipped", None),
         )
         if job.origin is not None:
             layout.origin, layout.checked = job.origin, True
@@ -212,6 +218,8 @@ class Distributed:
         origin: Optional[int],
         checked: bool,
         device: Any,
+        clip: bool = False,
+        loss_scale: bool = False,
     ) -> Any:
         """This rank's fixed-layout vector, on ``device``, from the collector's flat vector of
         local norms (grads, weights, activation cells, loss, input rows, in that order).
@@ -226,7 +234,7 @@ class Distributed:
         base[: lay.acts] = -1.0  # sums of squares: -1 is "no value on this rank"
         base[lay.header : lay.header + _HEADER] = (
             float(has_loss), math.nan, -1.0 if origin is None else float(origin), float(checked),
-            float(n_inputs), 0.0,
+            float(n_inputs), 0.0, math.nan, math.nan,
         )
         if act_samples is not None:
             base[lay.acts + 4 : lay.inputs : 5] = act_samples
@@ -247,9 +255,14 @@ class Distributed:
             parts.append(
                 torch.stack((rows[:, 0].min(), rows[:, 1].max(), rows[:, 2].mean(), rows[:, 3].max()))
             )
+        tail = rest + 4 * n_inputs
+        n_tail = int(clip) + int(loss_scale)
+        if n_tail:  # the clip probe's norm after clipping, the loss scale: as they are
+            parts.append(flat[tail : tail + n_tail])
         vec = _to_device(torch, base, device)
         if parts:
-            key = (id(grad_order), k_g, id(weight_order), k_w, id(act_index), n_act, has_loss, n_inputs > 0, device)
+            key = (id(grad_order), k_g, id(weight_order), k_w, id(act_index), n_act, has_loss, n_inputs > 0,
+                   clip, loss_scale, device)
             idx = self._index.get(key)
             if idx is None:
                 index: List[np.ndarray] = []
@@ -263,6 +276,10 @@ class Distributed:
                     index.append(np.array([lay.header + 1]))
                 if n_inputs:
                     index.append(np.arange(lay.inputs, lay.inputs + 4))
+                if clip:
+                    index.append(np.array([lay.header + 6]))
+                if loss_scale:
+                    index.append(np.array([lay.header + 7]))
                 idx = _to_device(torch, np.concatenate(index).astype(np.int64), device)
                 if len(self._index) > 16:
                     self._index.clear()
@@ -388,6 +405,16 @@ class Distributed:
         if with_input.any():
             out["inputs"] = np.ascontiguousarray(rows[with_input].astype(np.float32).reshape(-1))
             out["input_rank"] = np.flatnonzero(with_input).astype(np.float32)
+        after = head[:, 6]
+        if self.clip_index is not None and not np.isnan(after).all():
+            p = self.clip_index
+            before = float(out["grad_norms"][p])
+            clipped = math.sqrt(float(np.nansum(after * after)) * self.scale[p])
+            if before > 0.0 and math.isfinite(before) and math.isfinite(clipped):
+                out["clip_ratio"] = clipped / before
+        scales = head[:, 7]
+        if not np.isnan(scales).all():
+            out["loss_scale"] = float(np.nanmax(scales))
         origins = head[:, 2]
         found = np.flatnonzero(origins >= 0)
         out["checked"] = bool((head[:, 3] > 0.5).any())
@@ -435,9 +462,9 @@ class JobStep:
     """A job-wide step as the collector feeds it to the engine (the fields of
     :class:`~._transfer.Unpacked`, plus the per-rank facts and measures in ``extra``)."""
 
-    __slots__ = ("grad_norms", "weight_norms", "activations", "loss", "inputs", "origin", "checked", "extra")
+    __slots__ = ("grad_norms", "weight_norms", "activations", "loss", "inputs", "origin", "checked", "facts", "extra")
 
-    def __init__(self, job: Dict[str, Any], weights: bool, rank: int) -> None:
+    def __init__(self, job: Dict[str, Any], weights: bool, rank: int, skipped: Optional[bool] = None) -> None:
         self.grad_norms: np.ndarray = job["grad_norms"]
         self.weight_norms: Optional[np.ndarray] = job["weight_norms"] if weights else None
         self.activations: Optional[np.ndarray] = job.get("activations")
@@ -446,7 +473,10 @@ class JobStep:
         self.origin: Optional[int] = job.get("nonfinite_module")
         self.checked = bool(job.get("checked"))
         facts, measures = facts_and_measures(job, rank)
-        self.extra: Dict[str, Any] = {"facts": facts, "measures": measures}
+        if skipped is not None:
+            facts["optimizer_skipped"] = 1.0 if skipped else 0.0
+        self.facts: Dict[str, float] = facts
+        self.extra: Dict[str, Any] = {"measures": measures}
 
 
 def facts_and_measures(job: Dict[str, Any], rank: int) -> Tuple[Dict[str, float], Dict[str, np.ndarray]]:
@@ -454,6 +484,9 @@ def facts_and_measures(job: Dict[str, Any], rank: int) -> Tuple[Dict[str, float]
     facts: Dict[str, float] = {"world_size": float(job["world_size"]), "rank": float(rank)}
     if "nonfinite_rank" in job:
         facts["nonfinite_rank"] = float(job["nonfinite_rank"])
+    for name in ("clip_ratio", "loss_scale"):  # this rank's loop, made job-wide
+        if name in job:
+            facts[name] = float(job[name])
     measures: Dict[str, np.ndarray] = {}
     if "input_rank" in job:
         measures["input_rank"] = job["input_rank"]

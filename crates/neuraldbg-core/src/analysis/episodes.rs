@@ -345,9 +345,10 @@ fn locate_root(
                 .min_by_key(|&i| (module_of(&events[i]), events[i].step));
             (i, i.and_then(|i| module_of(&events[i])))
         }
-        Failure::DataAnomaly | Failure::LossDivergence | Failure::LossPlateau => {
-            (at_onset.first().copied(), None)
-        }
+        Failure::DataAnomaly
+        | Failure::LossDivergence
+        | Failure::LossPlateau
+        | Failure::LossScaleCollapse => (at_onset.first().copied(), None),
         // The first parameter (forward order) found to differ across replicas.
         Failure::ReplicaDivergence => {
             let i = at_onset.first().copied();
@@ -417,7 +418,8 @@ fn precedence(f: Failure) -> u8 {
         Failure::LossDivergence => 6,
         Failure::SaturatedGradients => 7,
         Failure::LossPlateau => 8,
-        Failure::ReplicaDivergence => 9,
+        Failure::LossScaleCollapse => 9,
+        Failure::ReplicaDivergence => 10,
     }
 }
 
