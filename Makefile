@@ -7,7 +7,7 @@ PY      := $(VENV)/bin/python
 STAMPS  := .stamps
 SOURCES := $(shell find crates python -type f \( -name '*.rs' -o -name '*.py' -o -name '*.pyi' -o -name 'Cargo.toml' -o -name '*.js' -o -name '*.css' -o -name '*.html' \) 2>/dev/null) Cargo.toml pyproject.toml
 
-.PHONY: all demo test test-rust test-python lint bench bench-overhead bench-engine bench-memory bench-diagnosis bench-report bench-trace build browser report-screenshot clean
+.PHONY: all demo test test-rust test-python lint bench bench-overhead bench-distributed bench-engine bench-memory bench-diagnosis bench-report bench-trace build browser report-screenshot clean
 
 all: test
 
@@ -73,12 +73,17 @@ $(STAMPS)/bench-venv: $(STAMPS)/deps
 		"torch==$$($(PY) -c 'import torch; print(torch.__version__.split("+")[0])')"
 	@mkdir -p $(STAMPS) && touch $@
 
-# `make bench`: the overhead table (plain vs monitored, interleaved; minutes) and the engine's
-# ingest throughput. `make bench-memory`: 10,000 layers x 1,000,000 steps (minutes).
-bench: bench-overhead bench-engine
+# `make bench`: the overhead table (plain vs monitored, interleaved; minutes), the same for a
+# 2-process DDP and FSDP2 job, and the engine's ingest throughput. `make bench-memory`: 10,000 layers x 1,000,000 steps (minutes).
+bench: bench-overhead bench-distributed bench-engine
 
 bench-overhead: build $(STAMPS)/bench-venv
 	$(PY) bench/overhead.py --legacy-python $(BENCH_VENV)/bin/python
+
+# Watching a 2-process DDP and FSDP2 job (gloo, CPU) against the same job unwatched, and the
+# collectives we add per step (counted).
+bench-distributed: build
+	$(PY) -m torch.distributed.run --standalone --nproc_per_node=2 bench/distributed_overhead.py
 
 bench-engine:
 	cargo bench -p neuraldbg-core --bench observe

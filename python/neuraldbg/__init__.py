@@ -26,6 +26,7 @@ from .types import (
     Failure,
     GradientHealth,
     LossHealth,
+    ReplicaHealth,
     RootCause,
     SemanticEvent,
 )
@@ -43,6 +44,7 @@ __all__ = [
     "ActivationHealth",
     "LossHealth",
     "DataHealth",
+    "ReplicaHealth",
     "Failure",
     "Cause",
     "NeuralDbgError",

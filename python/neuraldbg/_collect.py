@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from ._distributed import has_shards, local_tensors
 from ._hooks import BACKWARD_TAP, Hooks, reaches
 from ._loop import LoopFacts
 from ._measure import Measurer, Probe, first_float_tensor, input_stats
@@ -64,6 +65,7 @@ class Collector:
         forward_check: str,
         step_on: str,
         on_observed: Optional[Callable[[int], None]] = None,
+        distributed: Any = None,
     ) -> None:
         import torch
 
@@ -86,6 +88,11 @@ class Collector:
         self.measure = Measurer()
         # Facts about the loop (training mode, gradient accumulation, optimizer groups, loss).
         self.loop = LoopFacts(self.params)
+        # Under torch.distributed: the job-wide exchange (neuraldbg._distributed.Distributed).
+        self.dist = distributed
+        self.sharded = has_shards(self.params)
+        if distributed is not None:
+            distributed.bind(self.params, model)
 
         self.step = 0
         # (module index, output, positional args) of every hooked module call of the current
@@ -113,6 +120,7 @@ class Collector:
         self.bw_queued = False
         self.bw_gen = 0
         self.grad_read = False
+        self.bw_deferred = False  # distributed: the reading re-queued once, after the job's
         self.grad_parts: List[Any] = []
         self.grad_order: Optional[np.ndarray] = None
         self.tap_taken: Any = None
@@ -192,7 +200,7 @@ class Collector:
             return
         if self.disabled:
             return
-        if self.pending is not None:
+        if self.pending is not None and self.pending.ready():
             self._consume()
             self.raise_halt()  # CUDA: the step was handed to the engine just now
         self.forward_gen += 1
@@ -254,6 +262,16 @@ class Collector:
         point of the gradients: they are exactly what the backward produced, before any
         clipping, unscaling or optimizer touches them. With accumulation each backward reads
         again; the last reading before the optimizer step is the step's."""
+        if self.dist is not None and not self.bw_deferred and not self.disabled:
+            # DDP and FSDP reduce the gradients in end-of-backward callbacks of their own, queued
+            # during the backward pass: queued again now, this reading runs after them.
+            self.bw_deferred = True
+            try:
+                self._queue_callback(self._on_backward_end)
+                return
+            except Exception as e:  # pragma: no cover - outside the autograd engine
+                self._fail(e)
+        self.bw_deferred = False
         self.bw_queued = False
         if self.disabled:
             return
@@ -273,7 +291,10 @@ class Collector:
 
     def _read_gradients(self) -> None:
         parts: List[Any] = []
-        self.grad_order = self.measure.gradient_norms([p.grad for p in self.params], parts)
+        grads = [p.grad for p in self.params]
+        if self.sharded:  # each rank measures what it holds: DTensors' local shards
+            grads = local_tensors(grads)
+        self.grad_order = self.measure.gradient_norms(grads, parts)
         self.grad_parts = parts
         self.grad_read = True
 
@@ -407,6 +428,8 @@ class Collector:
         if self.clip_index is None:
             return
         g = self.params[self.clip_index].grad
+        if g is not None and self.sharded:
+            g = local_tensors([g])[0]
         try:
             if g is not None and g.layout == self.torch.strided:
                 with self.torch.no_grad():
@@ -449,8 +472,12 @@ class Collector:
         self.internal_error = e
         self.disabled = True
         self.pending = None
+        who = "NeuralDBG"
+        if self.dist is not None:
+            self.dist.abandon(e)
+            who = f"NeuralDBG (rank {self.dist.rank})"
         warnings.warn(
-            f"NeuralDBG stopped observing after an internal error: {type(e).__name__}: {e}",
+            f"{who} stopped observing after an internal error: {type(e).__name__}: {e}",
             NeuralDbgWarning,
             stacklevel=3,
         )
@@ -476,6 +503,8 @@ class Collector:
             d = dict(d, module=module)
             self.probes.append(Probe(row, d, axes.get(module, -1)))
         self.act_none = [None] * len(self.probes)
+        if self.dist is not None:
+            self.dist.setup(len(self.params), len(self.probes))
         # This first step ran with every module hooked: its probe outputs are in refs.
         self._fill_act_out()
         self.registered = True
@@ -565,8 +594,9 @@ class Collector:
                 layout.skipped = skipped
             parts.extend(grad_parts)
             layout.grad_order = self.grad_order
+            weights = local_tensors(self.params) if self.sharded else self.params
             if self.params and self._sampled(self.weight_every):
-                layout.weight_order = self.measure.weight_norms(self.params, parts)
+                layout.weight_order = self.measure.weight_norms(weights, parts)
             staged = self.act_staged
             if staged is None and self.probes and self.hooks.frozen and self._activations_now():
                 self._fill_act_out()  # compiled: the probes are the kept module outputs
@@ -616,6 +646,15 @@ class Collector:
         refs = self.refs
         if first:
             self.hooks.rehook(set(self.param_owner))
+        if self.dist is not None and not final:
+            # The job's one collective for this step; the job-wide step reaches the engine
+            # when it has arrived (see _distributed.py). A crashed rank's last forward (final)
+            # is observed alone: the other ranks are not there to exchange with.
+            if self.pending is not None:
+                self._consume()
+            keep = list(refs) if self.forward_check != "off" else [(i, None, None) for i, _, _ in refs]
+            self.pending = Pending(layout, None, None, keep, self.dist.exchange(layout, flat))
+            return
         if flat is None:
             self._ingest(layout, np.zeros(0, np.float32), refs)
             return
@@ -642,8 +681,12 @@ class Collector:
         if p is None or self.disabled:
             return
         try:
+            if p.exchange is not None:
+                self._feed(p.layout, self.dist.receive(p.exchange, p.layout), p.refs)
+                return
             if p.event is not None and not p.event.query():
                 p.event.synchronize()  # rare: the CPU ran more than a step ahead of the GPU
+            assert p.host is not None
             self._ingest(p.layout, p.host, p.refs)
         except Exception as e:
             self._fail(e)
@@ -656,6 +699,17 @@ class Collector:
     def _ingest(self, layout: Layout, flat: np.ndarray, refs: List[Tuple[int, Any, Any]]) -> None:
         """Host side of one step: unpack the flat vector and feed the engine."""
         u = Unpacked(layout, flat, self.no_grads, len(self.probes))
+        self._feed(layout, u, refs, self._measures(layout, flat))
+
+    def _feed(
+        self,
+        layout: Layout,
+        u: Any,
+        refs: List[Tuple[int, Any, Any]],
+        measures: Optional[Dict[str, np.ndarray]] = None,
+    ) -> None:
+        """Feeds the engine one step's host arrays (:class:`Unpacked`, or a distributed job's
+        step, which also carries per-rank facts and measures) and this rank's own measures."""
         grad_norms = u.grad_norms
         loss_value = u.loss
         if not grad_norms.all() and self.order:
@@ -694,7 +748,7 @@ class Collector:
             nonfinite_module=nonfinite,
             outputs_checked=checked,
             facts={**(layout.facts or {}), **u.facts} or None,
-            measures=self._measures(layout, flat),
+            measures={**(measures or {}), **(getattr(u, "extra", {}).get("measures") or {})} or None,
         )
         if self.on_observed is not None:
             self.on_observed(layout.step)

@@ -55,15 +55,25 @@ class Layout:
 
 
 class Pending:
-    """A step whose statistics are on their way to the host (CUDA)."""
+    """A step whose statistics are on their way to the host (CUDA), or to and from the other
+    ranks (distributed: ``exchange``, see :mod:`._distributed`)."""
 
-    __slots__ = ("layout", "host", "event", "refs")
+    __slots__ = ("layout", "host", "event", "refs", "exchange")
 
-    def __init__(self, layout: Layout, host: np.ndarray, event: Any, refs: List[Tuple[int, Any, Any]]) -> None:
+    def __init__(
+        self, layout: Layout, host: Optional[np.ndarray], event: Any, refs: List[Tuple[int, Any, Any]],
+        exchange: Any = None,
+    ) -> None:
         self.layout = layout
         self.host = host
         self.event = event
         self.refs = refs
+        self.exchange = exchange
+
+    def ready(self) -> bool:
+        """Whether handing it over now costs no wait: a collective still in flight is left for
+        later (the next step's exchange, the end of the run, or a read of the results)."""
+        return self.exchange is None or self.exchange.done()
 
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import time
@@ -23,6 +24,7 @@ __all__ = ["NeuralDbg"]
 _DEFAULTS: Dict[str, Any] = json.loads(_native.default_config_json())
 _FORWARD_CHECKS = ("auto", "lazy", "off")
 _STEP_ON = ("optimizer", "backward")
+_DISTRIBUTED = ("auto", "off")
 
 
 class NeuralDbg:
@@ -84,7 +86,18 @@ class NeuralDbg:
             ``neuraldbg explain runs/x.ndbg`` and the other commands after the run, even if it
             crashed or was killed: every completed step is on disk as soon as it is observed.
             Missing directories are created; an existing file is replaced. The trace is closed
-            on ``__exit__``, also when the loop raises. Format: docs/trace-format.md.
+            on ``__exit__``, also when the loop raises. Format: docs/trace-format.md. In a
+            distributed job only rank ``trace_rank`` writes it.
+        distributed: ``"auto"`` (default): when ``torch.distributed`` is initialized with more
+            than one process, statistics are job-wide (the norm of each layer's full, reduced
+            gradient under DDP, FSDP2 and HSDP; every rank's input batch, loss and NaN origin,
+            named with its rank) at one extra collective per step, and every rank's debugger
+            gives the same diagnosis. Every rank must enter its ``with NeuralDbg(...)`` block.
+            ``"off"``: each rank watches only itself.
+        distributed_timeout: seconds a rank waits for the others' statistics before it stops
+            observing with a warning (a rank that crashed or left the block); training goes on.
+        trace_rank: the rank that writes ``trace`` (default 0); None: every rank writes its
+            own, ``run.ndbg`` becoming ``run.rank3.ndbg``.
         **engine_options: any other engine setting (``persistence``, ``hysteresis``,
             ``activation_dead_fraction``, ``history_capacity``, ...; see :attr:`DEFAULTS`).
 
@@ -115,6 +128,9 @@ class NeuralDbg:
         halt_on: "Union[bool, float, str, Iterable[str], None]" = None,
         on_failure: "Optional[Callable[[List[CausalHypothesis]], Any]]" = None,
         report: "Union[str, os.PathLike[str], None]" = None,
+        distributed: str = "auto",
+        distributed_timeout: float = 60.0,
+        trace_rank: Optional[int] = 0,
         **engine_options: Any,
     ) -> None:
         try:
@@ -146,6 +162,13 @@ class NeuralDbg:
             raise ConfigError(f"forward_check must be one of {_FORWARD_CHECKS}, got {forward_check!r}")
         if step_on not in _STEP_ON:
             raise ConfigError(f"step_on must be one of {_STEP_ON}, got {step_on!r}")
+        if distributed not in _DISTRIBUTED:
+            raise ConfigError(f"distributed must be one of {_DISTRIBUTED}, got {distributed!r}")
+        timeout = _number("distributed_timeout", distributed_timeout)
+        if not timeout > 0 or not math.isfinite(timeout):
+            raise ConfigError(f"distributed_timeout must be a positive number of seconds, got {distributed_timeout!r}")
+        if trace_rank is not None and (isinstance(trace_rank, bool) or not isinstance(trace_rank, int) or trace_rank < 0):
+            raise ConfigError(f"trace_rank must be a rank (an integer >= 0) or None, got {trace_rank!r}")
         if trace is not None and not isinstance(trace, (str, os.PathLike)):
             raise ConfigError(f"trace must be a file path or None, got {type(trace).__qualname__}")
         trace_path = None if trace is None else os.fspath(trace)
@@ -174,6 +197,9 @@ class NeuralDbg:
             step_on=step_on,
         )
         self._trace_path: Optional[str] = trace_path
+        self._distributed = distributed
+        self._distributed_timeout = timeout
+        self._trace_rank = trace_rank
         self._collector: Any = None
         self._active = False
         if on_failure is not None and not callable(on_failure):
@@ -200,15 +226,32 @@ class NeuralDbg:
             raise NeuralDbgError(
                 "a NeuralDbg watches one training run; create a new NeuralDbg for another run"
             )
+        from . import _distributed
         from ._collect import Collector
 
-        if self._trace_path is not None:
+        job = None
+        if self._distributed == "auto" and _distributed.active():
+            job = _distributed.Distributed(self._distributed_timeout)
+        trace_path = self._trace_path
+        if trace_path is not None and job is not None:
+            if self._trace_rank is None:
+                trace_path = _distributed.rank_path(trace_path, job.rank)
+            elif self._trace_rank != job.rank:
+                trace_path = None
+        if trace_path is not None:
             # Opened before any hook is installed, so a bad path leaves nothing behind.
-            self._engine.open_trace(self._trace_path, json.dumps(self._trace_meta()))
+            meta = self._trace_meta()
+            if job is not None:
+                meta.update(rank=job.rank, world_size=job.world, backend=job.backend)
+            self._engine.open_trace(trace_path, json.dumps(meta))
         try:
             watch = self._halt is not None or self._on_failure is not None
             self._collector = Collector(
-                self.model, self._engine, on_observed=self._after_step if watch else None, **self._options
+                self.model,
+                self._engine,
+                on_observed=self._after_step if watch else None,
+                distributed=job,
+                **self._options,
             )
             self._collector.install()
         except BaseException:

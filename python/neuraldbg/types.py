@@ -17,6 +17,7 @@ __all__ = [
     "ActivationHealth",
     "LossHealth",
     "DataHealth",
+    "ReplicaHealth",
     "Failure",
     "Cause",
     "SemanticEvent",
@@ -44,6 +45,8 @@ class EventType(_StrEnum):
     """The input batches changed health (:class:`DataHealth`)."""
     LOSS_HEALTH = "loss_health"
     """The loss changed health (:class:`LossHealth`)."""
+    REPLICA_DIVERGENCE = "replica_divergence"
+    """The replicas of a data-parallel (DDP) job stopped matching (:class:`ReplicaHealth`)."""
 
 
 class GradientHealth(_StrEnum):
@@ -79,6 +82,13 @@ class DataHealth(_StrEnum):
     NON_FINITE = "NON_FINITE"
 
 
+class ReplicaHealth(_StrEnum):
+    """Whether the replicas of a data-parallel job still hold the same values."""
+
+    CONSISTENT = "CONSISTENT"
+    DIVERGED = "DIVERGED"
+
+
 class Failure(_StrEnum):
     """What went wrong (design.md vocabulary)."""
 
@@ -93,6 +103,7 @@ class Failure(_StrEnum):
     LOSS_PLATEAU = "loss_plateau"
     LOSS_SCALE_COLLAPSE = "loss_scale_collapse"
     STALLED_LAYER = "stalled_layer"
+    REPLICA_DIVERGENCE = "replica_divergence"
 
 
 class Cause(_StrEnum):
@@ -141,7 +152,9 @@ class SemanticEvent:
     ``confidence`` is ``1 - exp(-(margin/0.5 + persistence/3))``: how far past its threshold
     the value went (decades for norms, share of the remaining range for fractions) and for how
     many consecutive observations it held when confirmed. ``metadata`` holds ``value`` (observed
-    at onset), ``threshold``, ``confirmed_step``, ``persistence`` and ``margin``.
+    at onset), ``threshold``, ``confirmed_step``, ``persistence`` and ``margin``, and in a
+    distributed job ``rank`` when the signal is one rank's own (its batch, its forward pass,
+    the odd replica out).
     """
 
     event_type: EventType

@@ -7,7 +7,8 @@ use crate::detector::Transition;
 use crate::error::EngineError;
 use crate::event::{EventType, SemanticEvent, Subject, event_confidence};
 use crate::health::{
-    ActivationHealth, ActivationSample, DataHealth, GradientHealth, OutputHealth, State,
+    ActivationHealth, ActivationSample, DataHealth, GradientHealth, OutputHealth, ReplicaHealth,
+    State,
 };
 use crate::history::{History, Reduce};
 use crate::model::{ActivationProbe, Model, ModelSpec};
@@ -22,6 +23,44 @@ pub const ACTIVATION_METRICS: [&str; 3] =
     ["saturated_fraction", "dead_fraction", "activation_absmax"];
 /// Run-wide history metrics (`name` None).
 pub const RUN_METRICS: [&str; 4] = ["grad_norm", "loss", "lr", "input_scale"];
+
+/// Relative spread (`(max - min) / max` of a norm across ranks) above which data-parallel
+/// replicas no longer hold the same values. DDP's replicas are bitwise identical; float noise
+/// from a non-deterministic reduction stays orders of magnitude below this.
+pub const REPLICA_TOLERANCE: f64 = 1e-4;
+
+/// A rank number carried in an f32 array (NaN or negative: none).
+fn rank_of(r: f32) -> Option<u32> {
+    // Ranks are small whole numbers carried exactly by f32.
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+    (0.0..1e9).contains(&r).then_some(r as u32)
+}
+
+/// The rank whose value stands apart from all the others (with three or more ranks: the one
+/// farthest from the median, if the others agree among themselves better than with it).
+fn odd_one_out(totals: &[f32]) -> Option<u32> {
+    if totals.len() < 3 || totals.iter().any(|v| !v.is_finite()) {
+        return None;
+    }
+    let mut sorted: Vec<f64> = totals.iter().map(|&v| f64::from(v)).collect();
+    sorted.sort_by(f64::total_cmp);
+    let median = sorted[sorted.len() / 2];
+    let dev = |v: f32| (f64::from(v) - median).abs();
+    let (odd, d) = totals
+        .iter()
+        .enumerate()
+        .map(|(r, &v)| (r, dev(v)))
+        .max_by(|a, b| a.1.total_cmp(&b.1))?;
+    let second = totals
+        .iter()
+        .enumerate()
+        .filter(|&(r, _)| r != odd)
+        .map(|(_, &v)| dev(v))
+        .fold(0.0f64, f64::max);
+    (d > 0.0 && d > 10.0 * second)
+        .then(|| u32::try_from(odd).ok())
+        .flatten()
+}
 
 /// Global series stored after the per-layer ones in the gradient history.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -42,6 +81,8 @@ pub(crate) struct Run {
     pub loss: LossTrack,
     pub data: DataTrack,
     pub output: OutputHealth,
+    /// Whether a data-parallel job's replicas still match (distributed collectors only).
+    pub replica: ReplicaHealth,
     /// Steps with NaN/Inf gradients or loss whose module outputs were all checked finite: the
     /// value was born in the loss computation or the backward pass (first few kept).
     pub finite_forward: Vec<u64>,
@@ -108,6 +149,7 @@ impl Engine {
             loss: LossTrack::default(),
             data: DataTrack::default(),
             output: OutputHealth::Finite,
+            replica: ReplicaHealth::Consistent,
             finite_forward: Vec::new(),
             events: Vec::new(),
             event_counts: vec![[0; 2]; model.spec.modules.len()],
@@ -427,6 +469,7 @@ impl Run {
             confirmed_step: t.confirmed,
             persistence: t.persistence,
             margin: t.margin,
+            rank: None,
         }
     }
 
@@ -534,7 +577,7 @@ impl Run {
             self.observe_activations(step, a, config);
         }
         if !v.inputs.is_empty() {
-            self.observe_inputs(step, v.inputs, config);
+            self.observe_inputs(step, v.inputs, v.measure(Measure::InputRank), config);
         }
         if let Some(loss) = v.loss {
             all_finite &= loss.is_finite() || skipped;
@@ -552,7 +595,14 @@ impl Run {
             let zero_rows = match measure {
                 Measure::GradZeroRows => true,
                 Measure::GradZeroCols => false,
-                Measure::OutputAbsMax => continue,
+                // Read elsewhere (output scales below; the ranks' measures by the replica
+                // and data trackers).
+                Measure::OutputAbsMax
+                | Measure::InputRank
+                | Measure::ReplicaGradSpread
+                | Measure::ReplicaWeightSpread
+                | Measure::RankGradSumsq
+                | Measure::RankWeightSumsq => continue,
             };
             for (l, layer) in self.model.layers.iter().enumerate() {
                 let Some((p, _)) = layer.weight else { continue };
@@ -583,10 +633,23 @@ impl Run {
                 self.finite_forward.push(step);
             }
         }
+        self.observe_replicas(
+            step,
+            [
+                v.measure(Measure::ReplicaGradSpread),
+                v.measure(Measure::ReplicaWeightSpread),
+            ],
+            [
+                v.measure(Measure::RankGradSumsq),
+                v.measure(Measure::RankWeightSumsq),
+            ],
+            config,
+        );
         if !skipped {
             self.observe_output(
                 step,
                 v.nonfinite_module,
+                v.fact(Fact::NonFiniteRank).and_then(|r| rank_of(r as f32)),
                 all_finite && v.nonfinite_module.is_none(),
                 config,
             );
@@ -669,11 +732,19 @@ impl Run {
         }
     }
 
-    fn observe_inputs(&mut self, step: u64, inputs: &[f32], config: &Config) {
+    /// `ranks`: in a distributed job, the rank each row of `inputs` came from.
+    fn observe_inputs(
+        &mut self,
+        step: u64,
+        inputs: &[f32],
+        ranks: Option<&[f32]>,
+        config: &Config,
+    ) {
         let mut worst = DataHealth::Normal;
         let mut worst_ratio = 1.0f64;
+        let mut worst_row = 0usize;
         let mut scale = 0.0f64;
-        for row in inputs.chunks_exact(INPUT_STATS) {
+        for (k, row) in inputs.chunks_exact(INPUT_STATS).enumerate() {
             let row = [
                 f64::from(row[0]),
                 f64::from(row[1]),
@@ -691,6 +762,7 @@ impl Run {
             if rank(state) > rank(worst) || (state == worst && ratio > worst_ratio) {
                 worst = state;
                 worst_ratio = ratio;
+                worst_row = k;
             }
         }
         self.grads
@@ -719,12 +791,24 @@ impl Run {
                 confirmed_step: step,
                 persistence: 1,
                 margin,
+                rank: ranks
+                    .and_then(|r| r.get(worst_row))
+                    .and_then(|&r| rank_of(r))
+                    .filter(|_| to != DataHealth::Normal),
             };
             self.push_event(e, config);
         }
     }
 
-    fn observe_output(&mut self, step: u64, module: Option<usize>, clean: bool, config: &Config) {
+    /// `rank`: in a distributed job, the rank whose forward pass produced the value.
+    fn observe_output(
+        &mut self,
+        step: u64,
+        module: Option<usize>,
+        rank: Option<u32>,
+        clean: bool,
+        config: &Config,
+    ) {
         match (module, self.output) {
             (Some(m), OutputHealth::Finite) => {
                 self.output = OutputHealth::NonFinite;
@@ -740,12 +824,94 @@ impl Run {
                     confirmed_step: step,
                     persistence: 1,
                     margin: f64::INFINITY,
+                    rank,
                 };
                 self.push_event(e, config);
             }
             (None, OutputHealth::NonFinite) if clean => self.output = OutputHealth::Finite,
             _ => {}
         }
+    }
+
+    /// Data-parallel replicas (DDP): `spreads` holds, per parameter, how much its gradient
+    /// norm and its parameter norm differ across ranks (`(max - min) / max`; NaN: not a
+    /// replica or not measured), `totals` each rank's sum of squares over its replicated
+    /// gradients and parameters (to name the odd rank out). Replicas are identical by
+    /// construction; beyond [`REPLICA_TOLERANCE`] one of them went its own way.
+    fn observe_replicas(
+        &mut self,
+        step: u64,
+        spreads: [Option<&[f32]>; 2],
+        totals: [Option<&[f32]>; 2],
+        config: &Config,
+    ) {
+        let mut measured = false;
+        let mut worst = 0.0f64;
+        // (module, spread, which kind) of the first diverged parameter in forward order.
+        let mut first: Option<(usize, f64, usize)> = None;
+        for (kind, s) in spreads.iter().enumerate() {
+            let Some(s) = s else { continue };
+            for (p, &v) in s.iter().enumerate() {
+                let v = f64::from(v);
+                if v.is_nan() {
+                    continue;
+                }
+                measured = true;
+                let v = if v.is_finite() { v } else { f64::INFINITY };
+                worst = worst.max(v);
+                let module = self
+                    .model
+                    .spec
+                    .params
+                    .get(p)
+                    .map_or(usize::MAX, |q| q.module);
+                if v > REPLICA_TOLERANCE && first.is_none_or(|(m, _, _)| module < m) {
+                    first = Some((module, v, kind));
+                }
+            }
+        }
+        if !measured {
+            return;
+        }
+        let (from, to) = match (first, self.replica) {
+            (Some(_), ReplicaHealth::Consistent) => {
+                (ReplicaHealth::Consistent, ReplicaHealth::Diverged)
+            }
+            (None, ReplicaHealth::Diverged) => (ReplicaHealth::Diverged, ReplicaHealth::Consistent),
+            _ => return,
+        };
+        self.replica = to;
+        let (subject, value, rank) = match first {
+            Some((module, v, kind)) => {
+                let subject = if module < self.model.spec.modules.len() {
+                    Subject::Module(module)
+                } else {
+                    Subject::Input
+                };
+                (subject, v, totals[kind].and_then(odd_one_out))
+            }
+            None => (Subject::Module(0), worst, None),
+        };
+        let margin = if to == ReplicaHealth::Diverged {
+            crate::health::decades(value, REPLICA_TOLERANCE)
+        } else {
+            0.0
+        };
+        let e = SemanticEvent {
+            step,
+            event_type: EventType::ReplicaDivergence,
+            subject,
+            from_state: State::Replica(from),
+            to_state: State::Replica(to),
+            confidence: event_confidence(margin, 1),
+            value,
+            threshold: REPLICA_TOLERANCE,
+            confirmed_step: step,
+            persistence: 1,
+            margin,
+            rank,
+        };
+        self.push_event(e, config);
     }
 
     /// Index in `grads` of a run-wide series (they follow the per-layer ones).
@@ -764,7 +930,7 @@ impl Run {
 mod tests {
     use super::*;
     use crate::model::tests::mlp_spec;
-    use crate::observation::Observation;
+    use crate::observation::{Fact, Measure, Observation};
 
     fn engine(depth: usize, act: &str) -> Engine {
         let mut e = Engine::new(Config::default()).unwrap();
@@ -812,7 +978,6 @@ mod tests {
 
     #[test]
     fn checks_facts_and_measures() {
-        use crate::observation::{Fact, Measure};
         let mut e = engine(2, "Tanh");
         let n_modules = mlp_spec(2, "Tanh").modules.len();
         let mut o = obs(0, &[0.1, 0.1]);
@@ -836,6 +1001,116 @@ mod tests {
         );
         o.measures = vec![(Measure::OutputAbsMax, vec![1.0; n_modules])];
         e.observe(&o.view()).unwrap();
+    }
+
+    /// A distributed step: two ranks' input rows with their ranks.
+    fn job_obs(step: u64, bad_rank: Option<usize>) -> Observation {
+        let mut o = obs(step, &[0.1, 0.1]);
+        let mut inputs = Vec::new();
+        for r in 0..4 {
+            let row = if Some(r) == bad_rank {
+                [f32::NAN, 1.0, 0.0, 1.0]
+            } else {
+                [-1.0, 1.0, 0.0, 0.5]
+            };
+            inputs.extend_from_slice(&row);
+        }
+        o.inputs = inputs;
+        o.measures = vec![(Measure::InputRank, vec![0.0, 1.0, 2.0, 3.0])];
+        o
+    }
+
+    #[test]
+    fn a_bad_batch_is_dated_and_named_with_its_rank() {
+        let mut e = engine(2, "Tanh");
+        for step in 0..8 {
+            let bad = (step == 5).then_some(2);
+            e.observe(&job_obs(step, bad).view()).unwrap();
+        }
+        let bad: Vec<_> = e
+            .events()
+            .into_iter()
+            .filter(|ev| ev.to_state == State::Data(DataHealth::NonFinite))
+            .collect();
+        assert_eq!(bad.len(), 1);
+        assert_eq!((bad[0].step, bad[0].rank), (5, Some(2)));
+        let top = &crate::analysis::explain(&e, None)[0];
+        assert!(top.description.contains("on rank 2"), "{}", top.description);
+        // Without ranks (one process) nothing names a rank.
+        let mut single = engine(2, "Tanh");
+        let mut o = job_obs(0, Some(1));
+        o.measures.clear();
+        single.observe(&o.view()).unwrap();
+        assert_eq!(single.events()[0].rank, None);
+    }
+
+    #[test]
+    fn a_non_finite_output_names_its_rank() {
+        let mut e = engine(2, "Tanh");
+        e.observe(&obs(0, &[0.1, 0.1]).view()).unwrap();
+        let mut o = obs(1, &[f32::NAN, f32::NAN]);
+        o.nonfinite_module = Some(2);
+        o.outputs_checked = true;
+        o.facts = vec![(Fact::NonFiniteRank, 3.0)];
+        e.observe(&o.view()).unwrap();
+        let out: Vec<_> = e
+            .events()
+            .into_iter()
+            .filter(|ev| ev.event_type == EventType::NonFiniteOutput)
+            .collect();
+        assert_eq!((out[0].subject, out[0].rank), (Subject::Module(2), Some(3)));
+    }
+
+    #[test]
+    fn a_diverged_replica_is_a_failure_naming_the_layer_and_the_rank() {
+        let mut e = engine(3, "Tanh");
+        let n = mlp_spec(3, "Tanh").params.len();
+        for step in 0..10u64 {
+            let mut o = obs(step, &[0.1, 0.1, 0.1]);
+            let mut spread = vec![0.0f32; n];
+            let mut totals = vec![4.0f32; 4];
+            if step >= 6 {
+                spread[2] = 0.2; // fc1.weight
+                spread[4] = 0.1; // fc2.weight: later in forward order
+                totals[1] = 9.0;
+            }
+            // Float noise far below the tolerance is not a divergence.
+            spread[0] = 1e-7;
+            o.measures = vec![
+                (Measure::ReplicaWeightSpread, spread),
+                (Measure::RankWeightSumsq, totals),
+            ];
+            e.observe(&o.view()).unwrap();
+        }
+        let hs = crate::analysis::explain(&e, None);
+        let top = &hs[0];
+        assert_eq!(top.failure, crate::Failure::ReplicaDivergence);
+        assert_eq!(top.step, Some(6));
+        assert_eq!(top.layer.as_deref(), Some("fc1"));
+        assert!(top.confidence >= 0.5, "{top:?}");
+        assert_eq!(top.evidence[0].rank, Some(1));
+        assert!(top.description.contains("on rank 1"), "{}", top.description);
+        assert!(
+            top.remedies[0].contains("some ranks only"),
+            "{:?}",
+            top.remedies
+        );
+    }
+
+    #[test]
+    fn the_odd_rank_out_needs_agreeing_others() {
+        assert_eq!(odd_one_out(&[1.0, 1.0, 5.0, 1.0]), Some(2));
+        assert_eq!(
+            odd_one_out(&[1.0, 5.0]),
+            None,
+            "two ranks: either could be the odd one"
+        );
+        assert_eq!(
+            odd_one_out(&[1.0, 2.0, 3.0, 4.0]),
+            None,
+            "no agreement among the others"
+        );
+        assert_eq!(odd_one_out(&[1.0, 1.0, 1.0]), None);
     }
 
     #[test]

@@ -19,6 +19,8 @@ named_enum! {
         DataAnomaly => "data_anomaly",
         /// The loss changed health ([`crate::LossHealth`]).
         LossHealth => "loss_health",
+        /// Replicas that should be identical (DDP) stopped being so ([`crate::ReplicaHealth`]).
+        ReplicaDivergence => "replica_divergence",
     }
 }
 
@@ -66,6 +68,10 @@ pub struct SemanticEvent {
     pub persistence: u32,
     /// Distance past the threshold (see the type's documentation).
     pub margin: f64,
+    /// In a distributed job, the rank the signal came from when it is one rank's own (its input
+    /// batch, its forward pass, its replica); None when it is the whole job's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rank: Option<u32>,
 }
 
 /// Confidence of a transition from its margin and persistence (see [`SemanticEvent`]).

@@ -70,6 +70,16 @@ named_enum! {
     }
 }
 
+named_enum! {
+    /// Whether the replicas of a data-parallel job (DDP) still hold the same parameters and
+    /// gradients.
+    ReplicaHealth {
+        Consistent => "CONSISTENT",
+        /// Some rank's parameters or gradients differ from the others' beyond float tolerance.
+        Diverged => "DIVERGED",
+    }
+}
+
 /// Any of the health states, as carried by an event's `from_state`/`to_state`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(untagged)]
@@ -79,6 +89,7 @@ pub enum State {
     Loss(LossHealth),
     Data(DataHealth),
     Output(OutputHealth),
+    Replica(ReplicaHealth),
 }
 
 impl State {
@@ -89,6 +100,7 @@ impl State {
             State::Loss(s) => s.as_str(),
             State::Data(s) => s.as_str(),
             State::Output(s) => s.as_str(),
+            State::Replica(s) => s.as_str(),
         }
     }
 }

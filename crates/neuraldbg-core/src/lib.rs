@@ -53,7 +53,7 @@ pub use error::{ConfigError, EngineError};
 pub use event::{EventType, SemanticEvent, Subject, event_confidence};
 pub use health::{
     ActivationHealth, ActivationSample, ActivationTraits, DataHealth, GradientHealth, LossHealth,
-    OutputHealth, SlopeFormula, State, classify_activation, classify_gradient,
+    OutputHealth, ReplicaHealth, SlopeFormula, State, classify_activation, classify_gradient,
 };
 pub use history::{Bucket, History, Reduce};
 pub use model::{

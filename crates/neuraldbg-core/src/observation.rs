@@ -35,6 +35,9 @@ named_enum! {
         WorldSize => "world_size",
         /// The rank of the process that made this observation.
         Rank => "rank",
+        /// The rank whose forward pass produced this step's first non-finite module output
+        /// (the module is [`StepView::nonfinite_module`]).
+        NonFiniteRank => "nonfinite_rank",
 
         // --- Loop mistakes and framework state.
         /// Whether the model was in training mode during the step's forward pass (1.0) or in
@@ -63,6 +66,19 @@ named_enum! {
         /// Per parameter: the share of the gradient's columns (input units, dim 1) that are
         /// exactly zero in this step (NaN: not measured, or fewer than 2 dimensions).
         GradZeroCols => "grad_zero_cols",
+        // --- Distributed training.
+        /// The rank each row of [`StepView::inputs`] came from.
+        InputRank => "input_rank",
+        /// Per parameter, how far its gradient norm differs across the ranks that should hold
+        /// identical replicas of it (DDP): `(max - min) / max`, NaN when not a replica or not
+        /// measured.
+        ReplicaGradSpread => "replica_grad_spread",
+        /// The same for the parameter's own norm (on steps whose parameter norms are measured).
+        ReplicaWeightSpread => "replica_weight_spread",
+        /// Per rank: the sum of squares of its replicated gradients.
+        RankGradSumsq => "rank_grad_sumsq",
+        /// Per rank: the sum of squares of its replicated parameters.
+        RankWeightSumsq => "rank_weight_sumsq",
     }
 }
 
@@ -82,7 +98,11 @@ impl Measure {
     pub fn axis(self) -> Axis {
         match self {
             Measure::OutputAbsMax => Axis::Modules,
-            Measure::GradZeroRows | Measure::GradZeroCols => Axis::Params,
+            Measure::GradZeroRows
+            | Measure::GradZeroCols
+            | Measure::ReplicaGradSpread
+            | Measure::ReplicaWeightSpread => Axis::Params,
+            Measure::InputRank | Measure::RankGradSumsq | Measure::RankWeightSumsq => Axis::Free,
         }
     }
 }

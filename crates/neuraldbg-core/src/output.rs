@@ -31,7 +31,7 @@ pub fn float(v: f64) -> Value {
 
 /// An event with its subject resolved to a layer name.
 pub fn event_json(engine: &Engine, e: &SemanticEvent) -> Value {
-    json!({
+    let mut v = json!({
         "event_type": e.event_type.as_str(),
         "layer_name": engine.subject_name(e.subject),
         "step": e.step,
@@ -45,7 +45,11 @@ pub fn event_json(engine: &Engine, e: &SemanticEvent) -> Value {
             "persistence": e.persistence,
             "margin": float(e.margin),
         },
-    })
+    });
+    if let Some(rank) = e.rank {
+        v["metadata"]["rank"] = json!(rank);
+    }
+    v
 }
 
 pub fn events_json(engine: &Engine, events: &[SemanticEvent]) -> Value {

@@ -7,7 +7,7 @@ use crate::config::Config;
 use crate::engine::Run;
 use crate::event::{EventType, SemanticEvent, Subject};
 use crate::health::{
-    ActivationHealth, DataHealth, GradientHealth, LossHealth, OutputHealth, State,
+    ActivationHealth, DataHealth, GradientHealth, LossHealth, OutputHealth, ReplicaHealth, State,
 };
 
 use super::vocab::Failure;
@@ -65,6 +65,7 @@ pub(crate) fn failure_of(e: &SemanticEvent) -> Option<Failure> {
         State::Data(DataHealth::NonFinite | DataHealth::OutOfDistribution) => Failure::DataAnomaly,
         State::Loss(LossHealth::Diverging) => Failure::LossDivergence,
         State::Loss(LossHealth::Plateau) => Failure::LossPlateau,
+        State::Replica(ReplicaHealth::Diverged) => Failure::ReplicaDivergence,
         _ => return None,
     })
 }
@@ -399,6 +400,11 @@ fn locate_root(
         | Failure::LossPlateau
         | Failure::LossScaleCollapse
         | Failure::StalledLayer => (at_onset.first().copied(), None),
+        // The first parameter (forward order) found to differ across replicas.
+        Failure::ReplicaDivergence => {
+            let i = at_onset.first().copied();
+            (i, i.and_then(|i| module_of(&events[i])))
+        }
     }
 }
 
@@ -464,6 +470,7 @@ fn precedence(f: Failure) -> u8 {
         Failure::SaturatedGradients => 7,
         Failure::LossPlateau => 8,
         Failure::LossScaleCollapse => 9,
+        Failure::ReplicaDivergence => 10,
     }
 }
 

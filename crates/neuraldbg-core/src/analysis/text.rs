@@ -51,20 +51,37 @@ pub fn event_line(run: &Run, e: &SemanticEvent) -> String {
     match e.event_type {
         EventType::NonFiniteOutput => {
             format!(
-                "step {}: {who} produced the first non-finite output of the forward pass",
-                e.step
+                "step {}: {who} produced the first non-finite output of the forward pass{}",
+                e.step,
+                on_rank(e)
             )
         }
         EventType::DataAnomaly => match e.to_state {
             State::Data(crate::health::DataHealth::NonFinite) => {
-                format!("step {}: the input batch contained NaN/Inf", e.step)
+                format!(
+                    "step {}: the input batch{} contained NaN/Inf",
+                    e.step,
+                    of_rank(e)
+                )
             }
             State::Data(crate::health::DataHealth::OutOfDistribution) => format!(
-                "step {}: the input batch's scale was {}x off the usual",
+                "step {}: the input batch{}'s scale was {}x off the usual",
                 e.step,
+                of_rank(e),
                 num(e.value)
             ),
             _ => format!("step {}: input batches back to normal", e.step),
+        },
+        EventType::ReplicaDivergence => match e.to_state {
+            State::Replica(crate::health::ReplicaHealth::Diverged) => format!(
+                "step {}: the replicas of {who} differ by {}% across ranks{}",
+                e.step,
+                num(100.0 * e.value),
+                e.rank
+                    .map(|r| format!(" (rank {r} is the odd one out)"))
+                    .unwrap_or_default()
+            ),
+            _ => format!("step {}: replicas identical again", e.step),
         },
         _ => {
             let kind = match e.event_type {
@@ -86,6 +103,15 @@ pub fn event_line(run: &Run, e: &SemanticEvent) -> String {
             )
         }
     }
+}
+
+/// `" on rank 3"` for an event that is one rank's own, else nothing.
+fn on_rank(e: &SemanticEvent) -> String {
+    e.rank.map(|r| format!(" on rank {r}")).unwrap_or_default()
+}
+
+fn of_rank(e: &SemanticEvent) -> String {
+    e.rank.map(|r| format!(" of rank {r}")).unwrap_or_default()
 }
 
 fn subject(run: &Run, s: Subject) -> String {
@@ -164,6 +190,9 @@ pub fn describe(
             }
         }
     }
+    if let Some(r) = e.root_event.and_then(|i| events[i].rank) {
+        let _ = write!(s, ", on rank {r}");
+    }
     if e.to_end {
         s.push_str(", and it persisted to the end");
     } else if e.duration > 1 {
@@ -182,6 +211,14 @@ pub fn describe(
 /// explosion not due to the learning rate, clipping while the cause is fixed.
 pub fn remedies(run: &Run, e: &Episode, cause: Cause) -> Vec<String> {
     let mut r = super::causes::rule(cause).remedies(&super::causes::RemedyCase { run, e });
+    if e.failure == Failure::ReplicaDivergence {
+        // No cause of the vocabulary fits: the remedies say where such code usually is.
+        r = vec![
+            "look for code that changes parameters, gradients or buffers on some ranks only (under `if rank == ...`, outside the DDP-wrapped model, or between forward and optimizer.step())".into(),
+            "make sure every rank runs the same optimizer steps (a rank that skips or repeats optimizer.step() drifts apart)".into(),
+            "check that no part of the model is updated outside DDP (a submodule or parameter not registered in the wrapped module)".into(),
+        ];
+    }
     if e.failure == Failure::ExplodingGradients && cause != Cause::LearningRateTooHigh {
         r.push("clip gradients at 1.0 while you fix the cause".into());
     }

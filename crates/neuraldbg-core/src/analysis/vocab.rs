@@ -20,6 +20,7 @@ named_enum! {
         /// A layer whose parameters never change, or never receive a gradient, while the rest
         /// of the model trains.
         StalledLayer => "stalled_layer",
+        ReplicaDivergence => "replica_divergence",
     }
 }
 
@@ -66,7 +67,15 @@ impl Failure {
             Failure::LossPlateau => "The loss plateaued",
             Failure::LossScaleCollapse => "The mixed-precision loss scale collapsed",
             Failure::StalledLayer => "A layer stopped training",
+            Failure::ReplicaDivergence => "A data-parallel replica diverged from the others",
         }
+    }
+
+    /// Whether the causes of the vocabulary can explain this failure at all: a diverged
+    /// replica is a fault in the job's code that none of them names (its remedies say where
+    /// to look), so only `unknown` is a candidate.
+    pub fn has_named_causes(self) -> bool {
+        !matches!(self, Failure::ReplicaDivergence)
     }
 
     /// Gradient failures are located where they begin along the backward pass; the others at

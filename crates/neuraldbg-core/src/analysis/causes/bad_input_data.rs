@@ -83,7 +83,8 @@ impl CauseRule for BadInputData {
             Failure::LossPlateau
             | Failure::SaturatedGradients
             | Failure::LossScaleCollapse
-            | Failure::StalledLayer => {}
+            | Failure::StalledLayer
+            | Failure::ReplicaDivergence => {}
         }
     }
 

@@ -156,7 +156,10 @@ impl CauseRule for LearningRateTooHigh {
                     v.add(0.5, "gradient norms grew after updates");
                 }
             }
-            Failure::DataAnomaly | Failure::LossScaleCollapse | Failure::StalledLayer => {}
+            Failure::DataAnomaly
+            | Failure::LossScaleCollapse
+            | Failure::StalledLayer
+            | Failure::ReplicaDivergence => {}
         }
     }
 

@@ -223,7 +223,9 @@ pub(crate) fn rank_causes(
     };
     let mut scored: Vec<Scored> = RULES
         .iter()
-        .filter(|r| r.cause() == Cause::Unknown || r.explains(e.failure))
+        .filter(|r| {
+            r.cause() == Cause::Unknown || (e.failure.has_named_causes() && r.explains(e.failure))
+        })
         .filter_map(|r| {
             let mut v = Votes::default();
             if r.cause() != Cause::Unknown {

@@ -111,7 +111,8 @@ impl CauseRule for PoorInitialization {
             Failure::DataAnomaly
             | Failure::SaturatedGradients
             | Failure::LossScaleCollapse
-            | Failure::StalledLayer => {}
+            | Failure::StalledLayer
+            | Failure::ReplicaDivergence => {}
         }
     }
 

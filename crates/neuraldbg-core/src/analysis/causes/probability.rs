@@ -77,6 +77,16 @@ pub(crate) fn base_probability(run: &Run, e: &Episode) -> f64 {
             sig(6.0 * (base - 0.5)) * persist
         }
         Failure::SaturatedGradients => (0.1 + 0.25 * breadth * end).min(0.35),
+        // Replicas differ far beyond float noise (margin: decades past the tolerance); more
+        // certain the longer it lasts.
+        Failure::ReplicaDivergence => {
+            let persist = if e.to_end || e.duration >= 3 {
+                0.1
+            } else {
+                0.0
+            };
+            (0.6 + 0.1 * e.margin.min(3.0) + persist).min(0.97)
+        }
         Failure::DataAnomaly => {
             if e.margin.is_infinite() {
                 0.97
