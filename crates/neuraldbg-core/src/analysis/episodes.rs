@@ -397,7 +397,8 @@ fn locate_root(
         Failure::DataAnomaly
         | Failure::LossDivergence
         | Failure::LossPlateau
-        | Failure::StalledLayer => (at_onset.first().copied(), None),
+        | Failure::StalledLayer
+        | Failure::LossScaleCollapse => (at_onset.first().copied(), None),
     }
 }
 
@@ -462,6 +463,7 @@ fn precedence(f: Failure) -> u8 {
         Failure::LossDivergence => 6,
         Failure::SaturatedGradients => 7,
         Failure::LossPlateau => 8,
+        Failure::LossScaleCollapse => 9,
     }
 }
 

@@ -18,7 +18,10 @@ impl CauseRule for BadInputData {
     fn explains(&self, failure: Failure) -> bool {
         !matches!(
             failure,
-            Failure::LossPlateau | Failure::SaturatedGradients | Failure::StalledLayer
+            Failure::LossPlateau
+                | Failure::SaturatedGradients
+                | Failure::StalledLayer
+                | Failure::LossScaleCollapse
         )
     }
 
@@ -77,7 +80,10 @@ impl CauseRule for BadInputData {
             }
             Failure::DataAnomaly => v.add(4.0, "the input batch itself was anomalous"),
             Failure::LossDivergence => anomalous_batch(c, v, 4.0),
-            Failure::LossPlateau | Failure::SaturatedGradients | Failure::StalledLayer => {}
+            Failure::LossPlateau
+            | Failure::SaturatedGradients
+            | Failure::StalledLayer
+            | Failure::LossScaleCollapse => {}
         }
     }
 

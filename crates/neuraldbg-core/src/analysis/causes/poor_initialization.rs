@@ -19,7 +19,10 @@ impl CauseRule for PoorInitialization {
     fn explains(&self, failure: Failure) -> bool {
         !matches!(
             failure,
-            Failure::DataAnomaly | Failure::SaturatedGradients | Failure::StalledLayer
+            Failure::DataAnomaly
+                | Failure::SaturatedGradients
+                | Failure::StalledLayer
+                | Failure::LossScaleCollapse
         )
     }
 
@@ -105,7 +108,10 @@ impl CauseRule for PoorInitialization {
                     );
                 }
             }
-            Failure::DataAnomaly | Failure::SaturatedGradients | Failure::StalledLayer => {}
+            Failure::DataAnomaly
+            | Failure::SaturatedGradients
+            | Failure::StalledLayer
+            | Failure::LossScaleCollapse => {}
         }
     }
 
