@@ -461,6 +461,10 @@ class Collector:
                     self.loop.optimizer = optimizer
                 self._observe(lr=_lr_of(optimizer), skipped=True)
                 self.step += 1
+                try:
+                    self.loop.after_optimizer_step()
+                except Exception as e:  # pragma: no cover - defensive
+                    self._fail(e)
                 self._arm_probes(self._activations_next())
         finally:
             self.scaler = None
