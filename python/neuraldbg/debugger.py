@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import socket
 import time
 import warnings
 from typing import TYPE_CHECKING, Any, Dict, List, Literal, Optional, Tuple, Union
@@ -205,6 +206,9 @@ class NeuralDbg:
             "torch": str(torch.__version__),
             "model": type(self.model).__qualname__,
             "started": time.time(),
+            # `neuraldbg watch` on this machine tells a killed writer from a slow one.
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
         }
 
     def _close_trace(self) -> None:

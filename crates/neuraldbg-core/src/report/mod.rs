@@ -38,6 +38,9 @@ use crate::event::{EventType, SemanticEvent, Subject};
 use crate::history::Bucket;
 use crate::model::{Model, display_name};
 
+mod strip;
+pub use strip::{HealthStrip, StripRow, health_strip};
+
 /// Step columns at most (history buckets beyond are merged in groups).
 pub const MAX_COLUMNS: usize = 512;
 /// Layer rows at most in the heatmap (adjacent layers beyond are merged in groups).
