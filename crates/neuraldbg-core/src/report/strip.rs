@@ -79,6 +79,7 @@ mod tests {
 
     #[test]
     fn strip_shows_each_layer_state_in_its_newest_columns() {
+        use GradientHealth::{Healthy, NonFinite, Saturated, Vanishing};
         let mut engine = Engine::new(Config::default()).unwrap();
         let mut spec = ModelSpec::default();
         for name in ["a", "b"] {
@@ -101,7 +102,6 @@ mod tests {
         let strip = health_strip(&engine, 5).unwrap();
         assert_eq!(strip.columns, [(5, 5), (6, 6), (7, 7), (8, 8), (9, 9)]);
         assert_eq!(strip.rows[0].name, "a");
-        use GradientHealth::{Healthy, NonFinite, Saturated, Vanishing};
         assert_eq!(
             strip.rows[0].cells,
             [
