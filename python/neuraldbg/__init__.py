@@ -13,8 +13,11 @@ from .errors import (
     ModelError,
     NeuralDbgError,
     NeuralDbgWarning,
+    TraceError,
     UnknownNameError,
 )
+from ._results import Hypotheses
+from .run import TraceRun, load
 from .types import (
     ActivationHealth,
     CausalHypothesis,
@@ -33,6 +36,9 @@ __version__: str = _native.__version__
 
 __all__ = [
     "NeuralDbg",
+    "load",
+    "TraceRun",
+    "Hypotheses",
     "SemanticEvent",
     "CausalHypothesis",
     "RootCause",
@@ -49,6 +55,7 @@ __all__ = [
     "ModelError",
     "EngineError",
     "UnknownNameError",
+    "TraceError",
     "NeuralDbgWarning",
     "__version__",
 ]

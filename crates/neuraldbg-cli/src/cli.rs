@@ -98,6 +98,9 @@ pub enum Format {
     /// TensorBoard event files: per-layer gradient norms and run-wide series as scalars, the
     /// events and the diagnosis as text (`tensorboard --logdir OUT`)
     Tensorboard,
+    /// Parquet tables in OUT: history.parquet (every per-layer and run-wide series, one row per
+    /// series and step), events.parquet and hypotheses.parquet, for pandas, polars or DuckDB
+    Parquet,
 }
 
 #[derive(Debug, Args)]
@@ -106,8 +109,8 @@ pub struct Export {
     pub trace: PathBuf,
     #[arg(long, short, value_enum)]
     pub format: Format,
-    /// Output file (json, mermaid; default: standard output) or directory (tensorboard;
-    /// required)
+    /// Output file (json, mermaid; default: standard output) or directory (tensorboard,
+    /// parquet; required)
     #[arg(long, short, value_name = "OUT")]
     pub output: Option<PathBuf>,
 }

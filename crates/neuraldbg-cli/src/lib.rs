@@ -10,13 +10,14 @@
 //! ```text
 //! neuraldbg explain runs/x.ndbg [--json] [--failure FAILURE]
 //! neuraldbg events runs/x.ndbg [--layer L] [--kind K] [--json]
-//! neuraldbg export runs/x.ndbg --format json|mermaid|tensorboard [-o OUT]
+//! neuraldbg export runs/x.ndbg --format json|mermaid|tensorboard|parquet [-o OUT]
 //! neuraldbg info runs/x.ndbg [--json]
 //! neuraldbg watch runs/x.ndbg [--plain]
 //! ```
 
 mod cli;
 mod export;
+mod parquet;
 mod progress;
 mod tensorboard;
 mod text;
@@ -217,6 +218,12 @@ fn dispatch(cli: &Cli, io: &mut Io<'_>) -> Result<i32, Stop> {
                 "--format tensorboard writes a directory of event files: give it with -o DIR",
             ));
         }
+        if a.format == Format::Parquet && a.output.is_none() {
+            return Err(Stop::new(
+                EXIT_USAGE,
+                "--format parquet writes three tables (history, events, hypotheses): give their directory with -o DIR",
+            ));
+        }
     }
     let replay = load(path, io)?;
     match &cli.command {
@@ -391,6 +398,17 @@ fn export(replay: &Replay, a: &cli::Export, io: &mut Io<'_>) -> Result<(), Stop>
                 path.display(),
                 dir.display()
             ));
+            return Ok(());
+        }
+        Format::Parquet => {
+            let dir = a.output.as_deref().unwrap_or(Path::new("."));
+            std::fs::create_dir_all(dir).map_err(|e| {
+                Stop::new(EXIT_OUTPUT, format!("cannot create {}: {e}", dir.display()))
+            })?;
+            let written =
+                parquet::export(&replay.engine, dir).map_err(|e| Stop::new(EXIT_OUTPUT, e))?;
+            let names: Vec<String> = written.iter().map(|p| p.display().to_string()).collect();
+            io.note(&format!("neuraldbg: wrote {}", names.join(", ")));
             return Ok(());
         }
     };

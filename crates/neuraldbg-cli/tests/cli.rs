@@ -351,3 +351,36 @@ fn watch_refuses_a_file_that_is_not_a_trace() {
     let (code, _, err) = cli(&["watch", manifest, "--interval", "0"]);
     assert_eq!(code, EXIT_USAGE, "{err}");
 }
+
+#[test]
+fn parquet_export_writes_every_history_row() {
+    use parquet::file::reader::{FileReader, SerializedFileReader};
+    let dir = temp_dir();
+    let (path, live) = failing_trace(&dir);
+    let out = dir.join("pq");
+    let (code, _, err) = cli(&[
+        "export",
+        path.to_str().unwrap(),
+        "--format",
+        "parquet",
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    assert_eq!(code, EXIT_OK, "{err}");
+    let rows = |name: &str| {
+        let file = std::fs::File::open(out.join(name)).unwrap();
+        let n = SerializedFileReader::new(file)
+            .unwrap()
+            .metadata()
+            .file_metadata()
+            .num_rows();
+        usize::try_from(n).unwrap()
+    };
+    let table = neuraldbg_core::table::history_table(&live);
+    assert!(!table.is_empty());
+    assert_eq!(rows("history.parquet"), table.len());
+    assert_eq!(rows("events.parquet"), live.events().len());
+    let hypotheses = neuraldbg_core::analysis::explain(&live, None);
+    assert_eq!(rows("hypotheses.parquet"), hypotheses.len());
+    std::fs::remove_dir_all(dir).unwrap();
+}
