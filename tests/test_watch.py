@@ -83,21 +83,28 @@ def explain_lines(trace: Path) -> List[str]:
 
 def test_plain_mode_prints_events_as_they_are_confirmed_then_the_verdict(tmp_path: Path) -> None:
     train, trace = start_training(tmp_path, steps=60, delay=0.02)
+    err_path = tmp_path / "watch.err"
     try:
         # Started before the trace exists; stdout is a pipe, so plain mode is automatic.
-        watch = subprocess.Popen([CLI, "watch", str(trace), "--interval", "0.05"],
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        assert watch.stdout is not None
-        first_line = watch.stdout.readline()
-        # The first event arrived while the training process was still running.
-        assert train.poll() is None, "the run ended before watch printed its first event"
-        assert re.match(r"step +\d+ ", first_line), first_line
-        out, err = watch.communicate(timeout=120)
+        with open(err_path, "w") as err_file:
+            watch = subprocess.Popen([CLI, "watch", str(trace), "--interval", "0.05"],
+                                     stdout=subprocess.PIPE, stderr=err_file, text=True)
+            assert watch.stdout is not None
+            lines = []
+            running_at_first_event = None
+            for line in watch.stdout:
+                if running_at_first_event is None:
+                    # The first event arrived while the training process was still running.
+                    running_at_first_event = train.poll() is None
+                lines.append(line.rstrip("\n"))
+            watch.wait(timeout=120)
         assert train.wait(timeout=60) == 0
     finally:
         train.kill()
+    err = err_path.read_text()
     assert watch.returncode == 0, err
-    lines = [first_line.rstrip("\n")] + out.splitlines()
+    assert running_at_first_event, "the run ended before watch printed its first event"
+    assert re.match(r"step +\d+ ", lines[0]), lines[0]
     verdict = explain_lines(trace)
     assert lines[-len(verdict):] == verdict
     assert "exploding_gradients" in verdict[0]
@@ -186,8 +193,8 @@ def test_watch_tui_follows_a_running_training_and_survives_its_kill(tmp_path: Pa
     try:
         wait_for("the trace header", lambda: trace.exists() and trace.stat().st_size > 2000)
         tmux("new-session", "-d", "-s", "w", "-x", "110", "-y", "34",
-             f"{CLI} watch {trace} --interval 0.2; echo EXITED $?; sleep 600")
-        screen = lambda: tmux("capture-pane", "-p", "-t", "w")  # noqa: E731
+             f"cd {tmp_path} && {CLI} watch {trace.name} --interval 0.2; echo EXITED $?; sleep 600")
+        screen = lambda: tmux("capture-pane", "-p", "-J", "-t", "w")  # noqa: E731
 
         def step_shown() -> int:
             m = re.search(r"step (\d+)\s+steps (\d+)", screen())
@@ -240,7 +247,7 @@ def test_watch_tui_exits_when_the_run_closes_the_trace(tmp_path: Path, tmux) -> 
     try:
         tmux("new-session", "-d", "-s", "c", "-x", "100", "-y", "30",
              f"{CLI} watch {trace}; echo EXITED $?; sleep 600")
-        screen = lambda: tmux("capture-pane", "-p", "-t", "c")  # noqa: E731
+        screen = lambda: tmux("capture-pane", "-p", "-J", "-t", "c")  # noqa: E731
         wait_for("the view to start", lambda: "neuraldbg watch" in screen() or "step" in screen(), 30)
         assert train.wait(timeout=120) == 0
         wait_for("watch to exit once the trace is closed", lambda: "EXITED 0" in screen(), 30)

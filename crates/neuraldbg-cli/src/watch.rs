@@ -351,10 +351,26 @@ mod tui {
     use ratatui::layout::{Constraint, Layout, Rect};
     use ratatui::style::{Color, Modifier, Style};
     use ratatui::text::{Line, Span};
-    use ratatui::widgets::{Block, Paragraph, Wrap};
+    use ratatui::widgets::{Block, Paragraph};
 
-    /// Width of the layer names in the strip.
-    const NAME_WIDTH: usize = 22;
+    /// Widest the layer names in the strip get (longer ones keep their end: `…layer.11.mlp`).
+    const NAME_WIDTH: usize = 24;
+
+    /// Width of the name column: the longest name, within bounds.
+    pub fn name_width(follow: &Follow) -> usize {
+        follow
+            .engine
+            .as_ref()
+            .and_then(|e| e.model())
+            .map_or(4, |m| {
+                m.layers
+                    .iter()
+                    .map(|l| display_name(&l.name).chars().count())
+                    .max()
+                    .unwrap_or(4)
+            })
+            .clamp(4, NAME_WIDTH)
+    }
 
     pub fn colour(h: GradientHealth) -> Color {
         match h {
@@ -394,7 +410,8 @@ mod tui {
         pub hypotheses: Vec<CausalHypothesis>,
         pub events: Vec<String>,
         pub events_total: usize,
-        columns: usize,
+        /// Width of the layer-name column.
+        pub names: usize,
     }
 
     impl View {
@@ -402,7 +419,6 @@ mod tui {
             let Some(engine) = &follow.engine else {
                 return;
             };
-            self.columns = columns;
             self.strip = health_strip(engine, columns);
             self.hypotheses = explain(engine, None);
             let events = engine.events();
@@ -416,17 +432,17 @@ mod tui {
                 .collect();
         }
 
-        pub fn columns_for(area_width: u16) -> usize {
-            (area_width as usize).saturating_sub(NAME_WIDTH + 3).max(1)
+        pub fn columns_for(area_width: u16, names: usize) -> usize {
+            (area_width as usize).saturating_sub(names + 3).max(1)
         }
     }
 
     pub fn draw(frame: &mut Frame<'_>, follow: &Follow, view: &View) {
         let area = frame.area();
         let rows = view.strip.as_ref().map_or(1, |s| s.rows.len().max(1)) as u16;
-        let strip_height = (rows + 3).min(area.height.saturating_sub(12).max(5));
+        let strip_height = (rows + 2).min(area.height.saturating_sub(13).max(5));
         let [head, strip, hyps, events, foot] = Layout::vertical([
-            Constraint::Length(3),
+            Constraint::Length(4),
             Constraint::Length(strip_height),
             Constraint::Length(6),
             Constraint::Min(3),
@@ -542,7 +558,7 @@ mod tui {
         };
         for row in strip.rows.iter().take(shown) {
             let mut spans = vec![Span::styled(
-                format!("{} ", shorten(display_name(&row.name), NAME_WIDTH)),
+                format!("{} ", shorten(display_name(&row.name), view.names)),
                 Style::new().fg(Color::Gray),
             )];
             spans.extend(row.cells.iter().map(|c| glyph(*c)));
@@ -590,10 +606,10 @@ mod tui {
             };
             lines.push(Line::styled(h.to_string(), style));
         }
+        // One line each (the terminal cuts it): the ranking at a glance; `explain` prints them
+        // whole.
         frame.render_widget(
-            Paragraph::new(lines)
-                .wrap(Wrap { trim: false })
-                .block(Block::bordered().title(" Top hypotheses ")),
+            Paragraph::new(lines).block(Block::bordered().title(" Top hypotheses ")),
             area,
         );
     }
@@ -617,7 +633,8 @@ pub fn interactive(path: &Path, interval: Duration, io: &mut Io<'_>) -> Result<F
             let size = terminal.size().map_err(|e| crate::output_error(&e))?;
             let state = (follow.steps, follow.finished(), follow.caught_up);
             if seen != Some(state) || size.width != width {
-                view.refresh(&follow, tui::View::columns_for(size.width));
+                view.names = tui::name_width(&follow);
+                view.refresh(&follow, tui::View::columns_for(size.width, view.names));
                 seen = Some(state);
                 width = size.width;
             }
