@@ -219,7 +219,7 @@ def test_watch_tui_follows_a_running_training_and_survives_its_kill(tmp_path: Pa
             chromium = browser.find_chromium()
             if chromium:
                 png = tmp_path / "watch.png"
-                browser.screenshot(chromium, page, png, 1040, 720)
+                browser.screenshot(chromium, page, png, 1000, 600)
                 assert png.stat().st_size > 10_000
                 dest = os.environ.get("NEURALDBG_SCREENSHOTS")
                 if dest:
