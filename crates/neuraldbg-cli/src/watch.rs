@@ -204,8 +204,10 @@ impl Follow {
         }
         if let Writer::Alive(pid) = self.writer {
             if !self.closed && process_alive(pid) == Some(false) {
-                // Read once more: the writer may have appended its last steps before dying.
                 self.writer = Writer::Gone(pid);
+                // Read once more: the writer may have appended its last steps between this
+                // look's end of file and its death.
+                self.caught_up = false;
             }
         }
         if self.caught_up {
