@@ -159,3 +159,12 @@ def test_parquet_export_round_trips_with_pyarrow(run, tmp_path: Path) -> None:
     # Without -o there is nowhere to put three files.
     proc = subprocess.run([CLI, "export", str(path), "--format", "parquet"], capture_output=True, text=True)
     assert proc.returncode == 2 and "-o DIR" in proc.stderr
+
+
+def test_to_polars_has_the_same_rows(run) -> None:
+    pl = pytest.importorskip("polars")  # optional: not installed by make test
+    dbg, _, _ = run
+    got = dbg.to_polars()
+    want = dbg.to_pandas()
+    assert isinstance(got, pl.DataFrame) and got.height == len(want)
+    assert got["step"].to_list() == list(want.step)
