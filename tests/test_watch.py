@@ -237,6 +237,13 @@ def test_watch_tui_follows_a_running_training_and_survives_its_kill(tmp_path: Pa
         # Back on the normal screen: the verdict, as `explain` prints it.
         for line in verdict[:3]:
             assert line[:100] in after.replace("\n", ""), (line, after)
+        # Ctrl-C quits as well (the terminal is in raw mode: it arrives as a key).
+        tmux("new-window", "-t", "w", "-n", "again",
+             f"cd {tmp_path} && {CLI} watch {trace.name}; echo EXITED $?; sleep 600")
+        again = lambda: tmux("capture-pane", "-p", "-J", "-t", "w:again")  # noqa: E731
+        wait_for("the second view", lambda: "without closing the trace" in again(), 30)
+        tmux("send-keys", "-t", "w:again", "C-c")
+        wait_for("watch to exit on Ctrl-C", lambda: "EXITED 0" in again(), 30)
     finally:
         train.kill()
         train.wait()
