@@ -521,6 +521,7 @@ mod tests {
             "events",
             "export",
             "info",
+            "watch",
             "Exit codes",
             "--strict",
         ] {
