@@ -14,6 +14,7 @@ from .errors import (
     NeuralDbgError,
     NeuralDbgWarning,
     TraceError,
+    TrainingFailure,
     UnknownNameError,
 )
 from ._results import Hypotheses
@@ -56,6 +57,7 @@ __all__ = [
     "EngineError",
     "UnknownNameError",
     "TraceError",
+    "TrainingFailure",
     "NeuralDbgWarning",
     "__version__",
 ]

@@ -44,6 +44,7 @@ pub mod report;
 pub mod table;
 pub mod trace;
 mod track;
+pub mod training_loop;
 
 pub use analysis::{Analysis, CausalHypothesis, Cause, Coupling, CouplingKind, Failure, RootCause};
 pub use config::Config;

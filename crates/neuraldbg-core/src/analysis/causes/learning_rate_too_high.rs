@@ -16,7 +16,7 @@ impl CauseRule for LearningRateTooHigh {
     }
 
     fn explains(&self, failure: Failure) -> bool {
-        failure != Failure::DataAnomaly
+        !matches!(failure, Failure::DataAnomaly | Failure::LossScaleCollapse)
     }
 
     fn evidence(&self, c: &Case<'_>, v: &mut Votes) {
@@ -127,6 +127,7 @@ impl CauseRule for LearningRateTooHigh {
                     v.add(1.0, "gradient norms grew with it");
                 }
             }
+            Failure::LossScaleCollapse => {}
             Failure::LossPlateau => {
                 if ev.loss_peak_ratio >= 2.0 {
                     v.add(

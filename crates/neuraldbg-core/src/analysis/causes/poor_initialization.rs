@@ -17,7 +17,10 @@ impl CauseRule for PoorInitialization {
     }
 
     fn explains(&self, failure: Failure) -> bool {
-        !matches!(failure, Failure::DataAnomaly | Failure::SaturatedGradients)
+        !matches!(
+            failure,
+            Failure::DataAnomaly | Failure::SaturatedGradients | Failure::LossScaleCollapse
+        )
     }
 
     fn evidence(&self, c: &Case<'_>, v: &mut Votes) {
@@ -93,6 +96,7 @@ impl CauseRule for PoorInitialization {
                     v.add(1.0, "the loss rose from the first steps");
                 }
             }
+            Failure::LossScaleCollapse => {}
             Failure::LossPlateau => {
                 if f.at_start && (ev.gain_too_large() || ev.gain_too_small()) {
                     v.add(
