@@ -7,7 +7,7 @@ PY      := $(VENV)/bin/python
 STAMPS  := .stamps
 SOURCES := $(shell find crates python -type f \( -name '*.rs' -o -name '*.py' -o -name '*.pyi' -o -name 'Cargo.toml' -o -name '*.js' -o -name '*.css' -o -name '*.html' \) 2>/dev/null) Cargo.toml pyproject.toml
 
-.PHONY: all demo test test-rust test-python lint bench bench-overhead bench-distributed bench-engine bench-memory bench-diagnosis bench-report bench-trace build browser report-screenshot clean
+.PHONY: all demo test test-rust test-python lint bench bench-overhead bench-distributed bench-engine bench-memory bench-diagnosis bench-report bench-trace build browser terminal report-screenshot watch-screenshot clean
 
 all: test
 
@@ -34,6 +34,15 @@ $(CHROMIUM):
 
 browser: $(CHROMIUM)
 
+# tmux is the real terminal `neuraldbg watch` is tested in (tests/test_watch.py): Debian's
+# package, installed once like Chromium.
+TMUX ?= /usr/bin/tmux
+$(TMUX):
+	$(if $(filter 0,$(shell id -u)),,sudo) apt-get update -qq
+	DEBIAN_FRONTEND=noninteractive $(if $(filter 0,$(shell id -u)),,sudo) apt-get install -y -qq tmux >/dev/null
+
+terminal: $(TMUX)
+
 demo: build
 	$(PY) examples/demo_vanishing_gradients.py
 
@@ -44,7 +53,7 @@ lint:
 test-rust:
 	cargo test --workspace --quiet
 
-test-python: build browser
+test-python: build browser terminal
 	NEURALDBG_CHROMIUM=$(CHROMIUM) $(PY) -m pytest tests
 
 test: lint test-rust test-python
@@ -59,6 +68,10 @@ bench-report:
 # docs/report.png: the report of a scenario with a planted failure, as Chromium draws it.
 report-screenshot: build browser
 	$(PY) bench/report.py cnn_lr_schedule_explosion -o runs/report.html --png docs/report.png
+
+# docs/watch.png: `neuraldbg watch` following a live run in tmux, as tests/test_watch.py sees it.
+watch-screenshot: build browser terminal
+	NEURALDBG_CHROMIUM=$(CHROMIUM) NEURALDBG_SCREENSHOTS=docs $(PY) -m pytest -q tests/test_watch.py -k survives
 
 bench-trace: build
 	$(PY) bench/trace_size.py

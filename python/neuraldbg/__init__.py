@@ -13,9 +13,12 @@ from .errors import (
     ModelError,
     NeuralDbgError,
     NeuralDbgWarning,
+    TraceError,
     TrainingFailure,
     UnknownNameError,
 )
+from ._results import Hypotheses
+from .run import TraceRun, load
 from .types import (
     ActivationHealth,
     CausalHypothesis,
@@ -35,6 +38,9 @@ __version__: str = _native.__version__
 
 __all__ = [
     "NeuralDbg",
+    "load",
+    "TraceRun",
+    "Hypotheses",
     "SemanticEvent",
     "CausalHypothesis",
     "RootCause",
@@ -52,6 +58,7 @@ __all__ = [
     "ModelError",
     "EngineError",
     "UnknownNameError",
+    "TraceError",
     "TrainingFailure",
     "NeuralDbgWarning",
     "__version__",

@@ -1,7 +1,7 @@
 """Type stubs of the Rust extension module (crates/neuraldbg-py)."""
 
 import os
-from typing import Dict, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import numpy.typing as npt
@@ -21,6 +21,10 @@ class Engine:
     """The NeuralDBG engine for one watched model."""
 
     def __new__(cls, config_json: str) -> "Engine": ...
+    @staticmethod
+    def load_trace(path: Union[str, os.PathLike[str]]) -> Tuple["Engine", str]:
+        """Replays a trace into a new engine: ``(engine, facts_json)`` (TraceError if it cannot
+        be read)."""
     def open_trace(
         self,
         path: Union[str, os.PathLike[str]],
@@ -66,9 +70,23 @@ class Engine:
     def couplings_json(self, window: int) -> str: ...
     def causal_chain_json(self, failure: str) -> str: ...
     def mermaid(self) -> str: ...
-    def report_html(self, title: str) -> str:
-        """The self-contained HTML report of the run."""
+    def report_html(self, title: str, sections: str = "all", failure: Optional[str] = None) -> str:
+        """The self-contained HTML report of the run (``sections``: all, verdict_heatmap or
+        verdict)."""
     def history(
         self, name: Optional[str], metric: str, reduce: str = "last"
     ) -> Tuple[npt.NDArray[np.uint64], npt.NDArray[np.float64]]: ...
+    def history_table(
+        self,
+    ) -> Tuple[
+        List[Tuple[str, Optional[str], str]],
+        npt.NDArray[np.uint32],
+        npt.NDArray[np.uint64],
+        npt.NDArray[np.uint64],
+        npt.NDArray[np.float64],
+        npt.NDArray[np.float64],
+        npt.NDArray[np.float64],
+    ]:
+        """Every history series as one long table: the series keys ``(group, module, metric)``
+        and the columns series index, first step, step, value, min, max."""
     def heap_bytes(self) -> int: ...

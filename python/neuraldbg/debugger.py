@@ -6,15 +6,15 @@ import json
 import math
 import os
 import platform
+import socket
 import time
 import warnings
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Literal, Optional, Set, Tuple, Union
 
-import numpy as np
-
 from . import _native
 from .errors import ConfigError, ModelError, NeuralDbgError, NeuralDbgWarning, TrainingFailure
-from .types import CausalHypothesis, CoupledFailure, Failure, RootCause, SemanticEvent
+from ._results import Results
+from .types import CausalHypothesis, Failure
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -27,7 +27,7 @@ _STEP_ON = ("optimizer", "backward")
 _DISTRIBUTED = ("auto", "off")
 
 
-class NeuralDbg:
+class NeuralDbg(Results):
     """Watches one model's training and explains why it failed.
 
     Use it as a context manager around an unchanged training loop::
@@ -330,6 +330,9 @@ class NeuralDbg:
             "torch": str(torch.__version__),
             "model": type(self.model).__qualname__,
             "started": time.time(),
+            # `neuraldbg watch` on this machine tells a killed writer from a slow one.
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
         }
 
     def _close_trace(self) -> None:
@@ -372,84 +375,11 @@ class NeuralDbg:
         if self._collector is not None and self._active:
             self._collector.flush()
 
-    @property
-    def events(self) -> List[SemanticEvent]:
-        """Semantic events (confirmed health transitions), in step order."""
-        self._sync()
-        return [SemanticEvent._from_json(e) for e in json.loads(self._engine.events_json())]
-
-    def explain_failure(self, failure_type: Union[str, Failure, None] = None) -> List[CausalHypothesis]:
-        """Ranked causal hypotheses, most likely first.
-
-        With no argument, explains whatever went wrong; with a failure name (see
-        :class:`~neuraldbg.Failure`) only that failure. A healthy run returns no hypothesis with
-        confidence >= 0.5.
-        """
-        self._sync()
-        name = None if failure_type is None else str(failure_type)
-        return [CausalHypothesis._from_json(h) for h in json.loads(self._engine.explain_json(name))]
-
-    def get_root_causes(self) -> List[RootCause]:
-        """The root of each failure that no other failure explains, in step order."""
-        self._sync()
-        return [RootCause._from_json(r) for r in json.loads(self._engine.root_causes_json())]
-
-    def detect_coupled_failures(self, window: int = 5) -> List[CoupledFailure]:
-        """Pairs of failure events within ``window`` steps: ``structural`` when they are in
-        adjacent layers (N and N-1 in forward order), ``temporal`` otherwise."""
-        if isinstance(window, bool) or not isinstance(window, int) or window < 0:
-            raise ConfigError(f"window must be a non-negative integer, got {window!r}")
-        self._sync()
-        return [CoupledFailure._from_json(c) for c in json.loads(self._engine.couplings_json(window))]
-
-    def trace_causal_chain(self, kind: Union[str, Failure]) -> List[SemanticEvent]:
-        """The events of the most significant ``kind`` failure, from its root cause through its
-        consequences."""
-        self._sync()
-        return [SemanticEvent._from_json(e) for e in json.loads(self._engine.causal_chain_json(str(kind)))]
-
-    def export_mermaid_causal_graph(self) -> str:
-        """The causal graph (causes -> failures -> consequences) as a Mermaid flowchart."""
-        self._sync()
-        return str(self._engine.mermaid())
-
-    def save_report(self, path: Union[str, "os.PathLike[str]"], title: Optional[str] = None) -> None:
-        """Writes a self-contained HTML report of the run to ``path`` (UTF-8).
-
-        Open it in any browser, offline: it loads nothing from the network. It shows the
-        verdict first (the ranked hypotheses with their remedies), a layers x steps heatmap of
-        gradient norms (log colour scale, thresholds marked, the root-cause layer and onset
-        step highlighted), the gradient-norm curves of the implicated layers, the event
-        timeline and the causal graph. Long or wide runs are downsampled keeping each bucket's
-        minimum and maximum, so a NaN or a spike always shows; the file stays a few MB at most.
-
-        Can be called during training (a snapshot so far) or after it. ``title`` defaults to
-        ``"NeuralDBG report: <model class>"``.
-        """
-        if title is None:
-            title = f"NeuralDBG report: {type(self.model).__name__}"
-        html = self._engine.report_html(str(title))
-        with open(os.fspath(path), "w", encoding="utf-8") as f:
-            f.write(html)
-
-    def history(
-        self, layer: Optional[str], metric: str = "grad_norm", reduce: str = "last"
-    ) -> Tuple[np.ndarray, np.ndarray]:
-        """``(steps, values)`` of one series, for plotting.
-
-        ``layer`` is a qualified module name (``model.named_modules()``), or None for run-wide
-        series. Layer metrics: ``grad_norm``, ``weight_norm``; activation modules:
-        ``saturated_fraction``, ``dead_fraction``, ``activation_absmax``; run-wide: ``loss``,
-        ``lr``, ``grad_norm`` (total), ``input_scale``. Memory is bounded: long runs are
-        downsampled into buckets (``reduce``: ``last``, ``min`` or ``max`` of each bucket;
-        ``max`` is NaN for a bucket that held a NaN/Inf).
-        """
-        self._sync()
-        steps, values = self._engine.history(layer, metric, reduce)
-        return np.asarray(steps), np.asarray(values)
+    def _title(self) -> str:
+        return f"NeuralDBG report: {type(self.model).__name__}"
 
     def __repr__(self) -> str:
-        state = "active" if self._active else "idle"
+        state = "active" if self._active else ("finished" if self._collector is not None else "idle")
         return f"NeuralDbg({type(self.model).__name__}, step={self.step}, {state})"
 
 

@@ -15,6 +15,8 @@ __all__ = [
     "ModelError",
     "EngineError",
     "UnknownNameError",
+    "TraceError",
+
     "TrainingFailure",
     "NeuralDbgWarning",
 ]
@@ -38,6 +40,11 @@ class EngineError(NeuralDbgError, RuntimeError):
 
 class UnknownNameError(NeuralDbgError, ValueError):
     """A layer, metric, failure or event name that does not exist."""
+
+
+class TraceError(NeuralDbgError, OSError):
+    """A trace file cannot be read: missing, not a trace, written by a newer NeuralDBG, damaged
+    before its first step, or holding no training step."""
 
 
 class TrainingFailure(NeuralDbgError):

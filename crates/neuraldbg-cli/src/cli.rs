@@ -54,6 +54,8 @@ pub enum Command {
     Report(Report),
     /// What a trace holds: model, steps, size, whether it was closed or is damaged
     Info(Info),
+    /// Follow a trace while the run writes it: steps/s, per-layer health, events, top hypotheses
+    Watch(Watch),
 }
 
 #[derive(Debug, Args)]
@@ -96,6 +98,9 @@ pub enum Format {
     /// TensorBoard event files: per-layer gradient norms and run-wide series as scalars, the
     /// events and the diagnosis as text (`tensorboard --logdir OUT`)
     Tensorboard,
+    /// Parquet tables in OUT: history.parquet (every per-layer and run-wide series, one row per
+    /// series and step), events.parquet and hypotheses.parquet, for pandas, polars or DuckDB
+    Parquet,
 }
 
 #[derive(Debug, Args)]
@@ -104,8 +109,8 @@ pub struct Export {
     pub trace: PathBuf,
     #[arg(long, short, value_enum)]
     pub format: Format,
-    /// Output file (json, mermaid; default: standard output) or directory (tensorboard;
-    /// required)
+    /// Output file (json, mermaid; default: standard output) or directory (tensorboard,
+    /// parquet; required)
     #[arg(long, short, value_name = "OUT")]
     pub output: Option<PathBuf>,
 }
@@ -120,6 +125,29 @@ pub struct Report {
     /// Title of the page (default: the trace's file name)
     #[arg(long)]
     pub title: Option<String>,
+}
+
+#[derive(Debug, Args)]
+pub struct Watch {
+    /// The trace file (.ndbg); it may not exist yet (the view waits for the run to create it)
+    pub trace: PathBuf,
+    /// Print one line per confirmed event and the verdict at the end, for logs and job
+    /// schedulers (the default when standard output is not a terminal). Ends when the trace is
+    /// closed, damaged, or its writer on this machine stopped
+    #[arg(long)]
+    pub plain: bool,
+    /// Seconds between two looks at the file
+    #[arg(long, value_name = "SECONDS", default_value_t = 0.5, value_parser = interval)]
+    pub interval: f64,
+}
+
+fn interval(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(v) if v.is_finite() && (0.01..=3600.0).contains(&v) => Ok(v),
+        _ => Err(format!(
+            "expected a number of seconds between 0.01 and 3600, got {text:?}"
+        )),
+    }
 }
 
 #[derive(Debug, Args)]

@@ -10,15 +10,18 @@
 //! ```text
 //! neuraldbg explain runs/x.ndbg [--json] [--failure FAILURE]
 //! neuraldbg events runs/x.ndbg [--layer L] [--kind K] [--json]
-//! neuraldbg export runs/x.ndbg --format json|mermaid|tensorboard [-o OUT]
+//! neuraldbg export runs/x.ndbg --format json|mermaid|tensorboard|parquet [-o OUT]
 //! neuraldbg info runs/x.ndbg [--json]
+//! neuraldbg watch runs/x.ndbg [--plain]
 //! ```
 
 mod cli;
 mod export;
+mod parquet;
 mod progress;
 mod tensorboard;
 mod text;
+mod watch;
 
 use std::ffi::OsString;
 use std::io::{IsTerminal, Write};
@@ -83,6 +86,8 @@ struct Io<'a> {
     err: &'a mut dyn Write,
     /// Draw progress on the real standard error.
     progress: bool,
+    /// Standard output is a terminal (`watch` then draws its terminal UI).
+    tty: bool,
 }
 
 impl Io<'_> {
@@ -117,7 +122,8 @@ where
     let stdout = std::io::stdout();
     let stderr = std::io::stderr();
     let progress = stderr.is_terminal();
-    let code = run_with(args, &mut stdout.lock(), &mut stderr.lock(), progress);
+    let tty = stdout.is_terminal();
+    let code = run_inner(args, &mut stdout.lock(), &mut stderr.lock(), progress, tty);
     let _ = std::io::stdout().flush();
     code
 }
@@ -125,6 +131,20 @@ where
 /// [`run`] with explicit output streams. `progress`: draw progress on standard error (only
 /// sensible when it is a terminal).
 pub fn run_with<I, T>(args: I, out: &mut dyn Write, err: &mut dyn Write, progress: bool) -> i32
+where
+    I: IntoIterator<Item = T>,
+    T: Into<OsString> + Clone,
+{
+    run_inner(args, out, err, progress, false)
+}
+
+fn run_inner<I, T>(
+    args: I,
+    out: &mut dyn Write,
+    err: &mut dyn Write,
+    progress: bool,
+    tty: bool,
+) -> i32
 where
     I: IntoIterator<Item = T>,
     T: Into<OsString> + Clone,
@@ -146,6 +166,7 @@ where
         out,
         err,
         progress: progress && !cli.quiet,
+        tty,
     };
     // Malformed traces are errors, never panics; should a bug panic anyway, say so plainly
     // (the default hook has already printed where).
@@ -175,6 +196,19 @@ fn dispatch(cli: &Cli, io: &mut Io<'_>) -> Result<i32, Stop> {
         Command::Export(a) => &a.trace,
         Command::Report(a) => &a.trace,
         Command::Info(a) => &a.trace,
+        Command::Watch(a) => {
+            let interval = std::time::Duration::from_secs_f64(a.interval);
+            let follow = if a.plain || !io.tty {
+                watch::plain(&a.trace, interval, io)?
+            } else {
+                watch::interactive(&a.trace, interval, io)?
+            };
+            return Ok(if cli.strict && follow.damage.is_some() {
+                EXIT_DAMAGED
+            } else {
+                EXIT_OK
+            });
+        }
     };
     // Arguments that need no trace are checked before a possibly long read.
     if let Command::Export(a) = &cli.command {
@@ -182,6 +216,12 @@ fn dispatch(cli: &Cli, io: &mut Io<'_>) -> Result<i32, Stop> {
             return Err(Stop::new(
                 EXIT_USAGE,
                 "--format tensorboard writes a directory of event files: give it with -o DIR",
+            ));
+        }
+        if a.format == Format::Parquet && a.output.is_none() {
+            return Err(Stop::new(
+                EXIT_USAGE,
+                "--format parquet writes three tables (history, events, hypotheses): give their directory with -o DIR",
             ));
         }
     }
@@ -192,6 +232,7 @@ fn dispatch(cli: &Cli, io: &mut Io<'_>) -> Result<i32, Stop> {
         Command::Export(a) => export(&replay, a, io)?,
         Command::Report(a) => report(&replay, a, io)?,
         Command::Info(a) => info(&replay, a, io)?,
+        Command::Watch(_) => {}
     }
     Ok(if cli.strict && replay.damage.is_some() {
         EXIT_DAMAGED
@@ -359,6 +400,17 @@ fn export(replay: &Replay, a: &cli::Export, io: &mut Io<'_>) -> Result<(), Stop>
             ));
             return Ok(());
         }
+        Format::Parquet => {
+            let dir = a.output.as_deref().unwrap_or(Path::new("."));
+            std::fs::create_dir_all(dir).map_err(|e| {
+                Stop::new(EXIT_OUTPUT, format!("cannot create {}: {e}", dir.display()))
+            })?;
+            let written =
+                parquet::export(&replay.engine, dir).map_err(|e| Stop::new(EXIT_OUTPUT, e))?;
+            let names: Vec<String> = written.iter().map(|p| p.display().to_string()).collect();
+            io.note(&format!("neuraldbg: wrote {}", names.join(", ")));
+            return Ok(());
+        }
     };
     match &a.output {
         Some(path) => write_file(path, format!("{text}\n").as_bytes()),
@@ -469,6 +521,7 @@ mod tests {
             "events",
             "export",
             "info",
+            "watch",
             "Exit codes",
             "--strict",
         ] {

@@ -247,3 +247,140 @@ fn damaged_newer_and_empty_traces() {
     assert!(err.contains("directory"), "{err}");
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// This machine's name, as `neuraldbg watch` reads it.
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .unwrap()
+        .trim()
+        .to_string()
+}
+
+/// Writes the failing run of [`failing_trace`] step by step from another thread, as a training
+/// process would, with `meta` in the header; closes the trace at the end when `close`.
+fn write_slowly(
+    path: PathBuf,
+    meta: Map<String, Value>,
+    close: bool,
+) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        let depth = 4;
+        let mut w = TraceWriter::create(&path, meta, WriterOptions::default()).unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        w.write_header(&Config::default(), &spec(depth)).unwrap();
+        for step in 0..40 {
+            w.write_step(&observation(depth, step).view()).unwrap();
+            std::thread::sleep(std::time::Duration::from_millis(3));
+        }
+        if close {
+            w.close().unwrap();
+        } else {
+            // A killed process closes nothing: the file ends after its last step.
+            std::mem::forget(w);
+        }
+    })
+}
+
+#[cfg(target_os = "linux")]
+#[test]
+fn watch_plain_follows_a_trace_being_written() {
+    let dir = temp_dir();
+    let path = dir.join("live.ndbg");
+    let mut meta = Map::new();
+    meta.insert("pid".into(), std::process::id().into());
+    meta.insert("host".into(), hostname().into());
+    meta.insert("model".into(), "Net".into());
+    // The watcher starts before the file exists.
+    let writer = write_slowly(path.clone(), meta, true);
+    let p = path.to_str().unwrap();
+    let (code, out, err) = cli(&["watch", p, "--plain", "--interval", "0.01"]);
+    writer.join().unwrap();
+    assert_eq!(code, EXIT_OK, "{err}");
+    assert!(
+        err.contains("watching") && err.contains("4 layers"),
+        "{err}"
+    );
+    // One line per event (in the order they were confirmed), then the verdict: the same
+    // lines `events` and `explain` print from the finished trace.
+    let (_, events, _) = cli(&["events", p]);
+    let (_, verdict, _) = cli(&["explain", p]);
+    let mut lines: Vec<&str> = out.lines().collect();
+    let tail = lines.split_off(lines.len() - verdict.lines().count());
+    assert_eq!(tail, verdict.lines().collect::<Vec<_>>());
+    let mut sorted = lines.clone();
+    sorted.sort_unstable();
+    let mut expected: Vec<&str> = events.lines().collect();
+    expected.sort_unstable();
+    assert!(!expected.is_empty());
+    assert_eq!(sorted, expected);
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[cfg(target_os = "linux")]
+#[test]
+fn watch_plain_says_when_the_writer_was_killed() {
+    let dir = temp_dir();
+    let path = dir.join("killed.ndbg");
+    // A process that has exited: the trace it "wrote" was never closed.
+    let mut child = std::process::Command::new("true").spawn().unwrap();
+    let pid = child.id();
+    child.wait().unwrap();
+    let mut meta = Map::new();
+    meta.insert("pid".into(), pid.into());
+    meta.insert("host".into(), hostname().into());
+    write_slowly(path.clone(), meta, false).join().unwrap();
+    let (code, out, err) = cli(&["watch", path.to_str().unwrap(), "--interval", "0.01"]);
+    assert_eq!(code, EXIT_OK, "{err}");
+    assert!(
+        err.contains(&format!("process {pid}")) && err.contains("without closing"),
+        "{err}"
+    );
+    assert!(
+        out.contains("exploding_gradients") || out.contains("non_finite"),
+        "{out}"
+    );
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn watch_refuses_a_file_that_is_not_a_trace() {
+    let manifest = concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml");
+    let (code, _, err) = cli(&["watch", manifest]);
+    assert_eq!(code, EXIT_UNREADABLE);
+    assert!(err.contains("not a NeuralDBG trace"), "{err}");
+    let (code, _, err) = cli(&["watch", manifest, "--interval", "0"]);
+    assert_eq!(code, EXIT_USAGE, "{err}");
+}
+
+#[test]
+fn parquet_export_writes_every_history_row() {
+    use parquet::file::reader::{FileReader, SerializedFileReader};
+    let dir = temp_dir();
+    let (path, live) = failing_trace(&dir);
+    let out = dir.join("pq");
+    let (code, _, err) = cli(&[
+        "export",
+        path.to_str().unwrap(),
+        "--format",
+        "parquet",
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    assert_eq!(code, EXIT_OK, "{err}");
+    let rows = |name: &str| {
+        let file = std::fs::File::open(out.join(name)).unwrap();
+        let n = SerializedFileReader::new(file)
+            .unwrap()
+            .metadata()
+            .file_metadata()
+            .num_rows();
+        usize::try_from(n).unwrap()
+    };
+    let table = neuraldbg_core::table::history_table(&live);
+    assert!(!table.is_empty());
+    assert_eq!(rows("history.parquet"), table.len());
+    assert_eq!(rows("events.parquet"), live.events().len());
+    let hypotheses = neuraldbg_core::analysis::explain(&live, None);
+    assert_eq!(rows("hypotheses.parquet"), hypotheses.len());
+    std::fs::remove_dir_all(dir).unwrap();
+}

@@ -41,6 +41,7 @@ mod named;
 mod observation;
 pub mod output;
 pub mod report;
+pub mod table;
 pub mod trace;
 mod track;
 pub mod training_loop;

@@ -10,7 +10,7 @@
 use std::ffi::CString;
 
 use neuraldbg_core::analysis::{self, Analysis, parse_failure};
-use neuraldbg_core::trace::{SyncPolicy, TraceWriter, WriterOptions};
+use neuraldbg_core::trace::{Replay, SyncPolicy, TraceReader, TraceWriter, WriterOptions};
 use neuraldbg_core::{
     Config, ConfigError, Engine, EngineError, Fact, Measure, ModelSpec, Reduce, StepView, output,
 };
@@ -104,6 +104,18 @@ fn measures(py: Python<'_>, d: Option<&Bound<'_, PyDict>>) -> PyResult<Vec<(Meas
 /// `(steps, values)` of a history series.
 type Series<'py> = (Bound<'py, PyArray1<u64>>, Bound<'py, PyArray1<f64>>);
 
+/// `neuraldbg_core::table::HistoryTable`: the series keys `(group, module, metric)`, then the
+/// columns series index, first step, step, value, min, max.
+type Table<'py> = (
+    Vec<(&'static str, Option<String>, &'static str)>,
+    Bound<'py, PyArray1<u32>>,
+    Bound<'py, PyArray1<u64>>,
+    Bound<'py, PyArray1<u64>>,
+    Bound<'py, PyArray1<f64>>,
+    Bound<'py, PyArray1<f64>>,
+    Bound<'py, PyArray1<f64>>,
+);
+
 /// Emits a `neuraldbg.NeuralDbgWarning` (best effort: a warning filter that raises is ignored,
 /// monitoring must not break training).
 fn warn(py: Python<'_>, message: &str) {
@@ -163,6 +175,30 @@ impl PyEngine {
         let config = Config::from_json(config_json).map_err(|e| config_err(py, &e))?;
         let inner = Engine::new(config).map_err(|e| to_py_err(py, &e))?;
         Ok(Self { inner, trace: None })
+    }
+
+    /// Replays a trace file into a new engine: `(engine, facts_json)`, the facts being the
+    /// reading's outcome (steps, closed, damage) and the header's metadata.
+    #[staticmethod]
+    fn load_trace(py: Python<'_>, path: std::path::PathBuf) -> PyResult<(Self, String)> {
+        let replay = py
+            .detach(|| TraceReader::open(&path).and_then(|r| Replay::read(r, |_| {})))
+            .map_err(|e| raise(py, "TraceError", &e.to_string()))?;
+        let facts = serde_json::json!({
+            "path": replay.origin,
+            "steps": replay.steps,
+            "first_step": replay.first_step,
+            "closed": replay.closed,
+            "damage": replay.damage.as_ref().map(ToString::to_string),
+            "meta": replay.header.meta,
+        });
+        Ok((
+            Self {
+                inner: replay.engine,
+                trace: None,
+            },
+            facts.to_string(),
+        ))
     }
 
     /// Starts recording this engine's inputs to a trace file (directories are created, an
@@ -345,10 +381,38 @@ impl PyEngine {
         analysis::mermaid(&self.inner)
     }
 
-    /// The self-contained HTML report of the run (`neuraldbg_core::report::render_html`).
-    fn report_html(&self, py: Python<'_>, title: &str) -> String {
+    /// The self-contained HTML report of the run (`neuraldbg_core::report::render_html_with`):
+    /// `sections` is `all`, `verdict_heatmap` or `verdict`; `failure` restricts the verdict.
+    #[pyo3(signature = (title, sections="all", failure=None))]
+    fn report_html(
+        &self,
+        py: Python<'_>,
+        title: &str,
+        sections: &str,
+        failure: Option<&str>,
+    ) -> PyResult<String> {
+        use neuraldbg_core::report::{Options, Sections};
+        let sections = match sections {
+            "all" => Sections::All,
+            "verdict_heatmap" => Sections::VerdictAndHeatmap,
+            "verdict" => Sections::Verdict,
+            other => {
+                return Err(raise(
+                    py,
+                    "UnknownNameError",
+                    &format!(
+                        "unknown sections {other:?}; expected all, verdict_heatmap or verdict"
+                    ),
+                ));
+            }
+        };
+        let only = failure
+            .map(parse_failure)
+            .transpose()
+            .map_err(|e| to_py_err(py, &e))?;
         let engine = &self.inner;
-        py.detach(|| neuraldbg_core::report::render_html(engine, title))
+        let options = Options { sections, only };
+        Ok(py.detach(|| neuraldbg_core::report::render_html_with(engine, title, &options)))
     }
 
     /// `(steps, values)` of a series as numpy arrays.
@@ -372,6 +436,25 @@ impl PyEngine {
             .history(name, metric, reduce)
             .map_err(|e| to_py_err(py, &e))?;
         Ok((steps.into_pyarray(py), values.into_pyarray(py)))
+    }
+
+    /// Every history series as one long table (`neuraldbg_core::table::history_table`).
+    fn history_table<'py>(&self, py: Python<'py>) -> Table<'py> {
+        let t = neuraldbg_core::table::history_table(&self.inner);
+        let keys = t
+            .keys
+            .into_iter()
+            .map(|k| (k.group.as_str(), k.module, k.metric))
+            .collect();
+        (
+            keys,
+            t.series.into_pyarray(py),
+            t.first_step.into_pyarray(py),
+            t.step.into_pyarray(py),
+            t.value.into_pyarray(py),
+            t.min.into_pyarray(py),
+            t.max.into_pyarray(py),
+        )
     }
 
     /// Bytes held by the engine's histories and events.

@@ -31,12 +31,15 @@ use std::fmt::Write as _;
 
 use serde::{Serialize, Serializer};
 
-use crate::analysis::{Analysis, CausalHypothesis};
+use crate::analysis::{Analysis, CausalHypothesis, Failure};
 use crate::config::Config;
 use crate::engine::{Engine, Global, Run};
 use crate::event::{EventType, SemanticEvent, Subject};
 use crate::history::Bucket;
 use crate::model::{Model, display_name};
+
+mod strip;
+pub use strip::{HealthStrip, StripRow, health_strip};
 
 /// Step columns at most (history buckets beyond are merged in groups).
 pub const MAX_COLUMNS: usize = 512;
@@ -62,6 +65,27 @@ const TEMPLATE: &str = include_str!("report.html");
 const STYLE: &str = include_str!("report.css");
 const SCRIPT: &str = include_str!("report.js");
 
+/// Which parts of the report a page shows.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Sections {
+    /// The whole report: verdict, heatmap, curves, event timeline, causal graph.
+    #[default]
+    All,
+    /// The verdict and the heatmap, in a compact page meant to sit inside another one (a
+    /// notebook cell's output).
+    VerdictAndHeatmap,
+    /// The verdict only (a list of hypotheses shown in a notebook).
+    Verdict,
+}
+
+/// How [`render_html_with`] renders.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Options {
+    pub sections: Sections,
+    /// Only hypotheses about this failure in the verdict (as `explain_failure(failure)`).
+    pub only: Option<Failure>,
+}
+
 /// Renders the report of everything `engine` has observed as one self-contained HTML page.
 ///
 /// `title` heads the page (HTML-escaped). Works on any engine: one replayed from a trace, one
@@ -69,10 +93,16 @@ const SCRIPT: &str = include_str!("report.js");
 /// output is deterministic for a given engine state (no timestamps), and its size is bounded
 /// (see the module documentation): a few MB at most for 1,000 layers.
 pub fn render_html(engine: &Engine, title: &str) -> String {
+    render_html_with(engine, title, &Options::default())
+}
+
+/// [`render_html`] showing only some sections (same page, same data, same script: the others
+/// are hidden), for notebooks.
+pub fn render_html_with(engine: &Engine, title: &str, options: &Options) -> String {
     let analysis = Analysis::new(engine);
     let hypotheses = analysis
         .as_ref()
-        .map(|a| a.hypotheses(None))
+        .map(|a| a.hypotheses(options.only))
         .unwrap_or_default();
     let data = engine
         .run()
@@ -81,10 +111,16 @@ pub fn render_html(engine: &Engine, title: &str) -> String {
         || "null".to_string(),
         |d| serde_json::to_string(&d).unwrap_or_else(|_| "null".to_string()),
     );
+    let view = match options.sections {
+        Sections::All => "full",
+        Sections::VerdictAndHeatmap => "inline",
+        Sections::Verdict => "inline verdict-only",
+    };
     fill(
         TEMPLATE,
         &[
             ("TITLE", &escape(title)),
+            ("VIEW", view),
             ("SUMMARY", &summary(engine)),
             ("VERDICT", &verdict(engine, &hypotheses)),
             ("STYLE", STYLE),

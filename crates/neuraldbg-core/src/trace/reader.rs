@@ -1,7 +1,7 @@
 //! Reading a trace record by record, recovering everything before the first damage.
 
 use std::fs::File;
-use std::io::{BufReader, ErrorKind, Read};
+use std::io::{BufReader, ErrorKind, Read, Seek, SeekFrom};
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
@@ -82,6 +82,39 @@ impl TraceReader<BufReader<File>> {
         )?;
         reader.len = Some(meta.len());
         Ok(reader)
+    }
+}
+
+impl<R: Read + Seek> TraceReader<R> {
+    /// Follows a trace that is still being written (`neuraldbg watch`): when iteration stopped
+    /// at the end of the input, or at a record cut short at the end (the writer has not
+    /// finished writing it yet), rewinds to the end of the last complete record so that the
+    /// next [`Self::next_record`] reads what was appended since. Returns false when the stop is
+    /// final: the trace was closed, or a record is damaged (checksum, malformed, rejected).
+    pub fn resume(&mut self) -> Result<bool, TraceError> {
+        if self.ended {
+            return Ok(false);
+        }
+        match &self.damage {
+            None
+            | Some(Damage {
+                kind: DamageKind::Truncated { .. },
+                ..
+            }) => {}
+            Some(_) => return Ok(false),
+        }
+        if !self.done {
+            return Ok(true);
+        }
+        self.inner
+            .seek(SeekFrom::Start(self.offset))
+            .map_err(|source| TraceError::Read {
+                origin: self.origin.clone(),
+                source,
+            })?;
+        self.damage = None;
+        self.done = false;
+        Ok(true)
     }
 }
 
@@ -334,5 +367,91 @@ impl<R: Read> Iterator for TraceReader<R> {
 
     fn next(&mut self) -> Option<Record> {
         self.next_record()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::{Cursor, Write};
+
+    use super::*;
+    use crate::trace::{TraceWriter, WriterOptions};
+    use crate::{Config, ModelSpec};
+
+    /// The bytes of a closed trace of `steps` steps.
+    fn trace_bytes(steps: u64) -> Vec<u8> {
+        let dir = std::env::temp_dir().join(format!("ndbg-resume-{}-{steps}", std::process::id()));
+        let path = dir.join("run.ndbg");
+        let mut spec = ModelSpec::default();
+        let fc = spec.module("fc", "Linear");
+        spec.param(fc, "fc.weight", &[2, 2]);
+        let mut w = TraceWriter::create(&path, Map::new(), WriterOptions::default()).unwrap();
+        w.write_header(&Config::default(), &spec).unwrap();
+        for step in 0..steps {
+            let obs = Observation {
+                step,
+                grad_norms: vec![0.5],
+                ..Default::default()
+            };
+            w.write_step(&obs.view()).unwrap();
+        }
+        w.close().unwrap();
+        let bytes = std::fs::read(&path).unwrap();
+        std::fs::remove_dir_all(dir).unwrap();
+        bytes
+    }
+
+    /// A growing input: the bytes written so far, read through a cursor that sees appends.
+    fn kinds(reader: &mut TraceReader<Cursor<Vec<u8>>>) -> Vec<&'static str> {
+        std::iter::from_fn(|| reader.next_record())
+            .map(|r| match r {
+                Record::Header(_) => "header",
+                Record::Step(_) => "step",
+                Record::End { .. } => "end",
+            })
+            .collect()
+    }
+
+    #[test]
+    fn resume_follows_a_trace_cut_anywhere() {
+        let full = trace_bytes(4);
+        // Wherever the writer is when the reader looks (inside the header, between records,
+        // inside a step), the reader picks up exactly where the last whole record ended.
+        for cut in format::PREAMBLE_LEN..full.len() {
+            let mut reader =
+                TraceReader::new(Cursor::new(full[..cut].to_vec()), "growing").unwrap();
+            let mut all = kinds(&mut reader);
+            assert!(!reader.closed());
+            assert!(
+                matches!(
+                    reader.damage().map(|d| &d.kind),
+                    Some(DamageKind::Truncated { .. }) | None
+                ),
+                "cut at {cut}: {:?}",
+                reader.damage()
+            );
+            reader.inner.get_mut().write_all(&full[cut..]).unwrap();
+            assert!(reader.resume().unwrap(), "cut at {cut}");
+            all.extend(kinds(&mut reader));
+            assert_eq!(
+                all,
+                ["header", "step", "step", "step", "step", "end"],
+                "cut at {cut}"
+            );
+            assert!(reader.closed() && reader.damage().is_none());
+            // Closed: nothing more will come.
+            assert!(!reader.resume().unwrap());
+        }
+    }
+
+    #[test]
+    fn resume_refuses_real_damage() {
+        let mut bytes = trace_bytes(3);
+        let last = bytes.len() - 10;
+        bytes[last] ^= 0xff;
+        let mut reader = TraceReader::new(Cursor::new(bytes), "corrupt").unwrap();
+        let _ = kinds(&mut reader);
+        assert!(reader.damage().is_some());
+        assert!(!reader.resume().unwrap());
     }
 }
