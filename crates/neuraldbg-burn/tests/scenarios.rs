@@ -1,0 +1,255 @@
+#![allow(clippy::unwrap_used)] // a test crate: a failed unwrap is a failed test
+//! Planted failures and a healthy run on burn's `NdArray` backend, each with its ground truth
+//! computed independently of the adapter and the engine: the gradient norms are read back on
+//! the host and summed in f64 here, per layer, straight from burn's gradients.
+
+use burn::module::{Module, Param};
+use burn::nn::{Linear, LinearConfig};
+use burn::optim::{GradientsParams, SgdConfig};
+use burn::tensor::activation::relu;
+use burn::tensor::{Device, Tensor, TensorData};
+use neuraldbg_burn::neuraldbg_core::trace::{Replay, TraceReader};
+use neuraldbg_burn::{NeuralDbg, Options};
+
+const IN: usize = 8;
+const WIDTH: usize = 16;
+const BATCH: usize = 32;
+
+#[derive(Module, Debug)]
+struct Mlp {
+    layers: Vec<Linear>,
+    head: Linear,
+}
+
+impl Mlp {
+    fn new(depth: usize, device: &Device) -> Self {
+        let mut layers = vec![LinearConfig::new(IN, WIDTH).init(device)];
+        layers.extend((1..depth).map(|_| LinearConfig::new(WIDTH, WIDTH).init(device)));
+        Self {
+            layers,
+            head: LinearConfig::new(WIDTH, 1).init(device),
+        }
+    }
+
+    fn forward(&self, x: Tensor<2>) -> Tensor<2> {
+        let x = self.layers.iter().fold(x, |x, l| relu(l.forward(x)));
+        self.head.forward(x)
+    }
+
+    /// Every Linear with its name, in forward order.
+    fn linears(&self) -> Vec<(String, &Linear)> {
+        let mut out: Vec<(String, &Linear)> = self
+            .layers
+            .iter()
+            .enumerate()
+            .map(|(i, l)| (format!("layers.{i}"), l))
+            .collect();
+        out.push(("head".into(), &self.head));
+        out
+    }
+}
+
+/// Deterministic regression data: y = sum of x (xorshift, no random crate).
+struct Data(u64);
+
+impl Data {
+    fn next(&mut self) -> f32 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        (self.0 >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+    }
+
+    fn batch(&mut self, device: &Device) -> (Tensor<2>, Tensor<2>) {
+        let x: Vec<f32> = (0..BATCH * IN).map(|_| self.next()).collect();
+        let y: Vec<f32> = x.chunks(IN).map(|r| r.iter().sum()).collect();
+        (
+            Tensor::from_data(TensorData::new(x, [BATCH, IN]), device),
+            Tensor::from_data(TensorData::new(y, [BATCH, 1]), device),
+        )
+    }
+}
+
+/// The L2 norm of a parameter's gradient, read to the host and summed in f64.
+fn host_norm<const D: usize>(grads: &GradientsParams, param: &Param<Tensor<D>>) -> f64 {
+    let g = grads
+        .get::<D>(param.id)
+        .expect("every parameter has a gradient");
+    let values: Vec<f32> = g.into_data().try_to_vec::<f32>().expect("f32 gradient");
+    values
+        .iter()
+        .map(|&v| f64::from(v) * f64::from(v))
+        .sum::<f64>()
+}
+
+/// Per-layer gradient norms of each step, computed here (the ground truth), and the debugger.
+struct Run {
+    norms: Vec<Vec<f64>>,
+    losses: Vec<f64>,
+    names: Vec<String>,
+    dbg: NeuralDbg,
+}
+
+/// Trains `steps` SGD steps at `lr(step)`, watched; records the ground truth on the side.
+fn train(steps: usize, lr: impl Fn(usize) -> f64, options: Options) -> Run {
+    let device = Device::default().autodiff();
+    device.seed(7);
+    let mut model = Mlp::new(3, &device);
+    let mut data = Data(0x9E37_79B9_7F4A_7C15);
+    let mut optim = NeuralDbg::new(options.optimizer("SGD"))
+        .expect("options are valid")
+        .watch(SgdConfig::new().init());
+    let mut norms = Vec::new();
+    let mut losses = Vec::new();
+    for step in 0..steps {
+        let (x, y) = data.batch(&device);
+        let loss = (model.forward(x) - y).square().mean();
+        optim.record_loss(&loss);
+        losses.push(f64::from(loss.clone().into_scalar::<f32>()));
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        norms.push(
+            model
+                .linears()
+                .iter()
+                .map(|(_, l)| {
+                    let bias = l.bias.as_ref().map_or(0.0, |b| host_norm(&grads, b));
+                    (host_norm(&grads, &l.weight) + bias).sqrt()
+                })
+                .collect(),
+        );
+        model = optim.step(lr(step), model, grads);
+    }
+    let names = model.linears().into_iter().map(|(n, _)| n).collect();
+    let (_, dbg) = optim.into_parts();
+    Run {
+        norms,
+        losses,
+        names,
+        dbg,
+    }
+}
+
+/// The engine's per-layer gradient norms equal the ones computed here, step by step.
+fn assert_norms_match(run: &Run) {
+    for (layer, name) in run.names.iter().enumerate() {
+        let (steps, values) = run.dbg.history(Some(name), "grad_norm").unwrap();
+        assert_eq!(steps.len(), run.norms.len(), "{name}: one value per step");
+        for (s, (&got, truth)) in values.iter().zip(&run.norms).enumerate() {
+            let want = truth[layer];
+            if want.is_finite() {
+                assert!(
+                    (got - want).abs() <= 1e-4 * want.abs() + 1e-12,
+                    "{name} step {s}: engine {got}, direct {want}"
+                );
+            } else {
+                assert!(
+                    !got.is_finite(),
+                    "{name} step {s}: engine {got}, direct {want}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn planted_learning_rate_explosion_is_found_with_its_onset_and_cause() {
+    const SPIKE_AT: usize = 20;
+    let run = train(
+        40,
+        |s| if s >= SPIKE_AT { 10.0 } else { 0.01 },
+        Options::default(),
+    );
+
+    // Ground truth, from the norms computed here: healthy before the lr change, and the first
+    // step at which some layer's gradient norm exceeds the exploding threshold (1e3).
+    assert!(
+        run.norms[..SPIKE_AT].iter().flatten().all(|&n| n < 10.0),
+        "healthy before the lr change"
+    );
+    let onset = run
+        .norms
+        .iter()
+        .position(|layers| layers.iter().any(|&n| n > 1e3 || !n.is_finite()))
+        .expect("the gradients explode after the lr change") as u64;
+    assert!(onset > SPIKE_AT as u64, "the explosion follows the change");
+
+    assert_norms_match(&run);
+    let hypotheses = run.dbg.explain_failure(None);
+    let top = &hypotheses[0];
+    assert_eq!(top.failure.as_str(), "exploding_gradients", "{top}");
+    assert_eq!(top.cause.as_str(), "learning_rate_too_high", "{top}");
+    assert_eq!(top.step, Some(onset), "{top}");
+    assert!(top.confidence >= 0.5, "{top}");
+    assert!(run.dbg.error().is_none());
+}
+
+#[test]
+fn healthy_run_has_no_confident_hypothesis() {
+    let run = train(40, |_| 0.01, Options::default());
+    // Ground truth: every norm stays in the healthy band and the loss goes down.
+    assert!(
+        run.norms
+            .iter()
+            .flatten()
+            .all(|&n| (1e-6..=1e3).contains(&n)),
+        "norms stay between the thresholds"
+    );
+    let (first, last) = (
+        run.losses[..5].iter().sum::<f64>(),
+        run.losses[35..].iter().sum::<f64>(),
+    );
+    assert!(last < first, "the loss decreases: {first} -> {last}");
+
+    assert_norms_match(&run);
+    let hypotheses = run.dbg.explain_failure(None);
+    assert!(
+        hypotheses.iter().all(|h| h.confidence < 0.5),
+        "{:?}",
+        hypotheses
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+    );
+    let (steps, loss) = run.dbg.history(None, "loss").unwrap();
+    assert_eq!(steps, (0..40).collect::<Vec<u64>>());
+    for (got, want) in loss.iter().zip(&run.losses) {
+        assert!(
+            (got - want).abs() <= 1e-6 * want.abs(),
+            "loss {got} vs {want}"
+        );
+    }
+    let (_, lr) = run.dbg.history(None, "lr").unwrap();
+    assert!(lr.iter().all(|&l| (l - 0.01).abs() < 1e-8), "{lr:?}");
+}
+
+#[test]
+fn the_trace_replays_to_the_live_diagnosis() {
+    let dir = std::env::temp_dir().join(format!("ndbg-burn-{}", std::process::id()));
+    let path = dir.join("explosion.ndbg");
+    let mut run = train(
+        30,
+        |s| if s >= 15 { 10.0 } else { 0.01 },
+        Options::default().trace(&path),
+    );
+    run.dbg.close().unwrap();
+    let replay = Replay::read(TraceReader::open(&path).unwrap(), |_| {}).unwrap();
+    assert!(replay.damage.is_none() && replay.closed);
+    // Debug text: NaN fields (a non-finite event's threshold) compare unequal as floats.
+    assert_eq!(
+        format!("{:?}", replay.engine.events()),
+        format!("{:?}", run.dbg.events())
+    );
+    let live: Vec<String> = run
+        .dbg
+        .explain_failure(None)
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+    let replayed: Vec<String> =
+        neuraldbg_burn::neuraldbg_core::analysis::explain(&replay.engine, None)
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+    assert_eq!(live, replayed);
+    std::fs::remove_dir_all(dir).unwrap();
+}
