@@ -1,11 +1,11 @@
 //! What watching costs on a burn training step: the same loop (forward, backward, SGD step) on
 //! the `NdArray` CPU backend, with the plain `ModuleOptimizer` and with it wrapped by `NeuralDbg`
-//! (gradient norms every step, parameter norms on sampled steps, the loss), interleaved in
-//! rounds so that both see the same machine state. Prints the median time per step of each and
-//! their ratio.
+//! (gradient norms every step, parameter norms on sampled steps, the loss), interleaved by
+//! blocks of 10 steps so that all arms see the same machine state. Prints the median block time
+//! of each arm over that of the plain one; a second plain arm (A/A) shows the noise.
 //!
 //! ```sh
-//! cargo bench -p neuraldbg-burn --bench step     # or: make bench-burn
+//! cargo bench -p neuraldbg-burn --bench step     # or: make bench-burn (ROUNDS=30 blocks)
 //! ```
 #![allow(clippy::print_stdout)]
 
@@ -97,29 +97,44 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// Steps per timed block: the period of the debugger's sampled parameter norms, so that every
+/// block carries the same share of periodic work.
+const BLOCK: usize = 10;
+
 fn main() {
+    let rounds: usize = std::env::var("ROUNDS")
+        .ok()
+        .and_then(|r| r.parse().ok())
+        .unwrap_or(30);
     let device = Device::default().autodiff();
-    let rounds = 7;
-    let steps = 30;
-    println!("| model | params | plain step | watched step | ratio |");
+    println!("| model | parameters | plain step | A/A | watched |");
     println!("|---|---|---|---|---|");
     for (depth, width, batch) in [(8, 64, 32), (64, 16, 32), (4, 256, 64)] {
-        let mut plain = Loop::new(depth, width, batch, false, &device);
-        let mut watched = Loop::new(depth, width, batch, true, &device);
-        plain.time(10);
-        watched.time(10);
-        let (mut p, mut w) = (Vec::new(), Vec::new());
-        for _ in 0..rounds {
-            p.push(plain.time(steps));
-            w.push(watched.time(steps));
+        // Arms: plain, a second plain one (A/A: the noise of the measurement), watched. They
+        // take turns by blocks in a rotating order, after a warm-up that covers registration
+        // and the debugger's dense first steps.
+        let mut arms = [
+            Loop::new(depth, width, batch, false, &device),
+            Loop::new(depth, width, batch, false, &device),
+            Loop::new(depth, width, batch, true, &device),
+        ];
+        for arm in &mut arms {
+            arm.time(2 * BLOCK);
         }
-        let (p, w) = (median(p), median(w));
+        let mut times: [Vec<f64>; 3] = Default::default();
+        for round in 0..rounds {
+            for k in 0..3 {
+                let a = (round + k) % 3;
+                times[a].push(arms[a].time(BLOCK));
+            }
+        }
+        let [plain, aa, watched] = times.map(median);
         let params = depth * (width * width + width);
         println!(
-            "| {depth}x Linear({width}) + tanh, batch {batch} | {params} | {:.0} us | {:.0} us | {:.2}x |",
-            p * 1e6,
-            w * 1e6,
-            w / p
+            "| {depth} x (Linear {width}x{width} + tanh), batch {batch} | {params} | {:.0} us | {:.3}x | **{:.3}x** |",
+            plain * 1e6,
+            aa / plain,
+            watched / plain
         );
     }
 }

@@ -372,8 +372,13 @@ impl NeuralDbg {
     /// NaN/Inf or 100x off the usual scale, and names bad input data as a cause.
     pub fn record_input<const D: usize>(&mut self, batch: &Tensor<D>) {
         let x = to_f32(batch.clone().inner()).reshape([-1]);
+        let n = x.dims()[0];
         let mean = x.clone().mean();
-        let var = (x.clone() - mean.clone()).square().mean();
+        // Sample standard deviation (n - 1), as the PyTorch collector measures it.
+        let var = (x.clone() - mean.clone())
+            .square()
+            .sum()
+            .div_scalar(n.saturating_sub(1).max(1) as f64);
         self.inputs.push(Tensor::cat(
             vec![x.clone().min(), x.max(), mean, var.sqrt()],
             0,

@@ -253,3 +253,141 @@ fn the_trace_replays_to_the_live_diagnosis() {
     assert_eq!(live, replayed);
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// Sum of squares of a tensor's values, on the host in f64.
+fn host_sum_sq<const D: usize>(t: Tensor<D>) -> f64 {
+    let values: Vec<f32> = t.into_data().try_to_vec::<f32>().unwrap();
+    values.iter().map(|&v| f64::from(v) * f64::from(v)).sum()
+}
+
+#[test]
+fn each_step_records_what_the_host_computes_and_leaves_training_unchanged() {
+    use neuraldbg_burn::neuraldbg_core::trace::Record;
+
+    let dir = std::env::temp_dir().join(format!("ndbg-burn-steps-{}", std::process::id()));
+    let path = dir.join("steps.ndbg");
+    let device = Device::default().autodiff();
+    device.seed(3);
+    let mut model = Mlp::new(2, &device);
+    let mut plain_model = model.clone();
+    let mut plain = SgdConfig::new().init();
+    let options = Options {
+        dense_steps: 2,
+        weight_every: 3,
+        ..Options::default()
+    };
+    let mut optim = NeuralDbg::new(options.trace(&path))
+        .unwrap()
+        .watch(SgdConfig::new().init());
+    let mut data = Data(42);
+    let mut expected = Vec::new();
+    for step in 0..6u64 {
+        let (x, y) = data.batch(&device);
+        // The host's view of the step: input statistics, loss, parameter norms before the update.
+        let xs: Vec<f32> = x.to_data().try_to_vec::<f32>().unwrap();
+        let n = xs.len() as f64;
+        let mean = xs.iter().map(|&v| f64::from(v)).sum::<f64>() / n;
+        let var = xs
+            .iter()
+            .map(|&v| (f64::from(v) - mean).powi(2))
+            .sum::<f64>()
+            / (n - 1.0);
+        let (lo, hi) = xs
+            .iter()
+            .fold((f32::MAX, f32::MIN), |(a, b), &v| (a.min(v), b.max(v)));
+        let weights: Vec<f64> = model
+            .linears()
+            .iter()
+            .flat_map(|(_, l)| {
+                let b = l.bias.as_ref().map(|b| b.val());
+                std::iter::once(host_sum_sq(l.weight.val())).chain(b.map(host_sum_sq))
+            })
+            .map(f64::sqrt)
+            .collect();
+
+        optim.record_input(&x);
+        let loss = (model.forward(x.clone()) - y.clone()).square().mean();
+        optim.record_loss(&loss);
+        let loss_value = f64::from(loss.clone().into_scalar::<f32>());
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        expected.push((
+            step,
+            [f64::from(lo), f64::from(hi), mean, var.sqrt()],
+            loss_value,
+            weights,
+        ));
+        model = optim.step(0.05, model, grads);
+
+        let plain_loss = (plain_model.forward(x) - y).square().mean();
+        let plain_grads = GradientsParams::from_grads(plain_loss.backward(), &plain_model);
+        plain_model = plain.step(0.05, plain_model, plain_grads);
+    }
+    // The watched optimizer updates the model exactly as the plain one does.
+    for ((_, a), (_, b)) in model.linears().iter().zip(plain_model.linears().iter()) {
+        let (a, b): (Vec<f32>, Vec<f32>) = (
+            a.weight.val().into_data().try_to_vec().unwrap(),
+            b.weight.val().into_data().try_to_vec().unwrap(),
+        );
+        assert_eq!(a, b);
+    }
+    let (_, mut dbg) = optim.into_parts();
+    dbg.close().unwrap();
+
+    let mut reader = TraceReader::open(&path).unwrap();
+    let Some(Record::Header(header)) = reader.next_record() else {
+        panic!("a header first")
+    };
+    let names: Vec<&str> = header
+        .model
+        .params
+        .iter()
+        .map(|p| p.name.as_str())
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "layers.0.weight",
+            "layers.0.bias",
+            "layers.1.weight",
+            "layers.1.bias",
+            "head.weight",
+            "head.bias"
+        ]
+    );
+    let close = |a: f64, b: f64| (a - b).abs() <= 1e-5 * b.abs().max(1e-3);
+    for (step, inputs, loss, weights) in expected {
+        let Some(Record::Step(obs)) = reader.next_record() else {
+            panic!("step {step} recorded")
+        };
+        assert_eq!(obs.step, step);
+        assert_eq!(obs.lr, Some(0.05));
+        assert!(
+            close(obs.loss.unwrap(), loss),
+            "step {step}: loss {:?} vs {loss}",
+            obs.loss
+        );
+        assert_eq!(obs.inputs.len(), 4);
+        for (got, want) in obs.inputs.iter().zip(inputs) {
+            assert!(
+                close(f64::from(*got), want),
+                "step {step}: inputs {:?} vs {inputs:?}",
+                obs.inputs
+            );
+        }
+        // Parameter norms on the dense steps (0, 1) and every third step after (3).
+        assert_eq!(
+            obs.weight_norms.is_some(),
+            matches!(step, 0 | 1 | 3),
+            "step {step}"
+        );
+        if let Some(w) = obs.weight_norms {
+            for (got, want) in w.iter().zip(&weights) {
+                assert!(
+                    close(f64::from(*got), *want),
+                    "step {step}: weights {w:?} vs {weights:?}"
+                );
+            }
+        }
+    }
+    std::fs::remove_dir_all(dir).unwrap();
+}
