@@ -299,7 +299,7 @@ fn each_step_records_what_the_host_computes_and_leaves_training_unchanged() {
             .linears()
             .iter()
             .flat_map(|(_, l)| {
-                let b = l.bias.as_ref().map(|b| b.val());
+                let b = l.bias.as_ref().map(Param::val);
                 std::iter::once(host_sum_sq(l.weight.val())).chain(b.map(host_sum_sq))
             })
             .map(f64::sqrt)
