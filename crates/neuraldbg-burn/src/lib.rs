@@ -210,7 +210,10 @@ pub struct NeuralDbg {
     step: u64,
     losses: Vec<Tensor<1>>,
     inputs: Vec<Tensor<1>>,
+    /// The first failure: of the observation (which then stopped) or of the trace (which
+    /// then stopped, the observation going on).
     error: Option<Error>,
+    stopped: bool,
 }
 
 impl NeuralDbg {
@@ -239,6 +242,7 @@ impl NeuralDbg {
             losses: Vec::new(),
             inputs: Vec::new(),
             error: None,
+            stopped: false,
         })
     }
 
@@ -262,11 +266,12 @@ impl NeuralDbg {
         self.step += 1;
         let losses = std::mem::take(&mut self.losses);
         let inputs = std::mem::take(&mut self.inputs);
-        if self.error.is_some() {
+        if self.stopped {
             return;
         }
         if let Err(e) = self.observe_inner(step, module, grads, lr, losses, inputs) {
-            self.error = Some(e);
+            self.stopped = true;
+            self.error.get_or_insert(e);
         }
     }
 
@@ -283,8 +288,11 @@ impl NeuralDbg {
             let mut layout = Layout::of(module);
             layout.spec.optimizer.clone_from(&self.options.optimizer);
             self.engine.register_model(layout.spec.clone())?;
-            if let Some(w) = self.writer.as_mut() {
-                w.write_header(self.engine.config(), &layout.spec)?;
+            if let Some(w) = self.writer.as_mut()
+                && let Err(e) = w.write_header(self.engine.config(), &layout.spec)
+            {
+                self.writer = None;
+                self.error.get_or_insert(e.into());
             }
             self.layout = Some(layout);
         }
@@ -355,8 +363,12 @@ impl NeuralDbg {
             ..Observation::default()
         };
         self.engine.observe(&observation.view())?;
-        if let Some(w) = self.writer.as_mut() {
-            w.write_step(&observation.view())?;
+        // A trace that cannot be written stops, and the live diagnosis goes on (as in Python).
+        if let Some(w) = self.writer.as_mut()
+            && let Err(e) = w.write_step(&observation.view())
+        {
+            self.writer = None;
+            self.error.get_or_insert(e.into());
         }
         Ok(())
     }
@@ -390,7 +402,8 @@ impl NeuralDbg {
         self.step
     }
 
-    /// The first failure of the observation (which then stopped), if any.
+    /// The first failure, if any: of the observation (which then stopped) or of the trace
+    /// (which then stopped while the observation went on).
     pub fn error(&self) -> Option<&Error> {
         self.error.as_ref()
     }

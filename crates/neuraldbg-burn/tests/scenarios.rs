@@ -391,3 +391,39 @@ fn each_step_records_what_the_host_computes_and_leaves_training_unchanged() {
     }
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+#[test]
+fn a_failure_is_kept_and_never_interrupts_training() {
+    let device = Device::default().autodiff();
+    let model = Mlp::new(2, &device);
+    let other = Mlp::new(2, &device); // same shape, other parameters
+    let mut optim = NeuralDbg::new(Options::default())
+        .unwrap()
+        .watch(SgdConfig::new().init());
+    let mut data = Data(1);
+    let (x, y) = data.batch(&device);
+    let grads = GradientsParams::from_grads(
+        (model.forward(x.clone()) - y.clone())
+            .square()
+            .mean()
+            .backward(),
+        &model,
+    );
+    let _model = optim.step(0.1, model, grads);
+    assert!(optim.debugger().error().is_none());
+
+    // A watched optimizer serves one model: stepping another one is refused by the adapter,
+    // and the step is still taken.
+    let before: Vec<f32> = other.head.weight.val().into_data().try_to_vec().unwrap();
+    let grads =
+        GradientsParams::from_grads((other.forward(x) - y).square().mean().backward(), &other);
+    let other = optim.step(0.1, other, grads);
+    let after: Vec<f32> = other.head.weight.val().into_data().try_to_vec().unwrap();
+    assert_ne!(before, after, "the optimizer stepped");
+    let (_, mut dbg) = optim.into_parts();
+    assert_eq!(dbg.step(), 2);
+    let err = dbg.error().unwrap().to_string();
+    assert!(err.contains("serves one model"), "{err}");
+    assert_eq!(dbg.engine().steps_observed(), 1);
+    assert!(dbg.close().is_err(), "close returns the kept failure");
+}
