@@ -2,7 +2,8 @@
 //! the `NdArray` CPU backend, with the plain `ModuleOptimizer` and with it wrapped by `NeuralDbg`
 //! (gradient norms every step, parameter norms on sampled steps, the loss), interleaved by
 //! blocks of 10 steps so that all arms see the same machine state. Prints the median block time
-//! of each arm over that of the plain one; a second plain arm (A/A) shows the noise.
+//! (the thread's CPU time) of each arm over that of the plain one; a second plain arm (A/A) shows
+//! the noise.
 //!
 //! ```sh
 //! cargo bench -p neuraldbg-burn --bench step     # or: make bench-burn (ROUNDS=30 blocks)
@@ -10,6 +11,35 @@
 #![allow(clippy::print_stdout)]
 
 use std::time::Instant;
+
+/// This thread's CPU time (Linux: `/proc/thread-self/schedstat`, nanoseconds), else wall time.
+/// burn's `NdArray` backend computes on the calling thread, so its CPU time is the step's cost,
+/// and time other processes held the core is not counted (as `bench/overhead.py --clock
+/// thread`).
+enum Clock {
+    Thread(f64),
+    Wall(Instant),
+}
+
+impl Clock {
+    fn thread_seconds() -> Option<f64> {
+        let text = std::fs::read_to_string("/proc/thread-self/schedstat").ok()?;
+        let ns: f64 = text.split_whitespace().next()?.parse().ok()?;
+        Some(ns * 1e-9)
+    }
+
+    fn now() -> Self {
+        Self::thread_seconds().map_or_else(|| Self::Wall(Instant::now()), Self::Thread)
+    }
+
+    /// Seconds since `self`.
+    fn elapsed(&self) -> f64 {
+        match self {
+            Self::Thread(start) => Self::thread_seconds().map_or(f64::NAN, |now| now - start),
+            Self::Wall(start) => start.elapsed().as_secs_f64(),
+        }
+    }
+}
 
 use burn::module::Module;
 use burn::nn::{Linear, LinearConfig};
@@ -77,7 +107,7 @@ impl Loop {
     /// Seconds per step over `n` steps; the last update is read back so that the time covers
     /// the work, whatever the backend defers.
     fn time(&mut self, n: usize) -> f64 {
-        let start = Instant::now();
+        let start = Clock::now();
         for _ in 0..n {
             self.step();
         }
@@ -88,7 +118,7 @@ impl Loop {
             .into_data()
             .try_to_vec()
             .expect("f32");
-        start.elapsed().as_secs_f64() / n as f64
+        start.elapsed() / n as f64
     }
 }
 
