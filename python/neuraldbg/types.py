@@ -91,6 +91,8 @@ class Failure(_StrEnum):
     DATA_ANOMALY = "data_anomaly"
     LOSS_DIVERGENCE = "loss_divergence"
     LOSS_PLATEAU = "loss_plateau"
+    LOSS_SCALE_COLLAPSE = "loss_scale_collapse"
+    STALLED_LAYER = "stalled_layer"
 
 
 class Cause(_StrEnum):
@@ -106,6 +108,11 @@ class Cause(_StrEnum):
     NETWORK_DEPTH = "network_depth"
     MISSING_NORMALIZATION = "missing_normalization"
     UNKNOWN = "unknown"
+    MISSING_ZERO_GRAD = "missing_zero_grad"
+    PARAMETERS_NOT_UPDATED = "parameters_not_updated"
+    EVAL_MODE = "eval_mode"
+    OUTPUT_LOSS_MISMATCH = "output_loss_mismatch"
+    TARGET_SHAPE_MISMATCH = "target_shape_mismatch"
 
 
 def _float(v: Any) -> float:

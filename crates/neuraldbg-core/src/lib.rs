@@ -123,6 +123,7 @@ pub mod output;
 pub mod report;
 pub mod trace;
 mod track;
+pub mod training_loop;
 
 pub use analysis::{Analysis, CausalHypothesis, Cause, Coupling, CouplingKind, Failure, RootCause};
 pub use config::Config;
@@ -136,7 +137,7 @@ pub use health::{
 };
 pub use history::{Bucket, History, Reduce};
 pub use model::{
-    ActivationProbe, Model, ModelSpec, ModuleSpec, ParamRole, ParamSpec, activation_traits,
-    display_name,
+    ActivationProbe, LossSpec, Model, ModelSpec, ModuleSpec, ParamRole, ParamSpec,
+    activation_traits, display_name,
 };
 pub use observation::{ACTIVATION_STATS, Axis, Fact, INPUT_STATS, Measure, Observation, StepView};

@@ -25,6 +25,10 @@ named_enum! {
         OptimizerSkipped => "optimizer_skipped",
         /// The mixed-precision loss scale in force for this step's backward pass.
         LossScale => "loss_scale",
+        /// Ratio of the gradient norm the optimizer step received to the norm the backward
+        /// pass produced, read on one parameter (the largest); below 1.0 when something
+        /// (gradient clipping) rescaled the gradients in between.
+        ClipRatio => "clip_ratio",
 
         // --- Distributed training.
         /// Number of processes in the job.
@@ -36,6 +40,10 @@ named_enum! {
         /// Whether the model was in training mode during the step's forward pass (1.0) or in
         /// `eval()` mode (0.0).
         Training => "training",
+        /// Whether this step's gradients were added onto gradients left over from the previous
+        /// step (1.0: `.grad` was neither zeroed nor set to None since the last optimizer step)
+        /// or started from nothing (0.0).
+        GradAccumulated => "grad_accumulated",
     }
 }
 
@@ -47,6 +55,14 @@ named_enum! {
         /// Largest magnitude of each module's output in the step's forward pass, per module
         /// (NaN: not measured).
         OutputAbsMax => "output_absmax",
+
+        // --- Units that never fire (functional activations).
+        /// Per parameter: the share of the gradient's rows (output units, dim 0) that are
+        /// exactly zero in this step (NaN: not measured, or fewer than 2 dimensions).
+        GradZeroRows => "grad_zero_rows",
+        /// Per parameter: the share of the gradient's columns (input units, dim 1) that are
+        /// exactly zero in this step (NaN: not measured, or fewer than 2 dimensions).
+        GradZeroCols => "grad_zero_cols",
     }
 }
 
@@ -66,6 +82,7 @@ impl Measure {
     pub fn axis(self) -> Axis {
         match self {
             Measure::OutputAbsMax => Axis::Modules,
+            Measure::GradZeroRows | Measure::GradZeroCols => Axis::Params,
         }
     }
 }

@@ -14,6 +14,12 @@ named_enum! {
         DataAnomaly => "data_anomaly",
         LossDivergence => "loss_divergence",
         LossPlateau => "loss_plateau",
+        /// Mixed precision: the `GradScaler` skips step after step and its loss scale
+        /// collapses below 1, so training stops making progress.
+        LossScaleCollapse => "loss_scale_collapse",
+        /// A layer whose parameters never change, or never receive a gradient, while the rest
+        /// of the model trains.
+        StalledLayer => "stalled_layer",
     }
 }
 
@@ -30,6 +36,18 @@ named_enum! {
         NetworkDepth => "network_depth",
         MissingNormalization => "missing_normalization",
         Unknown => "unknown",
+        // Mistakes in the training loop.
+        /// Gradients accumulate across steps: `.grad` is never zeroed.
+        MissingZeroGrad => "missing_zero_grad",
+        /// Parameters that are in no optimizer, in a param group with lr 0, or cut from the
+        /// graph (`.detach()`, `torch.no_grad()`, `.data`).
+        ParametersNotUpdated => "parameters_not_updated",
+        /// The model is optimized while in `eval()` mode.
+        EvalMode => "eval_mode",
+        /// The output activation does not fit the loss.
+        OutputLossMismatch => "output_loss_mismatch",
+        /// A loss that broadcasts `(N, 1)` against `(N,)`.
+        TargetShapeMismatch => "target_shape_mismatch",
     }
 }
 
@@ -46,6 +64,8 @@ impl Failure {
             Failure::DataAnomaly => "An anomalous input batch reached the model",
             Failure::LossDivergence => "The loss diverged",
             Failure::LossPlateau => "The loss plateaued",
+            Failure::LossScaleCollapse => "The mixed-precision loss scale collapsed",
+            Failure::StalledLayer => "A layer stopped training",
         }
     }
 
@@ -60,18 +80,8 @@ impl Failure {
 }
 
 impl Cause {
+    /// How the cause reads in a sentence (each cause's rule in `causes` says it).
     pub fn phrase(self) -> &'static str {
-        match self {
-            Cause::SaturatingActivation => "a saturating activation",
-            Cause::PoorInitialization => "poor weight initialization",
-            Cause::LearningRateTooHigh => "a learning rate that is too high",
-            Cause::LearningRateTooLow => "a learning rate that is too low",
-            Cause::DyingRelu => "dying ReLU units",
-            Cause::BadInputData => "bad input data",
-            Cause::NumericalInstability => "a numerically unstable operation",
-            Cause::NetworkDepth => "the depth of the network",
-            Cause::MissingNormalization => "missing normalization",
-            Cause::Unknown => "an undetermined cause",
-        }
+        super::causes::rule(self).phrase()
     }
 }
