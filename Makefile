@@ -7,7 +7,7 @@ PY      := $(VENV)/bin/python
 STAMPS  := .stamps
 SOURCES := $(shell find crates python -type f \( -name '*.rs' -o -name '*.py' -o -name '*.pyi' -o -name 'Cargo.toml' -o -name '*.js' -o -name '*.css' -o -name '*.html' \) 2>/dev/null) Cargo.toml pyproject.toml
 
-.PHONY: all demo test test-rust test-python lint bench bench-overhead bench-distributed bench-engine bench-memory bench-diagnosis bench-report bench-trace build browser terminal report-screenshot watch-screenshot clean
+.PHONY: all demo demo-burn test test-rust test-python lint bench bench-overhead bench-distributed bench-engine bench-burn bench-memory bench-diagnosis bench-report bench-trace build browser terminal report-screenshot watch-screenshot clean
 
 all: test
 
@@ -45,6 +45,10 @@ terminal: $(TMUX)
 
 demo: build
 	$(PY) examples/demo_vanishing_gradients.py
+
+# The same demo written in burn (Rust, NdArray backend on CPU): no Python involved.
+demo-burn:
+	cargo run --release -q -p neuraldbg-burn --example vanishing_gradients
 
 lint:
 	cargo fmt --all -- --check
@@ -87,8 +91,9 @@ $(STAMPS)/bench-venv: $(STAMPS)/deps
 	@mkdir -p $(STAMPS) && touch $@
 
 # `make bench`: the overhead table (plain vs monitored, interleaved; minutes), the same for a
-# 2-process DDP and FSDP2 job, and the engine's ingest throughput. `make bench-memory`: 10,000 layers x 1,000,000 steps (minutes).
-bench: bench-overhead bench-distributed bench-engine
+# 2-process DDP and FSDP2 job, the engine's ingest throughput and the burn adapter's overhead.
+# `make bench-memory`: 10,000 layers x 1,000,000 steps (minutes).
+bench: bench-overhead bench-distributed bench-engine bench-burn
 
 bench-overhead: build $(STAMPS)/bench-venv
 	$(PY) bench/overhead.py --legacy-python $(BENCH_VENV)/bin/python
@@ -101,6 +106,10 @@ bench-distributed: build
 bench-engine:
 	cargo bench -p neuraldbg-core --bench observe
 	cargo run --release -q -p neuraldbg-core --example throughput
+
+# A burn training step watched through neuraldbg-burn vs the same loop unwatched (release).
+bench-burn:
+	cargo bench -q -p neuraldbg-burn --bench step
 
 bench-memory:
 	cargo run --release -p neuraldbg-core --example memory
