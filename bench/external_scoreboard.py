@@ -57,7 +57,17 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--steps", type=int, default=None, help="override every program's step count")
     ap.add_argument("-v", "--verbose", action="store_true", help="print the top hypotheses")
+    ap.add_argument("--list", action="store_true", help="print the programs' records as a Markdown table and exit")
     args = ap.parse_args()
+    if args.list:
+        print("| program | source | original label | our cause | the fix | data |")
+        print("|---|---|---|---|---|---|")
+        for p in all_programs():
+            cause = p.cause or "not in our vocabulary"
+            if p.also:
+                cause += " (also accepted: " + ", ".join(p.also) + ")"
+            print(f"| {p.name} | `{p.source}` | {p.label} | {cause} | {p.fix} | {p.data} |")
+        return 0
     torch.set_num_threads(args.threads)
     warnings.simplefilter("ignore")
 
