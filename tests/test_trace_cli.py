@@ -412,3 +412,35 @@ def test_native_engine_traces_after_registration_and_checks_sync(tmp_path: Path)
     info = json.loads(neuraldbg("info", tmp_path / "late.ndbg", "--json").stdout)
     assert info["steps"] == 5 and info["meta"] == {"who": "test"}
     assert json.loads(neuraldbg("events", tmp_path / "late.ndbg", "--json").stdout) == json.loads(engine.events_json())
+
+
+def test_native_engine_takes_named_facts_and_measures(tmp_path: Path) -> None:
+    """Facts and measures are checked by name and length, and traced steps that carry them
+    replay to the same events."""
+    from neuraldbg import _native
+    from neuraldbg.errors import EngineError, UnknownNameError
+
+    engine = _native.Engine("{}")
+    spec = {
+        "modules": [{"name": "fc", "kind": "Linear"}, {"name": "", "kind": "Net"}],
+        "params": [{"module": 0, "name": "fc.weight", "numel": 4, "role": "weight", "fan_in": 2}],
+    }
+    engine.register_model(json.dumps(spec))
+    engine.open_trace(tmp_path / "facts.ndbg", "{}", sync_interval=0.0)
+    grads = np.array([0.5], np.float32)
+    with pytest.raises(UnknownNameError, match='"no_such_fact".*training'):
+        engine.observe(0, grads, facts={"no_such_fact": 1.0})
+    with pytest.raises(UnknownNameError, match="measure"):
+        engine.observe(0, grads, measures={"no_such_measure": np.zeros(2, np.float32)})
+    with pytest.raises(EngineError, match="output_absmax has 3 values, expected 2"):
+        engine.observe(0, grads, measures={"output_absmax": np.zeros(3, np.float32)})
+    for step in range(4):
+        engine.observe(
+            step,
+            grads * (10.0 ** (4 * step)),
+            facts={"training": 1.0, "optimizer_skipped": float(step == 2)},
+            measures={"output_absmax": np.array([1.0, float(step)], np.float32)},
+        )
+    engine.close_trace()
+    replayed = json.loads(neuraldbg("events", tmp_path / "facts.ndbg", "--json").stdout)
+    assert replayed == json.loads(engine.events_json()) and replayed

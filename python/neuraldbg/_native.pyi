@@ -1,7 +1,7 @@
 """Type stubs of the Rust extension module (crates/neuraldbg-py)."""
 
 import os
-from typing import Optional, Sequence, Tuple, Union
+from typing import Dict, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import numpy.typing as npt
@@ -54,6 +54,8 @@ class Engine:
         lr: Optional[float] = None,
         nonfinite_module: Optional[int] = None,
         outputs_checked: bool = False,
+        facts: Optional[Dict[str, float]] = None,
+        measures: Optional[Dict[str, npt.NDArray[np.float32]]] = None,
     ) -> None: ...
     def events_json(self) -> str: ...
     def explain_json(self, failure: Optional[str] = None) -> str: ...

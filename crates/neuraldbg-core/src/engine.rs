@@ -11,7 +11,7 @@ use crate::health::{
 };
 use crate::history::{History, Reduce};
 use crate::model::{ActivationProbe, Model, ModelSpec};
-use crate::observation::{ACTIVATION_STATS, INPUT_STATS, StepView};
+use crate::observation::{ACTIVATION_STATS, Axis, INPUT_STATS, StepView};
 use crate::track::{ActTrack, DataTrack, Early, LayerTrack, LossTrack};
 
 /// History metrics of a layer (a module owning parameters), for [`Engine::history`].
@@ -323,6 +323,34 @@ impl Run {
                 return Err(EngineError::Length {
                     what: "activations",
                     got: a.len(),
+                    expected,
+                });
+            }
+        }
+        for (k, (fact, _)) in v.facts.iter().enumerate() {
+            if v.facts[..k].iter().any(|(f, _)| f == fact) {
+                return Err(EngineError::Duplicate {
+                    what: "fact",
+                    name: fact.as_str(),
+                });
+            }
+        }
+        for (k, (measure, values)) in v.measures.iter().enumerate() {
+            if v.measures[..k].iter().any(|(m, _)| m == measure) {
+                return Err(EngineError::Duplicate {
+                    what: "measure",
+                    name: measure.as_str(),
+                });
+            }
+            let expected = match measure.axis() {
+                Axis::Params => n_params,
+                Axis::Modules => self.model.spec.modules.len(),
+                Axis::Free => values.len(),
+            };
+            if values.len() != expected {
+                return Err(EngineError::Length {
+                    what: measure.as_str(),
+                    got: values.len(),
                     expected,
                 });
             }
@@ -702,6 +730,34 @@ mod tests {
             fresh.observe(&obs(0, &[0.1]).view()).unwrap_err(),
             EngineError::NoModel
         );
+    }
+
+    #[test]
+    fn checks_facts_and_measures() {
+        use crate::observation::{Fact, Measure};
+        let mut e = engine(2, "Tanh");
+        let n_modules = mlp_spec(2, "Tanh").modules.len();
+        let mut o = obs(0, &[0.1, 0.1]);
+        o.facts = vec![(Fact::Training, 1.0), (Fact::Training, 0.0)];
+        let err = e.observe(&o.view()).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("\"training\" is given more than once"),
+            "{err}"
+        );
+        o.facts = vec![(Fact::Training, 1.0)];
+        o.measures = vec![(Measure::OutputAbsMax, vec![1.0; n_modules + 1])];
+        let err = e.observe(&o.view()).unwrap_err();
+        assert_eq!(
+            err,
+            EngineError::Length {
+                what: "output_absmax",
+                got: n_modules + 1,
+                expected: n_modules
+            }
+        );
+        o.measures = vec![(Measure::OutputAbsMax, vec![1.0; n_modules])];
+        e.observe(&o.view()).unwrap();
     }
 
     #[test]

@@ -47,6 +47,11 @@ pub enum EngineError {
     StepOrder { step: u64, last: u64 },
     #[error("module index {index} is out of range (the model has {count} modules)")]
     ModuleIndex { index: usize, count: usize },
+    #[error("{what} {name:?} is given more than once in one step")]
+    Duplicate {
+        what: &'static str,
+        name: &'static str,
+    },
     #[error("unknown {what} {name:?}; expected one of: {expected}")]
     Unknown {
         what: &'static str,

@@ -59,4 +59,4 @@ pub use model::{
     ActivationProbe, Model, ModelSpec, ModuleSpec, ParamRole, ParamSpec, activation_traits,
     display_name,
 };
-pub use observation::{ACTIVATION_STATS, INPUT_STATS, Observation, StepView};
+pub use observation::{ACTIVATION_STATS, Axis, Fact, INPUT_STATS, Measure, Observation, StepView};

@@ -5,11 +5,70 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::named::named_enum;
+
 /// Columns of one row of [`StepView::inputs`]: `min, max, mean, std` of one input batch.
 pub const INPUT_STATS: usize = 4;
 /// Columns of one row of [`StepView::activations`]:
 /// `absmax, saturated_fraction, dead_fraction, mean_slope, samples_per_unit`.
 pub const ACTIVATION_STATS: usize = 5;
+
+named_enum! {
+    /// A named scalar fact about one step that only the training framework knows (training
+    /// mode, a skipped optimizer step, the rank...). Collectors send the facts they know; the
+    /// engine decides what they mean. Grouped by the concern that reads them: add a new fact
+    /// in its group, with its meaning and unit.
+    Fact {
+        // --- The training loop: optimizers, clipping, mixed precision.
+        /// The optimizer step of this iteration was skipped (1.0), e.g. by a `GradScaler` that
+        /// found an overflow; 0.0 when it ran.
+        OptimizerSkipped => "optimizer_skipped",
+        /// The mixed-precision loss scale in force for this step's backward pass.
+        LossScale => "loss_scale",
+
+        // --- Distributed training.
+        /// Number of processes in the job.
+        WorldSize => "world_size",
+        /// The rank of the process that made this observation.
+        Rank => "rank",
+
+        // --- Loop mistakes and framework state.
+        /// Whether the model was in training mode during the step's forward pass (1.0) or in
+        /// `eval()` mode (0.0).
+        Training => "training",
+    }
+}
+
+named_enum! {
+    /// A named array of numbers measured in one step, beyond the fixed arrays of [`StepView`].
+    /// Each has an [`Axis`] that fixes its length. Grouped like [`Fact`].
+    Measure {
+        // --- Forward-pass scale.
+        /// Largest magnitude of each module's output in the step's forward pass, per module
+        /// (NaN: not measured).
+        OutputAbsMax => "output_absmax",
+    }
+}
+
+/// What one value of a [`Measure`] stands for, and so how long the array is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Axis {
+    /// One value per parameter, in [`crate::ModelSpec::params`] order.
+    Params,
+    /// One value per module, in [`crate::ModelSpec::modules`] order.
+    Modules,
+    /// Any length (e.g. one value per rank).
+    Free,
+}
+
+impl Measure {
+    /// What the measure's values stand for.
+    pub fn axis(self) -> Axis {
+        match self {
+            Measure::OutputAbsMax => Axis::Modules,
+        }
+    }
+}
 
 /// A step's statistics, borrowed. Build one from slices the collector already has.
 #[derive(Clone, Copy, Debug, Default)]
@@ -37,6 +96,10 @@ pub struct StepView<'a> {
     /// The collector scanned this step's module outputs (so `nonfinite_module: None` means they
     /// were all finite, and a NaN/Inf came from the loss computation or the backward pass).
     pub outputs_checked: bool,
+    /// Facts the collector knows about this step (each fact at most once).
+    pub facts: &'a [(Fact, f64)],
+    /// Further named measurements of this step (each measure at most once).
+    pub measures: &'a [(Measure, Vec<f32>)],
 }
 
 /// A step's statistics, owned: what a trace stores and replays.
@@ -58,6 +121,10 @@ pub struct Observation {
     pub nonfinite_module: Option<usize>,
     #[serde(default)]
     pub outputs_checked: bool,
+    #[serde(default)]
+    pub facts: Vec<(Fact, f64)>,
+    #[serde(default)]
+    pub measures: Vec<(Measure, Vec<f32>)>,
 }
 
 impl Observation {
@@ -73,11 +140,13 @@ impl Observation {
             lr: self.lr,
             nonfinite_module: self.nonfinite_module,
             outputs_checked: self.outputs_checked,
+            facts: &self.facts,
+            measures: &self.measures,
         }
     }
 }
 
-impl StepView<'_> {
+impl<'a> StepView<'a> {
     /// Copies the view into an owned [`Observation`].
     pub fn to_owned(&self) -> Observation {
         Observation {
@@ -90,6 +159,21 @@ impl StepView<'_> {
             lr: self.lr,
             nonfinite_module: self.nonfinite_module,
             outputs_checked: self.outputs_checked,
+            facts: self.facts.to_vec(),
+            measures: self.measures.to_vec(),
         }
+    }
+
+    /// The value of a fact, when the collector gave it.
+    pub fn fact(&self, fact: Fact) -> Option<f64> {
+        self.facts.iter().find(|(f, _)| *f == fact).map(|(_, v)| *v)
+    }
+
+    /// A measure's values, when the collector gave them.
+    pub fn measure(&self, measure: Measure) -> Option<&'a [f32]> {
+        self.measures
+            .iter()
+            .find(|(m, _)| *m == measure)
+            .map(|(_, v)| v.as_slice())
     }
 }

@@ -68,6 +68,7 @@ fn observation(step: u64, s: &Step) -> Observation {
         // The collector scans outputs exactly on steps with NaN/Inf gradients or loss.
         outputs_checked: s.layer_norms.iter().any(|n| !n.is_finite())
             || s.loss.is_some_and(|l| !l.is_finite()),
+        ..Observation::default()
     }
 }
 

@@ -9,7 +9,7 @@ use neuraldbg_core::output::{events_json, hypotheses_json, root_causes_json};
 use neuraldbg_core::trace::{
     DamageKind, Record, Replay, SyncPolicy, TraceError, TraceReader, TraceWriter, WriterOptions,
 };
-use neuraldbg_core::{ACTIVATION_STATS, Config, Engine, ModelSpec, Observation, Reduce};
+use neuraldbg_core::{ACTIVATION_STATS, Config, Engine, Fact, ModelSpec, Observation, Reduce};
 use proptest::prelude::*;
 use serde_json::{Map, Value, json};
 
@@ -87,6 +87,8 @@ fn failing_run(depth: usize, steps: u64, seed: u64) -> Vec<Observation> {
                 lr: Some(0.01),
                 nonfinite_module: (step >= steps - 5).then_some(2 * depth - 2),
                 outputs_checked: step >= steps - 5,
+                facts: vec![(Fact::Training, f64::from(u8::from(step % 3 != 0)))],
+                measures: Vec::new(),
             }
         })
         .collect()
@@ -231,8 +233,8 @@ fn foreign_missing_newer_and_unwritable_files_are_clear_errors() {
         matches!(
             err,
             TraceError::NewerVersion {
-                found: 2,
-                supported: 1,
+                found: 3,
+                supported: 2,
                 ..
             }
         ),

@@ -12,10 +12,11 @@ use std::ffi::CString;
 use neuraldbg_core::analysis::{self, Analysis, parse_failure};
 use neuraldbg_core::trace::{SyncPolicy, TraceWriter, WriterOptions};
 use neuraldbg_core::{
-    Config, ConfigError, Engine, EngineError, ModelSpec, Reduce, StepView, output,
+    Config, ConfigError, Engine, EngineError, Fact, Measure, ModelSpec, Reduce, StepView, output,
 };
 use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1};
 use pyo3::prelude::*;
+use pyo3::types::PyDict;
 
 /// Converts an engine error into the matching `neuraldbg.errors` exception.
 fn to_py_err(py: Python<'_>, err: &EngineError) -> PyErr {
@@ -51,6 +52,53 @@ fn slice<'a>(py: Python<'_>, name: &str, a: &'a PyReadonlyArray1<'_, f32>) -> Py
             &format!("{name} must be a contiguous 1-D float32 array"),
         )
     })
+}
+
+/// Parses a vocabulary name given from Python (`what` says which vocabulary, for the error).
+fn vocab<T>(
+    py: Python<'_>,
+    what: &'static str,
+    name: &str,
+    parse: impl Fn(&str) -> Option<T>,
+    names: impl Fn() -> String,
+) -> PyResult<T> {
+    parse(name).ok_or_else(|| {
+        to_py_err(
+            py,
+            &EngineError::Unknown {
+                what,
+                name: name.to_string(),
+                expected: names(),
+            },
+        )
+    })
+}
+
+/// `{name: value}` facts of a step, in the dict's order.
+fn facts(py: Python<'_>, d: Option<&Bound<'_, PyDict>>) -> PyResult<Vec<(Fact, f64)>> {
+    let Some(d) = d else { return Ok(Vec::new()) };
+    d.iter()
+        .map(|(k, v)| {
+            let name: String = k.extract()?;
+            Ok((
+                vocab(py, "fact", &name, Fact::parse, Fact::names)?,
+                v.extract()?,
+            ))
+        })
+        .collect()
+}
+
+/// `{name: float32 array}` measures of a step, in the dict's order.
+fn measures(py: Python<'_>, d: Option<&Bound<'_, PyDict>>) -> PyResult<Vec<(Measure, Vec<f32>)>> {
+    let Some(d) = d else { return Ok(Vec::new()) };
+    d.iter()
+        .map(|(k, v)| {
+            let name: String = k.extract()?;
+            let measure = vocab(py, "measure", &name, Measure::parse, Measure::names)?;
+            let a: PyReadonlyArray1<'_, f32> = v.extract()?;
+            Ok((measure, slice(py, measure.as_str(), &a)?.to_vec()))
+        })
+        .collect()
 }
 
 /// `(steps, values)` of a history series.
@@ -209,7 +257,7 @@ impl PyEngine {
     }
 
     /// Feeds one step of statistics.
-    #[pyo3(signature = (step, grad_norms, weight_norms=None, activations=None, inputs=None, loss=None, lr=None, nonfinite_module=None, outputs_checked=false))]
+    #[pyo3(signature = (step, grad_norms, weight_norms=None, activations=None, inputs=None, loss=None, lr=None, nonfinite_module=None, outputs_checked=false, facts=None, measures=None))]
     #[allow(clippy::too_many_arguments)]
     fn observe(
         &mut self,
@@ -223,7 +271,11 @@ impl PyEngine {
         lr: Option<f64>,
         nonfinite_module: Option<usize>,
         outputs_checked: bool,
+        facts: Option<Bound<'_, PyDict>>,
+        measures: Option<Bound<'_, PyDict>>,
     ) -> PyResult<()> {
+        let facts = self::facts(py, facts.as_ref())?;
+        let measures = self::measures(py, measures.as_ref())?;
         let view = StepView {
             step,
             grad_norms: slice(py, "grad_norms", &grad_norms)?,
@@ -244,6 +296,8 @@ impl PyEngine {
             lr,
             nonfinite_module,
             outputs_checked,
+            facts: &facts,
+            measures: &measures,
         };
         self.inner.observe(&view).map_err(|e| to_py_err(py, &e))?;
         self.traced(py, "writing a step", |_, w| w.write_step(&view));

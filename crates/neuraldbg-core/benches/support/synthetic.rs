@@ -95,6 +95,8 @@ impl Stream {
             loss: Some(2.0 / (1.0 + step as f64 * 1e-3)),
             lr: Some(1e-3),
             nonfinite_module: None,
+            facts: &[],
+            measures: &[],
         }
     }
 

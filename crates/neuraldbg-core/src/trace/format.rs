@@ -3,13 +3,15 @@
 //! Everything here is pure encoding and decoding of byte slices; files live in the writer and
 //! the reader.
 
-use crate::observation::{Observation, StepView};
+use crate::observation::{Fact, Measure, Observation, StepView};
 
 /// First bytes of every trace. The high first byte and the CR LF / SUB bytes catch text-mode
 /// transfers and `cat`-ing a trace, like PNG's signature.
 pub const MAGIC: [u8; 8] = *b"\x89NDBG\r\n\x1a";
-/// Format version written by this build; readers accept any version up to it.
-pub const VERSION: u16 = 1;
+/// Format version written by this build; readers accept any version up to it. Version 2 added
+/// the facts and measures blocks of a step (flags 6 and 7); a version-1 file is a valid
+/// version-2 file without them.
+pub const VERSION: u16 = 2;
 /// Preamble: magic, version (u16), reserved (u16, zero), CRC32C of the 12 bytes before it.
 pub const PREAMBLE_LEN: usize = 16;
 /// Frame header: payload length (u32), kind (u8), three zero bytes, CRC32C of those 8 bytes.
@@ -135,7 +137,10 @@ const HAS_LR: u8 = 8;
 const HAS_NONFINITE: u8 = 16;
 /// The step's module outputs were scanned for NaN/Inf (no payload).
 const OUTPUTS_CHECKED: u8 = 32;
-const KNOWN_FLAGS: u8 = 63;
+/// A facts block follows the arrays (format version 2).
+const HAS_FACTS: u8 = 64;
+/// A measures block follows the facts (format version 2).
+const HAS_MEASURES: u8 = 128;
 
 /// Size of the fixed part of a step payload: step (u64), flags (u8), four array lengths (u32).
 const STEP_HEAD: usize = 8 + 1 + 4 * 4;
@@ -146,6 +151,8 @@ pub enum TooLarge {
     Array(&'static str, usize),
     Module(usize),
     Payload(usize),
+    /// More than 65,535 facts or measures in one step.
+    Block(&'static str, usize),
 }
 
 fn count(what: &'static str, a: &[f32]) -> Result<u32, TooLarge> {
@@ -168,6 +175,8 @@ pub fn encode_step(out: &mut Vec<u8>, v: &StepView<'_>) -> Result<(), TooLarge> 
         (v.lr.is_some(), HAS_LR),
         (v.nonfinite_module.is_some(), HAS_NONFINITE),
         (v.outputs_checked, OUTPUTS_CHECKED),
+        (!v.facts.is_empty(), HAS_FACTS),
+        (!v.measures.is_empty(), HAS_MEASURES),
     ] {
         if present {
             flags |= bit;
@@ -179,8 +188,18 @@ pub fn encode_step(out: &mut Vec<u8>, v: &StepView<'_>) -> Result<(), TooLarge> 
         count("activations", acts)?,
         count("inputs", v.inputs)?,
     ];
+    let n_facts =
+        u16::try_from(v.facts.len()).map_err(|_| TooLarge::Block("facts", v.facts.len()))?;
+    let n_measures = u16::try_from(v.measures.len())
+        .map_err(|_| TooLarge::Block("measures", v.measures.len()))?;
     let floats = v.grad_norms.len() + weights.len() + acts.len() + v.inputs.len();
-    let size = STEP_HEAD + 8 + 8 + 4 + 4 * floats;
+    let facts_size: usize = v.facts.iter().map(|(f, _)| 1 + f.as_str().len() + 8).sum();
+    let measures_size: usize = v
+        .measures
+        .iter()
+        .map(|(m, a)| 1 + m.as_str().len() + 4 + 4 * a.len())
+        .sum();
+    let size = STEP_HEAD + 8 + 8 + 4 + 4 * floats + 2 + facts_size + 2 + measures_size;
     if size > MAX_PAYLOAD as usize {
         return Err(TooLarge::Payload(size));
     }
@@ -203,7 +222,28 @@ pub fn encode_step(out: &mut Vec<u8>, v: &StepView<'_>) -> Result<(), TooLarge> 
     for a in [v.grad_norms, weights, acts, v.inputs] {
         put_f32s(out, a);
     }
+    if !v.facts.is_empty() {
+        out.extend_from_slice(&n_facts.to_le_bytes());
+        for (fact, value) in v.facts {
+            put_name(out, fact.as_str());
+            out.extend_from_slice(&value.to_le_bytes());
+        }
+    }
+    if !v.measures.is_empty() {
+        out.extend_from_slice(&n_measures.to_le_bytes());
+        for (measure, values) in v.measures {
+            put_name(out, measure.as_str());
+            out.extend_from_slice(&count(measure.as_str(), values)?.to_le_bytes());
+            put_f32s(out, values);
+        }
+    }
     Ok(())
+}
+
+/// A vocabulary name (always shorter than 256 bytes) with its length.
+fn put_name(out: &mut Vec<u8>, name: &str) {
+    out.push(u8::try_from(name.len()).expect("vocabulary names are short"));
+    out.extend_from_slice(name.as_bytes());
 }
 
 /// Appends floats in little-endian order: a plain copy on little-endian machines.
@@ -251,6 +291,16 @@ impl<'a> Cursor<'a> {
         Ok(a)
     }
 
+    fn u16(&mut self) -> Result<u16, String> {
+        self.array().map(u16::from_le_bytes)
+    }
+
+    fn name(&mut self) -> Result<&'a str, String> {
+        let [n] = self.array()?;
+        std::str::from_utf8(self.take(usize::from(n))?)
+            .map_err(|_| "a fact or measure name is not UTF-8".to_string())
+    }
+
     fn u32(&mut self) -> Result<u32, String> {
         self.array().map(u32::from_le_bytes)
     }
@@ -268,10 +318,8 @@ impl<'a> Cursor<'a> {
 pub fn decode_step(payload: &[u8]) -> Result<Observation, String> {
     let mut c = Cursor { bytes: payload };
     let step = u64::from_le_bytes(c.array()?);
+    // Every bit of the flags byte has a meaning; new fields go into the named blocks.
     let [flags] = c.array()?;
-    if flags & !KNOWN_FLAGS != 0 {
-        return Err(format!("unknown step flags {flags:#04x}"));
-    }
     let [n_grad, n_weight, n_act, n_input] = [c.u32()?, c.u32()?, c.u32()?, c.u32()?];
     let has = |bit: u8| flags & bit != 0;
     if (!has(HAS_WEIGHTS) && n_weight != 0) || (!has(HAS_ACTIVATIONS) && n_act != 0) {
@@ -282,7 +330,10 @@ pub fn decode_step(payload: &[u8]) -> Result<Observation, String> {
         + 8 * u64::from(has(HAS_LR))
         + 4 * u64::from(has(HAS_NONFINITE));
     let expected = STEP_HEAD as u64 + fixed + 4 * floats;
-    if expected != payload.len() as u64 {
+    let blocks = has(HAS_FACTS) || has(HAS_MEASURES);
+    // Without blocks the counts fix the length; with them, the blocks are read to their end
+    // and the payload must end there.
+    if (!blocks && expected != payload.len() as u64) || expected > payload.len() as u64 {
         return Err(format!(
             "the step record holds {} bytes but its lengths say {expected}",
             payload.len()
@@ -297,6 +348,34 @@ pub fn decode_step(payload: &[u8]) -> Result<Observation, String> {
     let weight_norms = has(HAS_WEIGHTS).then(|| c.floats(n_weight)).transpose()?;
     let activations = has(HAS_ACTIVATIONS).then(|| c.floats(n_act)).transpose()?;
     let inputs = c.floats(n_input)?;
+    // Names this build does not know come from a newer writer: skipped, not damage.
+    let mut facts = Vec::new();
+    if has(HAS_FACTS) {
+        for _ in 0..c.u16()? {
+            let name = c.name()?;
+            let value = c.f64()?;
+            if let Some(fact) = Fact::parse(name) {
+                facts.push((fact, value));
+            }
+        }
+    }
+    let mut measures = Vec::new();
+    if has(HAS_MEASURES) {
+        for _ in 0..c.u16()? {
+            let name = c.name()?;
+            let n = c.u32()?;
+            let values = c.floats(n)?;
+            if let Some(measure) = Measure::parse(name) {
+                measures.push((measure, values));
+            }
+        }
+    }
+    if !c.bytes.is_empty() {
+        return Err(format!(
+            "the step record has {} bytes after its last block",
+            c.bytes.len()
+        ));
+    }
     Ok(Observation {
         step,
         grad_norms,
@@ -307,6 +386,8 @@ pub fn decode_step(payload: &[u8]) -> Result<Observation, String> {
         lr,
         nonfinite_module,
         outputs_checked: has(OUTPUTS_CHECKED),
+        facts,
+        measures,
     })
 }
 
@@ -360,6 +441,34 @@ mod tests {
         }
     }
 
+    #[test]
+    fn unknown_fact_and_measure_names_are_skipped() {
+        // A newer writer's names: the block is read past and the rest of the step kept.
+        let obs = Observation {
+            step: 4,
+            grad_norms: vec![0.5],
+            facts: vec![(Fact::Training, 1.0), (Fact::Rank, 3.0)],
+            measures: vec![(Measure::OutputAbsMax, vec![1.0, 2.0])],
+            ..Observation::default()
+        };
+        let mut buf = Vec::new();
+        encode_step(&mut buf, &obs.view()).unwrap();
+        let rename = |buf: &mut Vec<u8>, from: &str, to: &str| {
+            assert_eq!(from.len(), to.len());
+            let at = buf
+                .windows(from.len())
+                .position(|w| w == from.as_bytes())
+                .unwrap();
+            buf[at..at + to.len()].copy_from_slice(to.as_bytes());
+        };
+        rename(&mut buf, "rank", "zzzz");
+        rename(&mut buf, "output_absmax", "zzzzzzzzzzzzz");
+        let back = decode_step(&buf).unwrap();
+        assert_eq!(back.facts, vec![(Fact::Training, 1.0)]);
+        assert!(back.measures.is_empty());
+        assert_eq!(back.grad_norms, vec![0.5]);
+    }
+
     proptest! {
         /// Every observation survives encoding bit for bit (NaN payloads and signed zeros too).
         #[test]
@@ -373,8 +482,10 @@ mod tests {
             lr in proptest::option::of(any::<f64>()),
             module in proptest::option::of(0usize..100_000),
             checked in any::<bool>(),
+            facts in proptest::collection::vec((proptest::sample::select(Fact::ALL), any::<f64>()), 0..4),
+            measures in proptest::collection::vec((proptest::sample::select(Measure::ALL), proptest::collection::vec(any::<f32>(), 0..20)), 0..3),
         ) {
-            let obs = Observation { step, grad_norms: grads, weight_norms: weights, activations: acts, inputs, loss, lr, nonfinite_module: module, outputs_checked: checked };
+            let obs = Observation { step, grad_norms: grads, weight_norms: weights, activations: acts, inputs, loss, lr, nonfinite_module: module, outputs_checked: checked, facts, measures };
             let mut buf = Vec::new();
             encode_step(&mut buf, &obs.view()).unwrap();
             let back = decode_step(&buf).unwrap();
@@ -387,6 +498,10 @@ mod tests {
             prop_assert_eq!(back.lr.map(f64::to_bits), obs.lr.map(f64::to_bits));
             prop_assert_eq!(back.nonfinite_module, obs.nonfinite_module);
             prop_assert_eq!(back.outputs_checked, obs.outputs_checked);
+            let fact_bits = |f: &[(Fact, f64)]| f.iter().map(|(k, v)| (*k, v.to_bits())).collect::<Vec<_>>();
+            prop_assert_eq!(fact_bits(&back.facts), fact_bits(&obs.facts));
+            let measure_bits = |m: &[(Measure, Vec<f32>)]| m.iter().map(|(k, v)| (*k, bits(v))).collect::<Vec<_>>();
+            prop_assert_eq!(measure_bits(&back.measures), measure_bits(&obs.measures));
             // Any shorter or longer payload is refused, never misread.
             for cut in 0..buf.len() {
                 prop_assert!(decode_step(&buf[..cut]).is_err());

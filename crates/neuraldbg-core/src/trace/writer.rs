@@ -193,6 +193,7 @@ impl TraceWriter {
                 format::TooLarge::Array(what, n) => format!("{what} has {n} values"),
                 format::TooLarge::Module(m) => format!("module index {m} is too large"),
                 format::TooLarge::Payload(n) => format!("a step of {n} bytes is too large"),
+                format::TooLarge::Block(what, n) => format!("{n} {what} in one step"),
             })
         })?;
         self.write_record(Kind::Step)?;

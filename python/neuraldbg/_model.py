@@ -1,0 +1,149 @@
+"""The watched model as the engine sees it: its modules and trainable parameters, the model
+description registered with the engine (forward order, kinds, fan-in), and the search for the
+module whose own computation first produced a NaN/Inf. Host-side bookkeeping; the only tensor
+work is the finiteness check of kept outputs (:func:`~neuraldbg._measure.finite_flags`)."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from ._hooks import is_passive
+from ._measure import finite_flags
+
+# Modules that hold a lookup table rather than a transform: their weight scale says nothing
+# about signal propagation.
+TABLE_MODULES = {"Embedding", "EmbeddingBag"}
+
+# Normalization layers: they keep the layout of the transform before them.
+NORMS = ("BatchNorm", "GroupNorm", "InstanceNorm", "LayerNorm", "LocalResponseNorm", "RMSNorm")
+
+
+class WatchedModel:
+    """Modules (``model.named_modules()`` order) and trainable parameters of one model, each
+    parameter owned by the first module that holds it directly."""
+
+    def __init__(self, model: Any) -> None:
+        self.names: List[str] = []
+        self.modules: List[Any] = []
+        for name, m in model.named_modules():
+            self.names.append(name)
+            self.modules.append(m)
+        self.by_name = {n: i for i, n in enumerate(self.names)}
+
+        self.params: List[Any] = []
+        self.param_names: List[str] = []
+        self.param_owner: List[int] = []
+        seen: set = set()
+        for i, m in enumerate(self.modules):
+            for pname, p in m.named_parameters(recurse=False):
+                if p is None or not p.requires_grad or id(p) in seen:
+                    continue
+                seen.add(id(p))
+                self.params.append(p)
+                self.param_names.append(f"{self.names[i]}.{pname}" if self.names[i] else pname)
+                self.param_owner.append(i)
+        self.param_ids = {id(p) for p in self.params}
+        # Engine order (executed modules in forward order, the others after their nearest
+        # executed ancestor) and each module's rank in it; set by :meth:`spec`.
+        self.spec_order: List[int] = []
+        self.rank: Dict[int, int] = {}
+
+    def spec(self, executed: List[int], optimizer: Optional[str]) -> Dict[str, Any]:
+        """The engine's ``ModelSpec`` (as a dict for JSON), given the forward order of the
+        first step; fixes :attr:`spec_order` and :attr:`rank`."""
+        pos = {m: k for k, m in enumerate(executed)}
+        by_name = self.by_name
+        # Modules that never ran go right after their nearest ancestor that did.
+        keys: List[Tuple[float, int]] = []
+        for i, name in enumerate(self.names):
+            if i in pos:
+                keys.append((float(pos[i]), i))
+                continue
+            anchor = -1.0
+            parts = name.split(".")
+            for cut in range(len(parts) - 1, -1, -1):
+                j = by_name.get(".".join(parts[:cut]))
+                if j is not None and j in pos:
+                    anchor = float(pos[j])
+                    break
+            keys.append((anchor + 0.5 + i * 1e-6, i))
+        keys.sort()
+        self.spec_order = [i for _, i in keys]
+        rank = {m: k for k, m in enumerate(self.spec_order)}
+        self.rank = rank
+
+        modules = []
+        for i in self.spec_order:
+            m = self.modules[i]
+            attrs = []
+            for a in ("min_val", "max_val"):
+                v = getattr(m, a, None)
+                if isinstance(v, (int, float)):
+                    attrs.append([a, float(v)])
+            modules.append(
+                {"name": self.names[i], "kind": type(m).__name__, "attrs": attrs, "executed": i in pos}
+            )
+        params = []
+        for p, pname, owner in zip(self.params, self.param_names, self.param_owner):
+            leaf = pname.rsplit(".", 1)[-1]
+            role = "weight" if leaf.startswith("weight") else "bias" if leaf.startswith("bias") else "other"
+            fan_in = None
+            kind = type(self.modules[owner]).__name__
+            if role == "weight" and p.dim() >= 2 and kind not in TABLE_MODULES:
+                fan_in = int(p.shape[1]) * int(np.prod(p.shape[2:])) if p.dim() > 2 else int(p.shape[1])
+            params.append(
+                {"module": rank[owner], "name": pname, "numel": int(p.numel()), "role": role, "fan_in": fan_in}
+            )
+        return {"modules": modules, "params": params, "optimizer": optimizer}
+
+    def unit_axes(self, executed: List[int]) -> Dict[int, int]:
+        """Per executed module: 1 (channels) when the nearest transform with parameters before
+        it in the forward order is a convolution, else -1 (features last). Normalization layers
+        in between (Conv -> BatchNorm -> ReLU) keep the convolution's layout. One pass."""
+        owners = set(self.param_owner)
+        axes: Dict[int, int] = {}
+        axis = -1
+        for m in executed:
+            axes[m] = axis
+            if m in owners:
+                kind = type(self.modules[m]).__name__
+                if not any(n in kind for n in NORMS):
+                    axis = 1 if kind.startswith("Conv") else -1
+        return axes
+
+    def first_nonfinite(self, refs: List[Tuple[int, Any, Any]]) -> Optional[int]:
+        """Index (in the engine's module order) of the module whose own computation first
+        produced a NaN/Inf in this step's forward pass.
+
+        Module calls are scanned in completion order. The first call with a non-finite output
+        is the origin if its inputs were finite. If its inputs were already non-finite, no
+        module that had finished produced them: they came from inline code (``torch.softmax``,
+        a division...) of a module still running: the enclosing module (skipping
+        ``nn.Sequential``, which has no code of its own), which is reported.
+
+        Runs only on a step whose gradients or loss are not finite (or after a crash): one
+        batched finiteness check of every kept output, one of the culprit's inputs.
+        """
+        calls = [(i, out, args) for i, out, args in refs if out is not None]
+        flags = finite_flags([out for _, out, _ in calls])
+        for (i, _, args), ok in zip(calls, flags):
+            if ok:
+                continue
+            inputs_finite = all(finite_flags([args]))
+            if inputs_finite or i == 0:
+                return self.rank.get(i)
+            return self.rank.get(self._enclosing(i))
+        return None
+
+    def _parent(self, i: int) -> int:
+        name = self.names[i]
+        parent = name.rsplit(".", 1)[0] if "." in name else ""
+        return self.by_name.get(parent, 0)
+
+    def _enclosing(self, i: int) -> int:
+        p = self._parent(i)
+        while p != 0 and type(self.modules[p]).__name__ == "Sequential" and is_passive(self.modules[p]):
+            p = self._parent(p)
+        return p

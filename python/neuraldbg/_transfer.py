@@ -1,0 +1,124 @@
+"""How a step's numbers reach the host: where each statistic sits in the step's one flat
+float32 vector (:class:`Layout`), the single device-to-host transfer of that vector, and its
+unpacking into the arrays the engine takes.
+
+On CPU the transfer is ``.numpy()`` of the vector (no copy). On CUDA it is a ``non_blocking``
+copy into pinned memory with an event recorded after it (:class:`HostCopy`); the step waits as a
+:class:`Pending` until the next forward pass starts, when the GPU has long finished the copy.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, List, Optional, Tuple
+
+import numpy as np
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+class Layout:
+    """Where each statistic of one step sits in the step's flat vector (host-side metadata)."""
+
+    __slots__ = ("step", "lr", "grad_order", "weight_order", "act_index", "act_samples", "n_act",
+                 "loss", "n_inputs", "final", "origin", "checked", "ran")
+
+    def __init__(self, step: int, lr: Optional[float], final: bool) -> None:
+        self.step = step
+        self.lr = lr
+        self.final = final
+        self.grad_order: Optional[np.ndarray] = None
+        self.weight_order: Optional[np.ndarray] = None
+        self.act_index: Optional[np.ndarray] = None
+        self.act_samples: Optional[np.ndarray] = None
+        self.n_act = 0
+        self.loss = False
+        self.n_inputs = 0
+        # Found when the loss appeared (CPU): the non-finite origin (and whether the outputs were
+        # scanned at all), and which modules ran.
+        self.origin: Optional[int] = None
+        self.checked = False
+        self.ran: Optional[List[int]] = None
+
+
+class Pending:
+    """A step whose statistics are on their way to the host (CUDA)."""
+
+    __slots__ = ("layout", "host", "event", "refs")
+
+    def __init__(self, layout: Layout, host: np.ndarray, event: Any, refs: List[Tuple[int, Any, Any]]) -> None:
+        self.layout = layout
+        self.host = host
+        self.event = event
+        self.refs = refs
+
+
+
+
+def flatten(parts: "List[torch.Tensor]") -> "Optional[torch.Tensor]":
+    """One float32 vector of every part, on the first part's device."""
+    if not parts:
+        return None
+    import torch
+
+    device = parts[0].device
+    if any(p.device != device for p in parts):
+        parts = [p.to(device) for p in parts]
+    return torch.cat([p.reshape(-1) for p in parts]) if len(parts) > 1 else parts[0].reshape(-1)
+
+
+class HostCopy:
+    """Asynchronous copies of step vectors into one reused pinned buffer (CUDA)."""
+
+    def __init__(self) -> None:
+        self.pinned: Any = None
+
+    def start(self, flat: "torch.Tensor") -> Tuple[np.ndarray, Any]:
+        import torch
+
+        n = int(flat.numel())
+        if flat.device.type != "cuda":
+            # The deferred path without a GPU (tests): a plain copy, consumed later alike.
+            return flat.detach().clone().numpy(), None
+        if self.pinned is None or self.pinned.numel() < n:
+            self.pinned = torch.empty(max(n, 256) * 2, dtype=torch.float32, pin_memory=True)
+        dst = self.pinned[:n]
+        dst.copy_(flat, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(flat.device))
+        return dst.numpy(), event
+
+
+class Unpacked:
+    """One step's statistics as the engine takes them (host arrays)."""
+
+    __slots__ = ("grad_norms", "weight_norms", "activations", "loss", "inputs")
+
+    def __init__(self, layout: Layout, flat: np.ndarray, no_grads: np.ndarray, n_probes: int) -> None:
+        off = 0
+        grad_norms = no_grads.copy()
+        order = layout.grad_order
+        if order is not None:
+            grad_norms[order] = flat[: order.size]
+            off = order.size
+        self.grad_norms = grad_norms
+        self.weight_norms: Optional[np.ndarray] = None
+        if layout.weight_order is not None:
+            k = layout.weight_order.size
+            weight_norms = no_grads.copy()
+            weight_norms[layout.weight_order] = flat[off : off + k]
+            off += k
+            self.weight_norms = weight_norms
+        self.activations: Optional[np.ndarray] = None
+        if layout.act_index is not None:
+            table = np.full(n_probes * 5, np.nan, dtype=np.float32)
+            table[layout.act_index] = flat[off : off + layout.n_act]
+            off += layout.n_act
+            table[4::5] = layout.act_samples
+            self.activations = table
+        self.loss: Optional[float] = None
+        if layout.loss:
+            self.loss = float(flat[off])
+            off += 1
+        self.inputs: Optional[np.ndarray] = None
+        if layout.n_inputs:
+            self.inputs = np.ascontiguousarray(flat[off : off + 4 * layout.n_inputs])
