@@ -3,6 +3,10 @@ Empirical Study on TensorFlow Program Bugs", ISSTA 2018): `StackOverflow/IPS-<n>
 IPS is the study's root-cause class "incorrect model parameter or structure"; the fix directory
 is the accepted answer's change, which is our healthy control.
 
+Also two of TheDeepChecker's GitHub examples (`GH_buggy_examples/TFE_<commit>`): bugs of
+`aymericdamien/TensorFlow-Examples` whose fixing commit is named (742675d, bc09f95); the buggy
+program is that commit's parent, the fixed one the commit.
+
 The originals are TF 1.x scripts over raw `tf.Variable`s and `tf.nn` ops: the ports keep that
 style (parameters in a small module, functional activations), the same initializers, losses,
 optimizers, learning rates, batch sizes and iteration counts, except where noted (`steps`).
@@ -33,6 +37,9 @@ from .common import (
 
 def src(ips: str, question: str, kind: str, file: str) -> str:
     return f"{TPB_REPO}@{TPB_COMMIT[:10]}:StackOverflow/{ips}/{question}-{kind}/{file}"
+
+
+TFE_REPO = "aymericdamien/TensorFlow-Examples"
 
 
 def mnist_flat() -> tuple:
@@ -329,6 +336,67 @@ def ips11(buggy: bool, steps: Optional[int]) -> Run:
     )
 
 
+# ============================================================================ TensorFlow-Examples: losses summed over the batch
+
+
+def tfe742675d(buggy: bool, steps: Optional[int]) -> Run:
+    """examples/2 - Basic Classifiers/logistic_regression.py: softmax regression, zero weights,
+    SGD 0.01, batch 100; `-reduce_sum(y * log(softmax))` (summed over the batch) until the fix
+    `reduce_mean(-reduce_sum(y * log(softmax), 1))`."""
+    x, y = mnist_flat()
+    model = SoftmaxRegression()
+
+    def loss(p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        per_example = -(t * torch.log(p)).sum(1)
+        return per_example.sum() if buggy else per_example.mean()
+
+    return Run(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.01),
+        loss,
+        cycling_batches(x, y, 100, seed=742),
+        steps or 300,
+        accuracy=accuracy_onehot,
+    )
+
+
+class RawMLP(nn.Module):
+    """examples/4_Utils/tensorboard_advanced.py: 784-256-256-10, ReLU inline, every weight and
+    bias `tf.random_normal` (stddev 1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        n = random_normal(1.0)
+        self.w1, self.b1 = param(784, 256, init=n), param(256, init=n)
+        self.w2, self.b2 = param(256, 256, init=n), param(256, init=n)
+        self.w3, self.b3 = param(256, 10, init=n), param(10, init=n)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(x @ self.w1 + self.b1)
+        h = F.relu(h @ self.w2 + self.b2)
+        return h @ self.w3 + self.b3
+
+
+def tfebc09f95(buggy: bool, steps: Optional[int]) -> Run:
+    """SGD 0.01, batch 100, `reduce_sum(softmax_cross_entropy_with_logits)` until the fix
+    `reduce_mean(...)`."""
+    x, y = mnist_flat()
+    model = RawMLP()
+
+    def loss(logits: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        per_example = -(t * torch.log_softmax(logits, 1)).sum(1)
+        return per_example.sum() if buggy else per_example.mean()
+
+    return Run(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.01),
+        loss,
+        cycling_batches(x, y, 100, seed=95),
+        steps or 300,
+        accuracy=accuracy_onehot,
+    )
+
+
 # ============================================================================ the programs
 
 
@@ -391,5 +459,21 @@ def programs() -> List[Program]:
             "IPS: ReLU applied to the output logits", "output_loss_mismatch",
             "no activation on the last layer (fc_layer(..., activation=None))", MNIST_DATA, ips11,
             also=("dying_relu",), arch="CNN 2 conv + 2 fc (functional ReLU)",
+        ),
+        Program(
+            "tfe/742675d_logreg_sum_loss",
+            f"{TFE_REPO}@844bbfce6d:examples/2 - Basic Classifiers/logistic_regression.py",
+            f"{TFE_REPO}@742675db9e:examples/2 - Basic Classifiers/logistic_regression.py",
+            "TheDeepChecker GH example: cross-entropy summed over the batch (NaN), 'fix #10'",
+            "learning_rate_too_high", "reduce_mean over the batch instead of reduce_sum", MNIST_DATA,
+            tfe742675d, also=("numerical_instability",), arch="softmax regression 784-10",
+        ),
+        Program(
+            "tfe/bc09f95_mlp_sum_loss",
+            f"{TFE_REPO}@534b4febcd:examples/4_Utils/tensorboard_advanced.py",
+            f"{TFE_REPO}@bc09f959c0:examples/4_Utils/tensorboard_advanced.py",
+            "TheDeepChecker GH example: 'reduce mean instead of sum' of the softmax cross-entropy",
+            "learning_rate_too_high", "reduce_mean over the batch instead of reduce_sum", MNIST_DATA,
+            tfebc09f95, also=("numerical_instability",), arch="MLP 784-256-256-10, N(0,1) init",
         ),
     ]
