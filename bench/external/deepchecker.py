@@ -284,6 +284,7 @@ def regr_nn(c: RegrConfig) -> Callable[[bool, Optional[int]], Run]:
 class DeepCNNConfig:
     lr: float = 1e-3
     optimizer: str = "momentum"
+    eps: float = 1e-8
     init: str = "he_uniform"  # the buggy files' base: he-uniform kernels, 64 filters in block 3
     init_std: float = 0.0
     out_init: str = "glorot"
@@ -328,7 +329,7 @@ def deep_cnn(c: DeepCNNConfig) -> Callable[[bool, Optional[int]], Run]:
         ce = classification_loss(c.loss)
         return Run(
             model,
-            make_optimizer(model.parameters(), c.optimizer, c.lr),
+            make_optimizer(model.parameters(), c.optimizer, c.lr, c.eps),
             ce,
             image_batch(x, y, c.scaling, seed=0),
             steps or DEEP_STEPS,
@@ -478,5 +479,17 @@ def programs() -> List[Program]:
         _pair("deepCNN_random", "wrong_init/deepCNN_random.py", "wrong_init (normal std 0.25)", "poor_initialization",
               "he-normal kernels instead of N(0, 0.25)", "deep", replace(D, init="he_normal"),
               replace(D, init="random", init_std=0.25, out_init="random")),
+        _pair("deepCNN_constant", "wrong_init/deepCNN_constant.py", "wrong_init (constant 0.01)", "poor_initialization",
+              "he-normal kernels (glorot output) instead of constant(0.01)", "deep", replace(D, init="he_normal"),
+              replace(D, init="constant", out_init="constant")),
+        _pair("deepCNN_miss_norm", "missing_normalization/deepCNN_miss_norm.py", "missing_normalization",
+              "bad_input_data", "scale pixels to [0, 1] (normalization=True)", "deep", replace(D, out_init="he_uniform"),
+              replace(D, out_init="he_uniform", scaling="raw")),
+        _pair("deepCNN_red_soft", "redundant_softmax/deepCNN_red_soft.py", "redundant_softmax", "output_loss_mismatch",
+              "pass the logits, not the probabilities, to softmax_cross_entropy_with_logits", "deep", D,
+              replace(D, loss="redundant_softmax")),
+        _pair("deepCNN_low_eps", "low_adam_epsilon/deepCNN_low_eps.py", "low_adam_epsilon", "numerical_instability",
+              "the clean program's momentum SGD (0.001, 0.9) instead of Adam(0.01, epsilon=1e-16)", "deep", D,
+              replace(D, optimizer="adam", lr=0.01, eps=1e-16), also=("learning_rate_too_high",)),
     ]
     return out
