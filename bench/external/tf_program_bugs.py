@@ -336,6 +336,37 @@ def ips11(buggy: bool, steps: Optional[int]) -> Run:
     )
 
 
+# ============================================================================ UT-15: (N,) targets against (N, 1) outputs
+
+
+class Fit2(nn.Module):
+    """`y = matmul(x, w)`, w [2, 1] truncated-normal 0.1, float64 like the original."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.empty(2, 1, dtype=torch.float64))
+        truncated_normal(0.1)(self.w.data)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.w
+
+
+def ut15(buggy: bool, steps: Optional[int]) -> Run:
+    x = torch.tensor([[1.0, 1.0], [1.0, 2.0], [1.0, 3.0]], dtype=torch.float64)
+    y = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+    target = y if buggy else y.unsqueeze(1)  # the fix: y_ = tf.expand_dims(y_, axis=1)
+    model = Fit2()
+    return Run(
+        model,
+        torch.optim.Adam(model.parameters(), lr=1e-4, eps=1e-8),
+        lambda out, t: (t - out).pow(2).mean(),  # reduce_mean(square(y_ - y)): (3,) - (3, 1) is (3, 3)
+        lambda i: (x, target),
+        # The original runs 50000 iterations; by 20000 both versions have settled: the buggy
+        # one at 0.676 (its floor is 2/3, the variance of y_: it learns the mean), the fix at 5e-5.
+        steps or 20000,
+    )
+
+
 # ============================================================================ TensorFlow-Examples: losses summed over the batch
 
 
@@ -459,6 +490,13 @@ def programs() -> List[Program]:
             "IPS: ReLU applied to the output logits", "output_loss_mismatch",
             "no activation on the last layer (fc_layer(..., activation=None))", MNIST_DATA, ips11,
             also=("dying_relu",), arch="CNN 2 conv + 2 fc (functional ReLU)",
+        ),
+        Program(
+            "tpb/UT-15_target_broadcast", src("UT-15", "38447935", "buggy", "fitting.py"),
+            src("UT-15", "38447935", "fix", "fitting.py"),
+            "UT (unaligned tensors): targets of shape (3,) minus outputs (3, 1) broadcast to (3, 3)",
+            "target_shape_mismatch", "y_ = tf.expand_dims(y_, axis=1)", "inline in the program (3 points)", ut15,
+            arch="linear 2 -> 1, float64",
         ),
         Program(
             "tfe/742675d_logreg_sum_loss",
