@@ -62,8 +62,10 @@ test-python: build browser terminal
 
 test: lint test-rust test-python
 
+# The scenario suite, then the external suite (published buggy programs, ported; a report).
 bench-diagnosis: build
 	$(PY) bench/scoreboard.py
+	$(PY) bench/external_scoreboard.py
 
 # Size and generation time of the report for 1,000 layers x 100,000 synthetic steps (release).
 bench-report:
