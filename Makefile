@@ -7,7 +7,7 @@ PY      := $(VENV)/bin/python
 STAMPS  := .stamps
 SOURCES := $(shell find crates python -type f \( -name '*.rs' -o -name '*.py' -o -name '*.pyi' -o -name 'Cargo.toml' -o -name '*.js' -o -name '*.css' -o -name '*.html' \) 2>/dev/null) Cargo.toml pyproject.toml
 
-.PHONY: all demo test test-rust test-python lint bench bench-overhead bench-engine bench-memory bench-diagnosis bench-report bench-trace build browser report-screenshot clean
+.PHONY: all demo test test-rust test-python lint bench bench-overhead bench-models bench-frameworks bench-engine bench-memory bench-diagnosis bench-report bench-trace build browser report-screenshot clean
 
 all: test
 
@@ -75,10 +75,19 @@ $(STAMPS)/bench-venv: $(STAMPS)/deps
 
 # `make bench`: the overhead table (plain vs monitored, interleaved; minutes) and the engine's
 # ingest throughput. `make bench-memory`: 10,000 layers x 1,000,000 steps (minutes).
-bench: bench-overhead bench-engine
+bench: bench-overhead bench-engine bench-models bench-frameworks
 
 bench-overhead: build $(STAMPS)/bench-venv
 	$(PY) bench/overhead.py --legacy-python $(BENCH_VENV)/bin/python
+
+# Third-party models (torchvision ResNet-18, Hugging Face GPT-2) eager and under torch.compile,
+# each against the same setup unwatched.
+bench-models: build
+	$(PY) bench/overhead.py --models resnet18,gpt2 --arms plain,A/A,neuraldbg,compiled,compiled+neuraldbg --no-legacy
+
+# Trainer.fit under PyTorch Lightning with and without neuraldbg.lightning.NeuralDbgCallback.
+bench-frameworks: build
+	$(PY) bench/frameworks.py
 
 bench-engine:
 	cargo bench -p neuraldbg-core --bench observe

@@ -44,6 +44,10 @@ from ._model import WatchedModel
 from ._transfer import HostCopy, Layout, Pending, Unpacked, flatten
 from .errors import NeuralDbgWarning
 
+# Whether dynamo is tracing (torch.compile): hooks then run inside a compiled graph. (This module
+# is imported only once torch is, by NeuralDbg.__enter__.)
+from torch.compiler import is_compiling as _compiling  # noqa: E402
+
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
@@ -695,10 +699,3 @@ def _lr_of(optimizer: Any) -> Optional[float]:
     if isinstance(lr, torch.Tensor) and lr.device.type == "cpu" and lr.numel() == 1:
         return float(lr)
     return None
-
-
-def _compiling() -> bool:
-    """Whether dynamo is tracing (``torch.compile``): hooks then run inside a compiled graph."""
-    import torch
-
-    return bool(torch.compiler.is_compiling())
