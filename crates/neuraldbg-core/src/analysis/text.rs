@@ -178,78 +178,10 @@ pub fn describe(
     s
 }
 
-/// Concrete remedies for a failure with a cause.
+/// Concrete remedies for a failure with a cause: the cause's own (see `causes`), and for an
+/// explosion not due to the learning rate, clipping while the cause is fixed.
 pub fn remedies(run: &Run, e: &Episode, cause: Cause) -> Vec<String> {
-    let layer = e.root.map(|m| show(run.model.module_name(m)));
-    let lr = run.lr_first.map(num);
-    let lower = lr.as_ref().map_or_else(
-        || "lower the learning rate 10x".to_string(),
-        |lr| format!("lower the learning rate 10x (it was {lr})"),
-    );
-    let mut r: Vec<String> = match cause {
-        Cause::LearningRateTooHigh => vec![
-            lower,
-            "clip gradients: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0) before optimizer.step()".into(),
-            "add a learning-rate warmup over the first few hundred steps".into(),
-        ],
-        Cause::LearningRateTooLow => vec![
-            lr.map_or_else(
-                || "raise the learning rate 10x".to_string(),
-                |lr| format!("raise the learning rate 10x (it was {lr})"),
-            ),
-            "run a learning-rate range test (increase lr each step and watch the loss)".into(),
-            "switch to an adaptive optimizer such as Adam".into(),
-        ],
-        Cause::PoorInitialization => vec![
-            "initialize weights for the activation: kaiming_normal_ for ReLU, xavier_normal_ (gain 5/3 for tanh) otherwise".into(),
-            format!(
-                "check custom init code{} for weights scaled far from 1/sqrt(fan_in)",
-                layer.as_ref().map(|l| format!(" of {l}")).unwrap_or_default()
-            ),
-        ],
-        Cause::SaturatingActivation => vec![
-            "replace tanh/sigmoid with ReLU, GELU or SiLU in hidden layers".into(),
-            "use xavier_normal_ initialization and normalize the inputs so pre-activations stay near zero".into(),
-            "add LayerNorm or BatchNorm before the saturating activations".into(),
-        ],
-        Cause::DyingRelu => vec![
-            format!(
-                "replace ReLU{} with LeakyReLU(0.01) or GELU",
-                layer.as_ref().map(|l| format!(" ({l})")).unwrap_or_default()
-            ),
-            lower,
-            "check the bias initialization of the layer before it (negative biases switch units off)".into(),
-            "add BatchNorm before the ReLU".into(),
-        ],
-        Cause::BadInputData => vec![
-            format!(
-                "inspect the batch of step {}: assert torch.isfinite(x).all() in the data pipeline",
-                e.onset
-            ),
-            "normalize inputs (zero mean, unit variance) and filter corrupt samples".into(),
-        ],
-        Cause::NumericalInstability => vec![
-            format!(
-                "look for log, division, sqrt, exp or pow on unbounded values in the forward{}; add an eps or clamp",
-                layer.as_ref().map(|l| format!(" of {l}")).unwrap_or_default()
-            ),
-            "compute that operation in float32 if it runs in half precision".into(),
-            "run that one step under torch.autograd.detect_anomaly() to get the exact operation".into(),
-        ],
-        Cause::NetworkDepth => vec![
-            "add residual (skip) connections so gradients bypass the deep stack".into(),
-            "add normalization (LayerNorm/BatchNorm) between blocks".into(),
-            "reduce the depth, or initialize for depth (e.g. scaled or orthogonal init)".into(),
-        ],
-        Cause::MissingNormalization => vec![
-            "add BatchNorm (CNNs) or LayerNorm (MLPs, transformers) between layers".into(),
-            "initialize weights for the activation so the signal keeps its scale".into(),
-        ],
-        Cause::Unknown => vec![
-            "inspect the gradient-norm history of the first failing layer (dbg.history)".into(),
-            "rerun the failing step under torch.autograd.detect_anomaly()".into(),
-        ],
-    };
+    let mut r = super::causes::rule(cause).remedies(&super::causes::RemedyCase { run, e });
     if e.failure == Failure::ExplodingGradients && cause != Cause::LearningRateTooHigh {
         r.push("clip gradients at 1.0 while you fix the cause".into());
     }

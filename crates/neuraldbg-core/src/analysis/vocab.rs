@@ -64,18 +64,8 @@ impl Failure {
 }
 
 impl Cause {
+    /// How the cause reads in a sentence (each cause's rule in `causes` says it).
     pub fn phrase(self) -> &'static str {
-        match self {
-            Cause::SaturatingActivation => "a saturating activation",
-            Cause::PoorInitialization => "poor weight initialization",
-            Cause::LearningRateTooHigh => "a learning rate that is too high",
-            Cause::LearningRateTooLow => "a learning rate that is too low",
-            Cause::DyingRelu => "dying ReLU units",
-            Cause::BadInputData => "bad input data",
-            Cause::NumericalInstability => "a numerically unstable operation",
-            Cause::NetworkDepth => "the depth of the network",
-            Cause::MissingNormalization => "missing normalization",
-            Cause::Unknown => "an undetermined cause",
-        }
+        super::causes::rule(self).phrase()
     }
 }

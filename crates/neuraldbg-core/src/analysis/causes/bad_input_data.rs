@@ -1,0 +1,104 @@
+//! `bad_input_data`: NaN/Inf or out-of-distribution batches, or inputs and targets far off
+//! scale.
+
+use super::super::vocab::{Cause, Failure};
+use super::{Case, CauseRule, RemedyCase, Votes, fmt_g};
+
+pub(crate) struct BadInputData;
+
+impl CauseRule for BadInputData {
+    fn cause(&self) -> Cause {
+        Cause::BadInputData
+    }
+
+    fn phrase(&self) -> &'static str {
+        "bad input data"
+    }
+
+    fn explains(&self, failure: Failure) -> bool {
+        !matches!(
+            failure,
+            Failure::LossPlateau | Failure::SaturatedGradients | Failure::LossScaleCollapse
+        )
+    }
+
+    fn evidence(&self, c: &Case<'_>, v: &mut Votes) {
+        let (ev, f) = (c.ev, c.f);
+        match c.e.failure {
+            Failure::ExplodingGradients => {
+                // Ordinary weights that do not amplify the signal, yet a huge loss or huge
+                // inputs: the data is off scale (unnormalized inputs or regression targets).
+                if f.at_start && ev.gain_normal() && ev.network_gain() < 1.0 {
+                    if let Some(l) = ev.loss_initial.filter(|l| *l > 1e3) {
+                        v.add(
+                            2.5,
+                            format!(
+                                "the weights are ordinarily scaled but the loss starts at {}: targets or inputs are far off scale",
+                                fmt_g(l)
+                            ),
+                        );
+                    }
+                    if let Some(x) = ev.input_scale_first.filter(|x| *x > 20.0) {
+                        v.add(
+                            1.5,
+                            format!("inputs reach magnitude {} (not normalized)", fmt_g(x)),
+                        );
+                    }
+                }
+                anomalous_batch(c, v, 4.0);
+            }
+            Failure::VanishingGradients | Failure::DeadNeurons => anomalous_batch(c, v, 3.0),
+            Failure::NonFinite => {
+                if f.nonfinite_input {
+                    v.add(
+                        6.0,
+                        format!("the input batch of step {} contained NaN/Inf", c.e.onset),
+                    );
+                }
+            }
+            Failure::SaturatedActivations => {
+                // Inputs far beyond a normalized range saturate the first bounded activation
+                // however well the weights are scaled.
+                if f.at_start {
+                    let first_act = c.run.model.activations.first().map(|a| a.module);
+                    let scale = ev.input_scale_first.unwrap_or(0.0);
+                    if scale > 20.0 && c.e.root == first_act {
+                        v.add(
+                            3.0,
+                            format!("inputs reach magnitude {} (not normalized)", fmt_g(scale)),
+                        );
+                        if ev.gain_normal() {
+                            v.add(1.0, "the weights themselves are ordinarily scaled");
+                        }
+                    }
+                }
+                anomalous_batch(c, v, 3.0);
+            }
+            Failure::DataAnomaly => v.add(4.0, "the input batch itself was anomalous"),
+            Failure::LossDivergence => anomalous_batch(c, v, 4.0),
+            Failure::LossPlateau | Failure::SaturatedGradients | Failure::LossScaleCollapse => {}
+        }
+    }
+
+    fn remedies(&self, c: &RemedyCase<'_>) -> Vec<String> {
+        vec![
+            format!(
+                "inspect the batch of step {}: assert torch.isfinite(x).all() in the data pipeline",
+                c.e.onset
+            ),
+            "normalize inputs (zero mean, unit variance) and filter corrupt samples".into(),
+        ]
+    }
+}
+
+/// The input batch of the onset step was itself anomalous.
+fn anomalous_batch(c: &Case<'_>, v: &mut Votes, weight: f64) {
+    if c.f.data.is_some() {
+        let what = if c.f.nonfinite_input {
+            "the input batch of that step contained NaN/Inf"
+        } else {
+            "the input batch of that step was far out of distribution"
+        };
+        v.add(weight, what);
+    }
+}

@@ -1,0 +1,80 @@
+//! `dying_relu`: ReLU-family units that output zero for every sample, so nothing flows back
+//! through them.
+
+use super::super::vocab::{Cause, Failure};
+use super::{Case, CauseRule, RemedyCase, Votes};
+
+pub(crate) struct DyingRelu;
+
+impl CauseRule for DyingRelu {
+    fn cause(&self) -> Cause {
+        Cause::DyingRelu
+    }
+
+    fn phrase(&self) -> &'static str {
+        "dying ReLU units"
+    }
+
+    fn explains(&self, failure: Failure) -> bool {
+        matches!(
+            failure,
+            Failure::VanishingGradients | Failure::DeadNeurons | Failure::LossPlateau
+        )
+    }
+
+    fn evidence(&self, c: &Case<'_>, v: &mut Votes) {
+        let (f, e) = (c.f, c.e);
+        match e.failure {
+            Failure::VanishingGradients => {
+                if let Some(j) = f.dead {
+                    v.add(
+                        4.0,
+                        format!(
+                            "{:.0}% of the units of a ReLU layer downstream output zero for the whole batch",
+                            100.0 * c.episodes[j].fraction
+                        ),
+                    );
+                }
+                // Exactly-zero gradients look like a blocked ReLU path only if the model can
+                // have one: ReLU-family modules, or no activation modules at all (functional
+                // ReLUs).
+                let model = &c.run.model;
+                let may_have_relu = model.activations.is_empty()
+                    || model.activations.iter().any(|a| a.traits.can_die);
+                if e.exact_zero && may_have_relu {
+                    v.add(
+                        1.0,
+                        "the gradients are exactly zero, as behind a blocked (dead) path",
+                    );
+                }
+            }
+            Failure::DeadNeurons => {
+                v.add(
+                    3.0,
+                    format!(
+                        "{:.0}% of the layer's units output zero for every sample of the batch",
+                        100.0 * e.fraction
+                    ),
+                );
+            }
+            Failure::LossPlateau => {
+                if let Some((Cause::DyingRelu, why)) = c.stalled_by() {
+                    v.add(super::STALLED, why);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    fn remedies(&self, c: &RemedyCase<'_>) -> Vec<String> {
+        vec![
+            format!(
+                "replace ReLU{} with LeakyReLU(0.01) or GELU",
+                c.layer().map(|l| format!(" ({l})")).unwrap_or_default()
+            ),
+            c.lower_lr(),
+            "check the bias initialization of the layer before it (negative biases switch units off)".into(),
+            "add BatchNorm before the ReLU".into(),
+        ]
+    }
+}

@@ -1,0 +1,406 @@
+//! What the causes look at: run-wide facts ([`Evidence`], gathered once per analysis) and
+//! per-episode facts ([`Features`]).
+
+use crate::engine::Run;
+use crate::event::{EventType, SemanticEvent};
+use crate::health::{DataHealth, GradientHealth, State};
+use crate::track::median;
+
+use super::super::episodes::{Episode, activation_gap};
+use super::super::vocab::{Cause, Failure};
+
+/// Run-wide facts that several causes look at.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Evidence {
+    pub first_step: u64,
+    pub depth: usize,
+    pub has_norm: bool,
+    /// Median and largest weight gain at the first measurement (`std(W) * sqrt(fan_in)`;
+    /// 0.58 for `PyTorch`'s default `Linear` init, 1.41 for He).
+    pub gain_median: Option<f64>,
+    pub gain_max: Option<(f64, usize)>,
+    /// How the first gradient norms change along the layers (see [`Profile`]).
+    pub profile: Option<Profile>,
+    /// Median estimated update-to-weight ratio at the first step.
+    pub update_ratio: Option<f64>,
+    pub lr_first: Option<f64>,
+    pub input_scale_first: Option<f64>,
+    pub total_early: Option<f64>,
+    /// Largest finite total gradient norm before anything went non-finite.
+    pub total_peak: Option<(f64, u64)>,
+    pub activation_gap: u64,
+    /// Median mean-slope of the bounded activations at their first measurement, and the median
+    /// of their lowest: the share of gradient a bounded activation passes back.
+    pub slope_first: Option<f64>,
+    pub slope_min: Option<f64>,
+    /// Class name of the bounded activations (for sentences).
+    pub bounded_kind: Option<String>,
+    /// The loss at the start (median of the first three), and its largest smoothed value
+    /// relative to the best before it.
+    pub loss_initial: Option<f64>,
+    pub loss_peak_ratio: f64,
+    /// Median, over weighted layers, of `log10(gain / reference)`: decades per layer by which
+    /// the initial weights scale the signal away from what the activation after them needs to
+    /// keep it (reference gain sqrt(2) before ReLU-family units, 1 otherwise).
+    pub init_error: Option<f64>,
+    /// Median `log10(mean slope)` of the bounded activations at the start: decades per layer
+    /// the activations themselves take off the gradient (0 without bounded activations).
+    pub act_attenuation: f64,
+}
+
+/// Gradient norms of the weighted layers at the start, in forward order: `slope` is decades
+/// per layer (positive when layers nearer the output have larger gradients, i.e. gradients
+/// shrink on their way back), `span` the decades between the ends of the fit, `monotone` the
+/// rank correlation between position and log-norm (1: every layer smaller than the next).
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Profile {
+    pub slope: f64,
+    pub span: f64,
+    pub monotone: f64,
+}
+
+impl Profile {
+    /// Gradients shrink geometrically towards the input, by at least 2 decades overall.
+    pub fn shrinking(&self) -> bool {
+        self.span >= 2.0 && self.monotone >= 0.8
+    }
+
+    /// Gradients grow geometrically towards the input.
+    pub fn growing(&self) -> bool {
+        self.span <= -2.0 && self.monotone <= -0.8
+    }
+}
+
+fn ranks(values: &[f64]) -> Vec<f64> {
+    let mut idx: Vec<usize> = (0..values.len()).collect();
+    idx.sort_by(|&a, &b| values[a].total_cmp(&values[b]));
+    let mut r = vec![0.0; values.len()];
+    for (rank, &i) in idx.iter().enumerate() {
+        r[i] = rank as f64;
+    }
+    r
+}
+
+fn correlation(x: &[f64], y: &[f64]) -> f64 {
+    let n = x.len() as f64;
+    let mx = x.iter().sum::<f64>() / n;
+    let my = y.iter().sum::<f64>() / n;
+    let (mut sxy, mut sxx, mut syy) = (0.0, 0.0, 0.0);
+    for (a, b) in x.iter().zip(y) {
+        sxy += (a - mx) * (b - my);
+        sxx += (a - mx) * (a - mx);
+        syy += (b - my) * (b - my);
+    }
+    if sxx <= 0.0 || syy <= 0.0 {
+        0.0
+    } else {
+        sxy / (sxx * syy).sqrt()
+    }
+}
+
+impl Evidence {
+    pub fn gather(run: &Run) -> Self {
+        let model = &run.model;
+        let mut gains: Vec<(f64, usize)> = run
+            .layers
+            .iter()
+            .enumerate()
+            .filter_map(|(l, t)| t.gain_first.filter(|g| g.is_finite()).map(|g| (g, l)))
+            .collect();
+        gains.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let gain_values: Vec<f64> = gains.iter().map(|g| g.0).collect();
+
+        // Depth profile over weighted layers with a finite early gradient norm.
+        let points: Vec<(f64, f64)> = model
+            .layers
+            .iter()
+            .enumerate()
+            .filter(|(_, l)| l.weight.is_some())
+            .filter_map(|(l, _)| run.layers[l].early.median())
+            .enumerate()
+            .map(|(pos, norm)| (pos as f64, norm.max(1e-30).log10()))
+            .collect();
+        let profile = (points.len() >= 4).then(|| {
+            let x: Vec<f64> = points.iter().map(|p| p.0).collect();
+            let y: Vec<f64> = points.iter().map(|p| p.1).collect();
+            let n = x.len() as f64;
+            let mx = x.iter().sum::<f64>() / n;
+            let my = y.iter().sum::<f64>() / n;
+            let sxy: f64 = x.iter().zip(&y).map(|(a, b)| (a - mx) * (b - my)).sum();
+            let sxx: f64 = x.iter().map(|a| (a - mx) * (a - mx)).sum();
+            let slope = if sxx > 0.0 { sxy / sxx } else { 0.0 };
+            Profile {
+                slope,
+                span: slope * (n - 1.0),
+                monotone: correlation(&ranks(&x), &ranks(&y)),
+            }
+        });
+
+        let lr_first = run.lr_first;
+        let ratios: Vec<f64> = model
+            .layers
+            .iter()
+            .enumerate()
+            .filter(|(_, l)| l.weight.is_some())
+            .filter_map(|(l, layer)| {
+                let t = &run.layers[l];
+                let w = t.weight_first.filter(|w| *w > 0.0)?;
+                let lr = lr_first?;
+                let step = if model.adaptive_optimizer {
+                    lr * (layer.numel as f64).sqrt()
+                } else {
+                    lr * t.early.median()?
+                };
+                Some(step / w)
+            })
+            .collect();
+        let slopes = |f: fn(&crate::track::ActTrack) -> f64| {
+            let v: Vec<f64> = run.acts.iter().map(f).filter(|s| s.is_finite()).collect();
+            median(&v)
+        };
+        let bounded_kind = model
+            .activations
+            .iter()
+            .find(|a| a.traits.bounded.is_some())
+            .map(|a| a.kind.clone());
+        // Which activation follows each layer in forward order (before the next layer).
+        let mut next_act: Vec<Option<usize>> = vec![None; model.layers.len()];
+        let mut pending: Option<usize> = None;
+        for m in 0..model.spec.modules.len() {
+            if let Some(l) = model.module_layer[m] {
+                pending = Some(l);
+            } else if let (Some(a), Some(l)) = (model.module_activation[m], pending) {
+                next_act[l] = Some(a);
+                pending = None;
+            }
+        }
+        let errors: Vec<f64> = run
+            .layers
+            .iter()
+            .enumerate()
+            .filter_map(|(l, t)| {
+                let g = t.gain_first.filter(|g| *g > 0.0 && g.is_finite())?;
+                let reference = match next_act[l].map(|a| model.activations[a].traits) {
+                    Some(tr) if tr.can_die => std::f64::consts::SQRT_2,
+                    _ => 1.0,
+                };
+                Some((g / reference).log10())
+            })
+            .collect();
+        let attenuations: Vec<f64> = run
+            .acts
+            .iter()
+            .map(|a| a.first_slope)
+            .filter(|s| s.is_finite() && *s > 0.0)
+            .map(f64::log10)
+            .collect();
+        Self {
+            init_error: median(&errors),
+            act_attenuation: median(&attenuations).unwrap_or(0.0),
+            loss_initial: run.loss.initial,
+            loss_peak_ratio: run.loss.peak_ratio,
+            slope_first: slopes(|a| a.first_slope),
+            slope_min: slopes(|a| a.min_slope),
+            bounded_kind,
+            first_step: run.first_step.unwrap_or(0),
+            depth: model.weighted_depth,
+            has_norm: model.has_normalization,
+            gain_median: median(&gain_values),
+            gain_max: gains.last().copied(),
+            profile,
+            update_ratio: median(&ratios),
+            lr_first,
+            input_scale_first: run.data.first_scale,
+            total_early: run.total_early.median(),
+            total_peak: run.total_peak,
+            activation_gap: activation_gap(run),
+        }
+    }
+
+    /// Weights at the start were far below a variance-preserving scale.
+    pub fn gain_too_small(&self) -> bool {
+        self.gain_median.is_some_and(|g| g < 0.25)
+    }
+
+    /// Weights at the start were far above a variance-preserving scale.
+    pub fn gain_too_large(&self) -> bool {
+        self.gain_max.is_some_and(|(g, _)| g > 3.0)
+    }
+
+    pub fn gain_normal(&self) -> bool {
+        self.gain_median.is_some_and(|g| (0.25..=3.0).contains(&g)) && !self.gain_too_large()
+    }
+
+    /// The network itself amplifies (or attenuates) the signal by this many decades at the
+    /// start.
+    pub fn network_gain(&self) -> f64 {
+        self.init_error.map_or(0.0, |w| w * self.depth as f64)
+    }
+
+    /// The early gradient profile, when gradients shrink (or grow) geometrically along the
+    /// layers.
+    pub fn geometric_profile(&self, shrinking: bool) -> Option<Profile> {
+        self.profile.filter(|p| {
+            if shrinking {
+                p.shrinking()
+            } else {
+                p.growing()
+            }
+        })
+    }
+}
+
+/// Per-episode facts.
+#[derive(Clone, Debug, Default)]
+#[allow(clippy::struct_excessive_bools)]
+pub(crate) struct Features {
+    /// The failure was there at the very first observed step.
+    pub at_start: bool,
+    /// The root subject was healthy when first observed.
+    pub healthy_start: bool,
+    /// Decades the total gradient norm grew from its early level before the onset.
+    pub growth: f64,
+    /// Decades the root layer's gradient norm grew from its early level to its onset value.
+    pub root_growth: f64,
+    pub prior_explosion: Option<usize>,
+    pub prior_divergence: Option<usize>,
+    /// Learning rate around the onset relative to the first one.
+    pub lr_spike: f64,
+    pub saturation: Option<usize>,
+    pub dead: Option<usize>,
+    pub data: Option<usize>,
+    pub nonfinite_input: bool,
+    pub forward_origin: bool,
+    pub backward_origin: bool,
+    /// The model's outputs were checked finite on the onset step; the loss was not.
+    pub loss_origin: bool,
+    /// Decades the root layer's weight norm grew from its first measurement.
+    pub weight_growth: f64,
+    pub vanishing_or_dead: Option<usize>,
+    /// The top cause of the failure this one is a consequence of, and that failure's episode.
+    pub root_cause: Option<(Cause, usize)>,
+}
+
+impl Features {
+    /// Gradients exploded, the loss diverged or the total gradient norm grew 2 decades before
+    /// this failure.
+    pub fn blew_up(&self) -> bool {
+        self.prior_explosion.is_some() || self.growth >= 2.0 || self.prior_divergence.is_some()
+    }
+}
+
+fn decades_ratio(a: f64, b: f64) -> f64 {
+    if a > 0.0 && b > 0.0 && a.is_finite() && b.is_finite() {
+        (a / b).log10()
+    } else {
+        0.0
+    }
+}
+
+pub(crate) fn features(
+    run: &Run,
+    ev: &Evidence,
+    events: &[SemanticEvent],
+    episodes: &[Episode],
+    k: usize,
+) -> Features {
+    let e = &episodes[k];
+    let model = &run.model;
+    let onset = e.onset;
+    let tol = ev.activation_gap.max(5);
+    let root_layer = e.root.and_then(|m| model.module_layer[m]);
+    let root_act = e.root.and_then(|m| model.module_activation[m]);
+    let healthy_start = match (root_layer, root_act) {
+        (Some(l), _) if e.failure.is_gradient() || e.failure == Failure::NonFinite => {
+            matches!(
+                run.layers[l].first_raw,
+                Some(GradientHealth::Healthy | GradientHealth::Saturated)
+            )
+        }
+        (_, Some(a)) => run.acts[a].first_raw == Some(crate::health::ActivationHealth::Normal),
+        _ => onset > ev.first_step,
+    };
+    let root_growth = match (root_layer, e.root_event) {
+        (Some(l), Some(i)) => run.layers[l]
+            .early
+            .median()
+            .map_or(0.0, |early| decades_ratio(events[i].value, early)),
+        _ => 0.0,
+    };
+    let growth = match (ev.total_peak, ev.total_early) {
+        (Some((peak, step)), Some(early)) if step <= onset => decades_ratio(peak, early),
+        _ => 0.0,
+    };
+    let find = |f: Failure, pred: &dyn Fn(&Episode) -> bool| {
+        episodes
+            .iter()
+            .enumerate()
+            .filter(|(j, o)| *j != k && o.failure == f && pred(o))
+            .min_by_key(|(_, o)| o.onset)
+            .map(|(j, _)| j)
+    };
+    let prior_explosion = find(Failure::ExplodingGradients, &|o| o.onset <= onset);
+    let prior_divergence = find(Failure::LossDivergence, &|o| o.onset <= onset);
+    let saturation = find(Failure::SaturatedActivations, &|o| o.onset <= onset + tol);
+    let dead = find(Failure::DeadNeurons, &|o| {
+        o.onset <= onset + tol && o.fraction >= 0.9
+    });
+    let data = find(Failure::DataAnomaly, &|o| {
+        o.onset <= onset && onset <= o.onset + 1
+    });
+    let nonfinite_input = data.is_some_and(|j| {
+        episodes[j]
+            .events
+            .iter()
+            .any(|&i| events[i].to_state == State::Data(DataHealth::NonFinite))
+    });
+    // A real failure that stops learning (for a plateau to inherit its cause).
+    let vanishing_or_dead = find(Failure::VanishingGradients, &|o| {
+        o.onset <= onset + 50 && o.p_failure >= 0.5
+    })
+    .or_else(|| {
+        find(Failure::DeadNeurons, &|o| {
+            o.onset <= onset + 50 && o.p_failure >= 0.5
+        })
+    });
+    let forward_origin = e
+        .root_event
+        .is_some_and(|i| events[i].event_type == EventType::NonFiniteOutput);
+    let checked_finite = run.finite_forward.contains(&onset);
+    let backward_origin = !forward_origin
+        && checked_finite
+        && e.root_event
+            .is_some_and(|i| events[i].event_type == EventType::GradientHealth);
+    let loss_origin = checked_finite
+        && e.root_event
+            .is_some_and(|i| events[i].event_type == EventType::LossHealth);
+    let lr_spike = match (ev.lr_first, run.lr_between(onset.saturating_sub(5), onset)) {
+        (Some(first), Some(now)) if first > 0.0 && now.is_finite() => now / first,
+        _ => 1.0,
+    };
+    let weight_growth = root_layer
+        .and_then(|l| {
+            let t = &run.layers[l];
+            Some(decades_ratio(t.weight_last?, t.weight_first?))
+        })
+        .unwrap_or(0.0);
+    Features {
+        at_start: onset <= ev.first_step,
+        healthy_start,
+        growth,
+        root_growth,
+        prior_explosion,
+        prior_divergence,
+        lr_spike,
+        saturation,
+        dead,
+        data,
+        nonfinite_input,
+        forward_origin,
+        backward_origin,
+        loss_origin,
+        weight_growth,
+        vanishing_or_dead,
+        root_cause: None,
+    }
+}

@@ -1,0 +1,282 @@
+//! Abductive ranking: for each failure episode, how likely it is to be a real failure, and how
+//! well each candidate cause explains the evidence.
+//!
+//! Layout: one file per cause, each a [`CauseRule`] that holds everything about that cause:
+//! the failures it can explain, the evidence for it with the weight and the reason each piece
+//! counts, its phrase in the hypothesis sentence and its remedies. [`RULES`] lists them. What
+//! the rules look at is gathered once in `evidence` (run-wide [`Evidence`], per-episode
+//! [`Features`]); how likely an episode is to be a real failure, whatever its cause, is in
+//! `probability`.
+//!
+//! Every cause gets a score: the sum of the evidence weights that support it (listed with the
+//! reason each one counts). Scores become probabilities by a softmax (temperature 1/1.5) over
+//! the candidates of that failure, with `unknown` always present at score 0, so a cause wins
+//! only by out-explaining "we don't know". A hypothesis' confidence is
+//! `P(failure is real) x P(cause | failure)`, discounted for failures that are consequences
+//! of another.
+//!
+//! To add a cause: a name in `vocab::Cause`, a file here implementing [`CauseRule`], and its
+//! entry in [`RULES`] (a test checks every cause has exactly one rule).
+
+mod evidence;
+mod probability;
+
+mod bad_input_data;
+mod dying_relu;
+mod learning_rate_too_high;
+mod learning_rate_too_low;
+mod missing_normalization;
+mod network_depth;
+mod numerical_instability;
+mod poor_initialization;
+mod saturating_activation;
+mod unknown;
+
+use crate::engine::Run;
+
+use super::episodes::Episode;
+use super::vocab::{Cause, Failure};
+
+pub(crate) use evidence::{Evidence, Features, features};
+pub(crate) use probability::{base_probability, failure_probability};
+
+/// Everything a rule may look at when it weighs the evidence for its cause in one episode.
+pub(crate) struct Case<'a> {
+    pub run: &'a Run,
+    pub ev: &'a Evidence,
+    pub f: &'a Features,
+    pub episodes: &'a [Episode],
+    /// The episode being explained (`episodes[k]`).
+    pub e: &'a Episode,
+    /// " (lr 0.1)" after a sentence about step sizes, or empty when the lr is not known.
+    pub lr_txt: String,
+}
+
+/// What a rule's remedies may refer to.
+pub(crate) struct RemedyCase<'a> {
+    pub run: &'a Run,
+    pub e: &'a Episode,
+}
+
+impl RemedyCase<'_> {
+    /// The root-cause layer as shown in sentences.
+    pub fn layer(&self) -> Option<String> {
+        self.e
+            .root
+            .map(|m| super::text::show(self.run.model.module_name(m)))
+    }
+
+    /// The first learning rate, formatted.
+    pub fn lr(&self) -> Option<String> {
+        self.run.lr_first.map(fmt_g)
+    }
+
+    /// "lower the learning rate 10x (it was 0.1)".
+    pub fn lower_lr(&self) -> String {
+        self.lr().map_or_else(
+            || "lower the learning rate 10x".to_string(),
+            |lr| format!("lower the learning rate 10x (it was {lr})"),
+        )
+    }
+}
+
+/// One cause: which failures it can explain, the evidence for it, how it reads and what to do.
+pub(crate) trait CauseRule: Sync {
+    fn cause(&self) -> Cause;
+    /// How the cause reads in the hypothesis sentence ("a learning rate that is too high").
+    fn phrase(&self) -> &'static str;
+    /// Whether the cause is a candidate explanation of `failure`.
+    fn explains(&self, failure: Failure) -> bool;
+    /// Adds the weighted evidence for this cause in `c` (called only when it explains
+    /// `c.e.failure`). Reasons are listed in the order they are added.
+    fn evidence(&self, c: &Case<'_>, v: &mut Votes);
+    /// Concrete changes to the user's code.
+    fn remedies(&self, c: &RemedyCase<'_>) -> Vec<String>;
+}
+
+/// Every cause's rule. Candidates of one failure are ranked in this order when their
+/// probabilities tie exactly.
+pub(crate) static RULES: &[&dyn CauseRule] = &[
+    &dying_relu::DyingRelu,
+    &saturating_activation::SaturatingActivation,
+    &learning_rate_too_high::LearningRateTooHigh,
+    &learning_rate_too_low::LearningRateTooLow,
+    &poor_initialization::PoorInitialization,
+    &network_depth::NetworkDepth,
+    &missing_normalization::MissingNormalization,
+    &bad_input_data::BadInputData,
+    &numerical_instability::NumericalInstability,
+    &unknown::Unknown,
+];
+
+/// The rule of `cause`.
+pub(crate) fn rule(cause: Cause) -> &'static dyn CauseRule {
+    RULES
+        .iter()
+        .copied()
+        .find(|r| r.cause() == cause)
+        .unwrap_or(&unknown::Unknown)
+}
+
+/// The weighted evidence for one cause.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Votes {
+    score: f64,
+    reasons: Vec<String>,
+}
+
+impl Votes {
+    /// Adds `weight` to the score; a positive weight lists `reason`. A negative weight is
+    /// evidence against the cause and carries no reason.
+    pub fn add(&mut self, weight: f64, reason: impl Into<String>) {
+        self.score += weight;
+        if weight > 0.0 {
+            self.reasons.push(reason.into());
+        }
+    }
+
+    /// Evidence against the cause.
+    pub fn against(&mut self, weight: f64) {
+        self.score -= weight;
+    }
+}
+
+/// One scored candidate cause, with the reasons behind its score.
+#[derive(Clone, Debug)]
+pub(crate) struct Scored {
+    pub cause: Cause,
+    pub score: f64,
+    pub reasons: Vec<String>,
+}
+
+/// How far below `unknown` every named cause starts: it must bring evidence just to tie with
+/// "we don't know", so a failure nothing explains is reported as one of unknown cause.
+const NAMED_PRIOR: f64 = 1.5;
+
+/// Weight of "a consequence shares the cause of the failure it follows from".
+const INHERITED: f64 = 3.0;
+
+/// Weight of "a plateau follows from a real failure that stops learning" (see
+/// [`Case::stalled_by`]).
+const STALLED: f64 = 3.0;
+
+impl Case<'_> {
+    /// For a plateau that no other failure explains: the cause of a real failure that stops
+    /// learning around it (vanishing gradients or dead units), with the sentence that says so.
+    pub fn stalled_by(&self) -> Option<(Cause, String)> {
+        if self.f.root_cause.is_some() {
+            return None;
+        }
+        let j = self.f.vanishing_or_dead?;
+        let other = &self.episodes[j];
+        let cause = match other.failure {
+            Failure::DeadNeurons => Cause::DyingRelu,
+            _ if self.f.saturation.is_some() => Cause::SaturatingActivation,
+            _ => Cause::NetworkDepth,
+        };
+        Some((
+            cause,
+            format!(
+                "{} from step {} keep the weights from learning",
+                other.failure.phrase().to_lowercase(),
+                other.onset
+            ),
+        ))
+    }
+}
+
+/// Scores the candidate causes of episode `k`, most probable first.
+pub(crate) fn rank_causes(
+    run: &Run,
+    ev: &Evidence,
+    episodes: &[Episode],
+    k: usize,
+    f: &Features,
+) -> Vec<(Scored, f64)> {
+    let e = &episodes[k];
+    let case = Case {
+        run,
+        ev,
+        f,
+        episodes,
+        e,
+        lr_txt: ev
+            .lr_first
+            .map_or(String::new(), |lr| format!(" (lr {})", fmt_g(lr))),
+    };
+    let mut scored: Vec<Scored> = RULES
+        .iter()
+        .filter(|r| r.cause() == Cause::Unknown || r.explains(e.failure))
+        .map(|r| {
+            let mut v = Votes::default();
+            if r.cause() != Cause::Unknown {
+                v.score = -NAMED_PRIOR;
+                r.evidence(&case, &mut v);
+            }
+            // A consequence shares the cause of the failure it follows from.
+            if let Some((cause, j)) = f.root_cause.filter(|(c, _)| *c == r.cause()) {
+                v.add(
+                    INHERITED,
+                    format!(
+                        "it follows from the {} at step {} ({})",
+                        episodes[j].failure.as_str().replace('_', " "),
+                        episodes[j].onset,
+                        cause.phrase()
+                    ),
+                );
+            }
+            Scored {
+                cause: r.cause(),
+                score: v.score,
+                reasons: v.reasons,
+            }
+        })
+        .collect();
+    // Probabilities by softmax with temperature 1/1.5, sorted descending.
+    let max = scored
+        .iter()
+        .map(|s| s.score)
+        .fold(f64::NEG_INFINITY, f64::max);
+    let weights: Vec<f64> = scored
+        .iter()
+        .map(|s| (1.5 * (s.score - max)).exp())
+        .collect();
+    let total: f64 = weights.iter().sum();
+    let mut out: Vec<(Scored, f64)> = scored
+        .drain(..)
+        .zip(weights)
+        .map(|(s, w)| (s, w / total))
+        .collect();
+    out.sort_by(|a, b| b.1.total_cmp(&a.1));
+    out
+}
+
+pub(crate) fn fmt_g(v: f64) -> String {
+    super::text::num(v)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_cause_has_exactly_one_rule() {
+        for &cause in Cause::ALL {
+            let n = RULES.iter().filter(|r| r.cause() == cause).count();
+            assert_eq!(n, 1, "{cause} has {n} rules");
+        }
+        assert_eq!(RULES.len(), Cause::ALL.len());
+    }
+
+    #[test]
+    fn every_failure_has_a_named_candidate() {
+        for &failure in Failure::ALL {
+            assert!(
+                RULES
+                    .iter()
+                    .any(|r| r.cause() != Cause::Unknown && r.explains(failure)),
+                "{failure} has no named cause"
+            );
+        }
+    }
+}

@@ -1,0 +1,71 @@
+//! `numerical_instability`: one operation (log, division, exp, ...) produced NaN/Inf from
+//! finite, stable inputs.
+
+use super::super::vocab::{Cause, Failure};
+use super::{Case, CauseRule, RemedyCase, Votes};
+
+pub(crate) struct NumericalInstability;
+
+impl CauseRule for NumericalInstability {
+    fn cause(&self) -> Cause {
+        Cause::NumericalInstability
+    }
+
+    fn phrase(&self) -> &'static str {
+        "a numerically unstable operation"
+    }
+
+    fn explains(&self, failure: Failure) -> bool {
+        matches!(
+            failure,
+            Failure::NonFinite | Failure::LossDivergence | Failure::LossScaleCollapse
+        )
+    }
+
+    fn evidence(&self, c: &Case<'_>, v: &mut Votes) {
+        let f = c.f;
+        match c.e.failure {
+            Failure::NonFinite => {
+                // Not the end of a blow-up: where the first NaN/Inf appeared.
+                if f.blew_up() && f.root_cause.is_none() {
+                    return;
+                }
+                if f.forward_origin {
+                    v.add(
+                        2.5,
+                        "a module's forward output went non-finite while gradients and inputs were finite and stable",
+                    );
+                } else if f.loss_origin {
+                    v.add(
+                        2.5,
+                        "the model's outputs were finite: the loss computation itself produced the first NaN/Inf (log of 0, a division by zero...)",
+                    );
+                } else if f.backward_origin {
+                    v.add(
+                        1.5,
+                        "the forward pass was finite; the gradient went non-finite inside the backward pass",
+                    );
+                }
+                if f.at_start {
+                    v.add(0.5, "values were non-finite from the first step");
+                }
+            }
+            Failure::LossDivergence if f.growth < 1.0 && f.prior_explosion.is_none() => {
+                v.add(0.5, "gradient norms did not grow with it");
+            }
+            _ => {}
+        }
+    }
+
+    fn remedies(&self, c: &RemedyCase<'_>) -> Vec<String> {
+        vec![
+            format!(
+                "look for log, division, sqrt, exp or pow on unbounded values in the forward{}; add an eps or clamp",
+                c.layer().map(|l| format!(" of {l}")).unwrap_or_default()
+            ),
+            "compute that operation in float32 if it runs in half precision".into(),
+            "run that one step under torch.autograd.detect_anomaly() to get the exact operation"
+                .into(),
+        ]
+    }
+}

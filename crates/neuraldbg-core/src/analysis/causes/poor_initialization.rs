@@ -1,0 +1,189 @@
+//! `poor_initialization`: initial weights scaled far from what keeps the signal's scale, so the
+//! failure is there before any update.
+
+use super::super::vocab::{Cause, Failure};
+use super::evidence::Evidence;
+use super::{Case, CauseRule, RemedyCase, Votes, fmt_g};
+
+pub(crate) struct PoorInitialization;
+
+impl CauseRule for PoorInitialization {
+    fn cause(&self) -> Cause {
+        Cause::PoorInitialization
+    }
+
+    fn phrase(&self) -> &'static str {
+        "poor weight initialization"
+    }
+
+    fn explains(&self, failure: Failure) -> bool {
+        !matches!(
+            failure,
+            Failure::DataAnomaly | Failure::SaturatedGradients | Failure::LossScaleCollapse
+        )
+    }
+
+    fn evidence(&self, c: &Case<'_>, v: &mut Votes) {
+        let (ev, f) = (c.ev, c.f);
+        match c.e.failure {
+            Failure::ExplodingGradients => {
+                if !f.at_start {
+                    v.against(1.0);
+                    return;
+                }
+                v.add(
+                    2.5,
+                    "gradients were already exploding at the first step, before any update",
+                );
+                compounding(v, ev, false);
+                // Ordinary weights that do not amplify the signal, yet a huge loss or huge
+                // inputs: the data is off scale (unnormalized inputs or regression targets).
+                let data_off_scale = ev.loss_initial.is_some_and(|l| l > 1e3)
+                    || ev.input_scale_first.is_some_and(|x| x > 20.0);
+                if ev.gain_normal() && ev.network_gain() < 1.0 && data_off_scale {
+                    v.against(1.0);
+                }
+                large_weights(v, ev, 1.5);
+                per_layer(v, ev, false);
+            }
+            Failure::VanishingGradients => {
+                if !f.at_start {
+                    v.against(1.0);
+                    return;
+                }
+                v.add(
+                    2.0,
+                    "gradients vanished from the first step, before any update",
+                );
+                small_weights(v, ev, 2.0);
+                per_layer(v, ev, true);
+                compounding(v, ev, true);
+            }
+            Failure::NonFinite => {
+                if f.at_start {
+                    v.add(
+                        1.5,
+                        "values were non-finite from the first step, before any update",
+                    );
+                    if ev.gain_too_large() || ev.gain_too_small() {
+                        v.add(
+                            1.0,
+                            "the initial weight scale is far from variance-preserving",
+                        );
+                    }
+                }
+            }
+            Failure::DeadNeurons => {
+                if f.at_start {
+                    v.add(
+                        2.0,
+                        "the units were dead at the first step, before any update",
+                    );
+                    small_weights(v, ev, 2.0);
+                }
+            }
+            Failure::SaturatedActivations => {
+                if f.at_start {
+                    v.add(
+                        1.0,
+                        "the activations were saturated at the first step, before any update",
+                    );
+                    large_weights(v, ev, 2.0);
+                }
+            }
+            Failure::LossDivergence => {
+                if f.at_start {
+                    v.add(1.0, "the loss rose from the first steps");
+                }
+            }
+            Failure::LossPlateau => {
+                if f.at_start && (ev.gain_too_large() || ev.gain_too_small()) {
+                    v.add(
+                        1.0,
+                        "the initial weight scale is far from variance-preserving",
+                    );
+                }
+            }
+            Failure::DataAnomaly | Failure::SaturatedGradients | Failure::LossScaleCollapse => {}
+        }
+    }
+
+    fn remedies(&self, c: &RemedyCase<'_>) -> Vec<String> {
+        vec![
+            "initialize weights for the activation: kaiming_normal_ for ReLU, xavier_normal_ (gain 5/3 for tanh) otherwise".into(),
+            format!(
+                "check custom init code{} for weights scaled far from 1/sqrt(fan_in)",
+                c.layer().map(|l| format!(" of {l}")).unwrap_or_default()
+            ),
+        ]
+    }
+}
+
+/// Initial weights far below a variance-preserving scale.
+fn small_weights(v: &mut Votes, ev: &Evidence, weight: f64) {
+    if let Some(g) = ev.gain_median.filter(|_| ev.gain_too_small()) {
+        v.add(
+            weight,
+            format!(
+                "initial weights are only {}x a variance-preserving scale",
+                fmt_g(g)
+            ),
+        );
+    }
+}
+
+/// Initial weights far above a variance-preserving scale.
+fn large_weights(v: &mut Votes, ev: &Evidence, weight: f64) {
+    if let Some((g, _)) = ev.gain_max.filter(|_| ev.gain_too_large()) {
+        v.add(
+            weight,
+            format!(
+                "initial weights are {}x a variance-preserving scale",
+                fmt_g(g)
+            ),
+        );
+    }
+}
+
+/// Gradients that change geometrically along the layers by a decade or more per layer: the
+/// weights are far off scale (a milder change compounded over many layers is the depth's).
+fn per_layer(v: &mut Votes, ev: &Evidence, shrinking: bool) {
+    let Some(p) = ev.geometric_profile(shrinking) else {
+        return;
+    };
+    let per_layer = p.slope.abs();
+    if per_layer >= 1.0 {
+        v.add(
+            1.0,
+            format!(
+                "each layer changes the gradient {:.0}x: the weights are far off scale",
+                10f64.powf(per_layer)
+            ),
+        );
+    }
+}
+
+/// Weights mis-scaled for their activation, compounded over the layers, explain a failure at
+/// the start in a network of moderate depth (in a very deep one, even a mild per-layer error is
+/// the depth's doing) when the weights, not the activations, carry most of the per-layer change.
+fn compounding(v: &mut Votes, ev: &Evidence, shrinking: bool) {
+    let Some(w) = ev.init_error else { return };
+    let right_way = if shrinking { w < 0.0 } else { w > 0.0 };
+    let compounded = w * ev.depth as f64;
+    if right_way
+        && w.abs() >= 0.12
+        && w.abs() >= ev.act_attenuation.abs()
+        && compounded.abs() >= 1.5
+        && ev.depth < 16
+    {
+        v.add(
+            2.0,
+            format!(
+                "each layer's weights scale the signal {}x away from what its activation keeps stable, {:.1} decades over {} layers",
+                fmt_g(10f64.powf(w)),
+                compounded.abs(),
+                ev.depth
+            ),
+        );
+    }
+}

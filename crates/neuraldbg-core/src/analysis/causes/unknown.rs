@@ -1,0 +1,30 @@
+//! `unknown`: the evidence points at no named cause. Always a candidate, at score 0, so a named
+//! cause wins only by out-explaining it.
+
+use super::super::vocab::{Cause, Failure};
+use super::{Case, CauseRule, RemedyCase, Votes};
+
+pub(crate) struct Unknown;
+
+impl CauseRule for Unknown {
+    fn cause(&self) -> Cause {
+        Cause::Unknown
+    }
+
+    fn phrase(&self) -> &'static str {
+        "an undetermined cause"
+    }
+
+    fn explains(&self, _: Failure) -> bool {
+        true
+    }
+
+    fn evidence(&self, _: &Case<'_>, _: &mut Votes) {}
+
+    fn remedies(&self, _: &RemedyCase<'_>) -> Vec<String> {
+        vec![
+            "inspect the gradient-norm history of the first failing layer (dbg.history)".into(),
+            "rerun the failing step under torch.autograd.detect_anomaly()".into(),
+        ]
+    }
+}
