@@ -118,7 +118,7 @@ class Collector:
         self.grad_order: Optional[np.ndarray] = None
         self.tap_taken: Any = None
         # The parameter whose gradient norm is read again just before the update (the
-        # largest), and that reading: their ratio tells whether gradients were clipped.
+        # largest up to 64k elements), and that reading: their ratio tells whether gradients were clipped.
         self.clip_index: Optional[int] = None
         self.clip_after: Any = None
         # The GradScaler whose step() is running (mixed precision), if any.
@@ -384,7 +384,7 @@ class Collector:
     def _read_clipped(self) -> None:
         """The gradient the optimizer received, read again after its step (an optimizer does
         not change ``.grad``; with a closure, clipping happens inside ``step()``): the norm of
-        one parameter's gradient (the largest) against what the backward produced says
+        one parameter's gradient (see ``clip_index``) against what the backward produced says
         whether something (clipping) rescaled the gradients in between."""
         if self.clip_index is None:
             return
@@ -442,7 +442,13 @@ class Collector:
         if executed and executed[0] != 0:
             self.hooks.first[0] = executed[0]
         if self.params:
-            self.clip_index = max(range(len(self.params)), key=lambda k: self.params[k].numel())
+            # The gradient read again after the step to detect clipping: the largest parameter
+            # up to 64k elements (a full read of a multi-million one would cost milliseconds on
+            # CPU; clip_grad_norm_ scales every gradient alike, so any one shows it).
+            sizes = [int(p.numel()) for p in self.params]
+            small = [k for k, n in enumerate(sizes) if n <= 1 << 16]
+            pool = small or list(range(len(sizes)))
+            self.clip_index = max(pool, key=lambda k: sizes[k])
         spec = self.watched.spec(executed, self.optimizer_name)
         probes = json.loads(self.engine.register_model(json.dumps(spec)))
         axes = self.watched.unit_axes(executed)
