@@ -7,7 +7,7 @@ PY      := $(VENV)/bin/python
 STAMPS  := .stamps
 SOURCES := $(shell find crates python -type f \( -name '*.rs' -o -name '*.py' -o -name '*.pyi' -o -name 'Cargo.toml' -o -name '*.js' -o -name '*.css' -o -name '*.html' \) 2>/dev/null) Cargo.toml pyproject.toml
 
-.PHONY: all demo demo-burn test test-rust test-python lint bench bench-overhead bench-distributed bench-engine bench-burn bench-memory bench-diagnosis bench-report bench-trace build browser terminal report-screenshot watch-screenshot clean
+.PHONY: all demo demo-burn test test-rust test-python lint bench bench-overhead bench-models bench-frameworks bench-distributed bench-engine bench-burn bench-memory bench-diagnosis bench-report bench-trace build browser terminal report-screenshot watch-screenshot clean
 
 all: test
 
@@ -92,10 +92,10 @@ $(STAMPS)/bench-venv: $(STAMPS)/deps
 		"torch==$$($(PY) -c 'import torch; print(torch.__version__.split("+")[0])')"
 	@mkdir -p $(STAMPS) && touch $@
 
-# `make bench`: the overhead table (plain vs monitored, interleaved; minutes), the same for a
-# 2-process DDP and FSDP2 job, the engine's ingest throughput and the burn adapter's overhead.
-# `make bench-memory`: 10,000 layers x 1,000,000 steps (minutes).
-bench: bench-overhead bench-distributed bench-engine bench-burn
+# `make bench`: the overhead table (plain vs monitored, interleaved; minutes), third-party models
+# and Lightning, a 2-process DDP and FSDP2 job, the engine's ingest throughput and the burn
+# adapter's overhead. `make bench-memory`: 10,000 layers x 1,000,000 steps (minutes).
+bench: bench-overhead bench-models bench-frameworks bench-distributed bench-engine bench-burn
 
 bench-overhead: build $(STAMPS)/bench-venv
 	$(PY) bench/overhead.py --legacy-python $(BENCH_VENV)/bin/python
@@ -104,6 +104,15 @@ bench-overhead: build $(STAMPS)/bench-venv
 # collectives we add per step (counted).
 bench-distributed: build
 	$(PY) -m torch.distributed.run --standalone --nproc_per_node=2 bench/distributed_overhead.py
+
+# Third-party models (torchvision ResNet-18, Hugging Face GPT-2) eager and under torch.compile,
+# each against the same setup unwatched.
+bench-models: build
+	$(PY) bench/overhead.py --models resnet18,gpt2 --arms plain,A/A,neuraldbg,compiled,compiled+neuraldbg --no-legacy
+
+# Trainer.fit under PyTorch Lightning with and without neuraldbg.lightning.NeuralDbgCallback.
+bench-frameworks: build
+	$(PY) bench/frameworks.py
 
 bench-engine:
 	cargo bench -p neuraldbg-core --bench observe

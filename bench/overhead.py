@@ -107,6 +107,27 @@ class Transformer(nn.Module):
         return self.head(self.encoder(self.embed(x)).mean(dim=1))
 
 
+def resnet18() -> nn.Module:
+    import torchvision
+
+    return torchvision.models.resnet18(num_classes=10)
+
+
+class GPT2(nn.Module):
+    """Hugging Face GPT-2 (6 layers, d_model 256, 4 heads, vocab 2000): next-token logits of
+    every position, flattened for the cross-entropy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(vocab_size=2000, n_positions=128, n_embd=256, n_layer=6, n_head=4)
+        self.lm = GPT2LMHeadModel(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm(input_ids=x).logits.reshape(-1, 2000)
+
+
 def _batches(make: Callable[[torch.Generator], Batch], n: int = 8) -> List[Batch]:
     g = torch.Generator().manual_seed(1)
     return [make(g) for _ in range(n)]
@@ -136,6 +157,18 @@ MODELS: Dict[str, Tuple[str, Callable[[], nn.Module], Callable[[], List[Batch]],
         "Transformer encoder, 6 layers, d_model 256, 8 heads, seq 128, batch 8",
         lambda: Transformer(4000, 256, 8, 6),
         lambda: _batches(lambda g: (torch.randint(0, 4000, (8, 128), generator=g), torch.randint(0, 10, (8,), generator=g))),
+        6,
+    ),
+    "resnet18": (
+        "torchvision ResNet-18, 64x64 images, batch 8",
+        resnet18,
+        lambda: _batches(lambda g: (torch.randn(8, 3, 64, 64, generator=g), torch.randint(0, 10, (8,), generator=g))),
+        6,
+    ),
+    "gpt2": (
+        "Hugging Face GPT-2, 6 layers, d_model 256, 4 heads, seq 64, batch 4 (next-token loss)",
+        GPT2,
+        lambda: _batches(lambda g: (torch.randint(0, 2000, (4, 64), generator=g), torch.randint(0, 2000, (4 * 64,), generator=g))),
         6,
     ),
 }
@@ -238,6 +271,28 @@ class Legacy(Arm):
         self.dbg.step_iteration()
 
 
+class Compiled(Arm):
+    """The same loop on ``torch.compile(model)`` (inductor; compiled during the warm-up)."""
+
+    def __init__(self, name: str, model: nn.Module, batches: List[Batch]) -> None:
+        super().__init__(name, model, batches)
+        self.plain_model = model
+        self.model = torch.compile(model)
+
+
+class CompiledOurs(Compiled):
+    """``torch.compile(model)`` watched: entered before the first compiled call."""
+
+    def enter(self) -> None:
+        from neuraldbg import NeuralDbg
+
+        self.dbg = NeuralDbg(self.plain_model, **Ours.options)
+        self.dbg.__enter__()
+
+    def exit(self) -> None:
+        self.dbg.__exit__(None, None, None)
+
+
 ARMS: Dict[str, type] = {
     "plain": Arm,
     "A/A": Arm,
@@ -245,6 +300,8 @@ ARMS: Dict[str, type] = {
     "neuraldbg": Ours,
     "anomaly": Anomaly,
     "1.3.2": Legacy,
+    "compiled": Compiled,
+    "compiled+neuraldbg": CompiledOurs,
 }
 
 
@@ -271,10 +328,14 @@ def measure(model_name: str, arm_names: List[str], rounds: int, block: int, warm
             a.exit()
     med = {a.name: statistics.median(a.times) / block for a in arms}
     plain = med["plain"]
+    ratio = {n: round(v / plain, 3) for n, v in med.items()}
+    if "compiled" in med and "compiled+neuraldbg" in med:
+        # What watching costs a compiled model: against the same compiled model unwatched.
+        ratio["compiled+neuraldbg vs compiled"] = round(med["compiled+neuraldbg"] / med["compiled"], 3)
     return {
         "model": model_name,
         "step_ms": {n: round(v * 1e3, 3) for n, v in med.items()},
-        "ratio": {n: round(v / plain, 3) for n, v in med.items()},
+        "ratio": ratio,
         "rounds": rounds,
         "block": block,
     }

@@ -198,3 +198,30 @@ def test_hf_trainer_nan_is_located_and_halts_training(tmp_path):
     h = dbg.explain_failure("non_finite")[0]
     assert h.step == 5 and h.layer == "bad"
     assert dbg.halted
+
+
+def test_accelerate_loop_with_accumulation_and_clipping():
+    accelerate = pytest.importorskip("accelerate")
+    from neuraldbg import NeuralDbg
+
+    accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2)
+    model = HFRegressor()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = torch.utils.data.DataLoader(regression_data(64), batch_size=8)
+    model, opt, loader = accelerator.prepare(model, opt, loader)
+    truth = []
+    with NeuralDbg(model) as dbg:
+        for x, y in loader:
+            with accelerator.accumulate(model):
+                loss = model(x, labels=y)["loss"]
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    truth.append(layer_norm(model.fc1))
+                    accelerator.clip_grad_norm_(model.parameters(), 1e-4)
+                opt.step()
+                opt.zero_grad()
+    assert dbg.step == len(truth) == 4
+    steps, values = dbg.history("fc1")
+    assert list(steps) == [0, 1, 2, 3]
+    assert min(truth) > 1e-3, "clipping at 1e-4 bit"
+    np.testing.assert_allclose(values, truth, rtol=1e-4)

@@ -46,6 +46,10 @@ from ._model import WatchedModel
 from ._transfer import HostCopy, Layout, Pending, Unpacked, flatten
 from .errors import NeuralDbgWarning
 
+# Whether dynamo is tracing (torch.compile): hooks then run inside a compiled graph. (This module
+# is imported only once torch is, by NeuralDbg.__enter__.)
+from torch.compiler import is_compiling as _compiling  # noqa: E402
+
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
@@ -125,7 +129,7 @@ class Collector:
         self.grad_order: Optional[np.ndarray] = None
         self.tap_taken: Any = None
         # The parameter whose gradient norm is read again just before the update (the
-        # largest), and that reading: their ratio tells whether gradients were clipped.
+        # largest up to 64k elements), and that reading: their ratio tells whether gradients were clipped.
         self.clip_index: Optional[int] = None
         self.clip_after: Any = None
         # The GradScaler whose step() is running (mixed precision), if any.
@@ -423,7 +427,7 @@ class Collector:
     def _read_clipped(self) -> None:
         """The gradient the optimizer received, read again after its step (an optimizer does
         not change ``.grad``; with a closure, clipping happens inside ``step()``): the norm of
-        one parameter's gradient (the largest) against what the backward produced says
+        one parameter's gradient (see ``clip_index``) against what the backward produced says
         whether something (clipping) rescaled the gradients in between."""
         if self.clip_index is None:
             return
@@ -493,7 +497,13 @@ class Collector:
         if executed and executed[0] != 0:
             self.hooks.first[0] = executed[0]
         if self.params:
-            self.clip_index = max(range(len(self.params)), key=lambda k: self.params[k].numel())
+            # The gradient read again after the step to detect clipping: the largest parameter
+            # up to 64k elements (a full read of a multi-million one would cost milliseconds on
+            # CPU; clip_grad_norm_ scales every gradient alike, so any one shows it).
+            sizes = [int(p.numel()) for p in self.params]
+            small = [k for k, n in enumerate(sizes) if n <= 1 << 16]
+            pool = small or list(range(len(sizes)))
+            self.clip_index = max(pool, key=lambda k: sizes[k])
         spec = self.watched.spec(executed, self.optimizer_name)
         spec["param_lr"] = self.loop.param_lrs()
         spec["loss"] = self.loop.loss
@@ -818,10 +828,3 @@ def _lr_of(optimizer: Any) -> Optional[float]:
     if isinstance(lr, torch.Tensor) and lr.device.type == "cpu" and lr.numel() == 1:
         return float(lr)
     return None
-
-
-def _compiling() -> bool:
-    """Whether dynamo is tracing (``torch.compile``): hooks then run inside a compiled graph."""
-    import torch
-
-    return bool(torch.compiler.is_compiling())

@@ -26,7 +26,7 @@ named_enum! {
         /// The mixed-precision loss scale in force for this step's backward pass.
         LossScale => "loss_scale",
         /// Ratio of the gradient norm the optimizer step received to the norm the backward
-        /// pass produced, read on one parameter (the largest); below 1.0 when something
+        /// pass produced, read on one parameter (the largest up to 64k elements); below 1.0 when something
         /// (gradient clipping) rescaled the gradients in between.
         ClipRatio => "clip_ratio",
 

@@ -722,7 +722,7 @@ fn summary(engine: &Engine) -> String {
         _ => "no steps observed".into(),
     };
     format!(
-        "{} layers with parameters, {} modules · {steps} · {} events{}",
+        "{} layers with parameters, {} modules · {steps} · {} events{}{}",
         model.layers.len(),
         model.spec.modules.len(),
         engine.events().len(),
@@ -731,8 +731,34 @@ fn summary(engine: &Engine) -> String {
             .optimizer
             .as_deref()
             .map(|o| format!(" · optimizer {}", escape(o)))
-            .unwrap_or_default()
+            .unwrap_or_default(),
+        engine.run().map(loop_summary).unwrap_or_default()
     )
+}
+
+/// What the training loop did around the optimizer: skipped (overflow) steps, loss scale,
+/// clipping. Empty when the collector sent no such fact.
+fn loop_summary(run: &crate::engine::Run) -> String {
+    use std::fmt::Write as _;
+    let t = &run.loop_track;
+    let mut out = String::new();
+    if let Some(scale) = t.loss_scale_last {
+        let _ = write!(
+            out,
+            " · {} step(s) skipped by the GradScaler (overflow), loss scale {}",
+            t.skipped_steps,
+            crate::analysis::format_number(scale)
+        );
+    }
+    if t.clipped_steps > 0 {
+        let _ = write!(
+            out,
+            " · gradients clipped on {} step(s), down to {}x",
+            t.clipped_steps,
+            crate::analysis::format_number(t.clip_ratio_min.unwrap_or(1.0))
+        );
+    }
+    out
 }
 
 fn hypothesis_card(h: &CausalHypothesis, top: bool) -> String {
