@@ -303,3 +303,36 @@ def test_gradient_norms_match_torch_when_gradients_come_and_go():
         _, got = dbg.history(name, "grad_norm")
         np.testing.assert_allclose(got[np.isfinite(got)], values, rtol=1e-5)  # NaN: no gradient
     assert len(expected["b"]) == 6
+
+
+@pytest.mark.parametrize("shape", [(64, 32), (16, 3, 32, 32)])  # one op path each (fused / four passes)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+def test_input_statistics_match_numpy(shape, dtype):
+    from neuraldbg._measure import INPUT_FUSED_LIMIT, input_stats
+
+    assert (int(np.prod(shape)) <= INPUT_FUSED_LIMIT) == (len(shape) == 2)
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(shape, generator=g) * 3 + 5).to(dtype)
+    got = input_stats(x).numpy()
+    ref = x.double().numpy()
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, [ref.min(), ref.max(), ref.mean(), ref.std()], rtol=1e-5)
+
+
+def test_norm_plan_matches_torch_for_every_kind_of_group():
+    """Groups of matrices, vectors and scalars (stacked) and single tensors, in list order."""
+    from neuraldbg._measure import STACK_LIMIT, NormPlan
+
+    g = torch.Generator().manual_seed(0)
+    shapes = [(8, 4), (3,), (), (8, 4), (), (3,), (5, 2, 2), (7,), (8, 4)]
+    tensors = [torch.randn(s, generator=g) for s in shapes]
+    tensors.append(torch.randn(4, dtype=torch.float64, generator=g))  # a single of its own kind
+    plan = NormPlan(tensors, STACK_LIMIT)
+    assert len(plan.groups) == 3
+    out: List[torch.Tensor] = []
+    plan(tensors, out)
+    got = np.empty(len(tensors))
+    got[plan.order] = torch.cat(out).numpy()
+    assert torch.cat(out).dtype == torch.float32
+    expected = [np.sqrt((t.double().numpy() ** 2).sum()) for t in tensors]
+    np.testing.assert_allclose(got, expected, rtol=1e-6)

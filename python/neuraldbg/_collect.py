@@ -160,7 +160,7 @@ class Collector:
             if x is None and kwargs:
                 x = first_float_tensor(kwargs)
             if x is not None and x.numel() > 0:
-                self.inputs.append(input_stats(x.detach()))
+                self.inputs.append(input_stats(x.detach() if x.requires_grad else x))
         except Exception as e:  # pragma: no cover - defensive
             self._fail(e)
 
@@ -201,8 +201,9 @@ class Collector:
     def _on_criterion(self, module: Any, args: Any, output: Any) -> None:
         torch = self.torch
         if isinstance(output, torch.Tensor) and output.numel() == 1:
-            self.losses.append(output.detach())
-            self._on_loss(output)
+            loss = output.detach()
+            self.losses.append(loss)
+            self._on_loss(loss)
 
     def record_loss(self, loss: Any) -> None:
         torch = self.torch
@@ -229,12 +230,12 @@ class Collector:
             other = getattr(fn, "_saved_other", None)
             if isinstance(other, torch.Tensor) and other.numel() == 1 and not other.requires_grad:
                 loss = loss / other.detach()
-        self.auto_losses.append(loss.reshape(()))
-        self._on_loss(tensors)
+        self.auto_losses.append(loss)
+        self._on_loss(loss)
 
     def _on_loss(self, loss: "torch.Tensor") -> None:
-        """The loss of a forward pass exists, so that forward is complete: measure the
-        activations now (their outputs are still hot in cache) and release them. On CPU also
+        """The loss (detached, one element) of a forward pass exists, so that forward is
+        complete: measure the activations now (their outputs are still hot in cache) and release them. On CPU also
         read the loss (a host read, no device involved): a finite loss releases the kept module
         outputs before backward starts, as a plain loop would have; a NaN/Inf one has them
         scanned right now for the module that produced it. Holding every output through
@@ -248,7 +249,7 @@ class Collector:
                 self.act_staged = self.measure.activation_parts(self.probes, self.act_out)
                 self.act_out[:] = self.act_none
             if self.forward_check != "off" and not self.defer and loss.device.type == "cpu":
-                if self.origin is None and not math.isfinite(float(loss.detach().reshape(-1)[0])):
+                if self.origin is None and not math.isfinite(float(loss)):
                     self.origin = self.watched.first_nonfinite(self.refs)
                     self.origin_checked = bool(self.refs)
                 self.ran = [i for i, _, _ in self.refs]
@@ -370,7 +371,7 @@ class Collector:
             if pending:
                 layout.loss = True
                 loss = pending[0] if len(pending) == 1 else torch.stack([t.reshape(()).float() for t in pending]).mean()
-                parts.append(loss.reshape(1).to(torch.float32))
+                parts.append(loss if loss.dtype == torch.float32 else loss.float())  # flatten: any shape
             if self.inputs:
                 layout.n_inputs = len(self.inputs)
                 parts.extend(self.inputs)
