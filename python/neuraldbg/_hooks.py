@@ -9,8 +9,9 @@ when a step is read.
   the common torch layer classes (:data:`RECORDED`: Linear, Conv, norms...) get no hook: their
   calls are recorded by a wrapper of their class's ``forward`` (:class:`CallRecorder`), which
   leaves them torch's fast call path;
-* activation probes: a separate forward hook on each activation module the engine measures,
-  armed only on the steps whose activation statistics are measured;
+* activation probes: a separate forward hook on each activation module the engine measures
+  (for torch's activation classes, :data:`RECORDED_PROBES`, a call recorder entry), armed
+  only on the steps whose activation statistics are measured;
 * the criterion's forward hook (the loss, when a ``criterion`` is given);
 * torch's global optimizer step pre/post hooks (the step boundary);
 * :class:`BackwardTap`, a pass-through wrapper of ``torch.autograd.backward`` that picks up
@@ -59,9 +60,20 @@ RECORDED = frozenset(
 )
 
 
-def is_recorded(m: Any) -> bool:
+# Activation classes whose probes (armed on sampled steps) are recorded the same way: arming
+# and disarming a probe is then a dict entry, not a hook registered and removed.
+RECORDED_PROBES = frozenset(
+    {
+        "ReLU", "ReLU6", "LeakyReLU", "PReLU", "ELU", "CELU", "SELU", "GELU", "SiLU", "Mish",
+        "Hardswish", "Tanh", "Sigmoid", "Hardtanh", "Hardsigmoid", "Softsign", "Softplus",
+        "LogSigmoid", "Tanhshrink", "Softshrink", "Hardshrink", "Threshold",
+    }
+)
+
+
+def is_recorded(m: Any, names: "frozenset[str]" = RECORDED) -> bool:
     cls = type(m)
-    return cls.__name__ in RECORDED and cls.__module__.startswith("torch.nn.modules")
+    return cls.__name__ in names and cls.__module__.startswith("torch.nn.modules")
 
 
 class CallRecorder:
@@ -214,7 +226,11 @@ class Hooks:
             return
         if on:
             for row, module in probe_modules:
-                self.probe_handles.append(self.modules[module].register_forward_hook(make_slot_hook(row, slots)))
+                m = self.modules[module]
+                if is_recorded(m, RECORDED_PROBES):
+                    self.probe_handles.append(CALL_RECORDER.add(m, make_slot_record(row, slots)))
+                else:
+                    self.probe_handles.append(m.register_forward_hook(make_slot_hook(row, slots)))
         else:
             for h in self.probe_handles:
                 h.remove()
@@ -259,6 +275,13 @@ def make_record(index: int, append: Callable[[Any], None], keep: bool) -> Callab
 
         def record(output: Any, args: Any) -> None:
             append((index, None, None))
+
+    return record
+
+
+def make_slot_record(row: int, slots: List[Any]) -> Callable[[Any, Any], None]:
+    def record(output: Any, args: Any) -> None:
+        slots[row] = output
 
     return record
 
