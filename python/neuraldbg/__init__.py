@@ -13,6 +13,7 @@ from .errors import (
     ModelError,
     NeuralDbgError,
     NeuralDbgWarning,
+    TrainingFailure,
     UnknownNameError,
 )
 from .types import (
@@ -49,6 +50,7 @@ __all__ = [
     "ModelError",
     "EngineError",
     "UnknownNameError",
+    "TrainingFailure",
     "NeuralDbgWarning",
     "__version__",
 ]

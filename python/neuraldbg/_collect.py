@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from ._hooks import Hooks, reaches
+from ._hooks import BACKWARD_TAP, Hooks, reaches
 from ._measure import Measurer, Probe, first_float_tensor, input_stats
 from ._model import WatchedModel
 from ._transfer import HostCopy, Layout, Pending, Unpacked, flatten
@@ -104,7 +104,30 @@ class Collector:
         self.output_fns: List[Any] = []
         self.forward_gen = 0
         self.observed_gen = 0
-        self.count_pending = False
+        # Reading points (see _on_backward_end): a backward pass that gave the model gradients
+        # queues one callback for its end (bw_queued); the gradient norms read there wait
+        # (on the device) in grad_parts until the step boundary.
+        self.bw_queued = False
+        self.bw_gen = 0
+        self.grad_read = False
+        self.grad_parts: List[Any] = []
+        self.grad_order: Optional[np.ndarray] = None
+        self.tap_taken: Any = None
+        # The parameter whose gradient norm is read again just before the update (the
+        # largest), and that reading: their ratio tells whether gradients were clipped.
+        self.clip_index: Optional[int] = None
+        self.clip_after: Any = None
+        # The GradScaler whose step() is running (mixed precision), if any.
+        self.scaler: Any = None
+        # Inputs of compiled forward passes (references; measured at observation).
+        self.raw_inputs: List[Any] = []
+        self.blind_warned = False
+        # An exception to raise into the training loop once the current step is handled
+        # (halt_on's TrainingFailure, or the user's on_failure error).
+        self.halt: Optional[BaseException] = None
+        from torch.autograd import Variable
+
+        self._queue_callback = Variable._execution_engine.queue_callback
         self.relevant: Dict[int, bool] = {}
         self.optimizer_name: Optional[str] = None
         self.probes: List[Probe] = []
@@ -127,7 +150,7 @@ class Collector:
     # ----------------------------------------------------------------- installation
 
     def install(self) -> None:
-        self.hooks.install(self)
+        self.hooks.install(self, self.params)
 
     def _arm_probes(self, on: bool) -> None:
         """Activation probes are hooked only on steps whose activations are measured."""
@@ -140,17 +163,32 @@ class Collector:
         self.refs.clear()
         self.act_out[:] = self.act_none
         self.inputs.clear()
+        self.raw_inputs.clear()
         self.losses.clear()
         self.auto_losses.clear()
         self.output_fns.clear()
+        self.grad_parts = []
+        self.clip_after = None
+        self.scaler = None
 
     # ----------------------------------------------------------------------- hooks
 
     def _on_root_pre(self, module: Any, args: Any, kwargs: Any) -> None:
+        if _compiling():
+            # Traced into a compiled graph: keep references only. Reading the collector's
+            # state here would become a guard (a recompile whenever it changes).
+            self.hooks.trace.compiled = True
+            self.refs.clear()
+            self.raw_inputs.clear()
+            x = first_float_tensor(args)
+            if x is not None:
+                self.raw_inputs.append(x)
+            return
         if self.disabled:
             return
         if self.pending is not None:
             self._consume()
+            self.raise_halt()  # CUDA: the step was handed to the engine just now
         self.forward_gen += 1
         self.refs.clear()
         self.ran = None
@@ -160,11 +198,14 @@ class Collector:
             if x is None and kwargs:
                 x = first_float_tensor(kwargs)
             if x is not None and x.numel() > 0:
-                self.inputs.append(input_stats(x.detach() if x.requires_grad else x))
+                self.inputs.append(input_stats(x.detach()))
         except Exception as e:  # pragma: no cover - defensive
             self._fail(e)
 
     def _on_root_post(self, module: Any, args: Any, output: Any) -> None:
+        if _compiling():
+            self.refs.append((0, output, args))
+            return
         if self.disabled:
             return
         self.refs.append((0, output, args))
@@ -173,37 +214,86 @@ class Collector:
             if t is not None and t.grad_fn is not None and len(self.output_fns) < 8:
                 self.output_fns.append(t.grad_fn)
         if self.order is None:
-            order: List[int] = []
-            done = set()
-            for i, _, _ in self.refs:
-                if i not in done:
-                    done.add(i)
-                    order.append(i)
-            self.order = order
-            self.order_set = done
-        if self.step_on == "backward":
-            t = first_float_tensor(output)
-            if t is not None and t.requires_grad:
-                t.register_hook(self._on_output_grad)
+            self._learn_order()
 
-    def _on_output_grad(self, grad: Any) -> None:
-        from torch.autograd import Variable
+    def _learn_order(self) -> None:
+        order: List[int] = []
+        done = set()
+        for i, _, _ in self.refs:
+            if i not in done:
+                done.add(i)
+                order.append(i)
+        self.order = order
+        self.order_set = done
 
-        Variable._execution_engine.queue_callback(self._on_backward_end)
+    def _on_grad_ready(self, param: Any) -> None:
+        """A parameter's gradient was accumulated: once per backward pass, have the gradients
+        read when that backward pass ends (every parameter's gradient is final then)."""
+        if self.bw_queued or self.disabled:
+            return
+        self.bw_queued = True
+        try:
+            self._queue_callback(self._on_backward_end)
+        except Exception as e:  # pragma: no cover - outside the autograd engine
+            self.bw_queued = False
+            self._fail(e)
 
     def _on_backward_end(self) -> None:
-        if self.disabled or self.forward_gen == self.observed_gen:
+        """A backward pass gave the model gradients and has just ended. This is the reading
+        point of the gradients: they are exactly what the backward produced, before any
+        clipping, unscaling or optimizer touches them. With accumulation each backward reads
+        again; the last reading before the optimizer step is the step's."""
+        self.bw_queued = False
+        if self.disabled:
             return
-        self._observe(lr=None)
-        self.step += 1
-        self._arm_probes(self._activations_next())
+        try:
+            self.bw_gen += 1
+            self._take_loss()
+            with self.torch.no_grad():
+                self._read_gradients()
+        except Exception as e:
+            self._fail(e)
+            return
+        if self.step_on == "backward":
+            self._observe(lr=None)
+            self.step += 1
+            self._arm_probes(self._activations_next())
+            self.raise_halt()
+
+    def _read_gradients(self) -> None:
+        parts: List[Any] = []
+        self.grad_order = self.measure.gradient_norms([p.grad for p in self.params], parts)
+        self.grad_parts = parts
+        self.grad_read = True
+
+    def _take_loss(self) -> None:
+        """The loss of this backward, when no criterion gives it: the tensor passed to
+        ``backward()`` (unless the tap already took it before backward started)."""
+        t = BACKWARD_TAP.current
+        taken, self.tap_taken = self.tap_taken, None
+        if self.criterion is not None or t is None or t is taken:
+            return
+        torch = self.torch
+        if isinstance(t, torch.Tensor) and t.numel() == 1 and t.grad_fn is not None:
+            self.auto_losses.append(self._unscaled_loss(t))
+
+    def _unscaled_loss(self, tensors: "torch.Tensor") -> "torch.Tensor":
+        torch = self.torch
+        loss = tensors.detach()
+        fn = tensors.grad_fn
+        # GradScaler's `scaler.scale(loss)` multiplies by a constant 1-element scale tensor:
+        # undo it so the loss keeps its own scale when the scale factor changes.
+        if type(fn).__name__ == "MulBackward0":
+            other = getattr(fn, "_saved_other", None)
+            if isinstance(other, torch.Tensor) and other.numel() == 1 and not other.requires_grad:
+                loss = loss / other.detach()
+        return loss.reshape(())
 
     def _on_criterion(self, module: Any, args: Any, output: Any) -> None:
         torch = self.torch
         if isinstance(output, torch.Tensor) and output.numel() == 1:
-            loss = output.detach()
-            self.losses.append(loss)
-            self._on_loss(loss)
+            self.losses.append(output.detach())
+            self._on_loss(output)
 
     def record_loss(self, loss: Any) -> None:
         torch = self.torch
@@ -216,26 +306,23 @@ class Collector:
 
     def on_backward(self, tensors: Any) -> None:
         """A ``backward()`` started somewhere in the process: keep its tensor if it is a scalar
-        whose graph reaches this model's output (the loss of this model, not of another)."""
+        whose graph reaches this model's output (the loss of this model, not of another).
+        Taking it here, before backward runs, lets the forward's outputs go first (CPU); a
+        loss this misses (no output seen: a compiled forward, a LightningModule whose step
+        calls a submodule) is taken when the backward reaches the model's parameters."""
         torch = self.torch
         if self.disabled or not self.output_fns or not isinstance(tensors, torch.Tensor):
             return
         fn = tensors.grad_fn
         if fn is None or tensors.numel() != 1 or not reaches(fn, self.output_fns):
             return
-        loss = tensors.detach()
-        # GradScaler's `scaler.scale(loss)` multiplies by a constant 1-element scale tensor:
-        # undo it so the loss keeps its own scale when the scale factor changes.
-        if type(fn).__name__ == "MulBackward0":
-            other = getattr(fn, "_saved_other", None)
-            if isinstance(other, torch.Tensor) and other.numel() == 1 and not other.requires_grad:
-                loss = loss / other.detach()
-        self.auto_losses.append(loss)
-        self._on_loss(loss)
+        self.auto_losses.append(self._unscaled_loss(tensors))
+        self.tap_taken = tensors
+        self._on_loss(tensors)
 
     def _on_loss(self, loss: "torch.Tensor") -> None:
-        """The loss (detached, one element) of a forward pass exists, so that forward is
-        complete: measure the activations now (their outputs are still hot in cache) and release them. On CPU also
+        """The loss of a forward pass exists, so that forward is complete: measure the
+        activations now (their outputs are still hot in cache) and release them. On CPU also
         read the loss (a host read, no device involved): a finite loss releases the kept module
         outputs before backward starts, as a plain loop would have; a NaN/Inf one has them
         scanned right now for the module that produced it. Holding every output through
@@ -249,7 +336,7 @@ class Collector:
                 self.act_staged = self.measure.activation_parts(self.probes, self.act_out)
                 self.act_out[:] = self.act_none
             if self.forward_check != "off" and not self.defer and loss.device.type == "cpu":
-                if self.origin is None and not math.isfinite(float(loss)):
+                if self.origin is None and not math.isfinite(float(loss.detach().reshape(-1)[0])):
                     self.origin = self.watched.first_nonfinite(self.refs)
                     self.origin_checked = bool(self.refs)
                 self.ran = [i for i, _, _ in self.refs]
@@ -269,19 +356,67 @@ class Collector:
                 self.optimizer_name = type(optimizer).__name__
         return hit
 
-    def _on_optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+    def _on_optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """The step boundary: the optimizer step of the model's parameters ran (a closure's
+        forward and backward ran inside it)."""
         if self.disabled or self.step_on != "optimizer" or not self._is_relevant(optimizer):
             return
-        if self.forward_gen == self.observed_gen:
-            return  # a second optimizer of the same iteration: one step
+        if not self.grad_read:
+            if self.forward_gen == self.observed_gen:
+                return  # a second optimizer of the same iteration: one step
+            # Gradients no backward pass accumulated (set by hand): read as they are.
+            try:
+                with self.torch.no_grad():
+                    self._read_gradients()
+            except Exception as e:  # pragma: no cover - defensive
+                self._fail(e)
+                return
+        self._read_clipped()
         self._observe(lr=_lr_of(optimizer))
-        self.count_pending = True
+        self.step += 1
+        self._arm_probes(self._activations_next())
+        self.raise_halt()
 
-    def _on_optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self.count_pending and self._is_relevant(optimizer):
-            self.step += 1
-            self.count_pending = False
-            self._arm_probes(self._activations_next())
+    def _read_clipped(self) -> None:
+        """The gradient the optimizer received, read again after its step (an optimizer does
+        not change ``.grad``; with a closure, clipping happens inside ``step()``): the norm of
+        one parameter's gradient (the largest) against what the backward produced says
+        whether something (clipping) rescaled the gradients in between."""
+        if self.clip_index is None:
+            return
+        g = self.params[self.clip_index].grad
+        try:
+            if g is not None and g.layout == self.torch.strided:
+                with self.torch.no_grad():
+                    self.clip_after = self.torch.linalg.vector_norm(g).float()
+        except Exception as e:  # pragma: no cover - defensive: never break the user's step
+            self._fail(e)
+
+    def raise_halt(self) -> None:
+        """Raises a pending halt into the training loop (from the step that confirmed it)."""
+        if self.halt is not None:
+            e, self.halt = self.halt, None
+            raise e
+
+    def on_scaler_step(self, scaler: Any, optimizer: Any) -> None:
+        """``scaler.step(optimizer)`` starts: the gradients read were scaled by its scale."""
+        if self.disabled or self.step_on != "optimizer" or not self._is_relevant(optimizer):
+            return
+        if scaler.is_enabled():
+            self.scaler = scaler
+
+    def on_scaler_step_done(self, scaler: Any, optimizer: Any) -> None:
+        """``scaler.step`` returned. If the optimizer step did not run (an overflow), the
+        iteration is still a step, marked skipped."""
+        if self.scaler is not scaler:
+            return
+        try:
+            if self.grad_read and not self.disabled:
+                self._observe(lr=_lr_of(optimizer), skipped=True)
+                self.step += 1
+                self._arm_probes(self._activations_next())
+        finally:
+            self.scaler = None
 
     # ------------------------------------------------------------------ observation
 
@@ -297,7 +432,13 @@ class Collector:
         )
 
     def _register(self) -> None:
+        if self.order is None:
+            self._learn_order()  # the model itself was not called: its submodules were
         executed = self.order or []
+        if executed and executed[0] != 0:
+            self.hooks.first[0] = executed[0]
+        if self.params:
+            self.clip_index = max(range(len(self.params)), key=lambda k: self.params[k].numel())
         spec = self.watched.spec(executed, self.optimizer_name)
         probes = json.loads(self.engine.register_model(json.dumps(spec)))
         axes = self.watched.unit_axes(executed)
@@ -308,14 +449,39 @@ class Collector:
             self.probes.append(Probe(row, d, axes.get(module, -1)))
         self.act_none = [None] * len(self.probes)
         # This first step ran with every module hooked: its probe outputs are in refs.
+        self._fill_act_out()
+        self.registered = True
+        self.hooks.probes_armed = False
+
+    def _fill_act_out(self) -> None:
+        """Each probe's latest output from the kept module outputs."""
         self.act_out[:] = self.act_none
         row_of = {p.module: p.row for p in self.probes}
         for i, out, _ in self.refs:
             r = row_of.get(i)
             if r is not None:
                 self.act_out[r] = out
-        self.registered = True
-        self.hooks.probes_armed = False
+
+    def _activations_now(self) -> bool:
+        return self._activations_next()
+
+    def _check_seen(self) -> None:
+        """Gradients without any forward pass seen: the forward ran where module hooks are not
+        called. Said once; gradients, loss and steps are still observed."""
+        if self.blind_warned or self.refs or self.raw_inputs or self.ran:
+            return
+        if self.forward_gen != self.observed_gen or self.hooks.frozen:
+            return
+        self.blind_warned = True
+        warnings.warn(
+            "NeuralDBG sees this model's gradients but none of its forward passes: the forward "
+            "ran where module hooks are not called (a torch.compile'd model first called before "
+            "`with NeuralDbg(...)` was entered, or torch.func). Inputs, activations and the module "
+            "where a NaN/Inf first appears are not observed; enter NeuralDbg before the first "
+            "compiled call to get them.",
+            NeuralDbgWarning,
+            stacklevel=4,
+        )
 
     def _sampled(self, every: int) -> bool:
         return self.step < self.dense_steps or (every > 0 and self.step % every == 0)
@@ -326,13 +492,17 @@ class Collector:
         steps, not `persistence` samples)."""
         return self._sampled(self.activation_every) or bool(self.engine.activation_pending)
 
-    def _observe(self, lr: Optional[float], final: bool = False) -> None:
+    def _observe(self, lr: Optional[float], final: bool = False, skipped: bool = False) -> None:
         try:
-            self._observe_inner(lr, final)
+            self._observe_inner(lr, final, skipped)
         except Exception as e:
             self._fail(e)
         finally:
             self.observed_gen = self.forward_gen
+            self.grad_read = False
+            self.grad_parts = []
+            self.clip_after = None
+            self.raw_inputs.clear()
             self.inputs.clear()
             self.losses.clear()
             self.auto_losses.clear()
@@ -345,19 +515,33 @@ class Collector:
             self.origin_checked = False
             self.ran = None
 
-    def _observe_inner(self, lr: Optional[float], final: bool) -> None:
+    def _observe_inner(self, lr: Optional[float], final: bool, skipped: bool = False) -> None:
         torch = self.torch
         first = not self.registered
         if first:
             self._register()
+        self._check_seen()
         layout = Layout(self.step, lr, final)
         parts: List[Any] = []
         with torch.no_grad():
-            layout.grad_order = self.measure.gradient_norms([p.grad for p in self.params], parts)
+            if not self.grad_read:
+                self._read_gradients()  # at exit, or a step seen only at its boundary
+            grad_parts = self.grad_parts
+            scale = getattr(self.scaler, "_scale", None) if self.scaler is not None else None
+            if isinstance(scale, torch.Tensor):
+                # Read at the end of backward, the gradients were scaled: unscale the norms.
+                inv = scale.double().reciprocal().float()
+                grad_parts = [g * inv.to(g.device) for g in grad_parts]
+                layout.skipped = skipped
+            parts.extend(grad_parts)
+            layout.grad_order = self.grad_order
             if self.params and self._sampled(self.weight_every):
                 layout.weight_order = self.measure.weight_norms(self.params, parts)
             staged = self.act_staged
-            if staged is None and self.probes and (first or self.hooks.probes_armed):
+            if staged is None and self.probes and self.hooks.frozen and self._activations_now():
+                self._fill_act_out()  # compiled: the probes are the kept module outputs
+                staged = self.measure.activation_parts(self.probes, self.act_out)
+            elif staged is None and self.probes and (first or self.hooks.probes_armed):
                 staged = self.measure.activation_parts(self.probes, self.act_out)
             if staged is not None:
                 parts.extend(staged[0])
@@ -371,10 +555,20 @@ class Collector:
             if pending:
                 layout.loss = True
                 loss = pending[0] if len(pending) == 1 else torch.stack([t.reshape(()).float() for t in pending]).mean()
-                parts.append(loss if loss.dtype == torch.float32 else loss.float())  # flatten: any shape
+                parts.append(loss.reshape(1).to(torch.float32))
+            for x in self.raw_inputs:
+                if x.numel() > 0:
+                    self.inputs.append(input_stats(x.detach()))
             if self.inputs:
                 layout.n_inputs = len(self.inputs)
                 parts.extend(self.inputs)
+            # Facts measured on the device travel in the same vector (after the inputs).
+            if self.clip_after is not None and self.clip_index is not None:
+                layout.clip_index = self.clip_index
+                parts.append(self.clip_after.reshape(1).float())
+            if isinstance(scale, torch.Tensor):
+                layout.loss_scale = True
+                parts.append(scale.reshape(1).float())
             flat = flatten(parts)
         refs = self.refs
         if first:
@@ -456,6 +650,7 @@ class Collector:
             lr=layout.lr,
             nonfinite_module=nonfinite,
             outputs_checked=checked,
+            facts=u.facts or None,
         )
         if self.on_observed is not None:
             self.on_observed(layout.step)
@@ -470,7 +665,8 @@ class Collector:
         if self.disabled:
             return
         self.flush()
-        if self.forward_gen > self.observed_gen and (crashed or self._pending_failed()):
+        unobserved = self.forward_gen > self.observed_gen or self.grad_read or bool(self.raw_inputs)
+        if unobserved and (crashed or self._pending_failed()):
             self._observe(lr=None, final=True)
             self.flush()
 
@@ -479,7 +675,7 @@ class Collector:
         torch = self.torch
         try:
             with torch.no_grad():
-                for t in [*self.losses, *self.auto_losses, *self.inputs]:
+                for t in [*self.losses, *self.auto_losses, *self.inputs, *self.raw_inputs]:
                     if not bool(torch.isfinite(t).all()):
                         return True
                 return bool(self.refs) and self.watched.first_nonfinite(self.refs) is not None
@@ -499,3 +695,10 @@ def _lr_of(optimizer: Any) -> Optional[float]:
     if isinstance(lr, torch.Tensor) and lr.device.type == "cpu" and lr.numel() == 1:
         return float(lr)
     return None
+
+
+def _compiling() -> bool:
+    """Whether dynamo is tracing (``torch.compile``): hooks then run inside a compiled graph."""
+    import torch
+
+    return bool(torch.compiler.is_compiling())

@@ -41,6 +41,9 @@ class Engine:
     @property
     def last_step(self) -> Optional[int]: ...
     @property
+    def event_count(self) -> int:
+        """Number of events so far (cheap: for noticing new ones)."""
+    @property
     def activation_pending(self) -> bool:
         """Whether an activation module shows an unconfirmed new state (measure densely)."""
     def observe(

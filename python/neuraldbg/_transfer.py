@@ -9,7 +9,8 @@ copy into pinned memory with an event recorded after it (:class:`HostCopy`); the
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, List, Optional, Tuple
+import math
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -20,7 +21,8 @@ class Layout:
     """Where each statistic of one step sits in the step's flat vector (host-side metadata)."""
 
     __slots__ = ("step", "lr", "grad_order", "weight_order", "act_index", "act_samples", "n_act",
-                 "loss", "n_inputs", "final", "origin", "checked", "ran")
+                 "loss", "n_inputs", "final", "origin", "checked", "ran", "clip_index", "loss_scale",
+                 "skipped")
 
     def __init__(self, step: int, lr: Optional[float], final: bool) -> None:
         self.step = step
@@ -38,6 +40,12 @@ class Layout:
         self.origin: Optional[int] = None
         self.checked = False
         self.ran: Optional[List[int]] = None
+        # Facts measured on the device, after the inputs: the norm of one parameter's gradient
+        # as the optimizer received it (which parameter; None: not read), then the loss scale.
+        self.clip_index: Optional[int] = None
+        self.loss_scale = False
+        # Under a GradScaler: whether its step skipped the optimizer (None: no scaler).
+        self.skipped: Optional[bool] = None
 
 
 class Pending:
@@ -95,7 +103,7 @@ class HostCopy:
 class Unpacked:
     """One step's statistics as the engine takes them (host arrays)."""
 
-    __slots__ = ("grad_norms", "weight_norms", "activations", "loss", "inputs")
+    __slots__ = ("grad_norms", "weight_norms", "activations", "loss", "inputs", "facts")
 
     def __init__(self, layout: Layout, flat: np.ndarray, no_grads: np.ndarray, n_probes: int) -> None:
         off = 0
@@ -126,3 +134,16 @@ class Unpacked:
         self.inputs: Optional[np.ndarray] = None
         if layout.n_inputs:
             self.inputs = np.ascontiguousarray(flat[off : off + 4 * layout.n_inputs])
+            off += 4 * layout.n_inputs
+        self.facts: Dict[str, float] = {}
+        if layout.clip_index is not None:
+            before = float(grad_norms[layout.clip_index])
+            after = float(flat[off])
+            off += 1
+            if before > 0.0 and math.isfinite(before) and math.isfinite(after):
+                self.facts["clip_ratio"] = after / before
+        if layout.loss_scale:
+            self.facts["loss_scale"] = float(flat[off])
+            off += 1
+        if layout.skipped is not None:
+            self.facts["optimizer_skipped"] = 1.0 if layout.skipped else 0.0

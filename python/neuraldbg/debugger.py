@@ -7,12 +7,12 @@ import os
 import platform
 import time
 import warnings
-from typing import TYPE_CHECKING, Any, Dict, List, Literal, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Literal, Optional, Set, Tuple, Union
 
 import numpy as np
 
 from . import _native
-from .errors import ConfigError, ModelError, NeuralDbgError, NeuralDbgWarning
+from .errors import ConfigError, ModelError, NeuralDbgError, NeuralDbgWarning, TrainingFailure
 from .types import CausalHypothesis, CoupledFailure, Failure, RootCause, SemanticEvent
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -69,6 +69,17 @@ class NeuralDbg:
             don't keep outputs (the origin of a NaN is then located from gradients only).
         step_on: ``"optimizer"`` (default) counts a step per ``optimizer.step()``;
             ``"backward"`` counts one per backward pass, for loops without a torch optimizer.
+        halt_on: stop training once a failure is confirmed (opt-in): ``True`` for any failure
+            (a hypothesis with confidence >= 0.5), a number for any failure at least that
+            confident, or failure names (``"non_finite"``, :class:`~neuraldbg.Failure`, or a list
+            of them). A plain loop gets :class:`~neuraldbg.TrainingFailure`, raised from the
+            ``optimizer.step()`` that confirmed it, after the block has exited (trace closed,
+            report written); the framework callbacks stop the trainer instead.
+        on_failure: called with the list of newly confirmed hypotheses each time a failure is
+            confirmed (once per failure and layer), from the step that confirmed it. Looked up
+            only when the engine records a new event, so it costs nothing on healthy steps.
+        report: a file path: the HTML report (:meth:`save_report`) is written there on exit,
+            also when the loop raised or was halted.
         trace: a file path (``"runs/x.ndbg"``) to record the run to while it trains, for
             ``neuraldbg explain runs/x.ndbg`` and the other commands after the run, even if it
             crashed or was killed: every completed step is on disk as soon as it is observed.
@@ -101,6 +112,9 @@ class NeuralDbg:
         forward_check: str = "auto",
         step_on: str = "optimizer",
         trace: "Union[str, os.PathLike[str], None]" = None,
+        halt_on: "Union[bool, float, str, Iterable[str], None]" = None,
+        on_failure: "Optional[Callable[[List[CausalHypothesis]], Any]]" = None,
+        report: "Union[str, os.PathLike[str], None]" = None,
         **engine_options: Any,
     ) -> None:
         try:
@@ -111,6 +125,11 @@ class NeuralDbg:
             raise ModelError(
                 f"NeuralDbg watches a torch.nn.Module, got {type(model).__module__}.{type(model).__qualname__}"
             )
+        # torch.compile(model) returns a wrapper whose only child is the model: watch the model
+        # (its own names; its hooks are traced into the compiled graph).
+        inner = getattr(model, "_orig_mod", None)
+        if isinstance(inner, torch.nn.Module) and type(model).__name__ == "OptimizedModule":
+            model = inner
         if criterion is not None and not isinstance(criterion, torch.nn.Module):
             raise ConfigError(
                 "criterion must be the loss module used in the loop (e.g. nn.MSELoss()), "
@@ -157,6 +176,20 @@ class NeuralDbg:
         self._trace_path: Optional[str] = trace_path
         self._collector: Any = None
         self._active = False
+        if on_failure is not None and not callable(on_failure):
+            raise ConfigError(f"on_failure must be callable, got {type(on_failure).__qualname__}")
+        if report is not None and not isinstance(report, (str, os.PathLike)):
+            raise ConfigError(f"report must be a file path or None, got {type(report).__qualname__}")
+        self._report_path: Optional[str] = None if report is None else os.fspath(report)  # type: ignore[assignment]
+        self._halt = _halt_rule(halt_on)
+        self._on_failure = on_failure
+        # What a halt does: None raises TrainingFailure (plain loops); the callbacks set it to
+        # stop their trainer instead.
+        self._on_halt: Optional[Callable[[List[CausalHypothesis]], None]] = None
+        self._events_seen = 0
+        self._confirmed: Set[Tuple[str, Optional[str]]] = set()
+        self.halted: Optional[List[CausalHypothesis]] = None
+        """The hypotheses that halted training (``halt_on``), or None."""
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -173,7 +206,10 @@ class NeuralDbg:
             # Opened before any hook is installed, so a bad path leaves nothing behind.
             self._engine.open_trace(self._trace_path, json.dumps(self._trace_meta()))
         try:
-            self._collector = Collector(self.model, self._engine, **self._options)
+            watch = self._halt is not None or self._on_failure is not None
+            self._collector = Collector(
+                self.model, self._engine, on_observed=self._after_step if watch else None, **self._options
+            )
             self._collector.install()
         except BaseException:
             self._close_trace()
@@ -193,7 +229,53 @@ class NeuralDbg:
             finally:
                 self._active = False
                 self._close_trace()
+                self._write_report()
         return False  # never swallow the user's exception
+
+    def _write_report(self) -> None:
+        if self._report_path is None or self._collector is None:
+            return
+        try:
+            directory = os.path.dirname(self._report_path)
+            if directory:
+                os.makedirs(directory, exist_ok=True)
+            self.save_report(self._report_path)
+        except Exception as e:  # never replace the user's exception
+            warnings.warn(f"NeuralDBG could not write the report: {e}", NeuralDbgWarning, stacklevel=3)
+
+    def _after_step(self, step: int) -> None:
+        """After each observed step (only with ``halt_on``/``on_failure``): when the engine has
+        recorded new events, the hypotheses confirmed so far; new ones go to ``on_failure``, and
+        one that ``halt_on`` names halts training."""
+        n = self._engine.event_count
+        if n == self._events_seen:
+            return
+        self._events_seen = n
+        hyps = [CausalHypothesis._from_json(h) for h in json.loads(self._engine.explain_json(None))]
+        confirmed = [h for h in hyps if h.confidence >= 0.5]
+        new = []
+        for h in confirmed:
+            key = (str(h.failure), h.layer)
+            if key not in self._confirmed:
+                self._confirmed.add(key)
+                new.append(h)
+        if not new:
+            return
+        collector = self._collector
+        if self._on_failure is not None:
+            try:
+                self._on_failure(new)
+            except BaseException as e:  # the user's own error: raised from the step, as theirs
+                collector.halt = e
+                return
+        if self.halted is None and self._halt is not None:
+            hit = [h for h in confirmed if self._halt(h)]
+            if hit:
+                self.halted = hit
+                if self._on_halt is not None:
+                    self._on_halt(hit)
+                else:
+                    collector.halt = TrainingFailure(hit, step)
 
     def _trace_meta(self) -> Dict[str, Any]:
         """Facts about the run stored in the trace header."""
@@ -332,3 +414,25 @@ def _number(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"{name} must be a number, got {value!r}")
     return float(value)
+
+
+def _halt_rule(halt_on: Any) -> "Optional[Callable[[CausalHypothesis], bool]]":
+    """``halt_on`` as a test of one confirmed hypothesis (None: never halt)."""
+    if halt_on is None or halt_on is False:
+        return None
+    if halt_on is True:
+        return lambda h: True
+    if isinstance(halt_on, (int, float)) and not isinstance(halt_on, bool):
+        if not 0.0 <= float(halt_on) <= 1.0:
+            raise ConfigError(f"halt_on as a confidence must be in [0, 1], got {halt_on!r}")
+        least = float(halt_on)
+        return lambda h: h.confidence >= least
+    names = [halt_on] if isinstance(halt_on, str) else list(halt_on)
+    known = {str(f) for f in Failure}
+    wanted = set()
+    for n in names:
+        name = str(n)
+        if name not in known:
+            raise ConfigError(f"halt_on: unknown failure {name!r}; failures are: {', '.join(sorted(known))}")
+        wanted.add(name)
+    return lambda h: str(h.failure) in wanted

@@ -7,12 +7,15 @@ wrong kind of object), so both ``except NeuralDbgError`` and ``except ValueError
 
 from __future__ import annotations
 
+from typing import Any, List
+
 __all__ = [
     "NeuralDbgError",
     "ConfigError",
     "ModelError",
     "EngineError",
     "UnknownNameError",
+    "TrainingFailure",
     "NeuralDbgWarning",
 ]
 
@@ -35,6 +38,24 @@ class EngineError(NeuralDbgError, RuntimeError):
 
 class UnknownNameError(NeuralDbgError, ValueError):
     """A layer, metric, failure or event name that does not exist."""
+
+
+class TrainingFailure(NeuralDbgError):
+    """Raised from the training step that confirmed a failure named in ``halt_on=`` (plain
+    loops; the framework callbacks stop the trainer instead). By the time it reaches the caller
+    the ``with NeuralDbg(...)`` block has exited: hooks are removed, the trace is closed and the
+    report (``report=``) is written.
+
+    Attributes:
+        hypotheses: the confirmed :class:`~neuraldbg.CausalHypothesis` list, most likely first.
+        step: the step that confirmed it.
+    """
+
+    def __init__(self, hypotheses: "List[Any]", step: int) -> None:
+        self.hypotheses = list(hypotheses)
+        self.step = step
+        top = str(self.hypotheses[0]) if self.hypotheses else "a failure"
+        super().__init__(f"training stopped at step {step}: {top}")
 
 
 class NeuralDbgWarning(UserWarning):

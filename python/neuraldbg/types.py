@@ -91,6 +91,7 @@ class Failure(_StrEnum):
     DATA_ANOMALY = "data_anomaly"
     LOSS_DIVERGENCE = "loss_divergence"
     LOSS_PLATEAU = "loss_plateau"
+    LOSS_SCALE_COLLAPSE = "loss_scale_collapse"
 
 
 class Cause(_StrEnum):

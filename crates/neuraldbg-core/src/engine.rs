@@ -11,8 +11,10 @@ use crate::health::{
 };
 use crate::history::{History, Reduce};
 use crate::model::{ActivationProbe, Model, ModelSpec};
+use crate::observation::Fact;
 use crate::observation::{ACTIVATION_STATS, Axis, INPUT_STATS, StepView};
 use crate::track::{ActTrack, DataTrack, Early, LayerTrack, LossTrack};
+use crate::training_loop::LoopTrack;
 
 /// History metrics of a layer (a module owning parameters), for [`Engine::history`].
 pub const LAYER_METRICS: [&str; 2] = ["grad_norm", "weight_norm"];
@@ -60,6 +62,8 @@ pub(crate) struct Run {
     pub nonfinite_steps: u64,
     /// Largest total gradient norm (and its step) before anything went non-finite.
     pub total_peak: Option<(f64, u64)>,
+    /// Skipped optimizer steps, loss scale and clipping (facts from the training loop).
+    pub loop_track: LoopTrack,
     sums: Vec<f64>,
     present: Vec<bool>,
     /// Gradient transitions confirmed during the current step (reused buffer).
@@ -114,6 +118,7 @@ impl Engine {
             total_early: Early::default(),
             nonfinite_steps: 0,
             total_peak: None,
+            loop_track: LoopTrack::default(),
             sums: vec![0.0; n_layers],
             present: vec![false; n_layers],
             fired: Vec::new(),
@@ -148,6 +153,12 @@ impl Engine {
     /// The last observed step.
     pub fn last_step(&self) -> Option<u64> {
         self.run.as_ref().and_then(|r| r.last_step)
+    }
+
+    /// Number of events so far: a cheap way for a collector to notice that something new was
+    /// confirmed (and only then ask for the analysis).
+    pub fn event_count(&self) -> usize {
+        self.run.as_ref().map_or(0, |r| r.events.len())
     }
 
     /// Events in step order (ties: in the order they were confirmed).
@@ -418,6 +429,16 @@ impl Run {
         self.first_step.get_or_insert(step);
         self.last_step = Some(step);
         self.steps_observed += 1;
+        // A step the optimizer skipped (a mixed-precision overflow) is recorded, but its
+        // non-finite gradients and loss are the scaler's business, not a failure: they do not
+        // feed the health trackers.
+        let overflow = if v.fact(Fact::OptimizerSkipped).is_some_and(|s| s >= 0.5) {
+            v.nonfinite_module
+                .or_else(|| self.overflow_module(v.grad_norms))
+        } else {
+            None
+        };
+        let skipped = self.loop_track.observe(v, overflow);
 
         // Parameter norms -> layer norms (L2 over all of a layer's parameters). Negative means
         // "no gradient"; NaN and infinities are not negative and flow through.
@@ -434,8 +455,11 @@ impl Run {
                 let norm = sum.sqrt();
                 any_grad = true;
                 total += sum;
-                all_finite &= norm.is_finite();
+                all_finite &= norm.is_finite() || skipped;
                 row.record(l, norm as f32);
+                if skipped {
+                    return;
+                }
                 if let Some((t, _)) = layers[l].observe(step, norm, config) {
                     fired.push((l, t));
                 }
@@ -479,7 +503,12 @@ impl Run {
             self.push_event(e, config);
         }
         self.fired = fired;
-        if any_grad {
+        if any_grad && skipped {
+            self.grads.record(
+                self.global_series(Global::TotalGradNorm),
+                total.sqrt() as f32,
+            );
+        } else if any_grad {
             let total = total.sqrt();
             self.grads
                 .record(self.global_series(Global::TotalGradNorm), total as f32);
@@ -502,10 +531,12 @@ impl Run {
             self.observe_inputs(step, v.inputs, config);
         }
         if let Some(loss) = v.loss {
-            all_finite &= loss.is_finite();
+            all_finite &= loss.is_finite() || skipped;
             self.grads
                 .record(self.global_series(Global::Loss), loss as f32);
-            if let Some(t) = self.loss.observe(step, loss, config) {
+            if skipped && !loss.is_finite() {
+                // An overflowed forward pass of a skipped step: no loss to judge.
+            } else if let Some(t) = self.loss.observe(step, loss, config) {
                 let e = Self::event_from(&t, EventType::LossHealth, Subject::Loss, State::Loss);
                 self.push_event(e, config);
             }
@@ -520,12 +551,28 @@ impl Run {
                 self.finite_forward.push(step);
             }
         }
-        self.observe_output(
-            step,
-            v.nonfinite_module,
-            all_finite && v.nonfinite_module.is_none(),
-            config,
-        );
+        if !skipped {
+            self.observe_output(
+                step,
+                v.nonfinite_module,
+                all_finite && v.nonfinite_module.is_none(),
+                config,
+            );
+        }
+    }
+
+    /// Where a backward pass overflowed: gradients are non-finite from the layer where the
+    /// overflow happened back to the input, so it is the non-finite layer latest in forward
+    /// order. Module index in the spec.
+    fn overflow_module(&self, grad_norms: &[f32]) -> Option<usize> {
+        let mut latest: Option<usize> = None;
+        for (i, &g) in grad_norms.iter().enumerate() {
+            if !g.is_finite() {
+                let l = self.model.param_layer[i];
+                latest = Some(latest.map_or(l, |k: usize| k.max(l)));
+            }
+        }
+        latest.map(|l| self.model.layers[l].module)
     }
 
     fn observe_weights(&mut self, step: u64, w: &[f32]) {

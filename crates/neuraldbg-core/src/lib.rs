@@ -43,6 +43,7 @@ pub mod output;
 pub mod report;
 pub mod trace;
 mod track;
+pub mod training_loop;
 
 pub use analysis::{Analysis, CausalHypothesis, Cause, Coupling, CouplingKind, Failure, RootCause};
 pub use config::Config;

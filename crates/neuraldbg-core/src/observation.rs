@@ -25,6 +25,10 @@ named_enum! {
         OptimizerSkipped => "optimizer_skipped",
         /// The mixed-precision loss scale in force for this step's backward pass.
         LossScale => "loss_scale",
+        /// Ratio of the gradient norm the optimizer step received to the norm the backward
+        /// pass produced, read on one parameter (the largest); below 1.0 when something
+        /// (gradient clipping) rescaled the gradients in between.
+        ClipRatio => "clip_ratio",
 
         // --- Distributed training.
         /// Number of processes in the job.

@@ -250,6 +250,12 @@ impl PyEngine {
         self.inner.last_step()
     }
 
+    /// Number of events so far (cheap: for noticing new ones).
+    #[getter]
+    fn event_count(&self) -> usize {
+        self.inner.event_count()
+    }
+
     /// Whether an activation module shows an unconfirmed new state (measure densely).
     #[getter]
     fn activation_pending(&self) -> bool {

@@ -344,9 +344,10 @@ fn locate_root(
                 .min_by_key(|&i| (module_of(&events[i]), events[i].step));
             (i, i.and_then(|i| module_of(&events[i])))
         }
-        Failure::DataAnomaly | Failure::LossDivergence | Failure::LossPlateau => {
-            (at_onset.first().copied(), None)
-        }
+        Failure::DataAnomaly
+        | Failure::LossDivergence
+        | Failure::LossPlateau
+        | Failure::LossScaleCollapse => (at_onset.first().copied(), None),
     }
 }
 
@@ -411,6 +412,7 @@ fn precedence(f: Failure) -> u8 {
         Failure::LossDivergence => 6,
         Failure::SaturatedGradients => 7,
         Failure::LossPlateau => 8,
+        Failure::LossScaleCollapse => 9,
     }
 }
 

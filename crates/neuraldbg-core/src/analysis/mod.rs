@@ -10,6 +10,8 @@ mod episodes;
 mod text;
 mod vocab;
 
+use std::fmt::Write as _;
+
 use serde::{Deserialize, Serialize};
 
 use crate::engine::{Engine, Run};
@@ -183,20 +185,19 @@ impl<'a> Analysis<'a> {
                     scored.cause,
                     &scored.reasons,
                 );
-                out.push((
-                    CausalHypothesis {
-                        failure: e.failure,
-                        cause: scored.cause,
-                        layer: e.root.map(|m| self.name(m)),
-                        step: Some(e.onset),
-                        confidence,
-                        description,
-                        evidence: evidence.clone(),
-                        causal_chain: causal_chain.clone(),
-                        remedies: text::remedies(self.run, e, scored.cause),
-                    },
-                    k,
-                ));
+                let mut h = CausalHypothesis {
+                    failure: e.failure,
+                    cause: scored.cause,
+                    layer: e.root.map(|m| self.name(m)),
+                    step: Some(e.onset),
+                    confidence,
+                    description,
+                    evidence: evidence.clone(),
+                    causal_chain: causal_chain.clone(),
+                    remedies: text::remedies(self.run, e, scored.cause),
+                };
+                self.note_clipping(&mut h, e);
+                out.push((h, k));
             }
         }
         // A consequence never outranks the failure that explains it.
@@ -220,6 +221,10 @@ impl<'a> Analysis<'a> {
                 h.confidence = h.confidence.min(cap * 0.97);
             }
         }
+        // Not an episode (confirmed by the loop track): ranked with the others, never capped.
+        if let Some(h) = self.scale_collapse() {
+            out.push((h, self.episodes.len()));
+        }
         // Keep the best hypothesis per (failure, cause, layer).
         out.sort_by(|a, b| {
             b.0.confidence
@@ -232,6 +237,71 @@ impl<'a> Analysis<'a> {
             .map(|(h, _)| h)
             .filter(|h| only.is_none_or(|f| f == h.failure))
             .collect()
+    }
+
+    /// Gradients were clipped during a gradient failure: the norms are those the backward pass
+    /// produced, so the explosion is real even though the update was bounded. Say so.
+    fn note_clipping(&self, h: &mut CausalHypothesis, e: &Episode) {
+        let lt = &self.run.loop_track;
+        let last = e.onset + e.duration;
+        if !e.failure.is_gradient() || !lt.clipped_between(e.onset, last) {
+            return;
+        }
+        let ratio = lt.clip_ratio_min.unwrap_or(1.0);
+        let _ = write!(
+            h.description,
+            " Gradient clipping was on: it scaled the update's gradients down by up to {}x, \
+             which bounds the step but hides the explosion from the loss; the norms shown are \
+             those the backward pass produced, before clipping.",
+            text::num(1.0 / ratio.max(1e-30))
+        );
+        h.causal_chain.push(format!(
+            "gradient clipping rescaled gradients on {} step(s) (first at step {})",
+            lt.clipped_steps,
+            lt.first_clipped.unwrap_or(e.onset)
+        ));
+        h.remedies.retain(|r| !r.starts_with("clip gradients"));
+    }
+
+    /// The hypothesis for a collapsed mixed-precision loss scale, when one was confirmed.
+    fn scale_collapse(&self) -> Option<CausalHypothesis> {
+        let lt = &self.run.loop_track;
+        let c = lt.collapse?;
+        let layer = c.module.map(|m| self.name(m));
+        let place = layer.as_deref().map_or(String::new(), |l| {
+            format!(
+                " Values first overflowed in '{}'.",
+                crate::model::display_name(l)
+            )
+        });
+        Some(CausalHypothesis {
+            failure: Failure::LossScaleCollapse,
+            cause: Cause::NumericalInstability,
+            layer,
+            step: Some(c.onset),
+            confidence: 0.9,
+            description: format!(
+                "The mixed-precision loss scale collapsed from step {}: the GradScaler skipped \
+                 {} consecutive optimizer steps for overflowing gradients and shrank the loss \
+                 scale to {}, below 1, so values overflow float16 even unamplified and the \
+                 model stops learning ({} skipped steps in all).{place}",
+                c.onset,
+                c.skips,
+                text::num(c.scale),
+                lt.skipped_steps
+            ),
+            evidence: Vec::new(),
+            causal_chain: vec![
+                format!("values overflow float16 from step {}", c.onset),
+                format!("GradScaler skips every step; loss scale falls to {}", text::num(c.scale)),
+                "no parameter update: training stalls".into(),
+            ],
+            remedies: vec![
+                "train in bfloat16 (torch.autocast(dtype=torch.bfloat16)): float32's range, no loss scaling needed".into(),
+                "keep the overflowing module in float32 (wrap it in torch.autocast(enabled=False))".into(),
+                "lower the learning rate, or normalize the activations that grow (LayerNorm)".into(),
+            ],
+        })
     }
 
     /// The episode at the start of `k`'s consequence chain.

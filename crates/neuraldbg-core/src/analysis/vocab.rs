@@ -14,6 +14,9 @@ named_enum! {
         DataAnomaly => "data_anomaly",
         LossDivergence => "loss_divergence",
         LossPlateau => "loss_plateau",
+        /// Mixed precision: the `GradScaler` skips step after step and its loss scale
+        /// collapses below 1, so training stops making progress.
+        LossScaleCollapse => "loss_scale_collapse",
     }
 }
 
@@ -46,6 +49,7 @@ impl Failure {
             Failure::DataAnomaly => "An anomalous input batch reached the model",
             Failure::LossDivergence => "The loss diverged",
             Failure::LossPlateau => "The loss plateaued",
+            Failure::LossScaleCollapse => "The mixed-precision loss scale collapsed",
         }
     }
 

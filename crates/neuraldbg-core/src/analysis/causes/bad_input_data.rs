@@ -16,7 +16,10 @@ impl CauseRule for BadInputData {
     }
 
     fn explains(&self, failure: Failure) -> bool {
-        !matches!(failure, Failure::LossPlateau | Failure::SaturatedGradients)
+        !matches!(
+            failure,
+            Failure::LossPlateau | Failure::SaturatedGradients | Failure::LossScaleCollapse
+        )
     }
 
     fn evidence(&self, c: &Case<'_>, v: &mut Votes) {
@@ -73,7 +76,7 @@ impl CauseRule for BadInputData {
             }
             Failure::DataAnomaly => v.add(4.0, "the input batch itself was anomalous"),
             Failure::LossDivergence => anomalous_batch(c, v, 4.0),
-            Failure::LossPlateau | Failure::SaturatedGradients => {}
+            Failure::LossPlateau | Failure::SaturatedGradients | Failure::LossScaleCollapse => {}
         }
     }
 

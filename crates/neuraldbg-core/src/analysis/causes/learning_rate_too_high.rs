@@ -16,7 +16,7 @@ impl CauseRule for LearningRateTooHigh {
     }
 
     fn explains(&self, failure: Failure) -> bool {
-        failure != Failure::DataAnomaly
+        !matches!(failure, Failure::DataAnomaly | Failure::LossScaleCollapse)
     }
 
     fn evidence(&self, c: &Case<'_>, v: &mut Votes) {
@@ -153,7 +153,7 @@ impl CauseRule for LearningRateTooHigh {
                     v.add(0.5, "gradient norms grew after updates");
                 }
             }
-            Failure::DataAnomaly => {}
+            Failure::DataAnomaly | Failure::LossScaleCollapse => {}
         }
     }
 

@@ -16,7 +16,10 @@ impl CauseRule for NumericalInstability {
     }
 
     fn explains(&self, failure: Failure) -> bool {
-        matches!(failure, Failure::NonFinite | Failure::LossDivergence)
+        matches!(
+            failure,
+            Failure::NonFinite | Failure::LossDivergence | Failure::LossScaleCollapse
+        )
     }
 
     fn evidence(&self, c: &Case<'_>, v: &mut Votes) {

@@ -17,7 +17,10 @@ impl CauseRule for PoorInitialization {
     }
 
     fn explains(&self, failure: Failure) -> bool {
-        !matches!(failure, Failure::DataAnomaly | Failure::SaturatedGradients)
+        !matches!(
+            failure,
+            Failure::DataAnomaly | Failure::SaturatedGradients | Failure::LossScaleCollapse
+        )
     }
 
     fn evidence(&self, c: &Case<'_>, v: &mut Votes) {
@@ -101,7 +104,7 @@ impl CauseRule for PoorInitialization {
                     );
                 }
             }
-            Failure::DataAnomaly | Failure::SaturatedGradients => {}
+            Failure::DataAnomaly | Failure::SaturatedGradients | Failure::LossScaleCollapse => {}
         }
     }
 

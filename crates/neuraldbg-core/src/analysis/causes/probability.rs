@@ -15,6 +15,8 @@ pub(crate) fn base_probability(run: &Run, e: &Episode) -> f64 {
     let end = if e.to_end { 1.0 } else { 0.0 };
     let sig = |x: f64| 1.0 / (1.0 + (-x).exp());
     let p = match e.failure {
+        // Never an episode: confirmed by the loop track, its hypothesis is built directly.
+        Failure::LossScaleCollapse => 0.9,
         Failure::NonFinite => {
             if e.to_end || e.duration >= 2 {
                 0.99

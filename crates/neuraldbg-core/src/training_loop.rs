@@ -1,0 +1,196 @@
+//! What the training loop did around the optimizer step, from the facts a collector sends:
+//! steps a mixed-precision `GradScaler` skipped for an overflow, the loss scale, and gradient
+//! clipping between the backward pass and the update.
+//!
+//! A skipped step is routine under mixed precision (the scaler halves its scale and retries), so
+//! it is never a failure by itself: its non-finite gradients do not feed the health trackers. A
+//! loss scale that keeps collapsing is one: the scaler skips step after step and shrinks the
+//! scale below 1 (the gradients overflow even unamplified), so the model stops learning.
+
+use crate::observation::{Fact, StepView};
+
+/// Consecutive skipped steps, with the scale below this, confirm a collapse.
+const COLLAPSE_SCALE: f64 = 1.0;
+/// Consecutive skipped steps that confirm a collapse (with the scale below [`COLLAPSE_SCALE`]).
+const COLLAPSE_SKIPS: u64 = 3;
+/// Consecutive skipped steps that confirm a collapse whatever the scale.
+const COLLAPSE_SKIPS_ANY_SCALE: u64 = 64;
+/// A step counts as clipped when the gradient the optimizer received is below this share of the
+/// one the backward pass produced.
+const CLIPPED_BELOW: f64 = 0.99;
+
+/// A loss scale that collapsed: the scaler skipped every step from `onset`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ScaleCollapse {
+    /// First step of the run of skipped steps.
+    pub onset: u64,
+    /// Step at which the collapse was confirmed.
+    pub confirmed: u64,
+    /// Module (spec index) where values first overflowed, when it was found.
+    pub module: Option<usize>,
+    /// Loss scale when confirmed.
+    pub scale: f64,
+    /// Skipped steps in the run when confirmed.
+    pub skips: u64,
+}
+
+/// Skips, loss scale and clipping of one run.
+#[derive(Clone, Debug, Default)]
+pub struct LoopTrack {
+    /// Steps the optimizer skipped (mixed-precision overflow).
+    pub skipped_steps: u64,
+    /// Length and first step of the current run of consecutive skipped steps.
+    run_len: u64,
+    run_start: u64,
+    /// Where values first overflowed in the current run of skips.
+    run_module: Option<usize>,
+    pub loss_scale_first: Option<f64>,
+    pub loss_scale_last: Option<f64>,
+    pub loss_scale_min: Option<f64>,
+    /// First (and, if any, the latest) collapse of the loss scale.
+    pub collapse: Option<ScaleCollapse>,
+    /// Steps whose gradients were rescaled (clipped) between backward and the update.
+    pub clipped_steps: u64,
+    pub first_clipped: Option<u64>,
+    pub last_clipped: Option<u64>,
+    /// Smallest ratio of clipped to produced gradient norm.
+    pub clip_ratio_min: Option<f64>,
+}
+
+impl LoopTrack {
+    /// Reads one step's facts. `overflow_module` is where values first overflowed in this
+    /// step, when known. Returns whether the optimizer skipped the step.
+    pub fn observe(&mut self, v: &StepView<'_>, overflow_module: Option<usize>) -> bool {
+        if let Some(scale) = v.fact(Fact::LossScale).filter(|s| s.is_finite()) {
+            self.loss_scale_first.get_or_insert(scale);
+            self.loss_scale_last = Some(scale);
+            self.loss_scale_min = Some(self.loss_scale_min.map_or(scale, |m| m.min(scale)));
+        }
+        if let Some(r) = v.fact(Fact::ClipRatio).filter(|r| r.is_finite()) {
+            if r < CLIPPED_BELOW {
+                self.clipped_steps += 1;
+                self.first_clipped.get_or_insert(v.step);
+                self.last_clipped = Some(v.step);
+                self.clip_ratio_min = Some(self.clip_ratio_min.map_or(r, |m| m.min(r)));
+            }
+        }
+        let skipped = v.fact(Fact::OptimizerSkipped).is_some_and(|s| s >= 0.5);
+        if !skipped {
+            self.run_len = 0;
+            self.run_module = None;
+            return false;
+        }
+        self.skipped_steps += 1;
+        if self.run_len == 0 {
+            self.run_start = v.step;
+        }
+        self.run_len += 1;
+        if self.run_module.is_none() {
+            self.run_module = overflow_module;
+        }
+        let scale = self.loss_scale_last.unwrap_or(f64::NAN);
+        let collapsed = (self.run_len >= COLLAPSE_SKIPS && scale < COLLAPSE_SCALE)
+            || self.run_len >= COLLAPSE_SKIPS_ANY_SCALE;
+        if collapsed && self.collapse.is_none_or(|c| c.onset != self.run_start) {
+            self.collapse = Some(ScaleCollapse {
+                onset: self.run_start,
+                confirmed: v.step,
+                module: self.run_module,
+                scale,
+                skips: self.run_len,
+            });
+        }
+        true
+    }
+
+    /// Whether gradients were clipped on some step of `[from, to]`.
+    pub fn clipped_between(&self, from: u64, to: u64) -> bool {
+        match (self.first_clipped, self.last_clipped) {
+            (Some(a), Some(b)) => a <= to && b >= from,
+            _ => false,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::observation::Observation;
+
+    fn step(
+        step: u64,
+        skipped: bool,
+        scale: f64,
+        module: Option<usize>,
+    ) -> (Observation, Option<usize>) {
+        let facts = vec![
+            (Fact::OptimizerSkipped, if skipped { 1.0 } else { 0.0 }),
+            (Fact::LossScale, scale),
+        ];
+        (
+            Observation {
+                step,
+                facts,
+                ..Default::default()
+            },
+            module,
+        )
+    }
+
+    #[test]
+    fn routine_skips_are_not_a_collapse() {
+        let mut t = LoopTrack::default();
+        // The scaler calibrates down from 65536 (a few skips), then trains.
+        let mut scale = 65536.0;
+        for s in 0..40 {
+            let skip = s < 6 || s == 20;
+            let (o, m) = step(s, skip, scale, None);
+            assert_eq!(t.observe(&o.view(), m), skip);
+            if skip {
+                scale /= 2.0;
+            }
+        }
+        assert_eq!(t.skipped_steps, 7);
+        assert!(t.collapse.is_none());
+        assert_eq!(t.loss_scale_min, Some(512.0));
+    }
+
+    #[test]
+    fn a_scale_that_keeps_collapsing_is_confirmed_with_its_module() {
+        let mut t = LoopTrack::default();
+        let mut scale = 4.0;
+        for s in 0..10 {
+            let (o, m) = step(s, s >= 2, scale, if s == 3 { Some(5) } else { None });
+            t.observe(&o.view(), m);
+            if s >= 2 {
+                scale /= 2.0;
+            }
+        }
+        let c = t.collapse.expect("collapsed");
+        assert_eq!(c.onset, 2);
+        assert_eq!(c.module, Some(5));
+        assert!(c.scale < 1.0);
+        assert!(
+            c.confirmed >= 4 && c.confirmed <= 6,
+            "confirmed at {}",
+            c.confirmed
+        );
+    }
+
+    #[test]
+    fn clipping_is_counted_when_it_bites() {
+        let mut t = LoopTrack::default();
+        for (s, r) in [(0, 1.0), (1, 0.999), (2, 0.4), (3, 0.1), (4, 1.0)] {
+            let o = Observation {
+                step: s,
+                facts: vec![(Fact::ClipRatio, r)],
+                ..Default::default()
+            };
+            t.observe(&o.view(), None);
+        }
+        assert_eq!(t.clipped_steps, 2);
+        assert_eq!((t.first_clipped, t.last_clipped), (Some(2), Some(3)));
+        assert_eq!(t.clip_ratio_min, Some(0.1));
+        assert!(t.clipped_between(0, 2) && !t.clipped_between(4, 9));
+    }
+}

@@ -1,0 +1,106 @@
+"""What the framework callbacks share: one watched run whose trace and report go into the run's
+directory, the halt hook, and the summary they hand to the framework's logger. Framework-free:
+the callbacks in :mod:`neuraldbg.lightning` and :mod:`neuraldbg.transformers` only adapt events."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Dict, Iterable, List, Optional, Union
+
+from .debugger import NeuralDbg
+from .types import CausalHypothesis
+
+TRACE_NAME = "neuraldbg.ndbg"
+REPORT_NAME = "neuraldbg.html"
+
+PathOption = Union[bool, str, "os.PathLike[str]"]
+
+
+def _path(option: PathOption, directory: str, name: str) -> Optional[str]:
+    if option is False or option is None:
+        return None
+    if option is True:
+        return os.path.join(directory, name)
+    return os.fspath(option)
+
+
+class WatchedRun:
+    """One ``NeuralDbg`` opened by a callback: entered at the start of training, exited at the
+    end (or when training raises)."""
+
+    def __init__(
+        self,
+        model: Any,
+        directory: str,
+        *,
+        trace: PathOption,
+        report: PathOption,
+        halt_on: Any,
+        on_failure: "Optional[Callable[[List[CausalHypothesis]], Any]]",
+        stop: Callable[[], None],
+        options: Dict[str, Any],
+    ) -> None:
+        self.trace_path = _path(trace, directory, TRACE_NAME)
+        self.report_path = _path(report, directory, REPORT_NAME)
+        self.dbg = NeuralDbg(
+            model, trace=self.trace_path, report=self.report_path, halt_on=halt_on, on_failure=on_failure, **options
+        )
+        self.dbg._on_halt = lambda hyps: stop()
+        self.dbg.__enter__()
+        self.open = True
+
+    def close(self, exc: Optional[BaseException] = None) -> None:
+        if self.open:
+            self.open = False
+            self.dbg.__exit__(type(exc) if exc is not None else None, exc, None)
+
+
+def verdict(dbg: NeuralDbg) -> List[CausalHypothesis]:
+    """Confirmed hypotheses (confidence >= 0.5), most likely first."""
+    return [h for h in dbg.explain_failure() if h.confidence >= 0.5]
+
+
+def metrics(dbg: NeuralDbg, layers: bool) -> Dict[str, float]:
+    """Numbers for the framework's logger: how many failures are confirmed and the top
+    confidence; with ``layers``, each layer's latest gradient norm (the per-layer summary)."""
+    confirmed = verdict(dbg)
+    out: Dict[str, float] = {
+        "neuraldbg/failures": float(len({(str(h.failure), h.layer) for h in confirmed})),
+        "neuraldbg/confidence": float(confirmed[0].confidence) if confirmed else 0.0,
+        "neuraldbg/step": float(dbg.step),
+    }
+    if layers:
+        for name in layer_names(dbg):
+            _, values = dbg.history(name, "grad_norm")
+            if len(values):
+                out[f"neuraldbg/grad_norm/{name or '<model>'}"] = float(values[-1])
+    return out
+
+
+def layer_names(dbg: NeuralDbg) -> Iterable[str]:
+    seen = []
+    for name, m in dbg.model.named_modules():
+        if any(p.requires_grad for p in m.parameters(recurse=False)):
+            seen.append(name)
+    return seen
+
+
+def summary(dbg: NeuralDbg, where: Optional[str]) -> str:
+    """The diagnosis as printed at the end of training."""
+    confirmed = verdict(dbg)
+    lines = [f"NeuralDBG: {dbg.step} steps observed"]
+    if confirmed:
+        lines.append("training failed:")
+        lines.extend(f"  {h}" for h in confirmed[:5])
+        for r in confirmed[0].remedies[:3]:
+            lines.append(f"  - {r}")
+    else:
+        lines.append("no failure detected")
+    if where:
+        lines.append(f"trace and report: {where}")
+    return "\n".join(lines)
+
+
+def verdict_text(dbg: NeuralDbg) -> str:
+    confirmed = verdict(dbg)
+    return str(confirmed[0]) if confirmed else "healthy"

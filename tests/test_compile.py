@@ -1,0 +1,156 @@
+"""torch.compile: a watched compiled model compiles to the same graphs as the unwatched one (no
+graph breaks, no recompiles, checked on torch._dynamo's own counters), every step is observed
+and the module where a NaN first appears is named.
+
+The dynamo-level behaviour (tracing, guards, graph breaks) does not depend on the backend:
+``aot_eager`` runs AOTAutograd like inductor (forward and backward graphs) without the C++
+compile, so the tests stay fast; one test uses inductor itself."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+from neuraldbg import NeuralDbg, NeuralDbgWarning
+
+dynamo = pytest.importorskip("torch._dynamo")
+from torch._dynamo.utils import counters  # noqa: E402
+
+
+class LogShift(nn.Module):
+    """``log(x + 1 + shift)``: finite while ``shift`` is 0; set ``shift`` to -100 (a buffer,
+    changed in place, so no recompile) and it produces NaN in its own computation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("shift", torch.zeros(()))
+
+    def forward(self, x):
+        return torch.log(x.abs() + 1.0 + self.shift)
+
+
+class Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(8, 16)
+        self.block = nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.0, batch_first=True)
+        self.bad = LogShift()
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.head(self.bad(self.block(self.embed(x))).mean(dim=1))
+
+
+def data(n: int):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(4, 5, 8, generator=g), torch.randint(0, 3, (4,), generator=g)) for _ in range(n)]
+
+
+def train(model, compiled, steps, dbg=None, nan_at=None):
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for i, (x, y) in enumerate(data(steps)):
+        if i == nan_at:
+            model.bad.shift.fill_(-100.0)
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(compiled(x), y)
+        loss.backward()
+        opt.step()
+        if dbg is not None:
+            assert dbg.step == i + 1
+
+
+def dynamo_stats():
+    return (
+        dict(counters["stats"]),
+        sum(counters["graph_break"].values()),
+        dict(counters["recompiles"]) if "recompiles" in counters else {},
+        dict(counters["aot_autograd"]),  # graphs handed to the backend
+    )
+
+
+def compiled_run(watch: bool, how: str, steps: int = 6, enter_after_first_call: bool = False):
+    dynamo.reset()
+    counters.clear()
+    model = Tiny()
+    if how == "method":
+        model.compile(backend="aot_eager")
+        compiled = model
+    else:
+        compiled = torch.compile(model, backend="aot_eager")
+    if not watch:
+        train(model, compiled, steps)
+        return dynamo_stats(), None
+    if enter_after_first_call:
+        train(model, compiled, 1)
+    with NeuralDbg(model) as dbg:
+        train(model, compiled, steps - (1 if enter_after_first_call else 0), dbg)
+    return dynamo_stats(), dbg
+
+
+@pytest.mark.parametrize("how", ["function", "method"])
+def test_watching_adds_no_graph_break_and_no_recompile(how):
+    plain, _ = compiled_run(False, how)
+    watched, dbg = compiled_run(True, how)
+    assert plain[1] == 0
+    assert watched == plain, f"unwatched {plain} vs watched {watched}"
+    assert dbg.step == 6
+    steps, values = dbg.history("embed")
+    assert list(steps) == list(range(6)) and (values > 0).all()
+    _, losses = dbg.history(None, "loss")
+    assert len(losses) == 6
+    _, scale = dbg.history(None, "input_scale")
+    assert len(scale) == 6, "inputs of the compiled forward are measured"
+
+
+def test_nan_origin_is_named_under_compile():
+    dynamo.reset()
+    model = Tiny()
+    compiled = torch.compile(model, backend="aot_eager")
+    with NeuralDbg(model) as dbg:
+        train(model, compiled, 6, dbg, nan_at=3)
+    hyps = [h for h in dbg.explain_failure() if h.failure == "non_finite"]
+    assert hyps, dbg.explain_failure()
+    assert hyps[0].layer == "bad" and hyps[0].step == 3
+
+
+def test_inductor_compiled_model_is_observed():
+    dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    compiled = torch.compile(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(0)
+    with NeuralDbg(model) as dbg:
+        for _ in range(3):
+            x, y = torch.randn(8, 8, generator=g), torch.randint(0, 3, (8,), generator=g)
+            opt.zero_grad()
+            nn.functional.cross_entropy(compiled(x), y).backward()
+            opt.step()
+    assert dbg.step == 3
+    assert sum(counters["graph_break"].values()) == 0
+
+
+def test_entering_after_the_first_compiled_call_costs_one_recompile_and_sees_everything():
+    plain, _ = compiled_run(False, "function", steps=4)
+    late, dbg = compiled_run(True, "function", steps=4, enter_after_first_call=True)
+    assert dbg.step == 3
+    steps, _ = dbg.history("embed")
+    assert list(steps) == [0, 1, 2]
+    _, scale = dbg.history(None, "input_scale")
+    assert len(scale) == 3, "the hooks were traced in after entering"
+    assert late[1] == 0, "no graph break"
+    assert late[3]["total"] <= plain[3]["total"] + 1, (plain, late)
+
+
+def test_the_compiled_module_itself_can_be_watched():
+    dynamo.reset()
+    model = Tiny()
+    compiled = torch.compile(model, backend="aot_eager")
+    with NeuralDbg(compiled) as dbg:
+        train(model, compiled, 3, dbg)
+    steps, _ = dbg.history("embed")  # names are the model's own, not "_orig_mod.embed"
+    assert list(steps) == [0, 1, 2]
