@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Overhead benchmark (`make bench`): what watching a training run costs.
 
-Every arm trains its own copy of the same model (same initial weights, Adam, ``loss.item()``
-each step, CPU, one thread) in ONE process, and the arms take turns: each round runs a short
+Every arm trains its own copy of the same model (same initial weights, Adam (SGD for the
+mlp16/mlp1024 cases), ``loss.item()`` each step, CPU, one thread) in ONE process, and the arms take turns: each round runs a short
 block of steps of every arm, in a rotating order, so drift of the machine (other processes,
 frequency scaling, caches) hits all arms alike. A block is ``--block`` steps (default 10, the
 period of the debugger's sampled measurements, so a block always holds the same share of
@@ -153,6 +153,19 @@ MODELS: Dict[str, Tuple[str, Callable[[], nn.Module], Callable[[], List[Batch]],
         lambda: _batches(lambda g: (torch.randn(64, 32, generator=g), torch.randint(0, 10, (64,), generator=g))),
         40,
     ),
+    # The per-step and per-layer cost on fast steps (one thread: ~1 ms and ~75 ms a step), SGD.
+    "mlp16": (
+        "MLP, 16 x (Linear 32x32 + ReLU) + head, batch 64, SGD",
+        lambda: MLP(depth=16),
+        lambda: _batches(lambda g: (torch.randn(64, 32, generator=g), torch.randint(0, 10, (64,), generator=g))),
+        60,
+    ),
+    "mlp1024": (
+        "MLP, 1,024 x (Linear 32x32 + ReLU) + head, batch 64, SGD",
+        lambda: MLP(depth=1024),
+        lambda: _batches(lambda g: (torch.randn(64, 32, generator=g), torch.randint(0, 10, (64,), generator=g))),
+        12,
+    ),
     "transformer-large": (
         "Transformer encoder, 6 layers, d_model 256, 8 heads, seq 128, batch 8",
         lambda: Transformer(4000, 256, 8, 6),
@@ -172,7 +185,9 @@ MODELS: Dict[str, Tuple[str, Callable[[], nn.Module], Callable[[], List[Batch]],
         6,
     ),
 }
-DEFAULT_MODELS = ["transformer", "cnn", "mlp"]
+DEFAULT_MODELS = ["transformer", "cnn", "mlp", "mlp16", "mlp1024"]
+# Optimizer per model (Adam when not named here).
+SGD_MODELS = {"mlp16", "mlp1024"}
 
 
 # ----------------------------------------------------------------------------- arms
@@ -181,11 +196,13 @@ DEFAULT_MODELS = ["transformer", "cnn", "mlp"]
 class Arm:
     """One training loop over its own copy of the model."""
 
-    def __init__(self, name: str, model: nn.Module, batches: List[Batch]) -> None:
+    def __init__(self, name: str, model: nn.Module, batches: List[Batch], sgd: bool = False) -> None:
         self.name = name
         self.model = model
         self.batches = batches
-        self.opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        self.opt: torch.optim.Optimizer = (
+            torch.optim.SGD(model.parameters(), lr=1e-2) if sgd else torch.optim.Adam(model.parameters(), lr=1e-3)
+        )
         self.crit = nn.CrossEntropyLoss()
         self.i = 0
         self.times: List[float] = []
@@ -312,7 +329,7 @@ def measure(model_name: str, arm_names: List[str], rounds: int, block: int, warm
     _, factory, batches_of, _ = MODELS[model_name]
     base = factory()
     batches = batches_of()
-    arms = [ARMS[a](a, copy.deepcopy(base), batches) for a in arm_names]
+    arms = [ARMS[a](a, copy.deepcopy(base), batches, model_name in SGD_MODELS) for a in arm_names]
     for a in arms:
         a.enter()
     try:

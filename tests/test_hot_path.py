@@ -205,7 +205,10 @@ def test_crash_after_a_nan_forward_is_still_diagnosed(mode):
 
 
 def forward_hooked(model: nn.Module) -> set:
-    return {name for name, m in model.named_modules() if m._forward_hooks}
+    """Modules whose calls NeuralDBG sees: a forward hook, or its call recorder."""
+    from neuraldbg._hooks import CALL_RECORDER
+
+    return {name for name, m in model.named_modules() if m._forward_hooks or CALL_RECORDER.is_watched(m)}
 
 
 def test_hooks_only_where_a_nan_can_start_and_probes_only_when_sampled():
@@ -303,3 +306,78 @@ def test_gradient_norms_match_torch_when_gradients_come_and_go():
         _, got = dbg.history(name, "grad_norm")
         np.testing.assert_allclose(got[np.isfinite(got)], values, rtol=1e-5)  # NaN: no gradient
     assert len(expected["b"]) == 6
+
+
+@pytest.mark.parametrize("shape", [(64, 32), (16, 3, 32, 32)])  # one op path each (fused / four passes)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+def test_input_statistics_match_numpy(shape, dtype):
+    from neuraldbg._measure import INPUT_FUSED_LIMIT, input_stats
+
+    assert (int(np.prod(shape)) <= INPUT_FUSED_LIMIT) == (len(shape) == 2)
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(shape, generator=g) * 3 + 5).to(dtype)
+    got = input_stats(x).numpy()
+    ref = x.double().numpy()
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, [ref.min(), ref.max(), ref.mean(), ref.std()], rtol=1e-5)
+
+
+def test_norm_plan_matches_torch_for_every_kind_of_group():
+    """Groups of matrices, vectors and scalars (stacked) and single tensors, in list order."""
+    from neuraldbg._measure import STACK_LIMIT, NormPlan
+
+    g = torch.Generator().manual_seed(0)
+    shapes = [(8, 4), (3,), (), (8, 4), (), (3,), (5, 2, 2), (7,), (8, 4)]
+    tensors = [torch.randn(s, generator=g) for s in shapes]
+    tensors.append(torch.randn(4, dtype=torch.float64, generator=g))  # a single of its own kind
+    plan = NormPlan(tensors, STACK_LIMIT)
+    assert len(plan.groups) == 3
+    out: List[torch.Tensor] = []
+    plan(tensors, out)
+    got = np.empty(len(tensors))
+    got[plan.order] = torch.cat(out).numpy()
+    assert torch.cat(out).dtype == torch.float32
+    expected = [np.sqrt((t.double().numpy() ** 2).sum()) for t in tensors]
+    np.testing.assert_allclose(got, expected, rtol=1e-6)
+
+
+def test_layers_are_recorded_without_hooks_and_the_classes_restored_on_exit():
+    """Linear/BatchNorm layers keep torch's fast call path (no forward hook); their calls are
+    recorded through a wrapper of the class's forward, which records nothing for other
+    instances (an unwatched twin computes the same) and is gone after exit, also on an
+    exception."""
+    import copy
+
+    from neuraldbg._hooks import CALL_RECORDER
+
+    linear_forward = nn.Linear.forward
+    assert "forward" not in nn.BatchNorm1d.__dict__
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+    twin = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(8, 16)
+    with pytest.raises(RuntimeError, match="boom"):
+        with NeuralDbg(model) as dbg:
+            for _ in range(3):
+                step(model, opt)
+            assert not any(m._forward_hooks for m in model)  # the ReLU (a probe) too
+            assert nn.Linear.forward is not linear_forward
+            twin.load_state_dict(model.state_dict())
+            refs = dbg._collector.refs
+            refs.clear()
+            model.eval()
+            twin.eval()
+            with torch.no_grad():
+                got = twin(x)
+                assert refs == []  # another model: not recorded
+                expected = model(x)
+            np.testing.assert_array_equal(got.numpy(), expected.numpy())
+            names = dbg._collector.watched.names
+            assert [names[i] for i, _, _ in refs] == ["0", "1", "3", ""]
+            assert refs[0][1] is not None and refs[0][2][0] is x  # output and args, as a hook sees them
+            raise RuntimeError("boom")
+    assert nn.Linear.forward is linear_forward
+    assert "forward" not in nn.BatchNorm1d.__dict__
+    assert not CALL_RECORDER.watched and not CALL_RECORDER.wrappers
+    assert forward_hooked(model) == set()

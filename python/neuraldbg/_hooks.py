@@ -5,9 +5,13 @@ when a step is read.
 * a forward pre-hook and a forward hook on the model itself (a forward pass starts and ends);
 * forward hooks on modules, in two sets: first on every module (to learn the forward order),
   then only on those that can *create* a NaN/Inf (:func:`is_passive` says which cannot) and on
-  parameter owners; their outputs are kept by reference for the non-finite scan;
-* activation probes: a separate forward hook on each activation module the engine measures,
-  armed only on the steps whose activation statistics are measured;
+  parameter owners; their outputs are kept by reference for the non-finite scan. After the
+  first step (when no compilation was seen), modules of the common torch layer classes
+  (:data:`RECORDED`: Linear, Conv, norms...) get no hook: their calls are recorded by a wrapper
+  of their class's ``forward`` (:class:`CallRecorder`), which leaves them torch's fast call path;
+* activation probes: a separate forward hook on each activation module the engine measures
+  (for torch's activation classes, :data:`RECORDED_PROBES`, a call recorder entry), armed
+  only on the steps whose activation statistics are measured;
 * the criterion's forward hook (the loss, when a ``criterion`` is given);
 * torch's global optimizer step post hook (the step boundary);
 * a post-accumulate-grad hook on every trainable parameter: the end of each backward pass
@@ -53,6 +57,129 @@ PASSIVE = frozenset(
 def is_passive(m: Any) -> bool:
     cls = type(m)
     return cls.__name__ in PASSIVE and cls.__module__.startswith("torch.nn.modules")
+
+
+# torch.nn classes whose calls are recorded by :class:`CallRecorder` (a wrapper of the class's
+# ``forward``) instead of a forward hook: the parameter owners that make up most layers of
+# deep models. Exact classes only (a subclass may override ``forward``).
+RECORDED = frozenset(
+    {
+        "Linear", "Bilinear", "Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d",
+        "ConvTranspose3d", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "LayerNorm", "GroupNorm",
+        "RMSNorm", "Embedding",
+    }
+)
+
+
+# Activation classes whose probes (armed on sampled steps) are recorded the same way: arming
+# and disarming a probe is then a dict entry, not a hook registered and removed.
+RECORDED_PROBES = frozenset(
+    {
+        "ReLU", "ReLU6", "LeakyReLU", "PReLU", "ELU", "CELU", "SELU", "GELU", "SiLU", "Mish",
+        "Hardswish", "Tanh", "Sigmoid", "Hardtanh", "Hardsigmoid", "Softsign", "Softplus",
+        "LogSigmoid", "Tanhshrink", "Softshrink", "Hardshrink", "Threshold",
+    }
+)
+
+
+def is_recorded(m: Any, names: "frozenset[str]" = RECORDED) -> bool:
+    cls = type(m)
+    return cls.__name__ in names and cls.__module__.startswith("torch.nn.modules")
+
+
+class CallRecorder:
+    """Sees the calls of chosen modules of a few torch classes without a forward hook.
+
+    A forward hook sends every call of its module through ``Module._call_impl``'s slow path
+    (a few microseconds of Python per call, more on a fast step where that code is out of
+    cache): on a deep model it was most of the cost of watching. Instead, while a module of
+    such a class is watched, the class's ``forward`` is wrapped once: the module keeps torch's
+    fast call path, and the wrapper looks the module up (one dict read) and records ``(index,
+    output, args)`` like the hook did. Unwatched modules of the class (other models, copies of
+    a watched one) pass straight through. The class's own ``forward`` is put back when its last
+    watched module is released. Used only after the first step and only when no compilation
+    was seen by then (then forward hooks stay, traced into the graph); in a model compiled
+    later, recorded modules record nothing (their NaN/Inf then shows at the next hooked module,
+    or in the gradients).
+    """
+
+    def __init__(self) -> None:
+        self.watched: Dict[int, List[Callable[[Any, Any], None]]] = {}
+        self.count: Dict[type, int] = {}
+        # Per wrapped class: its own forward (None when inherited), and our wrapper.
+        self.original: Dict[type, Optional[Callable[..., Any]]] = {}
+        self.wrappers: Dict[type, Callable[..., Any]] = {}
+
+    def add(self, module: Any, record: Callable[[Any, Any], None]) -> "RecorderHandle":
+        cls = type(module)
+        if cls not in self.wrappers:
+            self._wrap(cls)
+        self.count[cls] = self.count.get(cls, 0) + 1
+        self.watched.setdefault(id(module), []).append(record)
+        return RecorderHandle(self, module, record)
+
+    def discard(self, module: Any, record: Callable[[Any, Any], None]) -> None:
+        records = self.watched.get(id(module))
+        if records is None or record not in records:
+            return
+        records.remove(record)
+        if not records:
+            del self.watched[id(module)]
+        cls = type(module)
+        self.count[cls] -= 1
+        if self.count[cls] == 0:
+            del self.count[cls]
+            original = self.original.pop(cls)
+            if cls.__dict__.get("forward") is self.wrappers.pop(cls):
+                if original is None:  # inherited (BatchNorm2d from _BatchNorm)
+                    delattr(cls, "forward")
+                else:
+                    cls.forward = original  # type: ignore[attr-defined]
+
+    def _wrap(self, cls: type) -> None:
+        import functools
+
+        import torch
+
+        own = cls.__dict__.get("forward")
+        call = own if own is not None else cls.forward  # type: ignore[attr-defined]
+        watched = self.watched
+        compiling = torch.compiler.is_compiling
+
+        @functools.wraps(call)
+        def forward(module: Any, *args: Any, **kwargs: Any) -> Any:
+            output = call(module, *args, **kwargs)
+            if compiling():  # traced: read nothing of ours (it would become a guard)
+                return output
+            records = watched.get(id(module))
+            if records is not None:
+                for record in records:
+                    record(output, args)
+            return output
+
+        self.original[cls] = own
+        self.wrappers[cls] = forward
+        cls.forward = forward  # type: ignore[attr-defined]
+
+    def is_watched(self, module: Any) -> bool:
+        return id(module) in self.watched
+
+
+class RecorderHandle:
+    """Removes one module's record from the :class:`CallRecorder` (like a hook's handle)."""
+
+    __slots__ = ("recorder", "module", "record")
+
+    def __init__(self, recorder: CallRecorder, module: Any, record: Callable[[Any, Any], None]) -> None:
+        self.recorder = recorder
+        self.module = module
+        self.record = record
+
+    def remove(self) -> None:
+        self.recorder.discard(self.module, self.record)
+
+
+CALL_RECORDER = CallRecorder()
 
 
 class Trace:
@@ -114,7 +241,11 @@ class Hooks:
         self.handles.append(handle)
         return handle
 
-    def hook_module(self, i: int, keep: bool) -> None:
+    def hook_module(self, i: int, keep: bool, record: bool = False) -> None:
+        m = self.modules[i]
+        if record and is_recorded(m):
+            self.module_handles[i] = CALL_RECORDER.add(m, make_record(i, self.refs, keep, self.first))
+            return
         hook = make_ref_hook(i, self.refs, keep, self.trace, self.first)
         h = self.modules[i].register_forward_hook(hook)
         STATE_TAP.ours.add(h.id)
@@ -128,8 +259,9 @@ class Hooks:
         wanted = {i for i in range(1, len(self.modules)) if i in owners or not is_passive(self.modules[i])}
         for i in list(self.module_handles):
             self.module_handles.pop(i).remove()
+        record = not self.trace.compiled
         for i in sorted(wanted):
-            self.hook_module(i, keep=self.keep_outputs)
+            self.hook_module(i, keep=self.keep_outputs, record=record)
 
     def arm_probes(self, on: bool, probe_modules: "List[tuple[int, int]]", slots: List[Any]) -> None:
         """Activation probes (``(row, module index)`` pairs) are hooked only on steps whose
@@ -138,7 +270,11 @@ class Hooks:
             return
         if on:
             for row, module in probe_modules:
-                h = self.modules[module].register_forward_hook(make_slot_hook(row, slots))
+                m = self.modules[module]
+                if not self.trace.compiled and is_recorded(m, RECORDED_PROBES):
+                    self.probe_handles.append(CALL_RECORDER.add(m, make_slot_record(row, slots)))
+                    continue
+                h = m.register_forward_hook(make_slot_hook(row, slots))
                 STATE_TAP.ours.add(h.id)
                 self.probe_handles.append(h)
         else:
@@ -196,6 +332,34 @@ def make_ref_hook(
             append((index, None, None))
 
     return hook
+
+
+def make_record(index: int, refs: List[Any], keep: bool, first: List[int]) -> Callable[[Any, Any], None]:
+    """What :class:`CallRecorder` calls with a recorded module's ``(output, args)``: the
+    untraced path of :func:`make_ref_hook`."""
+    append = refs.append
+    if keep:
+
+        def record(output: Any, args: Any) -> None:
+            if index == first[0]:
+                refs.clear()
+            append((index, output, args))
+
+    else:
+
+        def record(output: Any, args: Any) -> None:
+            if index == first[0]:
+                refs.clear()
+            append((index, None, None))
+
+    return record
+
+
+def make_slot_record(row: int, slots: List[Any]) -> Callable[[Any, Any], None]:
+    def record(output: Any, args: Any) -> None:
+        slots[row] = output
+
+    return record
 
 
 def make_slot_hook(row: int, slots: List[Any]) -> Callable[..., None]:

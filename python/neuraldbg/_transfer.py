@@ -87,7 +87,11 @@ def flatten(parts: "List[torch.Tensor]") -> "Optional[torch.Tensor]":
     device = parts[0].device
     if any(p.device != device for p in parts):
         parts = [p.to(device) for p in parts]
-    return torch.cat([p.reshape(-1) for p in parts]) if len(parts) > 1 else parts[0].reshape(-1)
+    if len(parts) == 1:
+        return parts[0].reshape(-1)
+    # One call: the parts are viewed flat and concatenated in C++ (a Python reshape per part
+    # costs microseconds on a fast step). Parts of any shape, 0-d included.
+    return torch._C._nn.flatten_dense_tensors(parts)
 
 
 class HostCopy:
