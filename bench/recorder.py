@@ -36,6 +36,9 @@ class Record:
     layer_names: List[str] = field(default_factory=list)  # modules owning parameters, forward order
     module_order: List[str] = field(default_factory=list)  # all modules, forward completion order
     grad: Dict[str, List[float]] = field(default_factory=dict)  # layer -> norm per step
+    weight: Dict[str, List[float]] = field(default_factory=dict)  # layer -> parameter norm per step (before its update)
+    training: List[bool] = field(default_factory=list)  # model.training at each step
+    out_scale: Dict[str, float] = field(default_factory=dict)  # module -> largest |output| of the first step
     saturated: Dict[str, List[float]] = field(default_factory=dict)
     dead: Dict[str, List[float]] = field(default_factory=dict)
     slope: Dict[str, List[float]] = field(default_factory=dict)
@@ -121,6 +124,9 @@ class Recorder:
         if not ts:
             return
         y = ts[0].detach()
+        if self._first_forward:
+            scale = y.abs().max().item() if y.numel() else 0.0
+            self.rec.out_scale[name] = max(self.rec.out_scale.get(name, 0.0), scale)
         kind = type(module).__name__
         if kind == "Tanh":
             self._act(name, (y.abs() > 1 - 2 * self.band).float().mean().item(), None, (1 - y * y).mean().item())
@@ -180,6 +186,7 @@ class Recorder:
             )
             for n in self.rec.layer_names:
                 self.rec.grad[n] = []
+                self.rec.weight[n] = []
         for n, m in self._owners:
             sq = 0.0
             seen = False
@@ -188,6 +195,10 @@ class Recorder:
                     seen = True
                     sq += p.grad.detach().double().norm().item() ** 2
             self.rec.grad[n].append(math.sqrt(sq) if seen else math.nan)
+            self.rec.weight[n].append(
+                math.sqrt(sum(p.detach().double().norm().item() ** 2 for p in m.parameters(recurse=False)))
+            )
+        self.rec.training.append(self.model.training)
         self.rec.loss.append(float(loss.detach().item()))
         self.rec.first_nonfinite.append(self._step_nonfinite)
         self._step_nonfinite = None

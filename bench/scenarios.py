@@ -44,6 +44,8 @@ class Setup:
     steps: int
     before_step: Optional[Callable[[int, torch.optim.Optimizer], None]] = None
     accumulate: int = 1
+    # False: the loop never zeroes the gradients (a planted mistake).
+    zero_grad: bool = True
 
 
 @dataclass
@@ -86,7 +88,8 @@ def run(setup: Setup, monitor: bool, dbg_options: Optional[dict] = None):
             for step in range(setup.steps):
                 if setup.before_step:
                     setup.before_step(step, setup.optimizer)
-                setup.optimizer.zero_grad()
+                if setup.zero_grad:
+                    setup.optimizer.zero_grad()
                 for micro in range(setup.accumulate):
                     x, y = setup.batch(step * setup.accumulate + micro)
                     rec.begin_forward(x)

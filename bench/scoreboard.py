@@ -85,12 +85,63 @@ def main() -> int:
         marks = " ".join(mark(sc.get(k)) for k in ("failure", "cause", "layer", "step")) if truth_ok else "truth not confirmed"
         print(f"{s.name:<34} {s.arch:<30} {tt:<58} {hh:<58} {marks} {conf}")
     print("-" * 200)
+    reliability(rows)
     print(
         f"planted failures diagnosed correctly by the top hypothesis: {ok_fail}/{failures}; "
         f"healthy runs with no hypothesis >= 0.5: {ok_healthy}/{healthy}; "
         f"{time.perf_counter() - t0:.0f}s, torch {torch.__version__}, {args.threads} thread(s)"
     )
     return 0 if (ok_fail == failures and ok_healthy == healthy) else 1
+
+
+# Confidence bins of the reliability table, and the share right each must reach.
+BINS = ((0.8, 1.01, 0.8), (0.5, 0.8, 0.5), (0.2, 0.5, None))
+
+
+def reliability(rows) -> bool:
+    """Calibration: how often hypotheses at each confidence are right.
+
+    * top: each run's top hypothesis; right when its failure and cause are the scenario's
+      (and its layer and step where the scenario defines them); on a healthy run any
+      hypothesis is wrong.
+    * all: every hypothesis reported; right when its cause is the scenario's cause (a
+      consequence of the planted failure blamed on the same cause is right; one blamed on
+      another cause, or anything on a healthy run, is wrong).
+    """
+    tables = {"top": [[0, 0] for _ in BINS], "all": [[0, 0] for _ in BINS]}
+
+    def put(table, conf: float, right: bool) -> None:
+        for k, (lo, hi, _) in enumerate(BINS):
+            if lo <= conf < hi:
+                table[k][0] += 1
+                table[k][1] += right
+
+    for s, o, truth_ok in rows:
+        if not truth_ok:
+            continue
+        t = s.truth
+        if o.hypotheses:
+            top = o.hypotheses[0]
+            put(tables["top"], top.confidence, t.failure is not None and S.passed(o))
+        for h in o.hypotheses:
+            put(tables["all"], h.confidence, t.failure is not None and str(h.cause) == t.cause)
+    ok = True
+    print()
+    print("reliability (calibration): hypotheses by confidence, and how many were right")
+    print(f"{'confidence':<12} {'top: n':>8} {'right':>7} {'share':>7}   {'all: n':>8} {'right':>7} {'share':>7}   required")
+    for k, (lo, hi, need) in enumerate(BINS):
+        cells = []
+        for name in ("top", "all"):
+            n, right = tables[name][k]
+            share = right / n if n else float("nan")
+            cells.append(f"{n:>8} {right:>7} {share:>7.2f}")
+            if need is not None and n and share < need:
+                ok = False
+        label = f"{lo:.1f}-{min(hi, 1.0):.1f}"
+        print(f"{label:<12} {cells[0]}   {cells[1]}   {'>= %.0f%%' % (100 * need) if need else '-'}")
+    print(f"calibration {'met' if ok else 'NOT met'}")
+    print()
+    return ok
 
 
 if __name__ == "__main__":

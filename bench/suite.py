@@ -781,4 +781,12 @@ def all_scenarios() -> List[Scenario]:
         zero_batch(),
         warmup_too_high(),
     ]
-    return failures + healthy_runs()
+    from .loop_mistakes import (
+        functional_scenarios,
+        healthy_loop_runs,
+        loop_mistake_scenarios,
+        through_time_scenarios,
+    )
+
+    return (failures + loop_mistake_scenarios() + through_time_scenarios() + functional_scenarios()
+            + healthy_runs() + healthy_loop_runs())

@@ -40,6 +40,7 @@ import numpy as np
 
 from ._distributed import has_shards, local_tensors
 from ._hooks import BACKWARD_TAP, Hooks, reaches
+from ._loop import LoopFacts
 from ._measure import Measurer, Probe, first_float_tensor, input_stats
 from ._model import WatchedModel
 from ._transfer import HostCopy, Layout, Pending, Unpacked, flatten
@@ -85,6 +86,8 @@ class Collector:
         self.param_ids = self.watched.param_ids
         self.no_grads = np.full(len(self.params), -1.0, dtype=np.float32)
         self.measure = Measurer()
+        # Facts about the loop (training mode, gradient accumulation, optimizer groups, loss).
+        self.loop = LoopFacts(self.params)
         # Under torch.distributed: the job-wide exchange (neuraldbg._distributed.Distributed).
         self.dist = distributed
         self.sharded = has_shards(self.params)
@@ -151,6 +154,8 @@ class Collector:
         # statistics, and on CPU the loss check that lets module outputs go before backward.
         self.staged_gen = 0
         self.act_staged: Optional[Tuple[List[Any], np.ndarray, np.ndarray]] = None
+        # Largest magnitude of each kept module output, on the steps activations are measured.
+        self.out_staged: Optional[Tuple[Any, np.ndarray]] = None
         self.origin: Optional[int] = None
         self.origin_checked = False
         self.ran: Optional[List[int]] = None
@@ -167,6 +172,7 @@ class Collector:
 
     def remove(self) -> None:
         self.hooks.remove(self)
+        self.loop.remove()
         self.pending = None
         self.refs.clear()
         self.act_out[:] = self.act_none
@@ -201,6 +207,7 @@ class Collector:
         self.refs.clear()
         self.ran = None
         self.act_out[:] = self.act_none
+        self.loop.on_forward(module.training, self.torch.is_grad_enabled())
         try:
             x = first_float_tensor(args)
             if x is None and kwargs:
@@ -217,10 +224,14 @@ class Collector:
         if self.disabled:
             return
         self.refs.append((0, output, args))
-        if self.criterion is None:
+        # The output's grad_fn: which backward is this model's loss (no criterion given), and,
+        # on the first step, where the loss's graph reaches the model (the loss facts).
+        if self.criterion is None or not self.registered:
             t = first_float_tensor(output)
             if t is not None and t.grad_fn is not None and len(self.output_fns) < 8:
                 self.output_fns.append(t.grad_fn)
+                if not self.registered and self.loop.first_output is None:
+                    self.loop.first_output = t
         if self.order is None:
             self._learn_order()
 
@@ -314,6 +325,8 @@ class Collector:
         torch = self.torch
         if isinstance(output, torch.Tensor) and output.numel() == 1:
             self.losses.append(output.detach())
+            if not self.registered:
+                self.loop.describe_loss(output, self.output_fns)
             self._on_loss(output)
 
     def record_loss(self, loss: Any) -> None:
@@ -339,6 +352,8 @@ class Collector:
             return
         self.auto_losses.append(self._unscaled_loss(tensors))
         self.tap_taken = tensors
+        if not self.registered:
+            self.loop.describe_loss(tensors, self.output_fns)
         self._on_loss(tensors)
 
     def _on_loss(self, loss: "torch.Tensor") -> None:
@@ -356,6 +371,7 @@ class Collector:
             if self.hooks.probes_armed:
                 self.act_staged = self.measure.activation_parts(self.probes, self.act_out)
                 self.act_out[:] = self.act_none
+                self.out_staged = self.measure.output_absmax(self.refs, self.watched.rank)
             if self.forward_check != "off" and not self.defer and loss.device.type == "cpu":
                 if self.origin is None and not math.isfinite(float(loss.detach().reshape(-1)[0])):
                     self.origin = self.watched.first_nonfinite(self.refs)
@@ -393,8 +409,14 @@ class Collector:
                 self._fail(e)
                 return
         self._read_clipped()
+        if not self.registered:
+            self.loop.optimizer = optimizer
         self._observe(lr=_lr_of(optimizer))
         self.step += 1
+        try:
+            self.loop.after_optimizer_step()
+        except Exception as e:  # pragma: no cover - defensive
+            self._fail(e)
         self._arm_probes(self._activations_next())
         self.raise_halt()
 
@@ -435,6 +457,8 @@ class Collector:
             return
         try:
             if self.grad_read and not self.disabled:
+                if not self.registered:
+                    self.loop.optimizer = optimizer
                 self._observe(lr=_lr_of(optimizer), skipped=True)
                 self.step += 1
                 self._arm_probes(self._activations_next())
@@ -467,6 +491,10 @@ class Collector:
         if self.params:
             self.clip_index = max(range(len(self.params)), key=lambda k: self.params[k].numel())
         spec = self.watched.spec(executed, self.optimizer_name)
+        spec["param_lr"] = self.loop.param_lrs()
+        spec["loss"] = self.loop.loss
+        self.loop.install_probe()
+        self.loop.optimizer = None
         probes = json.loads(self.engine.register_model(json.dumps(spec)))
         axes = self.watched.unit_axes(executed)
         self.probes = []
@@ -540,6 +568,7 @@ class Collector:
                 self.refs.clear()
             self.act_out[:] = self.act_none
             self.act_staged = None
+            self.out_staged = None
             self.origin = None
             self.origin_checked = False
             self.ran = None
@@ -551,6 +580,7 @@ class Collector:
             self._register()
         self._check_seen()
         layout = Layout(self.step, lr, final)
+        layout.facts = self.loop.step_facts()
         parts: List[Any] = []
         with torch.no_grad():
             if not self.grad_read:
@@ -599,6 +629,20 @@ class Collector:
             if isinstance(scale, torch.Tensor):
                 layout.loss_scale = True
                 parts.append(scale.reshape(1).float())
+            outs = self.out_staged
+            if outs is None and first:
+                outs = self.measure.output_absmax(self.refs, self.watched.rank)
+            if outs is not None:
+                # At the end of the vector: the engine's per-module output scale (forward growth).
+                parts.append(outs[0])
+                layout.out_ranks = outs[1]
+            if self.params and self._sampled(self.activation_every):
+                # Last: units that never fire behind functional activations (zero gradient rows).
+                grads = [p.grad for p in self.params]
+                zeros = self.measure.grad_zero_shares(local_tensors(grads) if self.sharded else grads)
+                if zeros is not None:
+                    parts.append(zeros[0])
+                    layout.zero_index = zeros[1]
             flat = flatten(parts)
         refs = self.refs
         if first:
@@ -639,7 +683,8 @@ class Collector:
             return
         try:
             if p.exchange is not None:
-                self._feed(p.layout, self.dist.receive(p.exchange, p.layout), p.refs)
+                job = self.dist.receive(p.exchange, p.layout)
+                self._feed(p.layout, job, p.refs, job.measures or None)
                 return
             if p.event is not None and not p.event.query():
                 p.event.synchronize()  # rare: the CPU ran more than a step ahead of the GPU
@@ -655,9 +700,12 @@ class Collector:
 
     def _ingest(self, layout: Layout, flat: np.ndarray, refs: List[Tuple[int, Any, Any]]) -> None:
         """Host side of one step: unpack the flat vector and feed the engine."""
-        self._feed(layout, Unpacked(layout, flat, self.no_grads, len(self.probes)), refs)
+        u = Unpacked(layout, flat, self.no_grads, len(self.probes))
+        self._feed(layout, u, refs, self._measures(layout, flat))
 
-    def _feed(self, layout: Layout, u: Any, refs: List[Tuple[int, Any, Any]]) -> None:
+    def _feed(
+        self, layout: Layout, u: Any, refs: List[Tuple[int, Any, Any]], measures: Optional[Dict[str, np.ndarray]]
+    ) -> None:
         """Feeds the engine one step's host arrays (:class:`Unpacked`, or a distributed job's
         step, which also carries per-rank facts and measures)."""
         grad_norms = u.grad_norms
@@ -697,11 +745,32 @@ class Collector:
             lr=layout.lr,
             nonfinite_module=nonfinite,
             outputs_checked=checked,
-            facts=u.facts or None,
-            **getattr(u, "extra", {}),
+            facts={**(layout.facts or {}), **u.facts} or None,
+            measures=measures,
         )
         if self.on_observed is not None:
             self.on_observed(layout.step)
+
+    def _measures(self, layout: Layout, flat: np.ndarray) -> Optional[Dict[str, np.ndarray]]:
+        """The named measures at the end of the step's vector (last part last)."""
+        out: Dict[str, np.ndarray] = {}
+        end = flat.size
+        index = layout.zero_index
+        if index is not None and end >= 2 * index.size:
+            k = index.size
+            shares = flat[end - 2 * k : end]
+            end -= 2 * k
+            for name, values in (("grad_zero_rows", shares[:k]), ("grad_zero_cols", shares[k:])):
+                table = np.full(len(self.params), np.nan, dtype=np.float32)
+                table[index] = values
+                out[name] = table
+        ranks = layout.out_ranks
+        if ranks is not None and ranks.size and end >= ranks.size:
+            table = np.full(len(self.watched.spec_order), np.nan, dtype=np.float32)
+            # A module called several times in the step (a shared block) keeps its largest output.
+            np.fmax.at(table, ranks, flat[end - ranks.size : end])
+            out["output_absmax"] = table
+        return out or None
 
     def finish(self, crashed: bool) -> None:
         """Called on exit. A step still on its way to the host is handed to the engine. A

@@ -258,6 +258,52 @@ class Measurer:
         self.generic_norms(list(weights), parts)
         return np.arange(len(weights), dtype=np.intp)
 
+    def output_absmax(self, refs: Sequence[Tuple[int, Any, Any]], rank: Dict[int, int]) -> Optional[Tuple[Any, np.ndarray]]:
+        """Largest magnitude of each kept module output (its first floating-point tensor), as
+        (one device vector, each value's engine module index). One batched reduction."""
+        torch = self.torch
+        tensors: List[Any] = []
+        ranks: List[int] = []
+        for i, out, _ in refs:
+            r = rank.get(i)
+            t = first_float_tensor(out) if out is not None else None
+            if r is None or t is None or t.numel() == 0:
+                continue
+            tensors.append(t.detach())
+            ranks.append(r)
+        if not tensors:
+            return None
+        with torch.no_grad():
+            try:
+                norms = torch._foreach_norm(tensors, float("inf"))
+            except (RuntimeError, TypeError):  # mixed devices or dtypes: one by one
+                norms = [t.abs().max() for t in tensors]
+            try:
+                vec = torch.stack(list(norms)).to(torch.float32)
+            except (RuntimeError, TypeError):
+                vec = torch.stack([n.reshape(()).to(torch.float32) for n in norms])
+        return vec, np.asarray(ranks, dtype=np.intp)
+
+    def grad_zero_shares(self, grads: Sequence[Any]) -> Optional[Tuple[Any, np.ndarray]]:
+        """For each gradient of 2 or more dimensions: the share of its rows (output units) and
+        of its columns (input units) that are exactly zero, as (one device vector: all the row
+        shares, then all the column shares; the parameter index of each)."""
+        torch = self.torch
+        rows: List[Any] = []
+        cols: List[Any] = []
+        index: List[int] = []
+        with torch.no_grad():
+            for i, g in enumerate(grads):
+                if g is None or g.dim() < 2 or g.numel() == 0 or g.is_sparse:
+                    continue
+                a = g.detach().reshape(g.shape[0], g.shape[1], -1).abs()
+                rows.append((a.amax(dim=(1, 2)) == 0).float().mean())
+                cols.append((a.amax(dim=(0, 2)) == 0).float().mean())
+                index.append(i)
+            if not index:
+                return None
+            return torch.stack(rows + cols), np.asarray(index, dtype=np.intp)
+
     def activation_parts(self, probes: "Sequence[Probe]", outs: Sequence[Any]) -> Optional[Tuple[List[Any], np.ndarray, np.ndarray]]:
         """Stats of each probed module's latest output, as (device tensors, where they go in
         the engine's activation table, samples per unit). Modules measured alike whose outputs

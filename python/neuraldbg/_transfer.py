@@ -22,7 +22,7 @@ class Layout:
 
     __slots__ = ("step", "lr", "grad_order", "weight_order", "act_index", "act_samples", "n_act",
                  "loss", "n_inputs", "final", "origin", "checked", "ran", "clip_index", "loss_scale",
-                 "skipped")
+                 "skipped", "facts", "out_ranks", "zero_index")
 
     def __init__(self, step: int, lr: Optional[float], final: bool) -> None:
         self.step = step
@@ -46,6 +46,12 @@ class Layout:
         self.loss_scale = False
         # Under a GradScaler: whether its step skipped the optimizer (None: no scaler).
         self.skipped: Optional[bool] = None
+        # Facts about the loop in this step (training mode, gradient accumulation).
+        self.facts: Optional[Dict[str, float]] = None
+        # Engine module index of each module-output scale at the end of the vector.
+        self.out_ranks: Optional[np.ndarray] = None
+        # Parameter index of each gradient's zero-row/zero-column share, after the output scales.
+        self.zero_index: Optional[np.ndarray] = None
 
 
 class Pending:

@@ -102,6 +102,7 @@ class Failure(_StrEnum):
     LOSS_DIVERGENCE = "loss_divergence"
     LOSS_PLATEAU = "loss_plateau"
     LOSS_SCALE_COLLAPSE = "loss_scale_collapse"
+    STALLED_LAYER = "stalled_layer"
     REPLICA_DIVERGENCE = "replica_divergence"
 
 
@@ -118,6 +119,11 @@ class Cause(_StrEnum):
     NETWORK_DEPTH = "network_depth"
     MISSING_NORMALIZATION = "missing_normalization"
     UNKNOWN = "unknown"
+    MISSING_ZERO_GRAD = "missing_zero_grad"
+    PARAMETERS_NOT_UPDATED = "parameters_not_updated"
+    EVAL_MODE = "eval_mode"
+    OUTPUT_LOSS_MISMATCH = "output_loss_mismatch"
+    TARGET_SHAPE_MISMATCH = "target_shape_mismatch"
 
 
 def _float(v: Any) -> float:

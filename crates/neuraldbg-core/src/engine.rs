@@ -13,7 +13,7 @@ use crate::health::{
 use crate::history::{History, Reduce};
 use crate::model::{ActivationProbe, Model, ModelSpec};
 use crate::observation::{ACTIVATION_STATS, Axis, Fact, INPUT_STATS, Measure, StepView};
-use crate::track::{ActTrack, DataTrack, Early, LayerTrack, LossTrack};
+use crate::track::{ActTrack, DataTrack, Early, LayerTrack, LoopFacts, LossTrack};
 use crate::training_loop::LoopTrack;
 
 /// History metrics of a layer (a module owning parameters), for [`Engine::history`].
@@ -104,6 +104,11 @@ pub(crate) struct Run {
     pub total_peak: Option<(f64, u64)>,
     /// Skipped optimizer steps, loss scale and clipping (facts from the training loop).
     pub loop_track: LoopTrack,
+    /// The first measured scale of each module's output (largest magnitude, per module; NaN
+    /// where not measured) and its step.
+    pub outputs_first: Option<(u64, Vec<f32>)>,
+    /// Facts about the training loop (training mode, gradient accumulation), counted.
+    pub loop_facts: LoopFacts,
     sums: Vec<f64>,
     present: Vec<bool>,
     /// Gradient transitions confirmed during the current step (reused buffer).
@@ -160,6 +165,8 @@ impl Engine {
             nonfinite_steps: 0,
             total_peak: None,
             loop_track: LoopTrack::default(),
+            loop_facts: LoopFacts::default(),
+            outputs_first: None,
             sums: vec![0.0; n_layers],
             present: vec![false; n_layers],
             fired: Vec::new(),
@@ -583,6 +590,38 @@ impl Run {
                 self.push_event(e, config);
             }
         }
+        self.loop_facts.observe(v.facts);
+        for (measure, values) in v.measures {
+            let zero_rows = match measure {
+                Measure::GradZeroRows => true,
+                Measure::GradZeroCols => false,
+                // Read where their analysis needs them (output scale, replicas, input ranks).
+                Measure::OutputAbsMax
+                | Measure::InputRank
+                | Measure::ReplicaGradSpread
+                | Measure::ReplicaWeightSpread
+                | Measure::RankGradSumsq
+                | Measure::RankWeightSumsq => continue,
+            };
+            for (l, layer) in self.model.layers.iter().enumerate() {
+                let Some((p, _)) = layer.weight else { continue };
+                let share = f64::from(values[p]);
+                let track = &mut self.layers[l];
+                if zero_rows {
+                    track.zero_rows.observe(step, share);
+                } else {
+                    track.zero_cols.observe(step, share);
+                }
+            }
+        }
+        if self.outputs_first.is_none() {
+            if let Some((_, values)) = v.measures.iter().find(|(m, _)| *m == Measure::OutputAbsMax)
+            {
+                if values.iter().any(|x| x.is_finite()) {
+                    self.outputs_first = Some((step, values.clone()));
+                }
+            }
+        }
         if let Some(lr) = v.lr.filter(|lr| lr.is_finite()) {
             self.lr_first.get_or_insert(lr);
             self.grads.record(self.global_series(Global::Lr), lr as f32);
@@ -649,8 +688,7 @@ impl Run {
             let norm = self.sums[l].sqrt();
             self.weights.record(l, norm as f32);
             let track = &mut self.layers[l];
-            track.weight_first.get_or_insert(norm);
-            track.weight_last = Some(norm);
+            track.observe_weight(step, norm);
             if track.gain_first.is_none() {
                 // std(W) * sqrt(fan_in) of each weight (assuming zero mean); the largest counts.
                 track.gain_first = layer

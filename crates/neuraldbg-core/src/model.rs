@@ -81,6 +81,42 @@ pub struct ModelSpec {
     /// optimizers move each weight by about the learning rate whatever the gradient's size.
     #[serde(default)]
     pub optimizer: Option<String>,
+    /// Learning rate of the optimizer param group that holds each parameter (same order as
+    /// `params`), `None` for a parameter no optimizer holds. Absent when the collector did not
+    /// look (or saw no optimizer).
+    #[serde(default)]
+    pub param_lr: Option<Vec<Option<f64>>>,
+    /// What the loss does with the model's output, when the collector could see it.
+    #[serde(default)]
+    pub loss: Option<LossSpec>,
+}
+
+/// The loss as the framework computed it on the first step: facts, not judgements.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct LossSpec {
+    /// The operations the loss applied to the model's output, from the loss value back to the
+    /// output, as the framework names them (`["NllLoss", "LogSoftmax"]` for cross-entropy,
+    /// `["MseLoss", "Expand"]` for a broadcasting MSE).
+    #[serde(default)]
+    pub ops: Vec<String>,
+    /// The operation that produced the model's output (`Softmax`, `Sigmoid`, `Addmm`...).
+    #[serde(default)]
+    pub output_op: Option<String>,
+    /// Size of the output's last dimension.
+    #[serde(default)]
+    pub output_units: Option<u64>,
+    /// Elements of the model's output, and of the tensor the loss compared with the target
+    /// (larger when the loss broadcast the output against a differently shaped target).
+    #[serde(default)]
+    pub output_numel: Option<u64>,
+    #[serde(default)]
+    pub compared_numel: Option<u64>,
+    /// Smallest and largest target value of the first step (regression losses).
+    #[serde(default)]
+    pub target_range: Option<(f64, f64)>,
+    /// Smallest and largest value of the model's output on the first step.
+    #[serde(default)]
+    pub output_range: Option<(f64, f64)>,
 }
 
 impl ModelSpec {
@@ -269,6 +305,15 @@ impl Model {
                 return Err(EngineError::Model(format!(
                     "parameter {} (#{i}) names module {} but the model has {n_modules} modules",
                     p.name, p.module
+                )));
+            }
+        }
+        if let Some(lrs) = &spec.param_lr {
+            if lrs.len() != spec.params.len() {
+                return Err(EngineError::Model(format!(
+                    "param_lr has {} entries for {} parameters",
+                    lrs.len(),
+                    spec.params.len()
                 )));
             }
         }

@@ -43,6 +43,10 @@ named_enum! {
         /// Whether the model was in training mode during the step's forward pass (1.0) or in
         /// `eval()` mode (0.0).
         Training => "training",
+        /// Whether this step's gradients were added onto gradients left over from the previous
+        /// step (1.0: `.grad` was neither zeroed nor set to None since the last optimizer step)
+        /// or started from nothing (0.0).
+        GradAccumulated => "grad_accumulated",
     }
 }
 
@@ -54,6 +58,14 @@ named_enum! {
         /// Largest magnitude of each module's output in the step's forward pass, per module
         /// (NaN: not measured).
         OutputAbsMax => "output_absmax",
+
+        // --- Units that never fire (functional activations).
+        /// Per parameter: the share of the gradient's rows (output units, dim 0) that are
+        /// exactly zero in this step (NaN: not measured, or fewer than 2 dimensions).
+        GradZeroRows => "grad_zero_rows",
+        /// Per parameter: the share of the gradient's columns (input units, dim 1) that are
+        /// exactly zero in this step (NaN: not measured, or fewer than 2 dimensions).
+        GradZeroCols => "grad_zero_cols",
 
         // --- Distributed training.
         /// The rank each row of [`StepView::inputs`] came from.
@@ -87,7 +99,10 @@ impl Measure {
     pub fn axis(self) -> Axis {
         match self {
             Measure::OutputAbsMax => Axis::Modules,
-            Measure::ReplicaGradSpread | Measure::ReplicaWeightSpread => Axis::Params,
+            Measure::GradZeroRows
+            | Measure::GradZeroCols
+            | Measure::ReplicaGradSpread
+            | Measure::ReplicaWeightSpread => Axis::Params,
             Measure::InputRank | Measure::RankGradSumsq | Measure::RankWeightSumsq => Axis::Free,
         }
     }

@@ -75,6 +75,47 @@ pub struct LayerTrack {
     pub gain_first: Option<f64>,
     pub weight_first: Option<f64>,
     pub weight_last: Option<f64>,
+    /// Weight-norm samples taken, and how many in a row (ending with the latest) were exactly
+    /// equal to the one before, since the step of the first of them (`still_since`).
+    pub weight_samples: u32,
+    pub weight_still: u32,
+    pub still_since: u64,
+    /// Step of the latest sample whose norm differed from the one before.
+    pub weight_moved: Option<u64>,
+    /// The latest gradient norm.
+    pub grad_last: f64,
+    /// Exactly-zero rows (output units) and columns (input units) of the weight's gradient:
+    /// the latest shares measured, and the first step of the current stretch at >= 90%.
+    pub zero_rows: ZeroShare,
+    pub zero_cols: ZeroShare,
+}
+
+/// The share of a weight gradient's rows or columns that are exactly zero, over the steps it
+/// was measured.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct ZeroShare {
+    pub last: Option<f64>,
+    pub max: f64,
+    /// First step of the current stretch of measurements at or above [`ZeroShare::DEAD`].
+    pub since: Option<u64>,
+}
+
+impl ZeroShare {
+    /// The share from which a layer's units count as dead.
+    pub const DEAD: f64 = 0.9;
+
+    pub fn observe(&mut self, step: u64, share: f64) {
+        if !share.is_finite() {
+            return;
+        }
+        self.last = Some(share);
+        self.max = self.max.max(share);
+        if share >= Self::DEAD {
+            self.since.get_or_insert(step);
+        } else {
+            self.since = None;
+        }
+    }
 }
 
 impl Default for LayerTrack {
@@ -87,11 +128,34 @@ impl Default for LayerTrack {
             gain_first: None,
             weight_first: None,
             weight_last: None,
+            weight_samples: 0,
+            weight_still: 0,
+            still_since: 0,
+            weight_moved: None,
+            grad_last: f64::NAN,
+            zero_rows: ZeroShare::default(),
+            zero_cols: ZeroShare::default(),
         }
     }
 }
 
 impl LayerTrack {
+    /// Feeds one weight-norm sample.
+    pub fn observe_weight(&mut self, step: u64, norm: f64) {
+        match self.weight_last {
+            Some(prev) if prev.to_bits() == norm.to_bits() => self.weight_still += 1,
+            Some(_) => {
+                self.weight_still = 0;
+                self.still_since = step;
+                self.weight_moved = Some(step);
+            }
+            None => self.still_since = step,
+        }
+        self.weight_samples += 1;
+        self.weight_first.get_or_insert(norm);
+        self.weight_last = Some(norm);
+    }
+
     /// Feeds one gradient norm; returns the confirmed transition, if any.
     #[inline]
     pub fn observe(
@@ -105,6 +169,7 @@ impl LayerTrack {
             self.first_raw = Some(c.state);
         }
         self.observed += 1;
+        self.grad_last = norm;
         self.early.push(norm);
         let urgent = c.state == GradientHealth::NonFinite;
         self.detector
@@ -214,6 +279,9 @@ pub struct LossTrack {
     pub last_smoothed: f64,
     /// Largest smoothed loss relative to the best before it.
     pub peak_ratio: f64,
+    /// Start of the current flat stretch (no real improvement over the plateau window), at
+    /// any level of the loss; None while it improves.
+    pub flat_since: Option<u64>,
     window: VecDeque<(u64, f64)>,
 }
 
@@ -228,6 +296,7 @@ impl Default for LossTrack {
             best: f64::INFINITY,
             last_smoothed: f64::NAN,
             peak_ratio: 1.0,
+            flat_since: None,
             window: VecDeque::new(),
         }
     }
@@ -285,6 +354,11 @@ impl LossTrack {
                 if let Some(&(old_step, old)) = self.window.front() {
                     if step.saturating_sub(old_step) >= w && old > 0.0 {
                         let improvement = (old - s) / old;
+                        if improvement < config.loss_plateau_tolerance {
+                            self.flat_since.get_or_insert(old_step);
+                        } else {
+                            self.flat_since = None;
+                        }
                         let tolerance = if current == LossHealth::Plateau {
                             config.loss_plateau_tolerance * h
                         } else {
@@ -535,5 +609,48 @@ mod tests {
             d.judge([-2.5, 2.1, 0.1, 1.1], &config).0,
             DataHealth::Normal
         );
+    }
+}
+
+/// Facts about the training loop, counted over the steps that reported them.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct LoopFacts {
+    /// Steps that said whether the model was in training mode, and those where it was not.
+    pub mode_known: u64,
+    pub eval_steps: u64,
+    /// Steps that said whether their gradients were added onto the previous step's, and those
+    /// where they were.
+    pub accumulation_known: u64,
+    pub accumulated_steps: u64,
+}
+
+impl LoopFacts {
+    /// Counts the loop facts of one step.
+    pub fn observe(&mut self, facts: &[(crate::observation::Fact, f64)]) {
+        use crate::observation::Fact;
+        for &(fact, value) in facts {
+            match fact {
+                Fact::Training => {
+                    self.mode_known += 1;
+                    self.eval_steps += u64::from(value == 0.0);
+                }
+                Fact::GradAccumulated => {
+                    self.accumulation_known += 1;
+                    self.accumulated_steps += u64::from(value != 0.0);
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// Share of the reporting steps run in eval mode.
+    pub fn eval_share(&self) -> Option<f64> {
+        (self.mode_known > 0).then(|| self.eval_steps as f64 / self.mode_known as f64)
+    }
+
+    /// Share of the reporting steps whose gradients accumulated onto the previous step's.
+    pub fn accumulated_share(&self) -> Option<f64> {
+        (self.accumulation_known > 0)
+            .then(|| self.accumulated_steps as f64 / self.accumulation_known as f64)
     }
 }

@@ -44,6 +44,9 @@ pub(crate) struct Episode {
     pub fraction: f64,
     /// Gradient norms of the affected layers were exactly zero at onset.
     pub exact_zero: bool,
+    /// For a stalled layer: it never received a gradient (rather than receiving gradients
+    /// its weights never followed).
+    pub no_gradient: bool,
 }
 
 /// The failure an event signals, if any (recoveries and warnings that are not failures map to
@@ -140,11 +143,57 @@ pub(crate) fn build(run: &Run, events: &[SemanticEvent], config: &Config) -> Vec
             episodes.push(episode(run, events, &timeline, failure, cluster));
         }
     }
+    // Gradients exploding from the first step while the forward signal itself blew up inside
+    // one module: every later layer's weight gradient is large because its input is, so the
+    // explosion begins where the forward growth does, not at the end of the network.
+    if let Some(g) = super::causes::forward_growth(run) {
+        for e in &mut episodes {
+            if e.failure == Failure::ExplodingGradients && e.onset <= g.step {
+                e.root = Some(g.module);
+                if !e.affected.contains(&g.module) {
+                    e.affected.push(g.module);
+                    e.affected.sort_unstable();
+                }
+            }
+        }
+    }
+    episodes.extend(super::stalled::episodes(run, config));
+    episodes.extend(super::functional::dead_units(run));
+    if !episodes.iter().any(|e| e.failure == Failure::LossPlateau) {
+        episodes.extend(floor_plateau(run));
+    }
     for e in &mut episodes {
         e.p_failure = super::causes::base_probability(run, e);
     }
     link(run, events, &mut episodes, config);
     episodes
+}
+
+/// A loss that went flat below the plateau level (which otherwise tells a converged run from a
+/// stuck one) is a plateau too when the loss provably cannot reach its optimum: the output does
+/// not fit the loss, or the loss broadcasts the target (see `causes`).
+fn floor_plateau(run: &Run) -> Option<Episode> {
+    let since = run.loss.flat_since?;
+    if !super::causes::loss_bounded_by_mistake(run) {
+        return None;
+    }
+    let last = run.last_step?;
+    Some(Episode {
+        failure: Failure::LossPlateau,
+        onset: since,
+        events: Vec::new(),
+        root: None,
+        root_event: None,
+        affected: Vec::new(),
+        margin: 0.0,
+        duration: last.saturating_sub(since) + 1,
+        to_end: true,
+        p_failure: 0.0,
+        explained_by: None,
+        fraction: f64::NAN,
+        exact_zero: false,
+        no_gradient: false,
+    })
 }
 
 fn module_of(e: &SemanticEvent) -> Option<usize> {
@@ -223,6 +272,7 @@ fn episode(
         explained_by: None,
         fraction,
         exact_zero,
+        no_gradient: false,
     }
 }
 
@@ -348,7 +398,8 @@ fn locate_root(
         Failure::DataAnomaly
         | Failure::LossDivergence
         | Failure::LossPlateau
-        | Failure::LossScaleCollapse => (at_onset.first().copied(), None),
+        | Failure::LossScaleCollapse
+        | Failure::StalledLayer => (at_onset.first().copied(), None),
         // The first parameter (forward order) found to differ across replicas.
         Failure::ReplicaDivergence => {
             let i = at_onset.first().copied();
@@ -410,7 +461,7 @@ fn link(run: &Run, events: &[SemanticEvent], episodes: &mut [Episode], config: &
 fn precedence(f: Failure) -> u8 {
     match f {
         Failure::DataAnomaly => 0,
-        Failure::DeadNeurons => 1,
+        Failure::DeadNeurons | Failure::StalledLayer => 1,
         Failure::ExplodingGradients => 2,
         Failure::VanishingGradients => 3,
         Failure::SaturatedActivations => 4,
@@ -443,8 +494,10 @@ fn explains(events: &[SemanticEvent], a: &Episode, b: &Episode, tol: u64, config
         // A (nearly) completely dead layer explains vanishing gradients in the layers before it.
         (F::DeadNeurons, F::VanishingGradients) => {
             let vanishing_root = b.root.unwrap_or(usize::MAX);
+            // (Dead units behind a functional activation are rooted at their own layer.)
             a.fraction >= 0.9
-                && a.affected.iter().any(|&m| m > vanishing_root)
+                && (a.affected.iter().any(|&m| m > vanishing_root)
+                    || (a.root.is_some() && a.root == b.root))
                 && a.onset <= b.onset + tol
         }
         // Saturation is the mechanism of the vanishing it precedes: the vanishing is the failure
@@ -461,9 +514,11 @@ fn explains(events: &[SemanticEvent], a: &Episode, b: &Episode, tol: u64, config
         (F::LossDivergence, F::NonFinite) => a.onset < b.onset,
         // A failure that stops learning explains a flat loss, if it is itself a real failure.
         // (The plateau's onset is back-dated to the start of its flat window.)
-        (F::DeadNeurons | F::VanishingGradients | F::SaturatedActivations, F::LossPlateau) => {
-            a.p_failure >= 0.5 && a.onset <= b.onset + u64::from(config.loss_plateau_window)
-        }
+        // A layer that does not learn can hold the loss flat too.
+        (
+            F::DeadNeurons | F::VanishingGradients | F::SaturatedActivations | F::StalledLayer,
+            F::LossPlateau,
+        ) => a.p_failure >= 0.5 && a.onset <= b.onset + u64::from(config.loss_plateau_window),
         (F::NonFinite, F::LossDivergence | F::SaturatedGradients) => a.onset <= b.onset,
         _ => false,
     }

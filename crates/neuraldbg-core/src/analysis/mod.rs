@@ -7,6 +7,8 @@
 
 mod causes;
 mod episodes;
+mod functional;
+mod stalled;
 mod text;
 mod vocab;
 

@@ -17,6 +17,9 @@ named_enum! {
         /// Mixed precision: the `GradScaler` skips step after step and its loss scale
         /// collapses below 1, so training stops making progress.
         LossScaleCollapse => "loss_scale_collapse",
+        /// A layer whose parameters never change, or never receive a gradient, while the rest
+        /// of the model trains.
+        StalledLayer => "stalled_layer",
         ReplicaDivergence => "replica_divergence",
     }
 }
@@ -34,6 +37,18 @@ named_enum! {
         NetworkDepth => "network_depth",
         MissingNormalization => "missing_normalization",
         Unknown => "unknown",
+        // Mistakes in the training loop.
+        /// Gradients accumulate across steps: `.grad` is never zeroed.
+        MissingZeroGrad => "missing_zero_grad",
+        /// Parameters that are in no optimizer, in a param group with lr 0, or cut from the
+        /// graph (`.detach()`, `torch.no_grad()`, `.data`).
+        ParametersNotUpdated => "parameters_not_updated",
+        /// The model is optimized while in `eval()` mode.
+        EvalMode => "eval_mode",
+        /// The output activation does not fit the loss.
+        OutputLossMismatch => "output_loss_mismatch",
+        /// A loss that broadcasts `(N, 1)` against `(N,)`.
+        TargetShapeMismatch => "target_shape_mismatch",
     }
 }
 
@@ -51,6 +66,7 @@ impl Failure {
             Failure::LossDivergence => "The loss diverged",
             Failure::LossPlateau => "The loss plateaued",
             Failure::LossScaleCollapse => "The mixed-precision loss scale collapsed",
+            Failure::StalledLayer => "A layer stopped training",
             Failure::ReplicaDivergence => "A data-parallel replica diverged from the others",
         }
     }

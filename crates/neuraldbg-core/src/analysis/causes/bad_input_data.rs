@@ -18,7 +18,10 @@ impl CauseRule for BadInputData {
     fn explains(&self, failure: Failure) -> bool {
         !matches!(
             failure,
-            Failure::LossPlateau | Failure::SaturatedGradients | Failure::LossScaleCollapse
+            Failure::LossPlateau
+                | Failure::SaturatedGradients
+                | Failure::LossScaleCollapse
+                | Failure::StalledLayer
         )
     }
 
@@ -28,7 +31,8 @@ impl CauseRule for BadInputData {
             Failure::ExplodingGradients => {
                 // Ordinary weights that do not amplify the signal, yet a huge loss or huge
                 // inputs: the data is off scale (unnormalized inputs or regression targets).
-                if f.at_start && ev.gain_normal() && ev.network_gain() < 1.0 {
+                if f.at_start && ev.gain_normal() && ev.network_gain() < 1.0 && ev.forward.is_none()
+                {
                     if let Some(l) = ev.loss_initial.filter(|l| *l > 1e3) {
                         v.add(
                             2.5,
@@ -79,6 +83,7 @@ impl CauseRule for BadInputData {
             Failure::LossPlateau
             | Failure::SaturatedGradients
             | Failure::LossScaleCollapse
+            | Failure::StalledLayer
             | Failure::ReplicaDivergence => {}
         }
     }

@@ -46,6 +46,53 @@ pub(crate) struct Evidence {
     /// Median `log10(mean slope)` of the bounded activations at the start: decades per layer
     /// the activations themselves take off the gradient (0 without bounded activations).
     pub act_attenuation: f64,
+    /// Where the forward signal blew up at the start, when module outputs were measured.
+    pub forward: Option<ForwardGrowth>,
+}
+
+/// Where the forward signal grows the most at the first measurement of module outputs: the
+/// module whose output exceeds every output before it in forward order (and the input batch)
+/// by the largest factor.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ForwardGrowth {
+    pub module: usize,
+    /// Decades the module's output exceeds the largest magnitude before it.
+    pub jump: f64,
+    /// That largest magnitude before it, and the module's own output scale.
+    pub from: f64,
+    pub to: f64,
+    pub step: u64,
+}
+
+/// Decades a single module must grow the signal to be where a forward blow-up starts.
+pub(crate) const FORWARD_JUMP: f64 = 2.0;
+
+/// The module where the forward signal grew by at least [`FORWARD_JUMP`] decades at the first
+/// measurement, if any.
+pub(crate) fn forward_growth(run: &Run) -> Option<ForwardGrowth> {
+    let (step, outs) = run.outputs_first.as_ref()?;
+    let mut before = run.data.first_scale.filter(|x| *x > 0.0 && x.is_finite());
+    let mut best: Option<ForwardGrowth> = None;
+    for (m, &out) in outs.iter().enumerate() {
+        let out = f64::from(out);
+        if !(out.is_finite() && out > 0.0) {
+            continue;
+        }
+        if let Some(from) = before {
+            let jump = (out / from).log10();
+            if best.is_none_or(|b| jump > b.jump) {
+                best = Some(ForwardGrowth {
+                    module: m,
+                    jump,
+                    from,
+                    to: out,
+                    step: *step,
+                });
+            }
+        }
+        before = Some(before.map_or(out, |b| b.max(out)));
+    }
+    best.filter(|b| b.jump >= FORWARD_JUMP)
 }
 
 /// Gradient norms of the weighted layers at the start, in forward order: `slope` is decades
@@ -195,6 +242,7 @@ impl Evidence {
             .map(f64::log10)
             .collect();
         Self {
+            forward: forward_growth(run),
             init_error: median(&errors),
             act_attenuation: median(&attenuations).unwrap_or(0.0),
             loss_initial: run.loss.initial,

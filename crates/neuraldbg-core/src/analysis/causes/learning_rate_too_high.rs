@@ -16,7 +16,10 @@ impl CauseRule for LearningRateTooHigh {
     }
 
     fn explains(&self, failure: Failure) -> bool {
-        !matches!(failure, Failure::DataAnomaly | Failure::LossScaleCollapse)
+        !matches!(
+            failure,
+            Failure::DataAnomaly | Failure::LossScaleCollapse | Failure::StalledLayer
+        )
     }
 
     fn evidence(&self, c: &Case<'_>, v: &mut Votes) {
@@ -153,7 +156,10 @@ impl CauseRule for LearningRateTooHigh {
                     v.add(0.5, "gradient norms grew after updates");
                 }
             }
-            Failure::DataAnomaly | Failure::LossScaleCollapse | Failure::ReplicaDivergence => {}
+            Failure::DataAnomaly
+            | Failure::LossScaleCollapse
+            | Failure::StalledLayer
+            | Failure::ReplicaDivergence => {}
         }
     }
 

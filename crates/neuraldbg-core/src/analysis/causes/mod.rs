@@ -23,13 +23,18 @@ mod probability;
 
 mod bad_input_data;
 mod dying_relu;
+mod eval_mode;
 mod learning_rate_too_high;
 mod learning_rate_too_low;
 mod missing_normalization;
+mod missing_zero_grad;
 mod network_depth;
 mod numerical_instability;
+mod output_loss_mismatch;
+mod parameters_not_updated;
 mod poor_initialization;
 mod saturating_activation;
+mod target_shape_mismatch;
 mod unknown;
 
 use crate::engine::Run;
@@ -37,7 +42,7 @@ use crate::engine::Run;
 use super::episodes::Episode;
 use super::vocab::{Cause, Failure};
 
-pub(crate) use evidence::{Evidence, Features, features};
+pub(crate) use evidence::{Evidence, Features, features, forward_growth};
 pub(crate) use probability::{base_probability, failure_probability};
 
 /// Everything a rule may look at when it weighs the evidence for its cause in one episode.
@@ -87,6 +92,12 @@ pub(crate) trait CauseRule: Sync {
     fn phrase(&self) -> &'static str;
     /// Whether the cause is a candidate explanation of `failure`.
     fn explains(&self, failure: Failure) -> bool;
+    /// Whether the cause competes even without evidence (the default). A cause observed
+    /// directly (a loop mistake the collector reports) is a candidate only when its evidence
+    /// is there, so it never dilutes the others.
+    fn always_candidate(&self) -> bool {
+        true
+    }
     /// Adds the weighted evidence for this cause in `c` (called only when it explains
     /// `c.e.failure`). Reasons are listed in the order they are added.
     fn evidence(&self, c: &Case<'_>, v: &mut Votes);
@@ -106,6 +117,12 @@ pub(crate) static RULES: &[&dyn CauseRule] = &[
     &missing_normalization::MissingNormalization,
     &bad_input_data::BadInputData,
     &numerical_instability::NumericalInstability,
+    // Mistakes in the training loop.
+    &missing_zero_grad::MissingZeroGrad,
+    &parameters_not_updated::ParametersNotUpdated,
+    &eval_mode::EvalMode,
+    &output_loss_mismatch::OutputLossMismatch,
+    &target_shape_mismatch::TargetShapeMismatch,
     &unknown::Unknown,
 ];
 
@@ -209,7 +226,7 @@ pub(crate) fn rank_causes(
         .filter(|r| {
             r.cause() == Cause::Unknown || (e.failure.has_named_causes() && r.explains(e.failure))
         })
-        .map(|r| {
+        .filter_map(|r| {
             let mut v = Votes::default();
             if r.cause() != Cause::Unknown {
                 v.score = -NAMED_PRIOR;
@@ -227,11 +244,14 @@ pub(crate) fn rank_causes(
                     ),
                 );
             }
-            Scored {
+            if v.reasons.is_empty() && !r.always_candidate() {
+                return None;
+            }
+            Some(Scored {
                 cause: r.cause(),
                 score: v.score,
                 reasons: v.reasons,
-            }
+            })
         })
         .collect();
     // Probabilities by softmax with temperature 1/1.5, sorted descending.
@@ -251,6 +271,12 @@ pub(crate) fn rank_causes(
         .collect();
     out.sort_by(|a, b| b.1.total_cmp(&a.1));
     out
+}
+
+/// The loss cannot reach its optimum because of a proven mistake in how it is computed (the
+/// output does not fit the loss, or the loss broadcasts the target).
+pub(crate) fn loss_bounded_by_mistake(run: &Run) -> bool {
+    output_loss_mismatch::found(run).is_some() || target_shape_mismatch::broadcast(run).is_some()
 }
 
 pub(crate) fn fmt_g(v: f64) -> String {

@@ -19,7 +19,10 @@ impl CauseRule for PoorInitialization {
     fn explains(&self, failure: Failure) -> bool {
         !matches!(
             failure,
-            Failure::DataAnomaly | Failure::SaturatedGradients | Failure::LossScaleCollapse
+            Failure::DataAnomaly
+                | Failure::SaturatedGradients
+                | Failure::LossScaleCollapse
+                | Failure::StalledLayer
         )
     }
 
@@ -45,6 +48,7 @@ impl CauseRule for PoorInitialization {
                 }
                 large_weights(v, ev, 1.5);
                 per_layer(v, ev, false);
+                forward_blowup(c, v);
             }
             Failure::VanishingGradients => {
                 if !f.at_start {
@@ -107,11 +111,23 @@ impl CauseRule for PoorInitialization {
             Failure::DataAnomaly
             | Failure::SaturatedGradients
             | Failure::LossScaleCollapse
+            | Failure::StalledLayer
             | Failure::ReplicaDivergence => {}
         }
     }
 
     fn remedies(&self, c: &RemedyCase<'_>) -> Vec<String> {
+        let root_kind = c.e.root.map(|m| c.run.model.spec.modules[m].kind.as_str());
+        if root_kind.is_some_and(is_recurrent) {
+            return vec![
+                format!(
+                    "initialize the recurrent weights of {} so they do not amplify the state: torch.nn.init.orthogonal_ on each weight_hh block (gain 1), or keep PyTorch's default",
+                    c.layer().unwrap_or_else(|| "the recurrent layer".into())
+                ),
+                "use a bounded recurrence (nonlinearity='tanh', or LSTM/GRU) instead of a ReLU RNN".into(),
+                "clip gradients: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0) before optimizer.step()".into(),
+            ];
+        }
         vec![
             "initialize weights for the activation: kaiming_normal_ for ReLU, xavier_normal_ (gain 5/3 for tanh) otherwise".into(),
             format!(
@@ -120,6 +136,46 @@ impl CauseRule for PoorInitialization {
             ),
         ]
     }
+}
+
+/// The forward signal blew up inside one layer at the start: its weights amplify what passes
+/// through them (a recurrent layer applies them once per time step, compounding).
+fn forward_blowup(c: &Case<'_>, v: &mut Votes) {
+    let Some(g) = c.ev.forward else { return };
+    let run = c.run;
+    let name = super::super::text::show(run.model.module_name(g.module));
+    let kind = &run.model.spec.modules[g.module].kind;
+    let gain = run.model.module_layer[g.module].and_then(|l| run.layers[l].gain_first);
+    if is_recurrent(kind) {
+        v.add(
+            2.5,
+            format!(
+                "{name} is recurrent: it applies its weights{} once per time step, and its output reaches {} from inputs of at most {}: the state is amplified through time",
+                gain.map(|g| format!(" (scale {}x variance-preserving)", fmt_g(g)))
+                    .unwrap_or_default(),
+                fmt_g(g.to),
+                fmt_g(g.from)
+            ),
+        );
+    } else {
+        v.add(
+            2.0,
+            format!(
+                "the forward signal grows {}x inside {name} (its output reaches {} from at most {} before it): the layers after it get large gradients because their inputs are large",
+                fmt_g(10f64.powf(g.jump)),
+                fmt_g(g.to),
+                fmt_g(g.from)
+            ),
+        );
+    }
+}
+
+/// Recurrent layers, by class name.
+pub(crate) fn is_recurrent(kind: &str) -> bool {
+    matches!(
+        kind,
+        "RNN" | "LSTM" | "GRU" | "RNNCell" | "LSTMCell" | "GRUCell"
+    )
 }
 
 /// Initial weights far below a variance-preserving scale.

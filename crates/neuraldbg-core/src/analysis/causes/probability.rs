@@ -105,6 +105,8 @@ pub(crate) fn base_probability(run: &Run, e: &Episode) -> f64 {
                 p
             }
         }
+        // Detected only over at least 20 steps (see `stalled`); surer the longer it lasts.
+        Failure::StalledLayer => 0.5 + 0.45 * (d / 60.0).min(1.0),
         Failure::LossPlateau => {
             let w = 100.0;
             let stuck = run

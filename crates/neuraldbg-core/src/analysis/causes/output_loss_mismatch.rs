@@ -1,0 +1,205 @@
+//! `output_loss_mismatch`: the model's output activation does not fit its loss. Read from what
+//! the loss did with the output on the first step (`ModelSpec::loss`): the operations the loss
+//! applied and the one that produced the output.
+//!
+//! - probabilities (softmax) fed to a loss that applies its own log-softmax (cross-entropy):
+//!   the logits the loss needs are squeezed into [0, 1], its gradient shrinks to almost nothing
+//!   once one class leads, and the loss cannot go below a floor;
+//! - probabilities fed to a negative log-likelihood without the log;
+//! - a sigmoid output fed to a loss that applies its own sigmoid (BCE with logits): outputs
+//!   live in [0.5, 0.73], the loss has a floor of ~0.31 per sample;
+//! - a bounded activation (tanh, sigmoid) making the logits of such a loss: the logit gaps,
+//!   and with them how confident the loss can get, are capped;
+//! - a softmax over one unit: the output is the constant 1, every gradient is exactly zero;
+//! - a bounded output (sigmoid, tanh, `ReLU`...) regressing targets outside its range: the
+//!   error on those targets can never go below the distance to the bound.
+
+use crate::engine::Run;
+use crate::model::LossSpec;
+
+use super::super::vocab::{Cause, Failure};
+use super::{Case, CauseRule, RemedyCase, Votes, fmt_g};
+
+pub(crate) struct OutputLossMismatch;
+
+/// The mismatches this rule knows, as found in a loss description.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) enum Mismatch {
+    SoftmaxIntoCrossEntropy,
+    SoftmaxIntoNll,
+    SigmoidIntoLogitsLoss,
+    /// A bounded activation (tanh, sigmoid...) producing the logits of a loss that applies its
+    /// own softmax or sigmoid: the logit gaps are capped, so the loss has a floor above zero.
+    BoundedLogits,
+    OneUnitSoftmax,
+    BoundedRegression {
+        lo: f64,
+        hi: f64,
+    },
+}
+
+/// A regression loss, by the framework's operation names: a named one, or a mean of absolute
+/// or squared differences written out.
+fn is_regression(ops: &[&str]) -> bool {
+    let has = |name: &str| ops.contains(&name);
+    ["MseLoss", "L1Loss", "SmoothL1Loss", "HuberLoss"]
+        .iter()
+        .any(|o| has(o))
+        || (has("Sub") && (has("Abs") || has("Pow")))
+}
+
+/// The range of a bounded output operation (`Relu`: [0, inf)).
+fn bounds(op: &str) -> Option<(f64, f64)> {
+    Some(match op {
+        "Sigmoid" | "Hardsigmoid" => (0.0, 1.0),
+        "Tanh" | "Hardtanh" | "Softsign" => (-1.0, 1.0),
+        "Relu" | "Softplus" | "Relu6" | "Exp" => (0.0, f64::INFINITY),
+        _ => return None,
+    })
+}
+
+pub(crate) fn mismatch(loss: &LossSpec) -> Option<Mismatch> {
+    let out = loss.output_op.as_deref()?;
+    let ops: Vec<&str> = loss.ops.iter().map(String::as_str).collect();
+    let has = |name: &str| ops.contains(&name);
+    if out == "Softmax" && loss.output_units == Some(1) {
+        return Some(Mismatch::OneUnitSoftmax);
+    }
+    if out == "Softmax" && has("LogSoftmax") {
+        return Some(Mismatch::SoftmaxIntoCrossEntropy);
+    }
+    if out == "Softmax" && has("NllLoss") && !has("Log") {
+        return Some(Mismatch::SoftmaxIntoNll);
+    }
+    if out == "Sigmoid" && has("BinaryCrossEntropyWithLogits") {
+        return Some(Mismatch::SigmoidIntoLogitsLoss);
+    }
+    let logits_loss = has("LogSoftmax") || has("BinaryCrossEntropyWithLogits");
+    if logits_loss && bounds(out).is_some_and(|(lo, hi)| hi - lo <= 2.0) {
+        return Some(Mismatch::BoundedLogits);
+    }
+    if is_regression(&ops) {
+        let (lo, hi) = bounds(out)?;
+        let (tmin, tmax) = loss.target_range?;
+        let spread = (tmax - tmin).max(if hi.is_finite() { hi - lo } else { 0.0 });
+        let slack = 0.05 * spread;
+        if tmin < lo - slack || tmax > hi + slack {
+            return Some(Mismatch::BoundedRegression { lo, hi });
+        }
+    }
+    None
+}
+
+pub(crate) fn found(run: &Run) -> Option<(Mismatch, &LossSpec)> {
+    let loss = run.model.spec.loss.as_ref()?;
+    mismatch(loss).map(|m| (m, loss))
+}
+
+impl CauseRule for OutputLossMismatch {
+    fn cause(&self) -> Cause {
+        Cause::OutputLossMismatch
+    }
+
+    fn phrase(&self) -> &'static str {
+        "an output activation that does not fit the loss"
+    }
+
+    fn explains(&self, failure: Failure) -> bool {
+        matches!(
+            failure,
+            Failure::LossPlateau
+                | Failure::VanishingGradients
+                | Failure::SaturatedActivations
+                | Failure::DeadNeurons
+                | Failure::LossDivergence
+        )
+    }
+
+    fn always_candidate(&self) -> bool {
+        false
+    }
+
+    fn evidence(&self, c: &Case<'_>, v: &mut Votes) {
+        let Some((m, loss)) = found(c.run) else {
+            return;
+        };
+        let out = loss.output_op.as_deref().unwrap_or("?");
+        let why = match m {
+            Mismatch::OneUnitSoftmax => {
+                "the model's output is a softmax over 1 unit: it is the constant 1, so every gradient is exactly zero".to_string()
+            }
+            Mismatch::SoftmaxIntoCrossEntropy => {
+                "the model outputs softmax probabilities and the loss applies log-softmax again (CrossEntropyLoss expects raw logits): its gradient shrinks to almost nothing".to_string()
+            }
+            Mismatch::SoftmaxIntoNll => {
+                "the model outputs softmax probabilities into NLLLoss, which expects log-probabilities".to_string()
+            }
+            Mismatch::SigmoidIntoLogitsLoss => {
+                "the model outputs a sigmoid and the loss applies its own sigmoid (BCEWithLogitsLoss expects raw logits): outputs are confined to [0.5, 0.73]".to_string()
+            }
+            Mismatch::BoundedLogits => format!(
+                "the model's logits come out of {out}, bounded to a range of at most 2, and the loss applies its own softmax/sigmoid: the logit gaps are capped, so the loss cannot approach zero"
+            ),
+            Mismatch::BoundedRegression { lo, hi } => {
+                let (tmin, tmax) = loss.target_range.unwrap_or((f64::NAN, f64::NAN));
+                format!(
+                    "the output passes through {out} (range [{}, {}]) but the regression targets span [{}, {}]",
+                    fmt_g(lo),
+                    fmt_g(hi),
+                    fmt_g(tmin),
+                    fmt_g(tmax)
+                )
+            }
+        };
+        // The one-unit softmax makes every gradient zero: it explains vanishing gradients.
+        // The others make learning slow or impossible: a plateau, or saturated/dead outputs.
+        let fits = match c.e.failure {
+            Failure::LossPlateau => true,
+            Failure::VanishingGradients => m == Mismatch::OneUnitSoftmax,
+            Failure::SaturatedActivations | Failure::DeadNeurons | Failure::LossDivergence => {
+                m != Mismatch::OneUnitSoftmax
+            }
+            _ => false,
+        };
+        if fits {
+            v.add(5.0, why);
+        }
+    }
+
+    fn remedies(&self, c: &RemedyCase<'_>) -> Vec<String> {
+        let Some((m, loss)) = found(c.run) else {
+            return vec![
+                "check that the model's last activation is the one the loss expects".into(),
+            ];
+        };
+        match m {
+            Mismatch::OneUnitSoftmax => vec![
+                "a softmax over one unit is always 1: for a binary target drop the softmax and use BCEWithLogitsLoss on the single logit, or output 2 units with CrossEntropyLoss".into(),
+            ],
+            Mismatch::SoftmaxIntoCrossEntropy => vec![
+                "remove the final Softmax (or .softmax()) from the model: CrossEntropyLoss takes raw logits; apply softmax only at inference".into(),
+                "or keep the model's output and switch to NLLLoss on torch.log_softmax(...) instead of softmax".into(),
+            ],
+            Mismatch::SoftmaxIntoNll => vec![
+                "replace the final Softmax with LogSoftmax(dim=-1), or drop it and use CrossEntropyLoss on the logits".into(),
+            ],
+            Mismatch::SigmoidIntoLogitsLoss => vec![
+                "remove the final Sigmoid (or torch.sigmoid) from the model: BCEWithLogitsLoss applies it; apply sigmoid only at inference".into(),
+                "or keep the sigmoid and use BCELoss".into(),
+            ],
+            Mismatch::BoundedLogits => vec![
+                format!(
+                    "remove the final {} from the model: CrossEntropyLoss and BCEWithLogitsLoss take raw, unbounded logits (a plain Linear output)",
+                    loss.output_op.as_deref().unwrap_or("activation")
+                ),
+            ],
+            Mismatch::BoundedRegression { .. } => vec![
+                format!(
+                    "remove the final {} so the output is unbounded (a plain Linear) for regression",
+                    loss.output_op.as_deref().unwrap_or("activation")
+                ),
+                "or scale the targets into the output's range (e.g. min-max to [0, 1] for a sigmoid) and invert the scaling at inference".into(),
+            ],
+        }
+    }
+}

@@ -1,0 +1,51 @@
+//! `target_shape_mismatch`: a loss that broadcasts the output against a differently shaped
+//! target (`(N, 1)` against `(N,)` gives `(N, N)`): every output is compared with every target,
+//! so the best it can do is predict their mean.
+
+use super::super::vocab::{Cause, Failure};
+use super::{Case, CauseRule, RemedyCase, Votes};
+
+pub(crate) struct TargetShapeMismatch;
+
+/// Output elements and the (larger) number the loss compared, when the loss broadcast.
+pub(crate) fn broadcast(c: &crate::engine::Run) -> Option<(u64, u64)> {
+    let loss = c.model.spec.loss.as_ref()?;
+    let (out, compared) = (loss.output_numel?, loss.compared_numel?);
+    (out > 1 && compared >= 2 * out).then_some((out, compared))
+}
+
+impl CauseRule for TargetShapeMismatch {
+    fn cause(&self) -> Cause {
+        Cause::TargetShapeMismatch
+    }
+
+    fn phrase(&self) -> &'static str {
+        "a loss that broadcasts the output against a differently shaped target"
+    }
+
+    fn explains(&self, failure: Failure) -> bool {
+        matches!(failure, Failure::LossPlateau | Failure::LossDivergence)
+    }
+
+    fn always_candidate(&self) -> bool {
+        false
+    }
+
+    fn evidence(&self, c: &Case<'_>, v: &mut Votes) {
+        if let Some((out, compared)) = broadcast(c.run) {
+            v.add(
+                5.0,
+                format!(
+                    "the loss compared {compared} pairs from an output of {out} elements: it broadcast the output against a target of another shape, so every output is fitted to every target and only their mean can be learned"
+                ),
+            );
+        }
+    }
+
+    fn remedies(&self, _: &RemedyCase<'_>) -> Vec<String> {
+        vec![
+            "make the output and the target the same shape before the loss: criterion(output.squeeze(-1), y) or criterion(output, y.unsqueeze(-1)) (or y.view_as(output))".into(),
+            "PyTorch warns about this (\"Using a target size that is different to the input size\"): do not silence that warning".into(),
+        ]
+    }
+}

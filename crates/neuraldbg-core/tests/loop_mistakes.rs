@@ -1,0 +1,339 @@
+#![allow(clippy::unwrap_used)] // a test crate: a failed unwrap is a failed test
+//! Mistakes in the training loop on synthetic observations: stalled layers (cut from the
+//! graph, or never stepped) and the loss/output facts of `ModelSpec::loss`.
+
+use neuraldbg_core::analysis::explain;
+use neuraldbg_core::{
+    CausalHypothesis, Cause, Config, Engine, Fact, Failure, LossSpec, ModelSpec, Observation,
+};
+
+/// fc0 -> relu0 -> fc1 -> relu1 -> fc2 -> root, each Linear with weight and bias.
+fn spec() -> ModelSpec {
+    let mut spec = ModelSpec::default();
+    for i in 0..3 {
+        let m = spec.module(format!("fc{i}"), "Linear");
+        spec.param(m, format!("fc{i}.weight"), &[16, 16]);
+        spec.param(m, format!("fc{i}.bias"), &[16]);
+        if i < 2 {
+            spec.module(format!("relu{i}"), "ReLU");
+        }
+    }
+    spec.module("", "Net");
+    spec.optimizer = Some("SGD".into());
+    spec
+}
+
+/// `grad(layer, step)`: the layer's gradient norm (None: no gradient); `moves(layer)`: whether
+/// its weights change from step to step. Weight norms measured every step; loss falls slowly.
+fn run(
+    spec: ModelSpec,
+    steps: u64,
+    grad: impl Fn(usize, u64) -> Option<f32>,
+    moves: impl Fn(usize) -> bool,
+    loss: impl Fn(u64) -> f64,
+) -> Vec<CausalHypothesis> {
+    let mut engine = Engine::new(Config::default()).unwrap();
+    engine.register_model(spec).unwrap();
+    for step in 0..steps {
+        let mut grads = Vec::new();
+        let mut weights = Vec::new();
+        for l in 0..3 {
+            let g = grad(l, step).unwrap_or(-1.0);
+            grads.extend([g, if g < 0.0 { -1.0 } else { g / 4.0 }]);
+            let w = if moves(l) {
+                2.0 + 0.001 * step as f32
+            } else {
+                2.0
+            };
+            weights.extend([w, 0.1]);
+        }
+        let obs = Observation {
+            step,
+            grad_norms: grads,
+            weight_norms: Some(weights),
+            loss: Some(loss(step)),
+            lr: Some(0.05),
+            ..Observation::default()
+        };
+        engine.observe(&obs.view()).unwrap();
+    }
+    explain(&engine, None)
+}
+
+fn falling(step: u64) -> f64 {
+    2.0 * (-0.01 * step as f64).exp()
+}
+
+#[test]
+fn a_layer_cut_from_the_graph_is_stalled_for_lack_of_gradient() {
+    // fc0 and fc1 run but never get a gradient (a .detach() after fc1); fc2 trains.
+    let h = run(
+        spec(),
+        60,
+        |l, _| (l == 2).then_some(0.1),
+        |l| l == 2,
+        falling,
+    );
+    let top = &h[0];
+    assert_eq!(top.failure, Failure::StalledLayer, "{top}");
+    assert_eq!(top.cause, Cause::ParametersNotUpdated, "{top}");
+    // The latest layer before the cut is the root.
+    assert_eq!(top.layer.as_deref(), Some("fc1"), "{top}");
+    assert_eq!(top.step, Some(0));
+    assert!(top.confidence >= 0.8, "{top}");
+    assert!(top.description.contains("no gradient"), "{top}");
+    assert!(top.remedies[0].contains(".detach()"), "{:?}", top.remedies);
+}
+
+#[test]
+fn a_layer_no_optimizer_holds_is_stalled_with_that_reason() {
+    // fc1 gets gradients but its weights never move; the optimizer does not hold it.
+    let mut s = spec();
+    s.param_lr = Some(
+        (0..6)
+            .map(|p| if p / 2 == 1 { None } else { Some(0.05) })
+            .collect(),
+    );
+    let h = run(s, 60, |_, _| Some(0.1), |l| l != 1, falling);
+    let top = &h[0];
+    assert_eq!(top.failure, Failure::StalledLayer, "{top}");
+    assert_eq!(top.cause, Cause::ParametersNotUpdated, "{top}");
+    assert_eq!(top.layer.as_deref(), Some("fc1"), "{top}");
+    assert!(
+        top.description.contains("no optimizer holds"),
+        "{}",
+        top.description
+    );
+    assert!(top.remedies[0].contains("optimizer"), "{:?}", top.remedies);
+}
+
+#[test]
+fn weights_that_stop_moving_midway_date_the_stall() {
+    // fc0's weights move until step 29, then stand still (its param group's lr set to 0).
+    let mut s = spec();
+    s.param_lr = Some(vec![Some(0.05); 6]);
+    let mut engine = Engine::new(Config::default()).unwrap();
+    engine.register_model(s).unwrap();
+    for step in 0..80u64 {
+        let w0 = 2.0 + 0.001 * step.min(29) as f32;
+        let w = 2.0 + 0.001 * step as f32;
+        let obs = Observation {
+            step,
+            grad_norms: vec![0.1, 0.02, 0.1, 0.02, 0.1, 0.02],
+            weight_norms: Some(vec![w0, 0.1, w, 0.1, w, 0.1]),
+            loss: Some(falling(step)),
+            lr: Some(0.05),
+            ..Observation::default()
+        };
+        engine.observe(&obs.view()).unwrap();
+    }
+    let h = explain(&engine, None);
+    let top = &h[0];
+    assert_eq!(top.failure, Failure::StalledLayer, "{top}");
+    assert_eq!(top.layer.as_deref(), Some("fc0"), "{top}");
+    assert_eq!(top.step, Some(30), "{top}");
+}
+
+#[test]
+fn a_model_whose_weights_all_stand_still_has_no_stalled_layer() {
+    // Nothing moves anywhere (e.g. weight norms too coarse to see the updates): not a stalled
+    // layer, whatever else it may be.
+    let h = run(spec(), 60, |_, _| Some(0.1), |_| false, falling);
+    assert!(
+        h.iter().all(|h| h.failure != Failure::StalledLayer),
+        "{:?}",
+        h.iter().map(ToString::to_string).collect::<Vec<_>>()
+    );
+    // A short run (under 20 steps) with a layer that gets no gradient: too early to say.
+    let h = run(
+        spec(),
+        10,
+        |l, _| (l == 2).then_some(0.1),
+        |l| l == 2,
+        falling,
+    );
+    assert!(h.iter().all(|h| h.failure != Failure::StalledLayer));
+}
+
+#[test]
+fn tiny_updates_the_norm_cannot_show_are_not_a_stall() {
+    // fc0's gradient is so small that lr * grad / |W| is far below float32 resolution.
+    let h = run(
+        spec(),
+        60,
+        |l, _| Some(if l == 0 { 1e-5 } else { 0.1 }),
+        |l| l != 0,
+        falling,
+    );
+    assert!(h.iter().all(|h| h.failure != Failure::StalledLayer));
+}
+
+fn plateau(step: u64) -> f64 {
+    1.0 + 0.001 * ((step % 3) as f64)
+}
+
+fn with_loss(loss: LossSpec) -> ModelSpec {
+    let mut s = spec();
+    s.loss = Some(loss);
+    s
+}
+
+fn ops(names: &[&str]) -> Vec<String> {
+    names.iter().map(|s| (*s).to_string()).collect()
+}
+
+#[test]
+fn softmax_before_cross_entropy_explains_a_plateau() {
+    let s = with_loss(LossSpec {
+        ops: ops(&["NllLoss", "LogSoftmax"]),
+        output_op: Some("Softmax".into()),
+        output_units: Some(10),
+        ..LossSpec::default()
+    });
+    let h = run(s, 200, |_, _| Some(0.01), |_| true, plateau);
+    let top = &h[0];
+    assert_eq!(top.failure, Failure::LossPlateau, "{top}");
+    assert_eq!(top.cause, Cause::OutputLossMismatch, "{top}");
+    assert!(top.remedies[0].contains("Softmax"), "{:?}", top.remedies);
+}
+
+#[test]
+fn tanh_logits_into_cross_entropy_are_a_mismatch() {
+    let s = with_loss(LossSpec {
+        ops: ops(&["NllLoss", "LogSoftmax"]),
+        output_op: Some("Tanh".into()),
+        output_units: Some(10),
+        ..LossSpec::default()
+    });
+    let h = run(s, 200, |_, _| Some(0.01), |_| true, plateau);
+    assert_eq!(h[0].cause, Cause::OutputLossMismatch, "{}", h[0]);
+    assert!(h[0].remedies[0].contains("Tanh"), "{:?}", h[0].remedies);
+}
+
+#[test]
+fn logits_into_cross_entropy_and_log_softmax_into_nll_are_no_mismatch() {
+    for (loss_ops, out) in [
+        (&["NllLoss", "LogSoftmax"][..], "Addmm"),
+        (&["NllLoss", "LogSoftmax"][..], "Relu"),
+        (&["NllLoss"][..], "LogSoftmax"),
+        (&["BinaryCrossEntropy"][..], "Sigmoid"),
+        (&["MseLoss"][..], "Tanh"),
+    ] {
+        let s = with_loss(LossSpec {
+            ops: ops(loss_ops),
+            output_op: Some(out.into()),
+            output_units: Some(10),
+            output_numel: Some(320),
+            compared_numel: Some(320),
+            target_range: Some((-0.9, 0.9)),
+            ..LossSpec::default()
+        });
+        let h = run(s, 200, |_, _| Some(0.01), |_| true, plateau);
+        assert!(
+            h.iter()
+                .all(|h| h.cause != Cause::OutputLossMismatch
+                    && h.cause != Cause::TargetShapeMismatch),
+            "{out}: {:?}",
+            h.iter().map(ToString::to_string).collect::<Vec<_>>()
+        );
+    }
+}
+
+#[test]
+fn a_bounded_output_regressing_targets_beyond_its_range_is_a_mismatch() {
+    let s = with_loss(LossSpec {
+        ops: ops(&["MseLoss"]),
+        output_op: Some("Sigmoid".into()),
+        output_units: Some(1),
+        target_range: Some((0.0, 40.0)),
+        ..LossSpec::default()
+    });
+    let h = run(s, 200, |_, _| Some(0.01), |_| true, plateau);
+    assert_eq!(h[0].cause, Cause::OutputLossMismatch, "{}", h[0]);
+    assert!(h[0].description.contains("[0, 40]"), "{}", h[0].description);
+}
+
+#[test]
+fn a_broadcasting_regression_loss_is_a_target_shape_mismatch() {
+    let s = with_loss(LossSpec {
+        ops: ops(&["MseLoss", "Expand"]),
+        output_op: Some("Addmm".into()),
+        output_units: Some(1),
+        output_numel: Some(64),
+        compared_numel: Some(64 * 64),
+        ..LossSpec::default()
+    });
+    let h = run(s, 200, |_, _| Some(0.01), |_| true, plateau);
+    assert_eq!(h[0].failure, Failure::LossPlateau, "{}", h[0]);
+    assert_eq!(h[0].cause, Cause::TargetShapeMismatch, "{}", h[0]);
+    assert!(h[0].remedies[0].contains("squeeze"), "{:?}", h[0].remedies);
+}
+
+/// Gradients that grow linearly from a healthy start until they explode (what summing every
+/// step's gradient does), with the loop facts of each step.
+fn growing(spec: ModelSpec, facts: &[(Fact, f64)], steps: u64) -> Vec<CausalHypothesis> {
+    let mut engine = Engine::new(Config::default()).unwrap();
+    engine.register_model(spec).unwrap();
+    for step in 0..steps {
+        let g = 0.5 * (step + 1) as f32 * (step + 1) as f32;
+        let w = 2.0 + 0.01 * step as f32;
+        let obs = Observation {
+            step,
+            grad_norms: (0..3).flat_map(|_| [g, g / 4.0]).collect(),
+            weight_norms: Some((0..3).flat_map(|_| [w, 0.1]).collect()),
+            loss: Some(1.0 + 0.001 * (step * step) as f64),
+            lr: Some(0.05),
+            facts: facts.to_vec(),
+            ..Observation::default()
+        };
+        engine.observe(&obs.view()).unwrap();
+    }
+    explain(&engine, None)
+}
+
+#[test]
+fn gradients_that_accumulate_across_steps_are_missing_zero_grad() {
+    let h = growing(spec(), &[(Fact::GradAccumulated, 1.0)], 60);
+    let top = &h[0];
+    assert_eq!(top.failure, Failure::ExplodingGradients, "{top}");
+    assert_eq!(top.cause, Cause::MissingZeroGrad, "{top}");
+    assert!(top.remedies[0].contains("zero_grad"), "{:?}", top.remedies);
+    // The same growth in a loop that zeroes its gradients is not blamed on zeroing.
+    let h = growing(spec(), &[(Fact::GradAccumulated, 0.0)], 60);
+    assert_ne!(h[0].cause, Cause::MissingZeroGrad, "{}", h[0]);
+    assert!(h.iter().all(|h| h.cause != Cause::MissingZeroGrad));
+}
+
+fn with_module(kind: &str) -> ModelSpec {
+    let mut s = ModelSpec::default();
+    for i in 0..3 {
+        let m = s.module(format!("fc{i}"), "Linear");
+        s.param(m, format!("fc{i}.weight"), &[16, 16]);
+        s.param(m, format!("fc{i}.bias"), &[16]);
+        if i < 2 {
+            s.module(format!("norm{i}"), kind);
+            s.module(format!("relu{i}"), "ReLU");
+        }
+    }
+    s.module("", "Net");
+    s.optimizer = Some("SGD".into());
+    s
+}
+
+#[test]
+fn eval_mode_explains_a_failure_only_with_batch_statistics() {
+    let eval = [(Fact::Training, 0.0)];
+    let h = growing(with_module("BatchNorm1d"), &eval, 60);
+    assert_eq!(h[0].cause, Cause::EvalMode, "{}", h[0]);
+    assert!(
+        h[0].remedies[0].contains("model.train()"),
+        "{:?}",
+        h[0].remedies
+    );
+    // Dropout in eval mode only removes regularization: not the cause of anything.
+    let h = growing(with_module("Dropout"), &eval, 60);
+    assert!(h.iter().all(|h| h.cause != Cause::EvalMode), "{}", h[0]);
+    // Trained in train mode: not eval mode.
+    let h = growing(with_module("BatchNorm1d"), &[(Fact::Training, 1.0)], 60);
+    assert!(h.iter().all(|h| h.cause != Cause::EvalMode), "{}", h[0]);
+}

@@ -1,0 +1,254 @@
+"""Facts about the training loop that only the framework knows, for the engine's loop-mistake
+causes. Facts, never judgements: which mode the model ran in, whether a step's gradients were
+added onto the previous step's, which parameters the optimizer holds and at what learning
+rate, and what the loss did with the model's output. The engine decides what they mean.
+
+Cost: per step, a bool read per forward pass and one tensor hook on one parameter (a pointer
+and version-counter comparison, no device work). Once, at the first step: a walk of at most a
+few dozen autograd nodes from the loss to the model's output, and the output's and target's
+min/max (one host read).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any, Dict, List, Optional, Tuple
+
+# Autograd node names end in "Backward0", "Backward1"...: the operation's name is before it.
+_BACKWARD = re.compile(r"Backward\d*$")
+
+# Operations that only index, reshape or copy their one input.
+_VIEWS = frozenset({
+    "Select", "Slice", "View", "Reshape", "Unsqueeze", "Squeeze", "Permute", "Transpose", "T",
+    "Clone", "Contiguous", "Flatten", "Unflatten", "Index", "Narrow", "Alias", "ToCopy",
+})
+
+# Autograd nodes visited at most when looking for the model's output from the loss.
+_WALK_LIMIT = 64
+
+
+def op_name(fn: Any) -> str:
+    """The operation an autograd node differentiates (``SoftmaxBackward0`` -> ``Softmax``)."""
+    return _BACKWARD.sub("", type(fn).__name__)
+
+
+class LoopFacts:
+    """Collects the loop facts of one watched model."""
+
+    def __init__(self, params: List[Any]) -> None:
+        self.params = params
+        # Training mode of the grad-enabled forward passes of the current step.
+        self.modes: List[bool] = []
+        # Gradient accumulation: one parameter is watched. After each optimizer step, its
+        # .grad tensor (pointer and version counter) is remembered; when the next backward
+        # reaches that parameter, its .grad is still that very tensor, unmodified, only if
+        # nothing zeroed it (zero_() bumps the version, set_to_none drops it).
+        self.probe: Any = None
+        self.probe_handle: Any = None
+        self.after_step_grad: Optional[Tuple[int, int]] = None
+        self.accumulated: Optional[bool] = None
+        self.armed = False
+        # Run-level facts, described once.
+        self.loss: Optional[Dict[str, Any]] = None
+        self.loss_tried = False
+        self.first_output: Any = None
+        self.optimizer: Any = None
+
+    # ------------------------------------------------------------------ per step
+
+    def install_probe(self) -> None:
+        """Watches one parameter the stepping optimizer holds (its ``zero_grad()`` clears
+        exactly those), from the first optimizer step on."""
+        opt = self.optimizer
+        if opt is None or self.probe_handle is not None:
+            return
+        held = {id(p) for g in opt.param_groups for p in g["params"]}
+        for p in self.params:
+            if id(p) in held and getattr(p, "is_leaf", False):
+                self.probe = p
+                self.probe_handle = p.register_hook(self._on_probe_grad)
+                return
+
+    def remove(self) -> None:
+        if self.probe_handle is not None:
+            try:
+                self.probe_handle.remove()
+            except Exception:  # pragma: no cover - removal must never raise
+                pass
+            self.probe_handle = None
+        self.first_output = None
+        self.optimizer = None
+
+    def on_forward(self, training: bool, grad_enabled: bool) -> None:
+        if grad_enabled:
+            self.modes.append(bool(training))
+
+    def _on_probe_grad(self, grad: Any) -> None:
+        # Runs before autograd adds `grad` into .grad: .grad is what the step starts from.
+        if not self.armed:
+            return
+        self.armed = False
+        try:
+            old = self.probe.grad
+            before = self.after_step_grad
+            self.accumulated = old is not None and before is not None and _grad_key(old) == before
+        except Exception:  # pragma: no cover - never break the user's backward
+            self.accumulated = None
+
+    def after_optimizer_step(self) -> None:
+        """The optimizer stepped: remember the gradient it used (after any clipping)."""
+        p = self.probe
+        if p is None:
+            return
+        g = p.grad
+        self.after_step_grad = None if g is None else _grad_key(g)
+        self.armed = self.after_step_grad is not None or g is None
+
+    def step_facts(self) -> Dict[str, float]:
+        """The facts of the step being observed; resets the per-step state."""
+        facts: Dict[str, float] = {}
+        if self.modes:
+            facts["training"] = 1.0 if all(self.modes) else 0.0
+        if self.accumulated is not None:
+            facts["grad_accumulated"] = 1.0 if self.accumulated else 0.0
+        self.modes = []
+        self.accumulated = None
+        return facts
+
+    # ------------------------------------------------------------------ run level
+
+    def param_lrs(self) -> Optional[List[Optional[float]]]:
+        """Per watched parameter: the lr of the param group of the stepping optimizer that
+        holds it, None where it holds none (None overall when no optimizer is known)."""
+        opt = self.optimizer
+        if opt is None:
+            return None
+        group_lr: Dict[int, Optional[float]] = {}
+        try:
+            for g in opt.param_groups:
+                lr = _float(g.get("lr"))
+                for p in g["params"]:
+                    group_lr[id(p)] = lr
+        except Exception:  # pragma: no cover - an optimizer we cannot read
+            return None
+        # A group whose lr cannot be read on the host (a device tensor) counts as held at the
+        # optimizer's first readable lr; with none readable, the facts are not known.
+        fallback = _first_lr(opt)
+        if fallback is None:
+            return None
+        out: List[Optional[float]] = []
+        for p in self.params:
+            if id(p) not in group_lr:
+                out.append(None)
+            else:
+                lr = group_lr[id(p)]
+                out.append(lr if lr is not None else fallback)
+        return out
+
+    def describe_loss(self, loss: Any, output_fns: List[Any]) -> None:
+        """What the loss did with the model's output, from the loss's autograd graph (first
+        step only, before backward frees the saved tensors)."""
+        if self.loss_tried:
+            return
+        self.loss_tried = True
+        try:
+            self.loss = _describe(loss, output_fns, self.first_output)
+        except Exception:  # pragma: no cover - a graph we cannot read: no facts
+            self.loss = None
+        self.first_output = None
+
+
+def _grad_key(g: Any) -> Optional[Tuple[int, int]]:
+    """Identity and version counter of a gradient tensor (None when it has neither, e.g. a
+    tensor subclass without storage: no fact then)."""
+    try:
+        return (g.data_ptr(), g._version)
+    except Exception:
+        try:
+            return (id(g), g._version)
+        except Exception:
+            return None
+
+
+def _float(v: Any) -> Optional[float]:
+    if isinstance(v, (int, float)):
+        return float(v)
+    try:
+        import torch
+
+        if isinstance(v, torch.Tensor) and v.numel() == 1 and v.device.type == "cpu":
+            return float(v)
+    except Exception:  # pragma: no cover
+        pass
+    return None
+
+
+def _first_lr(opt: Any) -> Optional[float]:
+    for g in opt.param_groups:
+        lr = _float(g.get("lr"))
+        if lr is not None:
+            return lr
+    return None
+
+
+def _describe(loss: Any, output_fns: List[Any], output: Any) -> Optional[Dict[str, Any]]:
+    import torch
+
+    fn = getattr(loss, "grad_fn", None)
+    if fn is None or not output_fns:
+        return None
+    targets = {id(t): t for t in output_fns}
+    # Depth-first from the loss to the first model output, keeping the path.
+    path: Optional[List[Any]] = None
+    stack: List[Tuple[Any, List[Any]]] = [(fn, [fn])]
+    seen = {id(fn)}
+    visited = 0
+    while stack and visited < _WALK_LIMIT:
+        node, trail = stack.pop()
+        visited += 1
+        if id(node) in targets:
+            path = trail
+            break
+        for nxt, _ in reversed(getattr(node, "next_functions", ())):
+            if nxt is not None and id(nxt) not in seen:
+                seen.add(id(nxt))
+                stack.append((nxt, trail + [nxt]))
+    if path is None:
+        return None
+    ops = [op_name(n) for n in path[:-1]]
+    # The operation that produced the output's values: past indexing and reshaping
+    # (``torch.sigmoid(z)[:, 0]`` is a sigmoid output).
+    producer = path[-1]
+    for _ in range(8):
+        if op_name(producer) not in _VIEWS:
+            break
+        nxt = [f for f, _ in getattr(producer, "next_functions", ()) if f is not None]
+        if len(nxt) != 1:
+            break
+        producer = nxt[0]
+    d: Dict[str, Any] = {"ops": ops, "output_op": op_name(producer)}
+    if isinstance(output, torch.Tensor):
+        d["output_numel"] = int(output.numel())
+        if output.dim() >= 1:
+            d["output_units"] = int(output.shape[-1])
+        if output.is_floating_point() and output.numel() > 0:
+            lo, hi = torch.aminmax(output.detach().float())
+            if math.isfinite(float(lo)) and math.isfinite(float(hi)):
+                d["output_range"] = [float(lo), float(hi)]
+    # What the loss compared with the target: the first node on the path that saved its input
+    # (MseLoss, SmoothL1Loss, NllLoss...; Abs for a written-out L1).
+    for node in path[:-1]:
+        saved = getattr(node, "_saved_self", None)
+        if isinstance(saved, torch.Tensor):
+            d["compared_numel"] = int(saved.numel())
+            break
+    target = next(
+        (t for t in (getattr(n, "_saved_target", None) for n in path[:-1]) if isinstance(t, torch.Tensor)),
+        None,
+    )
+    if isinstance(target, torch.Tensor) and target.is_floating_point() and target.numel() > 0:
+        lo, hi = torch.aminmax(target.detach().float())
+        if math.isfinite(float(lo)) and math.isfinite(float(hi)):
+            d["target_range"] = [float(lo), float(hi)]
+    return d

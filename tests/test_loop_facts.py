@@ -1,0 +1,164 @@
+"""The loop facts the collector hands the engine (python/neuraldbg/_loop.py): training mode,
+gradients accumulated across steps, the optimizer's param groups, and what the loss did with
+the model's output. Checked against what the loop did, step by step."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Dict, List
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from neuraldbg import NeuralDbg
+
+
+class Spy:
+    """Passes every call through to the engine, keeping the facts of each observed step."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.facts: List[Dict[str, float]] = []
+        self.specs: List[dict] = []
+
+    def observe(self, *args: Any, **kwargs: Any) -> Any:
+        self.facts.append(dict(kwargs.get("facts") or {}))
+        return self.engine.observe(*args, **kwargs)
+
+    def register_model(self, spec: str) -> Any:
+        import json
+
+        self.specs.append(json.loads(spec))
+        return self.engine.register_model(spec)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+
+class watch:
+    """``with watch(model) as spy:`` a NeuralDbg whose engine calls are spied on."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.dbg = NeuralDbg(model)
+
+    def __enter__(self) -> Spy:
+        self.dbg.__enter__()
+        spy = Spy(self.dbg._collector.engine)
+        self.dbg._collector.engine = spy
+        return spy
+
+    def __exit__(self, *exc: Any) -> Any:
+        return self.dbg.__exit__(*exc)
+
+
+def data(step: int):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)
+
+
+@pytest.mark.parametrize("zeroing", ["none", "set_to_none", "zero_", "model"])
+def test_grad_accumulated_says_whether_grads_were_zeroed(zeroing):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with watch(model) as spy:
+        for step in range(5):
+            if zeroing == "set_to_none":
+                opt.zero_grad(set_to_none=True)
+            elif zeroing == "zero_":
+                opt.zero_grad(set_to_none=False)
+            elif zeroing == "model":
+                model.zero_grad()
+            x, y = data(step)
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+    # The first step has nothing before it; from the second on, the fact is known.
+    got = [f.get("grad_accumulated") for f in spy.facts]
+    assert got[0] is None
+    assert got[1:] == [1.0 if zeroing == "none" else 0.0] * 4
+
+
+def test_accumulation_over_micro_batches_within_a_step_is_not_a_missing_zero_grad():
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with watch(model) as spy:
+        for step in range(4):
+            opt.zero_grad()
+            for micro in range(3):
+                x, y = data(10 * step + micro)
+                (F.mse_loss(model(x), y) / 3).backward()
+            opt.step()
+    assert [f.get("grad_accumulated") for f in spy.facts][1:] == [0.0] * 3
+
+
+def test_training_mode_of_the_forward_passes_that_train():
+    model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.1), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with watch(model) as spy:
+        for step in range(4):
+            model.train(step >= 2)
+            with torch.no_grad():  # an evaluation pass in eval mode does not count
+                model.eval()
+                model(data(99)[0])
+                model.train(step >= 2)
+            opt.zero_grad()
+            x, y = data(step)
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+    assert [f["training"] for f in spy.facts] == [0.0, 0.0, 1.0, 1.0]
+
+
+def test_param_lr_names_the_group_lr_or_no_optimizer():
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.Adam([{"params": model[2].parameters(), "lr": 0.0}], lr=1e-3)
+    with watch(model) as spy:
+        for step in range(2):
+            opt.zero_grad()
+            x, y = data(step)
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+    assert spy.specs[0]["param_lr"] == [None, None, 0.0, 0.0]
+
+
+def first_loss(model: nn.Module, loss_fn, x, y) -> dict:
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # PyTorch's own broadcasting warning
+        with watch(model) as spy:
+            opt.zero_grad()
+            loss_fn(model(x), y).backward()
+            opt.step()
+    return spy.specs[0]["loss"]
+
+
+def test_loss_facts_cross_entropy_after_softmax():
+    model = nn.Sequential(nn.Linear(4, 3), nn.Softmax(dim=1))
+    d = first_loss(model, nn.CrossEntropyLoss(), torch.randn(8, 4), torch.randint(0, 3, (8,)))
+    assert d["ops"] == ["NllLoss", "LogSoftmax"] and d["output_op"] == "Softmax"
+    assert d["output_units"] == 3 and d["output_numel"] == 24
+    lo, hi = d["output_range"]
+    assert 0.0 <= lo <= hi <= 1.0
+
+
+def test_loss_facts_broadcasting_mse_and_target_range():
+    model = nn.Linear(4, 1)
+    y = torch.linspace(5.0, 9.0, 8)  # (8,) against an (8, 1) output
+    d = first_loss(model, nn.MSELoss(), torch.randn(8, 4), y)
+    assert d["ops"][0] == "MseLoss" and "Expand" in d["ops"]
+    assert d["output_numel"] == 8 and d["compared_numel"] == 64
+    assert d["target_range"] == pytest.approx([5.0, 9.0])
+
+
+def test_loss_facts_see_a_functional_sigmoid_through_indexing():
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 1)
+
+        def forward(self, x):
+            return torch.sigmoid(self.fc(x))[:, 0]
+
+    d = first_loss(Net(), nn.BCEWithLogitsLoss(), torch.randn(8, 4), torch.ones(8))
+    assert d["output_op"] == "Sigmoid" and "BinaryCrossEntropyWithLogits" in d["ops"]
