@@ -652,7 +652,8 @@ class Collector:
                 layout.out_ranks = outs[1]
             if self.params and self._sampled(self.activation_every):
                 # Last: units that never fire behind functional activations (zero gradient rows).
-                zeros = self.measure.grad_zero_shares([p.grad for p in self.params])
+                grads = [p.grad for p in self.params]
+                zeros = self.measure.grad_zero_shares(local_tensors(grads) if self.sharded else grads)
                 if zeros is not None:
                     parts.append(zeros[0])
                     layout.zero_index = zeros[1]
@@ -696,7 +697,8 @@ class Collector:
             return
         try:
             if p.exchange is not None:
-                self._feed(p.layout, self.dist.receive(p.exchange, p.layout), p.refs)
+                job = self.dist.receive(p.exchange, p.layout)
+                self._feed(p.layout, job, p.refs, job.measures or None)
                 return
             if p.event is not None and not p.event.query():
                 p.event.synchronize()  # rare: the CPU ran more than a step ahead of the GPU
@@ -716,11 +718,7 @@ class Collector:
         self._feed(layout, u, refs, self._measures(layout, flat))
 
     def _feed(
-        self,
-        layout: Layout,
-        u: Any,
-        refs: List[Tuple[int, Any, Any]],
-        measures: Optional[Dict[str, np.ndarray]] = None,
+        self, layout: Layout, u: Any, refs: List[Tuple[int, Any, Any]], measures: Optional[Dict[str, np.ndarray]]
     ) -> None:
         """Feeds the engine one step's host arrays (:class:`Unpacked`, or a distributed job's
         step, which also carries per-rank facts and measures) and this rank's own measures."""
@@ -762,7 +760,7 @@ class Collector:
             nonfinite_module=nonfinite,
             outputs_checked=checked,
             facts={**(layout.facts or {}), **u.facts} or None,
-            measures={**(measures or {}), **(getattr(u, "extra", {}).get("measures") or {})} or None,
+            measures=measures,
         )
         if self.on_observed is not None:
             self.on_observed(layout.step)

@@ -460,9 +460,9 @@ def _rank_totals(block: np.ndarray, mask: np.ndarray) -> Optional[np.ndarray]:
 
 class JobStep:
     """A job-wide step as the collector feeds it to the engine (the fields of
-    :class:`~._transfer.Unpacked`, plus the per-rank facts and measures in ``extra``)."""
+    :class:`~._transfer.Unpacked`, plus the per-rank facts and measures)."""
 
-    __slots__ = ("grad_norms", "weight_norms", "activations", "loss", "inputs", "origin", "checked", "facts", "extra")
+    __slots__ = ("grad_norms", "weight_norms", "activations", "loss", "inputs", "origin", "checked", "facts", "measures")
 
     def __init__(self, job: Dict[str, Any], weights: bool, rank: int, skipped: Optional[bool] = None) -> None:
         self.grad_norms: np.ndarray = job["grad_norms"]
@@ -476,7 +476,7 @@ class JobStep:
         if skipped is not None:
             facts["optimizer_skipped"] = 1.0 if skipped else 0.0
         self.facts: Dict[str, float] = facts
-        self.extra: Dict[str, Any] = {"measures": measures}
+        self.measures: Dict[str, np.ndarray] = measures
 
 
 def facts_and_measures(job: Dict[str, Any], rank: int) -> Tuple[Dict[str, float], Dict[str, np.ndarray]]:

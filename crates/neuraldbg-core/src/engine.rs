@@ -595,8 +595,7 @@ impl Run {
             let zero_rows = match measure {
                 Measure::GradZeroRows => true,
                 Measure::GradZeroCols => false,
-                // Read elsewhere (output scales below; the ranks' measures by the replica
-                // and data trackers).
+                // Read where their analysis needs them (output scale, replicas, input ranks).
                 Measure::OutputAbsMax
                 | Measure::InputRank
                 | Measure::ReplicaGradSpread

@@ -66,6 +66,7 @@ named_enum! {
         /// Per parameter: the share of the gradient's columns (input units, dim 1) that are
         /// exactly zero in this step (NaN: not measured, or fewer than 2 dimensions).
         GradZeroCols => "grad_zero_cols",
+
         // --- Distributed training.
         /// The rank each row of [`StepView::inputs`] came from.
         InputRank => "input_rank",
