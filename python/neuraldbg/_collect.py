@@ -413,16 +413,21 @@ class Collector:
                 self._fail(e)
                 return
         self._read_clipped()
+        self._step_boundary(optimizer, skipped=False)
+        self.raise_halt()
+
+    def _step_boundary(self, optimizer: Any, skipped: bool) -> None:
+        """One optimizer iteration ended (``skipped``: a GradScaler skipped its step): observe
+        it, count it, and prepare the next one."""
         if not self.registered:
-            self.loop.optimizer = optimizer
-        self._observe(lr=_lr_of(optimizer))
+            self.loop.optimizer = optimizer  # the loop facts' optimizer, read at registration
+        self._observe(lr=_lr_of(optimizer), skipped=skipped)
         self.step += 1
         try:
             self.loop.after_optimizer_step()
         except Exception as e:  # pragma: no cover - defensive
             self._fail(e)
         self._arm_probes(self._activations_next())
-        self.raise_halt()
 
     def _read_clipped(self) -> None:
         """The gradient the optimizer received, read again after its step (an optimizer does
@@ -461,15 +466,7 @@ class Collector:
             return
         try:
             if self.grad_read and not self.disabled:
-                if not self.registered:
-                    self.loop.optimizer = optimizer
-                self._observe(lr=_lr_of(optimizer), skipped=True)
-                self.step += 1
-                try:
-                    self.loop.after_optimizer_step()
-                except Exception as e:  # pragma: no cover - defensive
-                    self._fail(e)
-                self._arm_probes(self._activations_next())
+                self._step_boundary(optimizer, skipped=True)
         finally:
             self.scaler = None
 
