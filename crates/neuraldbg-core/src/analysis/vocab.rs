@@ -71,11 +71,16 @@ impl Failure {
         }
     }
 
-    /// Whether the causes of the vocabulary can explain this failure at all: a diverged
-    /// replica is a fault in the job's code that none of them names (its remedies say where
-    /// to look), so only `unknown` is a candidate.
-    pub fn has_named_causes(self) -> bool {
-        !matches!(self, Failure::ReplicaDivergence)
+    /// Whether the cause rules (`analysis/causes/`) rank this failure's causes. Two do not: a
+    /// diverged replica is a fault in the job's code that no cause of the vocabulary names (only
+    /// `unknown` is a candidate; its remedies say where to look), and a collapsed loss scale is
+    /// never an episode: its hypothesis, with its cause, is built from the loop tracker directly.
+    /// The rules therefore never need to mention either.
+    pub fn ranked_by_cause_rules(self) -> bool {
+        !matches!(
+            self,
+            Failure::ReplicaDivergence | Failure::LossScaleCollapse
+        )
     }
 
     /// Gradient failures are located where they begin along the backward pass; the others at

@@ -18,10 +18,7 @@ impl CauseRule for BadInputData {
     fn explains(&self, failure: Failure) -> bool {
         !matches!(
             failure,
-            Failure::LossPlateau
-                | Failure::SaturatedGradients
-                | Failure::LossScaleCollapse
-                | Failure::StalledLayer
+            Failure::LossPlateau | Failure::SaturatedGradients | Failure::StalledLayer
         )
     }
 

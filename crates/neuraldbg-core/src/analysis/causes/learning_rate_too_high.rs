@@ -16,10 +16,7 @@ impl CauseRule for LearningRateTooHigh {
     }
 
     fn explains(&self, failure: Failure) -> bool {
-        !matches!(
-            failure,
-            Failure::DataAnomaly | Failure::LossScaleCollapse | Failure::StalledLayer
-        )
+        !matches!(failure, Failure::DataAnomaly | Failure::StalledLayer)
     }
 
     fn evidence(&self, c: &Case<'_>, v: &mut Votes) {

@@ -16,10 +16,7 @@ impl CauseRule for NumericalInstability {
     }
 
     fn explains(&self, failure: Failure) -> bool {
-        matches!(
-            failure,
-            Failure::NonFinite | Failure::LossDivergence | Failure::LossScaleCollapse
-        )
+        matches!(failure, Failure::NonFinite | Failure::LossDivergence)
     }
 
     fn evidence(&self, c: &Case<'_>, v: &mut Votes) {

@@ -19,10 +19,7 @@ impl CauseRule for PoorInitialization {
     fn explains(&self, failure: Failure) -> bool {
         !matches!(
             failure,
-            Failure::DataAnomaly
-                | Failure::SaturatedGradients
-                | Failure::LossScaleCollapse
-                | Failure::StalledLayer
+            Failure::DataAnomaly | Failure::SaturatedGradients | Failure::StalledLayer
         )
     }
 
