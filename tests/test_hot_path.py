@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import sys
+import copy
 from collections import Counter
 from contextlib import contextmanager
 from typing import Iterator, List
@@ -12,6 +13,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
+
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from neuraldbg import NeuralDbg
 
@@ -63,25 +66,54 @@ def step(model: nn.Module, opt: torch.optim.Optimizer, width: int = 16, device: 
     return loss
 
 
-@pytest.mark.parametrize("depth", [2, 24])
-def test_cpu_step_reads_the_host_once_whatever_the_depth(depth):
-    """Per healthy step: one bulk read of all statistics (``.numpy()`` of one vector, no copy
-    on CPU) and one scalar read of the loss when backward starts; nothing per module. Sampled
-    steps (activations, weights) add values to the same vector, not reads."""
+class CountOps(TorchDispatchMode):
+    """Counts the aten operations that reach torch's dispatcher (the autograd engine's too)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def ops_per_step(model: nn.Module, steps: int, watched: bool, **options: object) -> List[int]:
+    """Aten operations of each of ``steps`` steps (after 12 steps of warm-up and registration),
+    with or without NeuralDBG watching."""
     torch.manual_seed(0)
-    model = mlp(depth)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    with NeuralDbg(model) as dbg:
-        for _ in range(12):  # registration and the dense first steps
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    counts: List[int] = []
+    dbg = NeuralDbg(model, **options) if watched else None
+    if dbg is not None:
+        dbg.__enter__()
+    try:
+        for _ in range(12):
             step(model, opt)
-        with count_reads() as counts:
-            n = 20
-            for _ in range(n):
+        for _ in range(steps):
+            with CountOps() as mode:
                 step(model, opt)
-        assert dbg.step == 32
-    assert counts["numpy"] == n, counts
-    assert counts["__float__"] == n, counts  # the loss, read once when backward starts
-    assert sum(counts.values()) == 2 * n, counts
+            counts.append(mode.count)
+    finally:
+        if dbg is not None:
+            dbg.__exit__(None, None, None)
+    return counts
+
+
+@pytest.mark.parametrize("depth", [2, 24])
+def test_a_cpu_step_runs_no_torch_operation_of_ours(depth):
+    """A CPU model: every statistic of a step (gradient and weight norms, input statistics, the
+    loss, the sampled activation and output statistics, zero-gradient shares) is read from the
+    tensors' memory by the extension. Watched or not, a step runs the same torch operations,
+    on sampled steps too (20 steps: two sample periods), and NeuralDBG reads no tensor value
+    through torch."""
+    base = mlp(depth)
+    plain = ops_per_step(copy.deepcopy(base), 20, watched=False)
+    watched_model = copy.deepcopy(base)
+    with count_reads() as reads:
+        watched = ops_per_step(watched_model, 20, watched=True)
+    assert watched == plain, (watched, plain)
+    assert not reads, reads
 
 
 def test_deferred_transfer_reads_nothing_inside_the_step():
@@ -90,15 +122,16 @@ def test_deferred_transfer_reads_nothing_inside_the_step():
     less than a step, results read mid-training include everything, and the numbers are those
     of the direct path."""
     torch.manual_seed(0)
-    direct_model = mlp(3)
-    deferred_model = mlp(3)
-    deferred_model.load_state_dict(direct_model.state_dict())
+    base = mlp(3)
     runs = {}
-    for mode, model in (("direct", direct_model), ("deferred", deferred_model)):
+    for mode in ("host", "direct", "deferred"):
+        model = mlp(3)
+        model.load_state_dict(base.state_dict())
         torch.manual_seed(1)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         with NeuralDbg(model, activation_every=1) as dbg:
-            dbg._collector.defer = mode == "deferred"
+            if mode != "host":
+                device_path(dbg, deferred=mode == "deferred")
             for i in range(15):
                 loss = step(model, opt)
                 if mode == "deferred" and i >= 1:
@@ -111,6 +144,19 @@ def test_deferred_transfer_reads_nothing_inside_the_step():
         assert dbg._collector.pending is None
     for a, b in zip(runs["direct"], runs["deferred"]):
         np.testing.assert_array_equal(a, b)
+    # The host path (a CPU model: statistics read from memory by the extension) agrees with
+    # the device path's torch reductions.
+    for a, b in zip(runs["host"], runs["direct"]):
+        np.testing.assert_allclose(a, b, rtol=1e-5)
+
+
+def device_path(dbg: NeuralDbg, deferred: bool) -> None:
+    """Makes a CPU model take the device path (one float32 vector of torch reductions, read
+    with .numpy()), directly or deferred like CUDA's, instead of the host path."""
+    c = dbg._collector
+    c.hm = None
+    c.hooks.hold[0] = True
+    c.defer = deferred
 
 
 def test_deferred_transfer_has_no_host_read_in_the_step():
@@ -118,7 +164,7 @@ def test_deferred_transfer_has_no_host_read_in_the_step():
     model = mlp(6)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     with NeuralDbg(model) as dbg:
-        dbg._collector.defer = True
+        device_path(dbg, deferred=True)
         for _ in range(12):
             step(model, opt)
         with count_reads() as counts:

@@ -41,9 +41,9 @@ import numpy as np
 from ._distributed import has_shards, local_tensors
 from ._hooks import BACKWARD_TAP, Hooks, reaches
 from ._loop import LoopFacts
-from ._measure import Measurer, Probe, first_float_tensor, input_stats
+from ._measure import HostMeasurer, Measurer, Probe, first_float_tensor, input_stats
 from ._model import WatchedModel
-from ._transfer import HostCopy, Layout, Pending, Unpacked, flatten
+from ._transfer import HostCopy, HostStep, Layout, Pending, Unpacked, flatten
 from .errors import NeuralDbgWarning
 
 # Whether dynamo is tracing (torch.compile): hooks then run inside a compiled graph. (This module
@@ -97,6 +97,19 @@ class Collector:
         self.sharded = has_shards(self.params)
         if distributed is not None:
             distributed.bind(self.params, model)
+        # A model on the CPU, one process: every statistic is computed on the host, straight
+        # into the arrays the engine takes (HostMeasurer), and a recorded layer keeps its output
+        # only on the steps whose outputs are measured (its NaN/Inf is found by computing it
+        # again; see _hooks.make_record).
+        self.host = distributed is None and not self.sharded and all(p.device.type == "cpu" for p in self.params)
+        self.hm: Optional[HostMeasurer] = HostMeasurer(self.measure, len(self.params)) if self.host else None
+        # Host mode: this step's gradient norms (read at the end of backward), input statistics,
+        # and what was measured when the loss appeared.
+        self.grad_host: Optional[np.ndarray] = None
+        self.host_inputs: List[Tuple[float, float, float, float]] = []
+        self.act_host: Optional[np.ndarray] = None
+        self.out_host: Optional[Tuple[np.ndarray, np.ndarray]] = None
+        self.clip_host: Optional[float] = None
 
         self.step = 0
         # (module index, output, positional args) of every hooked module call of the current
@@ -173,6 +186,8 @@ class Collector:
         """Activation probes are hooked only on steps whose activations are measured."""
         on = on and not self.disabled
         self.hooks.arm_probes(on, [(p.row, p.module) for p in self.probes], self.act_out)
+        # Host mode: recorded layers keep their outputs only when they are measured.
+        self.hooks.hold[0] = on or self.hm is None
 
     def remove(self) -> None:
         self.hooks.remove(self)
@@ -212,12 +227,19 @@ class Collector:
         self.ran = None
         self.act_out[:] = self.act_none
         self.loop.on_forward(module.training, self.torch.is_grad_enabled())
+        if self.hm is not None and self.registered:
+            # Host mode: under autocast a layer's output cannot be computed again exactly (its
+            # precision is autocast's): the recorded layers keep their outputs then.
+            self.hooks.hold[0] = self.hooks.probes_armed or self.torch.is_autocast_enabled("cpu")
         try:
             x = first_float_tensor(args)
             if x is None and kwargs:
                 x = first_float_tensor(kwargs)
             if x is not None and x.numel() > 0:
-                self.inputs.append(input_stats(x.detach()))
+                if self.hm is not None:
+                    self.host_inputs.append(self.hm.stats(x))
+                else:
+                    self.inputs.append(input_stats(x.detach()))
         except Exception as e:  # pragma: no cover - defensive
             self._fail(e)
 
@@ -249,9 +271,12 @@ class Collector:
         self.order = order
         self.order_set = done
 
-    def _on_grad_ready(self, param: Any) -> None:
-        """A parameter's gradient was accumulated: once per backward pass, have the gradients
-        read when that backward pass ends (every parameter's gradient is final then)."""
+    def _on_grad_ready(self, k: int) -> None:
+        """Parameter ``k``'s gradient was accumulated: once per backward pass, have the
+        gradients read when that backward pass ends (every parameter's gradient is final then)."""
+        fired = self.hooks.fired
+        if fired is not None:
+            fired.append(k)
         if self.bw_queued or self.disabled:
             return
         self.bw_queued = True
@@ -279,11 +304,22 @@ class Collector:
         self.bw_queued = False
         if self.disabled:
             return
+        if self.hooks.fired:
+            self.hooks.keep_sentinels()
         try:
             self.bw_gen += 1
             self._take_loss()
             with self.torch.no_grad():
                 self._read_gradients()
+                if (
+                    self.grad_host is not None and self.registered and self.ran is None and self.refs
+                    and not self.origin_checked
+                ):
+                    # Host mode, no loss seen before backward: a non-finite gradient has the
+                    # forward's outputs scanned now, while the parameters are unchanged.
+                    if not math.isfinite(float(self.grad_host.sum(dtype=np.float64))):
+                        self.origin = self.watched.first_nonfinite(self.refs)
+                        self.origin_checked = True
         except Exception as e:
             self._fail(e)
             return
@@ -294,6 +330,10 @@ class Collector:
             self.raise_halt()
 
     def _read_gradients(self) -> None:
+        if self.hm is not None:
+            self.grad_host = self.hm.norms(self.params, "grad")
+            self.grad_read = True
+            return
         parts: List[Any] = []
         grads = [p.grad for p in self.params]
         if self.sharded:  # each rank measures what it holds: DTensors' local shards
@@ -315,19 +355,23 @@ class Collector:
 
     def _unscaled_loss(self, tensors: "torch.Tensor") -> "torch.Tensor":
         torch = self.torch
-        loss = tensors.detach()
         fn = tensors.grad_fn
+        if type(fn).__name__ != "MulBackward0":
+            # Being differentiated: its graph lets go of its saved tensors in this backward, and
+            # it is read under no_grad (or by the host reader), so no detach is needed.
+            return tensors
+        loss = tensors.detach()
         # GradScaler's `scaler.scale(loss)` multiplies by a constant 1-element scale tensor:
         # undo it so the loss keeps its own scale when the scale factor changes.
-        if type(fn).__name__ == "MulBackward0":
-            other = getattr(fn, "_saved_other", None)
-            if isinstance(other, torch.Tensor) and other.numel() == 1 and not other.requires_grad:
-                loss = loss / other.detach()
+        other = getattr(fn, "_saved_other", None)
+        if isinstance(other, torch.Tensor) and other.numel() == 1 and not other.requires_grad:
+            loss = loss / other.detach()
         return loss.reshape(())
 
     def _on_criterion(self, module: Any, args: Any, output: Any) -> None:
         torch = self.torch
         if isinstance(output, torch.Tensor) and output.numel() == 1:
+            # Detached: a loss computed without backward (evaluation) must not hold its graph.
             self.losses.append(output.detach())
             if not self.registered:
                 self.loop.describe_loss(output, self.output_fns)
@@ -372,12 +416,18 @@ class Collector:
             return
         self.staged_gen = self.forward_gen
         try:
+            hm = self.hm
             if self.hooks.probes_armed:
-                self.act_staged = self.measure.activation_parts(self.probes, self.act_out)
+                if hm is not None:
+                    self.act_host = hm.activations(self.probes, self.act_out)
+                    self.out_host = hm.absmax(self.refs, self.watched.rank)
+                else:
+                    self.act_staged = self.measure.activation_parts(self.probes, self.act_out)
+                    self.out_staged = self.measure.output_absmax(self.refs, self.watched.rank)
                 self.act_out[:] = self.act_none
-                self.out_staged = self.measure.output_absmax(self.refs, self.watched.rank)
             if self.forward_check != "off" and not self.defer and loss.device.type == "cpu":
-                if self.origin is None and not math.isfinite(float(loss.detach().reshape(-1)[0])):
+                value = hm.scalar(loss) if hm is not None else float(loss.detach())
+                if self.origin is None and not math.isfinite(value):
                     self.origin = self.watched.first_nonfinite(self.refs)
                     self.origin_checked = bool(self.refs)
                 self.ran = [i for i, _, _ in self.refs]
@@ -405,7 +455,10 @@ class Collector:
         if not self.grad_read:
             if self.forward_gen == self.observed_gen:
                 return  # a second optimizer of the same iteration: one step
-            # Gradients no backward pass accumulated (set by hand): read as they are.
+            # Gradients no backward pass accumulated (set by hand), or one that reached no
+            # sentinel: read as they are, and hook every parameter again to learn new ones.
+            if self.hooks.fired is None:
+                self.hooks.hook_grads(self, self.params)
             try:
                 with self.torch.no_grad():
                     self._read_gradients()
@@ -435,6 +488,9 @@ class Collector:
         one parameter's gradient (see ``clip_index``) against what the backward produced says
         whether something (clipping) rescaled the gradients in between."""
         if self.clip_index is None:
+            return
+        if self.hm is not None:
+            self.clip_host = float(self.hm.norms([self.params[self.clip_index]], "grad")[0])
             return
         g = self.params[self.clip_index].grad
         if g is not None and self.sharded:
@@ -580,6 +636,11 @@ class Collector:
             self.act_out[:] = self.act_none
             self.act_staged = None
             self.out_staged = None
+            self.grad_host = None
+            self.host_inputs.clear()
+            self.act_host = None
+            self.out_host = None
+            self.clip_host = None
             self.origin = None
             self.origin_checked = False
             self.ran = None
@@ -592,6 +653,9 @@ class Collector:
         self._check_seen()
         layout = Layout(self.step, lr, final)
         layout.facts = self.loop.step_facts()
+        if self.hm is not None:
+            self._observe_host(layout, first, skipped)
+            return
         parts: List[Any] = []
         with torch.no_grad():
             if not self.grad_read:
@@ -685,6 +749,71 @@ class Collector:
         self.pending = Pending(layout, host, event, keep)
         if final:
             self._consume()
+
+    def _observe_host(self, layout: Layout, first: bool, skipped: bool) -> None:
+        """Host mode (a CPU model, one process): the step's statistics are computed straight
+        into host arrays (:class:`HostMeasurer`) and fed to the engine; no device vector."""
+        hm = self.hm
+        assert hm is not None
+        torch = self.torch
+        step = HostStep()
+        with torch.no_grad():
+            if not self.grad_read:
+                self._read_gradients()
+            grads = self.grad_host if self.grad_host is not None else self.no_grads.copy()
+            scale = getattr(self.scaler, "_scale", None) if self.scaler is not None else None
+            if isinstance(scale, torch.Tensor):
+                # Read at the end of backward, the gradients were scaled: unscale the norms.
+                inv = np.float32(1.0 / float(scale))
+                grads = np.where(grads >= 0, grads * inv, grads).astype(np.float32)
+                step.facts["loss_scale"] = float(scale)
+                step.facts["optimizer_skipped"] = 1.0 if skipped else 0.0
+            step.grad_norms = grads
+            if self.params and self._sampled(self.weight_every):
+                weights = self.params
+                step.weight_norms = hm.norms(weights)
+            act = self.act_host
+            if act is None and self.probes and self.hooks.frozen and self._activations_now():
+                self._fill_act_out()  # compiled: the probes are the kept module outputs
+                act = hm.activations(self.probes, self.act_out)
+            elif act is None and self.probes and (first or self.hooks.probes_armed):
+                act = hm.activations(self.probes, self.act_out)
+            step.activations = act
+            pending = self.losses or self.auto_losses
+            if pending:
+                values = [hm.scalar(t) for t in pending]
+                step.loss = values[0] if len(values) == 1 else float(np.mean(np.asarray(values, dtype=np.float32)))
+            inputs = list(self.host_inputs)
+            for x in self.raw_inputs:  # compiled forward passes: measured now
+                if x.numel() > 0:
+                    inputs.append(hm.stats(x))
+            if inputs:
+                step.inputs = np.asarray(inputs, dtype=np.float32).reshape(-1)
+            if self.clip_host is not None and self.clip_index is not None:
+                before = float(grads[self.clip_index])
+                after = self.clip_host
+                if before > 0.0 and math.isfinite(before) and math.isfinite(after):
+                    step.facts["clip_ratio"] = after / before
+            measures: Dict[str, np.ndarray] = {}
+            outs = self.out_host
+            if outs is None and first:
+                outs = hm.absmax(self.refs, self.watched.rank)
+            if outs is not None:
+                table = np.full(len(self.watched.spec_order), np.nan, dtype=np.float32)
+                # A module called several times in the step (a shared block) keeps its largest output.
+                np.fmax.at(table, outs[1], outs[0])
+                measures["output_absmax"] = table
+            if self.params and self._sampled(self.activation_every):
+                zeros = hm.zero_shares(self.params)
+                if zeros is not None:
+                    measures["grad_zero_rows"], measures["grad_zero_cols"] = zeros
+        layout.origin = self.origin
+        layout.checked = self.origin_checked
+        layout.ran = self.ran
+        refs = self.refs
+        if first:
+            self.hooks.rehook(set(self.param_owner))
+        self._feed(layout, step, refs, measures or None)
 
     def _consume(self) -> None:
         """Hands the pending (CUDA) step to the engine; its copy finished long ago."""
@@ -806,6 +935,8 @@ class Collector:
                 for t in [*self.losses, *self.auto_losses, *self.inputs, *self.raw_inputs]:
                     if not bool(torch.isfinite(t).all()):
                         return True
+                if not all(math.isfinite(v) for stats in self.host_inputs for v in stats):
+                    return True
                 return bool(self.refs) and self.watched.first_nonfinite(self.refs) is not None
         except Exception:  # pragma: no cover - exit must never raise
             return False

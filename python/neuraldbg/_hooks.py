@@ -14,8 +14,14 @@ when a step is read.
   only on the steps whose activation statistics are measured;
 * the criterion's forward hook (the loss, when a ``criterion`` is given);
 * torch's global optimizer step post hook (the step boundary);
-* a post-accumulate-grad hook on every trainable parameter: the end of each backward pass
-  that gave the model gradients is where they are read (before any clipping or unscaling);
+* post-accumulate-grad hooks: the end of each backward pass that gave the model gradients is
+  where they are read (before any clipping or unscaling). Every trainable parameter is hooked
+  until one backward pass has shown the order its gradients arrive in; then only two
+  sentinels stay (the first and the last parameter to get its gradient: any backward that
+  reaches the model reaches one of them), since a Python call per parameter and backward
+  costs about a microsecond each on a deep model. When a step's gradients arrived without a
+  sentinel firing (a sentinel frozen later), every parameter is hooked again and the
+  sentinels are learnt anew (:meth:`Hooks.hook_grads`);
 * :class:`BackwardTap`, a pass-through wrapper of ``torch.autograd.backward`` that picks up
   the loss when no criterion is given;
 * :class:`ScalerTap`, a pass-through wrapper of ``GradScaler.step``: which optimizer step a
@@ -109,6 +115,8 @@ class CallRecorder:
         # Per wrapped class: its own forward (None when inherited), and our wrapper.
         self.original: Dict[type, Optional[Callable[..., Any]]] = {}
         self.wrappers: Dict[type, Callable[..., Any]] = {}
+        # Per wrapped class: the forward the wrapper calls (own or inherited).
+        self.calls: Dict[type, Callable[..., Any]] = {}
 
     def add(self, module: Any, record: Callable[[Any, Any], None]) -> "RecorderHandle":
         cls = type(module)
@@ -130,6 +138,7 @@ class CallRecorder:
         if self.count[cls] == 0:
             del self.count[cls]
             original = self.original.pop(cls)
+            self.calls.pop(cls, None)
             if cls.__dict__.get("forward") is self.wrappers.pop(cls):
                 if original is None:  # inherited (BatchNorm2d from _BatchNorm)
                     delattr(cls, "forward")
@@ -159,10 +168,36 @@ class CallRecorder:
 
         self.original[cls] = own
         self.wrappers[cls] = forward
+        self.calls[cls] = call
         cls.forward = forward  # type: ignore[attr-defined]
 
     def is_watched(self, module: Any) -> bool:
         return id(module) in self.watched
+
+    def recompute(self, module: Any, args: Any) -> Any:
+        """The output of a recorded module's call on ``args`` (its class's own ``forward``, no
+        grad, nothing recorded), leaving the module's buffers (BatchNorm's running statistics)
+        untouched. None when it cannot be computed."""
+        import torch
+
+        cls = type(module)
+        if not is_recorded(module) or not isinstance(args, tuple):
+            return None
+        forward = self.calls.get(cls) or cls.forward  # type: ignore[attr-defined]
+        buffers = module._buffers
+        saved = dict(buffers)
+        try:
+            with torch.no_grad():
+                # The call works on copies of the buffers: the module's own are not written
+                # (autograd may have saved them: writing would bump their version).
+                for name, b in saved.items():
+                    if b is not None:
+                        buffers[name] = b.clone()
+                return forward(module, *args)
+        except Exception:
+            return None
+        finally:
+            buffers.update(saved)
 
 
 class RecorderHandle:
@@ -206,11 +241,17 @@ class Hooks:
         # even when the model itself is not what the loop calls (a LightningModule whose
         # training_step calls a submodule).
         self.first = [-1]
+        # Whether recorded modules keep their outputs this step (see :func:`make_record`).
+        self.hold = [True]
         self.handles: List[Any] = []
         # Forward hooks on modules: index -> handle. Activation probes have their own.
         self.module_handles: Dict[int, Any] = {}
         self.probe_handles: List[Any] = []
         self.probes_armed = False
+        # Post-accumulate-grad hooks: parameter index -> handle; `fired` records the order
+        # gradients arrive in while every parameter is hooked (None once sentinels are chosen).
+        self.grad_handles: Dict[int, Any] = {}
+        self.fired: Optional[List[int]] = None
 
     @property
     def frozen(self) -> bool:
@@ -226,8 +267,7 @@ class Hooks:
         self._own(root.register_forward_hook(c._on_root_post))
         if c.criterion is not None:
             self._own(c.criterion.register_forward_hook(c._on_criterion))
-        for p in params:
-            self.handles.append(p.register_post_accumulate_grad_hook(c._on_grad_ready))
+        self.hook_grads(c, params)
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
         self.handles.append(register_optimizer_step_post_hook(c._on_optimizer_post))
@@ -235,6 +275,28 @@ class Hooks:
         STATE_TAP.add(self)
         if c.criterion is None:
             BACKWARD_TAP.add(c)
+
+    def hook_grads(self, c: "Collector", params: List[Any]) -> None:
+        """Hooks every parameter's gradient accumulation and records the order they fire in,
+        until :meth:`keep_sentinels` keeps two."""
+        for h in self.grad_handles.values():
+            h.remove()
+        self.grad_handles = {}
+        self.fired = []
+        for k, p in enumerate(params):
+            self.grad_handles[k] = p.register_post_accumulate_grad_hook(_grad_hook(c, k))
+
+    def keep_sentinels(self) -> None:
+        """After a backward pass with every parameter hooked: keep the hooks of the first and
+        the last parameter whose gradient arrived, remove the others."""
+        fired = self.fired
+        if not fired:
+            return
+        keep = {fired[0], fired[-1]}
+        for k in list(self.grad_handles):
+            if k not in keep:
+                self.grad_handles.pop(k).remove()
+        self.fired = None
 
     def _own(self, handle: Any) -> Any:
         STATE_TAP.ours.add(handle.id)
@@ -244,7 +306,7 @@ class Hooks:
     def hook_module(self, i: int, keep: bool, record: bool = False) -> None:
         m = self.modules[i]
         if record and is_recorded(m):
-            self.module_handles[i] = CALL_RECORDER.add(m, make_record(i, self.refs, keep, self.first))
+            self.module_handles[i] = CALL_RECORDER.add(m, make_record(i, self.refs, keep, self.first, self.hold))
             return
         hook = make_ref_hook(i, self.refs, keep, self.trace, self.first)
         h = self.modules[i].register_forward_hook(hook)
@@ -284,7 +346,9 @@ class Hooks:
         self.probes_armed = on
 
     def remove(self, c: "Collector") -> None:
-        for h in [*self.handles, *self.module_handles.values(), *self.probe_handles]:
+        hooks = [*self.handles, *self.module_handles.values(), *self.probe_handles, *self.grad_handles.values()]
+        self.grad_handles.clear()
+        for h in hooks:
             try:
                 h.remove()
             except Exception:  # pragma: no cover - removal must never raise into the user's code
@@ -302,6 +366,15 @@ def _compiling() -> Callable[[], bool]:
     import torch
 
     return torch.compiler.is_compiling
+
+
+def _grad_hook(c: "Collector", k: int) -> Callable[[Any], None]:
+    """The post-accumulate-grad hook of parameter ``k``."""
+
+    def hook(param: Any) -> None:
+        c._on_grad_ready(k)
+
+    return hook
 
 
 def make_ref_hook(
@@ -334,16 +407,23 @@ def make_ref_hook(
     return hook
 
 
-def make_record(index: int, refs: List[Any], keep: bool, first: List[int]) -> Callable[[Any, Any], None]:
+def make_record(
+    index: int, refs: List[Any], keep: bool, first: List[int], hold: List[bool]
+) -> Callable[[Any, Any], None]:
     """What :class:`CallRecorder` calls with a recorded module's ``(output, args)``: the
-    untraced path of :func:`make_ref_hook`."""
+    untraced path of :func:`make_ref_hook`. While ``hold[0]`` is False the output is not kept
+    (only the inputs, which autograd keeps alive anyway): holding every layer's output makes
+    each forward pass allocate fresh memory, about 3 us a layer on a deep CPU model. A
+    recorded layer's output is a function of its inputs and parameters, so on a step that
+    went non-finite it is computed again (:meth:`CallRecorder.recompute`) while the
+    parameters are still those of the forward pass."""
     append = refs.append
     if keep:
 
         def record(output: Any, args: Any) -> None:
             if index == first[0]:
                 refs.clear()
-            append((index, output, args))
+            append((index, output if hold[0] else None, args))
 
     else:
 

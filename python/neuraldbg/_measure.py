@@ -9,6 +9,13 @@ as few kernel launches as possible. Nothing here hooks a module or talks to the 
   by the engine; :class:`Measurer.activation_parts` stacks modules of one output shape);
 * ``min, max, mean, std`` of the model's first floating-point input (:func:`input_stats`);
 * whether tensors are finite, batched into one transfer (:func:`finite_flags`).
+
+On CPU (:class:`HostMeasurer`) the same statistics are read straight from the tensors' memory
+by the extension (``neuraldbg._native.TensorReader``) into host arrays: no torch op at all.
+On a fast step each torch op costs 10-25 us (the step's own work has evicted the dispatcher's
+code and data from the caches), which made a dozen small reductions most of the cost of
+watching a 1 ms step. Whatever the reader cannot read (a tensor subclass, a non-contiguous or
+exotic-dtype tensor) falls back to the torch path above, read back with ``.numpy()``.
 """
 
 from __future__ import annotations
@@ -122,7 +129,7 @@ class NormPlan:
 class Probe:
     """What to measure on one activation module (decided by the engine)."""
 
-    __slots__ = ("row", "module", "center", "half", "death", "slope", "unit_axis", "cols")
+    __slots__ = ("row", "module", "center", "half", "death", "slope", "unit_axis", "cols", "spec")
 
     def __init__(self, row: int, d: Dict[str, Any], unit_axis: int) -> None:
         self.row = row
@@ -135,6 +142,8 @@ class Probe:
         if self.slope not in ("tanh", "sigmoid", "softsign"):
             self.slope = None
         self.unit_axis = unit_axis
+        # What the extension's reader takes (TensorReader.activations).
+        self.spec = (row, unit_axis, self.center, self.half, self.death, SLOPES[self.slope])
         # Columns of the engine's activation row this probe fills (absmax always).
         self.cols = [0] + ([1] if self.half is not None else []) + ([2] if self.death else []) + (
             [3] if self.slope else []
@@ -424,3 +433,134 @@ def finite_flags(objs: Sequence[Any]) -> List[bool]:
     return out
 
 
+
+
+def reader() -> Any:
+    """The extension's tensor reader (one per process), or None when it is unavailable."""
+    global _READER
+    if _READER is None:
+        torch = torch_module()
+        try:
+            from . import _native
+
+            _READER = _native.TensorReader(
+                (torch.Tensor, torch.nn.Parameter), torch.float32, torch.float64, torch.float16, torch.bfloat16
+            )
+        except (ImportError, AttributeError):  # pragma: no cover - an extension built without it
+            _READER = False
+    return _READER or None
+
+
+_READER: Any = None
+
+# Probe slope kinds as the reader numbers them.
+SLOPES = {None: 0, "tanh": 1, "sigmoid": 2, "softsign": 3}
+
+
+def _host(t: Any) -> np.ndarray:
+    """A float32 host array of a torch tensor (no copy on CPU)."""
+    return t.detach().to("cpu", torch_module().float32).reshape(-1).numpy()
+
+
+class HostMeasurer:
+    """The statistics of :class:`Measurer`, as host arrays, for a model on the CPU: read by the
+    extension from the tensors' memory, or by the torch path where it cannot."""
+
+    def __init__(self, measure: Measurer, n_params: int) -> None:
+        self.measure = measure
+        self.reader = reader()
+        self.torch = torch_module()
+        self.n_params = n_params
+
+    def norms(self, items: Sequence[Any], attr: Optional[str] = None) -> np.ndarray:
+        """L2 norm of each tensor (``getattr(item, attr)`` when ``attr`` is given; -1 where
+        that is None)."""
+        out = np.empty(len(items), dtype=np.float32)
+        r = self.reader
+        if r is not None and r.norms(items, out, attr):
+            return out
+        tensors = [getattr(x, attr) for x in items] if attr else list(items)
+        parts: List[Any] = []
+        with self.torch.no_grad():
+            if len(items) != self.n_params:  # not the model's parameters: no plan
+                present = [k for k, t in enumerate(tensors) if t is not None]
+                order = np.asarray(present, dtype=np.intp) if present else None
+                if present:
+                    self.measure.generic_norms([tensors[k] for k in present], parts)
+            elif attr:
+                order = self.measure.gradient_norms(tensors, parts)
+            else:
+                order = self.measure.weight_norms(tensors, parts)
+        out.fill(-1.0)
+        if order is not None and parts:
+            out[order] = np.concatenate([_host(p) for p in parts])
+        return out
+
+    def scalar(self, t: Any) -> float:
+        r = self.reader
+        v = r.scalar(t) if r is not None else None
+        return float(t.detach().item()) if v is None else v
+
+    def stats(self, x: Any) -> Tuple[float, float, float, float]:
+        """``min, max, mean, std`` of one input batch."""
+        r = self.reader
+        v = r.stats(x) if r is not None else None
+        if v is None:
+            with self.torch.no_grad():
+                a = _host(input_stats(x.detach()))
+            return (float(a[0]), float(a[1]), float(a[2]), float(a[3]))
+        return v
+
+    def absmax(self, refs: Sequence[Tuple[int, Any, Any]], rank: Dict[int, int]) -> Optional[Tuple[np.ndarray, np.ndarray]]:
+        """Largest magnitude of each kept module output: (values, engine module indices)."""
+        tensors: List[Any] = []
+        ranks: List[int] = []
+        for i, out, _ in refs:
+            r = rank.get(i)
+            t = first_float_tensor(out) if out is not None else None
+            if r is None or t is None or t.numel() == 0:
+                continue
+            tensors.append(t)
+            ranks.append(r)
+        if not tensors:
+            return None
+        out = np.empty(len(tensors), dtype=np.float32)
+        rd = self.reader
+        if rd is None or not rd.absmax(tensors, out):
+            staged = self.measure.output_absmax([(i, t, None) for i, t in enumerate(tensors)], {i: i for i in range(len(tensors))})
+            assert staged is not None
+            out = _host(staged[0])
+        return out, np.asarray(ranks, dtype=np.intp)
+
+    def zero_shares(self, params: Sequence[Any]) -> Optional[Tuple[np.ndarray, np.ndarray]]:
+        """Per parameter, the share of its gradient's rows and of its columns that are exactly
+        zero (NaN where not measured: no gradient, or fewer than 2 dimensions)."""
+        n = len(params)
+        rows = np.empty(n, dtype=np.float32)
+        cols = np.empty(n, dtype=np.float32)
+        r = self.reader
+        if r is None or not r.zero_shares(params, rows, cols, "grad"):
+            rows.fill(np.nan)
+            cols.fill(np.nan)
+            staged = self.measure.grad_zero_shares([p.grad for p in params])
+            if staged is None:
+                return None
+            vec, index = _host(staged[0]), staged[1]
+            rows[index] = vec[: index.size]
+            cols[index] = vec[index.size :]
+        return rows, cols
+
+    def activations(self, probes: Sequence[Probe], outs: Sequence[Any]) -> Optional[np.ndarray]:
+        """The engine's activation table (5 values per probe row; NaN where not measured)."""
+        table = np.full(len(probes) * 5, np.nan, dtype=np.float32)
+        r = self.reader
+        if r is not None and r.activations(outs, [p.spec for p in probes], table):
+            return table
+        staged = self.measure.activation_parts(probes, outs)
+        if staged is None:
+            return None
+        parts, index, samples = staged
+        table.fill(np.nan)
+        table[index] = np.concatenate([_host(p) for p in parts])
+        table[4::5] = samples
+        return table

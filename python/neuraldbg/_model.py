@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from ._hooks import is_passive
+from ._hooks import CALL_RECORDER, is_passive
 from ._measure import finite_flags
 
 # Modules that hold a lookup table rather than a transform: their weight scale says nothing
@@ -123,10 +123,18 @@ class WatchedModel:
         a division...) of a module still running: the enclosing module (skipping
         ``nn.Sequential``, which has no code of its own), which is reported.
 
-        Runs only on a step whose gradients or loss are not finite (or after a crash): one
-        batched finiteness check of every kept output, one of the culprit's inputs.
+        Runs only on a step whose gradients or loss are not finite (or after a crash), while
+        the parameters are still those of the forward pass: one batched finiteness check of
+        every kept output, one of the culprit's inputs. Recorded layers that kept only their
+        inputs have their output computed again from them.
         """
-        calls = [(i, out, args) for i, out, args in refs if out is not None]
+        calls = []
+        for i, out, args in refs:
+            if out is None and args is not None:
+                # A recorded layer that kept only its inputs (see _hooks.make_record).
+                out = CALL_RECORDER.recompute(self.modules[i], args)
+            if out is not None:
+                calls.append((i, out, args))
         flags = finite_flags([out for _, out, _ in calls])
         for (i, _, args), ok in zip(calls, flags):
             if ok:

@@ -116,6 +116,20 @@ class HostCopy:
         return dst.numpy(), event
 
 
+class HostStep:
+    """One step's statistics computed on the host (a CPU model): no vector, no transfer."""
+
+    __slots__ = ("grad_norms", "weight_norms", "activations", "loss", "inputs", "facts")
+
+    def __init__(self) -> None:
+        self.grad_norms: np.ndarray = np.zeros(0, dtype=np.float32)
+        self.weight_norms: Optional[np.ndarray] = None
+        self.activations: Optional[np.ndarray] = None
+        self.loss: Optional[float] = None
+        self.inputs: Optional[np.ndarray] = None
+        self.facts: Dict[str, float] = {}
+
+
 class Unpacked:
     """One step's statistics as the engine takes them (host arrays)."""
 
