@@ -116,6 +116,7 @@ mod error;
 mod event;
 mod health;
 mod history;
+pub mod measure;
 mod model;
 mod named;
 mod observation;
