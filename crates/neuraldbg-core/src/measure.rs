@@ -13,7 +13,9 @@
 //! [`half::bf16`]), accumulates in `f64`, and propagates NaN the way the torch reductions it
 //! replaces do (`amax`, `aminmax` and norms return NaN when any element is NaN). The hot loops
 //! run over chunks of [`LANES`] elements into as many independent accumulators, which the
-//! compiler turns into SIMD code (a 1M-element `f32` L2 norm takes about 0.1 ms).
+//! compiler turns into SIMD code even for the baseline x86-64 target (SSE2): a 1M-element `f32`
+//! L2 norm takes about 0.15 ms, `min, max, mean, std` 0.6 ms (`cargo test --release -p
+//! neuraldbg-core --lib measure::tests::speed -- --ignored --nocapture` prints them all).
 
 use half::{bf16, f16};
 
@@ -86,10 +88,11 @@ impl Element for bf16 {
 /// (which a flush-to-zero mode would zero).
 #[inline]
 fn f16_bits_to_f64(h: u16) -> f64 {
-    let em = u64::from(h & 0x7fff);
-    let normal = f64::from_bits((em << 42) + ((1023 - 15) << 52));
-    let subnormal = em as f64 * (1.0 / 16_777_216.0); // m * 2^-24
-    let special = f64::from_bits((em << 42) | 0x7ff0_0000_0000_0000);
+    // 32-bit integer lanes throughout (SSE2 compares them); every f16 is a normal f32.
+    let em = u32::from(h & 0x7fff);
+    let normal = f32::from_bits((em << 13) + ((127 - 15) << 23));
+    let subnormal = f32::from(h & 0x3ff) * (1.0 / 16_777_216.0); // m * 2^-24, exact
+    let special = f32::from_bits((em << 13) | 0x7f80_0000); // inf, NaN (payload kept)
     let v = if em < 0x400 {
         subnormal
     } else if em >= 0x7c00 {
@@ -97,7 +100,7 @@ fn f16_bits_to_f64(h: u16) -> f64 {
     } else {
         normal
     };
-    f64::from_bits(v.to_bits() | (u64::from(h & 0x8000) << 48))
+    f64::from(f32::from_bits(v.to_bits() | (u32::from(h & 0x8000) << 16)))
 }
 
 /// The larger of `m` and `v`, NaN as soon as either is NaN (sticky, like `torch.amax`).
