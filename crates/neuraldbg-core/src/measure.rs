@@ -9,7 +9,7 @@
 //! norms, input `min, max, mean, std`, output magnitudes, the zero rows and columns of a
 //! gradient, and the activation statistics of the engine's probes.
 //!
-//! Every kernel reads a slice of one [`Element`] type (`f32`, `f64`, [`half::f16`],
+//! Every kernel reads a slice of one [`Element`] type (`f32`, `f64`, [`half::f16`](struct@half::f16),
 //! [`half::bf16`]), accumulates in `f64`, and propagates NaN the way the torch reductions it
 //! replaces do (`amax`, `aminmax` and norms return NaN when any element is NaN). The hot loops
 //! run over chunks of [`LANES`] elements into as many independent accumulators, which the
@@ -30,7 +30,7 @@ mod sealed {
     impl Sealed for half::bf16 {}
 }
 
-/// A floating-point element type the kernels read: `f32`, `f64`, [`f16`], [`bf16`].
+/// A floating-point element type the kernels read: `f32`, `f64`, [`f16`](struct@f16), [`bf16`].
 pub trait Element: Copy + sealed::Sealed {
     /// The exact value as `f64` (branch-free, so that loops over it vectorise).
     fn to_f64(self) -> f64;
