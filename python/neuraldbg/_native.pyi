@@ -99,7 +99,9 @@ class TensorReader:
     the four given (by identity), ``t.is_cpu`` and ``t.is_contiguous()`` are True and it is
     empty or has a non-null ``data_ptr()``. For anything else the methods answer False/None
     (never raise) and the caller uses its torch path. Output arrays: C-contiguous writable
-    float32 (ValueError otherwise)."""
+    float32 (ValueError otherwise). ``tensor_types`` must be torch's own tensor types
+    (``torch.Tensor``, ``torch.nn.Parameter``): the reader trusts their ``data_ptr()``, and
+    nothing may write the tensors from another thread during a call."""
 
     def __new__(
         cls,

@@ -20,7 +20,9 @@
 //! ([`TensorReader::with_elements`]): no Python code runs while it exists, so nothing can free
 //! or resize the storage. The caller must not let another thread write the tensors meanwhile
 //! (torch kernels release the GIL); the collector calls the reader from the training thread
-//! between steps' ops, the same contract as numpy's buffer protocol.
+//! between steps' ops, the same contract as numpy's buffer protocol. The reader trusts what the
+//! accepted types answer: the constructor must be given torch's own tensor types
+//! (`torch.Tensor`, `torch.nn.Parameter`), not a class whose `data_ptr` could say anything.
 
 use half::{bf16, f16};
 use neuraldbg_core::measure::{self, Element, OutputProbe, Slope};
@@ -371,7 +373,6 @@ impl TensorReader {
     /// slope)` the statistics of `outs[row]` into `table[5 * row ..][..5]` (entries the probe
     /// does not ask are left alone; None and empty outputs are skipped). False if an output
     /// is unreadable.
-    #[allow(clippy::type_complexity)]
     fn activations(
         &mut self,
         outs: &Bound<'_, PyAny>,
