@@ -1,13 +1,13 @@
 """Type stubs of the Rust extension module (crates/neuraldbg-py)."""
 
 import os
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Type, Union
 
 import numpy as np
 import numpy.typing as npt
 from typing_extensions import final
 
-__all__ = ["Engine", "__version__", "cli_main", "default_config_json"]
+__all__ = ["Engine", "TensorReader", "__version__", "cli_main", "default_config_json"]
 __version__: str
 
 def default_config_json() -> str:
@@ -90,3 +90,63 @@ class Engine:
         """Every history series as one long table: the series keys ``(group, module, metric)``
         and the columns series index, first step, step, value, min, max."""
     def heap_bytes(self) -> int: ...
+
+@final
+class TensorReader:
+    """Statistics of CPU tensors read straight from their memory (no torch op).
+
+    A tensor is readable when ``type(t)`` is exactly one of ``tensor_types``, its dtype one of
+    the four given (by identity), ``t.is_cpu`` and ``t.is_contiguous()`` are True and it is
+    empty or has a non-null ``data_ptr()``. For anything else the methods answer False/None
+    (never raise) and the caller uses its torch path. Output arrays: C-contiguous writable
+    float32 (ValueError otherwise). ``tensor_types`` must be torch's own tensor types
+    (``torch.Tensor``, ``torch.nn.Parameter``): the reader trusts their ``data_ptr()``, and
+    nothing may write the tensors from another thread during a call."""
+
+    def __new__(
+        cls,
+        tensor_types: Tuple[Type[object], ...],
+        float32: object,
+        float64: object,
+        float16: object,
+        bfloat16: object,
+    ) -> "TensorReader": ...
+    def norms(
+        self,
+        items: Sequence[object],
+        out: npt.NDArray[np.float32],
+        attr: Optional[str] = None,
+        missing: float = -1.0,
+    ) -> bool:
+        """``out[i]`` = the L2 norm of ``items[i]`` (or of ``getattr(items[i], attr)``),
+        ``missing`` where that is None. False as soon as a tensor is unreadable (``out`` then
+        unspecified)."""
+    def stats(self, t: object) -> Optional[Tuple[float, float, float, float]]:
+        """``(min, max, mean, std)`` (population std) of a readable non-empty tensor, else
+        None."""
+    def scalar(self, t: object) -> Optional[float]:
+        """The value of a readable one-element tensor, else None."""
+    def absmax(self, items: Sequence[object], out: npt.NDArray[np.float32]) -> bool:
+        """``out[i]`` = max |x| over ``items[i]`` (0 when empty); False if an item is not a
+        readable tensor."""
+    def zero_shares(
+        self,
+        items: Sequence[object],
+        rows: npt.NDArray[np.float32],
+        cols: npt.NDArray[np.float32],
+        attr: Optional[str] = None,
+    ) -> bool:
+        """Shares of the exactly-zero rows ``t[r]`` and columns ``t[:, c]`` of each tensor of 2
+        or more dimensions (NaN for None, fewer dimensions or no element); False if a tensor
+        is unreadable."""
+    def activations(
+        self,
+        outs: Sequence[object],
+        probes: Sequence[Tuple[int, int, float, Optional[float], bool, int]],
+        table: npt.NDArray[np.float32],
+    ) -> bool:
+        """For each probe ``(row, unit_axis, center, half, death, slope)`` (slope: 0 none, 1
+        tanh, 2 sigmoid, 3 softsign) the statistics of ``outs[row]`` into ``table[5*row:5*row+5]``
+        (absmax, saturation share, dead share, slope, samples per unit; entries the probe does
+        not ask are left alone, None and empty outputs skipped). False if an output is
+        unreadable."""

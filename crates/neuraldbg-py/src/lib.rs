@@ -9,6 +9,8 @@
 
 use std::ffi::CString;
 
+mod reader;
+
 use neuraldbg_core::analysis::{self, Analysis, parse_failure};
 use neuraldbg_core::trace::{Replay, SyncPolicy, TraceReader, TraceWriter, WriterOptions};
 use neuraldbg_core::{
@@ -478,6 +480,7 @@ fn cli_main(py: Python<'_>, argv: Vec<String>) -> i32 {
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyEngine>()?;
+    m.add_class::<reader::TensorReader>()?;
     m.add_function(wrap_pyfunction!(default_config_json, m)?)?;
     m.add_function(wrap_pyfunction!(cli_main, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

@@ -1,0 +1,430 @@
+//! `TensorReader`: statistics of CPU tensors read straight from their memory, no torch op.
+//!
+//! On a fast CPU step each torch op the collector adds costs 10-25 µs (the step has evicted the
+//! dispatcher's code from the caches), far more than the arithmetic of its small reductions.
+//! So for a *readable* tensor, the reader takes the pointer `tensor.data_ptr()` and the count
+//! `tensor.numel()`, views them as a slice of `f32`, `f64`, `f16` or `bf16`, and hands it to the
+//! kernels of [`neuraldbg_core::measure`]; results go into numpy arrays the caller gives.
+//!
+//! A tensor is readable when its type is exactly one of the types given to the constructor
+//! (subclasses such as `DTensor` or `FakeTensor` are not), its dtype is one of the four given
+//! dtype objects (by identity), `t.is_cpu` and `t.is_contiguous()` are `True`, and it is empty
+//! or has a non-null `data_ptr()` (which already includes the storage offset). Any exception
+//! while checking makes it unreadable, and the methods answer `False`/`None` so that the
+//! collector falls back to its torch path; only misuse (an output array of the wrong length,
+//! layout or dtype) raises.
+//!
+//! Safety contract: a readable tensor's `numel` elements lie contiguously from `data_ptr()` in
+//! memory its storage owns. The tensor is referenced by the method's arguments and the GIL is
+//! held throughout, and each slice lives only inside one pure Rust computation
+//! ([`TensorReader::with_elements`]): no Python code runs while it exists, so nothing can free
+//! or resize the storage. The caller must not let another thread write the tensors meanwhile
+//! (torch kernels release the GIL); the collector calls the reader from the training thread
+//! between steps' ops, the same contract as numpy's buffer protocol. The reader trusts what the
+//! accepted types answer: the constructor must be given torch's own tensor types
+//! (`torch.Tensor`, `torch.nn.Parameter`), not a class whose `data_ptr` could say anything.
+
+use half::{bf16, f16};
+use neuraldbg_core::measure::{self, Element, OutputProbe, Slope};
+use numpy::PyReadwriteArrayDyn;
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::{PyList, PyString, PyTuple};
+
+/// A readable tensor's elements, by dtype.
+enum Elements<'a> {
+    F32(&'a [f32]),
+    F64(&'a [f64]),
+    F16(&'a [f16]),
+    Bf16(&'a [bf16]),
+}
+
+/// Runs `$body` with `$xs` bound to the slice of whatever element type `$e` holds.
+macro_rules! dispatch {
+    ($e:expr, $xs:ident => $body:expr) => {
+        match $e {
+            Elements::F32($xs) => $body,
+            Elements::F64($xs) => $body,
+            Elements::F16($xs) => $body,
+            Elements::Bf16($xs) => $body,
+        }
+    };
+}
+
+/// `len` elements of `T` from address `ptr`, `None` when the address is misaligned or the span
+/// too long for a slice.
+///
+/// # Safety
+/// `ptr` must be non-null and point to `len` initialised elements of `T` that stay alive and
+/// unwritten for `'a`.
+unsafe fn slice_at<'a, T>(ptr: usize, len: usize) -> Option<&'a [T]> {
+    let bytes = len.checked_mul(size_of::<T>())?;
+    if ptr == 0
+        || ptr % align_of::<T>() != 0
+        || bytes > isize::MAX as usize
+        || ptr.checked_add(bytes).is_none()
+    {
+        return None;
+    }
+    // SAFETY: non-null and aligned (checked above), the span fits `isize` and does not wrap
+    // (checked above); validity and lifetime are the caller's contract.
+    Some(unsafe { std::slice::from_raw_parts(ptr as *const T, len) })
+}
+
+/// The item `i` of a sequence (lists and tuples without building an index object).
+fn item<'py>(seq: &Bound<'py, PyAny>, i: usize) -> PyResult<Bound<'py, PyAny>> {
+    if let Ok(list) = seq.cast::<PyList>() {
+        list.get_item(i)
+    } else if let Ok(tuple) = seq.cast::<PyTuple>() {
+        tuple.get_item(i)
+    } else {
+        seq.get_item(i)
+    }
+}
+
+/// The C-contiguous float32 contents of an output array given by the caller.
+fn out_slice<'a>(name: &str, a: &'a mut PyReadwriteArrayDyn<'_, f32>) -> PyResult<&'a mut [f32]> {
+    a.as_slice_mut().map_err(|_| {
+        PyValueError::new_err(format!(
+            "{name} must be a C-contiguous writable float32 array"
+        ))
+    })
+}
+
+/// Statistics of CPU tensors read straight from their memory (no torch op).
+#[pyclass(module = "neuraldbg._native", name = "TensorReader", unsendable)]
+pub struct TensorReader {
+    /// The exact tensor types accepted.
+    types: Vec<Py<PyAny>>,
+    /// `torch.float32`, `torch.float64`, `torch.float16`, `torch.bfloat16`.
+    dtypes: [Py<PyAny>; 4],
+    /// Interned attribute and method names.
+    dtype: Py<PyString>,
+    is_cpu: Py<PyString>,
+    is_contiguous: Py<PyString>,
+    numel: Py<PyString>,
+    data_ptr: Py<PyString>,
+    shape: Py<PyString>,
+    /// Reused buffers: a tensor's shape, per-unit maxima, per-column flags.
+    dims: Vec<usize>,
+    units: Vec<f64>,
+    cols: Vec<bool>,
+}
+
+impl std::fmt::Debug for TensorReader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TensorReader")
+            .field("types", &self.types.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl TensorReader {
+    /// Runs `f` over the elements of `t` if it is a readable tensor (`None` otherwise, and on
+    /// any exception while checking). With `shape`, `self.dims` gets the tensor's shape first.
+    fn with_elements<R>(
+        &mut self,
+        t: &Bound<'_, PyAny>,
+        shape: bool,
+        f: impl FnOnce(Elements<'_>, &mut Self) -> R,
+    ) -> Option<R> {
+        let py = t.py();
+        let ty = t.get_type();
+        if !self.types.iter().any(|x| ty.is(x)) {
+            return None;
+        }
+        let dtype = t.getattr(self.dtype.bind(py)).ok()?;
+        let kind = self.dtypes.iter().position(|d| dtype.is(d))?;
+        if !t
+            .getattr(self.is_cpu.bind(py))
+            .ok()?
+            .extract::<bool>()
+            .ok()?
+            || !t
+                .call_method0(self.is_contiguous.bind(py))
+                .ok()?
+                .extract::<bool>()
+                .ok()?
+        {
+            return None;
+        }
+        let numel: usize = t.call_method0(self.numel.bind(py)).ok()?.extract().ok()?;
+        if shape {
+            let dims = t.getattr(self.shape.bind(py)).ok()?;
+            let dims = dims.cast::<PyTuple>().ok()?;
+            self.dims.clear();
+            for d in dims.iter() {
+                self.dims.push(d.extract().ok()?);
+            }
+            if self.dims.iter().try_fold(1usize, |n, &d| n.checked_mul(d)) != Some(numel) {
+                return None;
+            }
+        }
+        let ptr: usize = if numel == 0 {
+            0
+        } else {
+            t.call_method0(self.data_ptr.bind(py))
+                .ok()?
+                .extract()
+                .ok()?
+        };
+        if numel > 0 && ptr == 0 {
+            return None;
+        }
+        // SAFETY (all four arms): `t` is a CPU tensor of exactly a torch tensor type (no
+        // subclass overriding these answers), of this dtype, contiguous, so its `numel`
+        // elements lie one after another from `data_ptr()` (storage offset included) inside
+        // its storage. `t` is borrowed from the caller's arguments and the GIL is held, and
+        // the slice lives only inside `f`, pure Rust code that runs no Python: nothing can
+        // free, resize or (from Python) write the storage while it exists. Writes from other
+        // threads are excluded by the module's contract.
+        let elements = if numel == 0 {
+            match kind {
+                0 => Elements::F32(&[]),
+                1 => Elements::F64(&[]),
+                2 => Elements::F16(&[]),
+                _ => Elements::Bf16(&[]),
+            }
+        } else {
+            match kind {
+                0 => Elements::F32(unsafe { slice_at(ptr, numel) }?),
+                1 => Elements::F64(unsafe { slice_at(ptr, numel) }?),
+                2 => Elements::F16(unsafe { slice_at(ptr, numel) }?),
+                _ => Elements::Bf16(unsafe { slice_at(ptr, numel) }?),
+            }
+        };
+        Some(f(elements, self))
+    }
+
+    /// `getattr(x, attr)` if `attr` is given, else `x`.
+    fn target<'py>(
+        x: Bound<'py, PyAny>,
+        attr: Option<&Bound<'py, PyString>>,
+    ) -> Option<Bound<'py, PyAny>> {
+        match attr {
+            Some(a) => x.getattr(a).ok(),
+            None => Some(x),
+        }
+    }
+}
+
+/// The activation row of one probe over elements of any type.
+fn activation<T: Element>(
+    xs: &[T],
+    dims: &[usize],
+    probe: &OutputProbe,
+    units: &mut Vec<f64>,
+    row: &mut [f32],
+) {
+    let r = measure::activation(xs, dims, probe, units);
+    row[0] = r.absmax as f32;
+    if let Some(v) = r.saturation {
+        row[1] = v as f32;
+    }
+    if let Some(v) = r.dead {
+        row[2] = v as f32;
+    }
+    if let Some(v) = r.slope {
+        row[3] = v as f32;
+    }
+    row[4] = r.samples_per_unit as f32;
+}
+
+#[pymethods]
+impl TensorReader {
+    #[new]
+    fn new(
+        py: Python<'_>,
+        tensor_types: &Bound<'_, PyTuple>,
+        float32: Py<PyAny>,
+        float64: Py<PyAny>,
+        float16: Py<PyAny>,
+        bfloat16: Py<PyAny>,
+    ) -> Self {
+        let name = |s: &str| PyString::intern(py, s).unbind();
+        Self {
+            types: tensor_types.iter().map(Bound::unbind).collect(),
+            dtypes: [float32, float64, float16, bfloat16],
+            dtype: name("dtype"),
+            is_cpu: name("is_cpu"),
+            is_contiguous: name("is_contiguous"),
+            numel: name("numel"),
+            data_ptr: name("data_ptr"),
+            shape: name("shape"),
+            dims: Vec::new(),
+            units: Vec::new(),
+            cols: Vec::new(),
+        }
+    }
+
+    /// `out[i]` = the L2 norm of `items[i]` (or of `getattr(items[i], attr)`), `missing` where
+    /// that is None. False as soon as a tensor is unreadable (`out` then unspecified).
+    #[pyo3(
+        signature = (items, out, attr=None, missing=-1.0),
+        text_signature = "(self, /, items, out, attr=None, missing=-1.0)"
+    )]
+    fn norms(
+        &mut self,
+        items: &Bound<'_, PyAny>,
+        mut out: PyReadwriteArrayDyn<'_, f32>,
+        attr: Option<&Bound<'_, PyString>>,
+        missing: f32,
+    ) -> PyResult<bool> {
+        let out = out_slice("out", &mut out)?;
+        if items.len()? != out.len() {
+            return Err(PyValueError::new_err("out must have one entry per item"));
+        }
+        for (o, x) in out.iter_mut().zip(items.try_iter()?) {
+            let Some(t) = Self::target(x?, attr) else {
+                return Ok(false);
+            };
+            if t.is_none() {
+                *o = missing;
+                continue;
+            }
+            match self.with_elements(&t, false, |e, _| dispatch!(e, xs => measure::l2_norm(xs))) {
+                Some(n) => *o = n as f32,
+                None => return Ok(false),
+            }
+        }
+        Ok(true)
+    }
+
+    /// `(min, max, mean, std)` of a readable non-empty tensor (std: population), else None.
+    fn stats(&mut self, t: &Bound<'_, PyAny>) -> Option<(f64, f64, f64, f64)> {
+        self.with_elements(t, false, |e, _| dispatch!(e, xs => measure::stats(xs)))
+            .flatten()
+            .map(|s| (s.min, s.max, s.mean, s.std))
+    }
+
+    /// The value of a readable one-element tensor, else None.
+    fn scalar(&mut self, t: &Bound<'_, PyAny>) -> Option<f64> {
+        self.with_elements(
+            t,
+            false,
+            |e, _| dispatch!(e, xs => (xs.len() == 1).then(|| xs[0].to_f64())),
+        )
+        .flatten()
+    }
+
+    /// `out[i]` = max |x| over `items[i]` (0 when empty). False if an item is not readable.
+    fn absmax(
+        &mut self,
+        items: &Bound<'_, PyAny>,
+        mut out: PyReadwriteArrayDyn<'_, f32>,
+    ) -> PyResult<bool> {
+        let out = out_slice("out", &mut out)?;
+        if items.len()? != out.len() {
+            return Err(PyValueError::new_err("out must have one entry per item"));
+        }
+        for (o, t) in out.iter_mut().zip(items.try_iter()?) {
+            match self.with_elements(&t?, false, |e, _| dispatch!(e, xs => measure::abs_max(xs))) {
+                Some(m) => *o = m as f32,
+                None => return Ok(false),
+            }
+        }
+        Ok(true)
+    }
+
+    /// Shares of exactly-zero rows and columns of each tensor of 2 or more dimensions (NaN for
+    /// None, fewer dimensions or no element). False if a tensor is unreadable.
+    #[pyo3(signature = (items, rows, cols, attr=None))]
+    fn zero_shares(
+        &mut self,
+        items: &Bound<'_, PyAny>,
+        mut rows: PyReadwriteArrayDyn<'_, f32>,
+        mut cols: PyReadwriteArrayDyn<'_, f32>,
+        attr: Option<&Bound<'_, PyString>>,
+    ) -> PyResult<bool> {
+        let rows = out_slice("rows", &mut rows)?;
+        let cols = out_slice("cols", &mut cols)?;
+        let n = items.len()?;
+        if rows.len() != n || cols.len() != n {
+            return Err(PyValueError::new_err(
+                "rows and cols must have one entry per item",
+            ));
+        }
+        for ((r, c), x) in rows.iter_mut().zip(cols.iter_mut()).zip(items.try_iter()?) {
+            let Some(t) = Self::target(x?, attr) else {
+                return Ok(false);
+            };
+            let shares = if t.is_none() {
+                Some((f64::NAN, f64::NAN))
+            } else {
+                self.with_elements(&t, true, |e, me| {
+                    let d = &me.dims;
+                    if d.len() < 2 || d.contains(&0) {
+                        return (f64::NAN, f64::NAN);
+                    }
+                    let inner = d[2..].iter().product();
+                    dispatch!(e, xs => measure::zero_shares(xs, d[0], d[1], inner, &mut me.cols))
+                })
+            };
+            let Some((zr, zc)) = shares else {
+                return Ok(false);
+            };
+            *r = zr as f32;
+            *c = zc as f32;
+        }
+        Ok(true)
+    }
+
+    /// The engine's activation rows: for each probe `(row, unit_axis, center, half, death,
+    /// slope)` the statistics of `outs[row]` into `table[5 * row ..][..5]` (entries the probe
+    /// does not ask are left alone; None and empty outputs are skipped). False if an output
+    /// is unreadable.
+    fn activations(
+        &mut self,
+        outs: &Bound<'_, PyAny>,
+        probes: &Bound<'_, PyAny>,
+        mut table: PyReadwriteArrayDyn<'_, f32>,
+    ) -> PyResult<bool> {
+        let table = out_slice("table", &mut table)?;
+        for p in probes.try_iter()? {
+            let (row, unit_axis, center, half, death, slope): (
+                usize,
+                i64,
+                f64,
+                Option<f64>,
+                bool,
+                u8,
+            ) = p?.extract()?;
+            let slope = match slope {
+                0 => None,
+                1 => Some(Slope::Tanh),
+                2 => Some(Slope::Sigmoid),
+                3 => Some(Slope::Softsign),
+                _ => {
+                    return Err(PyValueError::new_err(
+                        "slope must be 0 (none), 1 (tanh), 2 (sigmoid) or 3 (softsign)",
+                    ));
+                }
+            };
+            let Some(cells) = table.get_mut(5 * row..5 * row + 5) else {
+                return Err(PyValueError::new_err(
+                    "table must have 5 entries per probe row",
+                ));
+            };
+            let y = item(outs, row)?;
+            if y.is_none() {
+                continue;
+            }
+            let probe = OutputProbe {
+                unit_axis,
+                center,
+                half,
+                death,
+                slope,
+            };
+            let done = self.with_elements(&y, true, |e, me| {
+                dispatch!(e, xs => if !xs.is_empty() {
+                    activation(xs, &me.dims, &probe, &mut me.units, cells);
+                });
+            });
+            if done.is_none() {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+}
