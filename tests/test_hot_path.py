@@ -7,7 +7,7 @@ import sys
 import copy
 from collections import Counter
 from contextlib import contextmanager
-from typing import Iterator, List
+from typing import Iterator, List, Tuple
 
 import numpy as np
 import pytest
@@ -78,9 +78,9 @@ class CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def ops_per_step(model: nn.Module, steps: int, watched: bool, **options: object) -> List[int]:
+def ops_per_step(model: nn.Module, steps: int, watched: bool, **options: object) -> Tuple[List[int], Counter]:
     """Aten operations of each of ``steps`` steps (after 12 steps of warm-up and registration),
-    with or without NeuralDBG watching."""
+    with or without NeuralDBG watching, and NeuralDBG's host reads in those steps."""
     torch.manual_seed(0)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     counts: List[int] = []
@@ -90,14 +90,15 @@ def ops_per_step(model: nn.Module, steps: int, watched: bool, **options: object)
     try:
         for _ in range(12):
             step(model, opt)
-        for _ in range(steps):
-            with CountOps() as mode:
-                step(model, opt)
-            counts.append(mode.count)
+        with count_reads() as reads:
+            for _ in range(steps):
+                with CountOps() as mode:
+                    step(model, opt)
+                counts.append(mode.count)
     finally:
         if dbg is not None:
             dbg.__exit__(None, None, None)
-    return counts
+    return counts, reads
 
 
 @pytest.mark.parametrize("depth", [2, 24])
@@ -108,10 +109,9 @@ def test_a_cpu_step_runs_no_torch_operation_of_ours(depth):
     on sampled steps too (20 steps: two sample periods), and NeuralDBG reads no tensor value
     through torch."""
     base = mlp(depth)
-    plain = ops_per_step(copy.deepcopy(base), 20, watched=False)
-    watched_model = copy.deepcopy(base)
-    with count_reads() as reads:
-        watched = ops_per_step(watched_model, 20, watched=True)
+    plain, _ = ops_per_step(copy.deepcopy(base), 20, watched=False)
+    watched, reads = ops_per_step(copy.deepcopy(base), 20, watched=True)
+    assert plain[0] > 10 * depth and plain == [plain[0]] * 20, plain  # the count is real
     assert watched == plain, (watched, plain)
     assert not reads, reads
 
@@ -425,5 +425,5 @@ def test_layers_are_recorded_without_hooks_and_the_classes_restored_on_exit():
             raise RuntimeError("boom")
     assert nn.Linear.forward is linear_forward
     assert "forward" not in nn.BatchNorm1d.__dict__
-    assert not CALL_RECORDER.watched and not CALL_RECORDER.wrappers
+    assert not CALL_RECORDER.watched and not CALL_RECORDER.records and not CALL_RECORDER.wrappers
     assert forward_hooked(model) == set()

@@ -185,7 +185,8 @@ class Collector:
     def _arm_probes(self, on: bool) -> None:
         """Activation probes are hooked only on steps whose activations are measured."""
         on = on and not self.disabled
-        self.hooks.arm_probes(on, [(p.row, p.module) for p in self.probes], self.act_out)
+        if on != self.hooks.probes_armed:
+            self.hooks.arm_probes(on, [(p.row, p.module) for p in self.probes], self.act_out)
         # Host mode: recorded layers keep their outputs only when they are measured.
         self.hooks.hold[0] = on or self.hm is None
 
@@ -225,7 +226,8 @@ class Collector:
         self.forward_gen += 1
         self.refs.clear()
         self.ran = None
-        self.act_out[:] = self.act_none
+        if self.hooks.probes_armed:
+            self.act_out[:] = self.act_none
         self.loop.on_forward(module.training, self.torch.is_grad_enabled())
         if self.hm is not None and self.registered:
             # Host mode: under autocast a layer's output cannot be computed again exactly (its
@@ -309,17 +311,14 @@ class Collector:
         try:
             self.bw_gen += 1
             self._take_loss()
-            with self.torch.no_grad():
-                self._read_gradients()
-                if (
-                    self.grad_host is not None and self.registered and self.ran is None and self.refs
-                    and not self.origin_checked
-                ):
-                    # Host mode, no loss seen before backward: a non-finite gradient has the
-                    # forward's outputs scanned now, while the parameters are unchanged.
-                    if not math.isfinite(float(self.grad_host.sum(dtype=np.float64))):
-                        self.origin = self.watched.first_nonfinite(self.refs)
-                        self.origin_checked = True
+            if self.hm is not None:
+                self.grad_host = self.hm.norms(self.params, "grad")
+                self.grad_read = True
+                if self.registered and self.staged_gen != self.forward_gen:
+                    self._stage_host()
+            else:
+                with self.torch.no_grad():
+                    self._read_gradients()
         except Exception as e:
             self._fail(e)
             return
@@ -363,7 +362,10 @@ class Collector:
         loss = tensors.detach()
         # GradScaler's `scaler.scale(loss)` multiplies by a constant 1-element scale tensor:
         # undo it so the loss keeps its own scale when the scale factor changes.
-        other = getattr(fn, "_saved_other", None)
+        try:
+            other = getattr(fn, "_saved_other", None)
+        except RuntimeError:  # freed by its backward already
+            other = None
         if isinstance(other, torch.Tensor) and other.numel() == 1 and not other.requires_grad:
             loss = loss / other.detach()
         return loss.reshape(())
@@ -396,6 +398,16 @@ class Collector:
         if self.disabled or not self.output_fns or not isinstance(tensors, torch.Tensor):
             return
         fn = tensors.grad_fn
+        if self.hm is not None and self.registered and type(fn).__name__ != "MulBackward0":
+            # Host mode: the forward's work is done now, before its backward (the kept inputs
+            # and outputs go before backward allocates, as in a plain loop), without walking
+            # the graph to prove this is the model's loss: the loss itself is taken at the
+            # backward's end (the tensor whose backward gave the parameters gradients). (A
+            # product may be GradScaler's scaled loss: its scale is read now, before backward
+            # frees it.)
+            if self.refs and tensors.numel() == 1:
+                self._on_loss(tensors)
+            return
         if fn is None or tensors.numel() != 1 or not reaches(fn, self.output_fns):
             return
         self.auto_losses.append(self._unscaled_loss(tensors))
@@ -403,6 +415,30 @@ class Collector:
         if not self.registered:
             self.loop.describe_loss(tensors, self.output_fns)
         self._on_loss(tensors)
+
+    def _stage_host(self) -> None:
+        """Host mode, at the end of the forward's backward pass (the parameters are still those
+        of the forward): what :meth:`_on_loss` does before backward on the device path. The
+        sampled activation and output statistics are read, and a non-finite loss or gradient
+        has the forward's module outputs scanned for the origin; then they are let go."""
+        hm = self.hm
+        assert hm is not None and self.grad_host is not None
+        self.staged_gen = self.forward_gen
+        if self.hooks.probes_armed:
+            self.act_host = hm.activations(self.probes, self.act_out)
+            self.out_host = hm.absmax(self.refs, self.watched.rank)
+            self.act_out[:] = self.act_none
+        if self.forward_check == "off":
+            return
+        if self.origin is None and self.refs:
+            bad = not math.isfinite(float(self.grad_host.sum(dtype=np.float64)))
+            for t in self.losses or self.auto_losses:
+                bad = bad or not math.isfinite(hm.scalar(t))
+            if bad:
+                self.origin = self.watched.first_nonfinite(self.refs)
+                self.origin_checked = True
+        self.ran = [i for i, _, _ in self.refs]
+        self.refs.clear()
 
     def _on_loss(self, loss: "torch.Tensor") -> None:
         """The loss of a forward pass exists, so that forward is complete: measure the
@@ -425,7 +461,7 @@ class Collector:
                     self.act_staged = self.measure.activation_parts(self.probes, self.act_out)
                     self.out_staged = self.measure.output_absmax(self.refs, self.watched.rank)
                 self.act_out[:] = self.act_none
-            if self.forward_check != "off" and not self.defer and loss.device.type == "cpu":
+            if self.forward_check != "off" and (hm is not None or (not self.defer and loss.device.type == "cpu")):
                 value = hm.scalar(loss) if hm is not None else float(loss.detach())
                 if self.origin is None and not math.isfinite(value):
                     self.origin = self.watched.first_nonfinite(self.refs)
@@ -490,7 +526,7 @@ class Collector:
         if self.clip_index is None:
             return
         if self.hm is not None:
-            self.clip_host = float(self.hm.norms([self.params[self.clip_index]], "grad")[0])
+            self.clip_host = self.hm.norm(self.params[self.clip_index], "grad")
             return
         g = self.params[self.clip_index].grad
         if g is not None and self.sharded:
@@ -757,56 +793,55 @@ class Collector:
         assert hm is not None
         torch = self.torch
         step = HostStep()
-        with torch.no_grad():
-            if not self.grad_read:
-                self._read_gradients()
-            grads = self.grad_host if self.grad_host is not None else self.no_grads.copy()
-            scale = getattr(self.scaler, "_scale", None) if self.scaler is not None else None
-            if isinstance(scale, torch.Tensor):
-                # Read at the end of backward, the gradients were scaled: unscale the norms.
-                inv = np.float32(1.0 / float(scale))
-                grads = np.where(grads >= 0, grads * inv, grads).astype(np.float32)
-                step.facts["loss_scale"] = float(scale)
-                step.facts["optimizer_skipped"] = 1.0 if skipped else 0.0
-            step.grad_norms = grads
-            if self.params and self._sampled(self.weight_every):
-                weights = self.params
-                step.weight_norms = hm.norms(weights)
-            act = self.act_host
-            if act is None and self.probes and self.hooks.frozen and self._activations_now():
-                self._fill_act_out()  # compiled: the probes are the kept module outputs
-                act = hm.activations(self.probes, self.act_out)
-            elif act is None and self.probes and (first or self.hooks.probes_armed):
-                act = hm.activations(self.probes, self.act_out)
-            step.activations = act
-            pending = self.losses or self.auto_losses
-            if pending:
-                values = [hm.scalar(t) for t in pending]
-                step.loss = values[0] if len(values) == 1 else float(np.mean(np.asarray(values, dtype=np.float32)))
-            inputs = list(self.host_inputs)
-            for x in self.raw_inputs:  # compiled forward passes: measured now
-                if x.numel() > 0:
-                    inputs.append(hm.stats(x))
-            if inputs:
-                step.inputs = np.asarray(inputs, dtype=np.float32).reshape(-1)
-            if self.clip_host is not None and self.clip_index is not None:
-                before = float(grads[self.clip_index])
-                after = self.clip_host
-                if before > 0.0 and math.isfinite(before) and math.isfinite(after):
-                    step.facts["clip_ratio"] = after / before
-            measures: Dict[str, np.ndarray] = {}
-            outs = self.out_host
-            if outs is None and first:
-                outs = hm.absmax(self.refs, self.watched.rank)
-            if outs is not None:
-                table = np.full(len(self.watched.spec_order), np.nan, dtype=np.float32)
-                # A module called several times in the step (a shared block) keeps its largest output.
-                np.fmax.at(table, outs[1], outs[0])
-                measures["output_absmax"] = table
-            if self.params and self._sampled(self.activation_every):
-                zeros = hm.zero_shares(self.params)
-                if zeros is not None:
-                    measures["grad_zero_rows"], measures["grad_zero_cols"] = zeros
+        if not self.grad_read:
+            self._read_gradients()
+        grads = self.grad_host if self.grad_host is not None else self.no_grads.copy()
+        scale = getattr(self.scaler, "_scale", None) if self.scaler is not None else None
+        if isinstance(scale, torch.Tensor):
+            # Read at the end of backward, the gradients were scaled: unscale the norms.
+            inv = np.float32(1.0 / float(scale))
+            grads = np.where(grads >= 0, grads * inv, grads).astype(np.float32)
+            step.facts["loss_scale"] = float(scale)
+            step.facts["optimizer_skipped"] = 1.0 if skipped else 0.0
+        step.grad_norms = grads
+        if self.params and self._sampled(self.weight_every):
+            weights = self.params
+            step.weight_norms = hm.norms(weights)
+        act = self.act_host
+        if act is None and self.probes and self.hooks.frozen and self._activations_now():
+            self._fill_act_out()  # compiled: the probes are the kept module outputs
+            act = hm.activations(self.probes, self.act_out)
+        elif act is None and self.probes and (first or self.hooks.probes_armed):
+            act = hm.activations(self.probes, self.act_out)
+        step.activations = act
+        pending = self.losses or self.auto_losses
+        if pending:
+            values = [hm.scalar(t) for t in pending]
+            step.loss = values[0] if len(values) == 1 else float(np.mean(np.asarray(values, dtype=np.float32)))
+        inputs = list(self.host_inputs)
+        for x in self.raw_inputs:  # compiled forward passes: measured now
+            if x.numel() > 0:
+                inputs.append(hm.stats(x))
+        if inputs:
+            step.inputs = np.asarray(inputs, dtype=np.float32).reshape(-1)
+        if self.clip_host is not None and self.clip_index is not None:
+            before = float(grads[self.clip_index])
+            after = self.clip_host
+            if before > 0.0 and math.isfinite(before) and math.isfinite(after):
+                step.facts["clip_ratio"] = after / before
+        measures: Dict[str, np.ndarray] = {}
+        outs = self.out_host
+        if outs is None and first:
+            outs = hm.absmax(self.refs, self.watched.rank)
+        if outs is not None:
+            table = np.full(len(self.watched.spec_order), np.nan, dtype=np.float32)
+            # A module called several times in the step (a shared block) keeps its largest output.
+            np.fmax.at(table, outs[1], outs[0])
+            measures["output_absmax"] = table
+        if self.params and self._sampled(self.activation_every):
+            zeros = hm.zero_shares(self.params)
+            if zeros is not None:
+                measures["grad_zero_rows"], measures["grad_zero_cols"] = zeros
         layout.origin = self.origin
         layout.checked = self.origin_checked
         layout.ran = self.ran

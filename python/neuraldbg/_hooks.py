@@ -110,7 +110,10 @@ class CallRecorder:
     """
 
     def __init__(self) -> None:
-        self.watched: Dict[int, List[Callable[[Any, Any], None]]] = {}
+        # id(module) -> its records, and the one callable the wrapper calls (the record itself
+        # when it is alone, the common case: one call less per layer).
+        self.records: Dict[int, List[Callable[[Any, Any], None]]] = {}
+        self.watched: Dict[int, Callable[[Any, Any], None]] = {}
         self.count: Dict[type, int] = {}
         # Per wrapped class: its own forward (None when inherited), and our wrapper.
         self.original: Dict[type, Optional[Callable[..., Any]]] = {}
@@ -123,16 +126,32 @@ class CallRecorder:
         if cls not in self.wrappers:
             self._wrap(cls)
         self.count[cls] = self.count.get(cls, 0) + 1
-        self.watched.setdefault(id(module), []).append(record)
+        self.records.setdefault(id(module), []).append(record)
+        self._route(id(module))
         return RecorderHandle(self, module, record)
 
+    def _route(self, key: int) -> None:
+        records = self.records.get(key)
+        if not records:
+            self.records.pop(key, None)
+            self.watched.pop(key, None)
+        elif len(records) == 1:
+            self.watched[key] = records[0]
+        else:
+            calls = tuple(records)
+
+            def all_records(output: Any, args: Any) -> None:
+                for record in calls:
+                    record(output, args)
+
+            self.watched[key] = all_records
+
     def discard(self, module: Any, record: Callable[[Any, Any], None]) -> None:
-        records = self.watched.get(id(module))
+        records = self.records.get(id(module))
         if records is None or record not in records:
             return
         records.remove(record)
-        if not records:
-            del self.watched[id(module)]
+        self._route(id(module))
         cls = type(module)
         self.count[cls] -= 1
         if self.count[cls] == 0:
@@ -160,10 +179,9 @@ class CallRecorder:
             output = call(module, *args, **kwargs)
             if compiling():  # traced: read nothing of ours (it would become a guard)
                 return output
-            records = watched.get(id(module))
-            if records is not None:
-                for record in records:
-                    record(output, args)
+            record = watched.get(id(module))
+            if record is not None:
+                record(output, args)
             return output
 
         self.original[cls] = own

@@ -471,6 +471,8 @@ class HostMeasurer:
         self.reader = reader()
         self.torch = torch_module()
         self.n_params = n_params
+        self.one: List[Any] = [None]
+        self.one_out = np.empty(1, dtype=np.float32)
 
     def norms(self, items: Sequence[Any], attr: Optional[str] = None) -> np.ndarray:
         """L2 norm of each tensor (``getattr(item, attr)`` when ``attr`` is given; -1 where
@@ -495,6 +497,15 @@ class HostMeasurer:
         if order is not None and parts:
             out[order] = np.concatenate([_host(p) for p in parts])
         return out
+
+    def norm(self, item: Any, attr: str) -> float:
+        """L2 norm of ``getattr(item, attr)`` (-1 when None)."""
+        one = self.one
+        one[0] = item
+        r = self.reader
+        if r is not None and r.norms(one, self.one_out, attr):
+            return float(self.one_out[0])
+        return float(self.norms(one, attr)[0])
 
     def scalar(self, t: Any) -> float:
         r = self.reader
