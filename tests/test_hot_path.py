@@ -427,3 +427,82 @@ def test_layers_are_recorded_without_hooks_and_the_classes_restored_on_exit():
     assert "forward" not in nn.BatchNorm1d.__dict__
     assert not CALL_RECORDER.watched and not CALL_RECORDER.records and not CALL_RECORDER.wrappers
     assert forward_hooked(model) == set()
+
+
+def grad_hook_count(model: nn.Module) -> int:
+    return sum(len(p._post_accumulate_grad_hooks or {}) for p in model.parameters())
+
+
+def test_two_sentinel_gradient_hooks_and_new_ones_when_a_sentinel_is_frozen():
+    """Gradients are read at the end of each backward pass through two sentinel hooks (the
+    first and last parameter to get a gradient), not one hook per parameter. When later
+    steps give neither sentinel a gradient (frozen), the step is still read, every
+    parameter is hooked again, and new sentinels are chosen: the gradient norms are still
+    those of the backward pass, before clipping."""
+    torch.manual_seed(0)
+    model = mlp(4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    middle = [p for p in model[4].parameters()]
+    unclipped: List[float] = []
+    with NeuralDbg(model) as dbg:
+        for i in range(16):
+            if i == 3:
+                assert grad_hook_count(model) == 2
+            if i == 6:  # freeze both ends of the model: the sentinels get no gradient now
+                for m in (model[0], model[-1]):
+                    for p in m.parameters():
+                        p.requires_grad_(False)
+            opt.zero_grad()
+            x = torch.randn(32, 16)
+            loss = nn.functional.cross_entropy(model(x), torch.randint(0, 4, (32,)))
+            loss.backward()
+            unclipped.append(float(torch.linalg.vector_norm(torch.cat([p.grad.reshape(-1) for p in middle]))))
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+            opt.step()
+        assert grad_hook_count(model) == 2 and dbg.step == 16
+        steps, values = dbg.history("4", "grad_norm")
+    assert list(steps) == list(range(16))
+    # Step 6 is read at the optimizer step (after clipping: its backward reached no sentinel);
+    # every other step at the end of its backward, before clipping.
+    read = [i for i in range(16) if i != 6]
+    np.testing.assert_allclose(values[read], np.asarray(unclipped)[read], rtol=1e-5)
+    assert values[6] < unclipped[6]
+
+
+class Probe(nn.Module):
+    """Runs after layer ``2`` and looks at what the collector keeps of that layer's call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kept: List[object] = []
+        self.collector = None
+
+    def forward(self, x):
+        if self.collector is not None:
+            self.kept.append([out for i, out, _ in self.collector.refs if i == 3])
+        return x
+
+
+def test_recorded_layers_keep_no_output_on_unmeasured_steps_and_the_origin_is_still_found():
+    """On a CPU model, a recorded layer (Linear) keeps only its inputs on steps whose outputs
+    are not measured; when a step goes non-finite its output is computed again from them, so
+    the module where the Inf first appeared is still named, on that very step."""
+    torch.manual_seed(0)
+    probe = Probe()
+    model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), probe, nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with NeuralDbg(model, activation_every=10) as dbg:
+        probe.collector = dbg._collector
+        for i in range(25):
+            if i == 23:
+                with torch.no_grad():
+                    model[2].weight[0, 0] = float("inf")  # layer "2" makes the first Inf
+            opt.zero_grad()
+            x = torch.randn(32, 16)
+            nn.functional.cross_entropy(model(x), torch.randint(0, 4, (32,))).backward()
+            opt.step()
+    kept = probe.kept[12:23]  # steps 12..22: step 20 is a sampled one
+    assert all(k == [None] for j, k in enumerate(kept) if 12 + j != 20), kept
+    assert kept[20 - 12][0] is not None
+    hyps = dbg.explain_failure("non_finite")
+    assert hyps and hyps[0].layer == "2" and hyps[0].step == 23, hyps[:1]

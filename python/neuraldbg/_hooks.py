@@ -302,7 +302,8 @@ class Hooks:
         self.grad_handles = {}
         self.fired = []
         for k, p in enumerate(params):
-            self.grad_handles[k] = p.register_post_accumulate_grad_hook(_grad_hook(c, k))
+            if p.requires_grad:  # (one frozen since can take no hook)
+                self.grad_handles[k] = p.register_post_accumulate_grad_hook(_grad_hook(c, k))
 
     def keep_sentinels(self) -> None:
         """After a backward pass with every parameter hooked: keep the hooks of the first and
