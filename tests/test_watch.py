@@ -254,7 +254,8 @@ def test_watch_tui_exits_when_the_run_closes_the_trace(tmp_path: Path, tmux) -> 
     try:
         tmux("new-session", "-d", "-s", "c", "-x", "100", "-y", "30",
              f"{CLI} watch {trace}; echo EXITED $?; sleep 600")
-        screen = lambda: tmux("capture-pane", "-p", "-J", "-t", "c")  # noqa: E731
+        # (With the scrollback: the verdict printed on exit may push the first lines up.)
+        screen = lambda: tmux("capture-pane", "-p", "-J", "-S", "-200", "-t", "c")  # noqa: E731
         wait_for("the view to start", lambda: "neuraldbg watch" in screen() or "step" in screen(), 30)
         assert train.wait(timeout=120) == 0
         wait_for("watch to exit once the trace is closed", lambda: "EXITED 0" in screen(), 30)
