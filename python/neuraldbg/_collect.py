@@ -13,11 +13,12 @@ Per step (at the first ``optimizer.step()`` after a forward pass):
 * per forward pass, ``min, max, mean, std`` of the model's first floating-point input;
 * the loss (given, or picked up from ``loss.backward()``).
 
-All of it is concatenated on the device into one float32 vector and moved to the host once
-(:meth:`Collector._observe_inner` builds it: the one place a step's vector is assembled). On
-CPU the engine sees the step at once; on CUDA the step is handed to the engine when the next
-forward pass starts (or at exit, or when results are read), so nothing in the step ever blocks
-the GPU.
+On a GPU (or under torch.distributed) all of it is concatenated on the device into one float32
+vector and moved to the host once (:meth:`Collector._observe_inner` builds it: the one place a
+step's vector is assembled); on CUDA the step is handed to the engine when the next forward
+pass starts (or at exit, or when results are read), so nothing in the step ever blocks the GPU. On a
+CPU model (host mode, :meth:`Collector._observe_host`) the extension reads every statistic from
+the tensors' memory straight into the engine's host arrays: no torch operation, no vector.
 
 Forward hooks are installed only where they are needed. The first forward pass hooks every
 module, once, to learn the execution order. After that, module outputs are kept (by reference,
@@ -312,8 +313,7 @@ class Collector:
             self.bw_gen += 1
             self._take_loss()
             if self.hm is not None:
-                self.grad_host = self.hm.norms(self.params, "grad")
-                self.grad_read = True
+                self._read_gradients()
                 if self.registered and self.staged_gen != self.forward_gen:
                     self._stage_host()
             else:
