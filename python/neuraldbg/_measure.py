@@ -75,6 +75,21 @@ def float_tensors(obj: Any, out: "List[torch.Tensor]", depth: int = 0) -> None:
             float_tensors(o, out, depth + 1)
 
 
+def kept_outputs(refs: Sequence[Tuple[int, Any, Any]], rank: Dict[int, int]) -> Tuple[List[Any], List[int]]:
+    """The first floating-point tensor of each kept, non-empty module output, and the engine
+    index of its module (modules the engine does not know are left out)."""
+    tensors: List[Any] = []
+    ranks: List[int] = []
+    for i, out, _ in refs:
+        r = rank.get(i)
+        t = first_float_tensor(out) if out is not None else None
+        if r is None or t is None or t.numel() == 0:
+            continue
+        tensors.append(t)
+        ranks.append(r)
+    return tensors, ranks
+
+
 def getter(indices: Sequence[int]) -> Callable[[Sequence[Any]], Sequence[Any]]:
     """``lambda xs: [xs[i] for i in indices]`` at C speed (itemgetter, always a sequence)."""
     if len(indices) == 1:
@@ -291,15 +306,8 @@ class Measurer:
         """Largest magnitude of each kept module output (its first floating-point tensor), as
         (one device vector, each value's engine module index). One batched reduction."""
         torch = self.torch
-        tensors: List[Any] = []
-        ranks: List[int] = []
-        for i, out, _ in refs:
-            r = rank.get(i)
-            t = first_float_tensor(out) if out is not None else None
-            if r is None or t is None or t.numel() == 0:
-                continue
-            tensors.append(t.detach())
-            ranks.append(r)
+        tensors, ranks = kept_outputs(refs, rank)
+        tensors = [t.detach() for t in tensors]
         if not tensors:
             return None
         with torch.no_grad():
@@ -524,15 +532,7 @@ class HostMeasurer:
 
     def absmax(self, refs: Sequence[Tuple[int, Any, Any]], rank: Dict[int, int]) -> Optional[Tuple[np.ndarray, np.ndarray]]:
         """Largest magnitude of each kept module output: (values, engine module indices)."""
-        tensors: List[Any] = []
-        ranks: List[int] = []
-        for i, out, _ in refs:
-            r = rank.get(i)
-            t = first_float_tensor(out) if out is not None else None
-            if r is None or t is None or t.numel() == 0:
-                continue
-            tensors.append(t)
-            ranks.append(r)
+        tensors, ranks = kept_outputs(refs, rank)
         if not tensors:
             return None
         out = np.empty(len(tensors), dtype=np.float32)
