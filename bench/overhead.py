@@ -291,8 +291,8 @@ class Legacy(Arm):
 class Compiled(Arm):
     """The same loop on ``torch.compile(model)`` (inductor; compiled during the warm-up)."""
 
-    def __init__(self, name: str, model: nn.Module, batches: List[Batch]) -> None:
-        super().__init__(name, model, batches)
+    def __init__(self, name: str, model: nn.Module, batches: List[Batch], sgd: bool = False) -> None:
+        super().__init__(name, model, batches, sgd)
         self.plain_model = model
         self.model = torch.compile(model)
 
