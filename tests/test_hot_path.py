@@ -154,6 +154,7 @@ def device_path(dbg: NeuralDbg, deferred: bool) -> None:
     """Makes a CPU model take the device path (one float32 vector of torch reductions, read
     with .numpy()), directly or deferred like CUDA's, instead of the host path."""
     c = dbg._collector
+    c.host_allowed = False
     c.hm = None
     c.hooks.hold[0] = True
     c.defer = deferred

@@ -102,8 +102,8 @@ class Collector:
         # into the arrays the engine takes (HostMeasurer), and a recorded layer keeps its output
         # only on the steps whose outputs are measured (its NaN/Inf is found by computing it
         # again; see _hooks.make_record).
-        self.host = distributed is None and not self.sharded and all(p.device.type == "cpu" for p in self.params)
-        self.hm: Optional[HostMeasurer] = HostMeasurer(self.measure, len(self.params)) if self.host else None
+        self.hm: Optional[HostMeasurer] = None
+        self.host_allowed = True  # (False: the device path whatever the device; tests)
         # Host mode: this step's gradient norms (read at the end of backward), input statistics,
         # and what was measured when the loss appeared.
         self.grad_host: Optional[np.ndarray] = None
@@ -117,6 +117,7 @@ class Collector:
         # forward, in completion order.
         self.refs: List[Tuple[int, Any, Any]] = []
         self.hooks = Hooks(self.watched.modules, self.refs, keep_outputs=forward_check != "off")
+        self._decide_host()
         # Latest output of each activation probe in this step (by probe row).
         self.act_out: List[Any] = []
         self.act_none: List[Any] = []
@@ -178,6 +179,19 @@ class Collector:
         self.origin_checked = False
         self.ran: Optional[List[int]] = None
 
+    def _decide_host(self) -> None:
+        """Host mode or not, from where the parameters are now (until the model is registered:
+        a model moved to its device after ``NeuralDbg`` was entered is seen there)."""
+        host = (
+            self.host_allowed and self.dist is None and not self.sharded
+            and all(p.device.type == "cpu" for p in self.params)
+        )
+        if host and self.hm is None:
+            self.hm = HostMeasurer(self.measure, len(self.params))
+        elif not host:
+            self.hm = None
+            self.hooks.hold[0] = True
+
     # ----------------------------------------------------------------- installation
 
     def install(self) -> None:
@@ -221,6 +235,8 @@ class Collector:
             return
         if self.disabled:
             return
+        if not self.registered:
+            self._decide_host()
         if self.pending is not None and self.pending.ready():
             self._consume()
             self.raise_halt()  # CUDA: the step was handed to the engine just now
@@ -309,6 +325,8 @@ class Collector:
             return
         if self.hooks.fired:
             self.hooks.keep_sentinels()
+        if not self.registered:
+            self._decide_host()
         try:
             self.bw_gen += 1
             self._take_loss()
