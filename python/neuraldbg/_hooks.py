@@ -110,10 +110,11 @@ class CallRecorder:
     """
 
     def __init__(self) -> None:
-        # id(module) -> its records, and the one callable the wrapper calls (the record itself
-        # when it is alone, the common case: one call less per layer).
-        self.records: Dict[int, List[Callable[[Any, Any], None]]] = {}
-        self.watched: Dict[int, Callable[[Any, Any], None]] = {}
+        # id(module) -> its records, and what the wrapper applies: the record itself when it
+        # is alone (the common case; a kept-reference tuple is applied inline), else a callable
+        # that calls each in turn.
+        self.records: Dict[int, List[Any]] = {}
+        self.watched: Dict[int, Any] = {}
         self.count: Dict[type, int] = {}
         # Per wrapped class: its own forward (None when inherited), and our wrapper.
         self.original: Dict[type, Optional[Callable[..., Any]]] = {}
@@ -121,7 +122,7 @@ class CallRecorder:
         # Per wrapped class: the forward the wrapper calls (own or inherited).
         self.calls: Dict[type, Callable[..., Any]] = {}
 
-    def add(self, module: Any, record: Callable[[Any, Any], None]) -> "RecorderHandle":
+    def add(self, module: Any, record: Any) -> "RecorderHandle":
         cls = type(module)
         if cls not in self.wrappers:
             self._wrap(cls)
@@ -138,7 +139,7 @@ class CallRecorder:
         elif len(records) == 1:
             self.watched[key] = records[0]
         else:
-            calls = tuple(records)
+            calls = tuple(as_callable(r) for r in records)
 
             def all_records(output: Any, args: Any) -> None:
                 for record in calls:
@@ -146,11 +147,14 @@ class CallRecorder:
 
             self.watched[key] = all_records
 
-    def discard(self, module: Any, record: Callable[[Any, Any], None]) -> None:
+    def discard(self, module: Any, record: Any) -> None:
         records = self.records.get(id(module))
-        if records is None or record not in records:
+        if records is None:
             return
-        records.remove(record)
+        k = next((k for k, r in enumerate(records) if r is record), None)
+        if k is None:
+            return
+        del records[k]
         self._route(id(module))
         cls = type(module)
         self.count[cls] -= 1
@@ -181,7 +185,13 @@ class CallRecorder:
                 return output
             record = watched.get(id(module))
             if record is not None:
-                record(output, args)
+                if type(record) is tuple:  # a kept reference (make_record), done inline
+                    index, refs, first, hold = record
+                    if index == first[0]:
+                        refs.clear()
+                    refs.append((index, output if hold[0] else None, args))
+                else:
+                    record(output, args)
             return output
 
         self.original[cls] = own
@@ -223,7 +233,7 @@ class RecorderHandle:
 
     __slots__ = ("recorder", "module", "record")
 
-    def __init__(self, recorder: CallRecorder, module: Any, record: Callable[[Any, Any], None]) -> None:
+    def __init__(self, recorder: CallRecorder, module: Any, record: Any) -> None:
         self.recorder = recorder
         self.module = module
         self.record = record
@@ -426,32 +436,40 @@ def make_ref_hook(
     return hook
 
 
-def make_record(
-    index: int, refs: List[Any], keep: bool, first: List[int], hold: List[bool]
-) -> Callable[[Any, Any], None]:
-    """What :class:`CallRecorder` calls with a recorded module's ``(output, args)``: the
-    untraced path of :func:`make_ref_hook`. While ``hold[0]`` is False the output is not kept
+def make_record(index: int, refs: List[Any], keep: bool, first: List[int], hold: List[bool]) -> Any:
+    """What :class:`CallRecorder` does with a recorded module's ``(output, args)``: the
+    untraced path of :func:`make_ref_hook`. Keeping references, it is the tuple ``(index, refs,
+    first, hold)``, which the class wrapper applies inline (a Python call less per layer; see
+    :func:`as_callable`); else a callable. While ``hold[0]`` is False the output is not kept
     (only the inputs, which autograd keeps alive anyway): holding every layer's output makes
     each forward pass allocate fresh memory, about 3 us a layer on a deep CPU model. A
     recorded layer's output is a function of its inputs and parameters, so on a step that
     went non-finite it is computed again (:meth:`CallRecorder.recompute`) while the
     parameters are still those of the forward pass."""
-    append = refs.append
     if keep:
+        return (index, refs, first, hold)
+    append = refs.append
 
-        def record(output: Any, args: Any) -> None:
-            if index == first[0]:
-                refs.clear()
-            append((index, output if hold[0] else None, args))
-
-    else:
-
-        def record(output: Any, args: Any) -> None:
-            if index == first[0]:
-                refs.clear()
-            append((index, None, None))
+    def record(output: Any, args: Any) -> None:  # forward_check="off": that it ran, no tensor
+        if index == first[0]:
+            refs.clear()
+        append((index, None, None))
 
     return record
+
+
+def as_callable(record: Any) -> Callable[[Any, Any], None]:
+    """A record as a callable (several records on one module are called in turn)."""
+    if type(record) is not tuple:
+        return record  # type: ignore[no-any-return]
+    index, refs, first, hold = record
+
+    def call(output: Any, args: Any) -> None:
+        if index == first[0]:
+            refs.clear()
+        refs.append((index, output if hold[0] else None, args))
+
+    return call
 
 
 def make_slot_record(row: int, slots: List[Any]) -> Callable[[Any, Any], None]:
