@@ -38,9 +38,15 @@ INPUT_FUSED_LIMIT = 1 << 13
 
 
 def torch_module() -> Any:
-    import torch
+    global _TORCH
+    if _TORCH is None:
+        import torch
 
-    return torch
+        _TORCH = torch
+    return _TORCH
+
+
+_TORCH: Any = None
 
 
 def first_float_tensor(obj: Any, depth: int = 0) -> "Optional[torch.Tensor]":
