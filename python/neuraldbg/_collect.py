@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 import warnings
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
@@ -53,6 +54,9 @@ from torch.compiler import is_compiling as _compiling  # noqa: E402
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
+
+# The module index of a kept reference (index, output, args).
+_FIRST = operator.itemgetter(0)
 
 
 class Collector:
@@ -455,7 +459,7 @@ class Collector:
             if bad:
                 self.origin = self.watched.first_nonfinite(self.refs)
                 self.origin_checked = True
-        self.ran = [i for i, _, _ in self.refs]
+        self.ran = list(map(_FIRST, self.refs))
         self.refs.clear()
 
     def _on_loss(self, loss: "torch.Tensor") -> None:
@@ -484,7 +488,7 @@ class Collector:
                 if self.origin is None and not math.isfinite(value):
                     self.origin = self.watched.first_nonfinite(self.refs)
                     self.origin_checked = bool(self.refs)
-                self.ran = [i for i, _, _ in self.refs]
+                self.ran = list(map(_FIRST, self.refs))
                 self.refs.clear()
         except Exception as e:  # pragma: no cover - defensive
             self._fail(e)
@@ -705,11 +709,11 @@ class Collector:
         if first:
             self._register()
         self._check_seen()
+        if self.hm is not None:
+            self._observe_host(lr, final, first, skipped)
+            return
         layout = Layout(self.step, lr, final)
         layout.facts = self.loop.step_facts()
-        if self.hm is not None:
-            self._observe_host(layout, first, skipped)
-            return
         parts: List[Any] = []
         with torch.no_grad():
             if not self.grad_read:
@@ -804,24 +808,24 @@ class Collector:
         if final:
             self._consume()
 
-    def _observe_host(self, layout: Layout, first: bool, skipped: bool) -> None:
+    def _observe_host(self, lr: Optional[float], final: bool, first: bool, skipped: bool) -> None:
         """Host mode (a CPU model, one process): the step's statistics are computed straight
         into host arrays (:class:`HostMeasurer`) and fed to the engine; no device vector."""
         hm = self.hm
         assert hm is not None
-        torch = self.torch
-        step = HostStep()
+        facts = self.loop.step_facts()
         if not self.grad_read:
             self._read_gradients()
         grads = self.grad_host if self.grad_host is not None else self.no_grads.copy()
-        scale = getattr(self.scaler, "_scale", None) if self.scaler is not None else None
-        if isinstance(scale, torch.Tensor):
-            # Read at the end of backward, the gradients were scaled: unscale the norms.
-            inv = np.float32(1.0 / float(scale))
-            grads = np.where(grads >= 0, grads * inv, grads).astype(np.float32)
-            step.facts["loss_scale"] = float(scale)
-            step.facts["optimizer_skipped"] = 1.0 if skipped else 0.0
-        step.grad_norms = grads
+        if self.scaler is not None:
+            scale = getattr(self.scaler, "_scale", None)
+            if isinstance(scale, self.torch.Tensor):
+                # Read at the end of backward, the gradients were scaled: unscale the norms.
+                inv = np.float32(1.0 / float(scale))
+                grads = np.where(grads >= 0, grads * inv, grads).astype(np.float32)
+                facts["loss_scale"] = float(scale)
+                facts["optimizer_skipped"] = 1.0 if skipped else 0.0
+        step = HostStep(self.step, lr, final, grads)
         if self.params and self._sampled(self.weight_every):
             weights = self.params
             step.weight_norms = hm.norms(weights)
@@ -846,7 +850,7 @@ class Collector:
             before = float(grads[self.clip_index])
             after = self.clip_host
             if before > 0.0 and math.isfinite(before) and math.isfinite(after):
-                step.facts["clip_ratio"] = after / before
+                facts["clip_ratio"] = after / before
         measures: Dict[str, np.ndarray] = {}
         outs = self.out_host
         if outs is None and first:
@@ -860,13 +864,13 @@ class Collector:
             zeros = hm.zero_shares(self.params)
             if zeros is not None:
                 measures["grad_zero_rows"], measures["grad_zero_cols"] = zeros
-        layout.origin = self.origin
-        layout.checked = self.origin_checked
-        layout.ran = self.ran
+        step.origin = self.origin
+        step.checked = self.origin_checked
+        step.ran = self.ran
         refs = self.refs
         if first:
             self.hooks.rehook(set(self.param_owner))
-        self._feed(layout, step, refs, measures or None)
+        self._feed(step, step, refs, measures or None, facts or None)
 
     def _consume(self) -> None:
         """Hands the pending (CUDA) step to the engine; its copy finished long ago."""
@@ -877,7 +881,8 @@ class Collector:
         try:
             if p.exchange is not None:
                 job = self.dist.receive(p.exchange, p.layout)
-                self._feed(p.layout, job, p.refs, job.measures or None)
+                facts = {**(p.layout.facts or {}), **job.facts} or None
+                self._feed(p.layout, job, p.refs, job.measures or None, facts)
                 return
             if p.event is not None and not p.event.query():
                 p.event.synchronize()  # rare: the CPU ran more than a step ahead of the GPU
@@ -894,13 +899,19 @@ class Collector:
     def _ingest(self, layout: Layout, flat: np.ndarray, refs: List[Tuple[int, Any, Any]]) -> None:
         """Host side of one step: unpack the flat vector and feed the engine."""
         u = Unpacked(layout, flat, self.no_grads, len(self.probes))
-        self._feed(layout, u, refs, self._measures(layout, flat))
+        self._feed(layout, u, refs, self._measures(layout, flat), {**(layout.facts or {}), **u.facts} or None)
 
     def _feed(
-        self, layout: Layout, u: Any, refs: List[Tuple[int, Any, Any]], measures: Optional[Dict[str, np.ndarray]]
+        self,
+        layout: Any,
+        u: Any,
+        refs: List[Tuple[int, Any, Any]],
+        measures: Optional[Dict[str, np.ndarray]],
+        facts: Optional[Dict[str, float]],
     ) -> None:
-        """Feeds the engine one step's host arrays (:class:`Unpacked`, or a distributed job's
-        step, which also carries per-rank facts and measures) and this rank's own measures."""
+        """Feeds the engine one step (``layout``: a :class:`Layout` or :class:`HostStep`) with
+        its host arrays (``u``: :class:`Unpacked`, a distributed job's step, or the
+        :class:`HostStep`), its measures and its facts."""
         grad_norms = u.grad_norms
         loss_value = u.loss
         if not grad_norms.all() and self.order:
@@ -938,7 +949,7 @@ class Collector:
             lr=layout.lr,
             nonfinite_module=nonfinite,
             outputs_checked=checked,
-            facts={**(layout.facts or {}), **u.facts} or None,
+            facts=facts,
             measures=measures,
         )
         if self.on_observed is not None:

@@ -50,8 +50,7 @@ _TORCH: Any = None
 
 
 def first_float_tensor(obj: Any, depth: int = 0) -> "Optional[torch.Tensor]":
-    torch = torch_module()
-    if isinstance(obj, torch.Tensor):
+    if isinstance(obj, (_TORCH or torch_module()).Tensor):
         return obj if obj.is_floating_point() else None
     if depth > 2:
         return None

@@ -117,17 +117,24 @@ class HostCopy:
 
 
 class HostStep:
-    """One step's statistics computed on the host (a CPU model): no vector, no transfer."""
+    """One step computed on the host (a CPU model): its statistics, and what :class:`Layout`
+    says of a device step (no vector, no transfer)."""
 
-    __slots__ = ("grad_norms", "weight_norms", "activations", "loss", "inputs", "facts")
+    __slots__ = ("step", "lr", "final", "origin", "checked", "ran",
+                 "grad_norms", "weight_norms", "activations", "loss", "inputs")
 
-    def __init__(self) -> None:
-        self.grad_norms: np.ndarray = np.zeros(0, dtype=np.float32)
+    def __init__(self, step: int, lr: Optional[float], final: bool, grad_norms: np.ndarray) -> None:
+        self.step = step
+        self.lr = lr
+        self.final = final
+        self.origin: Optional[int] = None
+        self.checked = False
+        self.ran: Optional[List[int]] = None
+        self.grad_norms = grad_norms
         self.weight_norms: Optional[np.ndarray] = None
         self.activations: Optional[np.ndarray] = None
         self.loss: Optional[float] = None
         self.inputs: Optional[np.ndarray] = None
-        self.facts: Dict[str, float] = {}
 
 
 class Unpacked:
