@@ -507,3 +507,25 @@ def test_recorded_layers_keep_no_output_on_unmeasured_steps_and_the_origin_is_st
     assert kept[20 - 12][0] is not None
     hyps = dbg.explain_failure("non_finite")
     assert hyps and hyps[0].layer == "2" and hyps[0].step == 23, hyps[:1]
+
+
+def test_recomputing_a_layer_leaves_it_untouched():
+    """The NaN scan's recomputation of a recorded layer gives the output of the call it replays
+    and writes nothing of the module: BatchNorm's running statistics keep their values and
+    version counters (autograd may have saved them); an Embedding that renormalizes its
+    weight when called is not recomputed."""
+    from neuraldbg._hooks import CALL_RECORDER
+
+    torch.manual_seed(0)
+    bn = nn.BatchNorm1d(4).train()
+    x = torch.randn(8, 4)
+    expected = copy.deepcopy(bn)(x)
+    before = [(b.clone(), b._version) for b in bn.buffers()]
+    got = CALL_RECORDER.recompute(bn, (x,))
+    torch.testing.assert_close(got, expected)
+    for b, (value, version) in zip(bn.buffers(), before):
+        assert torch.equal(b, value) and b._version == version
+    emb = nn.Embedding(10, 4, max_norm=0.1)
+    weight = emb.weight.detach().clone()
+    assert CALL_RECORDER.recompute(emb, (torch.arange(10),)) is None
+    assert torch.equal(emb.weight.detach(), weight)
