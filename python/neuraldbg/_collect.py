@@ -115,6 +115,8 @@ class Collector:
         self.act_host: Optional[np.ndarray] = None
         self.out_host: Optional[Tuple[np.ndarray, np.ndarray]] = None
         self.clip_host: Optional[float] = None
+        # Host mode: the loss tensor read when its backward started, and its value.
+        self.loss_read: Optional[Tuple[Any, float]] = None
 
         self.step = 0
         # (module index, output, positional args) of every hooked module call of the current
@@ -277,8 +279,9 @@ class Collector:
         # on the first step, where the loss's graph reaches the model (the loss facts).
         if self.criterion is None or not self.registered:
             t = first_float_tensor(output)
-            if t is not None and t.grad_fn is not None and len(self.output_fns) < 8:
-                self.output_fns.append(t.grad_fn)
+            fn = t.grad_fn if t is not None else None
+            if fn is not None and len(self.output_fns) < 8:
+                self.output_fns.append(fn)
                 if not self.registered and self.loop.first_output is None:
                     self.loop.first_output = t
         if self.order is None:
@@ -369,6 +372,9 @@ class Collector:
         t = BACKWARD_TAP.current
         taken, self.tap_taken = self.tap_taken, None
         if self.criterion is not None or t is None or t is taken:
+            return
+        if self.loss_read is not None and t is self.loss_read[0]:
+            self.auto_losses.append(t)  # host mode: a scalar loss already read before backward
             return
         torch = self.torch
         if isinstance(t, torch.Tensor) and t.numel() == 1 and t.grad_fn is not None:
@@ -484,7 +490,11 @@ class Collector:
                     self.out_staged = self.measure.output_absmax(self.refs, self.watched.rank)
                 self.act_out[:] = self.act_none
             if self.forward_check != "off" and (hm is not None or (not self.defer and loss.device.type == "cpu")):
-                value = hm.scalar(loss) if hm is not None else float(loss.detach())
+                if hm is not None:
+                    value = hm.scalar(loss)
+                    self.loss_read = (loss, value)  # (read again when the step is observed)
+                else:
+                    value = float(loss.detach())
                 if self.origin is None and not math.isfinite(value):
                     self.origin = self.watched.first_nonfinite(self.refs)
                     self.origin_checked = bool(self.refs)
@@ -699,6 +709,7 @@ class Collector:
             self.act_host = None
             self.out_host = None
             self.clip_host = None
+            self.loss_read = None
             self.origin = None
             self.origin_checked = False
             self.ran = None
@@ -838,7 +849,8 @@ class Collector:
         step.activations = act
         pending = self.losses or self.auto_losses
         if pending:
-            values = [hm.scalar(t) for t in pending]
+            seen = self.loss_read
+            values = [seen[1] if seen is not None and t is seen[0] else hm.scalar(t) for t in pending]
             step.loss = values[0] if len(values) == 1 else float(np.mean(np.asarray(values, dtype=np.float32)))
         inputs = list(self.host_inputs)
         for x in self.raw_inputs:  # compiled forward passes: measured now
