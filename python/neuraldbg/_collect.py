@@ -45,7 +45,7 @@ from ._hooks import BACKWARD_TAP, Hooks, reaches
 from ._loop import LoopFacts
 from ._measure import HostMeasurer, Measurer, Probe, first_float_tensor, input_stats
 from ._model import WatchedModel
-from ._transfer import HostCopy, HostStep, Layout, Pending, Unpacked, flatten
+from ._transfer import HostCopy, HostStep, Layout, Pending, Unpacked, clip_ratio, flatten
 from .errors import NeuralDbgWarning
 
 # Whether dynamo is tracing (torch.compile): hooks then run inside a compiled graph. (This module
@@ -109,13 +109,9 @@ class Collector:
         self.hm: Optional[HostMeasurer] = None
         self.host_allowed = True  # (False: the device path whatever the device; tests)
         # Host mode: this step's gradient norms (read at the end of backward), input statistics,
-        # and what was measured when the loss appeared.
+        # and the loss tensor read when its backward started, with its value.
         self.grad_host: Optional[np.ndarray] = None
         self.host_inputs: List[Tuple[float, float, float, float]] = []
-        self.act_host: Optional[np.ndarray] = None
-        self.out_host: Optional[Tuple[np.ndarray, np.ndarray]] = None
-        self.clip_host: Optional[float] = None
-        # Host mode: the loss tensor read when its backward started, and its value.
         self.loss_read: Optional[Tuple[Any, float]] = None
 
         self.step = 0
@@ -150,7 +146,8 @@ class Collector:
         self.grad_order: Optional[np.ndarray] = None
         self.tap_taken: Any = None
         # The parameter whose gradient norm is read again just before the update (the
-        # largest up to 64k elements), and that reading: their ratio tells whether gradients were clipped.
+        # largest up to 64k elements), and that reading (a device tensor; host mode: a float):
+        # their ratio tells whether gradients were clipped.
         self.clip_index: Optional[int] = None
         self.clip_after: Any = None
         # The GradScaler whose step() is running (mixed precision), if any.
@@ -175,11 +172,12 @@ class Collector:
         self.defer: Optional[bool] = None
         self.pending: Optional[Pending] = None
         self.host_copy = HostCopy()
-        # Work done when the step's loss appears (its forward is complete): the activation
-        # statistics, and on CPU the loss check that lets module outputs go before backward.
+        # Work done when the step's forward is complete (see _release_forward): the activation
+        # statistics (device parts, index, samples; host mode: the engine's table) and the
+        # largest magnitude of each kept module output ((values, module ranks)), on the steps
+        # activations are measured.
         self.staged_gen = 0
-        self.act_staged: Optional[Tuple[List[Any], np.ndarray, np.ndarray]] = None
-        # Largest magnitude of each kept module output, on the steps activations are measured.
+        self.act_staged: Any = None
         self.out_staged: Optional[Tuple[Any, np.ndarray]] = None
         self.origin: Optional[int] = None
         self.origin_checked = False
@@ -196,7 +194,13 @@ class Collector:
             self.hm = HostMeasurer(self.measure, len(self.params))
         elif not host:
             self.hm = None
-            self.hooks.hold[0] = True
+            self._hold_outputs()
+
+    def _hold_outputs(self, autocast: bool = False) -> None:
+        """Whether recorded layers keep their outputs: always on the device path; in host mode
+        only when they are measured, or under autocast (whose precision a recomputation would
+        not have)."""
+        self.hooks.hold[0] = self.hm is None or self.hooks.probes_armed or autocast
 
     # ----------------------------------------------------------------- installation
 
@@ -208,8 +212,7 @@ class Collector:
         on = on and not self.disabled
         if on != self.hooks.probes_armed:
             self.hooks.arm_probes(on, [(p.row, p.module) for p in self.probes], self.act_out)
-        # Host mode: recorded layers keep their outputs only when they are measured.
-        self.hooks.hold[0] = on or self.hm is None
+        self._hold_outputs()
 
     def remove(self) -> None:
         self.hooks.remove(self)
@@ -253,9 +256,7 @@ class Collector:
             self.act_out[:] = self.act_none
         self.loop.on_forward(module.training, self.torch.is_grad_enabled())
         if self.hm is not None and self.registered:
-            # Host mode: under autocast a layer's output cannot be computed again exactly (its
-            # precision is autocast's): the recorded layers keep their outputs then.
-            self.hooks.hold[0] = self.hooks.probes_armed or self.torch.is_autocast_enabled("cpu")
+            self._hold_outputs(self.torch.is_autocast_enabled("cpu"))
         try:
             x = first_float_tensor(args)
             if x is None and kwargs:
@@ -337,13 +338,14 @@ class Collector:
         try:
             self.bw_gen += 1
             self._take_loss()
-            if self.hm is not None:
-                self._read_gradients()
-                if self.registered and self.staged_gen != self.forward_gen:
-                    self._stage_host()
-            else:
-                with self.torch.no_grad():
-                    self._read_gradients()
+            self._read_gradients()
+            if self.hm is not None and self.registered and self.staged_gen != self.forward_gen:
+                # Host mode, no release before backward (no loss seen then): a non-finite loss
+                # or gradient has the outputs scanned now, while the parameters are unchanged.
+                assert self.grad_host is not None
+                bad = not math.isfinite(float(self.grad_host.sum(dtype=np.float64)))
+                bad = bad or not all(math.isfinite(v) for v in self._loss_values())
+                self._release_forward(bad)
         except Exception as e:
             self._fail(e)
             return
@@ -362,7 +364,8 @@ class Collector:
         grads = [p.grad for p in self.params]
         if self.sharded:  # each rank measures what it holds: DTensors' local shards
             grads = local_tensors(grads)
-        self.grad_order = self.measure.gradient_norms(grads, parts)
+        with self.torch.no_grad():
+            self.grad_order = self.measure.gradient_norms(grads, parts)
         self.grad_parts = parts
         self.grad_read = True
 
@@ -372,9 +375,6 @@ class Collector:
         t = BACKWARD_TAP.current
         taken, self.tap_taken = self.tap_taken, None
         if self.criterion is not None or t is None or t is taken:
-            return
-        if self.loss_read is not None and t is self.loss_read[0]:
-            self.auto_losses.append(t)  # host mode: a scalar loss already read before backward
             return
         torch = self.torch
         if isinstance(t, torch.Tensor) and t.numel() == 1 and t.grad_fn is not None:
@@ -444,30 +444,6 @@ class Collector:
             self.loop.describe_loss(tensors, self.output_fns)
         self._on_loss(tensors)
 
-    def _stage_host(self) -> None:
-        """Host mode, at the end of the forward's backward pass (the parameters are still those
-        of the forward): what :meth:`_on_loss` does before backward on the device path. The
-        sampled activation and output statistics are read, and a non-finite loss or gradient
-        has the forward's module outputs scanned for the origin; then they are let go."""
-        hm = self.hm
-        assert hm is not None and self.grad_host is not None
-        self.staged_gen = self.forward_gen
-        if self.hooks.probes_armed:
-            self.act_host = hm.activations(self.probes, self.act_out)
-            self.out_host = hm.absmax(self.refs, self.watched.rank)
-            self.act_out[:] = self.act_none
-        if self.forward_check == "off":
-            return
-        if self.origin is None and self.refs:
-            bad = not math.isfinite(float(self.grad_host.sum(dtype=np.float64)))
-            for t in self.losses or self.auto_losses:
-                bad = bad or not math.isfinite(hm.scalar(t))
-            if bad:
-                self.origin = self.watched.first_nonfinite(self.refs)
-                self.origin_checked = True
-        self.ran = list(map(_FIRST, self.refs))
-        self.refs.clear()
-
     def _on_loss(self, loss: "torch.Tensor") -> None:
         """The loss of a forward pass exists, so that forward is complete: measure the
         activations now (their outputs are still hot in cache) and release them. On CPU also
@@ -478,30 +454,50 @@ class Collector:
         """
         if self.disabled or not self.registered or self.staged_gen == self.forward_gen:
             return
-        self.staged_gen = self.forward_gen
         try:
             hm = self.hm
-            if self.hooks.probes_armed:
-                if hm is not None:
-                    self.act_host = hm.activations(self.probes, self.act_out)
-                    self.out_host = hm.absmax(self.refs, self.watched.rank)
-                else:
-                    self.act_staged = self.measure.activation_parts(self.probes, self.act_out)
-                    self.out_staged = self.measure.output_absmax(self.refs, self.watched.rank)
-                self.act_out[:] = self.act_none
-            if self.forward_check != "off" and (hm is not None or (not self.defer and loss.device.type == "cpu")):
-                if hm is not None:
-                    value = hm.scalar(loss)
-                    self.loss_read = (loss, value)  # (read again when the step is observed)
-                else:
-                    value = float(loss.detach())
-                if self.origin is None and not math.isfinite(value):
-                    self.origin = self.watched.first_nonfinite(self.refs)
-                    self.origin_checked = bool(self.refs)
-                self.ran = list(map(_FIRST, self.refs))
-                self.refs.clear()
+            if hm is not None:
+                value = hm.scalar(loss)
+                self.loss_read = (loss, value)  # (not read again when the step is observed)
+                self._release_forward(not math.isfinite(value))
+            elif not self.defer and loss.device.type == "cpu":
+                self._release_forward(not math.isfinite(float(loss.detach())))
+            else:
+                self._release_forward(None)  # (CUDA: no host read inside the step)
         except Exception as e:  # pragma: no cover - defensive
             self._fail(e)
+
+    def _release_forward(self, nonfinite: Optional[bool]) -> None:
+        """The forward pass is complete: its sampled activation and output statistics are
+        measured, and, when whether it went non-finite is known (``nonfinite`` not None: a
+        host read of the loss or gradients), a non-finite one has its kept module outputs
+        scanned for the origin, then they are let go (as a plain loop would have). Otherwise
+        (CUDA) they wait for the observation."""
+        self.staged_gen = self.forward_gen
+        hm = self.hm
+        if self.hooks.probes_armed:
+            if hm is not None:
+                self.act_staged = hm.activations(self.probes, self.act_out)
+                self.out_staged = hm.absmax(self.refs, self.watched.rank)
+            else:
+                self.act_staged = self.measure.activation_parts(self.probes, self.act_out)
+                self.out_staged = self.measure.output_absmax(self.refs, self.watched.rank)
+            self.act_out[:] = self.act_none
+        if nonfinite is None or self.forward_check == "off":
+            return
+        if nonfinite and self.origin is None and self.refs:
+            self.origin = self.watched.first_nonfinite(self.refs)
+            self.origin_checked = True
+        self.ran = list(map(_FIRST, self.refs))
+        self.refs.clear()
+
+    def _loss_values(self) -> List[float]:
+        """Host mode: the values of this step's losses (the one read before backward is not
+        read again)."""
+        hm = self.hm
+        assert hm is not None
+        seen = self.loss_read
+        return [seen[1] if seen is not None and t is seen[0] else hm.scalar(t) for t in self.losses or self.auto_losses]
 
     def _is_relevant(self, optimizer: Any) -> bool:
         key = id(optimizer)
@@ -528,8 +524,7 @@ class Collector:
             if self.hooks.fired is None:
                 self.hooks.hook_grads(self, self.params)
             try:
-                with self.torch.no_grad():
-                    self._read_gradients()
+                self._read_gradients()
             except Exception as e:  # pragma: no cover - defensive
                 self._fail(e)
                 return
@@ -558,7 +553,7 @@ class Collector:
         if self.clip_index is None:
             return
         if self.hm is not None:
-            self.clip_host = self.hm.norm(self.params[self.clip_index], "grad")
+            self.clip_after = self.hm.norm(self.params[self.clip_index], "grad")
             return
         g = self.params[self.clip_index].grad
         if g is not None and self.sharded:
@@ -706,9 +701,6 @@ class Collector:
             self.out_staged = None
             self.grad_host = None
             self.host_inputs.clear()
-            self.act_host = None
-            self.out_host = None
-            self.clip_host = None
             self.loss_read = None
             self.origin = None
             self.origin_checked = False
@@ -840,17 +832,15 @@ class Collector:
         if self.params and self._sampled(self.weight_every):
             weights = self.params
             step.weight_norms = hm.norms(weights)
-        act = self.act_host
+        act = self.act_staged
         if act is None and self.probes and self.hooks.frozen and self._activations_now():
             self._fill_act_out()  # compiled: the probes are the kept module outputs
             act = hm.activations(self.probes, self.act_out)
         elif act is None and self.probes and (first or self.hooks.probes_armed):
             act = hm.activations(self.probes, self.act_out)
         step.activations = act
-        pending = self.losses or self.auto_losses
-        if pending:
-            seen = self.loss_read
-            values = [seen[1] if seen is not None and t is seen[0] else hm.scalar(t) for t in pending]
+        values = self._loss_values()
+        if values:
             step.loss = values[0] if len(values) == 1 else float(np.mean(np.asarray(values, dtype=np.float32)))
         inputs = list(self.host_inputs)
         for x in self.raw_inputs:  # compiled forward passes: measured now
@@ -858,20 +848,16 @@ class Collector:
                 inputs.append(hm.stats(x))
         if inputs:
             step.inputs = np.asarray(inputs, dtype=np.float32).reshape(-1)
-        if self.clip_host is not None and self.clip_index is not None:
-            before = float(grads[self.clip_index])
-            after = self.clip_host
-            if before > 0.0 and math.isfinite(before) and math.isfinite(after):
-                facts["clip_ratio"] = after / before
+        if self.clip_after is not None and self.clip_index is not None:
+            ratio = clip_ratio(float(grads[self.clip_index]), self.clip_after)
+            if ratio is not None:
+                facts["clip_ratio"] = ratio
         measures: Dict[str, np.ndarray] = {}
-        outs = self.out_host
+        outs = self.out_staged
         if outs is None and first:
             outs = hm.absmax(self.refs, self.watched.rank)
         if outs is not None:
-            table = np.full(len(self.watched.spec_order), np.nan, dtype=np.float32)
-            # A module called several times in the step (a shared block) keeps its largest output.
-            np.fmax.at(table, outs[1], outs[0])
-            measures["output_absmax"] = table
+            measures["output_absmax"] = self._module_table(outs[1], outs[0])
         if self.params and self._sampled(self.activation_every):
             zeros = hm.zero_shares(self.params)
             if zeros is not None:
@@ -982,11 +968,15 @@ class Collector:
                 out[name] = table
         ranks = layout.out_ranks
         if ranks is not None and ranks.size and end >= ranks.size:
-            table = np.full(len(self.watched.spec_order), np.nan, dtype=np.float32)
-            # A module called several times in the step (a shared block) keeps its largest output.
-            np.fmax.at(table, ranks, flat[end - ranks.size : end])
-            out["output_absmax"] = table
+            out["output_absmax"] = self._module_table(ranks, flat[end - ranks.size : end])
         return out or None
+
+    def _module_table(self, ranks: np.ndarray, values: np.ndarray) -> np.ndarray:
+        """Per engine module, its largest value (NaN: none); a module called several times in
+        the step (a shared block) keeps its largest output."""
+        table = np.full(len(self.watched.spec_order), np.nan, dtype=np.float32)
+        np.fmax.at(table, ranks, values)
+        return table
 
     def finish(self, crashed: bool) -> None:
         """Called on exit. A step still on its way to the host is handed to the engine. A

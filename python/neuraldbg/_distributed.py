@@ -41,6 +41,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ._transfer import clip_ratio
 from .errors import NeuralDbgWarning
 
 # Header of each rank's vector: has_loss, loss, origin module (-1: none), outputs checked,
@@ -409,9 +410,9 @@ class Distributed:
         if self.clip_index is not None and not np.isnan(after).all():
             p = self.clip_index
             before = float(out["grad_norms"][p])
-            clipped = math.sqrt(float(np.nansum(after * after)) * self.scale[p])
-            if before > 0.0 and math.isfinite(before) and math.isfinite(clipped):
-                out["clip_ratio"] = clipped / before
+            ratio = clip_ratio(before, math.sqrt(float(np.nansum(after * after)) * self.scale[p]))
+            if ratio is not None:
+                out["clip_ratio"] = ratio
         scales = head[:, 7]
         if not np.isnan(scales).all():
             out["loss_scale"] = float(np.nanmax(scales))

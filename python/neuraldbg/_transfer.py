@@ -94,6 +94,14 @@ def flatten(parts: "List[torch.Tensor]") -> "Optional[torch.Tensor]":
     return torch._C._nn.flatten_dense_tensors(parts)
 
 
+def clip_ratio(before: float, after: float) -> Optional[float]:
+    """The ``clip_ratio`` fact: one gradient's norm as the optimizer received it over its norm
+    when the backward produced it (None when that says nothing: no gradient, NaN/Inf)."""
+    if before > 0.0 and math.isfinite(before) and math.isfinite(after):
+        return after / before
+    return None
+
+
 class HostCopy:
     """Asynchronous copies of step vectors into one reused pinned buffer (CUDA)."""
 
@@ -174,11 +182,10 @@ class Unpacked:
             off += 4 * layout.n_inputs
         self.facts: Dict[str, float] = {}
         if layout.clip_index is not None:
-            before = float(grad_norms[layout.clip_index])
-            after = float(flat[off])
+            ratio = clip_ratio(float(grad_norms[layout.clip_index]), float(flat[off]))
             off += 1
-            if before > 0.0 and math.isfinite(before) and math.isfinite(after):
-                self.facts["clip_ratio"] = after / before
+            if ratio is not None:
+                self.facts["clip_ratio"] = ratio
         if layout.loss_scale:
             self.facts["loss_scale"] = float(flat[off])
             off += 1
