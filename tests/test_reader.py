@@ -381,3 +381,17 @@ def test_results_do_not_depend_on_torch_threads_or_grad_mode():
         out2 = np.empty(1, np.float32)
         assert r.norms([w], out2)
     assert out[0] == out2[0] == pytest.approx(w.detach().norm().item(), rel=1e-6)
+
+
+def test_an_output_array_may_share_memory_with_the_tensors_it_reads():
+    """Results are written once every tensor was read: an output array that is itself a
+    measured tensor's memory gives the norms of its values before the call."""
+    r = reader()
+    out = np.array([3.0, 4.0], np.float32)
+    t = torch.from_numpy(out)  # the same memory
+    assert r.norms([t, t[:1]], out)
+    np.testing.assert_array_equal(out, [5.0, 3.0])
+    table = np.array([0.0, 2.0, 0.0, 1.0, np.nan], np.float32)
+    shared = torch.from_numpy(table)[:4].reshape(1, 4)  # one sample of 4 ReLU units, in the table
+    assert r.activations([shared], [(0, 1, 0.0, None, True, 0)], table)
+    assert table[0] == 2.0 and table[2] == pytest.approx(0.5) and table[4] == 1.0

@@ -23,10 +23,12 @@
 //! between steps' ops, the same contract as numpy's buffer protocol. The reader trusts what the
 //! accepted types answer: the constructor must be given torch's own tensor types
 //! (`torch.Tensor`, `torch.nn.Parameter`), not a class whose `data_ptr` could say anything.
+//! Results are written to the caller's arrays only after every tensor was read
+//! ([`write_out`]), so an output array may even share memory with a tensor it measures.
 
 use half::{bf16, f16};
 use neuraldbg_core::measure::{self, Element, OutputProbe, Slope};
-use numpy::PyReadwriteArrayDyn;
+use numpy::{PyReadwriteArrayDyn, PyUntypedArrayMethods};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyString, PyTuple};
@@ -89,6 +91,21 @@ fn out_slice<'a>(name: &str, a: &'a mut PyReadwriteArrayDyn<'_, f32>) -> PyResul
             "{name} must be a C-contiguous writable float32 array"
         ))
     })
+}
+
+/// Copies `values` into an output array. Results are gathered in a buffer of ours and written
+/// only once every tensor has been read: an output array that shares memory with one of the
+/// tensors (`torch.from_numpy(out)`) is then never borrowed mutably while a tensor slice, or
+/// Python code, is alive.
+fn write_out(name: &str, a: &mut PyReadwriteArrayDyn<'_, f32>, values: &[f32]) -> PyResult<()> {
+    let out = out_slice(name, a)?;
+    if out.len() != values.len() {
+        return Err(PyValueError::new_err(format!(
+            "{name} has the wrong length"
+        )));
+    }
+    out.copy_from_slice(values);
+    Ok(())
 }
 
 /// Statistics of CPU tensors read straight from their memory (no torch op).
@@ -270,23 +287,24 @@ impl TensorReader {
         attr: Option<&Bound<'_, PyString>>,
         missing: f32,
     ) -> PyResult<bool> {
-        let out = out_slice("out", &mut out)?;
         if items.len()? != out.len() {
             return Err(PyValueError::new_err("out must have one entry per item"));
         }
-        for (o, x) in out.iter_mut().zip(items.try_iter()?) {
+        let mut values = Vec::with_capacity(out.len());
+        for x in items.try_iter()? {
             let Some(t) = Self::target(x?, attr) else {
                 return Ok(false);
             };
             if t.is_none() {
-                *o = missing;
+                values.push(missing);
                 continue;
             }
             match self.with_elements(&t, false, |e, _| dispatch!(e, xs => measure::l2_norm(xs))) {
-                Some(n) => *o = n as f32,
+                Some(n) => values.push(n as f32),
                 None => return Ok(false),
             }
         }
+        write_out("out", &mut out, &values)?;
         Ok(true)
     }
 
@@ -313,16 +331,17 @@ impl TensorReader {
         items: &Bound<'_, PyAny>,
         mut out: PyReadwriteArrayDyn<'_, f32>,
     ) -> PyResult<bool> {
-        let out = out_slice("out", &mut out)?;
         if items.len()? != out.len() {
             return Err(PyValueError::new_err("out must have one entry per item"));
         }
-        for (o, t) in out.iter_mut().zip(items.try_iter()?) {
+        let mut values = Vec::with_capacity(out.len());
+        for t in items.try_iter()? {
             match self.with_elements(&t?, false, |e, _| dispatch!(e, xs => measure::abs_max(xs))) {
-                Some(m) => *o = m as f32,
+                Some(m) => values.push(m as f32),
                 None => return Ok(false),
             }
         }
+        write_out("out", &mut out, &values)?;
         Ok(true)
     }
 
@@ -336,15 +355,14 @@ impl TensorReader {
         mut cols: PyReadwriteArrayDyn<'_, f32>,
         attr: Option<&Bound<'_, PyString>>,
     ) -> PyResult<bool> {
-        let rows = out_slice("rows", &mut rows)?;
-        let cols = out_slice("cols", &mut cols)?;
         let n = items.len()?;
         if rows.len() != n || cols.len() != n {
             return Err(PyValueError::new_err(
                 "rows and cols must have one entry per item",
             ));
         }
-        for ((r, c), x) in rows.iter_mut().zip(cols.iter_mut()).zip(items.try_iter()?) {
+        let (mut row_values, mut col_values) = (Vec::with_capacity(n), Vec::with_capacity(n));
+        for x in items.try_iter()? {
             let Some(t) = Self::target(x?, attr) else {
                 return Ok(false);
             };
@@ -363,9 +381,11 @@ impl TensorReader {
             let Some((zr, zc)) = shares else {
                 return Ok(false);
             };
-            *r = zr as f32;
-            *c = zc as f32;
+            row_values.push(zr as f32);
+            col_values.push(zc as f32);
         }
+        write_out("rows", &mut rows, &row_values)?;
+        write_out("cols", &mut cols, &col_values)?;
         Ok(true)
     }
 
@@ -379,7 +399,8 @@ impl TensorReader {
         probes: &Bound<'_, PyAny>,
         mut table: PyReadwriteArrayDyn<'_, f32>,
     ) -> PyResult<bool> {
-        let table = out_slice("table", &mut table)?;
+        // Filled in a copy (see `write_out`), the cells a probe does not ask keeping their value.
+        let mut cells_of = out_slice("table", &mut table)?.to_vec();
         for p in probes.try_iter()? {
             let (row, unit_axis, center, half, death, slope): (
                 usize,
@@ -400,7 +421,7 @@ impl TensorReader {
                     ));
                 }
             };
-            let Some(cells) = table.get_mut(5 * row..5 * row + 5) else {
+            let Some(cells) = cells_of.get_mut(5 * row..5 * row + 5) else {
                 return Err(PyValueError::new_err(
                     "table must have 5 entries per probe row",
                 ));
@@ -425,6 +446,7 @@ impl TensorReader {
                 return Ok(false);
             }
         }
+        write_out("table", &mut table, &cells_of)?;
         Ok(true)
     }
 }
