@@ -95,7 +95,6 @@ pub struct LayerTrack {
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct ZeroShare {
     pub last: Option<f64>,
-    pub max: f64,
     /// First step of the current stretch of measurements at or above [`ZeroShare::DEAD`].
     pub since: Option<u64>,
 }
@@ -109,7 +108,6 @@ impl ZeroShare {
             return;
         }
         self.last = Some(share);
-        self.max = self.max.max(share);
         if share >= Self::DEAD {
             self.since.get_or_insert(step);
         } else {

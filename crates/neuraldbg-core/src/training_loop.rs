@@ -18,6 +18,21 @@ const COLLAPSE_SKIPS_ANY_SCALE: u64 = 64;
 /// A step counts as clipped when the gradient the optimizer received is below this share of the
 /// one the backward pass produced.
 const CLIPPED_BELOW: f64 = 0.99;
+/// A clipped step this close to the latest stretch of clipped steps extends it.
+const CLIP_GAP: u64 = 8;
+/// Stretches of clipped steps kept (memory stays bounded: past this, the latest one grows).
+const CLIP_STRETCHES: usize = 256;
+
+/// Consecutive (within [`CLIP_GAP`]) steps whose gradients were clipped.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ClipStretch {
+    pub first: u64,
+    pub last: u64,
+    /// Clipped steps in the stretch.
+    pub steps: u64,
+    /// Smallest ratio of clipped to produced gradient norm in the stretch.
+    pub ratio_min: f64,
+}
 
 /// A loss scale that collapsed: the scaler skipped every step from `onset`.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -51,10 +66,10 @@ pub struct LoopTrack {
     pub collapse: Option<ScaleCollapse>,
     /// Steps whose gradients were rescaled (clipped) between backward and the update.
     pub clipped_steps: u64,
-    pub first_clipped: Option<u64>,
-    pub last_clipped: Option<u64>,
     /// Smallest ratio of clipped to produced gradient norm.
     pub clip_ratio_min: Option<f64>,
+    /// Where the clipped steps were, as stretches in step order.
+    pub clipped: Vec<ClipStretch>,
 }
 
 impl LoopTrack {
@@ -69,9 +84,8 @@ impl LoopTrack {
         if let Some(r) = v.fact(Fact::ClipRatio).filter(|r| r.is_finite()) {
             if r < CLIPPED_BELOW {
                 self.clipped_steps += 1;
-                self.first_clipped.get_or_insert(v.step);
-                self.last_clipped = Some(v.step);
                 self.clip_ratio_min = Some(self.clip_ratio_min.map_or(r, |m| m.min(r)));
+                self.note_clipped(v.step, r);
             }
         }
         let skipped = v.fact(Fact::OptimizerSkipped).is_some_and(|s| s >= 0.5);
@@ -103,12 +117,36 @@ impl LoopTrack {
         true
     }
 
-    /// Whether gradients were clipped on some step of `[from, to]`.
-    pub fn clipped_between(&self, from: u64, to: u64) -> bool {
-        match (self.first_clipped, self.last_clipped) {
-            (Some(a), Some(b)) => a <= to && b >= from,
-            _ => false,
+    fn note_clipped(&mut self, step: u64, ratio: f64) {
+        let full = self.clipped.len() >= CLIP_STRETCHES;
+        match self.clipped.last_mut() {
+            Some(s) if full || step <= s.last + CLIP_GAP => {
+                s.last = step;
+                s.steps += 1;
+                s.ratio_min = s.ratio_min.min(ratio);
+            }
+            _ => self.clipped.push(ClipStretch {
+                first: step,
+                last: step,
+                steps: 1,
+                ratio_min: ratio,
+            }),
         }
+    }
+
+    /// The clipping of the stretches that overlap steps `[from, to]` (both included): clipped
+    /// steps, the first one, and the smallest ratio. None when none overlaps.
+    pub fn clipping_during(&self, from: u64, to: u64) -> Option<ClipStretch> {
+        self.clipped
+            .iter()
+            .filter(|s| s.first <= to && s.last >= from)
+            .copied()
+            .reduce(|a, b| ClipStretch {
+                first: a.first,
+                last: b.last,
+                steps: a.steps + b.steps,
+                ratio_min: a.ratio_min.min(b.ratio_min),
+            })
     }
 }
 
@@ -189,8 +227,45 @@ mod tests {
             t.observe(&o.view(), None);
         }
         assert_eq!(t.clipped_steps, 2);
-        assert_eq!((t.first_clipped, t.last_clipped), (Some(2), Some(3)));
         assert_eq!(t.clip_ratio_min, Some(0.1));
-        assert!(t.clipped_between(0, 2) && !t.clipped_between(4, 9));
+        let during = t.clipping_during(0, 2).expect("clipped at step 2");
+        assert_eq!((during.first, during.last, during.steps), (2, 3, 2));
+        assert!(t.clipping_during(4, 9).is_none());
+    }
+
+    #[test]
+    fn clipping_far_from_an_episode_is_not_clipping_during_it() {
+        // Clipped at steps 2 and 100 only: an explosion at steps 30-50 was not clipped.
+        let mut t = LoopTrack::default();
+        for s in 0..=120u64 {
+            let r = if s == 2 || s == 100 { 0.5 } else { 1.0 };
+            let o = Observation {
+                step: s,
+                facts: vec![(Fact::ClipRatio, r)],
+                ..Default::default()
+            };
+            t.observe(&o.view(), None);
+        }
+        assert!(t.clipping_during(30, 50).is_none());
+        assert_eq!(t.clipping_during(90, 110).map(|c| c.steps), Some(1));
+        assert_eq!(t.clipped.len(), 2);
+    }
+
+    #[test]
+    fn clipping_stretches_stay_bounded() {
+        let mut t = LoopTrack::default();
+        for k in 0..10_000u64 {
+            let o = Observation {
+                step: k * 100,
+                facts: vec![(Fact::ClipRatio, 0.5)],
+                ..Default::default()
+            };
+            t.observe(&o.view(), None);
+        }
+        assert_eq!(t.clipped.len(), CLIP_STRETCHES);
+        assert_eq!(
+            t.clipping_during(0, u64::MAX).map(|c| c.steps),
+            Some(10_000)
+        );
     }
 }

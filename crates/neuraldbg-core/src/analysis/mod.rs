@@ -244,12 +244,14 @@ impl<'a> Analysis<'a> {
     /// Gradients were clipped during a gradient failure: the norms are those the backward pass
     /// produced, so the explosion is real even though the update was bounded. Say so.
     fn note_clipping(&self, h: &mut CausalHypothesis, e: &Episode) {
-        let lt = &self.run.loop_track;
-        let last = e.onset + e.duration;
-        if !e.failure.is_gradient() || !lt.clipped_between(e.onset, last) {
+        if !e.failure.is_gradient() {
             return;
         }
-        let ratio = lt.clip_ratio_min.unwrap_or(1.0);
+        let last = e.onset + e.duration.saturating_sub(1);
+        let Some(clip) = self.run.loop_track.clipping_during(e.onset, last) else {
+            return;
+        };
+        let ratio = clip.ratio_min;
         let _ = write!(
             h.description,
             " Gradient clipping was on: it scaled the update's gradients down by up to {}x, \
@@ -258,9 +260,8 @@ impl<'a> Analysis<'a> {
             text::num(1.0 / ratio.max(1e-30))
         );
         h.causal_chain.push(format!(
-            "gradient clipping rescaled gradients on {} step(s) (first at step {})",
-            lt.clipped_steps,
-            lt.first_clipped.unwrap_or(e.onset)
+            "gradient clipping rescaled gradients on {} step(s) around the failure (first at step {})",
+            clip.steps, clip.first
         ));
         h.remedies.retain(|r| !r.starts_with("clip gradients"));
     }
@@ -276,6 +277,21 @@ impl<'a> Analysis<'a> {
                 crate::model::display_name(l)
             )
         });
+        // Confirmed below a scale of 1, or by a long enough run of skips whatever the scale
+        // (which may also be unknown: no loss_scale fact).
+        let why = if c.scale < 1.0 {
+            format!(
+                "shrank the loss scale to {}, below 1, so values overflow float16 even unamplified",
+                text::num(c.scale)
+            )
+        } else if c.scale.is_finite() {
+            format!(
+                "the loss scale is still {}: values overflow at every scale it tried",
+                text::num(c.scale)
+            )
+        } else {
+            "values overflow at every scale it tried".to_owned()
+        };
         Some(CausalHypothesis {
             failure: Failure::LossScaleCollapse,
             cause: Cause::NumericalInstability,
@@ -284,18 +300,14 @@ impl<'a> Analysis<'a> {
             confidence: 0.9,
             description: format!(
                 "The mixed-precision loss scale collapsed from step {}: the GradScaler skipped \
-                 {} consecutive optimizer steps for overflowing gradients and shrank the loss \
-                 scale to {}, below 1, so values overflow float16 even unamplified and the \
+                 {} consecutive optimizer steps for overflowing gradients and {why}, and the \
                  model stops learning ({} skipped steps in all).{place}",
-                c.onset,
-                c.skips,
-                text::num(c.scale),
-                lt.skipped_steps
+                c.onset, c.skips, lt.skipped_steps
             ),
             evidence: Vec::new(),
             causal_chain: vec![
                 format!("values overflow float16 from step {}", c.onset),
-                format!("GradScaler skips every step; loss scale falls to {}", text::num(c.scale)),
+                format!("GradScaler skips every step; loss scale at {}", text::num(c.scale)),
                 "no parameter update: training stalls".into(),
             ],
             remedies: vec![
