@@ -386,11 +386,11 @@ impl NeuralDbg {
         let x = to_f32(batch.clone().inner()).reshape([-1]);
         let n = x.dims()[0];
         let mean = x.clone().mean();
-        // Sample standard deviation (n - 1), as the PyTorch collector measures it.
+        // Population standard deviation (divided by n), as the PyTorch collector measures it.
         let var = (x.clone() - mean.clone())
             .square()
             .sum()
-            .div_scalar(n.saturating_sub(1).max(1) as f64);
+            .div_scalar(n.max(1) as f64);
         self.inputs.push(Tensor::cat(
             vec![x.clone().min(), x.max(), mean, var.sqrt()],
             0,

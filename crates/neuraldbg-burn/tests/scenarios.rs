@@ -291,7 +291,7 @@ fn each_step_records_what_the_host_computes_and_leaves_training_unchanged() {
             .iter()
             .map(|&v| (f64::from(v) - mean).powi(2))
             .sum::<f64>()
-            / (n - 1.0);
+            / n; // population variance, as torch.std_mean(correction=0)
         let (lo, hi) = xs
             .iter()
             .fold((f32::MAX, f32::MIN), |(a, b), &v| (a.min(v), b.max(v)));
