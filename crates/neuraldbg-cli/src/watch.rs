@@ -224,6 +224,9 @@ impl Follow {
         let Some(engine) = &self.engine else {
             return Ok(Vec::new());
         };
+        if before.is_some() && engine.last_step() == before {
+            return Ok(Vec::new()); // no step read: no new event (an idle poll copies nothing)
+        }
         let mut new: Vec<SemanticEvent> = engine
             .events()
             .into_iter()
