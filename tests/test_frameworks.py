@@ -225,3 +225,43 @@ def test_accelerate_loop_with_accumulation_and_clipping():
     assert list(steps) == [0, 1, 2, 3]
     assert min(truth) > 1e-3, "clipping at 1e-4 bit"
     np.testing.assert_allclose(values, truth, rtol=1e-4)
+
+
+@pytest.mark.parametrize("zero", [True, False])
+def test_lightning_callback_watches_every_rank_and_only_rank_zero_writes_the_report(tmp_path, zero):
+    """In a distributed job every rank must watch (the per-step exchange needs them all, and a
+    halt must stop them all): a rank other than 0 observes its steps too, writes no report and
+    logs nothing. (The events Lightning calls, with a stand-in trainer of that rank.)"""
+    from types import SimpleNamespace
+
+    class Logger:
+        def __init__(self) -> None:
+            self.logged: list = []
+
+        def log_metrics(self, numbers, step):  # type: ignore[no-untyped-def]
+            self.logged.append(numbers)
+
+        def log_hyperparams(self, params):  # type: ignore[no-untyped-def]
+            self.logged.append(params)
+
+        def save(self) -> None:
+            pass
+
+    logger = Logger()
+    trainer = SimpleNamespace(
+        is_global_zero=zero, log_dir=str(tmp_path), default_root_dir=str(tmp_path), should_stop=False,
+        loggers=[logger], global_step=3,
+    )
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    cb = LightningCallback(verbose=False)
+    cb.on_train_start(trainer, model)
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(16, 4)).pow(2).mean().backward()
+        opt.step()
+    cb.on_train_end(trainer, model)
+    assert cb.dbg is not None and cb.dbg.step == 3
+    assert (tmp_path / "neuraldbg.html").exists() == zero
+    assert bool(logger.logged) == zero

@@ -55,6 +55,49 @@ class WatchedRun:
             self.dbg.__exit__(type(exc) if exc is not None else None, exc, None)
 
 
+class CallbackCore:
+    """The options and the watched run of a framework callback.
+
+    Every process of a distributed job opens its run (the job-wide exchange needs every rank,
+    and a halt must stop every rank at the same step): only rank 0 writes the report, and the
+    trace follows ``trace_rank`` (rank 0 unless set)."""
+
+    def __init__(
+        self,
+        *,
+        trace: PathOption = True,
+        report: PathOption = True,
+        halt_on: Any = None,
+        on_failure: "Optional[Callable[[List[CausalHypothesis]], Any]]" = None,
+        verbose: bool = True,
+        **options: Any,
+    ) -> None:
+        super().__init__()
+        self.trace = trace
+        self.report = report
+        self.halt_on = halt_on
+        self.on_failure = on_failure
+        self.verbose = verbose
+        self.options = options
+        self._run: Optional[WatchedRun] = None
+        self.dbg: Optional[NeuralDbg] = None
+
+    def _open(self, model: Any, directory: str, zero: bool, stop: Callable[[], None]) -> None:
+        """Starts watching ``model`` (``zero``: this is the job's rank 0, or the only process)."""
+        self.close()
+        self._run = WatchedRun(
+            model, directory, trace=self.trace, report=self.report if zero else False, halt_on=self.halt_on,
+            on_failure=self.on_failure, stop=stop, options=self.options,
+        )
+        self.dbg = self._run.dbg
+
+    def close(self, exc: Optional[BaseException] = None) -> None:
+        """Ends the observation: hooks removed, trace closed, report written."""
+        if self._run is not None:
+            self._run.close(exc)
+            self._run = None
+
+
 def verdict(dbg: NeuralDbg) -> List[CausalHypothesis]:
     """Confirmed hypotheses (confidence >= 0.5), most likely first."""
     return [h for h in dbg.explain_failure() if h.confidence >= 0.5]

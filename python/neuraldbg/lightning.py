@@ -20,11 +20,12 @@ Lightning is not a dependency of neuraldbg: this module needs ``lightning`` inst
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional
+import warnings
+from typing import Any, Optional
 
-from ._integration import PathOption, WatchedRun, metrics, summary, verdict_text
-from .debugger import NeuralDbg
-from .types import CausalHypothesis
+from .errors import NeuralDbgWarning
+
+from ._integration import CallbackCore, metrics, summary, verdict_text
 
 try:
     from lightning.pytorch.callbacks import Callback
@@ -34,7 +35,7 @@ except ImportError:  # pragma: no cover - the standalone package
 __all__ = ["NeuralDbgCallback"]
 
 
-class NeuralDbgCallback(Callback):  # type: ignore[misc]
+class NeuralDbgCallback(CallbackCore, Callback):  # type: ignore[misc]
     """Watches the LightningModule during ``trainer.fit``.
 
     Args:
@@ -53,40 +54,13 @@ class NeuralDbgCallback(Callback):  # type: ignore[misc]
     ``explain_failure()``, ``events``, ``history()``...).
     """
 
-    def __init__(
-        self,
-        *,
-        trace: PathOption = True,
-        report: PathOption = True,
-        halt_on: Any = None,
-        on_failure: "Optional[Callable[[List[CausalHypothesis]], Any]]" = None,
-        verbose: bool = True,
-        **options: Any,
-    ) -> None:
-        super().__init__()
-        self.trace = trace
-        self.report = report
-        self.halt_on = halt_on
-        self.on_failure = on_failure
-        self.verbose = verbose
-        self.options = options
-        self._run: Optional[WatchedRun] = None
-        self.dbg: Optional[NeuralDbg] = None
-
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        if not trainer.is_global_zero:
-            return
-        self._close(None)
         directory = trainer.log_dir or trainer.default_root_dir
 
         def stop() -> None:
             trainer.should_stop = True
 
-        self._run = WatchedRun(
-            pl_module, directory, trace=self.trace, report=self.report, halt_on=self.halt_on,
-            on_failure=self.on_failure, stop=stop, options=self.options,
-        )
-        self.dbg = self._run.dbg
+        self._open(pl_module, directory, trainer.is_global_zero, stop)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self._finish(trainer, None)
@@ -94,16 +68,13 @@ class NeuralDbgCallback(Callback):  # type: ignore[misc]
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         self._finish(trainer, exception)
 
-    def _close(self, exc: Optional[BaseException]) -> None:
-        if self._run is not None:
-            self._run.close(exc)
-            self._run = None
-
     def _finish(self, trainer: Any, exc: Optional[BaseException]) -> None:
         run = self._run
         if run is None:
             return
-        self._close(exc)
+        self.close(exc)
+        if not trainer.is_global_zero:
+            return
         dbg = run.dbg
         numbers = metrics(dbg, layers=True)
         for logger in trainer.loggers:
@@ -112,10 +83,6 @@ class NeuralDbgCallback(Callback):  # type: ignore[misc]
                 logger.log_hyperparams({"neuraldbg_verdict": verdict_text(dbg)})
                 logger.save()
             except Exception as e:  # a logger that cannot take it must not break training
-                import warnings
-
-                from .errors import NeuralDbgWarning
-
                 warnings.warn(f"NeuralDBG could not log to {type(logger).__name__}: {e}", NeuralDbgWarning, stacklevel=2)
         if self.verbose:
             print(summary(dbg, run.report_path or run.trace_path))

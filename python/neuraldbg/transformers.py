@@ -24,18 +24,16 @@ event) to remove the hooks and write the trace and report.
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable, List, Optional
+from typing import Any
 
 from transformers import TrainerCallback
 
-from ._integration import PathOption, WatchedRun, metrics, summary
-from .debugger import NeuralDbg
-from .types import CausalHypothesis
+from ._integration import CallbackCore, metrics, summary
 
 __all__ = ["NeuralDbgCallback"]
 
 
-class NeuralDbgCallback(TrainerCallback):  # type: ignore[misc]
+class NeuralDbgCallback(CallbackCore, TrainerCallback):  # type: ignore[misc]
     """Watches the model during ``trainer.train()``.
 
     Args:
@@ -51,44 +49,13 @@ class NeuralDbgCallback(TrainerCallback):  # type: ignore[misc]
     After training, :attr:`dbg` is the run's :class:`~neuraldbg.NeuralDbg`.
     """
 
-    def __init__(
-        self,
-        *,
-        trace: PathOption = True,
-        report: PathOption = True,
-        halt_on: Any = None,
-        on_failure: "Optional[Callable[[List[CausalHypothesis]], Any]]" = None,
-        verbose: bool = True,
-        **options: Any,
-    ) -> None:
-        self.trace = trace
-        self.report = report
-        self.halt_on = halt_on
-        self.on_failure = on_failure
-        self.verbose = verbose
-        self.options = options
-        self._run: Optional[WatchedRun] = None
-        self._stop = False
-        self.dbg: Optional[NeuralDbg] = None
-
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         self._go_first()
-        if not state.is_world_process_zero or model is None:
-            return
-        self.close()
-        self._stop = False
-
-        def stop() -> None:
-            self._stop = True
-
-        self._run = WatchedRun(
-            model, args.output_dir, trace=self.trace, report=self.report, halt_on=self.halt_on,
-            on_failure=self.on_failure, stop=stop, options=self.options,
-        )
-        self.dbg = self._run.dbg
+        if model is not None:
+            self._open(model, args.output_dir, state.is_world_process_zero, lambda: None)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self._stop:
+        if self.dbg is not None and self.dbg.halted is not None:
             control.should_training_stop = True
 
     def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
@@ -102,14 +69,8 @@ class NeuralDbgCallback(TrainerCallback):  # type: ignore[misc]
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         run = self._run
         self.close()
-        if run is not None and self.verbose:
+        if run is not None and self.verbose and state.is_world_process_zero:
             print(summary(run.dbg, run.report_path or run.trace_path))
-
-    def close(self, exc: Optional[BaseException] = None) -> None:
-        """Ends the observation: hooks removed, trace closed, report written."""
-        if self._run is not None:
-            self._run.close(exc)
-            self._run = None
 
     def _go_first(self) -> None:
         """Moves this callback to the front of the trainer's callback list, so that the verdict
