@@ -264,7 +264,8 @@ class Distributed:
         if parts:
             key = (id(grad_order), k_g, id(weight_order), k_w, id(act_index), n_act, has_loss, n_inputs > 0,
                    clip, loss_scale, device)
-            idx = self._index.get(key)
+            hit = self._index.get(key)
+            idx = hit[0] if hit is not None else None
             if idx is None:
                 index: List[np.ndarray] = []
                 if grad_order is not None and k_g:
@@ -284,7 +285,9 @@ class Distributed:
                 idx = _to_device(torch, np.concatenate(index).astype(np.int64), device)
                 if len(self._index) > 16:
                     self._index.clear()
-                self._index[key] = idx
+                # The plan arrays are kept with their index: their ids (in the key) cannot be
+                # reused by other arrays while the entry lives.
+                self._index[key] = (idx, grad_order, weight_order, act_index)
             src = torch.cat(parts) if len(parts) > 1 else parts[0]
             vec.index_copy_(0, idx, src.to(torch.float32))
         return vec
