@@ -85,13 +85,13 @@ def main() -> int:
         marks = " ".join(mark(sc.get(k)) for k in ("failure", "cause", "layer", "step")) if truth_ok else "truth not confirmed"
         print(f"{s.name:<34} {s.arch:<30} {tt:<58} {hh:<58} {marks} {conf}")
     print("-" * 200)
-    reliability(rows)
+    calibrated = reliability(rows)
     print(
         f"planted failures diagnosed correctly by the top hypothesis: {ok_fail}/{failures}; "
         f"healthy runs with no hypothesis >= 0.5: {ok_healthy}/{healthy}; "
         f"{time.perf_counter() - t0:.0f}s, torch {torch.__version__}, {args.threads} thread(s)"
     )
-    return 0 if (ok_fail == failures and ok_healthy == healthy) else 1
+    return 0 if (ok_fail == failures and ok_healthy == healthy and calibrated) else 1
 
 
 # Confidence bins of the reliability table, and the share right each must reach.

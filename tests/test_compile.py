@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -119,6 +120,7 @@ def test_nan_origin_is_named_under_compile():
 
 def test_inductor_compiled_model_is_observed():
     dynamo.reset()
+    counters.clear()  # (graph breaks of earlier tests)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
     compiled = torch.compile(model)
@@ -132,6 +134,10 @@ def test_inductor_compiled_model_is_observed():
             opt.step()
     assert dbg.step == 3
     assert sum(counters["graph_break"].values()) == 0
+    # Every step's gradients and input were seen through the compiled forward.
+    steps, norms = dbg.history("0", "grad_norm")
+    assert list(steps) == [0, 1, 2] and np.all(np.isfinite(norms)) and np.all(norms > 0)
+    assert len(dbg.history(None, "input_scale")[1]) == 3
 
 
 def test_entering_after_the_first_compiled_call_costs_one_recompile_and_sees_everything():
