@@ -29,6 +29,7 @@ This file must not import ``neuraldbg`` at module level: the 1.3.2 worker import
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import os
@@ -39,7 +40,7 @@ import sys
 import tempfile
 import time
 import warnings
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -229,12 +230,54 @@ class Arm:
     def after_step(self, loss: float) -> None:
         pass
 
+    # Whether the arm runs with NeuralDBG's class-wide layer wrappers in place (see `unwrapped`).
+    keep_wrappers = False
+
     def block(self, n: int, record: bool) -> None:
-        t0 = CLOCK()
-        for _ in range(n):
-            self.step()
-        if record:
-            self.times.append(CLOCK() - t0)
+        with contextlib.nullcontext() if self.keep_wrappers else unwrapped():
+            t0 = CLOCK()
+            for _ in range(n):
+                self.step()
+            if record:
+                self.times.append(CLOCK() - t0)
+
+
+@contextlib.contextmanager
+def unwrapped() -> Iterator[None]:
+    """While a watched arm is entered, NeuralDBG has process-wide pieces in place: ``forward``
+    of torch's layer classes wrapped (other instances pass through at ~0.5 us a call), the
+    ``torch.autograd.backward`` tap, and its global optimizer step post hook. An unwatched
+    arm's block runs with all three put aside, so that it measures the plain loop. (The
+    compiled arms keep what they were traced with: swapping would recompile them.)"""
+    hooks = sys.modules.get("neuraldbg._hooks")
+    recorder = getattr(hooks, "CALL_RECORDER", None)
+    swapped = []
+    for cls, wrapper in list(recorder.wrappers.items()) if recorder is not None else []:
+        if cls.__dict__.get("forward") is wrapper:
+            own = recorder.original.get(cls)
+            if own is None:
+                delattr(cls, "forward")
+            else:
+                cls.forward = own
+            swapped.append((cls, wrapper))
+    tap = getattr(hooks, "BACKWARD_TAP", None)
+    tapped = tap is not None and torch.autograd.backward is tap.installed
+    if tapped:
+        torch.autograd.backward = tap.original
+    from torch.optim import optimizer
+
+    ours = {k: h for k, h in optimizer._global_optimizer_post_hooks.items()
+            if type(getattr(h, "__self__", None)).__name__ == "Collector"}
+    for k in ours:
+        del optimizer._global_optimizer_post_hooks[k]
+    try:
+        yield
+    finally:
+        for cls, wrapper in swapped:
+            cls.forward = wrapper
+        if tapped:
+            torch.autograd.backward = tap.installed
+        optimizer._global_optimizer_post_hooks.update(ours)
 
 
 class Floor(Arm):
@@ -253,6 +296,7 @@ class Anomaly(Arm):
 
 class Ours(Arm):
     options: Dict[str, object] = {}
+    keep_wrappers = True
 
     def enter(self) -> None:
         from neuraldbg import NeuralDbg
@@ -290,6 +334,8 @@ class Legacy(Arm):
 
 class Compiled(Arm):
     """The same loop on ``torch.compile(model)`` (inductor; compiled during the warm-up)."""
+
+    keep_wrappers = True  # traced with them: swapping them would recompile
 
     def __init__(self, name: str, model: nn.Module, batches: List[Batch], sgd: bool = False) -> None:
         super().__init__(name, model, batches, sgd)

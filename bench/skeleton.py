@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from overhead import MLP, Arm, Batch  # noqa: E402
+from overhead import MLP, Arm, Batch, unwrapped  # noqa: E402
 
 
 class Skeleton(Arm):
@@ -84,6 +84,10 @@ class Skeleton(Arm):
             h.remove()
 
     def block(self, n: int, record: bool) -> None:
+        with unwrapped():  # the watched arm's process-wide pieces put aside, then ours
+            self._block(n, record)
+
+    def _block(self, n: int, record: bool) -> None:
         original_forward = nn.Linear.forward
         original_backward = torch.autograd.backward
         compiling = torch.compiler.is_compiling
@@ -120,6 +124,8 @@ class SkeletonRead(Skeleton):
 
 
 class Watched(Arm):
+    keep_wrappers = True
+
     def enter(self) -> None:
         from neuraldbg import NeuralDbg
 
