@@ -30,6 +30,8 @@ from neuraldbg import NeuralDbg
 
 STEPS = 50
 ROUNDS = 9
+# Untimed steps at the start of each watched block (registration and the dense first steps).
+WARM = 12
 # plain: unwatched; rank: NeuralDbg(distributed="off") (each rank watches itself, no
 # collective); job: the default, job-wide statistics (one collective per step).
 ARMS = ["plain", "rank", "job"]
@@ -89,8 +91,8 @@ def run(model: nn.Module, arm: str, steps: int) -> "tuple[float, float, int]":
     g = torch.Generator().manual_seed(dist.get_rank())
     batches = [(torch.randn(BATCH, 64, generator=g), torch.randint(0, 10, (BATCH,), generator=g)) for _ in range(steps)]
 
-    def loop() -> None:
-        for x, y in batches:
+    def loop(n: int = steps) -> None:
+        for x, y in batches[:n]:
             opt.zero_grad()
             criterion(model(x), y).backward()
             opt.step()
@@ -101,6 +103,9 @@ def run(model: nn.Module, arm: str, steps: int) -> "tuple[float, float, int]":
     else:
         dbg = NeuralDbg(model, criterion=criterion, distributed="auto" if arm == "job" else "off")
     with dbg:
+        # Registration and the dense first steps (10 with every activation measured) are once
+        # per run too: untimed, so that the timed steps are the steady state.
+        loop(min(WARM, steps))
         dist.barrier()
         with Count() as c:
             t0, c0 = time.perf_counter(), time.thread_time()

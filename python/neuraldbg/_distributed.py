@@ -154,7 +154,6 @@ class Distributed:
         self._device: Any = None  # where our vectors live (NCCL: the GPU)
         # Device index tensors of recent layouts (the norm plans' order arrays are reused objects).
         self._index: Dict[Any, Any] = {}
-        self.clip_index: Optional[int] = None  # the collector's clip probe (a parameter)
         self.collectives = 0  # issued by us (tests and `make bench` count them)
 
     def bind(self, params: Sequence[Any], model: Any) -> None:
@@ -182,8 +181,8 @@ class Distributed:
         vec = self.pack(
             flat, layout.grad_order, layout.weight_order, layout.act_index, layout.act_samples,
             layout.n_act, layout.loss, layout.n_inputs, layout.origin, layout.checked, device,
-            clip=getattr(layout, "clip_index", None) is not None,
-            loss_scale=bool(getattr(layout, "loss_scale", False)),
+            clip=layout.clip_index is not None,
+            loss_scale=layout.loss_scale,
         )
         if vec.device.type == "cuda":  # pragma: no cover - needs a GPU
             return self.start_device(vec)
@@ -191,12 +190,11 @@ class Distributed:
 
     def receive(self, ex: "Exchange", layout: Any) -> "JobStep":
         """The job-wide step of an exchange (waits for it if it is still in flight)."""
-        self.clip_index = getattr(layout, "clip_index", None)
         job = JobStep(
-            self.combine(self.wait(ex), layout.weight_order is not None),
+            self.combine(self.wait(ex), layout.weight_order is not None, layout.clip_index),
             layout.weight_order is not None,
             self.rank,
-            getattr(layout, "skipped", None),
+            layout.skipped,
         )
         if job.origin is not None:
             layout.origin, layout.checked = job.origin, True
@@ -354,9 +352,10 @@ class Distributed:
 
     # ----------------------------------------------------------------- job-wide step
 
-    def combine(self, g: np.ndarray, with_weights: bool = True) -> Dict[str, Any]:
+    def combine(self, g: np.ndarray, with_weights: bool = True, clip_index: Optional[int] = None) -> Dict[str, Any]:
         """The job's step from every rank's vector (``g``: ``(world, K)``); ``with_weights``:
-        the step measured parameter norms."""
+        the step measured parameter norms; ``clip_index``: the parameter whose gradient was read
+        again after the step (the clip probe), if any."""
         lay = self.layout
         assert lay is not None
         world = self.world
@@ -410,8 +409,8 @@ class Distributed:
             out["inputs"] = np.ascontiguousarray(rows[with_input].astype(np.float32).reshape(-1))
             out["input_rank"] = np.flatnonzero(with_input).astype(np.float32)
         after = head[:, 6]
-        if self.clip_index is not None and not np.isnan(after).all():
-            p = self.clip_index
+        if clip_index is not None and not np.isnan(after).all():
+            p = clip_index
             before = float(out["grad_norms"][p])
             ratio = clip_ratio(before, math.sqrt(float(np.nansum(after * after)) * self.scale[p]))
             if ratio is not None:
