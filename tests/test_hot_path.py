@@ -258,20 +258,28 @@ def forward_hooked(model: nn.Module) -> set:
     return {name for name, m in model.named_modules() if m._forward_hooks or CALL_RECORDER.is_watched(m)}
 
 
-def test_hooks_only_where_a_nan_can_start_and_probes_only_when_sampled():
+@pytest.mark.parametrize("path", ["host", "device"])
+def test_hooks_only_where_a_nan_can_start_and_probes_only_when_sampled(path):
+    """After the first step, the modules that can create a NaN/Inf (and parameter owners) are
+    seen on the device path; in host mode (a CPU model) only on sampled steps: an unmeasured
+    step has no hook or record on any module but the model itself."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Dropout(0.1), nn.Sequential(nn.Linear(16, 16), nn.Tanh()), nn.Linear(16, 4))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with NeuralDbg(model, activation_every=5, dense_steps=2) as dbg:
+        if path == "device":
+            device_path(dbg, deferred=False)
         for _ in range(3):
             step(model, opt)
         assert dbg.step == 3
-        # Step 3 is not sampled: only parameter owners (and the root) are hooked.
-        assert forward_hooked(model) == {"", "0", "3.0", "4"}
+        # Step 3 is not sampled.
+        assert forward_hooked(model) == ({"", "0", "3.0", "4"} if path == "device" else {""})
         step(model, opt)
         step(model, opt)
         # Step 5 is sampled: the activation modules are hooked for it.
         assert forward_hooked(model) == {"", "0", "3.0", "4", "1", "3.1"}
+        step(model, opt)
+        assert forward_hooked(model) == ({"", "0", "3.0", "4"} if path == "device" else {""})
     assert forward_hooked(model) == set()
 
 
@@ -484,10 +492,11 @@ class Probe(nn.Module):
         return x
 
 
-def test_recorded_layers_keep_no_output_on_unmeasured_steps_and_the_origin_is_still_found():
-    """On a CPU model, a recorded layer (Linear) keeps only its inputs on steps whose outputs
-    are not measured; when a step goes non-finite its output is computed again from them, so
-    the module where the Inf first appeared is still named, on that very step."""
+def test_unmeasured_steps_record_no_module_call_and_the_origin_is_still_found():
+    """On a CPU model, a step whose module outputs are not measured records no module call at
+    all (nothing per layer); on a sampled step the outputs are kept. When an unmeasured step
+    goes non-finite, its forward pass is computed again while the parameters are still its
+    own, so the module where the Inf first appeared is still named, on that very step."""
     torch.manual_seed(0)
     probe = Probe()
     model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), probe, nn.Linear(16, 4))
@@ -503,10 +512,103 @@ def test_recorded_layers_keep_no_output_on_unmeasured_steps_and_the_origin_is_st
             nn.functional.cross_entropy(model(x), torch.randint(0, 4, (32,))).backward()
             opt.step()
     kept = probe.kept[12:23]  # steps 12..22: step 20 is a sampled one
-    assert all(k == [None] for j, k in enumerate(kept) if 12 + j != 20), kept
+    assert all(k == [] for j, k in enumerate(kept) if 12 + j != 20), kept
     assert kept[20 - 12][0] is not None
     hyps = dbg.explain_failure("non_finite")
     assert hyps and hyps[0].layer == "2" and hyps[0].step == 23, hyps[:1]
+
+
+def test_a_replayed_forward_leaves_the_model_and_the_random_stream_as_they_were():
+    """The replay behind an unrecorded step's NaN origin runs the model's forward again on its
+    own inputs, every module call seen in completion order: BatchNorm's running statistics (values and version counters: autograd may have
+    saved them) and the CPU random generator are as before, and the origin is the layer whose
+    output first went non-finite."""
+    from neuraldbg._model import WatchedModel
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Dropout(0.5), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)).train()
+    with torch.no_grad():
+        model[3].weight[0, 0] = float("inf")
+    watched = WatchedModel(model)
+    watched.spec(list(range(1, len(watched.modules))) + [0], None)
+    x = torch.randn(32, 8)
+    buffers = [(b.clone(), b._version) for b in model.buffers()]
+    rng = torch.get_rng_state()
+    calls = watched.replay(model, [((x,), {})])
+    assert calls is not None
+    assert [watched.names[i] for i, _, _ in calls] == ["0", "1", "2", "3", "4", "5", ""]
+    origin = watched.first_nonfinite(calls)
+    assert origin is not None and watched.names[watched.spec_order[origin]] == "3"
+    assert torch.equal(torch.get_rng_state(), rng)
+    for b, (value, version) in zip(model.buffers(), buffers):
+        assert torch.equal(b, value) and b._version == version
+    assert not any(m._forward_hooks for m in model.modules())
+    # A call that raises: nothing is known, and the model is left as it was.
+    assert watched.replay(model, [((torch.randn(32, 5),), {})]) is None
+    assert not any(m._forward_hooks for m in model.modules())
+
+
+class Gated(nn.Module):
+    """Runs its second branch only when told to (a conditional module)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 4)
+        self.use_b = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.a(x))
+        if self.use_b:
+            h = torch.relu(self.b(h))
+        return self.head(h)
+
+
+def test_exact_zero_gradients_have_the_coming_steps_record_which_modules_ran():
+    """With zero_grad(set_to_none=False), a module that did not run keeps an all-zero
+    gradient: "no gradient", not a vanishing one, which only the modules' calls tell. An
+    unmeasured host step records none: on the first such step a replay of its forward tells,
+    and the steps after it record which modules ran."""
+    torch.manual_seed(0)
+    model = Gated()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with NeuralDbg(model, activation_every=1000, weight_every=1000, dense_steps=2) as dbg:
+        for i in range(12):
+            model.use_b = i < 5
+            opt.zero_grad(set_to_none=False)
+            nn.functional.cross_entropy(model(torch.randn(32, 16)), torch.randint(0, 4, (32,))).backward()
+            opt.step()
+        assert dbg._collector.hooks.modules_armed  # still recording: zeros keep coming
+    steps, norms = dbg.history("b", "grad_norm")
+    assert list(steps[:5]) == [0, 1, 2, 3, 4] and (norms[:5] > 0).all()
+    # From step 5 on "b" sits out: step 5 recorded no module call (a replay of its forward
+    # says "b" did not run), the steps after it record which modules ran.
+    assert list(steps) == list(range(12)) and np.isnan(norms[5:]).all(), (steps, norms)
+
+
+def test_a_model_whose_own_forward_is_not_called_keeps_recording_its_layers():
+    """When the loop calls the model's submodules but never the model itself (a
+    LightningModule whose step calls its layers), there is no call to replay: the layers' calls
+    are recorded on every step, and the NaN origin is named as before."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with NeuralDbg(model, activation_every=10) as dbg:
+        for i in range(16):
+            if i == 14:
+                with torch.no_grad():
+                    model[2].weight[0, 0] = float("inf")
+            opt.zero_grad()
+            h = torch.randn(32, 16)
+            for layer in model:
+                h = layer(h)
+            nn.functional.cross_entropy(h, torch.randint(0, 4, (32,))).backward()
+            opt.step()
+            if i == 12:
+                assert dbg._collector.hooks.modules_armed and not dbg._collector.replay_ok
+    hyps = dbg.explain_failure("non_finite")
+    assert hyps and hyps[0].layer == "2" and hyps[0].step == 14, hyps[:1]
 
 
 def test_recomputing_a_layer_leaves_it_untouched():

@@ -315,6 +315,42 @@ def unreadable():
     ]
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gradient_norms_and_what_they_hold(dtype):
+    """grad_norms reads each parameter's gradient (-1 where there is none) like norms(..,
+    "grad"), and says what the norms hold: bit 1 a non-finite one, 2 an exact zero, 4 a missing
+    gradient; norm() reads one."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(5, 3).to(dtype)) for _ in range(4)]
+    r = reader()
+    out, want = np.empty(4, np.float32), np.empty(4, np.float32)
+
+    def grads(*gs):
+        for p, g in zip(params, gs):
+            p.grad = None if g is None else g.to(dtype)
+
+    cases = [
+        ((torch.randn(5, 3), torch.randn(5, 3), torch.randn(5, 3), torch.randn(5, 3)), 0),
+        ((torch.randn(5, 3), None, torch.randn(5, 3), torch.randn(5, 3)), 4),
+        ((torch.randn(5, 3), torch.zeros(5, 3), torch.randn(5, 3), torch.randn(5, 3)), 2),
+        ((with_specials(torch.randn(5, 3), "nan"), torch.randn(5, 3), torch.zeros(5, 3), None), 1 | 2 | 4),
+        ((torch.randn(5, 3), torch.randn(5, 3), with_specials(torch.randn(5, 3), "inf"), torch.randn(5, 3)), 1),
+    ]
+    for gs, flags in cases:
+        grads(*gs)
+        assert r.grad_norms(params, out) == flags, gs
+        assert r.norms(params, want, "grad") is True
+        np.testing.assert_array_equal(out, want)
+        for p, v in zip(params, want):
+            assert_close(r.norm(p, "grad"), float(v), rtol=1e-6)
+    assert r.norm(params[0]) == pytest.approx(float(torch.linalg.vector_norm(params[0].detach().double())), rel=1e-5)
+    params[1].grad = torch.randn(3, 5).to(dtype).t()  # not contiguous: unreadable
+    assert r.grad_norms(params, out) == -1
+    assert r.norm(params[1], "grad") is None
+    with pytest.raises(ValueError):
+        r.grad_norms(params, np.empty(3, np.float32))
+
+
 def test_unreadable_tensors_fall_back_without_raising():
     r = reader()
     for t in unreadable():

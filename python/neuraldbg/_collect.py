@@ -58,6 +58,13 @@ if TYPE_CHECKING:  # pragma: no cover
 # The module index of a kept reference (index, output, args).
 _FIRST = operator.itemgetter(0)
 
+# What a step's gradient norms hold (TensorReader.grad_norms), UNKNOWN when not said.
+NONFINITE, ZERO, UNKNOWN = 1, 2, 8
+
+# Steps that record which modules ran after exact-zero gradients were seen on a step that did
+# not (host mode): while zeros keep coming, they are told apart from "no gradient".
+NEED_RAN_STEPS = 32
+
 
 class Collector:
     """Installs hooks on one model and feeds a ``neuraldbg._native.Engine``."""
@@ -111,7 +118,12 @@ class Collector:
         # Host mode: this step's gradient norms (read at the end of backward), input statistics,
         # and the loss tensor read when its backward started, with its value.
         self.grad_host: Optional[np.ndarray] = None
-        self.host_inputs: List[Tuple[float, float, float, float]] = []
+        self.grad_buf = np.empty(len(self.params), dtype=np.float32)
+        # What the gradient norms hold (see TensorReader.grad_norms: bit 1 not finite, 2 an
+        # exact zero, 4 a missing gradient; UNKNOWN: not said, the arrays are checked).
+        self.grad_flags = UNKNOWN
+        # Input statistics of this step's forward passes, 4 floats each, one after another.
+        self.host_inputs: List[float] = []
         self.loss_read: Optional[Tuple[Any, float]] = None
 
         self.step = 0
@@ -182,6 +194,22 @@ class Collector:
         self.origin: Optional[int] = None
         self.origin_checked = False
         self.ran: Optional[List[int]] = None
+        # Host mode: the steps that need nothing per module run with no module hook or record
+        # at all (see _modules_wanted); a step that goes non-finite then has its forward
+        # passes computed again (WatchedModel.replay) from the model's own calls, kept here
+        # as (args, kwargs) until the forward is released. `replay_ok` turns False for good
+        # when that cannot work (the model itself is not called: a LightningModule whose
+        # step calls a submodule; an Embedding with max_norm), and `need_ran` counts steps
+        # left that record which modules ran (exact-zero gradients were seen: "no gradient"
+        # or "zero gradient" depends on it).
+        self.root_calls: List[Tuple[Any, Any]] = []
+        self.released = 0  # root_calls before this index belong to released forward passes
+        self.root_seen = False
+        # Which modules ran in this step, learnt by a replay (exact-zero gradients on a step
+        # that recorded no module call; see _learn_ran).
+        self.ran_replayed: Optional[set] = None
+        self.replay_ok = self.watched.replayable()
+        self.need_ran = 0
 
     def _decide_host(self) -> None:
         """Host mode or not, from where the parameters are now (until the model is registered:
@@ -212,7 +240,16 @@ class Collector:
         on = on and not self.disabled
         if on != self.hooks.probes_armed:
             self.hooks.arm_probes(on, [(p.row, p.module) for p in self.probes], self.act_out)
+        if self.registered:
+            self.hooks.arm_modules(self._modules_wanted(on))
         self._hold_outputs()
+
+    def _modules_wanted(self, sampled: bool) -> bool:
+        """Whether the coming step needs the calls of the model's modules seen: always on the
+        device path (a NaN is known only after the step, when the parameters have changed);
+        in host mode only on sampled steps (their outputs are measured), while exact-zero
+        gradients need to know which modules ran, or when a forward cannot be replayed."""
+        return self.hm is None or sampled or not self.replay_ok or self.need_ran > 0 or self.disabled
 
     def remove(self) -> None:
         self.hooks.remove(self)
@@ -255,15 +292,20 @@ class Collector:
         if self.hooks.probes_armed:
             self.act_out[:] = self.act_none
         self.loop.on_forward(module.training, self.torch.is_grad_enabled())
+        self.root_seen = True
         if self.hm is not None and self.registered:
-            self._hold_outputs(self.torch.is_autocast_enabled("cpu"))
+            self.root_calls.append((args, kwargs))
+            autocast = self.torch.is_autocast_enabled("cpu")
+            if autocast and not self.hooks.modules_armed:
+                self.hooks.arm_modules(True)  # a replay would lack the autocast precision
+            self._hold_outputs(autocast)
         try:
             x = first_float_tensor(args)
             if x is None and kwargs:
                 x = first_float_tensor(kwargs)
             if x is not None and x.numel() > 0:
                 if self.hm is not None:
-                    self.host_inputs.append(self.hm.stats(x))
+                    self.host_inputs.extend(self.hm.stats(x))
                 else:
                     self.inputs.append(input_stats(x.detach()))
         except Exception as e:  # pragma: no cover - defensive
@@ -339,11 +381,15 @@ class Collector:
             self.bw_gen += 1
             self._take_loss()
             self._read_gradients()
-            if self.hm is not None and self.registered and self.staged_gen != self.forward_gen:
-                # Host mode, no release before backward (no loss seen then): a non-finite loss
-                # or gradient has the outputs scanned now, while the parameters are unchanged.
-                assert self.grad_host is not None
-                bad = not math.isfinite(float(self.grad_host.sum(dtype=np.float64)))
+            if self.grad_flags & (ZERO | UNKNOWN) and self.hm is not None and self.registered:
+                self._learn_ran()
+            if self.hm is not None and self.registered and self.refs and (
+                self.staged_gen != self.forward_gen or not self.root_seen
+            ):
+                # Host mode, no release before backward (no loss seen then; or the model itself
+                # was not called): a non-finite loss or gradient has the outputs scanned now,
+                # while the parameters are unchanged.
+                bad = not self._grads_finite()
                 bad = bad or not all(math.isfinite(v) for v in self._loss_values())
                 self._release_forward(bad)
         except Exception as e:
@@ -357,7 +403,8 @@ class Collector:
 
     def _read_gradients(self) -> None:
         if self.hm is not None:
-            self.grad_host = self.hm.norms(self.params, "grad")
+            self.grad_flags = self.hm.grad_norms(self.params, self.grad_buf)
+            self.grad_host = self.grad_buf
             self.grad_read = True
             return
         parts: List[Any] = []
@@ -368,6 +415,14 @@ class Collector:
             self.grad_order = self.measure.gradient_norms(grads, parts)
         self.grad_parts = parts
         self.grad_read = True
+
+    def _grads_finite(self) -> bool:
+        """Host mode: whether every gradient norm read in this step is finite."""
+        flags = self.grad_flags
+        if flags & UNKNOWN:
+            assert self.grad_host is not None
+            return math.isfinite(float(self.grad_host.sum(dtype=np.float64)))
+        return not flags & NONFINITE
 
     def _take_loss(self) -> None:
         """The loss of this backward, when no criterion gives it: the tensor passed to
@@ -486,10 +541,39 @@ class Collector:
         if nonfinite is None or self.forward_check == "off":
             return
         if nonfinite and self.origin is None and self.refs:
-            self.origin = self.watched.first_nonfinite(self.refs)
-            self.origin_checked = True
+            self.origin, self.origin_checked = self._scan(self.refs)
         self.ran = list(map(_FIRST, self.refs))
         self.refs.clear()
+        self.released = len(self.root_calls)
+
+    def _scan(self, refs: List[Tuple[int, Any, Any]]) -> Tuple[Optional[int], bool]:
+        """The module where this step's forward first went non-finite, and whether that was
+        known: from the kept module calls, or, when the step recorded none (host mode), by
+        computing the model's forward passes again while the parameters are unchanged."""
+        calls = self.root_calls[self.released :]
+        if self.hooks.modules_armed or not calls:
+            return self.watched.first_nonfinite(refs), True
+        replayed = self.watched.replay(self.model, calls)
+        if replayed is None:
+            return None, False
+        return self.watched.first_nonfinite(replayed), True
+
+    def _learn_ran(self) -> None:
+        """Host mode, at the end of backward: gradients with exact zeros in a step that
+        recorded no module call. A zero of a module that ran before is "no gradient" if the
+        module sat this step out (zero_grad(set_to_none=False) leaves zeros), else a real zero:
+        which one, the step's forward passes computed again tell (while the parameters are
+        still theirs), and the coming steps record their calls while zeros keep coming."""
+        if self.hooks.modules_armed or not self.root_calls or not self.order:
+            return
+        assert self.grad_host is not None
+        ran_before = self.order_set
+        owners = self.param_owner
+        if not any(owners[p] in ran_before for p in np.flatnonzero(self.grad_host == 0.0)):
+            return
+        self.need_ran = NEED_RAN_STEPS
+        replayed = self.watched.replay(self.model, self.root_calls)
+        self.ran_replayed = None if replayed is None else {i for i, _, _ in replayed}
 
     def _loss_values(self) -> List[float]:
         """Host mode: the values of this step's losses (the one read before backward is not
@@ -700,11 +784,21 @@ class Collector:
             self.act_staged = None
             self.out_staged = None
             self.grad_host = None
+            self.grad_flags = UNKNOWN
             self.host_inputs.clear()
             self.loss_read = None
             self.origin = None
             self.origin_checked = False
             self.ran = None
+            self.ran_replayed = None
+            if not final:
+                if not self.root_seen:
+                    self.replay_ok = False  # gradients without a call of the model itself
+                self.root_seen = False
+                self.root_calls.clear()
+                self.released = 0
+                if self.need_ran > 0:
+                    self.need_ran -= 1
 
     def _observe_inner(self, lr: Optional[float], final: bool, skipped: bool = False) -> None:
         torch = self.torch
@@ -819,19 +913,39 @@ class Collector:
         facts = self.loop.step_facts()
         if not self.grad_read:
             self._read_gradients()
-        grads = self.grad_host if self.grad_host is not None else self.no_grads.copy()
+        if self.grad_host is not None:
+            grads, flags = self.grad_host, self.grad_flags
+        else:
+            grads, flags = self.no_grads.copy(), UNKNOWN
         if self.scaler is not None:
             scale = getattr(self.scaler, "_scale", None)
             if isinstance(scale, self.torch.Tensor):
                 # Read at the end of backward, the gradients were scaled: unscale the norms.
                 inv = np.float32(1.0 / float(scale))
-                grads = np.where(grads >= 0, grads * inv, grads).astype(np.float32)
+                grads, flags = np.where(grads >= 0, grads * inv, grads).astype(np.float32), UNKNOWN
                 facts["loss_scale"] = float(scale)
                 facts["optimizer_skipped"] = 1.0 if skipped else 0.0
         step = HostStep(self.step, lr, final, grads)
-        if self.params and self._sampled(self.weight_every):
-            weights = self.params
-            step.weight_norms = hm.norms(weights)
+        if self.clip_after is not None and self.clip_index is not None:
+            ratio = clip_ratio(float(grads[self.clip_index]), self.clip_after)
+            if ratio is not None:
+                facts["clip_ratio"] = ratio
+        seen = self.loss_read
+        pending = self.losses or self.auto_losses
+        if len(pending) == 1 and seen is not None and pending[0] is seen[0]:
+            step.loss = seen[1]  # the loss read before its backward (the common case)
+        elif pending:
+            values = self._loss_values()
+            step.loss = values[0] if len(values) == 1 else float(np.mean(np.asarray(values, dtype=np.float32)))
+        inputs = self.host_inputs
+        if self.raw_inputs:
+            inputs = list(inputs)
+            for x in self.raw_inputs:  # compiled forward passes: measured now
+                if x.numel() > 0:
+                    inputs.extend(hm.stats(x))
+        if inputs:
+            step.inputs = inputs
+        measures: Optional[Dict[str, np.ndarray]] = None
         act = self.act_staged
         if act is None and self.probes and self.hooks.frozen and self._activations_now():
             self._fill_act_out()  # compiled: the probes are the kept module outputs
@@ -839,36 +953,36 @@ class Collector:
         elif act is None and self.probes and (first or self.hooks.probes_armed):
             act = hm.activations(self.probes, self.act_out)
         step.activations = act
-        values = self._loss_values()
-        if values:
-            step.loss = values[0] if len(values) == 1 else float(np.mean(np.asarray(values, dtype=np.float32)))
-        inputs = list(self.host_inputs)
-        for x in self.raw_inputs:  # compiled forward passes: measured now
-            if x.numel() > 0:
-                inputs.append(hm.stats(x))
-        if inputs:
-            step.inputs = np.asarray(inputs, dtype=np.float32).reshape(-1)
-        if self.clip_after is not None and self.clip_index is not None:
-            ratio = clip_ratio(float(grads[self.clip_index]), self.clip_after)
-            if ratio is not None:
-                facts["clip_ratio"] = ratio
-        measures: Dict[str, np.ndarray] = {}
-        outs = self.out_staged
-        if outs is None and first:
-            outs = hm.absmax(self.refs, self.watched.rank)
-        if outs is not None:
-            measures["output_absmax"] = self._module_table(outs[1], outs[0])
-        if self.params and self._sampled(self.activation_every):
-            zeros = hm.zero_shares(self.params)
-            if zeros is not None:
-                measures["grad_zero_rows"], measures["grad_zero_cols"] = zeros
+        if self.params and (
+            first or self.out_staged is not None or self._sampled(self.activation_every) or self._sampled(self.weight_every)
+        ):
+            measures = self._host_sampled(step, first)
         step.origin = self.origin
         step.checked = self.origin_checked
         step.ran = self.ran
         refs = self.refs
         if first:
             self.hooks.rehook(set(self.param_owner))
-        self._feed(step, step, refs, measures or None, facts or None)
+        self._feed(step, step, refs, measures, facts or None, self.hooks.modules_armed, flags)
+
+    def _host_sampled(self, step: HostStep, first: bool) -> Optional[Dict[str, np.ndarray]]:
+        """Host mode, a sampled step: parameter norms, the largest output of each kept module
+        call, and the shares of exactly-zero gradient rows and columns."""
+        hm = self.hm
+        assert hm is not None
+        if self._sampled(self.weight_every):
+            step.weight_norms = hm.norms(self.params)
+        measures: Dict[str, np.ndarray] = {}
+        outs = self.out_staged
+        if outs is None and first:
+            outs = hm.absmax(self.refs, self.watched.rank)
+        if outs is not None:
+            measures["output_absmax"] = self._module_table(outs[1], outs[0])
+        if self._sampled(self.activation_every):
+            zeros = hm.zero_shares(self.params)
+            if zeros is not None:
+                measures["grad_zero_rows"], measures["grad_zero_cols"] = zeros
+        return measures or None
 
     def _consume(self) -> None:
         """Hands the pending (CUDA) step to the engine; its copy finished long ago."""
@@ -906,28 +1020,38 @@ class Collector:
         refs: List[Tuple[int, Any, Any]],
         measures: Optional[Dict[str, np.ndarray]],
         facts: Optional[Dict[str, float]],
+        recorded: bool = True,
+        flags: int = UNKNOWN,
     ) -> None:
         """Feeds the engine one step (``layout``: a :class:`Layout` or :class:`HostStep`) with
         its host arrays (``u``: :class:`Unpacked`, a distributed job's step, or the
         :class:`HostStep`), its measures and its facts."""
         grad_norms = u.grad_norms
         loss_value = u.loss
-        if not grad_norms.all() and self.order:
+        if flags & (ZERO | UNKNOWN) and self.order and not grad_norms.all():
             zeros = np.flatnonzero(grad_norms == 0.0)
             # An exactly-zero gradient of a module that ran before but not in this step is
             # "no gradient" (zero_grad(set_to_none=False) leaves zeros), not a vanishing one.
             ran_before = self.order_set
-            ran_now = set(layout.ran) if layout.ran is not None else {i for i, _, _ in refs}
+            if recorded:
+                ran_now = set(layout.ran) if layout.ran is not None else {i for i, _, _ in refs}
+            else:
+                # Not recorded in this step: as a replay found (see _learn_ran), else unknown,
+                # read as "no gradient" (a single zero would confirm a vanishing gradient).
+                ran_now = self.ran_replayed or set()
+                self.need_ran = NEED_RAN_STEPS
             for p in zeros:
                 owner = self.param_owner[p]
                 if owner in ran_before and owner not in ran_now:
                     grad_norms[p] = -1.0
 
         nonfinite = None
-        # "No gradient" is -1, finite: the float64 sum is finite iff every norm is.
-        suspicious = layout.final or not math.isfinite(float(grad_norms.sum(dtype=np.float64))) or (
-            loss_value is not None and not math.isfinite(loss_value)
-        )
+        if flags & UNKNOWN:
+            # "No gradient" is -1, finite: the float64 sum is finite iff every norm is.
+            bad_grads = not math.isfinite(float(grad_norms.sum(dtype=np.float64)))
+        else:
+            bad_grads = bool(flags & NONFINITE)
+        suspicious = layout.final or bad_grads or (loss_value is not None and not math.isfinite(loss_value))
         # Whether this step's module outputs were scanned: then "no origin" means they were all
         # finite, and the NaN/Inf came from the loss computation or the backward pass.
         checked = False
@@ -935,7 +1059,7 @@ class Collector:
             if layout.origin is not None or layout.checked:
                 nonfinite, checked = layout.origin, True
             elif refs:
-                nonfinite, checked = self.watched.first_nonfinite(refs), True
+                nonfinite, checked = self._scan(refs)
 
         self.engine.observe(
             layout.step,
@@ -1001,7 +1125,7 @@ class Collector:
                 for t in [*self.losses, *self.auto_losses, *self.inputs, *self.raw_inputs]:
                     if not bool(torch.isfinite(t).all()):
                         return True
-                if not all(math.isfinite(v) for stats in self.host_inputs for v in stats):
+                if not all(math.isfinite(v) for v in self.host_inputs):
                     return True
                 return bool(self.refs) and self.watched.first_nonfinite(self.refs) is not None
         except Exception:  # pragma: no cover - exit must never raise

@@ -37,7 +37,7 @@ and the hook set is frozen once compilation is seen (removing a traced hook reco
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set, Tuple
 
 if TYPE_CHECKING:  # pragma: no cover
     from ._collect import Collector
@@ -121,6 +121,9 @@ class CallRecorder:
         self.wrappers: Dict[type, Callable[..., Any]] = {}
         # Per wrapped class: the forward the wrapper calls (own or inherited).
         self.calls: Dict[type, Callable[..., Any]] = {}
+        # Per class ever wrapped: (its own forward then, the forward called, our wrapper), so
+        # that wrapping it again (each sampled step arms and disarms) makes nothing new.
+        self.made: Dict[type, Tuple[Optional[Callable[..., Any]], Callable[..., Any], Callable[..., Any]]] = {}
 
     def add(self, module: Any, record: Any) -> "RecorderHandle":
         cls = type(module)
@@ -147,6 +150,25 @@ class CallRecorder:
 
             self.watched[key] = all_records
 
+    def add_group(self, pairs: List[Tuple[Any, Any]]) -> "GroupHandle":
+        """:meth:`add` for many ``(module, record)`` pairs at once, removed together by the
+        handle (arming and disarming a model's layers on sampled steps)."""
+        records, watched, count, wrappers = self.records, self.watched, self.count, self.wrappers
+        for module, record in pairs:
+            cls = type(module)
+            if cls not in wrappers:
+                self._wrap(cls)
+            count[cls] = count.get(cls, 0) + 1
+            key = id(module)
+            mine = records.get(key)
+            if mine is None:
+                records[key] = [record]
+                watched[key] = record
+            else:
+                mine.append(record)
+                self._route(key)
+        return GroupHandle(self, pairs)
+
     def discard(self, module: Any, record: Any) -> None:
         records = self.records.get(id(module))
         if records is None:
@@ -155,18 +177,47 @@ class CallRecorder:
         if k is None:
             return
         del records[k]
-        self._route(id(module))
+        if records:
+            self._route(id(module))
+        else:
+            del self.records[id(module)]
+            self.watched.pop(id(module), None)
         cls = type(module)
         self.count[cls] -= 1
         if self.count[cls] == 0:
-            del self.count[cls]
-            original = self.original.pop(cls)
-            self.calls.pop(cls, None)
-            if cls.__dict__.get("forward") is self.wrappers.pop(cls):
-                if original is None:  # inherited (BatchNorm2d from _BatchNorm)
-                    delattr(cls, "forward")
-                else:
-                    cls.forward = original  # type: ignore[attr-defined]
+            self._unwrap(cls)
+
+    def discard_group(self, pairs: List[Tuple[Any, Any]]) -> None:
+        """:meth:`discard` of every pair of a group."""
+        records, watched, count = self.records, self.watched, self.count
+        for module, record in pairs:
+            key = id(module)
+            mine = records.get(key)
+            if mine is None:
+                continue
+            if len(mine) == 1 and mine[0] is record:
+                del records[key]
+                watched.pop(key, None)
+            elif any(r is record for r in mine):
+                mine.remove(record)
+                self._route(key)
+            else:
+                continue
+            cls = type(module)
+            count[cls] -= 1
+        for cls in [c for c, n in count.items() if n == 0]:
+            self._unwrap(cls)
+
+    def _unwrap(self, cls: type) -> None:
+        """Puts back the class's own ``forward`` (its last watched module is gone)."""
+        del self.count[cls]
+        original = self.original.pop(cls)
+        self.calls.pop(cls, None)
+        if cls.__dict__.get("forward") is self.wrappers.pop(cls):
+            if original is None:  # inherited (BatchNorm2d from _BatchNorm)
+                delattr(cls, "forward")
+            else:
+                cls.forward = original  # type: ignore[attr-defined]
 
     def _wrap(self, cls: type) -> None:
         import functools
@@ -174,6 +225,11 @@ class CallRecorder:
         import torch
 
         own = cls.__dict__.get("forward")
+        made = self.made.get(cls)
+        if made is not None and made[0] is own and (own is not None or cls.forward is made[1]):  # type: ignore[attr-defined]
+            self.original[cls], self.calls[cls], self.wrappers[cls] = made
+            cls.forward = made[2]  # type: ignore[attr-defined]
+            return
         call = own if own is not None else cls.forward  # type: ignore[attr-defined]
         watched = self.watched
         compiling = torch.compiler.is_compiling
@@ -197,6 +253,7 @@ class CallRecorder:
         self.original[cls] = own
         self.wrappers[cls] = forward
         self.calls[cls] = call
+        self.made[cls] = (own, call, forward)
         cls.forward = forward  # type: ignore[attr-defined]
 
     def is_watched(self, module: Any) -> bool:
@@ -228,6 +285,20 @@ class CallRecorder:
             return None
         finally:
             buffers.update(saved)
+
+
+class GroupHandle:
+    """Removes the records of :meth:`CallRecorder.add_group`."""
+
+    __slots__ = ("recorder", "pairs")
+
+    def __init__(self, recorder: CallRecorder, pairs: List[Tuple[Any, Any]]) -> None:
+        self.recorder = recorder
+        self.pairs = pairs
+
+    def remove(self) -> None:
+        self.recorder.discard_group(self.pairs)
+        self.pairs = []
 
 
 class RecorderHandle:
@@ -282,6 +353,15 @@ class Hooks:
         # gradients arrive in while every parameter is hooked (None once sentinels are chosen).
         self.grad_handles: Dict[int, Any] = {}
         self.fired: Optional[List[int]] = None
+        # The modules whose calls are seen after the first step (see :meth:`rehook`), and
+        # whether their hooks and records are in place now (:meth:`arm_modules`).
+        self.wanted: List[int] = []
+        self.modules_armed = True
+        # The (module, record) pairs armed together (made once), and the probes' likewise.
+        self.recorded_pairs: Optional[List[Tuple[Any, Any]]] = None
+        self.hooked_wanted: List[int] = []
+        self.probe_pairs: Optional[List[Tuple[Any, Any]]] = None
+        self.probe_hooked: List[Tuple[int, Any]] = []
 
     @property
     def frozen(self) -> bool:
@@ -349,12 +429,42 @@ class Hooks:
         (and on parameter owners, whose running tells "no gradient" from a zero gradient)."""
         if self.frozen:
             return
-        wanted = {i for i in range(1, len(self.modules)) if i in owners or not is_passive(self.modules[i])}
+        self.wanted = [i for i in range(1, len(self.modules)) if i in owners or not is_passive(self.modules[i])]
+        self.recorded_pairs = None
         for i in list(self.module_handles):
             self.module_handles.pop(i).remove()
-        record = not self.trace.compiled
-        for i in sorted(wanted):
-            self.hook_module(i, keep=self.keep_outputs, record=record)
+        self.modules_armed = False
+        self.arm_modules(True)
+
+    def arm_modules(self, on: bool) -> None:
+        """Puts the hooks and records of the wanted modules in place, or takes them away (the
+        steps that need nothing per module; see ``Collector._modules_wanted``). Hooks traced
+        into a compiled graph stay."""
+        if on == self.modules_armed or self.frozen:
+            return
+        if on:
+            record = not self.trace.compiled
+            pairs = self.recorded_pairs
+            if pairs is None or not record:
+                pairs = []
+                self.hooked_wanted = []
+                for i in self.wanted:
+                    m = self.modules[i]
+                    if record and is_recorded(m):
+                        pairs.append((m, make_record(i, self.refs, self.keep_outputs, self.first, self.hold)))
+                    else:
+                        self.hooked_wanted.append(i)
+                if record:
+                    self.recorded_pairs = pairs
+            for i in self.hooked_wanted:
+                self.hook_module(i, keep=self.keep_outputs)
+            if pairs:
+                self.module_handles[-1] = CALL_RECORDER.add_group(pairs)
+        else:
+            for h in self.module_handles.values():
+                h.remove()
+            self.module_handles.clear()
+        self.modules_armed = on
 
     def arm_probes(self, on: bool, probe_modules: "List[tuple[int, int]]", slots: List[Any]) -> None:
         """Activation probes (``(row, module index)`` pairs) are hooked only on steps whose
@@ -362,14 +472,25 @@ class Hooks:
         if on == self.probes_armed or not probe_modules or self.frozen:
             return
         if on:
-            for row, module in probe_modules:
-                m = self.modules[module]
-                if not self.trace.compiled and is_recorded(m, RECORDED_PROBES):
-                    self.probe_handles.append(CALL_RECORDER.add(m, make_slot_record(row, slots)))
-                    continue
+            record = not self.trace.compiled
+            pairs = self.probe_pairs
+            if pairs is None or not record:
+                pairs = []
+                self.probe_hooked = []
+                for row, module in probe_modules:
+                    m = self.modules[module]
+                    if record and is_recorded(m, RECORDED_PROBES):
+                        pairs.append((m, make_slot_record(row, slots)))
+                    else:
+                        self.probe_hooked.append((row, m))
+                if record:
+                    self.probe_pairs = pairs
+            for row, m in self.probe_hooked:
                 h = m.register_forward_hook(make_slot_hook(row, slots))
                 STATE_TAP.ours.add(h.id)
                 self.probe_handles.append(h)
+            if pairs:
+                self.probe_handles.append(CALL_RECORDER.add_group(pairs))
         else:
             for h in self.probe_handles:
                 h.remove()

@@ -485,7 +485,6 @@ class HostMeasurer:
         self.torch = torch_module()
         self.n_params = n_params
         self.one: List[Any] = [None]
-        self.one_out = np.empty(1, dtype=np.float32)
 
     def norms(self, items: Sequence[Any], attr: Optional[str] = None) -> np.ndarray:
         """L2 norm of each tensor (``getattr(item, attr)`` when ``attr`` is given; -1 where
@@ -511,13 +510,25 @@ class HostMeasurer:
             out[order] = np.concatenate([_host(p) for p in parts])
         return out
 
+    def grad_norms(self, params: Sequence[Any], out: np.ndarray) -> int:
+        """L2 norm of each parameter's gradient into ``out`` (-1 where None), and what they
+        hold (``TensorReader.grad_norms``'s flags; 8 when read by torch: not said)."""
+        r = self.reader
+        if r is not None:
+            flags = r.grad_norms(params, out)
+            if flags >= 0:
+                return flags  # type: ignore[no-any-return]
+        out[:] = self.norms(params, "grad")
+        return 8
+
     def norm(self, item: Any, attr: str) -> float:
         """L2 norm of ``getattr(item, attr)`` (-1 when None)."""
+        r = self.reader
+        v = r.norm(item, attr) if r is not None else None
+        if v is not None:
+            return v  # type: ignore[no-any-return]
         one = self.one
         one[0] = item
-        r = self.reader
-        if r is not None and r.norms(one, self.one_out, attr):
-            return float(self.one_out[0])
         return float(self.norms(one, attr)[0])
 
     def scalar(self, t: Any) -> float:

@@ -145,6 +145,59 @@ class WatchedModel:
             return self.rank.get(self._enclosing(i))
         return None
 
+    def replayable(self) -> bool:
+        """Whether a forward pass of this model can be computed again without writing its
+        parameters: not with an ``nn.Embedding`` that renormalizes its weight in place when
+        called (``max_norm``)."""
+        return not any(
+            type(m).__name__ in TABLE_MODULES and getattr(m, "max_norm", None) is not None for m in self.modules
+        )
+
+    def replay(self, model: Any, calls: List[Tuple[Any, Any]]) -> Optional[List[Tuple[int, Any, Any]]]:
+        """The module calls of forward passes that were not recorded, found by computing them
+        again: ``model.forward`` on each call's ``(args, kwargs)`` (as the model's forward
+        pre-hook saw them), no grad, with a temporary forward hook on every module. Returns
+        ``(index, output, args)`` of every module call in completion order (as kept
+        references are; :meth:`first_nonfinite` scans them), or None when a call raised.
+
+        Runs only on a step that went non-finite or whose gradients hold exact zeros, while the
+        parameters are still those of the forward pass (before the optimizer step). It leaves
+        the model as it was: every module runs on copies of its buffers (BatchNorm's running
+        statistics are not updated twice, and tensors autograd saved are not written), and the
+        CPU random generator is restored (the loop's random stream is not shifted; dropout
+        masks differ from the original pass, which changes no value from finite to
+        non-finite). Forward hooks other than ours (the user's) run during the replay, as on
+        any call."""
+        import torch
+
+        refs: List[Tuple[int, Any, Any]] = []
+        handles = []
+        saved: List[Tuple[Dict[str, Any], Dict[str, Any]]] = []
+        rng = torch.get_rng_state()
+        try:
+            for i, m in enumerate(self.modules):
+                buffers = m._buffers
+                if buffers:
+                    saved.append((buffers, dict(buffers)))
+                    for name, b in list(buffers.items()):
+                        if b is not None:
+                            buffers[name] = b.detach().clone()
+                if i:
+                    handles.append(m.register_forward_hook(_replay_hook(i, refs)))
+            with torch.no_grad():
+                for args, kwargs in calls:
+                    out = model.forward(*args, **(kwargs or {}))
+                    refs.append((0, out, args))
+            return refs
+        except Exception:
+            return None
+        finally:
+            for h in handles:
+                h.remove()
+            for buffers, original in saved:
+                buffers.update(original)
+            torch.set_rng_state(rng)
+
     def _parent(self, i: int) -> int:
         name = self.names[i]
         parent = name.rsplit(".", 1)[0] if "." in name else ""
@@ -155,3 +208,10 @@ class WatchedModel:
         while p != 0 and type(self.modules[p]).__name__ == "Sequential" and is_passive(self.modules[p]):
             p = self._parent(p)
         return p
+
+
+def _replay_hook(index: int, refs: List[Tuple[int, Any, Any]]) -> Any:
+    def hook(module: Any, args: Any, output: Any) -> None:
+        refs.append((index, output, args))
+
+    return hook

@@ -56,7 +56,7 @@ class Engine:
         grad_norms: npt.NDArray[np.float32],
         weight_norms: Optional[npt.NDArray[np.float32]] = None,
         activations: Optional[npt.NDArray[np.float32]] = None,
-        inputs: Optional[npt.NDArray[np.float32]] = None,
+        inputs: Optional[Union[npt.NDArray[np.float32], Sequence[float]]] = None,
         loss: Optional[float] = None,
         lr: Optional[float] = None,
         nonfinite_module: Optional[int] = None,
@@ -121,6 +121,19 @@ class TensorReader:
         """``out[i]`` = the L2 norm of ``items[i]`` (or of ``getattr(items[i], attr)``),
         ``missing`` where that is None. False as soon as a tensor is unreadable (``out`` then
         unspecified)."""
+    def grad_norms(
+        self,
+        params: Sequence[object],
+        out: npt.NDArray[np.float32],
+        missing: float = -1.0,
+    ) -> int:
+        """``out[i]`` = the L2 norm of ``params[i].grad``, ``missing`` where that is None;
+        returns what they hold: bit 1 some norm is not finite, bit 2 some is exactly zero, bit
+        4 some gradient is missing (0: all present, finite, non-zero); -1 as soon as a gradient
+        is unreadable (``out`` then unspecified)."""
+    def norm(self, item: object, attr: Optional[str] = None) -> Optional[float]:
+        """The L2 norm of ``item`` (or of ``getattr(item, attr)``; -1 where that is None),
+        None when it is not a readable tensor."""
     def stats(self, t: object) -> Optional[Tuple[float, float, float, float]]:
         """``(min, max, mean, std)`` (population std) of a readable non-empty tensor, else
         None."""

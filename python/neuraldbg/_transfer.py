@@ -142,7 +142,7 @@ class HostStep:
         self.weight_norms: Optional[np.ndarray] = None
         self.activations: Optional[np.ndarray] = None
         self.loss: Optional[float] = None
-        self.inputs: Optional[np.ndarray] = None
+        self.inputs: Optional[List[float]] = None  # 4 statistics per forward pass, in a row
 
 
 class Unpacked:

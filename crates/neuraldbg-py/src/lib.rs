@@ -310,7 +310,7 @@ impl PyEngine {
         grad_norms: PyReadonlyArray1<'_, f32>,
         weight_norms: Option<PyReadonlyArray1<'_, f32>>,
         activations: Option<PyReadonlyArray1<'_, f32>>,
-        inputs: Option<PyReadonlyArray1<'_, f32>>,
+        inputs: Option<Bound<'_, PyAny>>,
         loss: Option<f64>,
         lr: Option<f64>,
         nonfinite_module: Option<usize>,
@@ -320,6 +320,21 @@ impl PyEngine {
     ) -> PyResult<()> {
         let facts = self::facts(py, facts.as_ref())?;
         let measures = self::measures(py, measures.as_ref())?;
+        // Input statistics: a float32 array, or a sequence of floats (the host path's list).
+        let input_array = match &inputs {
+            Some(a) => a.extract::<PyReadonlyArray1<'_, f32>>().ok(),
+            None => None,
+        };
+        let input_list: Vec<f32> = match (&inputs, &input_array) {
+            (Some(a), None) => a.extract().map_err(|_| {
+                raise(
+                    py,
+                    "EngineError",
+                    "inputs must be a contiguous 1-D float32 array or a sequence of floats",
+                )
+            })?,
+            _ => Vec::new(),
+        };
         let view = StepView {
             step,
             grad_norms: slice(py, "grad_norms", &grad_norms)?,
@@ -331,11 +346,10 @@ impl PyEngine {
                 .as_ref()
                 .map(|a| slice(py, "activations", a))
                 .transpose()?,
-            inputs: inputs
-                .as_ref()
-                .map(|a| slice(py, "inputs", a))
-                .transpose()?
-                .unwrap_or(&[]),
+            inputs: match &input_array {
+                Some(a) => slice(py, "inputs", a)?,
+                None => &input_list,
+            },
             loss,
             lr,
             nonfinite_module,

@@ -122,6 +122,7 @@ pub struct TensorReader {
     numel: Py<PyString>,
     data_ptr: Py<PyString>,
     shape: Py<PyString>,
+    grad: Py<PyString>,
     /// Reused buffers: a tensor's shape, per-unit maxima, per-column flags.
     dims: Vec<usize>,
     units: Vec<f64>,
@@ -268,6 +269,7 @@ impl TensorReader {
             numel: name("numel"),
             data_ptr: name("data_ptr"),
             shape: name("shape"),
+            grad: name("grad"),
             dims: Vec::new(),
             units: Vec::new(),
             cols: Vec::new(),
@@ -306,6 +308,64 @@ impl TensorReader {
         }
         write_out("out", &mut out, &values)?;
         Ok(true)
+    }
+
+    /// `out[i]` = the L2 norm of `params[i].grad`, `missing` where that is None, and what the
+    /// norms hold: bit 1 some norm is not finite, bit 2 some is exactly zero, bit 4 some
+    /// gradient is missing (0: every one present, finite, non-zero); -1 as soon as a gradient
+    /// is unreadable (`out` then unspecified).
+    #[pyo3(
+        signature = (params, out, missing=-1.0),
+        text_signature = "(self, /, params, out, missing=-1.0)"
+    )]
+    fn grad_norms(
+        &mut self,
+        params: &Bound<'_, PyAny>,
+        mut out: PyReadwriteArrayDyn<'_, f32>,
+        missing: f32,
+    ) -> PyResult<i32> {
+        if params.len()? != out.len() {
+            return Err(PyValueError::new_err("out must have one entry per item"));
+        }
+        let attr = self.grad.clone_ref(params.py());
+        let attr = attr.bind(params.py());
+        let mut values = Vec::with_capacity(out.len());
+        let mut flags = 0;
+        for p in params.try_iter()? {
+            let Some(g) = Self::target(p?, Some(attr)) else {
+                return Ok(-1);
+            };
+            if g.is_none() {
+                values.push(missing);
+                flags |= 4;
+                continue;
+            }
+            match self.with_elements(&g, false, |e, _| dispatch!(e, xs => measure::l2_norm(xs))) {
+                Some(n) => {
+                    let n = n as f32;
+                    if !n.is_finite() {
+                        flags |= 1;
+                    } else if n == 0.0 {
+                        flags |= 2;
+                    }
+                    values.push(n);
+                }
+                None => return Ok(-1),
+            }
+        }
+        write_out("out", &mut out, &values)?;
+        Ok(flags)
+    }
+
+    /// The L2 norm of `item` (or of `getattr(item, attr)`; -1 where that is None), None when
+    /// it is not readable.
+    #[pyo3(signature = (item, attr=None))]
+    fn norm(&mut self, item: &Bound<'_, PyAny>, attr: Option<&Bound<'_, PyString>>) -> Option<f64> {
+        let t = Self::target(item.clone(), attr)?;
+        if t.is_none() {
+            return Some(-1.0);
+        }
+        self.with_elements(&t, false, |e, _| dispatch!(e, xs => measure::l2_norm(xs)))
     }
 
     /// `(min, max, mean, std)` of a readable non-empty tensor (std: population), else None.
