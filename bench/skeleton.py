@@ -7,8 +7,8 @@ SGD, batch 64, 32-wide MLP of ``--depth`` layers):
 * ``plain`` and ``A/A``: the loop alone (the A/A ratio is the noise);
 * ``skeleton``: the same hooks NeuralDBG installs, each doing nothing: forward pre/post hooks
   on the model, a pass-through ``torch.autograd.backward``, two post-accumulate-grad sentinels
-  that queue an end-of-backward callback, a tensor hook on one parameter, the optimizer step
-  post hook, and a ``nn.Linear.forward`` wrapper that records ``(index, None, args)``;
+  that queue an end-of-backward callback, a tensor hook on one parameter and the optimizer step
+  post hook (an unmeasured step records no layer call: no ``forward`` wrapper);
 * ``skeleton+read``: plus the extension's reads (input statistics at forward start, every
   gradient norm at the end of backward);
 * ``neuraldbg``: the real thing.
@@ -76,8 +76,6 @@ class Skeleton(Arm):
             params[-1].register_post_accumulate_grad_hook(sentinel),
             params[0].register_hook(lambda g: None),
         ]
-        self.watched = {id(m): i for i, m in enumerate(model.modules())}
-        self.refs: List[Any] = []
 
     def exit(self) -> None:
         for h in self.handles:
@@ -88,34 +86,19 @@ class Skeleton(Arm):
             self._block(n, record)
 
     def _block(self, n: int, record: bool) -> None:
-        original_forward = nn.Linear.forward
         original_backward = torch.autograd.backward
-        compiling = torch.compiler.is_compiling
-        watched, refs = self.watched, self.refs
-
-        def forward(module: Any, *args: Any, **kwargs: Any) -> Any:
-            output = original_forward(module, *args, **kwargs)
-            if compiling():
-                return output
-            index = watched.get(id(module))
-            if index is not None:
-                refs.append((index, None, args))
-            return output
 
         def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
             return original_backward(tensors, *args, **kwargs)
 
-        nn.Linear.forward = forward  # type: ignore[method-assign]
         torch.autograd.backward = backward  # type: ignore[assignment]
         try:
             t0 = time.thread_time()
             for _ in range(n):
                 self.step()
-                refs.clear()
             if record:
                 self.times.append(time.thread_time() - t0)
         finally:
-            nn.Linear.forward = original_forward  # type: ignore[method-assign]
             torch.autograd.backward = original_backward
 
 

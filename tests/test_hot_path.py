@@ -568,8 +568,8 @@ class Gated(nn.Module):
 def test_exact_zero_gradients_have_the_coming_steps_record_which_modules_ran():
     """With zero_grad(set_to_none=False), a module that did not run keeps an all-zero
     gradient: "no gradient", not a vanishing one, which only the modules' calls tell. An
-    unmeasured host step records none: on the first such step a replay of its forward tells,
-    and the steps after it record which modules ran."""
+    unmeasured host step records none: its zeros are read as "no gradient" (a single zero would
+    confirm a vanishing gradient), and the steps after it record which modules ran."""
     torch.manual_seed(0)
     model = Gated()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -582,9 +582,36 @@ def test_exact_zero_gradients_have_the_coming_steps_record_which_modules_ran():
         assert dbg._collector.hooks.modules_armed  # still recording: zeros keep coming
     steps, norms = dbg.history("b", "grad_norm")
     assert list(steps[:5]) == [0, 1, 2, 3, 4] and (norms[:5] > 0).all()
-    # From step 5 on "b" sits out: step 5 recorded no module call (a replay of its forward
-    # says "b" did not run), the steps after it record which modules ran.
+    # From step 5 on "b" sits out: step 5 recorded no module call (its zero is read as "no
+    # gradient"), the steps after it record which modules ran.
     assert list(steps) == list(range(12)) and np.isnan(norms[5:]).all(), (steps, norms)
+
+
+def test_zero_gradients_made_anew_each_step_are_real_zeros_without_a_replay(monkeypatch):
+    """With zero_grad() (set_to_none=True), a module that does not run keeps no gradient at
+    all, so an exact-zero gradient is a real one (a dead layer): read as such on an unmeasured
+    step, with no replay and no recording."""
+    from neuraldbg._model import WatchedModel
+
+    replays = []
+    replay = WatchedModel.replay
+    monkeypatch.setattr(WatchedModel, "replay", lambda self, *a: replays.append(1) or replay(self, *a))
+    torch.manual_seed(0)
+    model = Gated()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with NeuralDbg(model, activation_every=1000, weight_every=1000, dense_steps=2) as dbg:
+        for i in range(12):
+            if i == 5:
+                with torch.no_grad():
+                    model.a.bias.fill_(-1e3)  # every unit after "a" dies: "a" gets exact zeros
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(torch.randn(32, 16)), torch.randint(0, 4, (32,))).backward()
+            opt.step()
+            if i >= 5:
+                assert not dbg._collector.hooks.modules_armed
+    steps, norms = dbg.history("a", "grad_norm")
+    assert list(steps) == list(range(12)) and (norms[5:] == 0.0).all() and (norms[:5] > 0).all(), norms
+    assert not replays
 
 
 def test_a_model_whose_own_forward_is_not_called_keeps_recording_its_layers():

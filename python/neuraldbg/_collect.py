@@ -52,6 +52,16 @@ from .errors import NeuralDbgWarning
 # is imported only once torch is, by NeuralDbg.__enter__.)
 from torch.compiler import is_compiling as _compiling  # noqa: E402
 
+# Whether any autocast is on (one cheap check before the per-device one; a private torch
+# function, so with a fallback).
+try:
+    from torch._C import _is_any_autocast_enabled as _any_autocast
+except ImportError:  # pragma: no cover - other torch versions
+
+    def _any_autocast() -> bool:
+        return True
+
+
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
@@ -205,9 +215,6 @@ class Collector:
         self.root_calls: List[Tuple[Any, Any]] = []
         self.released = 0  # root_calls before this index belong to released forward passes
         self.root_seen = False
-        # Which modules ran in this step, learnt by a replay (exact-zero gradients on a step
-        # that recorded no module call; see _learn_ran).
-        self.ran_replayed: Optional[set] = None
         self.replay_ok = self.watched.replayable()
         self.need_ran = 0
 
@@ -281,6 +288,10 @@ class Collector:
             return
         if self.disabled:
             return
+        hm = self.hm
+        if hm is not None and self.registered:
+            self._host_forward(module, args, kwargs, hm)
+            return
         if not self.registered:
             self._decide_host()
         if self.pending is not None and self.pending.ready():
@@ -293,12 +304,6 @@ class Collector:
             self.act_out[:] = self.act_none
         self.loop.on_forward(module.training, self.torch.is_grad_enabled())
         self.root_seen = True
-        if self.hm is not None and self.registered:
-            self.root_calls.append((args, kwargs))
-            autocast = self.torch.is_autocast_enabled("cpu")
-            if autocast and not self.hooks.modules_armed:
-                self.hooks.arm_modules(True)  # a replay would lack the autocast precision
-            self._hold_outputs(autocast)
         try:
             x = first_float_tensor(args)
             if x is None and kwargs:
@@ -308,6 +313,42 @@ class Collector:
                     self.host_inputs.extend(self.hm.stats(x))
                 else:
                     self.inputs.append(input_stats(x.detach()))
+        except Exception as e:  # pragma: no cover - defensive
+            self._fail(e)
+
+    def _host_forward(self, module: Any, args: Any, kwargs: Any, hm: HostMeasurer) -> None:
+        """Host mode, registered: a forward pass of the model starts (the hot path of
+        :meth:`_on_root_pre`: no pending step, no device)."""
+        self.forward_gen += 1
+        self.refs.clear()
+        self.ran = None
+        hooks = self.hooks
+        if hooks.probes_armed:
+            self.act_out[:] = self.act_none
+        torch = self.torch
+        self.loop.on_forward(module.training, torch.is_grad_enabled())
+        self.root_seen = True
+        self.root_calls.append((args, kwargs))
+        if _any_autocast() and torch.is_autocast_enabled("cpu"):
+            if not hooks.modules_armed:
+                hooks.arm_modules(True)  # a replay would lack the autocast precision
+            self._hold_outputs(True)
+        elif hooks.modules_armed:
+            self._hold_outputs(False)
+        try:
+            # The model's first input, read by the extension (a float CPU tensor, the common
+            # case); anything else goes the general way.
+            x = args[0] if args else None
+            reader = hm.reader
+            v = reader.stats(x) if reader is not None and type(x) is torch.Tensor else None
+            if v is None:
+                x = first_float_tensor(args)
+                if x is None and kwargs:
+                    x = first_float_tensor(kwargs)
+                if x is not None and x.numel() > 0:
+                    v = hm.stats(x)
+            if v is not None:
+                self.host_inputs.extend(v)
         except Exception as e:  # pragma: no cover - defensive
             self._fail(e)
 
@@ -381,8 +422,6 @@ class Collector:
             self.bw_gen += 1
             self._take_loss()
             self._read_gradients()
-            if self.grad_flags & (ZERO | UNKNOWN) and self.hm is not None and self.registered:
-                self._learn_ran()
             if self.hm is not None and self.registered and self.refs and (
                 self.staged_gen != self.forward_gen or not self.root_seen
             ):
@@ -557,23 +596,6 @@ class Collector:
         if replayed is None:
             return None, False
         return self.watched.first_nonfinite(replayed), True
-
-    def _learn_ran(self) -> None:
-        """Host mode, at the end of backward: gradients with exact zeros in a step that
-        recorded no module call. A zero of a module that ran before is "no gradient" if the
-        module sat this step out (zero_grad(set_to_none=False) leaves zeros), else a real zero:
-        which one, the step's forward passes computed again tell (while the parameters are
-        still theirs), and the coming steps record their calls while zeros keep coming."""
-        if self.hooks.modules_armed or not self.root_calls or not self.order:
-            return
-        assert self.grad_host is not None
-        ran_before = self.order_set
-        owners = self.param_owner
-        if not any(owners[p] in ran_before for p in np.flatnonzero(self.grad_host == 0.0)):
-            return
-        self.need_ran = NEED_RAN_STEPS
-        replayed = self.watched.replay(self.model, self.root_calls)
-        self.ran_replayed = None if replayed is None else {i for i, _, _ in replayed}
 
     def _loss_values(self) -> List[float]:
         """Host mode: the values of this step's losses (the one read before backward is not
@@ -790,7 +812,6 @@ class Collector:
             self.origin = None
             self.origin_checked = False
             self.ran = None
-            self.ran_replayed = None
             if not final:
                 if not self.root_seen:
                     self.replay_ok = False  # gradients without a call of the model itself
@@ -1028,21 +1049,26 @@ class Collector:
         :class:`HostStep`), its measures and its facts."""
         grad_norms = u.grad_norms
         loss_value = u.loss
-        if flags & (ZERO | UNKNOWN) and self.order and not grad_norms.all():
-            zeros = np.flatnonzero(grad_norms == 0.0)
-            # An exactly-zero gradient of a module that ran before but not in this step is
-            # "no gradient" (zero_grad(set_to_none=False) leaves zeros), not a vanishing one.
+        # An exactly-zero gradient of a module that ran before but not in this step is "no
+        # gradient" (zero_grad(set_to_none=False) leaves zeros), not a vanishing one. When each
+        # step's gradients are made anew (set_to_none=True), a module that sat out has none at
+        # all and every zero is a real one.
+        kept = self.loop.grads_kept is not False
+        if kept and flags & (ZERO | UNKNOWN) and self.order and not grad_norms.all():
             ran_before = self.order_set
+            owners = self.param_owner
+            left = [p for p in np.flatnonzero(grad_norms == 0.0) if owners[p] in ran_before]
             if recorded:
                 ran_now = set(layout.ran) if layout.ran is not None else {i for i, _, _ in refs}
             else:
-                # Not recorded in this step: as a replay found (see _learn_ran), else unknown,
-                # read as "no gradient" (a single zero would confirm a vanishing gradient).
-                ran_now = self.ran_replayed or set()
-                self.need_ran = NEED_RAN_STEPS
-            for p in zeros:
-                owner = self.param_owner[p]
-                if owner in ran_before and owner not in ran_now:
+                # Not recorded in this step: unknown, read as "no gradient" (one zero would
+                # confirm a vanishing gradient; a layer that really died is seen from the next
+                # step on, which records which modules ran).
+                ran_now = set()
+            if left and self.hm is not None and (self.loop.grads_kept or not recorded):
+                self.need_ran = NEED_RAN_STEPS  # the coming steps record which modules ran
+            for p in left:
+                if owners[p] not in ran_now:
                     grad_norms[p] = -1.0
 
         nonfinite = None

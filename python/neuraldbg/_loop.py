@@ -48,6 +48,11 @@ class LoopFacts:
         self.probe_handle: Any = None
         self.after_step_grad: Optional[Tuple[int, int]] = None
         self.accumulated: Optional[bool] = None
+        # Whether gradients outlive a step: the watched parameter still had a .grad when its
+        # next backward started (zero_grad(set_to_none=False), or none at all), so an
+        # all-zero gradient may be a leftover of a module that did not run. False: each step's
+        # gradients are made anew (set_to_none=True), a zero is a real one. None: not seen.
+        self.grads_kept: Optional[bool] = None
         self.armed = False
         # Run-level facts, described once.
         self.loss: Optional[Dict[str, Any]] = None
@@ -91,6 +96,7 @@ class LoopFacts:
         self.armed = False
         try:
             old = self.probe.grad
+            self.grads_kept = old is not None
             before = self.after_step_grad
             self.accumulated = old is not None and before is not None and _grad_key(old) == before
         except Exception:  # pragma: no cover - never break the user's backward

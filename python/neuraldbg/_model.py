@@ -160,14 +160,14 @@ class WatchedModel:
         ``(index, output, args)`` of every module call in completion order (as kept
         references are; :meth:`first_nonfinite` scans them), or None when a call raised.
 
-        Runs only on a step that went non-finite or whose gradients hold exact zeros, while the
-        parameters are still those of the forward pass (before the optimizer step). It leaves
-        the model as it was: every module runs on copies of its buffers (BatchNorm's running
+        Runs only on a step that went non-finite, while the parameters are still those of the
+        forward pass (before the optimizer step). It leaves the model as it was: every module runs on copies of its buffers (BatchNorm's running
         statistics are not updated twice, and tensors autograd saved are not written), and the
         CPU random generator is restored (the loop's random stream is not shifted; dropout
         masks differ from the original pass, which changes no value from finite to
-        non-finite). Forward hooks other than ours (the user's) run during the replay, as on
-        any call."""
+        non-finite). What the replay cannot undo is the model's own Python code: forward hooks
+        other than ours (the user's) run once more, and a forward that counts its calls counts
+        this one (on a failing step only)."""
         import torch
 
         refs: List[Tuple[int, Any, Any]] = []
