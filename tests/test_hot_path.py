@@ -548,6 +548,39 @@ def test_a_replayed_forward_leaves_the_model_and_the_random_stream_as_they_were(
     assert not any(m._forward_hooks for m in model.modules())
 
 
+def test_a_nan_step_replayed_for_its_origin_leaves_training_as_an_unwatched_run_has_it():
+    """End to end: a model with BatchNorm and Dropout goes non-finite on an unmeasured step;
+    the origin is named on that step, and the replay behind it changed nothing the training
+    sees: the running statistics, the parameters and the random stream after the step are
+    those of an unwatched twin run on the same data."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 16), nn.Linear(16, 4))
+    twin = copy.deepcopy(model)
+    data = [(torch.randn(32, 8), torch.randint(0, 4, (32,))) for _ in range(16)]
+
+    def run(m: nn.Module) -> Tuple[List[torch.Tensor], torch.Tensor]:
+        opt = torch.optim.SGD(m.parameters(), lr=0.01)
+        torch.manual_seed(1)
+        for i, (x, y) in enumerate(data):
+            if i == 13:
+                with torch.no_grad():
+                    m[4].weight[0, 0] = float("inf")  # layer "4" makes the first Inf
+            opt.zero_grad()
+            nn.functional.cross_entropy(m(x), y).backward()
+            opt.step()
+        return [t.detach().clone() for t in [*m.parameters(), *m.buffers()]], torch.rand(4)
+
+    want, want_rng = run(twin)
+    with NeuralDbg(model, activation_every=10) as dbg:
+        got, got_rng = run(model)
+        assert not dbg._collector.hooks.modules_armed  # step 13 recorded no module call
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, equal_nan=True)
+    torch.testing.assert_close(got_rng, want_rng)
+    hyps = dbg.explain_failure("non_finite")
+    assert hyps and hyps[0].layer == "4" and hyps[0].step == 13, hyps[:1]
+
+
 class Gated(nn.Module):
     """Runs its second branch only when told to (a conditional module)."""
 

@@ -217,6 +217,8 @@ class Collector:
         self.root_seen = False
         self.replay_ok = self.watched.replayable()
         self.need_ran = 0
+        # The engine's activation_pending after the last observed step (see _activations_next).
+        self.act_pending = False
 
     def _decide_host(self) -> None:
         """Host mode or not, from where the parameters are now (until the model is registered:
@@ -469,6 +471,10 @@ class Collector:
         t = BACKWARD_TAP.current
         taken, self.tap_taken = self.tap_taken, None
         if self.criterion is not None or t is None or t is taken:
+            return
+        seen = self.loss_read
+        if seen is not None and t is seen[0]:
+            self.auto_losses.append(t)  # host mode: the loss read before its backward
             return
         torch = self.torch
         if isinstance(t, torch.Tensor) and t.numel() == 1 and t.grad_fn is not None:
@@ -783,7 +789,7 @@ class Collector:
         """Measure activations in the coming step: on its sample period, or densely while the
         engine has an unconfirmed activation change (so it is confirmed within `persistence`
         steps, not `persistence` samples)."""
-        return self._sampled(self.activation_every) or bool(self.engine.activation_pending)
+        return self._sampled(self.activation_every) or self.act_pending
 
     def _observe(self, lr: Optional[float], final: bool = False, skipped: bool = False) -> None:
         try:
@@ -1087,7 +1093,7 @@ class Collector:
             elif refs:
                 nonfinite, checked = self._scan(refs)
 
-        self.engine.observe(
+        self.act_pending = self.engine.observe(
             layout.step,
             grad_norms,
             weight_norms=u.weight_norms,

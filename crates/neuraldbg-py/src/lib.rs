@@ -300,7 +300,8 @@ impl PyEngine {
         self.inner.activation_pending()
     }
 
-    /// Feeds one step of statistics.
+    /// Feeds one step of statistics; returns whether an activation module now shows an
+    /// unconfirmed new state (`activation_pending`: measure densely).
     #[pyo3(signature = (step, grad_norms, weight_norms=None, activations=None, inputs=None, loss=None, lr=None, nonfinite_module=None, outputs_checked=false, facts=None, measures=None))]
     #[allow(clippy::too_many_arguments)]
     fn observe(
@@ -317,7 +318,7 @@ impl PyEngine {
         outputs_checked: bool,
         facts: Option<Bound<'_, PyDict>>,
         measures: Option<Bound<'_, PyDict>>,
-    ) -> PyResult<()> {
+    ) -> PyResult<bool> {
         let facts = self::facts(py, facts.as_ref())?;
         let measures = self::measures(py, measures.as_ref())?;
         // Input statistics: a float32 array, or a sequence of floats (the host path's list).
@@ -359,7 +360,7 @@ impl PyEngine {
         };
         self.inner.observe(&view).map_err(|e| to_py_err(py, &e))?;
         self.traced(py, "writing a step", |_, w| w.write_step(&view));
-        Ok(())
+        Ok(self.inner.activation_pending())
     }
 
     /// All events, in step order, as a JSON list.
