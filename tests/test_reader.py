@@ -344,6 +344,19 @@ def test_gradient_norms_and_what_they_hold(dtype):
         for p, v in zip(params, want):
             assert_close(r.norm(p, "grad"), float(v), rtol=1e-6)
     assert r.norm(params[0]) == pytest.approx(float(torch.linalg.vector_norm(params[0].detach().double())), rel=1e-5)
+    # The zero shares read in the same pass are zero_shares' (NaN for the missing gradient).
+    grads(torch.randn(5, 3), torch.zeros(5, 3), torch.randn(5, 3), None)
+    with torch.no_grad():
+        params[0].grad[1] = 0.0
+        params[2].grad[:, 2] = 0.0
+    rows, cols, want_rows, want_cols = (np.empty(4, np.float32) for _ in range(4))
+    assert r.grad_norms(params, out, -1.0, rows, cols) == 2 | 4
+    assert r.zero_shares(params, want_rows, want_cols, "grad") is True
+    np.testing.assert_array_equal(rows, want_rows)
+    np.testing.assert_array_equal(cols, want_cols)
+    assert (rows[0], cols[2], rows[1], cols[1]) == (pytest.approx(1 / 5), pytest.approx(1 / 3), 1.0, 1.0)
+    with pytest.raises(ValueError):
+        r.grad_norms(params, out, -1.0, rows, None)
     params[1].grad = torch.randn(3, 5).to(dtype).t()  # not contiguous: unreadable
     assert r.grad_norms(params, out) == -1
     assert r.norm(params[1], "grad") is None

@@ -132,6 +132,8 @@ class Collector:
         # What the gradient norms hold (see TensorReader.grad_norms: bit 1 not finite, 2 an
         # exact zero, 4 a missing gradient; UNKNOWN: not said, the arrays are checked).
         self.grad_flags = UNKNOWN
+        # The zero-gradient shares (rows, cols) read with the gradient norms on a sampled step.
+        self.zeros_read: Optional[Tuple[np.ndarray, np.ndarray]] = None
         # Input statistics of this step's forward passes, 4 floats each, one after another.
         self.host_inputs: List[float] = []
         self.loss_read: Optional[Tuple[Any, float]] = None
@@ -444,7 +446,11 @@ class Collector:
 
     def _read_gradients(self) -> None:
         if self.hm is not None:
-            self.grad_flags = self.hm.grad_norms(self.params, self.grad_buf)
+            # A step whose zero-gradient shares are measured reads them in the same pass.
+            n = len(self.params)
+            zeros = (np.empty(n, np.float32), np.empty(n, np.float32)) if self._sampled(self.activation_every) else None
+            self.grad_flags = self.hm.grad_norms(self.params, self.grad_buf, zeros)
+            self.zeros_read = zeros if zeros is not None and not self.grad_flags & UNKNOWN else None
             self.grad_host = self.grad_buf
             self.grad_read = True
             return
@@ -813,6 +819,7 @@ class Collector:
             self.out_staged = None
             self.grad_host = None
             self.grad_flags = UNKNOWN
+            self.zeros_read = None
             self.host_inputs.clear()
             self.loss_read = None
             self.origin = None
@@ -1006,7 +1013,7 @@ class Collector:
         if outs is not None:
             measures["output_absmax"] = self._module_table(outs[1], outs[0])
         if self._sampled(self.activation_every):
-            zeros = hm.zero_shares(self.params)
+            zeros = self.zeros_read if self.zeros_read is not None else hm.zero_shares(self.params)
             if zeros is not None:
                 measures["grad_zero_rows"], measures["grad_zero_cols"] = zeros
         return measures or None

@@ -510,12 +510,16 @@ class HostMeasurer:
             out[order] = np.concatenate([_host(p) for p in parts])
         return out
 
-    def grad_norms(self, params: Sequence[Any], out: np.ndarray) -> int:
+    def grad_norms(
+        self, params: Sequence[Any], out: np.ndarray, zeros: Optional[Tuple[np.ndarray, np.ndarray]] = None
+    ) -> int:
         """L2 norm of each parameter's gradient into ``out`` (-1 where None), and what they
-        hold (``TensorReader.grad_norms``'s flags; 8 when read by torch: not said)."""
+        hold (``TensorReader.grad_norms``'s flags; 8 when read by torch: not said, and
+        ``zeros`` not filled). With ``zeros`` (rows, cols), the gradients' zero shares (see
+        :meth:`zero_shares`) are read in the same pass."""
         r = self.reader
         if r is not None:
-            flags = r.grad_norms(params, out)
+            flags = r.grad_norms(params, out, -1.0, *(zeros or (None, None)))
             if flags >= 0:
                 return flags  # type: ignore[no-any-return]
         out[:] = self.norms(params, "grad")

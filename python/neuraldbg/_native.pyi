@@ -127,11 +127,14 @@ class TensorReader:
         params: Sequence[object],
         out: npt.NDArray[np.float32],
         missing: float = -1.0,
+        rows: Optional[npt.NDArray[np.float32]] = None,
+        cols: Optional[npt.NDArray[np.float32]] = None,
     ) -> int:
         """``out[i]`` = the L2 norm of ``params[i].grad``, ``missing`` where that is None;
         returns what they hold: bit 1 some norm is not finite, bit 2 some is exactly zero, bit
         4 some gradient is missing (0: all present, finite, non-zero); -1 as soon as a gradient
-        is unreadable (``out`` then unspecified)."""
+        is unreadable (the arrays then unspecified). With ``rows`` and ``cols``, also the
+        gradients' zero shares as :meth:`zero_shares` gives them, in the same pass."""
     def norm(self, item: object, attr: Optional[str] = None) -> Optional[float]:
         """The L2 norm of ``item`` (or of ``getattr(item, attr)``; -1 where that is None),
         None when it is not a readable tensor."""

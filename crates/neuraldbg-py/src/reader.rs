@@ -313,23 +313,38 @@ impl TensorReader {
     /// `out[i]` = the L2 norm of `params[i].grad`, `missing` where that is None, and what the
     /// norms hold: bit 1 some norm is not finite, bit 2 some is exactly zero, bit 4 some
     /// gradient is missing (0: every one present, finite, non-zero); -1 as soon as a gradient
-    /// is unreadable (`out` then unspecified).
+    /// is unreadable (the arrays then unspecified). With `rows` and `cols`, also the shares of
+    /// exactly-zero rows and columns of each gradient, as `zero_shares` gives them, in the
+    /// same pass.
     #[pyo3(
-        signature = (params, out, missing=-1.0),
-        text_signature = "(self, /, params, out, missing=-1.0)"
+        signature = (params, out, missing=-1.0, rows=None, cols=None),
+        text_signature = "(self, /, params, out, missing=-1.0, rows=None, cols=None)"
     )]
     fn grad_norms(
         &mut self,
         params: &Bound<'_, PyAny>,
         mut out: PyReadwriteArrayDyn<'_, f32>,
         missing: f32,
+        rows: Option<PyReadwriteArrayDyn<'_, f32>>,
+        cols: Option<PyReadwriteArrayDyn<'_, f32>>,
     ) -> PyResult<i32> {
-        if params.len()? != out.len() {
+        let n = params.len()?;
+        if n != out.len() {
             return Err(PyValueError::new_err("out must have one entry per item"));
         }
+        let mut shares = match (rows, cols) {
+            (Some(r), Some(c)) if r.len() == n && c.len() == n => Some((r, c)),
+            (None, None) => None,
+            _ => {
+                return Err(PyValueError::new_err(
+                    "rows and cols must be given together, with one entry per item",
+                ));
+            }
+        };
         let attr = self.grad.clone_ref(params.py());
         let attr = attr.bind(params.py());
-        let mut values = Vec::with_capacity(out.len());
+        let mut values = Vec::with_capacity(n);
+        let (mut row_values, mut col_values) = (Vec::new(), Vec::new());
         let mut flags = 0;
         for p in params.try_iter()? {
             let Some(g) = Self::target(p?, Some(attr)) else {
@@ -337,23 +352,45 @@ impl TensorReader {
             };
             if g.is_none() {
                 values.push(missing);
+                row_values.push(f32::NAN);
+                col_values.push(f32::NAN);
                 flags |= 4;
                 continue;
             }
-            match self.with_elements(&g, false, |e, _| dispatch!(e, xs => measure::l2_norm(xs))) {
-                Some(n) => {
-                    let n = n as f32;
-                    if !n.is_finite() {
-                        flags |= 1;
-                    } else if n == 0.0 {
-                        flags |= 2;
+            let with_shares = shares.is_some();
+            let read = self.with_elements(&g, with_shares, |e, me| {
+                let norm = dispatch!(e, xs => measure::l2_norm(xs));
+                let zeros = if with_shares {
+                    let d = &me.dims;
+                    if d.len() < 2 || d.contains(&0) {
+                        (f64::NAN, f64::NAN)
+                    } else {
+                        let inner = d[2..].iter().product();
+                        dispatch!(e, xs => measure::zero_shares(xs, d[0], d[1], inner, &mut me.cols))
                     }
-                    values.push(n);
-                }
-                None => return Ok(-1),
+                } else {
+                    (f64::NAN, f64::NAN)
+                };
+                (norm, zeros)
+            });
+            let Some((norm, (zr, zc))) = read else {
+                return Ok(-1);
+            };
+            let norm = norm as f32;
+            if !norm.is_finite() {
+                flags |= 1;
+            } else if norm == 0.0 {
+                flags |= 2;
             }
+            values.push(norm);
+            row_values.push(zr as f32);
+            col_values.push(zc as f32);
         }
         write_out("out", &mut out, &values)?;
+        if let Some((r, c)) = shares.as_mut() {
+            write_out("rows", r, &row_values)?;
+            write_out("cols", c, &col_values)?;
+        }
         Ok(flags)
     }
 
