@@ -23,11 +23,14 @@ the tensors' memory straight into the engine's host arrays: no torch operation, 
 Forward hooks are installed only where they are needed. The first forward pass hooks every
 module, once, to learn the execution order. After that, module outputs are kept (by reference,
 until the step is observed) only for modules that can *create* a NaN/Inf. Activation modules
-get a second, separate hook only on the steps whose activation statistics are measured.
+get a second, separate hook only on the steps whose activation statistics are measured. In host
+mode the module hooks and records themselves are there only on the steps that need them
+(:meth:`Collector._modules_wanted`): an unmeasured step sees only the model's own calls.
 
 Only when a step's gradients or loss are not finite are the kept outputs scanned (in forward
 order) for the first module whose output went non-finite: two transfers on such a failure step,
-none on a healthy one, and the origin is still named on the very step it happens.
+none on a healthy one, and the origin is still named on the very step it happens. A host step
+that kept no module call has its forward computed again for that (:meth:`Collector._scan`).
 """
 
 from __future__ import annotations

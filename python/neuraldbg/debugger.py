@@ -65,10 +65,12 @@ class NeuralDbg(Results):
         dense_steps: steps at the start that are always fully measured.
         forward_check: ``"auto"``/``"lazy"``: when a step's loss is NaN/Inf, scan that step's
             module outputs in forward order for the first non-finite one (free on healthy
-            steps). On CPU the loss is checked when backward starts and the outputs are let go
-            there; on CUDA they are kept until the step's statistics reach the host, when the
-            next forward starts (more memory during backward, no synchronization). ``"off"``:
-            don't keep outputs (the origin of a NaN is then located from gradients only).
+            steps). On CPU the loss is checked when backward starts; a step that recorded no
+            module call (the unmeasured ones) has its forward computed again from its inputs
+            then, no grad, buffers and random generator left as they were. On CUDA the outputs
+            are kept until the step's statistics reach the host, when the next forward starts
+            (more memory during backward, no synchronization). ``"off"``: don't keep outputs
+            (the origin of a NaN is then located from gradients only).
         step_on: ``"optimizer"`` (default) counts a step per ``optimizer.step()``;
             ``"backward"`` counts one per backward pass, for loops without a torch optimizer.
         halt_on: stop training once a failure is confirmed (opt-in): ``True`` for any failure
