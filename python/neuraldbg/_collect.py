@@ -172,6 +172,8 @@ class Collector:
         self.grad_parts: List[Any] = []
         self.grad_order: Optional[np.ndarray] = None
         self.tap_taken: Any = None
+        # Host mode: a product loss seen when its backward started, and its unscaled value.
+        self.tap_product: Optional[Tuple[Any, Any]] = None
         # The parameter whose gradient norm is read again just before the update (the
         # largest up to 64k elements), and that reading (a device tensor; host mode: a float):
         # their ratio tells whether gradients were clipped.
@@ -366,9 +368,10 @@ class Collector:
         if self.disabled:
             return
         self.refs.append((0, output, args))
-        # The output's grad_fn: which backward is this model's loss (no criterion given), and,
-        # on the first step, where the loss's graph reaches the model (the loss facts).
-        if self.criterion is None or not self.registered:
+        # The output's grad_fn: which backward is this model's loss (no criterion given; host
+        # mode needs none once registered, see on_backward), and, on the first step, where
+        # the loss's graph reaches the model (the loss facts).
+        if not self.registered or (self.criterion is None and self.hm is None):
             t = first_float_tensor(output)
             fn = t.grad_fn if t is not None else None
             if fn is not None and len(self.output_fns) < 8:
@@ -479,7 +482,11 @@ class Collector:
         ``backward()`` (unless the tap already took it before backward started)."""
         t = BACKWARD_TAP.current
         taken, self.tap_taken = self.tap_taken, None
+        product, self.tap_product = self.tap_product, None
         if self.criterion is not None or t is None or t is taken:
+            return
+        if product is not None and t is product[0]:
+            self.auto_losses.append(product[1])  # host mode: unscaled before its backward
             return
         seen = self.loss_read
         if seen is not None and t is seen[0]:
@@ -532,19 +539,23 @@ class Collector:
         loss this misses (no output seen: a compiled forward, a LightningModule whose step
         calls a submodule) is taken when the backward reaches the model's parameters."""
         torch = self.torch
-        if self.disabled or not self.output_fns or not isinstance(tensors, torch.Tensor):
+        if self.disabled or not isinstance(tensors, torch.Tensor):
             return
-        fn = tensors.grad_fn
-        if self.hm is not None and self.registered and type(fn).__name__ != "MulBackward0":
+        if self.hm is not None and self.registered:
             # Host mode: the forward's work is done now, before its backward (the kept inputs
             # and outputs go before backward allocates, as in a plain loop), without walking
             # the graph to prove this is the model's loss: the loss itself is taken at the
-            # backward's end (the tensor whose backward gave the parameters gradients). (A
+            # backward's end (the tensor whose backward gave the parameters gradients). A
             # product may be GradScaler's scaled loss: its scale is read now, before backward
-            # frees it.)
+            # frees it, and the unscaled loss kept for that end.
             if self.refs and tensors.numel() == 1:
+                if type(tensors.grad_fn).__name__ == "MulBackward0":
+                    self.tap_product = (tensors, self._unscaled_loss(tensors))
                 self._on_loss(tensors)
             return
+        if not self.output_fns:
+            return
+        fn = tensors.grad_fn
         if fn is None or tensors.numel() != 1 or not reaches(fn, self.output_fns):
             return
         self.auto_losses.append(self._unscaled_loss(tensors))
@@ -821,6 +832,7 @@ class Collector:
             self.act_staged = None
             self.out_staged = None
             self.grad_host = None
+            self.tap_product = None
             self.grad_flags = UNKNOWN
             self.zeros_read = None
             self.host_inputs.clear()
