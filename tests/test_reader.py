@@ -167,6 +167,13 @@ def test_absmax_matches_torch(dtype):
     assert r.absmax(nonempty, got)
     np.testing.assert_array_equal(got, want)
     assert not r.absmax([tensors[0], None], np.empty(2, np.float32))
+    # What an empty tensor reads can be chosen (the collector's output maxima: NaN, not measured).
+    assert r.absmax(tensors, out, np.nan)
+    for t, got in zip(tensors, out):
+        if t.numel() == 0:
+            assert np.isnan(got), t
+        else:
+            assert_close(float(got), t.abs().max().float().item(), rtol=0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

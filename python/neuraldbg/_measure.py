@@ -552,6 +552,16 @@ class HostMeasurer:
 
     def absmax(self, refs: Sequence[Tuple[int, Any, Any]], rank: Dict[int, int]) -> Optional[Tuple[np.ndarray, np.ndarray]]:
         """Largest magnitude of each kept module output: (values, engine module indices)."""
+        rd = self.reader
+        if rd is not None:
+            # Outputs that are plain tensors (every recorded layer's) go to the extension as
+            # they are; an empty one reads NaN, i.e. not measured, as kept_outputs leaves it.
+            tensor = self.torch.Tensor
+            kept = [(r, out) for i, out, _ in refs if out is not None and (r := rank.get(i)) is not None]
+            if kept and all(type(out) is tensor for _, out in kept):
+                values = np.empty(len(kept), dtype=np.float32)
+                if rd.absmax([out for _, out in kept], values, np.nan):
+                    return values, np.asarray([r for r, _ in kept], dtype=np.intp)
         tensors, ranks = kept_outputs(refs, rank)
         if not tensors:
             return None

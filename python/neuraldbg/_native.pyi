@@ -143,9 +143,9 @@ class TensorReader:
         None."""
     def scalar(self, t: object) -> Optional[float]:
         """The value of a readable one-element tensor, else None."""
-    def absmax(self, items: Sequence[object], out: npt.NDArray[np.float32]) -> bool:
-        """``out[i]`` = max |x| over ``items[i]`` (0 when empty); False if an item is not a
-        readable tensor."""
+    def absmax(self, items: Sequence[object], out: npt.NDArray[np.float32], empty: float = 0.0) -> bool:
+        """``out[i]`` = max |x| over ``items[i]`` (``empty`` when it has no element); False if
+        an item is not a readable tensor."""
     def zero_shares(
         self,
         items: Sequence[object],

@@ -422,19 +422,26 @@ impl TensorReader {
         .flatten()
     }
 
-    /// `out[i]` = max |x| over `items[i]` (0 when empty). False if an item is not readable.
+    /// `out[i]` = max |x| over `items[i]` (`empty` when it has no element). False if an item
+    /// is not readable.
+    #[pyo3(signature = (items, out, empty=0.0))]
     fn absmax(
         &mut self,
         items: &Bound<'_, PyAny>,
         mut out: PyReadwriteArrayDyn<'_, f32>,
+        empty: f32,
     ) -> PyResult<bool> {
         if items.len()? != out.len() {
             return Err(PyValueError::new_err("out must have one entry per item"));
         }
         let mut values = Vec::with_capacity(out.len());
         for t in items.try_iter()? {
-            match self.with_elements(&t?, false, |e, _| dispatch!(e, xs => measure::abs_max(xs))) {
-                Some(m) => values.push(m as f32),
+            let read = self.with_elements(&t?, false, |e, _| {
+                dispatch!(e, xs => if xs.is_empty() { None } else { Some(measure::abs_max(xs)) })
+            });
+            match read {
+                Some(Some(m)) => values.push(m as f32),
+                Some(None) => values.push(empty),
                 None => return Ok(false),
             }
         }
