@@ -150,11 +150,14 @@ class CallRecorder:
 
             self.watched[key] = all_records
 
-    def add_group(self, pairs: List[Tuple[Any, Any]]) -> "GroupHandle":
-        """:meth:`add` for many ``(module, record)`` pairs at once, removed together by the
-        handle (arming and disarming a model's layers on sampled steps)."""
+    def add_group(self, pairs: List[Tuple[Any, Any, List[Any]]]) -> "GroupHandle":
+        """:meth:`add` for many ``(module, record, [record])`` at once, removed together by
+        the handle (arming and disarming a model's layers on sampled steps). The one-record
+        list is made once by the caller and re-used while it still holds just that record: on a
+        deep model a new list per layer and sampled step was enough garbage to set off the
+        collector's full collections."""
         records, watched, count, wrappers = self.records, self.watched, self.count, self.wrappers
-        for module, record in pairs:
+        for module, record, alone in pairs:
             cls = type(module)
             if cls not in wrappers:
                 self._wrap(cls)
@@ -162,7 +165,7 @@ class CallRecorder:
             key = id(module)
             mine = records.get(key)
             if mine is None:
-                records[key] = [record]
+                records[key] = alone if len(alone) == 1 and alone[0] is record else [record]
                 watched[key] = record
             else:
                 mine.append(record)
@@ -187,10 +190,10 @@ class CallRecorder:
         if self.count[cls] == 0:
             self._unwrap(cls)
 
-    def discard_group(self, pairs: List[Tuple[Any, Any]]) -> None:
-        """:meth:`discard` of every pair of a group."""
+    def discard_group(self, pairs: List[Tuple[Any, Any, List[Any]]]) -> None:
+        """:meth:`discard` of every record of a group."""
         records, watched, count = self.records, self.watched, self.count
-        for module, record in pairs:
+        for module, record, _ in pairs:
             key = id(module)
             mine = records.get(key)
             if mine is None:
@@ -292,7 +295,7 @@ class GroupHandle:
 
     __slots__ = ("recorder", "pairs")
 
-    def __init__(self, recorder: CallRecorder, pairs: List[Tuple[Any, Any]]) -> None:
+    def __init__(self, recorder: CallRecorder, pairs: List[Tuple[Any, Any, List[Any]]]) -> None:
         self.recorder = recorder
         self.pairs = pairs
 
@@ -358,9 +361,9 @@ class Hooks:
         self.wanted: List[int] = []
         self.modules_armed = True
         # The (module, record) pairs armed together (made once), and the probes' likewise.
-        self.recorded_pairs: Optional[List[Tuple[Any, Any]]] = None
+        self.recorded_pairs: Optional[List[Tuple[Any, Any, List[Any]]]] = None
         self.hooked_wanted: List[int] = []
-        self.probe_pairs: Optional[List[Tuple[Any, Any]]] = None
+        self.probe_pairs: Optional[List[Tuple[Any, Any, List[Any]]]] = None
         self.probe_hooked: List[Tuple[int, Any]] = []
 
     @property
@@ -451,7 +454,8 @@ class Hooks:
                 for i in self.wanted:
                     m = self.modules[i]
                     if record and is_recorded(m):
-                        pairs.append((m, make_record(i, self.refs, self.keep_outputs, self.first, self.hold)))
+                        rec = make_record(i, self.refs, self.keep_outputs, self.first, self.hold)
+                        pairs.append((m, rec, [rec]))
                     else:
                         self.hooked_wanted.append(i)
                 if record:
@@ -480,7 +484,8 @@ class Hooks:
                 for row, module in probe_modules:
                     m = self.modules[module]
                     if record and is_recorded(m, RECORDED_PROBES):
-                        pairs.append((m, make_slot_record(row, slots)))
+                        rec = make_slot_record(row, slots)
+                        pairs.append((m, rec, [rec]))
                     else:
                         self.probe_hooked.append((row, m))
                 if record:

@@ -557,11 +557,17 @@ class HostMeasurer:
             # Outputs that are plain tensors (every recorded layer's) go to the extension as
             # they are; an empty one reads NaN, i.e. not measured, as kept_outputs leaves it.
             tensor = self.torch.Tensor
-            kept = [(r, out) for i, out, _ in refs if out is not None and (r := rank.get(i)) is not None]
-            if kept and all(type(out) is tensor for _, out in kept):
-                values = np.empty(len(kept), dtype=np.float32)
-                if rd.absmax([out for _, out in kept], values, np.nan):
-                    return values, np.asarray([r for r, _ in kept], dtype=np.intp)
+            outs: List[Any] = []
+            ranks: List[int] = []
+            for i, out, _ in refs:
+                r = rank.get(i)
+                if out is not None and r is not None:
+                    outs.append(out)
+                    ranks.append(r)
+            if outs and all(type(out) is tensor for out in outs):
+                values = np.empty(len(outs), dtype=np.float32)
+                if rd.absmax(outs, values, np.nan):
+                    return values, np.asarray(ranks, dtype=np.intp)
         tensors, ranks = kept_outputs(refs, rank)
         if not tensors:
             return None
