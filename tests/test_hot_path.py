@@ -414,6 +414,7 @@ def test_layers_are_recorded_without_hooks_and_the_classes_restored_on_exit():
     x = torch.randn(8, 16)
     with pytest.raises(RuntimeError, match="boom"):
         with NeuralDbg(model) as dbg:
+            device_path(dbg, deferred=False)  # (host mode keeps no tensor of a recorded call)
             for _ in range(3):
                 step(model, opt)
             assert not any(m._forward_hooks for m in model)  # the ReLU (a probe) too
@@ -494,9 +495,10 @@ class Probe(nn.Module):
 
 def test_unmeasured_steps_record_no_module_call_and_the_origin_is_still_found():
     """On a CPU model, a step whose module outputs are not measured records no module call at
-    all (nothing per layer); on a sampled step the outputs are kept. When an unmeasured step
-    goes non-finite, its forward pass is computed again while the parameters are still its
-    own, so the module where the Inf first appeared is still named, on that very step."""
+    all (nothing per layer); a sampled step records the calls and keeps no tensor of them.
+    When an unmeasured step goes non-finite, its forward pass is computed again while the
+    parameters are still its own, so the module where the Inf first appeared is still named,
+    on that very step."""
     torch.manual_seed(0)
     probe = Probe()
     model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), probe, nn.Linear(16, 4))
@@ -513,7 +515,7 @@ def test_unmeasured_steps_record_no_module_call_and_the_origin_is_still_found():
             opt.step()
     kept = probe.kept[12:23]  # steps 12..22: step 20 is a sampled one
     assert all(k == [] for j, k in enumerate(kept) if 12 + j != 20), kept
-    assert kept[20 - 12][0] is not None
+    assert kept[20 - 12] == [None]  # sampled: the call is recorded, its output read, not kept
     hyps = dbg.explain_failure("non_finite")
     assert hyps and hyps[0].layer == "2" and hyps[0].step == 23, hyps[:1]
 
@@ -579,6 +581,57 @@ def test_a_nan_step_replayed_for_its_origin_leaves_training_as_an_unwatched_run_
     torch.testing.assert_close(got_rng, want_rng)
     hyps = dbg.explain_failure("non_finite")
     assert hyps and hyps[0].layer == "4" and hyps[0].step == 13, hyps[:1]
+
+
+class Measures:
+    """Stands in for the engine: passes every call through and keeps each step's measures."""
+
+    def __init__(self, engine) -> None:
+        self.__dict__["engine"] = engine
+        self.__dict__["seen"] = {}
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def observe(self, step, *args, **kwargs):
+        self.seen[step] = kwargs.get("measures")
+        return self.engine.observe(step, *args, **kwargs)
+
+
+@pytest.mark.parametrize("path", ["host", "device"])
+def test_a_sampled_steps_output_maxima_are_each_layers(path):
+    """The largest magnitude of every module's output on a sampled step (the engine's forward
+    growth): read as each recorded layer returns in host mode, from the kept outputs on the
+    device path; both are what a forward hook on an unwatched twin sees."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.ReLU(), Normalize(), nn.Linear(16, 4)).eval()
+    twin = copy.deepcopy(model)
+    seen = {}
+    for name, m in twin.named_modules():
+        if name:
+            m.register_forward_hook(lambda m, a, out, name=name: seen.__setitem__(name, float(out.abs().max())))
+    x = [torch.randn(32, 8) for _ in range(24)]
+    with NeuralDbg(model, activation_every=10, dense_steps=2) as dbg:
+        if path == "device":
+            device_path(dbg, deferred=False)
+        c = dbg._collector
+        c.engine = Measures(c.engine)
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: the twin keeps the same weights
+        for xi in x:
+            opt.zero_grad()
+            model(xi).square().mean().backward()
+            opt.step()
+        names = [c.watched.names[i] for i in c.watched.spec_order]
+        measured = c.engine.seen
+    twin(x[20])
+    table = measured[20]["output_absmax"]
+    got = {n: float(v) for n, v in zip(names, table) if n and not np.isnan(v)}
+    # Linear and LayerNorm are recorded layers, Normalize has a forward hook; the ReLU is
+    # passive (it cannot create a NaN): no output of it is measured.
+    assert set(got) == {"0", "1", "3", "4"}, got
+    for name, v in got.items():
+        np.testing.assert_allclose(v, seen[name], rtol=1e-6)
+    assert measured[15] is None or "output_absmax" not in measured[15]  # not a sampled step
 
 
 class Gated(nn.Module):

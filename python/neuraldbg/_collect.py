@@ -224,6 +224,11 @@ class Collector:
         self.root_seen = False
         self.replay_ok = self.watched.replayable()
         self.need_ran = 0
+        # Host mode, a sampled step: the output maxima of recorded layers read as they
+        # returned (module index, value), and outputs the extension could not read.
+        self.out_index: List[int] = []
+        self.out_values: List[float] = []
+        self.out_kept: List[Tuple[int, Any, Any]] = []
         # The engine's activation_pending after the last observed step (see _activations_next).
         self.act_pending = False
 
@@ -241,10 +246,63 @@ class Collector:
             self._hold_outputs()
 
     def _hold_outputs(self, autocast: bool = False) -> None:
-        """Whether recorded layers keep their outputs: always on the device path; in host mode
-        only when they are measured, or under autocast (whose precision a recomputation would
-        not have)."""
-        self.hooks.hold[0] = self.hm is None or self.hooks.probes_armed or autocast
+        """What recorded layers keep (see ``_hooks.make_record``): their outputs and inputs on
+        the device path and under autocast (whose precision neither a recomputation nor a
+        replay would have); in host mode no tensor when the model's forward can be replayed
+        (a sampled step reads each output's largest magnitude as the layer returns), else their
+        inputs, and their outputs when measured."""
+        hold = self.hooks.hold
+        if self.hm is None or autocast:
+            hold[0] = True
+        elif not self.replay_ok:
+            hold[0] = self.hooks.probes_armed
+        elif self.hooks.probes_armed:
+            hold[0] = self._measure_output
+        else:
+            hold[0] = None
+
+    def _measure_output(self, index: int, output: Any) -> None:
+        """A recorded layer returned on a sampled host step: its output's largest magnitude is
+        read now and the output let go (an output the extension cannot read is kept and
+        measured with the others)."""
+        hm = self.hm
+        v = None
+        if hm is not None and hm.reader is not None and type(output) is self.torch.Tensor:
+            try:
+                v = hm.reader.abs_max(output)
+            except Exception:  # pragma: no cover - never break the user's forward
+                v = None
+        if v is None:
+            self.out_kept.append((index, output, None))
+        else:
+            self.out_index.append(index)
+            self.out_values.append(v)
+
+    def _host_outputs(self) -> Optional[Tuple[np.ndarray, np.ndarray]]:
+        """Host mode, a sampled forward is complete: the largest magnitude of each module
+        output, ``(values, engine module indices)``: read as recorded layers returned, and of
+        the outputs kept by forward hooks (modules of other classes)."""
+        hm = self.hm
+        assert hm is not None
+        rank = self.watched.rank
+        kept = self.refs + self.out_kept if self.out_kept else self.refs
+        base = hm.absmax(kept, rank)
+        values: List[float] = []
+        ranks: List[int] = []
+        for i, v in zip(self.out_index, self.out_values):
+            r = rank.get(i)
+            if r is not None:
+                ranks.append(r)
+                values.append(v)
+        self.out_index.clear()
+        self.out_values.clear()
+        self.out_kept.clear()
+        if not ranks:
+            return base
+        now = (np.asarray(values, dtype=np.float32), np.asarray(ranks, dtype=np.intp))
+        if base is None:
+            return now
+        return np.concatenate((base[0], now[0])), np.concatenate((base[1], now[1]))
 
     # ----------------------------------------------------------------- installation
 
@@ -334,6 +392,9 @@ class Collector:
         hooks = self.hooks
         if hooks.probes_armed:
             self.act_out[:] = self.act_none
+            self.out_index.clear()
+            self.out_values.clear()
+            self.out_kept.clear()
         torch = self.torch
         self.loop.on_forward(module.training, torch.is_grad_enabled())
         self.root_seen = True
@@ -598,7 +659,7 @@ class Collector:
         if self.hooks.probes_armed:
             if hm is not None:
                 self.act_staged = hm.activations(self.probes, self.act_out)
-                self.out_staged = hm.absmax(self.refs, self.watched.rank)
+                self.out_staged = self._host_outputs()
             else:
                 self.act_staged = self.measure.activation_parts(self.probes, self.act_out)
                 self.out_staged = self.measure.output_absmax(self.refs, self.watched.rank)
@@ -616,7 +677,8 @@ class Collector:
         known: from the kept module calls, or, when the step recorded none (host mode), by
         computing the model's forward passes again while the parameters are unchanged."""
         calls = self.root_calls[self.released :]
-        if self.hooks.modules_armed or not calls:
+        kept = self.hooks.hold[0]
+        if not calls or (self.hooks.modules_armed and (kept is True or kept is False)):
             return self.watched.first_nonfinite(refs), True
         replayed = self.watched.replay(self.model, calls)
         if replayed is None:
@@ -833,6 +895,9 @@ class Collector:
             self.out_staged = None
             self.grad_host = None
             self.tap_product = None
+            self.out_index.clear()
+            self.out_values.clear()
+            self.out_kept.clear()
             self.grad_flags = UNKNOWN
             self.zeros_read = None
             self.host_inputs.clear()

@@ -248,7 +248,13 @@ class CallRecorder:
                     index, refs, first, hold = record
                     if index == first[0]:
                         refs.clear()
-                    refs.append((index, output if hold[0] else None, args))
+                    h = hold[0]
+                    if h is True or h is False:
+                        refs.append((index, output if h else None, args))
+                    else:  # keep no tensor; `h`, if any, measures the output now
+                        refs.append((index, None, None))
+                        if h is not None:
+                            h(index, output)
                 else:
                     record(output, args)
             return output
@@ -345,8 +351,8 @@ class Hooks:
         # even when the model itself is not what the loop calls (a LightningModule whose
         # training_step calls a submodule).
         self.first = [-1]
-        # Whether recorded modules keep their outputs this step (see :func:`make_record`).
-        self.hold = [True]
+        # What recorded modules keep this step (see :func:`make_record`).
+        self.hold: List[Any] = [True]
         self.handles: List[Any] = []
         # Forward hooks on modules: index -> handle. Activation probes have their own.
         self.module_handles: Dict[int, Any] = {}
@@ -564,16 +570,19 @@ def make_ref_hook(
     return hook
 
 
-def make_record(index: int, refs: List[Any], keep: bool, first: List[int], hold: List[bool]) -> Any:
+def make_record(index: int, refs: List[Any], keep: bool, first: List[int], hold: List[Any]) -> Any:
     """What :class:`CallRecorder` does with a recorded module's ``(output, args)``: the
     untraced path of :func:`make_ref_hook`. Keeping references, it is the tuple ``(index, refs,
     first, hold)``, which the class wrapper applies inline (a Python call less per layer; see
-    :func:`as_callable`); else a callable. While ``hold[0]`` is False the output is not kept
-    (only the inputs, which autograd keeps alive anyway): holding every layer's output makes
-    each forward pass allocate fresh memory, about 3 us a layer on a deep CPU model. A
-    recorded layer's output is a function of its inputs and parameters, so on a step that
-    went non-finite it is computed again (:meth:`CallRecorder.recompute`) while the
-    parameters are still those of the forward pass."""
+    :func:`as_callable`); else a callable. ``hold[0]`` says what a call keeps: True its output
+    and inputs; False its inputs only (autograd keeps them alive anyway; holding every layer's
+    output makes each forward pass allocate fresh memory, about 3 us a layer on a deep CPU
+    model), so that a step that went non-finite computes the output again
+    (:meth:`CallRecorder.recompute`) while the parameters are still the forward's; None no
+    tensor at all (host mode: such a step is replayed instead, see
+    ``WatchedModel.replay``), and a callable the same, after handing it ``(index, output)`` to
+    measure now (a sampled step's output maxima: nothing the garbage collector has to walk is
+    kept per layer)."""
     if keep:
         return (index, refs, first, hold)
     append = refs.append
@@ -595,7 +604,13 @@ def as_callable(record: Any) -> Callable[[Any, Any], None]:
     def call(output: Any, args: Any) -> None:
         if index == first[0]:
             refs.clear()
-        refs.append((index, output if hold[0] else None, args))
+        h = hold[0]
+        if h is True or h is False:
+            refs.append((index, output if h else None, args))
+        else:
+            refs.append((index, None, None))
+            if h is not None:
+                h(index, output)
 
     return call
 

@@ -422,6 +422,15 @@ impl TensorReader {
         .flatten()
     }
 
+    /// max |x| over a readable tensor (NaN when it has no element), else None.
+    fn abs_max(&mut self, t: &Bound<'_, PyAny>) -> Option<f64> {
+        self.with_elements(
+            t,
+            false,
+            |e, _| dispatch!(e, xs => if xs.is_empty() { f64::NAN } else { measure::abs_max(xs) }),
+        )
+    }
+
     /// `out[i]` = max |x| over `items[i]` (`empty` when it has no element). False if an item
     /// is not readable.
     #[pyo3(signature = (items, out, empty=0.0))]
