@@ -445,10 +445,11 @@ def grad_hook_count(model: nn.Module) -> int:
 
 def test_two_sentinel_gradient_hooks_and_new_ones_when_a_sentinel_is_frozen():
     """Gradients are read at the end of each backward pass through two sentinel hooks (the
-    first and last parameter to get a gradient), not one hook per parameter. When later
-    steps give neither sentinel a gradient (frozen), the step is still read, every
-    parameter is hooked again, and new sentinels are chosen: the gradient norms are still
-    those of the backward pass, before clipping."""
+    first and last trainable parameter), never one hook per parameter: a parameter that ever
+    had a post-accumulate-grad hook keeps torch's shim for it, which costs on every backward
+    even after the hook is removed. When later steps give neither sentinel a gradient
+    (frozen), the step is still read, and new sentinels are chosen among the parameters that
+    have one: the gradient norms are still those of the backward pass, before clipping."""
     torch.manual_seed(0)
     model = mlp(4)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -471,6 +472,9 @@ def test_two_sentinel_gradient_hooks_and_new_ones_when_a_sentinel_is_frozen():
             opt.step()
         assert grad_hook_count(model) == 2 and dbg.step == 16
         steps, values = dbg.history("4", "grad_norm")
+    # Only the two first sentinels and the two that replaced them were ever hooked.
+    ever = [n for n, p in model.named_parameters() if p._post_accumulate_grad_hooks is not None]
+    assert ever == ["0.weight", "2.weight", "6.bias", "8.bias"], ever
     assert list(steps) == list(range(16))
     # Step 6 is read at the optimizer step (after clipping: its backward reached no sentinel);
     # every other step at the end of its backward, before clipping.

@@ -455,9 +455,6 @@ class Collector:
     def _on_grad_ready(self, k: int) -> None:
         """Parameter ``k``'s gradient was accumulated: once per backward pass, have the
         gradients read when that backward pass ends (every parameter's gradient is final then)."""
-        fired = self.hooks.fired
-        if fired is not None:
-            fired.append(k)
         if self.bw_queued or self.disabled:
             return
         self.bw_queued = True
@@ -485,8 +482,6 @@ class Collector:
         self.bw_queued = False
         if self.disabled:
             return
-        if self.hooks.fired:
-            self.hooks.keep_sentinels()
         if not self.registered:
             self._decide_host()
         try:
@@ -714,9 +709,8 @@ class Collector:
             if self.forward_gen == self.observed_gen:
                 return  # a second optimizer of the same iteration: one step
             # Gradients no backward pass accumulated (set by hand), or one that reached no
-            # sentinel: read as they are, and hook every parameter again to learn new ones.
-            if self.hooks.fired is None:
-                self.hooks.hook_grads(self, self.params)
+            # sentinel: read as they are, and sentinels chosen among those that have one.
+            self.hooks.hook_grads(self, self.params)
             try:
                 self._read_gradients()
             except Exception as e:  # pragma: no cover - defensive
