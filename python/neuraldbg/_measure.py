@@ -456,8 +456,11 @@ def reader() -> Any:
         try:
             from . import _native
 
+            # torch's DLPack exporter tells a tensor's dtype, device, shape, strides and address
+            # in one call (the reader falls back to asking each when torch has none).
             _READER = _native.TensorReader(
-                (torch.Tensor, torch.nn.Parameter), torch.float32, torch.float64, torch.float16, torch.bfloat16
+                (torch.Tensor, torch.nn.Parameter), torch.float32, torch.float64, torch.float16, torch.bfloat16,
+                getattr(torch._C, "_to_dlpack", None),
             )
         except (ImportError, AttributeError):  # pragma: no cover - an extension built without it
             _READER = False

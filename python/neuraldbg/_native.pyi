@@ -1,7 +1,7 @@
 """Type stubs of the Rust extension module (crates/neuraldbg-py)."""
 
 import os
-from typing import Dict, List, Optional, Sequence, Tuple, Type, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Type, Union
 
 import numpy as np
 import numpy.typing as npt
@@ -102,7 +102,10 @@ class TensorReader:
     (never raise) and the caller uses its torch path. Output arrays: C-contiguous writable
     float32 (ValueError otherwise). ``tensor_types`` must be torch's own tensor types
     (``torch.Tensor``, ``torch.nn.Parameter``): the reader trusts their ``data_ptr()``, and
-    nothing may write the tensors from another thread during a call."""
+    nothing may write the tensors from another thread during a call. With ``to_dlpack``
+    (``torch._C._to_dlpack``) the dtype, device, layout and address come from the DLPack
+    capsule it returns (one call instead of five); the tensor is then readable when it is a
+    CPU float16/32/64 or bfloat16 tensor, compact row-major."""
 
     def __new__(
         cls,
@@ -111,6 +114,7 @@ class TensorReader:
         float64: object,
         float16: object,
         bfloat16: object,
+        to_dlpack: Optional[Callable[[object], object]] = None,
     ) -> "TensorReader": ...
     def norms(
         self,

@@ -14,6 +14,15 @@
 //! collector falls back to its torch path; only misuse (an output array of the wrong length,
 //! layout or dtype) raises.
 //!
+//! Given torch's DLPack exporter (`torch._C._to_dlpack`), the reader learns all of that in one
+//! call instead of five (dtype, device, shape, strides and address of a `DLManagedTensor`; a
+//! tensor is then readable when it is on the CPU, of a float type of 16, 32 or 64 bits or
+//! bfloat16, one lane, and compact row-major): about 0.2 us a tensor instead of 0.5, which is
+//! most of the cost of reading the gradients of a deep model on every step. The capsule keeps
+//! a reference to the tensor while the elements are read and its destructor (torch's, the
+//! capsule not being consumed) releases it. Not `Tensor.__dlpack__`: that is a Python method
+//! costing ~2.5 us.
+//!
 //! Safety contract: a readable tensor's `numel` elements lie contiguously from `data_ptr()` in
 //! memory its storage owns. The tensor is referenced by the method's arguments and the GIL is
 //! held throughout, and each slice lives only inside one pure Rust computation
@@ -31,7 +40,48 @@ use neuraldbg_core::measure::{self, Element, OutputProbe, Slope};
 use numpy::{PyReadwriteArrayDyn, PyUntypedArrayMethods};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::{PyList, PyString, PyTuple};
+use pyo3::types::{PyCapsule, PyList, PyString, PyTuple};
+use std::ffi::c_void;
+
+/// DLPack's `DLDevice` (dlpack.h).
+#[repr(C)]
+struct DlDevice {
+    device_type: i32,
+    device_id: i32,
+}
+
+/// DLPack's `DLDataType`.
+#[repr(C)]
+struct DlDataType {
+    code: u8,
+    bits: u8,
+    lanes: u16,
+}
+
+/// DLPack's `DLTensor`.
+#[repr(C)]
+struct DlTensor {
+    data: *mut c_void,
+    device: DlDevice,
+    ndim: i32,
+    dtype: DlDataType,
+    shape: *const i64,
+    strides: *const i64,
+    byte_offset: u64,
+}
+
+/// DLPack's (unversioned) `DLManagedTensor`, what a capsule named `dltensor` holds.
+#[repr(C)]
+struct DlManagedTensor {
+    dl_tensor: DlTensor,
+    manager_ctx: *mut c_void,
+    deleter: Option<unsafe extern "C" fn(*mut DlManagedTensor)>,
+}
+
+/// `kDLCPU`, `kDLFloat`, `kDLBfloat`.
+const DL_CPU: i32 = 1;
+const DL_FLOAT: u8 = 2;
+const DL_BFLOAT: u8 = 4;
 
 /// A readable tensor's elements, by dtype.
 enum Elements<'a> {
@@ -123,6 +173,8 @@ pub struct TensorReader {
     data_ptr: Py<PyString>,
     shape: Py<PyString>,
     grad: Py<PyString>,
+    /// torch's DLPack exporter (`torch._C._to_dlpack`), when given.
+    to_dlpack: Option<Py<PyAny>>,
     /// Reused buffers: a tensor's shape, per-unit maxima, per-column flags.
     dims: Vec<usize>,
     units: Vec<f64>,
@@ -150,6 +202,10 @@ impl TensorReader {
         let ty = t.get_type();
         if !self.types.iter().any(|x| ty.is(x)) {
             return None;
+        }
+        if let Some(export) = &self.to_dlpack {
+            let capsule = export.bind(py).call1((t,)).ok()?;
+            return self.with_dlpack(&capsule, f);
         }
         let dtype = t.getattr(self.dtype.bind(py)).ok()?;
         let kind = self.dtypes.iter().position(|d| dtype.is(d))?;
@@ -214,6 +270,90 @@ impl TensorReader {
         Some(f(elements, self))
     }
 
+    /// [`Self::with_elements`] over what torch's DLPack exporter answered for the tensor
+    /// (`self.dims` always gets its shape).
+    fn with_dlpack<R>(
+        &mut self,
+        capsule: &Bound<'_, PyAny>,
+        f: impl FnOnce(Elements<'_>, &mut Self) -> R,
+    ) -> Option<R> {
+        let capsule = capsule.cast::<PyCapsule>().ok()?;
+        let managed = capsule.pointer_checked(Some(c"dltensor")).ok()?;
+        // SAFETY: a valid capsule named "dltensor" holds a `DLManagedTensor` (DLPack's
+        // contract), which stays alive and unchanged until the capsule's destructor runs; the
+        // capsule is borrowed for this whole function and no Python code runs meanwhile.
+        let dl = unsafe { &managed.cast::<DlManagedTensor>().as_ref().dl_tensor };
+        if dl.device.device_type != DL_CPU || dl.dtype.lanes != 1 {
+            return None;
+        }
+        let kind = match (dl.dtype.code, dl.dtype.bits) {
+            (DL_FLOAT, 32) => 0,
+            (DL_FLOAT, 64) => 1,
+            (DL_FLOAT, 16) => 2,
+            (DL_BFLOAT, 16) => 3,
+            _ => return None,
+        };
+        let ndim = usize::try_from(dl.ndim).ok()?;
+        let (shape, strides): (&[i64], Option<&[i64]>) = if ndim == 0 {
+            (&[], None)
+        } else if dl.shape.is_null() {
+            return None;
+        } else {
+            // SAFETY: DLPack's contract: `shape` (and `strides` when not null) point to `ndim`
+            // integers owned by the managed tensor, alive as long as it is (see above).
+            unsafe {
+                (
+                    std::slice::from_raw_parts(dl.shape, ndim),
+                    (!dl.strides.is_null()).then(|| std::slice::from_raw_parts(dl.strides, ndim)),
+                )
+            }
+        };
+        self.dims.clear();
+        let mut numel = 1usize;
+        for &d in shape {
+            let d = usize::try_from(d).ok()?;
+            numel = numel.checked_mul(d)?;
+            self.dims.push(d);
+        }
+        if let Some(strides) = strides.filter(|_| numel > 0) {
+            // Compact row-major (NULL strides say so too); a dimension of size 1 may have any
+            // stride, as `is_contiguous()` allows.
+            let mut expected = 1i64;
+            for (&d, &s) in shape.iter().zip(strides).rev() {
+                if d != 1 && s != expected {
+                    return None;
+                }
+                expected = expected.checked_mul(d)?;
+            }
+        }
+        let ptr = (dl.data as usize).checked_add(usize::try_from(dl.byte_offset).ok()?)?;
+        if numel > 0 && ptr == 0 {
+            return None;
+        }
+        // SAFETY (all four arms): a CPU tensor of this element type, compact row-major, so its
+        // `numel` elements lie one after another from `data + byte_offset` in memory the
+        // managed tensor keeps alive (it holds a reference to the tensor) until the capsule,
+        // borrowed for this whole function, is destroyed. The slice lives only inside `f`,
+        // pure Rust code that runs no Python; writes from other threads are excluded by the
+        // module's contract.
+        let elements = if numel == 0 {
+            match kind {
+                0 => Elements::F32(&[]),
+                1 => Elements::F64(&[]),
+                2 => Elements::F16(&[]),
+                _ => Elements::Bf16(&[]),
+            }
+        } else {
+            match kind {
+                0 => Elements::F32(unsafe { slice_at(ptr, numel) }?),
+                1 => Elements::F64(unsafe { slice_at(ptr, numel) }?),
+                2 => Elements::F16(unsafe { slice_at(ptr, numel) }?),
+                _ => Elements::Bf16(unsafe { slice_at(ptr, numel) }?),
+            }
+        };
+        Some(f(elements, self))
+    }
+
     /// `getattr(x, attr)` if `attr` is given, else `x`.
     fn target<'py>(
         x: Bound<'py, PyAny>,
@@ -251,6 +391,7 @@ fn activation<T: Element>(
 #[pymethods]
 impl TensorReader {
     #[new]
+    #[pyo3(signature = (tensor_types, float32, float64, float16, bfloat16, to_dlpack=None))]
     fn new(
         py: Python<'_>,
         tensor_types: &Bound<'_, PyTuple>,
@@ -258,6 +399,7 @@ impl TensorReader {
         float64: Py<PyAny>,
         float16: Py<PyAny>,
         bfloat16: Py<PyAny>,
+        to_dlpack: Option<Py<PyAny>>,
     ) -> Self {
         let name = |s: &str| PyString::intern(py, s).unbind();
         Self {
@@ -270,6 +412,7 @@ impl TensorReader {
             data_ptr: name("data_ptr"),
             shape: name("shape"),
             grad: name("grad"),
+            to_dlpack,
             dims: Vec::new(),
             units: Vec::new(),
             cols: Vec::new(),
