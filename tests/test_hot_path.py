@@ -748,3 +748,55 @@ def test_recomputing_a_layer_leaves_it_untouched():
     weight = emb.weight.detach().clone()
     assert CALL_RECORDER.recompute(emb, (torch.arange(10),)) is None
     assert torch.equal(emb.weight.detach(), weight)
+
+
+class FactsSpy:
+    """Stands in for the collector's engine: keeps each step's facts, forwards every call."""
+
+    def __init__(self, engine: object) -> None:
+        self.engine = engine
+        self.facts: List[dict] = []
+
+    def observe(self, *args: object, **kwargs: object) -> bool:
+        self.facts.append(dict(kwargs.get("facts") or {}))
+        return self.engine.observe(*args, **kwargs)  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.engine, name)
+
+
+@pytest.mark.parametrize("edit", ["none", "clip_norm", "unscale_like", "new_tensor"])
+def test_clip_ratio_fact_says_what_happened_to_the_gradient_between_backward_and_step(edit):
+    """The clip_ratio fact (the checked gradient's norm at the optimizer step over its norm at
+    the end of backward) is 1 when nothing touched the gradients, and the true ratio when they
+    were rescaled in place (clip_grad_norm_, an unscale-like multiply) or replaced."""
+    torch.manual_seed(0)
+    model = mlp(4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with NeuralDbg(model) as dbg:
+        c = dbg._collector
+        c.engine = spy = FactsSpy(c.engine)
+        expected = []
+        for _ in range(6):
+            opt.zero_grad()
+            model(torch.randn(8, 16)).pow(2).mean().backward()
+            k = c.clip_index
+            before = float(list(model.parameters())[k].grad.norm()) if k is not None else None
+            if edit == "clip_norm":
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+            elif edit == "unscale_like":
+                torch._foreach_mul_([p.grad for p in model.parameters()], 0.25)
+            elif edit == "new_tensor":
+                for p in model.parameters():
+                    p.grad = p.grad * 0.5
+            after = float(list(model.parameters())[k].grad.norm()) if k is not None else None
+            expected.append(None if k is None else after / before)
+            opt.step()
+    got = [f.get("clip_ratio") for f in spy.facts[: len(expected)]]
+    # The first step registers the model (the checked gradient is chosen then).
+    assert all(g is not None for g in got[1:]), got
+    np.testing.assert_allclose(got[1:], expected[1:], rtol=1e-4)
+    if edit == "none":
+        assert got[1:] == [1.0] * (len(got) - 1)
+    else:
+        assert max(got[1:]) < 0.9

@@ -488,6 +488,8 @@ class HostMeasurer:
         self.torch = torch_module()
         self.n_params = n_params
         self.one: List[Any] = [None]
+        # The probes last measured and their specs (the same list every sampled step).
+        self.specs: Optional[Tuple[Sequence[Probe], List[Any]]] = None
 
     def norms(self, items: Sequence[Any], attr: Optional[str] = None) -> np.ndarray:
         """L2 norm of each tensor (``getattr(item, attr)`` when ``attr`` is given; -1 where
@@ -604,7 +606,10 @@ class HostMeasurer:
         """The engine's activation table (5 values per probe row; NaN where not measured)."""
         table = np.full(len(probes) * 5, np.nan, dtype=np.float32)
         r = self.reader
-        if r is not None and r.activations(outs, [p.spec for p in probes], table):
+        specs = self.specs
+        if specs is None or specs[0] is not probes or len(specs[1]) != len(probes):
+            specs = self.specs = (probes, [p.spec for p in probes])
+        if r is not None and r.activations(outs, specs[1], table):
             return table
         staged = self.measure.activation_parts(probes, outs)
         if staged is None:
