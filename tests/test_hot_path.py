@@ -800,3 +800,57 @@ def test_clip_ratio_fact_says_what_happened_to_the_gradient_between_backward_and
         assert got[1:] == [1.0] * (len(got) - 1)
     else:
         assert max(got[1:]) < 0.9
+
+
+def test_record_groups_and_single_records_on_shared_modules_stay_consistent():
+    """The call recorder's fast group path (two dict updates in, a key loop out) and its
+    one-by-one path give the same records whatever order groups and single records on the
+    same modules come and go in; a class's forward is put back when its last record goes."""
+    from neuraldbg._hooks import CALL_RECORDER, RecordGroup
+
+    class Seen:
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def __call__(self, output: object, args: object) -> None:
+            self.calls += 1
+
+    layers = [nn.Linear(3, 3), nn.Linear(3, 3), nn.GELU()]
+    own = {cls: cls.__dict__.get("forward") for cls in (nn.Linear, nn.GELU)}
+    a, b, single = Seen(), Seen(), Seen()
+    group_a = RecordGroup([(m, a, [a]) for m in layers])
+    group_b = RecordGroup([(layers[1], b, [b])])
+
+    def run() -> Tuple[int, int, int]:
+        before = (a.calls, b.calls, single.calls)
+        x = torch.randn(2, 3)
+        for m in layers:
+            x = m(x)
+        return (a.calls - before[0], b.calls - before[1], single.calls - before[2])
+
+    assert run() == (0, 0, 0)
+    for _ in range(2):  # the groups are re-used, as each sampled step re-arms them
+        ha = CALL_RECORDER.add_group(group_a)
+        assert group_a.added >= 0  # fast: none of its modules had a record
+        assert run() == (3, 0, 0)
+        hs = CALL_RECORDER.add(layers[0], single)  # one by one, on a module of the group
+        hb = CALL_RECORDER.add_group(group_b)  # shares layers[1] with group a: slow path
+        assert group_b.added == -1
+        assert run() == (3, 1, 1)
+        ha.remove()  # slow way out (changes were made since)
+        assert run() == (0, 1, 1)
+        assert nn.Linear.__dict__.get("forward") is not own[nn.Linear]  # still wrapped
+        assert nn.GELU.__dict__.get("forward") is own[nn.GELU]  # its last record went
+        hs.remove()
+        ha = CALL_RECORDER.add_group(group_a)  # shares layers[1] with group b
+        assert run() == (3, 1, 0)
+        hb.remove()
+        ha.remove()
+        assert run() == (0, 0, 0)
+        assert all(cls.__dict__.get("forward") is f for cls, f in own.items())
+        assert all(len(alone) == 1 for _, _, alone in group_a.pairs + group_b.pairs)
+        ha = CALL_RECORDER.add_group(group_a)
+        assert group_a.added >= 0
+        ha.remove()  # fast way out
+        assert run() == (0, 0, 0)
+        assert all(cls.__dict__.get("forward") is f for cls, f in own.items())

@@ -179,6 +179,8 @@ class Collector:
         # largest up to 64k elements), and that reading (a device tensor; host mode: a float):
         # their ratio tells whether gradients were clipped.
         self.clip_index: Optional[int] = None
+        # See _plain_host_step.
+        self.plain_optimizer: Any = None
         self.clip_after: Any = None
         # Host mode: the clip_index gradient read at the end of backward, and its version.
         self.clip_seen: Optional[Tuple[Any, Any]] = None
@@ -322,7 +324,7 @@ class Collector:
         """Activation probes are hooked only on steps whose activations are measured."""
         on = on and not self.disabled
         if on != self.hooks.probes_armed:
-            self.hooks.arm_probes(on, [(p.row, p.module) for p in self.probes], self.act_out)
+            self.hooks.arm_probes(on, self.probes, self.act_out)
         if self.registered:
             self.hooks.arm_modules(self._modules_wanted(on))
         self._hold_outputs()
@@ -718,6 +720,9 @@ class Collector:
     def _on_optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """The step boundary: the optimizer step of the model's parameters ran (a closure's
         forward and backward ran inside it)."""
+        if optimizer is self.plain_optimizer and self.grad_read and self._plain_host_step(optimizer):
+            self.raise_halt()
+            return
         if self.disabled or self.step_on != "optimizer" or not self._is_relevant(optimizer):
             return
         if not self.grad_read:
@@ -735,12 +740,82 @@ class Collector:
         self._step_boundary(optimizer, skipped=False)
         self.raise_halt()
 
+    def _plain_host_step(self, optimizer: Any) -> bool:
+        """The step boundary of the common host-mode step, in one function: registered, CPU,
+        nothing sampled in it or armed for it, no GradScaler, finite loss and gradients, every
+        gradient norm read by the extension (what :meth:`_read_clipped`, :meth:`_step_boundary`,
+        :meth:`_observe_host` and :meth:`_feed` do then, without their calls and checks: on a
+        1 ms step each Python call runs with its code out of cache). False, having done
+        nothing, when the step is not such a step: the general path observes it."""
+        flags = self.grad_flags
+        if (
+            flags & (NONFINITE | UNKNOWN)
+            or (flags & ZERO and self.loop.grads_kept is not False)
+            or self.disabled
+            or self.hooks.probes_armed
+            or self.hooks.frozen
+            or self.act_staged is not None
+            or self.out_staged is not None
+            or self.raw_inputs
+            or self.scaler is not None
+            or self.forward_gen == self.observed_gen
+            or self.step < self.dense_steps
+            or self.step % self.activation_every == 0
+            or self.step % self.weight_every == 0
+        ):
+            return False
+        grads = self.grad_host
+        if grads is None:
+            return False
+        seen = self.loss_read
+        pending = self.losses or self.auto_losses
+        if len(pending) == 1 and seen is not None and pending[0] is seen[0]:
+            loss: Optional[float] = seen[1]
+        elif not pending:
+            loss = None
+        else:
+            return False
+        if loss is not None and not math.isfinite(loss):
+            return False
+        try:
+            facts = self.loop.step_facts()
+            k = self.clip_index
+            if k is not None:
+                self._read_clipped()
+                ratio = clip_ratio(float(grads[k]), self.clip_after) if self.clip_after is not None else None
+                if ratio is not None:
+                    facts["clip_ratio"] = ratio
+            step = self.step
+            self.act_pending = self.engine.observe(
+                step, grads, None, None, self.host_inputs or None, loss, _lr_of(optimizer), None, False, facts or None, None
+            )
+            if self.on_observed is not None:
+                self.on_observed(step)
+        except Exception as e:
+            self._fail(e)
+        finally:
+            self._end_step(False)
+        self.step += 1
+        try:
+            self.loop.after_optimizer_step()
+        except Exception as e:  # pragma: no cover - defensive
+            self._fail(e)
+        sampled = self._activations_next()
+        if sampled or self.hooks.modules_armed or self._modules_wanted(sampled):
+            self._arm_probes(sampled)  # (else nothing to arm or disarm, nothing held)
+        return True
+
     def _step_boundary(self, optimizer: Any, skipped: bool) -> None:
         """One optimizer iteration ended (``skipped``: a GradScaler skipped its step): observe
         it, count it, and prepare the next one."""
         if not self.registered:
             self.loop.optimizer = optimizer  # the loop facts' optimizer, read at registration
         self._observe(lr=_lr_of(optimizer), skipped=skipped)
+        # The optimizer whose steps may take the short path (host mode, the step boundary of
+        # the optimizer: the one optimizer of the model seen stepping).
+        self.plain_optimizer = (
+            optimizer if self.hm is not None and self.registered and self.step_on == "optimizer" and not self.disabled else None
+        )
         self.step += 1
         try:
             self.loop.after_optimizer_step()
@@ -897,41 +972,45 @@ class Collector:
         except Exception as e:
             self._fail(e)
         finally:
-            self.observed_gen = self.forward_gen
-            self.grad_read = False
-            self.grad_parts = []
-            self.clip_after = None
-            self.clip_seen = None
-            self.raw_inputs.clear()
-            self.inputs.clear()
-            self.losses.clear()
-            self.auto_losses.clear()
-            self.output_fns.clear()
-            if not final:
-                self.refs.clear()
-            self.act_out[:] = self.act_none
-            self.act_staged = None
-            self.out_staged = None
-            self.grad_host = None
-            self.tap_product = None
-            self.out_index.clear()
-            self.out_values.clear()
-            self.out_kept.clear()
-            self.grad_flags = UNKNOWN
-            self.zeros_read = None
-            self.host_inputs.clear()
-            self.loss_read = None
-            self.origin = None
-            self.origin_checked = False
-            self.ran = None
-            if not final:
-                if not self.root_seen:
-                    self.replay_ok = False  # gradients without a call of the model itself
-                self.root_seen = False
-                self.root_calls.clear()
-                self.released = 0
-                if self.need_ran > 0:
-                    self.need_ran -= 1
+            self._end_step(final)
+
+    def _end_step(self, final: bool) -> None:
+        """The per-step state back to that of a step not yet begun (after its observation)."""
+        self.observed_gen = self.forward_gen
+        self.grad_read = False
+        self.grad_parts = []
+        self.clip_after = None
+        self.clip_seen = None
+        self.raw_inputs.clear()
+        self.inputs.clear()
+        self.losses.clear()
+        self.auto_losses.clear()
+        self.output_fns.clear()
+        if not final:
+            self.refs.clear()
+        self.act_out[:] = self.act_none
+        self.act_staged = None
+        self.out_staged = None
+        self.grad_host = None
+        self.tap_product = None
+        self.out_index.clear()
+        self.out_values.clear()
+        self.out_kept.clear()
+        self.grad_flags = UNKNOWN
+        self.zeros_read = None
+        self.host_inputs.clear()
+        self.loss_read = None
+        self.origin = None
+        self.origin_checked = False
+        self.ran = None
+        if not final:
+            if not self.root_seen:
+                self.replay_ok = False  # gradients without a call of the model itself
+            self.root_seen = False
+            self.root_calls.clear()
+            self.released = 0
+            if self.need_ran > 0:
+                self.need_ran -= 1
 
     def _observe_inner(self, lr: Optional[float], final: bool, skipped: bool = False) -> None:
         torch = self.torch

@@ -125,14 +125,20 @@ class CallRecorder:
         # Per class ever wrapped: (its own forward then, the forward called, our wrapper), so
         # that wrapping it again (each sampled step arms and disarms) makes nothing new.
         self.made: Dict[type, Tuple[Optional[Callable[..., Any]], Callable[..., Any], Callable[..., Any]]] = {}
+        # How many record changes were made one by one (add, discard, a group that shared a
+        # module): a group added the fast way is removed the fast way only if none was since.
+        self.mixed = 0
 
     def add(self, module: Any, record: Any) -> "RecorderHandle":
         cls = type(module)
         if cls not in self.wrappers:
             self._wrap(cls)
         self.count[cls] = self.count.get(cls, 0) + 1
-        self.records.setdefault(id(module), []).append(record)
-        self._route(id(module))
+        key = id(module)
+        # A new list: a group's one-record lists are never changed in place (see add_group).
+        self.records[key] = [*self.records.get(key, ()), record]
+        self._route(key)
+        self.mixed += 1
         return RecorderHandle(self, module, record)
 
     def _route(self, key: int) -> None:
@@ -151,14 +157,26 @@ class CallRecorder:
 
             self.watched[key] = all_records
 
-    def add_group(self, pairs: List[Tuple[Any, Any, List[Any]]]) -> "GroupHandle":
+    def add_group(self, group: "RecordGroup | List[Tuple[Any, Any, List[Any]]]") -> "GroupHandle":
         """:meth:`add` for many ``(module, record, [record])`` at once, removed together by
         the handle (arming and disarming a model's layers on sampled steps). The one-record
-        list is made once by the caller and re-used while it still holds just that record: on a
-        deep model a new list per layer and sampled step was enough garbage to set off the
-        collector's full collections."""
+        list is made once by the caller (a :class:`RecordGroup`, kept for re-use) and is never
+        changed in place: on a deep model a new list per layer and sampled step was enough
+        garbage to set off the collector's full collections. When none of the group's modules
+        has a record already (the common case), the group goes in with two dict updates."""
+        if not isinstance(group, RecordGroup):
+            group = RecordGroup(group)
         records, watched, count, wrappers = self.records, self.watched, self.count, self.wrappers
-        for module, record, alone in pairs:
+        if group.unique and records.keys().isdisjoint(group.keyed):
+            records.update(group.lists)
+            watched.update(group.keyed)
+            for cls, n in group.classes.items():
+                if cls not in wrappers:
+                    self._wrap(cls)
+                count[cls] = count.get(cls, 0) + n
+            group.added = self.mixed
+            return GroupHandle(self, group)
+        for module, record, alone in group.pairs:
             cls = type(module)
             if cls not in wrappers:
                 self._wrap(cls)
@@ -169,32 +187,47 @@ class CallRecorder:
                 records[key] = alone if len(alone) == 1 and alone[0] is record else [record]
                 watched[key] = record
             else:
-                mine.append(record)
+                records[key] = [*mine, record]
                 self._route(key)
-        return GroupHandle(self, pairs)
+        self.mixed += 1
+        group.added = -1
+        return GroupHandle(self, group)
 
     def discard(self, module: Any, record: Any) -> None:
-        records = self.records.get(id(module))
-        if records is None:
+        key = id(module)
+        records = self.records.get(key)
+        if records is None or not any(r is record for r in records):
             return
-        k = next((k for k, r in enumerate(records) if r is record), None)
-        if k is None:
-            return
-        del records[k]
-        if records:
-            self._route(id(module))
+        self.mixed += 1
+        rest = [r for r in records if r is not record]
+        if rest:
+            self.records[key] = rest
+            self._route(key)
         else:
-            del self.records[id(module)]
-            self.watched.pop(id(module), None)
+            del self.records[key]
+            self.watched.pop(key, None)
         cls = type(module)
         self.count[cls] -= 1
         if self.count[cls] == 0:
             self._unwrap(cls)
 
-    def discard_group(self, pairs: List[Tuple[Any, Any, List[Any]]]) -> None:
+    def discard_group(self, group: "RecordGroup") -> None:
         """:meth:`discard` of every record of a group."""
         records, watched, count = self.records, self.watched, self.count
-        for module, record, _ in pairs:
+        if group.added >= 0 and group.added == self.mixed:
+            # Added the fast way and no record was added or removed one by one since: each of
+            # its modules still holds just its record.
+            for key in group.keyed:
+                del records[key]
+                del watched[key]
+            for cls, n in group.classes.items():
+                count[cls] -= n
+                if count[cls] == 0:
+                    self._unwrap(cls)
+            group.added = -1
+            return
+        self.mixed += 1
+        for module, record, _ in group.pairs:
             key = id(module)
             mine = records.get(key)
             if mine is None:
@@ -203,7 +236,7 @@ class CallRecorder:
                 del records[key]
                 watched.pop(key, None)
             elif any(r is record for r in mine):
-                mine.remove(record)
+                records[key] = [r for r in mine if r is not record]
                 self._route(key)
             else:
                 continue
@@ -211,6 +244,7 @@ class CallRecorder:
             count[cls] -= 1
         for cls in [c for c, n in count.items() if n == 0]:
             self._unwrap(cls)
+        group.added = -1
 
     def _unwrap(self, cls: type) -> None:
         """Puts back the class's own ``forward`` (its last watched module is gone)."""
@@ -224,16 +258,16 @@ class CallRecorder:
                 cls.forward = original  # type: ignore[attr-defined]
 
     def _wrap(self, cls: type) -> None:
-        import functools
-
-        import torch
-
         own = cls.__dict__.get("forward")
         made = self.made.get(cls)
         if made is not None and made[0] is own and (own is not None or cls.forward is made[1]):  # type: ignore[attr-defined]
             self.original[cls], self.calls[cls], self.wrappers[cls] = made
             cls.forward = made[2]  # type: ignore[attr-defined]
             return
+        import functools
+
+        import torch
+
         call = own if own is not None else cls.forward  # type: ignore[attr-defined]
         watched = self.watched
         compiling = torch.compiler.is_compiling
@@ -297,18 +331,42 @@ class CallRecorder:
             buffers.update(saved)
 
 
+class RecordGroup:
+    """``(module, record, [record])`` triples armed and disarmed together, with what adding
+    them at once needs: the records and one-record lists by module key, and the number of
+    modules per class."""
+
+    __slots__ = ("pairs", "keyed", "lists", "classes", "unique", "added")
+
+    def __init__(self, pairs: List[Tuple[Any, Any, List[Any]]]) -> None:
+        self.pairs = pairs
+        self.keyed = {id(m): record for m, record, _ in pairs}
+        self.lists = {id(m): alone if len(alone) == 1 and alone[0] is record else [record] for m, record, alone in pairs}
+        classes: Dict[type, int] = {}
+        for m, _, _ in pairs:
+            classes[type(m)] = classes.get(type(m), 0) + 1
+        self.classes = classes
+        self.unique = len(self.keyed) == len(pairs)
+        # The recorder's `mixed` count when added the fast way, else -1.
+        self.added = -1
+
+    def __bool__(self) -> bool:
+        return bool(self.pairs)
+
+
 class GroupHandle:
     """Removes the records of :meth:`CallRecorder.add_group`."""
 
-    __slots__ = ("recorder", "pairs")
+    __slots__ = ("recorder", "group")
 
-    def __init__(self, recorder: CallRecorder, pairs: List[Tuple[Any, Any, List[Any]]]) -> None:
+    def __init__(self, recorder: CallRecorder, group: RecordGroup) -> None:
         self.recorder = recorder
-        self.pairs = pairs
+        self.group: Optional[RecordGroup] = group
 
     def remove(self) -> None:
-        self.recorder.discard_group(self.pairs)
-        self.pairs = []
+        if self.group is not None:
+            self.recorder.discard_group(self.group)
+            self.group = None
 
 
 class RecorderHandle:
@@ -366,9 +424,9 @@ class Hooks:
         self.wanted: List[int] = []
         self.modules_armed = True
         # The (module, record) pairs armed together (made once), and the probes' likewise.
-        self.recorded_pairs: Optional[List[Tuple[Any, Any, List[Any]]]] = None
+        self.recorded_pairs: Optional[RecordGroup] = None
         self.hooked_wanted: List[int] = []
-        self.probe_pairs: Optional[List[Tuple[Any, Any, List[Any]]]] = None
+        self.probe_pairs: Optional[RecordGroup] = None
         self.probe_hooked: List[Tuple[int, Any]] = []
 
     @property
@@ -443,8 +501,8 @@ class Hooks:
             return
         if on:
             record = not self.trace.compiled
-            pairs = self.recorded_pairs
-            if pairs is None or not record:
+            group = self.recorded_pairs
+            if group is None or not record:
                 pairs = []
                 self.hooked_wanted = []
                 for i in self.wanted:
@@ -454,12 +512,13 @@ class Hooks:
                         pairs.append((m, rec, [rec]))
                     else:
                         self.hooked_wanted.append(i)
+                group = RecordGroup(pairs)
                 if record:
-                    self.recorded_pairs = pairs
+                    self.recorded_pairs = group
             for i in self.hooked_wanted:
                 self.hook_module(i, keep=self.keep_outputs)
-            if pairs:
-                self.module_handles[-1] = CALL_RECORDER.add_group(pairs)
+            if group:
+                self.module_handles[-1] = CALL_RECORDER.add_group(group)
         else:
             for h in self.module_handles.values():
                 h.remove()
@@ -467,31 +526,34 @@ class Hooks:
         self.modules_armed = on
 
     def arm_probes(self, on: bool, probe_modules: "List[tuple[int, int]]", slots: List[Any]) -> None:
-        """Activation probes (``(row, module index)`` pairs) are hooked only on steps whose
-        activations are measured; each writes its module's output into ``slots[row]``."""
+        """Activation probes (``(row, module index)`` pairs; an object with ``row`` and
+        ``module``) are hooked only on steps whose activations are measured; each writes its
+        module's output into ``slots[row]``."""
         if on == self.probes_armed or not probe_modules or self.frozen:
             return
         if on:
             record = not self.trace.compiled
-            pairs = self.probe_pairs
-            if pairs is None or not record:
+            group = self.probe_pairs
+            if group is None or not record:
                 pairs = []
                 self.probe_hooked = []
-                for row, module in probe_modules:
+                for p in probe_modules:
+                    row, module = (p.row, p.module) if hasattr(p, "row") else p
                     m = self.modules[module]
                     if record and is_recorded(m, RECORDED_PROBES):
                         rec = make_slot_record(row, slots)
                         pairs.append((m, rec, [rec]))
                     else:
                         self.probe_hooked.append((row, m))
+                group = RecordGroup(pairs)
                 if record:
-                    self.probe_pairs = pairs
+                    self.probe_pairs = group
             for row, m in self.probe_hooked:
                 h = m.register_forward_hook(make_slot_hook(row, slots))
                 STATE_TAP.ours.add(h.id)
                 self.probe_handles.append(h)
-            if pairs:
-                self.probe_handles.append(CALL_RECORDER.add_group(pairs))
+            if group:
+                self.probe_handles.append(CALL_RECORDER.add_group(group))
         else:
             for h in self.probe_handles:
                 h.remove()
