@@ -38,7 +38,7 @@ and the hook set is frozen once compilation is seen (removing a traced hook reco
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 if TYPE_CHECKING:  # pragma: no cover
     from ._collect import Collector
@@ -525,10 +525,10 @@ class Hooks:
             self.module_handles.clear()
         self.modules_armed = on
 
-    def arm_probes(self, on: bool, probe_modules: "List[tuple[int, int]]", slots: List[Any]) -> None:
-        """Activation probes (``(row, module index)`` pairs; an object with ``row`` and
-        ``module``) are hooked only on steps whose activations are measured; each writes its
-        module's output into ``slots[row]``."""
+    def arm_probes(self, on: bool, probe_modules: Sequence[Any], slots: List[Any]) -> None:
+        """Activation probes (objects with ``row`` and ``module``, the module's index) are
+        hooked only on steps whose activations are measured; each writes its module's output
+        into ``slots[row]``."""
         if on == self.probes_armed or not probe_modules or self.frozen:
             return
         if on:
@@ -538,7 +538,7 @@ class Hooks:
                 pairs = []
                 self.probe_hooked = []
                 for p in probe_modules:
-                    row, module = (p.row, p.module) if hasattr(p, "row") else p
+                    row, module = p.row, p.module
                     m = self.modules[module]
                     if record and is_recorded(m, RECORDED_PROBES):
                         rec = make_slot_record(row, slots)
