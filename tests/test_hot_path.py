@@ -262,7 +262,8 @@ def forward_hooked(model: nn.Module) -> set:
 def test_hooks_only_where_a_nan_can_start_and_probes_only_when_sampled(path):
     """After the first step, the modules that can create a NaN/Inf (and parameter owners) are
     seen on the device path; in host mode (a CPU model) only on sampled steps: an unmeasured
-    step has no hook or record on any module but the model itself."""
+    step has no forward hook or record on any module, the model itself keeping its pre-hook
+    (a forward pass starts) alone."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Dropout(0.1), nn.Sequential(nn.Linear(16, 16), nn.Tanh()), nn.Linear(16, 4))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -273,14 +274,15 @@ def test_hooks_only_where_a_nan_can_start_and_probes_only_when_sampled(path):
             step(model, opt)
         assert dbg.step == 3
         # Step 3 is not sampled.
-        assert forward_hooked(model) == ({"", "0", "3.0", "4"} if path == "device" else {""})
+        assert forward_hooked(model) == ({"", "0", "3.0", "4"} if path == "device" else set())
+        assert len(model._forward_pre_hooks) == 1
         step(model, opt)
         step(model, opt)
         # Step 5 is sampled: the activation modules are hooked for it.
         assert forward_hooked(model) == {"", "0", "3.0", "4", "1", "3.1"}
         step(model, opt)
-        assert forward_hooked(model) == ({"", "0", "3.0", "4"} if path == "device" else {""})
-    assert forward_hooked(model) == set()
+        assert forward_hooked(model) == ({"", "0", "3.0", "4"} if path == "device" else set())
+    assert forward_hooked(model) == set() and not model._forward_pre_hooks
 
 
 def test_activation_sampling_measures_densely_while_a_change_is_unconfirmed():
@@ -443,44 +445,84 @@ def grad_hook_count(model: nn.Module) -> int:
     return sum(len(p._post_accumulate_grad_hooks or {}) for p in model.parameters())
 
 
-def test_two_sentinel_gradient_hooks_and_new_ones_when_a_sentinel_is_frozen():
-    """Gradients are read at the end of each backward pass through two sentinel hooks (the
-    first and last trainable parameter), never one hook per parameter: a parameter that ever
-    had a post-accumulate-grad hook keeps torch's shim for it, which costs on every backward
-    even after the hook is removed. When later steps give neither sentinel a gradient
-    (frozen), the step is still read, and new sentinels are chosen among the parameters that
-    have one: the gradient norms are still those of the backward pass, before clipping."""
+@pytest.mark.parametrize("where", ["tap", "hooks"])
+def test_gradients_are_read_where_each_backward_ends_and_new_sentinels_when_a_sentinel_is_frozen(where):
+    """Gradients are read where each backward pass ends, before clipping: on a CPU model
+    whose loss is taken at the backward tap (no criterion), when ``torch.autograd.backward``
+    returns, with no hook inside the backward (``tap``); otherwise (a criterion given) through
+    two sentinel hooks, the first and last trainable parameter, never one hook per parameter:
+    a parameter that ever had a post-accumulate-grad hook keeps torch's shim for it, which
+    costs on every backward even after the hook is removed. When later steps give neither
+    sentinel a gradient (frozen), the step is still read, and new sentinels are chosen among
+    the parameters that have one: the gradient norms are still those of the backward pass."""
     torch.manual_seed(0)
     model = mlp(4)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     middle = [p for p in model[4].parameters()]
     unclipped: List[float] = []
-    with NeuralDbg(model) as dbg:
+    criterion = nn.CrossEntropyLoss()
+    hooked = 2 if where == "hooks" else 0
+    with NeuralDbg(model, criterion=criterion if where == "hooks" else None) as dbg:
         for i in range(16):
             if i == 3:
-                assert grad_hook_count(model) == 2
+                assert grad_hook_count(model) == hooked
             if i == 6:  # freeze both ends of the model: the sentinels get no gradient now
                 for m in (model[0], model[-1]):
                     for p in m.parameters():
                         p.requires_grad_(False)
             opt.zero_grad()
             x = torch.randn(32, 16)
-            loss = nn.functional.cross_entropy(model(x), torch.randint(0, 4, (32,)))
+            loss = criterion(model(x), torch.randint(0, 4, (32,)))
             loss.backward()
             unclipped.append(float(torch.linalg.vector_norm(torch.cat([p.grad.reshape(-1) for p in middle]))))
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
             opt.step()
-        assert grad_hook_count(model) == 2 and dbg.step == 16
+        assert grad_hook_count(model) == hooked and dbg.step == 16
+        assert dbg._collector.hooks.sentinels == [2, 7]  # 2.weight, 6.bias
         steps, values = dbg.history("4", "grad_norm")
-    # Only the two first sentinels and the two that replaced them were ever hooked.
+    # Only the two first sentinels and the two that replaced them were ever hooked; read at
+    # the tap, only the first two, until the first step was observed.
     ever = [n for n, p in model.named_parameters() if p._post_accumulate_grad_hooks is not None]
-    assert ever == ["0.weight", "2.weight", "6.bias", "8.bias"], ever
+    assert ever == (["0.weight", "2.weight", "6.bias", "8.bias"] if hooked else ["0.weight", "8.bias"]), ever
     assert list(steps) == list(range(16))
     # Step 6 is read at the optimizer step (after clipping: its backward reached no sentinel);
     # every other step at the end of its backward, before clipping.
     read = [i for i in range(16) if i != 6]
     np.testing.assert_allclose(values[read], np.asarray(unclipped)[read], rtol=1e-5)
     assert values[6] < unclipped[6]
+
+
+def test_a_backward_the_tap_does_not_see_has_the_sentinels_hooked_again():
+    """Gradients read at the backward tap: a loop that calls ``torch.autograd.backward`` under
+    a name taken before NeuralDBG was entered gives the model gradients the tap never sees.
+    That first step is read at the optimizer step (after clipping); from the next one on the
+    sentinels' hooks say where each backward ends, and the norms are the backward's again."""
+    from torch.autograd import backward as raw_backward  # bound before the tap is installed
+
+    torch.manual_seed(0)
+    model = mlp(3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    middle = [p for p in model[2].parameters()]
+    unclipped: List[float] = []
+    with NeuralDbg(model) as dbg:
+        for i in range(12):
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(model(torch.randn(32, 16)), torch.randint(0, 4, (32,)))
+            if i < 5:
+                loss.backward()
+            else:
+                raw_backward(loss)
+            unclipped.append(float(torch.linalg.vector_norm(torch.cat([p.grad.reshape(-1) for p in middle]))))
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+            opt.step()
+            if i == 3:
+                assert dbg._collector.hooks.tap_reads and grad_hook_count(model) == 0
+        assert not dbg._collector.hooks.tap_reads and grad_hook_count(model) == 2
+        steps, values = dbg.history("2", "grad_norm")
+    assert list(steps) == list(range(12))
+    read = [i for i in range(12) if i != 5]
+    np.testing.assert_allclose(values[read], np.asarray(unclipped)[read], rtol=1e-5)
+    assert values[5] < unclipped[5]
 
 
 class Probe(nn.Module):

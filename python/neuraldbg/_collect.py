@@ -72,6 +72,9 @@ if TYPE_CHECKING:  # pragma: no cover
 # The module index of a kept reference (index, output, args).
 _FIRST = operator.itemgetter(0)
 
+# The kept reference of a call of the model itself on a step that hooks no module.
+_ROOT_CALL = (0, None, None)
+
 # What a step's gradient norms hold (TensorReader.grad_norms), UNKNOWN when not said.
 NONFINITE, ZERO, UNKNOWN = 1, 2, 8
 
@@ -417,6 +420,10 @@ class Collector:
             self._hold_outputs(True)
         elif hooks.modules_armed:
             self._hold_outputs(False)
+        else:
+            # No module hook, not even the model's forward hook: its call is recorded now
+            # (what that hook records, less the output, which a replay computes again).
+            self.refs.append(_ROOT_CALL)
         try:
             # The model's first input, read by the extension (a float CPU tensor, the common
             # case); anything else goes the general way.
@@ -605,15 +612,18 @@ class Collector:
         else:
             self.losses.append(torch.tensor(float(loss)))
 
-    def on_backward(self, tensors: Any) -> None:
+    def on_backward(self, tensors: Any) -> Any:
         """A ``backward()`` started somewhere in the process: keep its tensor if it is a scalar
         whose graph reaches this model's output (the loss of this model, not of another).
         Taking it here, before backward runs, lets the forward's outputs go first (CPU); a
         loss this misses (no output seen: a compiled forward, a LightningModule whose step
-        calls a submodule) is taken when the backward reaches the model's parameters."""
+        calls a submodule) is taken when the backward reaches the model's parameters.
+
+        When the gradients are read at the tap (``Hooks.tap_reads``), returns what
+        :meth:`after_backward` compares with when the backward has returned."""
         torch = self.torch
-        if self.disabled or not isinstance(tensors, torch.Tensor):
-            return
+        if self.disabled:
+            return None
         if self.hm is not None and self.registered:
             # Host mode: the forward's work is done now, before its backward (the kept inputs
             # and outputs go before backward allocates, as in a plain loop), without walking
@@ -621,13 +631,20 @@ class Collector:
             # backward's end (the tensor whose backward gave the parameters gradients). A
             # product may be GradScaler's scaled loss: its scale is read now, before backward
             # frees it, and the unscaled loss kept for that end.
-            if self.refs and tensors.numel() == 1:
+            if self.refs and isinstance(tensors, torch.Tensor) and tensors.numel() == 1:
                 if type(tensors.grad_fn).__name__ == "MulBackward0":
                     self.tap_product = (tensors, self._unscaled_loss(tensors))
                 self._on_loss(tensors)
-            return
-        if not self.output_fns:
-            return
+            if not self.hooks.tap_reads:
+                return None
+            params = self.params
+            marks = []
+            for k in self.hooks.sentinels:
+                g = params[k].grad
+                marks.append((k, g, None if g is None else g._version))
+            return marks, self.loop.before_backward()
+        if not isinstance(tensors, torch.Tensor) or not self.output_fns:
+            return None
         fn = tensors.grad_fn
         if fn is None or tensors.numel() != 1 or not reaches(fn, self.output_fns):
             return
@@ -636,6 +653,24 @@ class Collector:
         if not self.registered:
             self.loop.describe_loss(tensors, self.output_fns)
         self._on_loss(tensors)
+        return None
+
+    def after_backward(self, marks: Any) -> None:
+        """A backward pass the tap saw has returned (``Hooks.tap_reads``): if it changed a
+        sentinel's gradient, it gave the model gradients, and its end is their reading point
+        (what :meth:`_on_backward_end` does when the sentinels' hooks queue it)."""
+        sentinels, probe = marks
+        params = self.params
+        reached = False
+        for k, g, version in sentinels:
+            now = params[k].grad
+            if now is not g or (g is not None and g._version != version):
+                reached = True
+                break
+        if probe is not None:
+            self.loop.after_backward(probe)
+        if reached:
+            self._on_backward_end()
 
     def _on_loss(self, loss: "torch.Tensor") -> None:
         """The loss of a forward pass exists, so that forward is complete: measure the
@@ -730,7 +765,12 @@ class Collector:
                 return  # a second optimizer of the same iteration: one step
             # Gradients no backward pass accumulated (set by hand), or one that reached no
             # sentinel: read as they are, and sentinels chosen among those that have one.
-            self.hooks.hook_grads(self, self.params)
+            # Read at the tap, sentinels that stay the same had gradients from a backward the
+            # tap did not see: from now on their hooks say where a backward ends.
+            moved = self.hooks.hook_grads(self, self.params)
+            if self.hooks.tap_reads and not moved:
+                self.hooks.read_at_tap(self, self.params, False)
+                self.loop.hook_probe()
             try:
                 self._read_gradients()
             except Exception as e:  # pragma: no cover - defensive
@@ -910,7 +950,11 @@ class Collector:
         spec = self.watched.spec(executed, self.optimizer_name)
         spec["param_lr"] = self.loop.param_lrs()
         spec["loss"] = self.loop.loss
-        self.loop.install_probe()
+        # A CPU model whose loss is taken at the backward tap has its gradients read there
+        # too, when the backward returns, instead of by hooks that fire inside it.
+        tap = self.hm is not None and self in BACKWARD_TAP.collectors and not self.hooks.frozen
+        self.hooks.read_at_tap(self, self.params, tap)
+        self.loop.install_probe(hook=not tap)
         self.loop.optimizer = None
         probes = json.loads(self.engine.register_model(json.dumps(spec)))
         axes = self.watched.unit_axes(executed)

@@ -14,15 +14,20 @@ when a step is read.
   only on the steps whose activation statistics are measured;
 * the criterion's forward hook (the loss, when a ``criterion`` is given);
 * torch's global optimizer step post hook (the step boundary);
-* post-accumulate-grad hooks: the end of each backward pass that gave the model gradients is
-  where they are read (before any clipping or unscaling). Two sentinel parameters are hooked,
+* the end of each backward pass that gave the model gradients is where they are read (before
+  any clipping or unscaling). On a CPU model whose loss the backward tap takes (no criterion
+  given), that is when ``torch.autograd.backward`` returns, and the backward gave the model
+  gradients when it changed a sentinel's gradient (``Hooks.tap_reads``: no hook fires inside
+  the backward). Otherwise through post-accumulate-grad hooks: two sentinel parameters are hooked,
   the first and the last trainable one (in the model's order: usually the first to get its
   gradient and the last), never every parameter: a parameter that ever had such a hook keeps
   torch's C++ shim for it, which takes the GIL and walks an empty dict on every backward even
   after the hook is removed (+1.2-2 ms a backward on a 1,024-layer MLP, for good). When a
   step's gradients arrived without a sentinel firing (a sentinel frozen later), the step is
   read at the optimizer step and two new sentinels are chosen among the parameters that have
-  a gradient (:meth:`Hooks.hook_grads`);
+  a gradient (:meth:`Hooks.hook_grads`). Read at the tap, a step whose sentinels did get
+  gradients the tap did not see (``torch.autograd.backward`` called under a name taken before
+  NeuralDBG was entered) has the sentinels hooked from then on;
 * :class:`BackwardTap`, a pass-through wrapper of ``torch.autograd.backward`` that picks up
   the loss when no criterion is given;
 * :class:`ScalerTap`, a pass-through wrapper of ``GradScaler.step``: which optimizer step a
@@ -417,8 +422,14 @@ class Hooks:
         self.module_handles: Dict[int, Any] = {}
         self.probe_handles: List[Any] = []
         self.probes_armed = False
-        # Post-accumulate-grad hooks of the two sentinels: parameter index -> handle.
+        # The two sentinels (parameter indices), and their post-accumulate-grad hooks:
+        # parameter index -> handle. With `tap_reads` they have none: the backward tap reads
+        # the gradients when ``torch.autograd.backward`` returns, and a sentinel whose gradient
+        # changed in it says the backward reached the model (four entries into Python a step
+        # fewer: two sentinels, the queued end-of-backward callback, the loop facts' probe).
+        self.sentinels: List[int] = []
         self.grad_handles: Dict[int, Any] = {}
+        self.tap_reads = False
         # The modules whose calls are seen after the first step (see :meth:`rehook`), and
         # whether their hooks and records are in place now (:meth:`arm_modules`).
         self.wanted: List[int] = []
@@ -428,6 +439,8 @@ class Hooks:
         self.hooked_wanted: List[int] = []
         self.probe_pairs: Optional[RecordGroup] = None
         self.probe_hooked: List[Tuple[int, Any]] = []
+        # The model's own forward hook (Collector._on_root_post), hooked as module 0.
+        self.root_post: Any = None
 
     @property
     def frozen(self) -> bool:
@@ -440,7 +453,10 @@ class Hooks:
             self.hook_module(i, keep=True)
         root = self.modules[0]
         self._own(root.register_forward_pre_hook(c._on_root_pre, with_kwargs=True))
-        self._own(root.register_forward_hook(c._on_root_post))
+        # The model's own forward hook goes with the module hooks (see arm_modules): a step
+        # that sees no module call needs no end of the forward either.
+        self.root_post = c._on_root_post
+        self.hook_module(0, keep=True)
         if c.criterion is not None:
             self._own(c.criterion.register_forward_hook(c._on_criterion))
         self.hook_grads(c, params)
@@ -452,19 +468,40 @@ class Hooks:
         if c.criterion is None:
             BACKWARD_TAP.add(c)
 
-    def hook_grads(self, c: "Collector", params: List[Any]) -> None:
-        """Hooks the gradient accumulation of two sentinels: the first and the last trainable
-        parameter that has a gradient now (at install, when none has: the first and the last
-        trainable one). Nothing changes when those are the sentinels already."""
+    def hook_grads(self, c: "Collector", params: List[Any]) -> bool:
+        """Chooses two sentinels, the first and the last trainable parameter that has a
+        gradient now (at install, when none has: the first and the last trainable one), and
+        hooks their gradient accumulation (not with ``tap_reads``). False, changing nothing,
+        when those are the sentinels already."""
         trainable = [k for k, p in enumerate(params) if p.requires_grad]  # (a frozen one takes no hook)
         present = [k for k in trainable if params[k].grad is not None]
         pool = present or trainable
         keep = sorted({pool[0], pool[-1]}) if pool else []
-        if keep == sorted(self.grad_handles):
-            return
+        if keep == self.sentinels:
+            return False
+        self.sentinels = keep
+        if not self.tap_reads:
+            self._hook_sentinels(c, params)
+        return True
+
+    def _hook_sentinels(self, c: "Collector", params: List[Any]) -> None:
         for h in self.grad_handles.values():
             h.remove()
-        self.grad_handles = {k: params[k].register_post_accumulate_grad_hook(_grad_hook(c, k)) for k in keep}
+        self.grad_handles = {k: params[k].register_post_accumulate_grad_hook(_grad_hook(c, k)) for k in self.sentinels}
+
+    def read_at_tap(self, c: "Collector", params: List[Any], on: bool) -> None:
+        """Gradients read by the backward tap (``on``), or at the end of each backward pass
+        through the sentinels' hooks again (a backward the tap did not see gave the model
+        gradients: ``torch.autograd.backward`` was called under another name)."""
+        if on == self.tap_reads:
+            return
+        self.tap_reads = on
+        if on:
+            for h in self.grad_handles.values():
+                h.remove()
+            self.grad_handles = {}
+        else:
+            self._hook_sentinels(c, params)
 
     def _own(self, handle: Any) -> Any:
         STATE_TAP.ours.add(handle.id)
@@ -473,6 +510,11 @@ class Hooks:
 
     def hook_module(self, i: int, keep: bool, record: bool = False) -> None:
         m = self.modules[i]
+        if i == 0:
+            h = m.register_forward_hook(self.root_post)
+            STATE_TAP.ours.add(h.id)
+            self.module_handles[0] = h
+            return
         if record and is_recorded(m):
             self.module_handles[i] = CALL_RECORDER.add(m, make_record(i, self.refs, keep, self.first, self.hold))
             return
@@ -515,6 +557,7 @@ class Hooks:
                 group = RecordGroup(pairs)
                 if record:
                     self.recorded_pairs = group
+            self.hook_module(0, keep=True)
             for i in self.hooked_wanted:
                 self.hook_module(i, keep=self.keep_outputs)
             if group:
@@ -728,18 +771,29 @@ class BackwardTap:
                 torch.autograd.backward = self.original  # type: ignore[assignment]
 
     def _backward(self, tensors: Any, *args: Any, **kwargs: Any) -> Any:
+        # Collectors that read their gradients here (see Hooks.tap_reads) answer with what
+        # their sentinel gradients were before this backward.
+        after: Optional[List[Tuple[Any, Any]]] = None
         for c in list(self.collectors):
             try:
-                c.on_backward(tensors)
+                marks = c.on_backward(tensors)
             except Exception:  # never let observation break the user's backward
-                pass
+                continue
+            if marks is not None:
+                if after is None:
+                    after = []
+                after.append((c, marks))
         assert self.original is not None
         # The tensor being differentiated, while its backward runs: a collector whose
         # parameters receive gradients from it takes it as its loss.
         outer = self.current
         self.current = tensors
         try:
-            return self.original(tensors, *args, **kwargs)
+            result = self.original(tensors, *args, **kwargs)
+            if after is not None:
+                for c, marks in after:
+                    c.after_backward(marks)
+            return result
         finally:
             self.current = outer
 

@@ -3,8 +3,9 @@ causes. Facts, never judgements: which mode the model ran in, whether a step's g
 added onto the previous step's, which parameters the optimizer holds and at what learning
 rate, and what the loss did with the model's output. The engine decides what they mean.
 
-Cost: per step, a bool read per forward pass and one tensor hook on one parameter (a pointer
-and version-counter comparison, no device work). Once, at the first step: a walk of at most a
+Cost: per step, a bool read per forward pass and one tensor hook on one parameter, or, where
+the backward tap reads the gradients, the same look at that parameter's gradient as each
+backward starts and returns (a pointer and version-counter comparison, no device work). Once, at the first step: a walk of at most a
 few dozen autograd nodes from the loss to the model's output, and the output's and target's
 min/max (one host read).
 """
@@ -62,18 +63,26 @@ class LoopFacts:
 
     # ------------------------------------------------------------------ per step
 
-    def install_probe(self) -> None:
+    def install_probe(self, hook: bool = True) -> None:
         """Watches one parameter the stepping optimizer holds (its ``zero_grad()`` clears
-        exactly those), from the first optimizer step on."""
+        exactly those), from the first optimizer step on: by a tensor hook, or (``hook``
+        False) through :meth:`before_backward` and :meth:`after_backward`, called around
+        each backward pass."""
         opt = self.optimizer
-        if opt is None or self.probe_handle is not None:
+        if opt is None or self.probe is not None:
             return
         held = {id(p) for g in opt.param_groups for p in g["params"]}
         for p in self.params:
             if id(p) in held and getattr(p, "is_leaf", False):
                 self.probe = p
-                self.probe_handle = p.register_hook(self._on_probe_grad)
+                if hook:
+                    self.hook_probe()
                 return
+
+    def hook_probe(self) -> None:
+        """The probe's tensor hook, from now on (see :meth:`install_probe`)."""
+        if self.probe is not None and self.probe_handle is None:
+            self.probe_handle = self.probe.register_hook(self._on_probe_grad)
 
     def remove(self) -> None:
         if self.probe_handle is not None:
@@ -96,10 +105,36 @@ class LoopFacts:
         self.armed = False
         try:
             old = self.probe.grad
-            self.grads_kept = old is not None
-            before = self.after_step_grad
-            self.accumulated = old is not None and before is not None and _grad_key(old) == before
+            self._seen(old, None if old is None else _grad_key(old))
         except Exception:  # pragma: no cover - never break the user's backward
+            self.accumulated = None
+
+    def _seen(self, old: Any, key: Optional[Tuple[int, int]]) -> None:
+        """The probe's backward found ``old`` in its .grad (``key``: its identity then)."""
+        self.grads_kept = old is not None
+        before = self.after_step_grad
+        self.accumulated = old is not None and before is not None and key == before
+
+    def before_backward(self) -> Any:
+        """Without the tensor hook: what the probe's .grad is as a backward pass starts (None
+        when nothing is to be learned from this backward)."""
+        if not self.armed or self.probe is None:
+            return None
+        old = self.probe.grad
+        return old, None if old is None else _grad_key(old)
+
+    def after_backward(self, before: Any) -> None:
+        """The backward pass :meth:`before_backward` saw start has returned: if it reached the
+        probe (its .grad is another tensor now, or was added to), what it found there."""
+        old, key = before
+        try:
+            now = self.probe.grad
+            if now is old and (old is None or (key is not None and old._version == key[1])):
+                return  # not reached
+            self.armed = False
+            self._seen(old, key)
+        except Exception:  # pragma: no cover - never break the user's backward
+            self.armed = False
             self.accumulated = None
 
     def after_optimizer_step(self) -> None:
