@@ -773,16 +773,14 @@ class BackwardTap:
     def _backward(self, tensors: Any, *args: Any, **kwargs: Any) -> Any:
         # Collectors that read their gradients here (see Hooks.tap_reads) answer with what
         # their sentinel gradients were before this backward.
-        after: Optional[List[Tuple[Any, Any]]] = None
-        for c in list(self.collectors):
+        after = None
+        for c in self.collectors:
             try:
                 marks = c.on_backward(tensors)
             except Exception:  # never let observation break the user's backward
                 continue
             if marks is not None:
-                if after is None:
-                    after = []
-                after.append((c, marks))
+                after = [(c, marks)] if after is None else [*after, (c, marks)]
         assert self.original is not None
         # The tensor being differentiated, while its backward runs: a collector whose
         # parameters receive gradients from it takes it as its loss.

@@ -18,7 +18,7 @@ use neuraldbg_core::{
 };
 use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1};
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyDict, PyList};
 
 /// Converts an engine error into the matching `neuraldbg.errors` exception.
 fn to_py_err(py: Python<'_>, err: &EngineError) -> PyErr {
@@ -321,10 +321,13 @@ impl PyEngine {
     ) -> PyResult<bool> {
         let facts = self::facts(py, facts.as_ref())?;
         let measures = self::measures(py, measures.as_ref())?;
-        // Input statistics: a float32 array, or a sequence of floats (the host path's list).
+        // Input statistics: a float32 array, or a sequence of floats (the host path's list,
+        // told apart first: a failed array extraction costs an exception object per step).
         let input_array = match &inputs {
-            Some(a) => a.extract::<PyReadonlyArray1<'_, f32>>().ok(),
-            None => None,
+            Some(a) if !a.is_instance_of::<PyList>() => {
+                a.extract::<PyReadonlyArray1<'_, f32>>().ok()
+            }
+            _ => None,
         };
         let input_list: Vec<f32> = match (&inputs, &input_array) {
             (Some(a), None) => a.extract().map_err(|_| {
