@@ -896,3 +896,41 @@ def test_record_groups_and_single_records_on_shared_modules_stay_consistent():
         ha.remove()  # fast way out
         assert run() == (0, 0, 0)
         assert all(cls.__dict__.get("forward") is f for cls, f in own.items())
+
+
+def test_every_step_ends_with_the_state_of_a_step_not_yet_begun():
+    """The common host step is reset by the part of the step's reset it needs
+    (``Collector._end_plain_step``): after every step, sampled or not, with a product loss and
+    a clipped gradient, whatever path observed it, the per-step state is that of a step not
+    yet begun."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    torch.manual_seed(0)
+    model = mlp(3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    seen: List[int] = []
+    with NeuralDbg(model, activation_every=4, weight_every=3, dense_steps=2) as dbg:
+        c = dbg._collector
+
+        def check(optimizer, args, kwargs):  # runs after NeuralDBG's own post hook
+            seen.append(dbg.step)
+            assert c.observed_gen == c.forward_gen and not c.grad_read and c.grad_host is None
+            assert c.grad_parts == [] and not c.raw_inputs and not c.inputs and not c.output_fns
+            assert all(a is None for a in c.act_out) and c.act_staged is None and c.out_staged is None
+            assert not c.out_index and not c.out_values and not c.out_kept and c.zeros_read is None
+            assert not c.losses and not c.auto_losses and not c.host_inputs and c.loss_read is None
+            assert c.tap_product is None and c.clip_after is None and c.clip_seen is None
+            assert c.origin is None and c.ran is None and not c.refs and not c.root_calls
+
+        handle = register_optimizer_step_post_hook(check)
+        try:
+            for i in range(14):
+                opt.zero_grad()
+                loss = nn.functional.cross_entropy(model(torch.randn(32, 16)), torch.randint(0, 4, (32,)))
+                (loss * 0.5 if i % 3 == 0 else loss).backward()
+                if i % 5 == 0:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+                opt.step()
+        finally:
+            handle.remove()
+    assert seen == list(range(1, 15))

@@ -834,7 +834,7 @@ class Collector:
         except Exception as e:
             self._fail(e)
         finally:
-            self._end_step(False)
+            self._end_plain_step(False)
         self.step += 1
         try:
             self.loop.after_optimizer_step()
@@ -1020,28 +1020,34 @@ class Collector:
 
     def _end_step(self, final: bool) -> None:
         """The per-step state back to that of a step not yet begun (after its observation)."""
-        self.observed_gen = self.forward_gen
-        self.grad_read = False
+        self._end_plain_step(final)
         self.grad_parts = []
-        self.clip_after = None
-        self.clip_seen = None
         self.raw_inputs.clear()
         self.inputs.clear()
-        self.losses.clear()
-        self.auto_losses.clear()
         self.output_fns.clear()
-        if not final:
-            self.refs.clear()
         self.act_out[:] = self.act_none
         self.act_staged = None
         self.out_staged = None
-        self.grad_host = None
-        self.tap_product = None
         self.out_index.clear()
         self.out_values.clear()
         self.out_kept.clear()
-        self.grad_flags = UNKNOWN
         self.zeros_read = None
+
+    def _end_plain_step(self, final: bool) -> None:
+        """The part of :meth:`_end_step` a step that :meth:`_plain_host_step` observes needs:
+        the state every step sets. The rest is only set on the steps that path leaves to the
+        general one (device or distributed, sampled, compiled, measured outputs)."""
+        self.observed_gen = self.forward_gen
+        self.grad_read = False
+        self.clip_after = None
+        self.clip_seen = None
+        self.losses.clear()
+        self.auto_losses.clear()
+        if not final:
+            self.refs.clear()
+        self.grad_host = None
+        self.tap_product = None
+        self.grad_flags = UNKNOWN
         self.host_inputs.clear()
         self.loss_read = None
         self.origin = None
