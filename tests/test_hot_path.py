@@ -917,7 +917,7 @@ def test_every_step_ends_with_the_state_of_a_step_not_yet_begun():
             assert c.observed_gen == c.forward_gen and not c.grad_read and c.grad_host is None
             assert c.grad_parts == [] and not c.raw_inputs and not c.inputs and not c.output_fns
             assert all(a is None for a in c.act_out) and c.act_staged is None and c.out_staged is None
-            assert not c.out_index and not c.out_values and not c.out_kept and c.zeros_read is None
+            assert not c.out_kept and not len(c.maxima) and c.zeros_read is None
             assert not c.losses and not c.auto_losses and not c.host_inputs and c.loss_read is None
             assert c.tap_product is None and c.clip_after is None and c.clip_seen is None
             assert c.origin is None and c.ran is None and not c.refs and not c.root_calls

@@ -467,3 +467,43 @@ def test_an_output_array_may_share_memory_with_the_tensors_it_reads():
     shared = torch.from_numpy(table)[:4].reshape(1, 4)  # one sample of 4 ReLU units, in the table
     assert r.activations([shared], [(0, 1, 0.0, None, True, 0)], table)
     assert table[0] == 2.0 and table[2] == pytest.approx(0.5) and table[4] == 1.0
+
+
+def test_output_maxima_read_each_output_and_table_them_per_engine_module():
+    """OutputMaxima (called by the layer-class wrapper on sampled steps) reads max |x| of each
+    output as it comes, keeps what it cannot read for the torch path, and tables the values
+    per engine module as np.fmax would: the largest per module (a module called twice keeps
+    its larger output), NaN where none, a NaN giving way to a number, no entry for a module
+    without a rank."""
+    from neuraldbg._native import OutputMaxima
+
+    kept: list = []
+    maxima = OutputMaxima(reader(), kept)
+    g = torch.Generator().manual_seed(0)
+    outs = {1: torch.randn(8, 4, generator=g), 2: torch.randn(3, generator=g) * 5, 4: torch.randn(2, 2, generator=g)}
+    odd = torch.randn(4, 4, generator=g).t()  # not compact row-major: not readable
+    maxima(1, outs[1])
+    maxima(2, outs[2])
+    maxima(2, outs[2] * 0.5)  # the same module again, smaller
+    maxima(3, odd)
+    maxima(4, outs[4])
+    maxima(5, torch.tensor([float("nan")]))
+    assert len(maxima) == 5 and len(kept) == 1 and kept[0][0] == 3 and kept[0][1] is odd and kept[0][2] is None
+    rank = np.array([-1, 0, 2, 1, -1, 3], dtype=np.int64)  # module 4 has no engine module
+    base_values = np.array([7.0, np.nan], dtype=np.float32)
+    base_ranks = np.array([1, 0], dtype=np.int64)
+    table = maxima.table(rank, 5, base_values, base_ranks)
+    expected = np.full(5, np.nan, dtype=np.float32)
+    expected[0] = outs[1].abs().max()
+    expected[2] = outs[2].abs().max()
+    expected[1] = 7.0
+    expected[3] = np.nan  # only a NaN was read for it
+    np.testing.assert_array_equal(table, expected)
+    assert len(maxima) == 0 and maxima.table(rank, 5) is None  # forgotten once tabled
+    maxima(4, outs[4])
+    assert maxima.table(rank, 5) is None  # no engine module
+    with pytest.raises(ValueError):
+        maxima.table(rank, 5, base_values)
+    maxima(2, outs[2])
+    with pytest.raises(ValueError):
+        maxima.table(rank, 2)  # a rank past the end

@@ -35,7 +35,6 @@ that kept no module call has its forward computed again for that (:meth:`Collect
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 import operator
@@ -149,6 +148,12 @@ class Collector:
         # (module index, output, positional args) of every hooked module call of the current
         # forward, in completion order.
         self.refs: List[Tuple[int, Any, Any]] = []
+        # Host mode, a sampled step: the output maxima of recorded layers read as they
+        # return (the extension's OutputMaxima, called by the layer-class wrapper), and the
+        # outputs it could not read; each module index's engine rank (-1: none).
+        self.out_kept: List[Tuple[int, Any, Any]] = []
+        self.maxima: Any = None
+        self.rank_of: Optional[np.ndarray] = None
         self.hooks = Hooks(self.watched.modules, self.refs, keep_outputs=forward_check != "off")
         self._decide_host()
         # Latest output of each activation probe in this step (by probe row).
@@ -233,11 +238,6 @@ class Collector:
         self.root_seen = False
         self.replay_ok = self.watched.replayable()
         self.need_ran = 0
-        # Host mode, a sampled step: the output maxima of recorded layers read as they
-        # returned (module index, value), and outputs the extension could not read.
-        self.out_index: List[int] = []
-        self.out_values: List[float] = []
-        self.out_kept: List[Tuple[int, Any, Any]] = []
         # The engine's activation_pending after the last observed step (see _activations_next).
         self.act_pending = False
 
@@ -250,6 +250,10 @@ class Collector:
         )
         if host and self.hm is None:
             self.hm = HostMeasurer(self.measure, len(self.params))
+            if self.hm.reader is not None:
+                from ._native import OutputMaxima
+
+                self.maxima = OutputMaxima(self.hm.reader, self.out_kept)
         elif not host:
             self.hm = None
             self._hold_outputs()
@@ -266,57 +270,33 @@ class Collector:
         elif not self.replay_ok:
             hold[0] = self.hooks.probes_armed
         elif self.hooks.probes_armed:
-            hold[0] = self._measure_output
+            hold[0] = self.maxima if self.maxima is not None else self._keep_output
         else:
             hold[0] = None
 
-    def _measure_output(self, index: int, output: Any) -> None:
-        """A recorded layer returned on a sampled host step: its output's largest magnitude is
-        read now and the output let go (an output the extension cannot read is kept and
-        measured with the others)."""
-        hm = self.hm
-        v = None
-        if hm is not None and hm.reader is not None and type(output) is self.torch.Tensor:
-            try:
-                v = hm.reader.abs_max(output)
-            except Exception:  # pragma: no cover - never break the user's forward
-                v = None
-        if v is None:
-            self.out_kept.append((index, output, None))
-        else:
-            self.out_index.append(index)
-            self.out_values.append(v)
+    def _keep_output(self, index: int, output: Any) -> None:
+        """A recorded layer returned on a sampled host step without the extension's reader:
+        its output is kept and measured with the others."""
+        self.out_kept.append((index, output, None))
 
     def _host_outputs(self) -> Optional[Tuple[np.ndarray, None]]:
         """Host mode, a sampled forward is complete: the largest magnitude of each module's
         outputs, as the engine's per-module table ``(table, None)`` (see :meth:`_module_table`):
-        read as recorded layers returned, and of the outputs kept by forward hooks (modules of
-        other classes). Built in a list, not with ``np.fmax.at``: on a fast step that one call
-        cost ~30 us, its code out of cache."""
+        read by the extension as recorded layers returned (``OutputMaxima``), and of the
+        outputs kept (by forward hooks on modules of other classes, or not readable then)."""
         hm = self.hm
         assert hm is not None
-        rank = self.watched.rank
         kept = self.refs + self.out_kept if self.out_kept else self.refs
-        base = hm.absmax(kept, rank)
-        table = [math.nan] * len(self.watched.spec_order)
-        seen = False
-        pairs: Any = zip(self.out_index, self.out_values)
-        if base is not None:
-            pairs = itertools.chain(zip(base[1].tolist(), base[0].tolist()), ((rank.get(i), v) for i, v in pairs))
-        else:
-            pairs = ((rank.get(i), v) for i, v in pairs)
-        for r, v in pairs:
-            if r is not None:
-                seen = True
-                now = table[r]
-                if now != now or v > now:  # fmax: a NaN gives way to a number
-                    table[r] = v
-        self.out_index.clear()
-        self.out_values.clear()
+        base = hm.absmax(kept, self.watched.rank)
         self.out_kept.clear()
-        if not seen:
-            return None
-        return np.asarray(table, dtype=np.float32), None
+        if self.maxima is None:
+            return None if base is None else (self._module_table(base[1], base[0]), None)
+        if self.rank_of is None:
+            self.rank_of = np.full(len(self.watched.modules), -1, dtype=np.int64)
+            for i, r in self.watched.rank.items():
+                self.rank_of[i] = r
+        table = self.maxima.table(self.rank_of, len(self.watched.spec_order), *(base or (None, None)))
+        return None if table is None else (table, None)
 
     # ----------------------------------------------------------------- installation
 
@@ -407,9 +387,9 @@ class Collector:
         hooks = self.hooks
         if hooks.probes_armed:
             self.act_out[:] = self.act_none
-            self.out_index.clear()
-            self.out_values.clear()
             self.out_kept.clear()
+            if self.maxima is not None:
+                self.maxima.clear()
         torch = self.torch
         self.loop.on_forward(module.training, torch.is_grad_enabled())
         self.root_seen = True
@@ -1028,9 +1008,9 @@ class Collector:
         self.act_out[:] = self.act_none
         self.act_staged = None
         self.out_staged = None
-        self.out_index.clear()
-        self.out_values.clear()
         self.out_kept.clear()
+        if self.maxima is not None:
+            self.maxima.clear()
         self.zeros_read = None
 
     def _end_plain_step(self, final: bool) -> None:

@@ -7,7 +7,7 @@ import numpy as np
 import numpy.typing as npt
 from typing_extensions import final
 
-__all__ = ["Engine", "TensorReader", "__version__", "cli_main", "default_config_json"]
+__all__ = ["Engine", "OutputMaxima", "TensorReader", "__version__", "cli_main", "default_config_json"]
 __version__: str
 
 def default_config_json() -> str:
@@ -173,3 +173,27 @@ class TensorReader:
         (absmax, saturation share, dead share, slope, samples per unit; entries the probe does
         not ask are left alone, None and empty outputs skipped). False if an output is
         unreadable."""
+
+@final
+class OutputMaxima:
+    """The largest magnitude of each recorded layer's output on a sampled step, read as the
+    layer returns: ``maxima(index, output)``; an output ``reader`` cannot read is appended to
+    ``kept`` as ``(index, output, None)``."""
+
+    def __new__(cls, reader: TensorReader, kept: List[Tuple[int, object, None]]) -> "OutputMaxima": ...
+    def __call__(self, index: int, output: object) -> None: ...
+    def __len__(self) -> int:
+        """The values read since the last table."""
+    def clear(self) -> None:
+        """Forgets the values read."""
+    def table(
+        self,
+        rank: npt.NDArray[np.int64],
+        modules: int,
+        values: Optional[npt.NDArray[np.float32]] = None,
+        ranks: Optional[npt.NDArray[np.int64]] = None,
+    ) -> Optional[npt.NDArray[np.float32]]:
+        """The engine's per-module table (``modules`` entries): at ``rank[index]`` (none where
+        negative) the largest value read, and each ``values[k]`` at ``ranks[k]``; NaN where
+        none (a NaN gives way to a number). None when no value has an entry. The values read
+        are forgotten."""

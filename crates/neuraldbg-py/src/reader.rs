@@ -706,3 +706,108 @@ impl TensorReader {
         Ok(true)
     }
 }
+
+/// The largest magnitude of each recorded layer's output on a sampled host step, read as the
+/// layer returns: the layer-class wrapper calls `maxima(index, output)` once per recorded call,
+/// with no Python frame of ours per layer. An output the reader cannot read goes to `kept` as
+/// `(index, output, None)`, for the collector's torch path. [`OutputMaxima::table`] hands the
+/// step's values over as the engine's per-module table.
+#[pyclass(module = "neuraldbg._native", name = "OutputMaxima", unsendable)]
+#[derive(Debug)]
+pub struct OutputMaxima {
+    reader: Py<TensorReader>,
+    kept: Py<PyList>,
+    /// `(module index, max |x|)` of the outputs read since the last table.
+    read: Vec<(usize, f32)>,
+}
+
+#[pymethods]
+impl OutputMaxima {
+    #[new]
+    fn new(reader: Py<TensorReader>, kept: Py<PyList>) -> Self {
+        Self {
+            reader,
+            kept,
+            read: Vec::new(),
+        }
+    }
+
+    fn __call__(
+        &mut self,
+        py: Python<'_>,
+        index: usize,
+        output: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let value = self.reader.borrow_mut(py).abs_max(output);
+        match value {
+            Some(v) => self.read.push((index, v as f32)),
+            None => self.kept.bind(py).append((index, output, py.None()))?,
+        }
+        Ok(())
+    }
+
+    fn __len__(&self) -> usize {
+        self.read.len()
+    }
+
+    /// Forgets the values read.
+    fn clear(&mut self) {
+        self.read.clear();
+    }
+
+    /// The engine's per-module table of `modules` entries: for each value read (and each
+    /// `values[k]` at engine module `ranks[k]`, when given), `table[rank[index]]` is the
+    /// largest of them, NaN where none was (a NaN gives way to a number, as `np.fmax`); a
+    /// module index whose `rank` is negative has no entry. None when no value has an entry.
+    /// The values read are forgotten.
+    #[pyo3(signature = (rank, modules, values=None, ranks=None))]
+    fn table<'py>(
+        &mut self,
+        py: Python<'py>,
+        rank: numpy::PyReadonlyArray1<'_, i64>,
+        modules: usize,
+        values: Option<numpy::PyReadonlyArray1<'_, f32>>,
+        ranks: Option<numpy::PyReadonlyArray1<'_, i64>>,
+    ) -> PyResult<Option<Bound<'py, numpy::PyArray1<f32>>>> {
+        let rank = rank.as_slice()?;
+        let mut table = vec![f32::NAN; modules];
+        let mut seen = false;
+        let mut put = |r: i64, v: f32| -> PyResult<()> {
+            let Ok(r) = usize::try_from(r) else {
+                return Ok(());
+            };
+            let Some(now) = table.get_mut(r) else {
+                return Err(PyValueError::new_err("a rank is past the table's end"));
+            };
+            if now.is_nan() || v > *now {
+                *now = v;
+            }
+            seen = true;
+            Ok(())
+        };
+        match (&values, &ranks) {
+            (Some(v), Some(r)) => {
+                let (v, r) = (v.as_slice()?, r.as_slice()?);
+                if v.len() != r.len() {
+                    return Err(PyValueError::new_err(
+                        "values and ranks must have the same length",
+                    ));
+                }
+                for (&v, &r) in v.iter().zip(r) {
+                    put(r, v)?;
+                }
+            }
+            (None, None) => {}
+            _ => {
+                return Err(PyValueError::new_err(
+                    "values and ranks must be given together",
+                ));
+            }
+        }
+        for &(index, v) in &self.read {
+            put(rank.get(index).copied().unwrap_or(-1), v)?;
+        }
+        self.read.clear();
+        Ok(seen.then(|| numpy::PyArray1::from_vec(py, table)))
+    }
+}
