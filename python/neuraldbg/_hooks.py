@@ -2,7 +2,8 @@
 removal. The hooks only call back into the :class:`~neuraldbg._collect.Collector`, which decides
 when a step is read.
 
-* a forward pre-hook and a forward hook on the model itself (a forward pass starts and ends);
+* a forward pre-hook and a forward hook on the model itself (a forward pass starts and ends;
+  the forward hook comes and goes with the module hooks, see :meth:`Hooks.arm_modules`);
 * forward hooks on modules, in two sets: first on every module (to learn the forward order),
   then only on those that can *create* a NaN/Inf (:func:`is_passive` says which cannot) and on
   parameter owners; their outputs are kept by reference for the non-finite scan. After the
@@ -676,8 +677,8 @@ def make_record(index: int, refs: List[Any], keep: bool, first: List[int], hold:
     (:meth:`CallRecorder.recompute`) while the parameters are still the forward's; None no
     tensor at all (host mode: such a step is replayed instead, see
     ``WatchedModel.replay``), and a callable the same, after handing it ``(index, output)`` to
-    measure now (a sampled step's output maxima: nothing the garbage collector has to walk is
-    kept per layer)."""
+    measure now (a sampled step's output maxima, the extension's ``OutputMaxima``: nothing
+    the garbage collector has to walk is kept per layer, and no Python frame of ours runs)."""
     if keep:
         return (index, refs, first, hold)
     append = refs.append
