@@ -399,6 +399,29 @@ class NanAfter(nn.Module):
         return x * float("nan") if self.calls > self.at else x
 
 
+def test_halt_on_counting_backward_passes_raises_from_the_confirming_backward():
+    """``step_on="backward"`` on a CPU model read at the backward tap: the step is observed
+    when ``loss.backward()`` returns, and a halt it confirms is raised from that call."""
+    from neuraldbg import TrainingFailure
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), NanAfter(5), nn.Linear(16, 3))
+    backwards = 0
+    with pytest.raises(TrainingFailure) as info:
+        with NeuralDbg(model, step_on="backward", halt_on="non_finite") as dbg:
+            for x, y in batches(20):
+                loss = nn.functional.cross_entropy(model(x), y)
+                model.zero_grad()
+                backwards += 1
+                loss.backward()
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p -= 0.05 * p.grad
+    assert backwards == 6 and info.value.step == 5
+    assert info.value.hypotheses[0].failure == "non_finite" and info.value.hypotheses[0].layer == "2"
+    assert dbg._collector.hooks.tap_reads
+
+
 def test_halt_on_raises_training_failure_from_the_confirming_step(tmp_path):
     from neuraldbg import TrainingFailure
 

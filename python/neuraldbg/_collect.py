@@ -642,15 +642,19 @@ class Collector:
         sentinels, probe = marks
         params = self.params
         reached = False
-        for k, g, version in sentinels:
-            now = params[k].grad
-            if now is not g or (g is not None and g._version != version):
-                reached = True
-                break
-        if probe is not None:
-            self.loop.after_backward(probe)
+        try:
+            for k, g, version in sentinels:
+                now = params[k].grad
+                if now is not g or (g is not None and g._version != version):
+                    reached = True
+                    break
+            if probe is not None:
+                self.loop.after_backward(probe)
+        except Exception as e:  # pragma: no cover - never break the user's backward
+            self._fail(e)
+            return
         if reached:
-            self._on_backward_end()
+            self._on_backward_end()  # (a halt it raises goes to the loop, as from the hooks)
 
     def _on_loss(self, loss: "torch.Tensor") -> None:
         """The loss of a forward pass exists, so that forward is complete: measure the
