@@ -45,7 +45,7 @@ import numpy as np
 
 from ._distributed import has_shards, local_tensors
 from ._hooks import BACKWARD_TAP, Hooks, reaches
-from ._loop import LoopFacts
+from ._loop import LoopFacts, grad_changed
 from ._measure import HostMeasurer, Measurer, Probe, first_float_tensor, input_stats
 from ._model import WatchedModel
 from ._transfer import HostCopy, HostStep, Layout, Pending, Unpacked, clip_ratio, flatten
@@ -150,10 +150,9 @@ class Collector:
         self.refs: List[Tuple[int, Any, Any]] = []
         # Host mode, a sampled step: the output maxima of recorded layers read as they
         # return (the extension's OutputMaxima, called by the layer-class wrapper), and the
-        # outputs it could not read; each module index's engine rank (-1: none).
+        # outputs it could not read.
         self.out_kept: List[Tuple[int, Any, Any]] = []
         self.maxima: Any = None
-        self.rank_of: Optional[np.ndarray] = None
         self.hooks = Hooks(self.watched.modules, self.refs, keep_outputs=forward_check != "off")
         self._decide_host()
         # Latest output of each activation probe in this step (by probe row).
@@ -256,6 +255,7 @@ class Collector:
                 self.maxima = OutputMaxima(self.hm.reader, self.out_kept)
         elif not host:
             self.hm = None
+            self.maxima = None
             self._hold_outputs()
 
     def _hold_outputs(self, autocast: bool = False) -> None:
@@ -291,11 +291,7 @@ class Collector:
         self.out_kept.clear()
         if self.maxima is None:
             return None if base is None else (self._module_table(base[1], base[0]), None)
-        if self.rank_of is None:
-            self.rank_of = np.full(len(self.watched.modules), -1, dtype=np.int64)
-            for i, r in self.watched.rank.items():
-                self.rank_of[i] = r
-        table = self.maxima.table(self.rank_of, len(self.watched.spec_order), *(base or (None, None)))
+        table = self.maxima.table(self.watched.rank_of, len(self.watched.spec_order), *(base or (None, None)))
         return None if table is None else (table, None)
 
     # ----------------------------------------------------------------- installation
@@ -644,8 +640,7 @@ class Collector:
         reached = False
         try:
             for k, g, version in sentinels:
-                now = params[k].grad
-                if now is not g or (g is not None and g._version != version):
+                if grad_changed(params[k], g, version):
                     reached = True
                     break
             if probe is not None:

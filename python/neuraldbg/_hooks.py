@@ -457,7 +457,7 @@ class Hooks:
         # The model's own forward hook goes with the module hooks (see arm_modules): a step
         # that sees no module call needs no end of the forward either.
         self.root_post = c._on_root_post
-        self.hook_module(0, keep=True)
+        self._hook_root_post()
         if c.criterion is not None:
             self._own(c.criterion.register_forward_hook(c._on_criterion))
         self.hook_grads(c, params)
@@ -509,13 +509,14 @@ class Hooks:
         self.handles.append(handle)
         return handle
 
+    def _hook_root_post(self) -> None:
+        """The model's own forward hook, kept with the module hooks as module 0."""
+        h = self.modules[0].register_forward_hook(self.root_post)
+        STATE_TAP.ours.add(h.id)
+        self.module_handles[0] = h
+
     def hook_module(self, i: int, keep: bool, record: bool = False) -> None:
         m = self.modules[i]
-        if i == 0:
-            h = m.register_forward_hook(self.root_post)
-            STATE_TAP.ours.add(h.id)
-            self.module_handles[0] = h
-            return
         if record and is_recorded(m):
             self.module_handles[i] = CALL_RECORDER.add(m, make_record(i, self.refs, keep, self.first, self.hold))
             return
@@ -558,7 +559,7 @@ class Hooks:
                 group = RecordGroup(pairs)
                 if record:
                     self.recorded_pairs = group
-            self.hook_module(0, keep=True)
+            self._hook_root_post()
             for i in self.hooked_wanted:
                 self.hook_module(i, keep=self.keep_outputs)
             if group:

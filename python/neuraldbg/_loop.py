@@ -5,9 +5,9 @@ rate, and what the loss did with the model's output. The engine decides what the
 
 Cost: per step, a bool read per forward pass and one tensor hook on one parameter, or, where
 the backward tap reads the gradients, the same look at that parameter's gradient as each
-backward starts and returns (a pointer and version-counter comparison, no device work). Once, at the first step: a walk of at most a
-few dozen autograd nodes from the loss to the model's output, and the output's and target's
-min/max (one host read).
+backward starts and returns (a pointer and version-counter comparison, no device work).
+Once, at the first step: a walk of at most a few dozen autograd nodes from the loss to the
+model's output, and the output's and target's min/max (one host read).
 """
 
 from __future__ import annotations
@@ -128,8 +128,7 @@ class LoopFacts:
         probe (its .grad is another tensor now, or was added to), what it found there."""
         old, key = before
         try:
-            now = self.probe.grad
-            if now is old and (old is None or (key is not None and old._version == key[1])):
+            if not grad_changed(self.probe, old, None if key is None else key[1]):
                 return  # not reached
             self.armed = False
             self._seen(old, key)
@@ -198,6 +197,14 @@ class LoopFacts:
         except Exception:  # pragma: no cover - a graph we cannot read: no facts
             self.loss = None
         self.first_output = None
+
+
+def grad_changed(p: Any, before: Any, version: Optional[int]) -> bool:
+    """Whether a backward pass gave ``p`` a gradient: its ``.grad`` is another tensor than
+    ``before`` (what it was as the backward started), or ``before`` at another version than
+    ``version`` (accumulated into; an unknown version counts as changed)."""
+    now = p.grad
+    return now is not before or (before is not None and (version is None or before._version != version))
 
 
 def _grad_key(g: Any) -> Optional[Tuple[int, int]]:

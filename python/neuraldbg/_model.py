@@ -49,6 +49,8 @@ class WatchedModel:
         # executed ancestor) and each module's rank in it; set by :meth:`spec`.
         self.spec_order: List[int] = []
         self.rank: Dict[int, int] = {}
+        # The same ranks as an array by module index (for the extension's tables).
+        self.rank_of = np.full(len(self.modules), -1, dtype=np.int64)
 
     def spec(self, executed: List[int], optimizer: Optional[str]) -> Dict[str, Any]:
         """The engine's ``ModelSpec`` (as a dict for JSON), given the forward order of the
@@ -73,6 +75,7 @@ class WatchedModel:
         self.spec_order = [i for _, i in keys]
         rank = {m: k for k, m in enumerate(self.spec_order)}
         self.rank = rank
+        self.rank_of[self.spec_order] = np.arange(len(self.spec_order))
 
         modules = []
         for i in self.spec_order:

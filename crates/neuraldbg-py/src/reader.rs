@@ -738,7 +738,13 @@ impl OutputMaxima {
         index: usize,
         output: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        let value = self.reader.borrow_mut(py).abs_max(output);
+        // (A reader busy elsewhere cannot happen with the GIL held and no Python run while it
+        // reads; were it busy, the output is kept for the torch path instead of a panic.)
+        let value = self
+            .reader
+            .try_borrow_mut(py)
+            .ok()
+            .and_then(|mut r| r.abs_max(output));
         match value {
             Some(v) => self.read.push((index, v as f32)),
             None => self.kept.bind(py).append((index, output, py.None()))?,
