@@ -934,3 +934,98 @@ def test_every_step_ends_with_the_state_of_a_step_not_yet_begun():
         finally:
             handle.remove()
     assert seen == list(range(1, 15))
+
+
+def _step_records(trace: bytes) -> List[bytes]:
+    """The payloads of a trace's step records (docs/trace-format.md: a 16-byte preamble, then
+    records of ``len:u32 kind:u8 zero[3] header_crc:u32 payload[len] payload_crc:u32``; kind
+    2 a step). The header record (run metadata: times, versions) is left out."""
+    import struct
+
+    steps, at = [], 16
+    while at < len(trace):
+        n, kind = struct.unpack_from("<IB", trace, at)
+        if kind == 2:
+            steps.append(trace[at + 12 : at + 12 + n])
+        at += 16 + n
+    return steps
+
+
+def _train(loop: str, tmp_path, name: str, plain: bool, monkeypatch) -> Tuple[List[bytes], str, str, int]:
+    """A 40-step run of one loop kind, with the extension's PlainStep taking the plain steps or
+    (``plain`` False) the collector's Python doing everything; its trace's bytes, events,
+    ranked explanation, and the steps PlainStep observed."""
+    from neuraldbg import _collect
+
+    if not plain:
+        monkeypatch.setattr(_collect.Collector, "_make_plain", lambda self: setattr(self, "plain", None))
+    else:
+        monkeypatch.undo()
+    torch.manual_seed(0)
+    model = mlp(3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    other = nn.Linear(16, 1)  # another model: its backward reaches none of ours
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(32, 16, generator=g), torch.randint(0, 4, (32,), generator=g)) for _ in range(40)]
+    path = tmp_path / f"{name}.ndbg"
+    dbg = NeuralDbg(model, trace=path)
+    taken = 0
+    try:
+        with dbg:
+            for i, (x, y) in enumerate(data):
+                if loop == "crash" and i == 23:
+                    model(x)
+                    raise RuntimeError("the loop fails after a forward")
+                opt.zero_grad()
+                if loop == "eval_between" and i % 4 == 2:
+                    with torch.no_grad():
+                        model.eval()
+                        model(x)
+                        model.train()
+                if loop == "nan" and i >= 27:
+                    with torch.no_grad():
+                        model[0].weight[0, 0] = float("nan")
+                loss = nn.functional.cross_entropy(model(x), y)
+                if loop == "other_backward" and i % 3 == 1:
+                    other(x).pow(2).mean().backward()
+                if loop == "accumulate" and i % 2 == 1:
+                    (loss / 2).backward()
+                    loss = nn.functional.cross_entropy(model(x.flip(0)), y) / 2
+                loss.backward()
+                if loop == "clip":
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+                if loop == "lr_tensor":
+                    opt.param_groups[0]["lr"] = torch.tensor(0.05)
+                opt.step()
+                plain_step = dbg._collector.plain
+                taken = plain_step.taken if plain_step is not None else taken
+    except RuntimeError:
+        assert loop == "crash"
+    return _step_records(path.read_bytes()), dbg._engine.events_json(), dbg._engine.explain_json(None), taken
+
+
+@pytest.mark.parametrize(
+    "loop", ["plain", "accumulate", "clip", "eval_between", "nan", "other_backward", "lr_tensor", "crash"]
+)
+def test_the_extensions_plain_steps_give_the_engine_what_the_collector_would(loop, tmp_path, monkeypatch):
+    """PlainStep (the unmeasured host steps observed by the extension) feeds the engine exactly
+    what the collector's own Python does, step for step (the trace records every input the
+    engine got), also where a step is handed back to the collector midway: gradient
+    accumulation, clipping, evaluation forwards between steps, a NaN from step 27 on, another
+    model's backward, a tensor learning rate, a loop that raises after a forward."""
+    ours = _train(loop, tmp_path, "ours", True, monkeypatch)
+    python = _train(loop, tmp_path, "python", False, monkeypatch)
+    assert len(ours[0]) >= 23 and len(ours[0]) == len(python[0])
+    for k, (a, b) in enumerate(zip(ours[0], python[0])):
+        assert a == b, f"step record {k} differs"
+    assert ours[1] == python[1]
+    assert ours[2] == python[2]
+    assert python[3] == 0
+    # The steps the extension observed: of the 40, the plain ones are 11-19, 21-29 and 31-39
+    # (0-9 are dense, 10, 20 and 30 sampled): 27. Handed back to the collector: the steps
+    # with a second backward (odd ones: 15 of them), an evaluation forward (i % 4 == 2: 6),
+    # another model's backward (i % 3 == 1: 9), a NaN (27 on), a tensor learning rate (all),
+    # and those after the crash at 23.
+    expected = {"plain": 27, "accumulate": 12, "clip": 27, "eval_between": 21, "nan": 15,
+                "other_backward": 18, "lr_tensor": 0, "crash": 11}
+    assert ours[3] == expected[loop]

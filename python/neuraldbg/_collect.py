@@ -153,6 +153,9 @@ class Collector:
         # outputs it could not read.
         self.out_kept: List[Tuple[int, Any, Any]] = []
         self.maxima: Any = None
+        # The extension's PlainStep (see _make_plain): the plain host steps, with no Python of
+        # ours on their path; None when not used.
+        self.plain: Any = None
         self.hooks = Hooks(self.watched.modules, self.refs, keep_outputs=forward_check != "off")
         self._decide_host()
         # Latest output of each activation probe in this step (by probe row).
@@ -316,6 +319,7 @@ class Collector:
         return self.hm is None or sampled or not self.replay_ok or self.need_ran > 0 or self.disabled
 
     def remove(self) -> None:
+        self._drop_plain()
         self.hooks.remove(self)
         self.loop.remove()
         self.pending = None
@@ -346,6 +350,9 @@ class Collector:
             return
         if self.disabled:
             return
+        plain = self.plain
+        if plain is not None and plain.forward(module, args, kwargs):
+            return
         hm = self.hm
         if hm is not None and self.registered:
             self._host_forward(module, args, kwargs, hm)
@@ -374,9 +381,13 @@ class Collector:
         except Exception as e:  # pragma: no cover - defensive
             self._fail(e)
 
-    def _host_forward(self, module: Any, args: Any, kwargs: Any, hm: HostMeasurer) -> None:
+    def _host_forward(
+        self, module: Any, args: Any, kwargs: Any, hm: HostMeasurer, seen: Optional[Tuple[bool, bool, Any]] = None
+    ) -> None:
         """Host mode, registered: a forward pass of the model starts (the hot path of
-        :meth:`_on_root_pre`: no pending step, no device)."""
+        :meth:`_on_root_pre`: no pending step, no device). ``seen``: ``(module.training,
+        torch.is_grad_enabled(), input statistics)`` as they were when the forward ran, no
+        autocast on (a forward the extension's PlainStep saw, handed over later)."""
         self.forward_gen += 1
         self.refs.clear()
         self.ran = None
@@ -387,10 +398,13 @@ class Collector:
             if self.maxima is not None:
                 self.maxima.clear()
         torch = self.torch
-        self.loop.on_forward(module.training, torch.is_grad_enabled())
+        if seen is None:
+            self.loop.on_forward(module.training, torch.is_grad_enabled())
+        else:
+            self.loop.on_forward(seen[0], seen[1])
         self.root_seen = True
         self.root_calls.append((args, kwargs))
-        if _any_autocast() and torch.is_autocast_enabled("cpu"):
+        if seen is None and _any_autocast() and torch.is_autocast_enabled("cpu"):
             if not hooks.modules_armed:
                 hooks.arm_modules(True)  # a replay would lack the autocast precision
             self._hold_outputs(True)
@@ -405,7 +419,10 @@ class Collector:
             # case); anything else goes the general way.
             x = args[0] if args else None
             reader = hm.reader
-            v = reader.stats(x) if reader is not None and type(x) is torch.Tensor else None
+            if seen is not None:
+                v = seen[2]
+            else:
+                v = reader.stats(x) if reader is not None and type(x) is torch.Tensor else None
             if v is None:
                 x = first_float_tensor(args)
                 if x is None and kwargs:
@@ -506,15 +523,14 @@ class Collector:
             # A step whose zero-gradient shares are measured reads them in the same pass.
             n = len(self.params)
             zeros = (np.empty(n, np.float32), np.empty(n, np.float32)) if self._sampled(self.activation_every) else None
-            self.grad_flags = self.hm.grad_norms(self.params, self.grad_buf, zeros)
-            self.zeros_read = zeros if zeros is not None and not self.grad_flags & UNKNOWN else None
-            self.grad_host = self.grad_buf
-            self.grad_read = True
+            flags = self.hm.grad_norms(self.params, self.grad_buf, zeros)
+            clip_seen = None
             if self.clip_index is not None:
                 # The clipping check's gradient as read, and its version: unchanged at the
                 # optimizer step, nothing rescaled it (see _read_clipped).
                 g = self.params[self.clip_index].grad
-                self.clip_seen = (g, getattr(g, "_version", None)) if g is not None else None
+                clip_seen = (g, getattr(g, "_version", None)) if g is not None else None
+            self._host_grads(flags, zeros, clip_seen)
             return
         parts: List[Any] = []
         grads = [p.grad for p in self.params]
@@ -524,6 +540,100 @@ class Collector:
             self.grad_order = self.measure.gradient_norms(grads, parts)
         self.grad_parts = parts
         self.grad_read = True
+
+    def _host_grads(self, flags: int, zeros: Any, clip_seen: Any) -> None:
+        """Host mode: the gradient norms are in ``grad_buf`` (``flags``: what they hold; see
+        TensorReader.grad_norms), with their zero shares ``zeros`` when read."""
+        self.grad_flags = flags
+        self.zeros_read = zeros if zeros is not None and not flags & UNKNOWN else None
+        self.grad_host = self.grad_buf
+        self.grad_read = True
+        self.clip_seen = clip_seen
+
+    def _spill_grads(self, loss: Any, flags: int, clip_seen: Any, accumulated: Optional[bool]) -> None:
+        """A plain step's gradients, handed over by the extension's PlainStep (see
+        :meth:`_make_plain`): what the end of that backward made of them at the tap (the loss
+        taken, the norms read), from the values read then."""
+        self.bw_gen += 1
+        self.tap_taken = None
+        self.tap_product = None
+        seen = self.loss_read
+        if loss is not None and seen is not None and seen[0] is loss:
+            self.auto_losses.append(loss)
+        self._host_grads(flags, None, clip_seen)
+        if accumulated is not None:
+            self.loop.accumulated = accumulated
+
+    def _make_plain(self) -> None:
+        """The extension's ``PlainStep``, which observes the plain host steps itself (see its
+        docs in ``crates/neuraldbg-py/src/plain.rs``): a CPU model read by the extension, its
+        loss taken and its gradients read at the backward tap. Made again when the sentinels
+        change; None otherwise."""
+        self.plain = None
+        hm = self.hm
+        if hm is None or hm.reader is None or not self.hooks.tap_reads or self.criterion is not None or self.dist is not None:
+            return
+        try:
+            from ._native import PlainStep
+
+            torch = self.torch
+            self.plain = PlainStep(
+                self, hm.reader, self.engine, self.params, self.grad_buf, self.loop, list(self.hooks.sentinels),
+                self.clip_index, torch.Tensor, torch.is_grad_enabled, _any_autocast,
+            )
+        except (ImportError, TypeError):  # an older extension, or an engine stand-in (tests)
+            self.plain = None
+
+    def _drop_plain(self) -> None:
+        """No more plain steps: a step the extension's PlainStep was taking is handed over."""
+        plain, self.plain = self.plain, None
+        if plain is not None:
+            plain.arm(False)
+
+    def _plain_next(self) -> bool:
+        """Whether the coming step may be a plain one, taken by the extension's PlainStep:
+        nothing sampled or hooked in it (what :meth:`_plain_host_step` asks of a step, known
+        before it starts)."""
+        s = self.step
+        hooks = self.hooks
+        return (
+            self.plain is not None
+            and not self.disabled
+            and self.plain_optimizer is not None
+            and not hooks.probes_armed
+            and not hooks.modules_armed
+            and not hooks.frozen
+            and self.scaler is None
+            and self.forward_check != "off"
+            and s >= self.dense_steps
+            and s % self.activation_every != 0
+            and s % self.weight_every != 0
+            and not self.act_pending
+        )
+
+    def _plain_done(self, pending: Optional[bool], step: int) -> bool:
+        """The extension's PlainStep observed step ``step`` (``pending``: the engine's answer,
+        None when observing it failed): what :meth:`_plain_host_step` does after observing.
+        Returns whether the coming step may be a plain one too."""
+        self.forward_gen += 1
+        self.bw_gen += 1
+        self.observed_gen = self.forward_gen
+        if pending is not None:
+            self.act_pending = pending
+            try:
+                if self.on_observed is not None:
+                    self.on_observed(step)
+            except Exception as e:
+                self._fail(e)
+        self.step += 1
+        try:
+            self.loop.after_optimizer_step()
+        except Exception as e:  # pragma: no cover - defensive
+            self._fail(e)
+        sampled = self._activations_next()
+        if sampled or self.hooks.modules_armed or self._modules_wanted(sampled):
+            self._arm_probes(sampled)
+        return self._plain_next()
 
     def _grads_finite(self) -> bool:
         """Host mode: whether every gradient norm read in this step is finite."""
@@ -606,11 +716,12 @@ class Collector:
             # the graph to prove this is the model's loss: the loss itself is taken at the
             # backward's end (the tensor whose backward gave the parameters gradients). A
             # product may be GradScaler's scaled loss: its scale is read now, before backward
-            # frees it, and the unscaled loss kept for that end.
-            if self.refs and isinstance(tensors, torch.Tensor) and tensors.numel() == 1:
-                if type(tensors.grad_fn).__name__ == "MulBackward0":
-                    self.tap_product = (tensors, self._unscaled_loss(tensors))
-                self._on_loss(tensors)
+            # frees it, and the unscaled loss kept for that end. (A plain step's loss is
+            # the extension's: True says so to after_backward.)
+            plain = self.plain
+            if plain is not None and plain.backward(tensors):
+                return True
+            self._host_loss(tensors)
             if not self.hooks.tap_reads:
                 return None
             params = self.params
@@ -631,10 +742,25 @@ class Collector:
         self._on_loss(tensors)
         return None
 
+    def _host_loss(self, tensors: Any) -> None:
+        """Host mode: a backward of ``tensors`` starts; a scalar is taken as the loss of the
+        forward pass seen (see :meth:`on_backward`)."""
+        torch = self.torch
+        if self.refs and isinstance(tensors, torch.Tensor) and tensors.numel() == 1:
+            if type(tensors.grad_fn).__name__ == "MulBackward0":
+                self.tap_product = (tensors, self._unscaled_loss(tensors))
+            self._on_loss(tensors)
+
     def after_backward(self, marks: Any) -> None:
         """A backward pass the tap saw has returned (``Hooks.tap_reads``): if it changed a
         sentinel's gradient, it gave the model gradients, and its end is their reading point
-        (what :meth:`_on_backward_end` does when the sentinels' hooks queue it)."""
+        (what :meth:`_on_backward_end` does when the sentinels' hooks queue it). ``marks``
+        True: the backward of a plain step's loss, the extension's."""
+        if marks is True:
+            plain = self.plain
+            if plain is not None:
+                plain.after_backward()
+            return
         sentinels, probe = marks
         params = self.params
         reached = False
@@ -734,6 +860,10 @@ class Collector:
     def _on_optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """The step boundary: the optimizer step of the model's parameters ran (a closure's
         forward and backward ran inside it)."""
+        plain = self.plain
+        if plain is not None and plain.step(optimizer):
+            self.raise_halt()
+            return
         if optimizer is self.plain_optimizer and self.grad_read and self._plain_host_step(optimizer):
             self.raise_halt()
             return
@@ -750,6 +880,8 @@ class Collector:
             if self.hooks.tap_reads and not moved:
                 self.hooks.read_at_tap(self, self.params, False)
                 self.loop.hook_probe()
+            if self.plain is not None:
+                self._make_plain()  # (new sentinels, or none read at the tap any more)
             try:
                 self._read_gradients()
             except Exception as e:  # pragma: no cover - defensive
@@ -822,6 +954,8 @@ class Collector:
         sampled = self._activations_next()
         if sampled or self.hooks.modules_armed or self._modules_wanted(sampled):
             self._arm_probes(sampled)  # (else nothing to arm or disarm, nothing held)
+        if self.plain is not None:
+            self.plain.arm(self._plain_next())
         return True
 
     def _step_boundary(self, optimizer: Any, skipped: bool) -> None:
@@ -841,6 +975,8 @@ class Collector:
         except Exception as e:  # pragma: no cover - defensive
             self._fail(e)
         self._arm_probes(self._activations_next())
+        if self.plain is not None:
+            self.plain.arm(self._plain_next())
 
     def _read_clipped(self) -> None:
         """The gradient the optimizer received, read again after its step (an optimizer does
@@ -902,6 +1038,7 @@ class Collector:
         self.internal_error = e
         self.disabled = True
         self.pending = None
+        self.plain = None
         who = "NeuralDBG"
         if self.dist is not None:
             self.dist.abandon(e)
@@ -934,6 +1071,7 @@ class Collector:
         tap = self.hm is not None and self in BACKWARD_TAP.collectors and not self.hooks.frozen
         self.hooks.read_at_tap(self, self.params, tap)
         self.loop.install_probe(hook=not tap)
+        self._make_plain()
         self.loop.optimizer = None
         probes = json.loads(self.engine.register_model(json.dumps(spec)))
         axes = self.watched.unit_axes(executed)
@@ -1357,6 +1495,7 @@ class Collector:
         it stopped on its own after that forward went non-finite (``if not
         torch.isfinite(loss): break``), so a run that ended in a failure still leaves its
         diagnosis. A final healthy forward (an evaluation pass) is not a step."""
+        self._drop_plain()
         if self.disabled:
             return
         self.flush()

@@ -7,7 +7,7 @@ import numpy as np
 import numpy.typing as npt
 from typing_extensions import final
 
-__all__ = ["Engine", "OutputMaxima", "TensorReader", "__version__", "cli_main", "default_config_json"]
+__all__ = ["Engine", "OutputMaxima", "PlainStep", "TensorReader", "__version__", "cli_main", "default_config_json"]
 __version__: str
 
 def default_config_json() -> str:
@@ -197,3 +197,42 @@ class OutputMaxima:
         negative) the largest value read, and each ``values[k]`` at ``ranks[k]``; NaN where
         none (a NaN gives way to a number). None when no value has an entry. The values read
         are forgotten."""
+
+@final
+class PlainStep:
+    """The common host-mode step observed by the extension (``Collector._make_plain``): the
+    collector's hooks hand it the model's forward, the loss's backward and the optimizer step;
+    anything else is handed back to the collector's own methods (``_host_forward`` with
+    ``seen``, ``_host_loss``, ``_spill_grads``, ``after_backward``, ``_on_backward_end``).
+    Errors go to ``collector._fail``; nothing raises."""
+
+    def __new__(
+        cls,
+        collector: object,
+        reader: TensorReader,
+        engine: Engine,
+        params: List[object],
+        grads: npt.NDArray[np.float32],
+        facts: object,
+        sentinels: List[int],
+        clip: Optional[int],
+        tensor: type,
+        grad_enabled: Callable[[], bool],
+        any_autocast: Callable[[], bool],
+    ) -> "PlainStep": ...
+    @property
+    def armed(self) -> bool:
+        """Armed for the coming step, or taking the current one."""
+    @property
+    def taken(self) -> int:
+        """Steps observed here so far."""
+    def arm(self, on: bool) -> None:
+        """Whether the coming step may be taken here; a step under way is handed over first."""
+    def forward(self, module: object, args: object, kwargs: object) -> bool:
+        """The model's forward pre-hook: True when taken here."""
+    def backward(self, tensors: object) -> bool:
+        """A backward starts: True when it is the plain step's loss, taken here."""
+    def after_backward(self) -> None:
+        """The backward taken here has returned."""
+    def step(self, optimizer: object) -> bool:
+        """The optimizer stepped: True when the step was observed here."""

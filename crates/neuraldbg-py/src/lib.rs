@@ -9,6 +9,7 @@
 
 use std::ffi::CString;
 
+mod plain;
 mod reader;
 
 use neuraldbg_core::analysis::{self, Analysis, parse_failure};
@@ -133,13 +134,20 @@ fn warn(py: Python<'_>, message: &str) {
 
 /// The engine. One per watched model.
 #[pyclass(module = "neuraldbg._native", name = "Engine", unsendable)]
-struct PyEngine {
+pub(crate) struct PyEngine {
     inner: Engine,
     /// Where the engine's inputs are recorded, when a trace is open.
     trace: Option<TraceWriter>,
 }
 
 impl PyEngine {
+    /// Feeds one step built in the extension (`PlainStep`); as `observe`.
+    pub(crate) fn observe_view(&mut self, py: Python<'_>, view: &StepView<'_>) -> PyResult<bool> {
+        self.inner.observe(view).map_err(|e| to_py_err(py, &e))?;
+        self.traced(py, "writing a step", |_, w| w.write_step(view));
+        Ok(self.inner.activation_pending())
+    }
+
     /// A JSON list computed from the analysis; empty before a model is registered.
     fn analysed(&self, f: impl FnOnce(&Analysis<'_>) -> serde_json::Value) -> String {
         Analysis::new(&self.inner).map_or_else(|| "[]".to_string(), |a| f(&a).to_string())
@@ -361,9 +369,7 @@ impl PyEngine {
             facts: &facts,
             measures: &measures,
         };
-        self.inner.observe(&view).map_err(|e| to_py_err(py, &e))?;
-        self.traced(py, "writing a step", |_, w| w.write_step(&view));
-        Ok(self.inner.activation_pending())
+        self.observe_view(py, &view)
     }
 
     /// All events, in step order, as a JSON list.
@@ -500,6 +506,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyEngine>()?;
     m.add_class::<reader::TensorReader>()?;
     m.add_class::<reader::OutputMaxima>()?;
+    m.add_class::<plain::PlainStep>()?;
     m.add_function(wrap_pyfunction!(default_config_json, m)?)?;
     m.add_function(wrap_pyfunction!(cli_main, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

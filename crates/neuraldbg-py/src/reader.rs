@@ -463,7 +463,7 @@ impl TensorReader {
         signature = (params, out, missing=-1.0, rows=None, cols=None),
         text_signature = "(self, /, params, out, missing=-1.0, rows=None, cols=None)"
     )]
-    fn grad_norms(
+    pub(crate) fn grad_norms(
         &mut self,
         params: &Bound<'_, PyAny>,
         mut out: PyReadwriteArrayDyn<'_, f32>,
@@ -540,7 +540,11 @@ impl TensorReader {
     /// The L2 norm of `item` (or of `getattr(item, attr)`; -1 where that is None), None when
     /// it is not readable.
     #[pyo3(signature = (item, attr=None))]
-    fn norm(&mut self, item: &Bound<'_, PyAny>, attr: Option<&Bound<'_, PyString>>) -> Option<f64> {
+    pub(crate) fn norm(
+        &mut self,
+        item: &Bound<'_, PyAny>,
+        attr: Option<&Bound<'_, PyString>>,
+    ) -> Option<f64> {
         let t = Self::target(item.clone(), attr)?;
         if t.is_none() {
             return Some(-1.0);
@@ -549,14 +553,14 @@ impl TensorReader {
     }
 
     /// `(min, max, mean, std)` of a readable non-empty tensor (std: population), else None.
-    fn stats(&mut self, t: &Bound<'_, PyAny>) -> Option<(f64, f64, f64, f64)> {
+    pub(crate) fn stats(&mut self, t: &Bound<'_, PyAny>) -> Option<(f64, f64, f64, f64)> {
         self.with_elements(t, false, |e, _| dispatch!(e, xs => measure::stats(xs)))
             .flatten()
             .map(|s| (s.min, s.max, s.mean, s.std))
     }
 
     /// The value of a readable one-element tensor, else None.
-    fn scalar(&mut self, t: &Bound<'_, PyAny>) -> Option<f64> {
+    pub(crate) fn scalar(&mut self, t: &Bound<'_, PyAny>) -> Option<f64> {
         self.with_elements(
             t,
             false,
