@@ -290,7 +290,8 @@ class Collector:
         hm = self.hm
         assert hm is not None
         kept = self.refs + self.out_kept if self.out_kept else self.refs
-        base = hm.absmax(kept, self.watched.rank)
+        # (Recorded layers keep no output here: OutputMaxima read it.)
+        base = hm.absmax([r for r in kept if r[1] is not None], self.watched.rank)
         self.out_kept.clear()
         if self.maxima is None:
             return None if base is None else (self._module_table(base[1], base[0]), None)
@@ -633,7 +634,10 @@ class Collector:
         sampled = self._activations_next()
         if sampled or self.hooks.modules_armed or self._modules_wanted(sampled):
             self._arm_probes(sampled)
-        return self._plain_next()
+            return self._plain_next()
+        # Nothing armed: what _plain_next asks held for this step (a plain one), and nothing
+        # sampled comes, so the coming step is plain unless its weights are measured.
+        return self.plain is not None and self.step % self.weight_every != 0
 
     def _grads_finite(self) -> bool:
         """Host mode: whether every gradient norm read in this step is finite."""

@@ -43,8 +43,13 @@ and the hook set is frozen once compilation is seen (removing a traced hook reco
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+
+try:  # the records as single calls into the extension (a Python frame less per layer call)
+    from ._native import LayerRecord, SlotRecord
+except ImportError:  # pragma: no cover - an extension built without them
+    LayerRecord = SlotRecord = None  # type: ignore[assignment,misc]
 
 if TYPE_CHECKING:  # pragma: no cover
     from ._collect import Collector
@@ -222,10 +227,9 @@ class CallRecorder:
         records, watched, count = self.records, self.watched, self.count
         if group.added >= 0 and group.added == self.mixed:
             # Added the fast way and no record was added or removed one by one since: each of
-            # its modules still holds just its record.
-            for key in group.keyed:
-                del records[key]
-                del watched[key]
+            # its modules still holds just its record (deleted in C: map consumed by a deque).
+            deque(map(records.__delitem__, group.keyed), 0)
+            deque(map(watched.__delitem__, group.keyed), 0)
             for cls, n in group.classes.items():
                 count[cls] -= n
                 if count[cls] == 0:
@@ -669,9 +673,10 @@ def make_ref_hook(
 
 def make_record(index: int, refs: List[Any], keep: bool, first: List[int], hold: List[Any]) -> Any:
     """What :class:`CallRecorder` does with a recorded module's ``(output, args)``: the
-    untraced path of :func:`make_ref_hook`. Keeping references, it is the tuple ``(index, refs,
-    first, hold)``, which the class wrapper applies inline (a Python call less per layer; see
-    :func:`as_callable`); else a callable. ``hold[0]`` says what a call keeps: True its output
+    untraced path of :func:`make_ref_hook`. Keeping references, it is the extension's
+    ``LayerRecord`` (one call, no Python frame per layer; without it the tuple ``(index, refs,
+    first, hold)``, which the class wrapper applies inline, see :func:`as_callable`); else a
+    callable. ``hold[0]`` says what a call keeps: True its output
     and inputs; False its inputs only (autograd keeps them alive anyway; holding every layer's
     output makes each forward pass allocate fresh memory, about 3 us a layer on a deep CPU
     model), so that a step that went non-finite computes the output again
@@ -681,7 +686,7 @@ def make_record(index: int, refs: List[Any], keep: bool, first: List[int], hold:
     measure now (a sampled step's output maxima, the extension's ``OutputMaxima``: nothing
     the garbage collector has to walk is kept per layer, and no Python frame of ours runs)."""
     if keep:
-        return (index, refs, first, hold)
+        return (index, refs, first, hold) if LayerRecord is None else LayerRecord(index, refs, first, hold)
     append = refs.append
 
     def record(output: Any, args: Any) -> None:  # forward_check="off": that it ran, no tensor
@@ -713,6 +718,9 @@ def as_callable(record: Any) -> Callable[[Any, Any], None]:
 
 
 def make_slot_record(row: int, slots: List[Any]) -> Callable[[Any, Any], None]:
+    if SlotRecord is not None:
+        return SlotRecord(row, slots)  # type: ignore[no-any-return]
+
     def record(output: Any, args: Any) -> None:
         slots[row] = output
 

@@ -7,7 +7,7 @@ import numpy as np
 import numpy.typing as npt
 from typing_extensions import final
 
-__all__ = ["Engine", "OutputMaxima", "PlainStep", "TensorReader", "__version__", "cli_main", "default_config_json"]
+__all__ = ["Engine", "LayerRecord", "OutputMaxima", "PlainStep", "SlotRecord", "TensorReader", "__version__", "cli_main", "default_config_json"]
 __version__: str
 
 def default_config_json() -> str:
@@ -236,3 +236,20 @@ class PlainStep:
         """The backward taken here has returned."""
     def step(self, optimizer: object) -> bool:
         """The optimizer stepped: True when the step was observed here."""
+
+@final
+class LayerRecord:
+    """A recorded layer's call, as the layer-class wrapper hands it over (``_hooks.make_record``):
+    ``record(output, args)`` appends ``(index, output, args)`` to ``refs`` (cleared first when
+    ``index == first[0]``), keeping what ``hold[0]`` says (True: output and inputs; False: the
+    inputs; else no tensor, and a callable ``hold[0]`` is handed ``(index, output)``)."""
+
+    def __new__(cls, index: int, refs: List[object], first: List[int], hold: List[object]) -> "LayerRecord": ...
+    def __call__(self, output: object, args: object) -> None: ...
+
+@final
+class SlotRecord:
+    """An activation probe's record: ``record(output, args)`` sets ``slots[row] = output``."""
+
+    def __new__(cls, row: int, slots: List[object]) -> "SlotRecord": ...
+    def __call__(self, output: object, args: object) -> None: ...

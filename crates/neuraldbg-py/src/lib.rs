@@ -507,6 +507,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<reader::TensorReader>()?;
     m.add_class::<reader::OutputMaxima>()?;
     m.add_class::<plain::PlainStep>()?;
+    m.add_class::<reader::LayerRecord>()?;
+    m.add_class::<reader::SlotRecord>()?;
     m.add_function(wrap_pyfunction!(default_config_json, m)?)?;
     m.add_function(wrap_pyfunction!(cli_main, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

@@ -40,7 +40,7 @@ use neuraldbg_core::measure::{self, Element, OutputProbe, Slope};
 use numpy::{PyReadwriteArrayDyn, PyUntypedArrayMethods};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::{PyCapsule, PyList, PyString, PyTuple};
+use pyo3::types::{PyBool, PyCapsule, PyList, PyString, PyTuple};
 use std::ffi::c_void;
 
 /// DLPack's `DLDevice` (dlpack.h).
@@ -819,5 +819,90 @@ impl OutputMaxima {
         }
         self.read.clear();
         Ok(seen.then(|| numpy::PyArray1::from_vec(py, table)))
+    }
+}
+
+/// What the layer-class wrapper does with a call of a recorded layer (`_hooks.make_record`),
+/// as one call into the extension instead of a dozen lines of Python a layer: the record
+/// `(index, output, args)` appended to `refs` (after clearing it when `index` is `first[0]`,
+/// the layer that completes first in a forward pass), keeping what `hold[0]` says: True the
+/// output and inputs, False the inputs only, else no tensor, and a callable `hold[0]` (such as
+/// [`OutputMaxima`]) is handed `(index, output)`.
+#[pyclass(module = "neuraldbg._native", name = "LayerRecord", frozen)]
+#[derive(Debug)]
+pub struct LayerRecord {
+    index: usize,
+    refs: Py<PyList>,
+    first: Py<PyList>,
+    hold: Py<PyList>,
+}
+
+#[pymethods]
+impl LayerRecord {
+    #[new]
+    fn new(index: usize, refs: Py<PyList>, first: Py<PyList>, hold: Py<PyList>) -> Self {
+        Self {
+            index,
+            refs,
+            first,
+            hold,
+        }
+    }
+
+    fn __call__(
+        &self,
+        py: Python<'_>,
+        output: &Bound<'_, PyAny>,
+        args: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let refs = self.refs.bind(py);
+        let first: i64 = self.first.bind(py).get_item(0)?.extract()?;
+        if usize::try_from(first).ok() == Some(self.index) {
+            refs.del_slice(0, refs.len())?;
+        }
+        let hold = self.hold.bind(py).get_item(0)?;
+        if let Ok(keep) = hold.cast::<PyBool>() {
+            let out = if keep.is_true() {
+                output.clone()
+            } else {
+                py.None().into_bound(py)
+            };
+            return refs.append((self.index, out, args));
+        }
+        refs.append((self.index, py.None(), py.None()))?;
+        if let Ok(maxima) = hold.cast::<OutputMaxima>() {
+            if let Ok(mut m) = maxima.try_borrow_mut() {
+                return m.__call__(py, self.index, output);
+            }
+        }
+        if !hold.is_none() {
+            hold.call1((self.index, output))?;
+        }
+        Ok(())
+    }
+}
+
+/// An activation probe's record (`_hooks.make_slot_record`): `slots[row] = output`.
+#[pyclass(module = "neuraldbg._native", name = "SlotRecord", frozen)]
+#[derive(Debug)]
+pub struct SlotRecord {
+    row: usize,
+    slots: Py<PyList>,
+}
+
+#[pymethods]
+impl SlotRecord {
+    #[new]
+    fn new(row: usize, slots: Py<PyList>) -> Self {
+        Self { row, slots }
+    }
+
+    fn __call__(
+        &self,
+        py: Python<'_>,
+        output: &Bound<'_, PyAny>,
+        _args: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        self.slots.bind(py).set_item(self.row, output)
     }
 }
