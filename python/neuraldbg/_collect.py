@@ -349,10 +349,10 @@ class Collector:
             if x is not None:
                 self.raw_inputs.append(x)
             return
-        if self.disabled:
-            return
-        plain = self.plain
+        plain = self.plain  # (None when disabled)
         if plain is not None and plain.forward(module, args, kwargs):
+            return
+        if self.disabled:
             return
         hm = self.hm
         if hm is not None and self.registered:
@@ -710,7 +710,11 @@ class Collector:
         calls a submodule) is taken when the backward reaches the model's parameters.
 
         When the gradients are read at the tap (``Hooks.tap_reads``), returns what
-        :meth:`after_backward` compares with when the backward has returned."""
+        :meth:`after_backward` compares with when the backward has returned (True: the loss
+        of a plain step, taken by the extension's PlainStep)."""
+        plain = self.plain  # (None when disabled, not registered, or not in host mode)
+        if plain is not None and plain.backward(tensors):
+            return True
         torch = self.torch
         if self.disabled:
             return None
@@ -720,11 +724,7 @@ class Collector:
             # the graph to prove this is the model's loss: the loss itself is taken at the
             # backward's end (the tensor whose backward gave the parameters gradients). A
             # product may be GradScaler's scaled loss: its scale is read now, before backward
-            # frees it, and the unscaled loss kept for that end. (A plain step's loss is
-            # the extension's: True says so to after_backward.)
-            plain = self.plain
-            if plain is not None and plain.backward(tensors):
-                return True
+            # frees it, and the unscaled loss kept for that end.
             self._host_loss(tensors)
             if not self.hooks.tap_reads:
                 return None

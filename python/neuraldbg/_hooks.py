@@ -122,9 +122,8 @@ class CallRecorder:
     """
 
     def __init__(self) -> None:
-        # id(module) -> its records, and what the wrapper applies: the record itself when it
-        # is alone (the common case; a kept-reference tuple is applied inline), else a callable
-        # that calls each in turn.
+        # id(module) -> its records, and what the wrapper calls: the record itself when it is
+        # alone (the common case), else a callable that calls each in turn.
         self.records: Dict[int, List[Any]] = {}
         self.watched: Dict[int, Any] = {}
         self.count: Dict[type, int] = {}
@@ -160,7 +159,7 @@ class CallRecorder:
         elif len(records) == 1:
             self.watched[key] = records[0]
         else:
-            calls = tuple(as_callable(r) for r in records)
+            calls = tuple(records)
 
             def all_records(output: Any, args: Any) -> None:
                 for record in calls:
@@ -289,19 +288,7 @@ class CallRecorder:
                 return output
             record = watched.get(id(module))
             if record is not None:
-                if type(record) is tuple:  # a kept reference (make_record), done inline
-                    index, refs, first, hold = record
-                    if index == first[0]:
-                        refs.clear()
-                    h = hold[0]
-                    if h is True or h is False:
-                        refs.append((index, output if h else None, args))
-                    else:  # keep no tensor; `h`, if any, measures the output now
-                        refs.append((index, None, None))
-                        if h is not None:
-                            h(index, output)
-                else:
-                    record(output, args)
+                record(output, args)
             return output
 
         self.original[cls] = own
@@ -673,10 +660,9 @@ def make_ref_hook(
 
 def make_record(index: int, refs: List[Any], keep: bool, first: List[int], hold: List[Any]) -> Any:
     """What :class:`CallRecorder` does with a recorded module's ``(output, args)``: the
-    untraced path of :func:`make_ref_hook`. Keeping references, it is the extension's
-    ``LayerRecord`` (one call, no Python frame per layer; without it the tuple ``(index, refs,
-    first, hold)``, which the class wrapper applies inline, see :func:`as_callable`); else a
-    callable. ``hold[0]`` says what a call keeps: True its output
+    untraced path of :func:`make_ref_hook`, a callable ``record(output, args)``: keeping
+    references, the extension's ``LayerRecord`` (one call, no Python frame per layer; without
+    the extension the same in Python). ``hold[0]`` says what a call keeps: True its output
     and inputs; False its inputs only (autograd keeps them alive anyway; holding every layer's
     output makes each forward pass allocate fresh memory, about 3 us a layer on a deep CPU
     model), so that a step that went non-finite computes the output again
@@ -685,25 +671,19 @@ def make_record(index: int, refs: List[Any], keep: bool, first: List[int], hold:
     ``WatchedModel.replay``), and a callable the same, after handing it ``(index, output)`` to
     measure now (a sampled step's output maxima, the extension's ``OutputMaxima``: nothing
     the garbage collector has to walk is kept per layer, and no Python frame of ours runs)."""
-    if keep:
-        return (index, refs, first, hold) if LayerRecord is None else LayerRecord(index, refs, first, hold)
+    if keep and LayerRecord is not None:
+        return LayerRecord(index, refs, first, hold)
     append = refs.append
+    if not keep:
 
-    def record(output: Any, args: Any) -> None:  # forward_check="off": that it ran, no tensor
-        if index == first[0]:
-            refs.clear()
-        append((index, None, None))
+        def record(output: Any, args: Any) -> None:  # forward_check="off": that it ran, no tensor
+            if index == first[0]:
+                refs.clear()
+            append((index, None, None))
 
-    return record
+        return record
 
-
-def as_callable(record: Any) -> Callable[[Any, Any], None]:
-    """A record as a callable (several records on one module are called in turn)."""
-    if type(record) is not tuple:
-        return record  # type: ignore[no-any-return]
-    index, refs, first, hold = record
-
-    def call(output: Any, args: Any) -> None:
+    def call(output: Any, args: Any) -> None:  # pragma: no cover - LayerRecord, in Python
         if index == first[0]:
             refs.clear()
         h = hold[0]
