@@ -155,17 +155,19 @@ MODELS: Dict[str, Tuple[str, Callable[[], nn.Module], Callable[[], List[Batch]],
         40,
     ),
     # The per-step and per-layer cost on fast steps (one thread: ~1 ms and ~75 ms a step), SGD.
+    # (Rounds: their ratios are a few points apart; 60 and 12 rounds moved them by 2-4 points
+    # between runs of the same code on a shared machine.)
     "mlp16": (
         "MLP, 16 x (Linear 32x32 + ReLU) + head, batch 64, SGD",
         lambda: MLP(depth=16),
         lambda: _batches(lambda g: (torch.randn(64, 32, generator=g), torch.randint(0, 10, (64,), generator=g))),
-        60,
+        300,
     ),
     "mlp1024": (
         "MLP, 1,024 x (Linear 32x32 + ReLU) + head, batch 64, SGD",
         lambda: MLP(depth=1024),
         lambda: _batches(lambda g: (torch.randn(64, 32, generator=g), torch.randint(0, 10, (64,), generator=g))),
-        12,
+        30,
     ),
     "transformer-large": (
         "Transformer encoder, 6 layers, d_model 256, 8 heads, seq 128, batch 8",

@@ -626,6 +626,16 @@ class Collector:
                     self.on_observed(step)
             except Exception as e:
                 self._fail(e)
+        if self._next_step():
+            return self._plain_next()
+        # Nothing armed: what _plain_next asks held for this step (a plain one), and nothing
+        # sampled comes, so the coming step is plain unless its weights are measured.
+        return self.plain is not None and self.step % self.weight_every != 0
+
+    def _next_step(self) -> bool:
+        """A plain step was observed: count it, let the loop facts' probe see the gradient the
+        optimizer used, and arm what the coming step needs. True when something was armed
+        (or disarmed)."""
         self.step += 1
         try:
             self.loop.after_optimizer_step()
@@ -634,10 +644,8 @@ class Collector:
         sampled = self._activations_next()
         if sampled or self.hooks.modules_armed or self._modules_wanted(sampled):
             self._arm_probes(sampled)
-            return self._plain_next()
-        # Nothing armed: what _plain_next asks held for this step (a plain one), and nothing
-        # sampled comes, so the coming step is plain unless its weights are measured.
-        return self.plain is not None and self.step % self.weight_every != 0
+            return True
+        return False  # (nothing to arm or disarm, nothing held)
 
     def _grads_finite(self) -> bool:
         """Host mode: whether every gradient norm read in this step is finite."""
@@ -950,14 +958,7 @@ class Collector:
             self._fail(e)
         finally:
             self._end_plain_step(False)
-        self.step += 1
-        try:
-            self.loop.after_optimizer_step()
-        except Exception as e:  # pragma: no cover - defensive
-            self._fail(e)
-        sampled = self._activations_next()
-        if sampled or self.hooks.modules_armed or self._modules_wanted(sampled):
-            self._arm_probes(sampled)  # (else nothing to arm or disarm, nothing held)
+        self._next_step()
         if self.plain is not None:
             self.plain.arm(self._plain_next())
         return True

@@ -33,9 +33,10 @@ use crate::PyEngine;
 use crate::reader::TensorReader;
 
 /// Where the step is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 enum Stage {
     /// Nothing seen yet.
+    #[default]
     Fresh,
     /// The model's forward ran.
     Forward,
@@ -96,6 +97,15 @@ pub struct PlainStep {
     grad_enabled: Py<PyAny>,
     any_autocast: Py<PyAny>,
     armed: bool,
+    /// What was seen of the step under way.
+    st: SoFar,
+    /// Steps observed here.
+    taken: u64,
+}
+
+/// What [`PlainStep`] saw of the step under way.
+#[derive(Debug, Default)]
+struct SoFar {
     stage: Stage,
     call: Option<Call>,
     loss: Option<(Py<PyAny>, f64)>,
@@ -104,8 +114,6 @@ pub struct PlainStep {
     accumulated: Option<bool>,
     flags: i32,
     clip_seen: Option<(Py<PyAny>, Option<i64>)>,
-    /// Steps observed here.
-    taken: u64,
 }
 
 /// `g._version`, None when it has none.
@@ -180,14 +188,7 @@ impl PlainStep {
     }
 
     fn reset(&mut self) {
-        self.stage = Stage::Fresh;
-        self.call = None;
-        self.loss = None;
-        self.marks.clear();
-        self.probe = None;
-        self.accumulated = None;
-        self.flags = 0;
-        self.clip_seen = None;
+        self.st = SoFar::default();
     }
 
     /// Hands what was seen of this step to the collector (see the module docs) and stops
@@ -195,12 +196,15 @@ impl PlainStep {
     /// facts' probe.
     fn spill(&mut self, py: Python<'_>, grads: bool) -> PyResult<()> {
         self.armed = false;
-        let stage = self.stage;
-        let call = self.call.take();
-        let loss = self.loss.take();
-        let clip_seen = self.clip_seen.take();
-        let (flags, accumulated) = (self.flags, self.accumulated);
-        self.reset();
+        let SoFar {
+            stage,
+            call,
+            loss,
+            flags,
+            accumulated,
+            clip_seen,
+            ..
+        } = std::mem::take(&mut self.st);
         let c = self.collector.bind(py);
         if let Some(call) = call {
             let hm = c.getattr(intern!(py, "hm"))?;
@@ -227,10 +231,10 @@ impl PlainStep {
     /// The marks in the collector's own form (`Collector.on_backward`'s answer).
     fn py_marks<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
         let sentinels = PyList::empty(py);
-        for (k, m) in self.sentinels.iter().zip(&self.marks) {
+        for (k, m) in self.sentinels.iter().zip(&self.st.marks) {
             sentinels.append((*k, m.grad.as_ref().map(|g| g.clone_ref(py)), m.version))?;
         }
-        let probe = match &self.probe {
+        let probe = match &self.st.probe {
             Some(p) => Some((
                 p.old.as_ref().map(|g| g.clone_ref(py)),
                 p.key.as_ref().map(|k| k.clone_ref(py)),
@@ -249,7 +253,7 @@ impl PlainStep {
         args: &Bound<'_, PyAny>,
         kwargs: &Bound<'_, PyAny>,
     ) -> PyResult<bool> {
-        if self.stage != Stage::Fresh {
+        if self.st.stage != Stage::Fresh {
             self.spill(py, true)?; // a second forward in the step: the collector's way
             return Ok(false);
         }
@@ -272,20 +276,20 @@ impl PlainStep {
             return Ok(false);
         };
         let training = module.getattr(intern!(py, "training"))?.is_truthy()?;
-        self.call = Some(Call {
+        self.st.call = Some(Call {
             module: module.clone().unbind(),
             args: args.clone().unbind(),
             kwargs: kwargs.clone().unbind(),
             training,
             stats,
         });
-        self.stage = Stage::Forward;
+        self.st.stage = Stage::Forward;
         self.armed = true;
         Ok(true)
     }
 
     fn backward_inner(&mut self, py: Python<'_>, tensors: &Bound<'_, PyAny>) -> PyResult<bool> {
-        if self.stage != Stage::Forward {
+        if self.st.stage != Stage::Forward {
             self.spill(py, true)?;
             return Ok(false);
         }
@@ -313,18 +317,18 @@ impl PlainStep {
             self.spill(py, true)?; // not a plain loss (or a non-finite one): the collector's way
             return Ok(false);
         };
-        self.marks.clear();
+        self.st.marks.clear();
         for &k in &self.sentinels {
             let g = grad_of(&self.param(py, k)?)?;
             let v = g.as_ref().and_then(version);
-            self.marks.push(Mark {
+            self.st.marks.push(Mark {
                 grad: g.map(Bound::unbind),
                 version: v,
             });
         }
         let facts = self.facts.bind(py);
         let probe = facts.getattr(intern!(py, "probe"))?;
-        self.probe = if facts.getattr(intern!(py, "armed"))?.is_truthy()? && !probe.is_none() {
+        self.st.probe = if facts.getattr(intern!(py, "armed"))?.is_truthy()? && !probe.is_none() {
             let old = grad_of(&probe)?;
             let key = old.as_ref().and_then(grad_key);
             Some(ProbeMark {
@@ -335,17 +339,17 @@ impl PlainStep {
         } else {
             None
         };
-        self.loss = Some((tensors.clone().unbind(), value));
-        self.stage = Stage::Loss;
+        self.st.loss = Some((tensors.clone().unbind(), value));
+        self.st.stage = Stage::Loss;
         Ok(true)
     }
 
     fn after_inner(&mut self, py: Python<'_>) -> PyResult<()> {
-        if self.stage != Stage::Loss {
+        if self.st.stage != Stage::Loss {
             return Ok(());
         }
         let mut reached = false;
-        for (&k, m) in self.sentinels.iter().zip(&self.marks) {
+        for (&k, m) in self.sentinels.iter().zip(&self.st.marks) {
             if changed(&self.param(py, k)?, m.grad.as_ref(), m.version)? {
                 reached = true;
                 break;
@@ -361,7 +365,7 @@ impl PlainStep {
             c.call_method1(intern!(py, "after_backward"), (marks,))?;
             return Ok(());
         }
-        if let Some(p) = &self.probe {
+        if let Some(p) = &self.st.probe {
             // LoopFacts.after_backward: what the probe's backward found in its .grad.
             let then = match &p.key {
                 Some(k) => k.bind(py).get_item(1)?.extract::<Option<i64>>()?,
@@ -373,7 +377,7 @@ impl PlainStep {
                 facts.setattr(intern!(py, "grads_kept"), p.old.is_some())?;
                 let before = facts.getattr(intern!(py, "after_step_grad"))?;
                 // `old is not None and before is not None and key == before`
-                self.accumulated = Some(match (&p.old, &p.key) {
+                self.st.accumulated = Some(match (&p.old, &p.key) {
                     (Some(_), Some(key)) if !before.is_none() => key.bind(py).eq(&before)?,
                     _ => false,
                 });
@@ -395,22 +399,22 @@ impl PlainStep {
             c.call_method0(intern!(py, "_on_backward_end"))?;
             return Ok(());
         }
-        self.clip_seen = match self.clip {
+        self.st.clip_seen = match self.clip {
             Some(k) => grad_of(&self.param(py, k)?)?.map(|g| {
                 let v = version(&g);
                 (g.unbind(), v)
             }),
             None => None,
         };
-        self.flags = flags;
-        self.stage = Stage::Grads;
+        self.st.flags = flags;
+        self.st.stage = Stage::Grads;
         Ok(())
     }
 
     fn step_inner(&mut self, py: Python<'_>, optimizer: &Bound<'_, PyAny>) -> PyResult<bool> {
         let c = self.collector.clone_ref(py);
         let c = c.bind(py);
-        if self.stage != Stage::Grads
+        if self.st.stage != Stage::Grads
             || !optimizer.is(&c.getattr(intern!(py, "plain_optimizer"))?)
             || !c.getattr(intern!(py, "engine"))?.is(&self.engine)
         {
@@ -429,13 +433,13 @@ impl PlainStep {
             self.spill(py, true)?; // (a tensor lr: the collector reads it)
             return Ok(false);
         };
-        let Some((training, s)) = self.call.as_ref().map(|c| (c.training, c.stats)) else {
+        let Some((training, s)) = self.st.call.as_ref().map(|c| (c.training, c.stats)) else {
             self.spill(py, true)?;
             return Ok(false);
         };
         let mut facts = Vec::with_capacity(3);
         facts.push((Fact::Training, if training { 1.0 } else { 0.0 }));
-        if let Some(a) = self.accumulated {
+        if let Some(a) = self.st.accumulated {
             facts.push((Fact::GradAccumulated, if a { 1.0 } else { 0.0 }));
         }
         let array = self.grads.bind(py).clone();
@@ -448,7 +452,7 @@ impl PlainStep {
                 .get(k)
                 .copied()
                 .map_or(f64::NAN, f64::from);
-            let same = match &self.clip_seen {
+            let same = match &self.st.clip_seen {
                 Some((g, Some(v))) => match grad_of(&self.param(py, k)?)? {
                     Some(now) => now.is(g) && version(&now) == Some(*v),
                     None => false,
@@ -480,7 +484,7 @@ impl PlainStep {
             weight_norms: None,
             activations: None,
             inputs: &inputs,
-            loss: self.loss.as_ref().map(|l| l.1),
+            loss: self.st.loss.as_ref().map(|l| l.1),
             lr: Some(lr),
             nonfinite_module: None,
             outputs_checked: false,
@@ -536,14 +540,7 @@ impl PlainStep {
             grad_enabled,
             any_autocast,
             armed: false,
-            stage: Stage::Fresh,
-            call: None,
-            loss: None,
-            marks: Vec::new(),
-            probe: None,
-            accumulated: None,
-            flags: 0,
-            clip_seen: None,
+            st: SoFar::default(),
             taken: 0,
         }
     }
@@ -557,12 +554,12 @@ impl PlainStep {
         visit.call(&self.params)?;
         visit.call(&self.grads)?;
         visit.call(&self.facts)?;
-        if let Some(call) = &self.call {
+        if let Some(call) = &self.st.call {
             visit.call(&call.module)?;
             visit.call(&call.args)?;
             visit.call(&call.kwargs)?;
         }
-        if let Some((t, _)) = &self.loss {
+        if let Some((t, _)) = &self.st.loss {
             visit.call(t)?;
         }
         Ok(())
@@ -572,7 +569,7 @@ impl PlainStep {
     /// under way is then handed to the collector first.
     fn arm(&mut self, py: Python<'_>, on: bool) {
         self.guard(py, (), |me, py| {
-            if me.stage != Stage::Fresh {
+            if me.st.stage != Stage::Fresh {
                 me.spill(py, true)?;
             }
             me.armed = on;
@@ -630,7 +627,7 @@ impl PlainStep {
     /// The optimizer stepped (`Collector._on_optimizer_post`): True when the step was
     /// observed here.
     fn step(&mut self, py: Python<'_>, optimizer: &Bound<'_, PyAny>) -> bool {
-        if self.stage == Stage::Fresh {
+        if self.st.stage == Stage::Fresh {
             return false;
         }
         self.guard(py, true, |me, py| me.step_inner(py, optimizer))
