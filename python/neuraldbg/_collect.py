@@ -25,7 +25,12 @@ module, once, to learn the execution order. After that, module outputs are kept 
 until the step is observed) only for modules that can *create* a NaN/Inf. Activation modules
 get a second, separate hook only on the steps whose activation statistics are measured. In host
 mode the module hooks and records themselves are there only on the steps that need them
-(:meth:`Collector._modules_wanted`): an unmeasured step sees only the model's own calls.
+(:meth:`Collector._modules_wanted`): an unmeasured step sees only the model's own calls. Such
+a step, on a CPU model whose loss and gradients are read at the backward tap, is observed by
+the extension's ``PlainStep`` (:meth:`Collector._make_plain`): the hooks hand it the forward,
+the loss's backward and the optimizer step, and this module's state is only told of the step
+(:meth:`Collector._plain_done`), or handed what it saw when the step turns out not to be a
+plain one.
 
 Only when a step's gradients or loss are not finite are the kept outputs scanned (in forward
 order) for the first module whose output went non-finite: two transfers on such a failure step,
