@@ -962,11 +962,15 @@ def _train(loop: str, tmp_path, name: str, plain: bool, monkeypatch) -> Tuple[Li
     else:
         monkeypatch.undo()
     torch.manual_seed(0)
-    model = mlp(3)
+    g = torch.Generator().manual_seed(1)
+    if loop == "tokens":  # token ids in: no float input, no input statistics
+        model = nn.Sequential(nn.Embedding(50, 8), nn.Flatten(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+        data = [(torch.randint(0, 50, (32, 2), generator=g), torch.randint(0, 4, (32,), generator=g)) for _ in range(40)]
+    else:
+        model = mlp(3)
+        data = [(torch.randn(32, 16, generator=g), torch.randint(0, 4, (32,), generator=g)) for _ in range(40)]
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     other = nn.Linear(16, 1)  # another model: its backward reaches none of ours
-    g = torch.Generator().manual_seed(1)
-    data = [(torch.randn(32, 16, generator=g), torch.randint(0, 4, (32,), generator=g)) for _ in range(40)]
     path = tmp_path / f"{name}.ndbg"
     dbg = NeuralDbg(model, trace=path)
     taken = 0
@@ -985,8 +989,10 @@ def _train(loop: str, tmp_path, name: str, plain: bool, monkeypatch) -> Tuple[Li
                 if loop == "nan" and i >= 27:
                     with torch.no_grad():
                         model[0].weight[0, 0] = float("nan")
+                if loop == "other_backward" and i % 3 == 1:  # before our forward
+                    other(x).pow(2).mean().backward()
                 loss = nn.functional.cross_entropy(model(x), y)
-                if loop == "other_backward" and i % 3 == 1:
+                if loop == "other_backward" and i % 3 == 2:  # between our forward and backward
                     other(x).pow(2).mean().backward()
                 if loop == "accumulate" and i % 2 == 1:
                     (loss / 2).backward()
@@ -1005,12 +1011,13 @@ def _train(loop: str, tmp_path, name: str, plain: bool, monkeypatch) -> Tuple[Li
 
 
 @pytest.mark.parametrize(
-    "loop", ["plain", "accumulate", "clip", "eval_between", "nan", "other_backward", "lr_tensor", "crash"]
+    "loop", ["plain", "tokens", "accumulate", "clip", "eval_between", "nan", "other_backward", "lr_tensor", "crash"]
 )
 def test_the_extensions_plain_steps_give_the_engine_what_the_collector_would(loop, tmp_path, monkeypatch):
     """PlainStep (the unmeasured host steps observed by the extension) feeds the engine exactly
     what the collector's own Python does, step for step (the trace records every input the
-    engine got), also where a step is handed back to the collector midway: gradient
+    engine got), on float inputs and token ids, also where a step is handed back to the
+    collector midway: gradient
     accumulation, clipping, evaluation forwards between steps, a NaN from step 27 on, another
     model's backward, a tensor learning rate, a loop that raises after a forward."""
     ours = _train(loop, tmp_path, "ours", True, monkeypatch)
@@ -1024,8 +1031,8 @@ def test_the_extensions_plain_steps_give_the_engine_what_the_collector_would(loo
     # The steps the extension observed: of the 40, the plain ones are 11-19, 21-29 and 31-39
     # (0-9 are dense, 10, 20 and 30 sampled): 27. Handed back to the collector: the steps
     # with a second backward (odd ones: 15 of them), an evaluation forward (i % 4 == 2: 6),
-    # another model's backward (i % 3 == 1: 9), a NaN (27 on), a tensor learning rate (all),
+    # another model's backward (i % 3 != 0: 18), a NaN (27 on), a tensor learning rate (all),
     # and those after the crash at 23.
-    expected = {"plain": 27, "accumulate": 12, "clip": 27, "eval_between": 21, "nan": 15,
-                "other_backward": 18, "lr_tensor": 0, "crash": 11}
+    expected = {"plain": 27, "tokens": 27, "accumulate": 12, "clip": 27, "eval_between": 21, "nan": 15,
+                "other_backward": 9, "lr_tensor": 0, "crash": 11}
     assert ours[3] == expected[loop]

@@ -17,23 +17,31 @@ DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 SHAPES = [(), (1,), (7,), (3, 5), (4, 3, 2), (2, 3, 4, 5), (17, 9), (64, 33), (0,), (3, 0)]
 
 
-# How the reader learns a tensor's layout: by asking torch for each property, or from torch's
-# DLPack exporter in one call (what the collector uses). Every test runs both ways.
-EXPORTERS = {"attributes": None, "dlpack": getattr(torch._C, "_to_dlpack", None)}
-_EXPORT: list = [None]
+# How the reader learns a tensor's layout: by asking torch for each property, from torch's
+# DLPack exporter in one call, or (what the collector uses) through DLPack 1.3's exchange API,
+# a view of a torch.Tensor without a capsule (torch >= 2.10; the exporter for the rest). Every
+# test runs all three ways.
+_TO_DLPACK = getattr(torch._C, "_to_dlpack", None)
+_EXCHANGE = getattr(torch.Tensor, "__dlpack_c_exchange_api__", None)
+EXPORTERS = {"attributes": (None, None), "dlpack": (_TO_DLPACK, None), "exchange": (_TO_DLPACK, _EXCHANGE)}
+_EXPORT: list = [(None, None)]
 
 
 @pytest.fixture(autouse=True, params=sorted(EXPORTERS))
 def layout_source(request: pytest.FixtureRequest) -> str:
-    if request.param == "dlpack" and EXPORTERS["dlpack"] is None:
+    if request.param == "dlpack" and _TO_DLPACK is None:
         pytest.skip("this torch has no torch._C._to_dlpack")
+    if request.param == "exchange" and (_TO_DLPACK is None or _EXCHANGE is None):
+        pytest.skip("this torch has no DLPack exchange API")
     _EXPORT[0] = EXPORTERS[request.param]
+    if request.param == "exchange":
+        assert reader().views
     return str(request.param)
 
 
 def reader() -> TensorReader:
     return TensorReader(
-        (torch.Tensor, torch.nn.Parameter), torch.float32, torch.float64, torch.float16, torch.bfloat16, _EXPORT[0]
+        (torch.Tensor, torch.nn.Parameter), torch.float32, torch.float64, torch.float16, torch.bfloat16, *_EXPORT[0]
     )
 
 
@@ -406,7 +414,7 @@ def test_unreadable_tensors_fall_back_without_raising():
     assert r.norms([Raising()], np.empty(1, np.float32), "grad") is False
     assert r.norms([object()], np.empty(1, np.float32), "grad") is False
     # A reader that accepts only torch.Tensor refuses Parameters.
-    only_tensor = TensorReader((torch.Tensor,), torch.float32, torch.float64, torch.float16, torch.bfloat16, _EXPORT[0])
+    only_tensor = TensorReader((torch.Tensor,), torch.float32, torch.float64, torch.float16, torch.bfloat16, *_EXPORT[0])
     assert only_tensor.norms([torch.nn.Parameter(torch.ones(2))], np.empty(1, np.float32)) is False
     assert only_tensor.stats(torch.ones(2)) is not None
 

@@ -392,8 +392,8 @@ class Collector:
     ) -> None:
         """Host mode, registered: a forward pass of the model starts (the hot path of
         :meth:`_on_root_pre`: no pending step, no device). ``seen``: ``(module.training,
-        torch.is_grad_enabled(), input statistics)`` as they were when the forward ran, no
-        autocast on (a forward the extension's PlainStep saw, handed over later)."""
+        torch.is_grad_enabled(), input statistics or None)`` as they were when the forward ran,
+        no autocast on (a forward the extension's PlainStep saw, handed over later)."""
         self.forward_gen += 1
         self.refs.clear()
         self.ran = None

@@ -457,10 +457,11 @@ def reader() -> Any:
             from . import _native
 
             # torch's DLPack exporter tells a tensor's dtype, device, shape, strides and address
-            # in one call (the reader falls back to asking each when torch has none).
+            # in one call (the reader falls back to asking each when torch has none); DLPack
+            # 1.3's exchange API (torch >= 2.10) does it without a capsule, for torch.Tensor.
             _READER = _native.TensorReader(
                 (torch.Tensor, torch.nn.Parameter), torch.float32, torch.float64, torch.float16, torch.bfloat16,
-                getattr(torch._C, "_to_dlpack", None),
+                getattr(torch._C, "_to_dlpack", None), getattr(torch.Tensor, "__dlpack_c_exchange_api__", None),
             )
         except (ImportError, AttributeError):  # pragma: no cover - an extension built without it
             _READER = False

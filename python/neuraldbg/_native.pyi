@@ -105,7 +105,10 @@ class TensorReader:
     nothing may write the tensors from another thread during a call. With ``to_dlpack``
     (``torch._C._to_dlpack``) the dtype, device, layout and address come from the DLPack
     capsule it returns (one call instead of five); the tensor is then readable when it is a
-    CPU float16/32/64 or bfloat16 tensor, compact row-major."""
+    CPU float16/32/64 or bfloat16 tensor, compact row-major. With ``exchange`` (torch's
+    ``Tensor.__dlpack_c_exchange_api__``, DLPack 1.3's exchange API capsule) a tensor of
+    exactly ``tensor_types[0]`` is viewed through its ``dltensor_from_py_object_no_sync``
+    instead: no capsule, no allocation (``to_dlpack`` when that view fails)."""
 
     def __new__(
         cls,
@@ -115,7 +118,11 @@ class TensorReader:
         float16: object,
         bfloat16: object,
         to_dlpack: Optional[Callable[[object], object]] = None,
+        exchange: Optional[object] = None,
     ) -> "TensorReader": ...
+    @property
+    def views(self) -> bool:
+        """Whether ``tensor_types[0]`` tensors are read through the exchange API's view."""
     def norms(
         self,
         items: Sequence[object],

@@ -53,7 +53,8 @@ struct Call {
     args: Py<PyAny>,
     kwargs: Py<PyAny>,
     training: bool,
-    stats: (f64, f64, f64, f64),
+    /// The input's `min, max, mean, std` (None: an index batch, no float input).
+    stats: Option<(f64, f64, f64, f64)>,
 }
 
 /// A gradient as a backward started: the tensor (None: no gradient) and its version.
@@ -272,9 +273,18 @@ impl PlainStep {
         if !x.get_type().is(self.tensor.bind(py)) {
             return Ok(false);
         }
-        let Some(stats) = self.reader.borrow_mut(py).stats(&x) else {
-            return Ok(false);
-        };
+        let stats = self.reader.borrow_mut(py).stats(&x);
+        if stats.is_none() {
+            // Not a readable float tensor. Taken only as the one input, holding no float (token
+            // ids): the collector then reads no input statistics either.
+            let alone = tuple.len() == 1 && (kwargs.is_none() || kwargs.len()? == 0);
+            if !alone
+                || x.call_method0(intern!(py, "is_floating_point"))?
+                    .is_truthy()?
+            {
+                return Ok(false);
+            }
+        }
         let training = module.getattr(intern!(py, "training"))?.is_truthy()?;
         self.st.call = Some(Call {
             module: module.clone().unbind(),
@@ -476,14 +486,14 @@ impl PlainStep {
             }
         }
         let step: u64 = c.getattr(intern!(py, "step"))?.extract()?;
-        let inputs = [s.0 as f32, s.1 as f32, s.2 as f32, s.3 as f32];
+        let inputs = s.map(|s| [s.0 as f32, s.1 as f32, s.2 as f32, s.3 as f32]);
         let grads_ro = array.readonly();
         let view = StepView {
             step,
             grad_norms: grads_ro.as_slice()?,
             weight_norms: None,
             activations: None,
-            inputs: &inputs,
+            inputs: inputs.as_ref().map_or(&[], |i| i.as_slice()),
             loss: self.st.loss.as_ref().map(|l| l.1),
             lr: Some(lr),
             nonfinite_module: None,

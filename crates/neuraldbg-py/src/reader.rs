@@ -78,6 +78,26 @@ struct DlManagedTensor {
     deleter: Option<unsafe extern "C" fn(*mut DlManagedTensor)>,
 }
 
+/// DLPack 1.3's `DLPackDLTensorFromPyObjectNoSync`: fills a caller-owned `DLTensor` that views
+/// the Python object's tensor without owning it (valid while the object is alive and unchanged,
+/// "until control returns" to Python); 0 on success, else -1 with a Python error set.
+type DlTensorFromPyObject = unsafe extern "C" fn(*mut c_void, *mut DlTensor) -> i32;
+
+/// DLPack 1.3's `DLPackExchangeAPI` (what torch's `Tensor.__dlpack_c_exchange_api__`, a capsule
+/// named `dlpack_exchange_api`, points to): a version header, then function pointers, each
+/// possibly null. Only `dltensor_from_py_object_no_sync` is used.
+#[repr(C)]
+struct DlExchangeApi {
+    major: u32,
+    minor: u32,
+    prev_api: *const c_void,
+    managed_tensor_allocator: *const c_void,
+    managed_tensor_from_py_object_no_sync: *const c_void,
+    managed_tensor_to_py_object_no_sync: *const c_void,
+    dltensor_from_py_object_no_sync: Option<DlTensorFromPyObject>,
+    current_work_stream: *const c_void,
+}
+
 /// `kDLCPU`, `kDLFloat`, `kDLBfloat`.
 const DL_CPU: i32 = 1;
 const DL_FLOAT: u8 = 2;
@@ -175,6 +195,10 @@ pub struct TensorReader {
     grad: Py<PyString>,
     /// torch's DLPack exporter (`torch._C._to_dlpack`), when given.
     to_dlpack: Option<Py<PyAny>>,
+    /// torch's non-owning DLPack view of a `torch.Tensor` (DLPack 1.3's exchange API), when
+    /// given: no allocation, no capsule, no Python call a tensor; and the capsule holding it.
+    view: Option<DlTensorFromPyObject>,
+    exchange: Option<Py<PyAny>>,
     /// Reused buffers: a tensor's shape, per-unit maxima, per-column flags.
     dims: Vec<usize>,
     units: Vec<f64>,
@@ -185,6 +209,7 @@ impl std::fmt::Debug for TensorReader {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("TensorReader")
             .field("types", &self.types.len())
+            .field("exchange", &self.exchange.is_some())
             .finish_non_exhaustive()
     }
 }
@@ -202,6 +227,32 @@ impl TensorReader {
         let ty = t.get_type();
         if !self.types.iter().any(|x| ty.is(x)) {
             return None;
+        }
+        if let Some(view) = self.view.filter(|_| ty.is(&self.types[0])) {
+            let mut dl = DlTensor {
+                data: std::ptr::null_mut(),
+                device: DlDevice {
+                    device_type: 0,
+                    device_id: 0,
+                },
+                ndim: 0,
+                dtype: DlDataType {
+                    code: 0,
+                    bits: 0,
+                    lanes: 0,
+                },
+                shape: std::ptr::null(),
+                strides: std::ptr::null(),
+                byte_offset: 0,
+            };
+            // SAFETY: torch's function for its own exact tensor type (`types[0]`, checked
+            // above), called with the GIL held on a live object; it writes only `dl`.
+            if unsafe { view(t.as_ptr().cast(), &raw mut dl) } == 0 {
+                // SAFETY: `dl` views `t`'s tensor, alive (borrowed for this whole function)
+                // and unchanged: no Python code runs until `f` has returned.
+                return unsafe { self.with_dltensor(&dl, f) };
+            }
+            let _ = PyErr::take(py); // (not viewable this way: the exporter says why not, below)
         }
         if let Some(export) = &self.to_dlpack {
             let capsule = export.bind(py).call1((t,)).ok()?;
@@ -283,6 +334,20 @@ impl TensorReader {
         // contract), which stays alive and unchanged until the capsule's destructor runs; the
         // capsule is borrowed for this whole function and no Python code runs meanwhile.
         let dl = unsafe { &managed.cast::<DlManagedTensor>().as_ref().dl_tensor };
+        // SAFETY: as just said, `dl` and what it points to outlive this call.
+        unsafe { self.with_dltensor(dl, f) }
+    }
+
+    /// [`Self::with_elements`] over a `DLTensor` (`self.dims` always gets its shape).
+    ///
+    /// # Safety
+    /// `dl`, its `shape` and `strides` and the memory its `data` points to must stay alive and
+    /// unwritten while this runs (no Python code runs in it).
+    unsafe fn with_dltensor<R>(
+        &mut self,
+        dl: &DlTensor,
+        f: impl FnOnce(Elements<'_>, &mut Self) -> R,
+    ) -> Option<R> {
         if dl.device.device_type != DL_CPU || dl.dtype.lanes != 1 {
             return None;
         }
@@ -388,10 +453,24 @@ fn activation<T: Element>(
     row[4] = r.samples_per_unit as f32;
 }
 
+/// `dltensor_from_py_object_no_sync` of a DLPack exchange API capsule of version 1.3 or later,
+/// None for anything else.
+fn exchange_view(capsule: &Bound<'_, PyAny>) -> Option<DlTensorFromPyObject> {
+    let capsule = capsule.cast::<PyCapsule>().ok()?;
+    let api = capsule.pointer_checked(Some(c"dlpack_exchange_api")).ok()?;
+    // SAFETY: a capsule of this name points to a `DLPackExchangeAPI`, which its producer keeps
+    // for the process's life (torch: a static singleton); its header says which version.
+    let api = unsafe { api.cast::<DlExchangeApi>().as_ref() };
+    (api.major == 1 && api.minor >= 3)
+        .then_some(api.dltensor_from_py_object_no_sync)
+        .flatten()
+}
+
 #[pymethods]
 impl TensorReader {
     #[new]
-    #[pyo3(signature = (tensor_types, float32, float64, float16, bfloat16, to_dlpack=None))]
+    #[pyo3(signature = (tensor_types, float32, float64, float16, bfloat16, to_dlpack=None, exchange=None))]
+    #[allow(clippy::too_many_arguments)] // (torch's four dtypes, each a parameter)
     fn new(
         py: Python<'_>,
         tensor_types: &Bound<'_, PyTuple>,
@@ -400,6 +479,7 @@ impl TensorReader {
         float16: Py<PyAny>,
         bfloat16: Py<PyAny>,
         to_dlpack: Option<Py<PyAny>>,
+        exchange: Option<Py<PyAny>>,
     ) -> Self {
         let name = |s: &str| PyString::intern(py, s).unbind();
         Self {
@@ -413,6 +493,8 @@ impl TensorReader {
             shape: name("shape"),
             grad: name("grad"),
             to_dlpack,
+            view: exchange.as_ref().and_then(|e| exchange_view(e.bind(py))),
+            exchange,
             dims: Vec::new(),
             units: Vec::new(),
             cols: Vec::new(),
@@ -535,6 +617,13 @@ impl TensorReader {
             write_out("cols", c, &col_values)?;
         }
         Ok(flags)
+    }
+
+    /// Whether `torch.Tensor`s are read through DLPack's exchange API (a non-owning view: no
+    /// capsule a tensor), rather than one `_to_dlpack` capsule each.
+    #[getter]
+    fn views(&self) -> bool {
+        self.view.is_some()
     }
 
     /// The L2 norm of `item` (or of `getattr(item, attr)`; -1 where that is None), None when
