@@ -474,10 +474,16 @@ def main() -> int:
                     help="thread CPU time (default; robust on a shared machine) or wall time")
     ap.add_argument("--options", default="{}", help="JSON keyword options for NeuralDbg (ablations)")
     ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument(
+        "--no-view", action="store_true",
+        help="ablation: hide torch's DLPack exchange API, so the reader takes a _to_dlpack capsule a tensor",
+    )
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     warnings.simplefilter("ignore")
     Ours.options = json.loads(args.options)
+    if args.no_view and hasattr(torch.Tensor, "__dlpack_c_exchange_api__"):
+        delattr(torch.Tensor, "__dlpack_c_exchange_api__")  # (before NeuralDBG makes its reader)
     global CLOCK
     CLOCK = time.thread_time if args.clock == "thread" else time.perf_counter
     models = [m for m in args.models.split(",") if m]
