@@ -600,7 +600,6 @@ class Collector:
         """Whether the coming step may be a plain one, taken by the extension's PlainStep:
         nothing sampled or hooked in it (what :meth:`_plain_host_step` asks of a step, known
         before it starts)."""
-        s = self.step
         hooks = self.hooks
         return (
             self.plain is not None
@@ -611,11 +610,15 @@ class Collector:
             and not hooks.frozen
             and self.scaler is None
             and self.forward_check != "off"
-            and s >= self.dense_steps
-            and s % self.activation_every != 0
-            and s % self.weight_every != 0
+            and self._unsampled()
             and not self.act_pending
         )
+
+    def _unsampled(self) -> bool:
+        """The current step is past the dense ones and measures neither activations nor
+        weights (by its number; an unconfirmed activation change is ``act_pending``)."""
+        s = self.step
+        return s >= self.dense_steps and s % self.activation_every != 0 and s % self.weight_every != 0
 
     def _plain_done(self, pending: Optional[bool], step: int) -> bool:
         """The extension's PlainStep observed step ``step`` (``pending``: the engine's answer,
@@ -927,9 +930,7 @@ class Collector:
             or self.raw_inputs
             or self.scaler is not None
             or self.forward_gen == self.observed_gen
-            or self.step < self.dense_steps
-            or self.step % self.activation_every == 0
-            or self.step % self.weight_every == 0
+            or not self._unsampled()
         ):
             return False
         grads = self.grad_host

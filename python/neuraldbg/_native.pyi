@@ -228,9 +228,6 @@ class PlainStep:
         any_autocast: Callable[[], bool],
     ) -> "PlainStep": ...
     @property
-    def armed(self) -> bool:
-        """Armed for the coming step, or taking the current one."""
-    @property
     def taken(self) -> int:
         """Steps observed here so far."""
     def arm(self, on: bool) -> None:

@@ -593,12 +593,6 @@ impl PlainStep {
         self.taken
     }
 
-    /// Armed for the coming step, or taking the current one.
-    #[getter]
-    fn armed(&self) -> bool {
-        self.armed
-    }
-
     /// The model's forward pre-hook (after the collector's compile check): True when taken
     /// here, False when the collector's own hook goes on (having been handed the step so
     /// far, if any).
