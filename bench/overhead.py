@@ -1,14 +1,24 @@
 #!/usr/bin/env python3
 """Overhead benchmark (`make bench`): what watching a training run costs.
 
-Every arm trains its own copy of the same model (same initial weights, Adam (SGD for the
-mlp16/mlp1024 cases), ``loss.item()`` each step, CPU, one thread) in ONE process, and the arms take turns: each round runs a short
-block of steps of every arm, in a rotating order, so drift of the machine (other processes,
-frequency scaling, caches) hits all arms alike. A block is ``--block`` steps (default 10, the
-period of the debugger's sampled measurements, so a block always holds the same share of
-periodic work). The reported number for an arm is ``median(block time of the arm) /
-median(block time of plain)``; the warm-up (registration, the debugger's dense first steps) is
-excluded.
+The arms train the same model (same initial weights, Adam (SGD for the mlp16/mlp1024 cases),
+``loss.item()`` each step, CPU, one thread) in ONE process, and take turns: a round runs
+``--block`` steps (default 10, the period of the debugger's sampled measurements, so a round
+always holds the same share of periodic work) of every arm, one step of each arm in turn
+(``--interleave step``, the default: steps side by side see the machine alike, which halved
+the interval of the ratios here) or one arm's block after the other's (``block``: what a step
+leaves in the caches lands on the same arm's next step; on the 16-layer MLP both gave the
+same ratio). By default the arms share one model instance and one optimizer: an unwatched
+arm's steps run with the debugger's hooks on it put aside (`suspended`, `unwrapped`), so
+every arm runs on the very same tensors; ``--separate-models`` gives each arm its own copy
+(needed by the compiled and 1.3.2 arms). The reported number for an arm is the median over
+rounds of ``arm's round time / plain's round time``, with a 95% bootstrap interval: pairing
+each arm's round with plain's, which ran side by side, cancels what the machine did then
+(on a shared 2-vCPU VM single 1,024-layer steps of the same code vary by +-20%, and copies of
+the model by several percent). The arms' order is shuffled each turn (seeded): what one arm's
+step leaves behind (detect_anomaly's, a big arm's caches) lands on every arm alike; with a
+fixed rotation, the arm after ``anomaly`` paid for it (A/A 0.97x). The warm-up
+(registration, the debugger's dense first steps) is excluded.
 
 Arms:
 
@@ -34,6 +44,7 @@ import copy
 import json
 import os
 import platform
+import random
 import statistics
 import subprocess
 import sys
@@ -154,9 +165,9 @@ MODELS: Dict[str, Tuple[str, Callable[[], nn.Module], Callable[[], List[Batch]],
         lambda: _batches(lambda g: (torch.randn(64, 32, generator=g), torch.randint(0, 10, (64,), generator=g))),
         40,
     ),
-    # The per-step and per-layer cost on fast steps (one thread: ~1 ms and ~75 ms a step), SGD.
-    # (Rounds: their ratios are a few points apart; 60 and 12 rounds moved them by 2-4 points
-    # between runs of the same code on a shared machine.)
+    # The per-step and per-layer cost on fast steps (one thread: ~1-3 ms and ~75-150 ms a step),
+    # SGD. (Rounds: a 1,024-layer round's ratio varies by +-4% on a shared 2-vCPU VM; 30 rounds
+    # gave a 95% interval ~7 points wide, 50 ~3.)
     "mlp16": (
         "MLP, 16 x (Linear 32x32 + ReLU) + head, batch 64, SGD",
         lambda: MLP(depth=16),
@@ -167,7 +178,7 @@ MODELS: Dict[str, Tuple[str, Callable[[], nn.Module], Callable[[], List[Batch]],
         "MLP, 1,024 x (Linear 32x32 + ReLU) + head, batch 64, SGD",
         lambda: MLP(depth=1024),
         lambda: _batches(lambda g: (torch.randn(64, 32, generator=g), torch.randint(0, 10, (64,), generator=g))),
-        30,
+        50,
     ),
     "transformer-large": (
         "Transformer encoder, 6 layers, d_model 256, 8 heads, seq 128, batch 8",
@@ -235,8 +246,13 @@ class Arm:
     # Whether the arm runs with NeuralDBG's class-wide layer wrappers in place (see `unwrapped`).
     keep_wrappers = False
 
+    # With ``--same-model`` every arm trains the one model instance; an unwatched arm's blocks
+    # then run with the watched arm's hooks on that model put aside too (see `suspended`).
+    shared = False
+
     def block(self, n: int, record: bool) -> None:
-        with contextlib.nullcontext() if self.keep_wrappers else unwrapped():
+        with contextlib.nullcontext() if self.keep_wrappers else unwrapped(), \
+                suspended(self.model) if self.shared and not self.keep_wrappers else contextlib.nullcontext():
             t0 = CLOCK()
             for _ in range(n):
                 self.step()
@@ -280,6 +296,45 @@ def unwrapped() -> Iterator[None]:
         if tapped:
             torch.autograd.backward = tap.installed
         optimizer._global_optimizer_post_hooks.update(ours)
+
+
+# The hook tables of a module and of a tensor that torch's call paths consult.
+MODULE_HOOKS = (
+    "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks",
+)
+
+
+@contextlib.contextmanager
+def suspended(model: nn.Module) -> Iterator[None]:
+    """With ``--same-model``: the hooks NeuralDBG put on the shared model (per-module forward
+    hooks, the root's pre-hook, post-accumulate-grad hooks on parameters) put aside for an
+    unwatched arm's block, so that it runs the plain loop on the very same tensors; the
+    watched arm's hooks come back unchanged (the same tables, so their handles still remove
+    them). The debugger simply does not see those steps, as if the loop had paused."""
+    saved_modules = []
+    for m in model.modules():
+        tables = tuple(getattr(m, name, None) for name in MODULE_HOOKS)
+        if any(tables):
+            saved_modules.append((m, tables))
+            for name, table in zip(MODULE_HOOKS, tables):
+                if table is not None:
+                    setattr(m, name, type(table)())
+    saved_params = []
+    for p in model.parameters():
+        table = getattr(p, "_post_accumulate_grad_hooks", None)
+        if table:
+            saved_params.append((p, table))
+            p._post_accumulate_grad_hooks = None
+    try:
+        yield
+    finally:
+        for m, tables in saved_modules:
+            for name, table in zip(MODULE_HOOKS, tables):
+                if table is not None:
+                    setattr(m, name, table)
+        for p, table in saved_params:
+            p._post_accumulate_grad_hooks = table
 
 
 class Floor(Arm):
@@ -368,41 +423,99 @@ ARMS: Dict[str, type] = {
     "compiled": Compiled,
     "compiled+neuraldbg": CompiledOurs,
 }
+# The arms that can share one model instance (``--same-model``): at most one of them watched.
+SAME_MODEL_ARMS = {"plain", "A/A", "floor", "neuraldbg", "anomaly"}
 
 
-def measure(model_name: str, arm_names: List[str], rounds: int, block: int, warmup: int) -> Dict[str, object]:
-    """Interleaved block timing of the arms on one model; ratios against ``plain``."""
+def paired(times: List[float], plain: List[float], seed: int = 0) -> Tuple[float, float, float]:
+    """The median over rounds of ``arm round time / plain round time`` (each round's arms ran
+    side by side, so what the machine did then cancels), and a 95% bootstrap interval of that
+    median (1,000 resamples of the rounds)."""
+    ratios = [a / b for a, b in zip(times, plain)]
+    rng = random.Random(seed)
+    meds = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(1000))
+    return statistics.median(ratios), meds[25], meds[974]
+
+
+def measure(
+    model_name: str, arm_names: List[str], rounds: int, block: int, warmup: int,
+    same_model: bool = False, interleave: str = "step",
+) -> Dict[str, object]:
+    """Interleaved timing of the arms on one model; ratios against ``plain``.
+
+    A round runs ``block`` steps of every arm: with ``interleave="block"`` one arm's steps
+    after the other's, with ``"step"`` one step of each arm in turn (the order shuffled each
+    turn). With ``same_model`` the arms share one model instance and one
+    optimizer (see `suspended`) instead of a copy each: copies of a deep model sit differently
+    in memory, and on some machines that alone moved a copy's step time by several percent
+    (A/A 0.91-1.07x on the 1,024-layer MLP on a 2-vCPU EPYC VM)."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
     _, factory, batches_of, _ = MODELS[model_name]
     base = factory()
     batches = batches_of()
-    arms = [ARMS[a](a, copy.deepcopy(base), batches, model_name in SGD_MODELS) for a in arm_names]
+    if same_model:
+        wrong = [a for a in arm_names if a not in SAME_MODEL_ARMS]
+        if wrong:
+            shareable = ", ".join(sorted(SAME_MODEL_ARMS))
+            raise SystemExit(f"one shared model takes the arms {shareable}, not {', '.join(wrong)}")
+        model = copy.deepcopy(base)
+        arms = [ARMS[a](a, model, batches, model_name in SGD_MODELS) for a in arm_names]
+        for a in arms:
+            a.opt = arms[0].opt
+            a.shared = True
+    else:
+        arms = [ARMS[a](a, copy.deepcopy(base), batches, model_name in SGD_MODELS) for a in arm_names]
     for a in arms:
         a.enter()
     try:
         for _ in range(warmup):
             for a in arms:
                 a.block(1, record=False)
-        for r in range(rounds):
-            k = r % len(arms)
-            for a in arms[k:] + arms[:k]:
-                a.block(block, record=True)
+        # The arms' order is shuffled (seeded) each turn: what a step leaves behind (a slow
+        # arm's caches, detect_anomaly's) then lands on every arm alike, not on a fixed successor.
+        rng = random.Random(1)
+        order = list(range(len(arms)))
+        for _ in range(rounds):
+            if interleave == "block":
+                rng.shuffle(order)
+                for i in order:
+                    arms[i].block(block, record=True)
+                continue
+            spent = [0.0] * len(arms)
+            for _ in range(block):
+                rng.shuffle(order)
+                for i in order:
+                    arms[i].block(1, record=True)
+                    spent[i] += arms[i].times.pop()
+            for a, t in zip(arms, spent):
+                a.times.append(t)
     finally:
         for a in arms:
             a.exit()
     med = {a.name: statistics.median(a.times) / block for a in arms}
-    plain = med["plain"]
-    ratio = {n: round(v / plain, 3) for n, v in med.items()}
+    plain = next(a for a in arms if a.name == "plain").times
+    ratio: Dict[str, float] = {}
+    interval: Dict[str, List[float]] = {}
+    for a in arms:
+        mid, lo, hi = paired(a.times, plain)
+        ratio[a.name] = round(mid, 3)
+        interval[a.name] = [round(lo, 3), round(hi, 3)]
     if "compiled" in med and "compiled+neuraldbg" in med:
         # What watching costs a compiled model: against the same compiled model unwatched.
-        ratio["compiled+neuraldbg vs compiled"] = round(med["compiled+neuraldbg"] / med["compiled"], 3)
+        times = {a.name: a.times for a in arms}
+        mid, lo, hi = paired(times["compiled+neuraldbg"], times["compiled"])
+        ratio["compiled+neuraldbg vs compiled"] = round(mid, 3)
+        interval["compiled+neuraldbg vs compiled"] = [round(lo, 3), round(hi, 3)]
     return {
         "model": model_name,
         "step_ms": {n: round(v * 1e3, 3) for n, v in med.items()},
         "ratio": ratio,
+        "interval": interval,
         "rounds": rounds,
         "block": block,
+        "same_model": same_model,
+        "interleave": interleave,
     }
 
 
@@ -417,12 +530,12 @@ def legacy_python(path: Optional[str]) -> Optional[str]:
     return None
 
 
-def run_legacy(python: str, model: str, rounds: int, block: int, warmup: int) -> Dict[str, object]:
+def run_legacy(python: str, model: str, rounds: int, block: int, warmup: int, interleave: str) -> Dict[str, object]:
     # 1.3.2 writes a tensor cache directory into the working directory: give it a scratch one.
     with tempfile.TemporaryDirectory() as tmp:
         out = subprocess.run(
             [python, os.path.abspath(__file__), "--worker", "--models", model, "--arms", "plain,1.3.2",
-             "--clock", "thread" if CLOCK is time.thread_time else "wall",
+             "--clock", "thread" if CLOCK is time.thread_time else "wall", "--interleave", interleave,
              "--rounds", str(rounds), "--block", str(block), "--warmup", str(warmup)],
             cwd=tmp, capture_output=True, text=True, check=False,
         )
@@ -454,8 +567,11 @@ def table(results: List[Dict[str, object]]) -> str:
     head = f"| model | plain step | {' | '.join(COLUMNS)} |"
     lines = [head, "|" + "---|" * (len(COLUMNS) + 2)]
     for r in results:
-        ratio = r["ratio"]  # type: ignore[index]
-        cells = [f"{ratio[c]:.3f}x" if c in ratio else "n/a" for c in COLUMNS]  # type: ignore[operator]
+        ratio, interval = r["ratio"], r["interval"]  # type: ignore[index]
+        cells = [
+            f"{ratio[c]:.3f}x [{interval[c][0]:.3f}-{interval[c][1]:.3f}]" if c in ratio else "n/a"  # type: ignore[index]
+            for c in COLUMNS
+        ]
         step = r["step_ms"]["plain"]  # type: ignore[index]
         lines.append(f"| {r['model']} | {step:.2f} ms | {' | '.join(cells)} |")
     return "\n".join(lines)
@@ -478,6 +594,13 @@ def main() -> int:
         "--no-view", action="store_true",
         help="ablation: hide torch's DLPack exchange API, so the reader takes a _to_dlpack capsule a tensor",
     )
+    ap.add_argument(
+        "--separate-models", action="store_true",
+        help="every arm trains its own copy of the model (the default, when every arm can, is one shared instance: "
+             "the unwatched arms' steps run with NeuralDBG's hooks put aside)",
+    )
+    ap.add_argument("--interleave", choices=("step", "block"), default="step",
+                    help="within a round, the arms take turns step by step (default) or block by block")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     warnings.simplefilter("ignore")
@@ -491,9 +614,11 @@ def main() -> int:
     if "plain" not in arms:
         arms.insert(0, "plain")
 
+    same = not args.separate_models and all(a in SAME_MODEL_ARMS for a in arms)
     if args.worker:
         for m in models:
-            print(json.dumps(measure(m, arms, args.rounds or MODELS[m][3], args.block, args.warmup)), flush=True)
+            r = measure(m, arms, args.rounds or MODELS[m][3], args.block, args.warmup, same, args.interleave)
+            print(json.dumps(r), flush=True)
         return 0
 
     legacy = None if args.no_legacy else legacy_python(args.legacy_python)
@@ -503,10 +628,11 @@ def main() -> int:
     for m in models:
         rounds = args.rounds or MODELS[m][3]
         t0 = time.perf_counter()
-        r = measure(m, arms, rounds, args.block, args.warmup)
+        r = measure(m, arms, rounds, args.block, args.warmup, same, args.interleave)
         if legacy is not None:
-            lr = run_legacy(legacy, m, rounds, args.block, args.warmup)
+            lr = run_legacy(legacy, m, rounds, args.block, args.warmup, args.interleave)
             r["ratio"]["1.3.2"] = lr["ratio"]["1.3.2"]  # type: ignore[index]
+            r["interval"]["1.3.2"] = lr["interval"]["1.3.2"]  # type: ignore[index]
             r["step_ms"]["1.3.2"] = lr["step_ms"]["1.3.2"]  # type: ignore[index]
             r["step_ms"]["plain (1.3.2 worker)"] = lr["step_ms"]["plain"]  # type: ignore[index]
         r["seconds"] = round(time.perf_counter() - t0, 1)
@@ -514,8 +640,11 @@ def main() -> int:
         print(f"{m}: {MODELS[m][0]}: {json.dumps(r['ratio'])} ({r['seconds']}s)", file=sys.stderr, flush=True)
 
     print()
-    print(f"Overhead: median block time / median plain block time ({args.block}-step blocks, interleaved, "
-          f"{'thread CPU' if args.clock == 'thread' else 'wall'} time)")
+    turns = "step by step" if args.interleave == "step" else "block by block"
+    print(f"Overhead: median over rounds of (arm's round time / plain's round time), [95% bootstrap interval]; "
+          f"a round: {args.block} steps of each arm, interleaved {turns}, "
+          f"{'one shared model instance' if same else 'a model copy per arm'}, "
+          f"{'thread CPU' if args.clock == 'thread' else 'wall'} time")
     print(f"machine: {machine()}; torch.set_num_threads(1)")
     print()
     print(table(results))
