@@ -393,6 +393,33 @@ def test_gradient_norms_and_what_they_hold(dtype):
         r.grad_norms(params, np.empty(3, np.float32))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gradient_norms_of_many_sizes_in_one_pass(dtype):
+    """grad_norms takes every gradient first and reads each with the next one's view already
+    taken (and its memory prefetched): gradients of every size (empty, scalar, one larger than
+    the prefetched span), missing ones between them, and an unreadable one anywhere."""
+    torch.manual_seed(1)
+    shapes = [(300, 200), (7,), (), (0, 4), (64, 64), (1,), (129, 33), (5, 3)]
+    params = [torch.nn.Parameter(torch.randn(s).to(dtype)) for s in shapes]
+    for i, p in enumerate(params):
+        p.grad = None if i in (1, 5) else torch.randn(p.shape).to(dtype)
+    r = reader()
+    out = np.full(len(params), np.nan, np.float32)
+    assert r.grad_norms(params, out, -2.0) == 2 | 4  # (the empty one: an exact zero)
+    for i, (p, v) in enumerate(zip(params, out)):
+        if p.grad is None:
+            assert v == -2.0
+        else:
+            want = float(torch.linalg.vector_norm(p.grad.double()))
+            assert_close(float(v), want, rtol=1e-5, atol=0.0)
+    for bad in (0, 4, 7):  # first, in the middle, last
+        kept = params[bad].grad
+        params[bad].grad = torch.randn(*reversed(kept.shape)).to(dtype).t()  # not contiguous
+        assert r.grad_norms(params, out) == -1
+        params[bad].grad = kept
+    assert r.grad_norms(params, out) == 2 | 4
+
+
 def test_unreadable_tensors_fall_back_without_raising():
     r = reader()
     for t in unreadable():

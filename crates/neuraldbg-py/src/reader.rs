@@ -129,6 +129,46 @@ macro_rules! dispatch {
 /// # Safety
 /// `ptr` must be non-null and point to `len` initialised elements of `T` that stay alive and
 /// unwritten for `'a`.
+/// Asks the CPU to start loading the first bytes of a CPU tensor's elements (up to
+/// [`PREFETCH_BYTES`]) while other work runs. A model's gradients are thousands of separate small
+/// allocations: reading them one after the other, each begins with cache and TLB misses that
+/// the hardware prefetcher cannot foresee (measured in a VM: 0.77 ns an element over 2,050
+/// separate 4 KB gradients, 0.16 ns over one 4.3 MB tensor). Only a hint: it never faults and
+/// changes nothing, whatever the address; a no-op on other architectures.
+fn prefetch(dl: &DlTensor) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+        if dl.device.device_type != DL_CPU || dl.data.is_null() || dl.ndim < 0 || dl.shape.is_null()
+        {
+            return;
+        }
+        let ndim = dl.ndim as usize;
+        // SAFETY: DLPack's contract: `shape` points to `ndim` integers, alive with the tensor
+        // the caller holds.
+        let shape = unsafe { std::slice::from_raw_parts(dl.shape, ndim) };
+        let numel = shape
+            .iter()
+            .try_fold(1u64, |n, &d| n.checked_mul(u64::try_from(d).ok()?));
+        let bytes = numel.map_or(0, |n| {
+            n.saturating_mul(u64::from(dl.dtype.bits).div_ceil(8))
+        });
+        let start = (dl.data as usize).wrapping_add(dl.byte_offset as usize);
+        let mut at = 0;
+        while at < bytes.min(PREFETCH_BYTES) {
+            // SAFETY: a prefetch is a hint, it cannot fault or change memory.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(start.wrapping_add(at as usize) as *const i8) };
+            at += 64;
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = dl;
+}
+
+/// How much of the next gradient [`prefetch`] asks for: a 64x64 `f32` matrix; the hardware
+/// prefetcher streams the rest of a larger one.
+const PREFETCH_BYTES: u64 = 16 * 1024;
+
 unsafe fn slice_at<'a, T>(ptr: usize, len: usize) -> Option<&'a [T]> {
     let bytes = len.checked_mul(size_of::<T>())?;
     if ptr == 0
@@ -215,6 +255,39 @@ impl std::fmt::Debug for TensorReader {
 }
 
 impl TensorReader {
+    /// The exchange API's non-owning view of `t` when `t` is an exact `torch.Tensor` it can
+    /// view (a CPU or GPU tensor without a pending conjugation, ...), else None (and the
+    /// refusal's error cleared). The view is valid while `t` is alive and no Python code runs.
+    fn view_of(&self, t: &Bound<'_, PyAny>) -> Option<DlTensor> {
+        let view = self.view?;
+        if !t.get_type().is(&self.types[0]) {
+            return None;
+        }
+        let mut dl = DlTensor {
+            data: std::ptr::null_mut(),
+            device: DlDevice {
+                device_type: 0,
+                device_id: 0,
+            },
+            ndim: 0,
+            dtype: DlDataType {
+                code: 0,
+                bits: 0,
+                lanes: 0,
+            },
+            shape: std::ptr::null(),
+            strides: std::ptr::null(),
+            byte_offset: 0,
+        };
+        // SAFETY: torch's function for its own exact tensor type (`types[0]`, checked above),
+        // called with the GIL held on a live object; it writes only `dl`.
+        if unsafe { view(t.as_ptr().cast(), &raw mut dl) } == 0 {
+            return Some(dl);
+        }
+        let _ = PyErr::take(t.py()); // (not viewable this way: the exporter says why not)
+        None
+    }
+
     /// Runs `f` over the elements of `t` if it is a readable tensor (`None` otherwise, and on
     /// any exception while checking). With `shape`, `self.dims` gets the tensor's shape first.
     fn with_elements<R>(
@@ -228,31 +301,10 @@ impl TensorReader {
         if !self.types.iter().any(|x| ty.is(x)) {
             return None;
         }
-        if let Some(view) = self.view.filter(|_| ty.is(&self.types[0])) {
-            let mut dl = DlTensor {
-                data: std::ptr::null_mut(),
-                device: DlDevice {
-                    device_type: 0,
-                    device_id: 0,
-                },
-                ndim: 0,
-                dtype: DlDataType {
-                    code: 0,
-                    bits: 0,
-                    lanes: 0,
-                },
-                shape: std::ptr::null(),
-                strides: std::ptr::null(),
-                byte_offset: 0,
-            };
-            // SAFETY: torch's function for its own exact tensor type (`types[0]`, checked
-            // above), called with the GIL held on a live object; it writes only `dl`.
-            if unsafe { view(t.as_ptr().cast(), &raw mut dl) } == 0 {
-                // SAFETY: `dl` views `t`'s tensor, alive (borrowed for this whole function)
-                // and unchanged: no Python code runs until `f` has returned.
-                return unsafe { self.with_dltensor(&dl, f) };
-            }
-            let _ = PyErr::take(py); // (not viewable this way: the exporter says why not, below)
+        if let Some(dl) = self.view_of(t) {
+            // SAFETY: `dl` views `t`'s tensor, alive (borrowed for this whole function) and
+            // unchanged: no Python code runs until `f` has returned.
+            return unsafe { self.with_dltensor(&dl, f) };
         }
         if let Some(export) = &self.to_dlpack {
             let capsule = export.bind(py).call1((t,)).ok()?;
@@ -568,13 +620,33 @@ impl TensorReader {
         };
         let attr = self.grad.clone_ref(params.py());
         let attr = attr.bind(params.py());
-        let mut values = Vec::with_capacity(n);
-        let (mut row_values, mut col_values) = (Vec::new(), Vec::new());
-        let mut flags = 0;
+        // First every `.grad` (any Python code a parameter's attribute may run, runs here),
+        // then the reads, which run none: each gradient's view is taken one ahead, and its
+        // memory prefetched while the one before is read.
+        let mut grads = Vec::with_capacity(n);
         for p in params.try_iter()? {
             let Some(g) = Self::target(p?, Some(attr)) else {
                 return Ok(-1);
             };
+            grads.push(g);
+        }
+        let mut values = Vec::with_capacity(n);
+        let (mut row_values, mut col_values) = (Vec::new(), Vec::new());
+        let mut flags = 0;
+        let with_shares = shares.is_some();
+        let view_at = |me: &Self, i: usize| {
+            grads
+                .get(i)
+                .filter(|g| !g.is_none())
+                .and_then(|g| me.view_of(g))
+        };
+        let mut next = view_at(self, 0);
+        for (i, g) in grads.iter().enumerate() {
+            let here = next.take();
+            next = view_at(self, i + 1);
+            if let Some(dl) = &next {
+                prefetch(dl);
+            }
             if g.is_none() {
                 values.push(missing);
                 row_values.push(f32::NAN);
@@ -582,8 +654,7 @@ impl TensorReader {
                 flags |= 4;
                 continue;
             }
-            let with_shares = shares.is_some();
-            let read = self.with_elements(&g, with_shares, |e, me| {
+            let read = |e: Elements<'_>, me: &mut Self| {
                 let norm = dispatch!(e, xs => measure::l2_norm(xs));
                 let zeros = if with_shares {
                     let d = &me.dims;
@@ -597,7 +668,13 @@ impl TensorReader {
                     (f64::NAN, f64::NAN)
                 };
                 (norm, zeros)
-            });
+            };
+            let read = match &here {
+                // SAFETY: the view of `g`, alive in `grads`; since it was taken only torch's
+                // view function ran (no Python code), so the tensor is as it was.
+                Some(dl) => unsafe { self.with_dltensor(dl, read) },
+                None => self.with_elements(g, with_shares, read),
+            };
             let Some((norm, (zr, zc))) = read else {
                 return Ok(-1);
             };
