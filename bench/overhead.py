@@ -17,7 +17,7 @@ each arm's round with plain's, which ran side by side, cancels what the machine 
 (on a shared 2-vCPU VM single 1,024-layer steps of the same code vary by +-20%, and copies of
 the model by several percent). The arms' order is shuffled each turn (seeded): what one arm's
 step leaves behind (detect_anomaly's, a big arm's caches) lands on every arm alike; with a
-fixed rotation, the arm after ``anomaly`` paid for it (A/A 0.97x). The warm-up
+fixed rotation, the arm after ``anomaly`` paid for it (A/A 0.97x, a one-off: BENCHMARKS.md). The warm-up
 (registration, the debugger's dense first steps) is excluded.
 
 Arms:
@@ -268,18 +268,21 @@ class Arm:
     # Whether the arm runs with NeuralDBG's class-wide layer wrappers in place (see `unwrapped`).
     keep_wrappers = False
 
-    # With ``--same-model`` every arm trains the one model instance; an unwatched arm's blocks
-    # then run with the watched arm's hooks on that model put aside too (see `suspended`).
+    # Sharing one model instance with the other arms (the default; see `measure`), an
+    # unwatched arm's steps run with the watched arm's hooks on that model put aside too.
     shared = False
 
-    def block(self, n: int, record: bool) -> None:
+    def block(self, n: int, record: bool) -> float:
+        """Runs ``n`` steps; their time (also kept in ``times`` with ``record``)."""
         with contextlib.nullcontext() if self.keep_wrappers else unwrapped(), \
                 suspended(self.model) if self.shared and not self.keep_wrappers else contextlib.nullcontext():
             t0 = CLOCK()
             for _ in range(n):
                 self.step()
-            if record:
-                self.times.append(CLOCK() - t0)
+            spent = CLOCK() - t0
+        if record:
+            self.times.append(spent)
+        return spent
 
 
 @contextlib.contextmanager
@@ -329,7 +332,7 @@ MODULE_HOOKS = (
 
 @contextlib.contextmanager
 def suspended(model: nn.Module) -> Iterator[None]:
-    """With ``--same-model``: the hooks NeuralDBG put on the shared model (per-module forward
+    """On a shared model: the hooks NeuralDBG put on it (per-module forward
     hooks, the root's pre-hook, post-accumulate-grad hooks on parameters) put aside for an
     unwatched arm's block, so that it runs the plain loop on the very same tensors; the
     watched arm's hooks come back unchanged (the same tables, so their handles still remove
@@ -445,7 +448,8 @@ ARMS: Dict[str, type] = {
     "compiled": Compiled,
     "compiled+neuraldbg": CompiledOurs,
 }
-# The arms that can share one model instance (``--same-model``): at most one of them watched.
+# The arms that can share one model instance (the default unless ``--separate-models``): at
+# most one of them watched.
 SAME_MODEL_ARMS = {"plain", "A/A", "floor", "neuraldbg", "anomaly"}
 
 
@@ -508,8 +512,7 @@ def measure(
             for _ in range(block):
                 rng.shuffle(order)
                 for i in order:
-                    arms[i].block(1, record=True)
-                    spent[i] += arms[i].times.pop()
+                    spent[i] += arms[i].block(1, record=False)
             for a, t in zip(arms, spent):
                 a.times.append(t)
     finally:
