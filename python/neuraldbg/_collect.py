@@ -44,11 +44,13 @@ import json
 import math
 import operator
 import warnings
+from threading import get_ident as _thread_id
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
 from ._distributed import has_shards, local_tensors
+from ._guard import REPORT, guarded
 from ._hooks import BACKWARD_TAP, Hooks, reaches
 from ._loop import LoopFacts, grad_changed
 from ._measure import HostMeasurer, Measurer, Probe, first_float_tensor, input_stats
@@ -117,6 +119,13 @@ class Collector:
         self.step_on = step_on
         self.on_observed = on_observed
 
+        # Set before anything can fail: the guard (see _guard.py) reads them.
+        self.disabled = False
+        self.raising: Optional[BaseException] = None
+        self.step = 0
+        # The thread of the model's latest forward pass: only backward passes on that thread
+        # can be its loss's (models trained on two threads at once).
+        self.thread: Optional[int] = None
         self.watched = WatchedModel(model)
         self.params = self.watched.params
         self.param_owner = self.watched.param_owner
@@ -124,7 +133,7 @@ class Collector:
         self.no_grads = np.full(len(self.params), -1.0, dtype=np.float32)
         self.measure = Measurer()
         # Facts about the loop (training mode, gradient accumulation, optimizer groups, loss).
-        self.loop = LoopFacts(self.params)
+        self.loop = LoopFacts(self.params, guard=lambda fn: guarded(self, "loop_probe", fn))
         # Under torch.distributed: the job-wide exchange (neuraldbg._distributed.Distributed).
         self.dist = distributed
         self.sharded = has_shards(self.params)
@@ -149,7 +158,6 @@ class Collector:
         self.host_inputs: List[float] = []
         self.loss_read: Optional[Tuple[Any, float]] = None
 
-        self.step = 0
         # (module index, output, positional args) of every hooked module call of the current
         # forward, in completion order.
         self.refs: List[Tuple[int, Any, Any]] = []
@@ -161,7 +169,10 @@ class Collector:
         # The extension's PlainStep (see _make_plain): the plain host steps, with no Python of
         # ours on their path; None when not used.
         self.plain: Any = None
-        self.hooks = Hooks(self.watched.modules, self.refs, keep_outputs=forward_check != "off")
+        self.hooks = Hooks(
+            self.watched.modules, self.refs, keep_outputs=forward_check != "off",
+            unhookable={i for i, s in enumerate(self.watched.scripted) if s},
+        )
         self._decide_host()
         # Latest output of each activation probe in this step (by probe row).
         self.act_out: List[Any] = []
@@ -210,11 +221,21 @@ class Collector:
         from torch.autograd import Variable
 
         self._queue_callback = Variable._execution_engine.queue_callback
+        # The entry points torch calls, each under the guard (see _guard.py).
+        self.entry_forward_pre = guarded(self, "forward_pre", self._on_root_pre)
+        self.entry_forward_post = guarded(self, "forward_post", self._on_root_post)
+        self.entry_criterion = guarded(self, "criterion", self._on_criterion)
+        self.entry_grad_ready = guarded(self, "grad_ready", self._on_grad_ready)
+        self.entry_backward_end = guarded(self, "backward_end", self._on_backward_end)
+        self.entry_backward_start = guarded(self, "backward_start", self.on_backward)
+        self.entry_backward_done = guarded(self, "backward_done", self.after_backward)
+        self.entry_optimizer_step = guarded(self, "optimizer_step", self._on_optimizer_post)
+        self.entry_scaler_step = guarded(self, "scaler_step", self.on_scaler_step)
+        self.entry_scaler_step_done = guarded(self, "scaler_step_done", self.on_scaler_step_done)
         self.relevant: Dict[int, bool] = {}
         self.optimizer_name: Optional[str] = None
         self.probes: List[Probe] = []
         self.registered = False
-        self.disabled = False
         self.internal_error: Optional[BaseException] = None
         # Transfer: None until the first observation decides (True on CUDA: asynchronous copy
         # into pinned memory, handed to the engine when the next forward starts).
@@ -354,6 +375,10 @@ class Collector:
             if x is not None:
                 self.raw_inputs.append(x)
             return
+        self.thread = _thread_id()
+        if _functorch_active():
+            self._functional_forward()
+            return
         plain = self.plain  # (None when disabled)
         if plain is not None and plain.forward(module, args, kwargs):
             return
@@ -446,6 +471,14 @@ class Collector:
             return
         if self.disabled:
             return
+        if _functorch_active():
+            # This forward's calls and probes hold tensors without storage: let them go.
+            self.refs.clear()
+            self.act_out[:] = self.act_none
+            self.out_kept.clear()
+            if self.maxima is not None:
+                self.maxima.clear()
+            return
         self.refs.append((0, output, args))
         # The output's grad_fn: which backward is this model's loss (no criterion given; host
         # mode needs none once registered, see on_backward), and, on the first step, where
@@ -459,6 +492,23 @@ class Collector:
                     self.loop.first_output = t
         if self.order is None:
             self._learn_order()
+
+    def _functional_forward(self) -> None:
+        """A forward pass inside a ``torch.func`` transform (``vmap(grad(functional_call))``):
+        its tensors have no storage to read, so it is not observed; the gradients the loop
+        sets and the optimizer steps are. Said once."""
+        self.forward_gen += 1  # (a forward happened: its optimizer step is a step)
+        if self.blind_warned:
+            return
+        self.blind_warned = True
+        warnings.warn(
+            "NeuralDBG sees this model's forward passes inside torch.func transforms (vmap, grad): "
+            "their tensors cannot be read, so inputs, activations and the module where a NaN/Inf "
+            "first appears are not observed. Gradients set on the parameters and the optimizer's "
+            "steps are.",
+            NeuralDbgWarning,
+            stacklevel=4,
+        )
 
     def _learn_order(self) -> None:
         order: List[int] = []
@@ -477,7 +527,7 @@ class Collector:
             return
         self.bw_queued = True
         try:
-            self._queue_callback(self._on_backward_end)
+            self._queue_callback(self.entry_backward_end)
         except Exception as e:  # pragma: no cover - outside the autograd engine
             self.bw_queued = False
             self._fail(e)
@@ -492,7 +542,7 @@ class Collector:
             # during the backward pass: queued again now, this reading runs after them.
             self.bw_deferred = True
             try:
-                self._queue_callback(self._on_backward_end)
+                self._queue_callback(self.entry_backward_end)
                 return
             except Exception as e:  # pragma: no cover - outside the autograd engine
                 self._fail(e)
@@ -710,6 +760,8 @@ class Collector:
             self._on_loss(output)
 
     def record_loss(self, loss: Any) -> None:
+        if self.disabled:
+            return
         torch = self.torch
         if isinstance(loss, torch.Tensor):
             if loss.numel() != 1:
@@ -836,6 +888,7 @@ class Collector:
                 self.act_staged = self.measure.activation_parts(self.probes, self.act_out)
                 self.out_staged = self.measure.output_absmax(self.refs, self.watched.rank)
             self.act_out[:] = self.act_none
+        self._entry_inputs()
         if nonfinite is None or self.forward_check == "off":
             return
         if nonfinite and self.origin is None and self.refs:
@@ -843,6 +896,26 @@ class Collector:
         self.ran = list(map(_FIRST, self.refs))
         self.refs.clear()
         self.released = len(self.root_calls)
+
+    def _entry_inputs(self) -> None:
+        """The model itself was not called in this step (a LightningModule whose
+        ``training_step`` calls ``self.net(x)``): its batch is read where it first entered a
+        watched module, the inputs of the first module call recorded (in completion order: the
+        first layer that consumed it). Nothing when the model's own call was seen or an input
+        was read already."""
+        if self.root_seen or self.raw_inputs or self.host_inputs or self.inputs or not self.refs:
+            return
+        for _, _, args in self.refs:
+            x = first_float_tensor(args) if args is not None else None
+            if x is None or x.numel() == 0:
+                continue
+            if _functorch_wrapped(x):
+                return
+            if self.hm is not None:
+                self.host_inputs.extend(self.hm.stats(x))
+            else:
+                self.inputs.append(input_stats(x.detach()))
+            return
 
     def _scan(self, refs: List[Tuple[int, Any, Any]]) -> Tuple[Optional[int], bool]:
         """The module where this step's forward first went non-finite, and whether that was
@@ -1019,9 +1092,11 @@ class Collector:
             self._fail(e)
 
     def raise_halt(self) -> None:
-        """Raises a pending halt into the training loop (from the step that confirmed it)."""
+        """Raises a pending halt into the training loop (from the step that confirmed it); the
+        guard lets it through (``raising``)."""
         if self.halt is not None:
             e, self.halt = self.halt, None
+            self.raising = e
             raise e
 
     def on_scaler_step(self, scaler: Any, optimizer: Any) -> None:
@@ -1045,17 +1120,30 @@ class Collector:
     # ------------------------------------------------------------------ observation
 
     def _fail(self, e: BaseException) -> None:
-        """Monitoring broke: say so once and stop, leaving training untouched."""
+        """Monitoring broke while observing a step (see :meth:`fail`)."""
+        self.fail("observation", e)
+
+    def fail(self, entry: str, e: BaseException) -> None:
+        """Monitoring broke at ``entry`` (see _guard.py): say so once and stop, leaving training
+        untouched. What was observed until then stays in the engine and the trace."""
+        if self.disabled:
+            return
         self.internal_error = e
         self.disabled = True
         self.pending = None
         self.plain = None
         who = "NeuralDBG"
         if self.dist is not None:
-            self.dist.abandon(e)
+            try:
+                self.dist.abandon(e)
+            except Exception:  # pragma: no cover - the warning below says it all
+                pass
             who = f"NeuralDBG (rank {self.dist.rank})"
         warnings.warn(
-            f"{who} stopped observing after an internal error: {type(e).__name__}: {e}",
+            f"{who} stopped observing at step {self.step} after an internal error in {entry}: "
+            f"{type(e).__name__}: {e}. Training goes on unobserved; "
+            + (f"steps 0 to {self.step - 1} are diagnosed and in the trace. " if self.step else "")
+            + f"This is a bug in NeuralDBG: {REPORT}",
             NeuralDbgWarning,
             stacklevel=3,
         )
@@ -1199,6 +1287,7 @@ class Collector:
         if self.hm is not None:
             self._observe_host(lr, final, first, skipped)
             return
+        self._entry_inputs()
         layout = Layout(self.step, lr, final)
         layout.facts = self.loop.step_facts()
         parts: List[Any] = []
@@ -1300,6 +1389,7 @@ class Collector:
         into host arrays (:class:`HostMeasurer`) and fed to the engine; no device vector."""
         hm = self.hm
         assert hm is not None
+        self._entry_inputs()
         facts = self.loop.step_facts()
         if not self.grad_read:
             self._read_gradients()
@@ -1528,6 +1618,27 @@ class Collector:
                 return bool(self.refs) and self.watched.first_nonfinite(self.refs) is not None
         except Exception:  # pragma: no cover - exit must never raise
             return False
+
+
+def _functorch_active() -> bool:
+    """Whether a ``torch.func`` transform (vmap, grad, jvp...) is running."""
+    try:
+        from torch._C._functorch import peek_interpreter_stack
+
+        return peek_interpreter_stack() is not None
+    except Exception:  # pragma: no cover - other torch versions
+        return False
+
+
+def _functorch_wrapped(x: Any) -> bool:
+    """Whether ``x`` is a tensor of a ``torch.func`` transform (vmap, grad): it has no storage
+    of its own to read."""
+    try:
+        from torch._C._functorch import is_functorch_wrapped_tensor
+
+        return bool(is_functorch_wrapped_tensor(x))
+    except Exception:  # pragma: no cover - other torch versions
+        return False
 
 
 def _lr_of(optimizer: Any) -> Optional[float]:

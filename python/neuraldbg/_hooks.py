@@ -43,6 +43,7 @@ and the hook set is frozen once compilation is seen (removing a traced hook reco
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict, deque
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
@@ -105,6 +106,18 @@ def is_recorded(m: Any, names: "frozenset[str]" = RECORDED) -> bool:
     return cls.__name__ in names and cls.__module__.startswith("torch.nn.modules")
 
 
+def _locked(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A :class:`CallRecorder` change, made under its lock: models watched on two threads
+    arm and disarm records of the same classes."""
+
+    def call(self: "CallRecorder", *args: Any) -> Any:
+        with self.lock:
+            return method(self, *args)
+
+    call.__doc__ = method.__doc__
+    return call
+
+
 class CallRecorder:
     """Sees the calls of chosen modules of a few torch classes without a forward hook.
 
@@ -138,7 +151,9 @@ class CallRecorder:
         # How many record changes were made one by one (add, discard, a group that shared a
         # module): a group added the fast way is removed the fast way only if none was since.
         self.mixed = 0
+        self.lock = threading.RLock()
 
+    @_locked
     def add(self, module: Any, record: Any) -> "RecorderHandle":
         cls = type(module)
         if cls not in self.wrappers:
@@ -167,6 +182,7 @@ class CallRecorder:
 
             self.watched[key] = all_records
 
+    @_locked
     def add_group(self, group: "RecordGroup | List[Tuple[Any, Any, List[Any]]]") -> "GroupHandle":
         """:meth:`add` for many ``(module, record, [record])`` at once, removed together by
         the handle (arming and disarming a model's layers on sampled steps). The one-record
@@ -203,6 +219,7 @@ class CallRecorder:
         group.added = -1
         return GroupHandle(self, group)
 
+    @_locked
     def discard(self, module: Any, record: Any) -> None:
         key = id(module)
         records = self.records.get(key)
@@ -221,6 +238,7 @@ class CallRecorder:
         if self.count[cls] == 0:
             self._unwrap(cls)
 
+    @_locked
     def discard_group(self, group: "RecordGroup") -> None:
         """:meth:`discard` of every record of a group."""
         records, watched, count = self.records, self.watched, self.count
@@ -397,8 +415,10 @@ class Hooks:
     """The handles of every hook installed for one collector; :meth:`remove` takes them all
     away (and never raises)."""
 
-    def __init__(self, modules: List[Any], refs: List[Any], keep_outputs: bool) -> None:
+    def __init__(self, modules: List[Any], refs: List[Any], keep_outputs: bool, unhookable: Set[int]) -> None:
         self.modules = modules
+        # Modules that take no forward hook (TorchScript ones): watched from around.
+        self.unhookable = unhookable
         self.refs = refs
         self.keep_outputs = keep_outputs
         self.trace = Trace()
@@ -444,17 +464,17 @@ class Hooks:
         for i in range(1, len(self.modules)):
             self.hook_module(i, keep=True)
         root = self.modules[0]
-        self._own(root.register_forward_pre_hook(c._on_root_pre, with_kwargs=True))
+        self._own(root.register_forward_pre_hook(c.entry_forward_pre, with_kwargs=True))
         # The model's own forward hook goes with the module hooks (see arm_modules): a step
         # that sees no module call needs no end of the forward either.
-        self.root_post = c._on_root_post
+        self.root_post = c.entry_forward_post
         self._hook_root_post()
         if c.criterion is not None:
-            self._own(c.criterion.register_forward_hook(c._on_criterion))
+            self._own(c.criterion.register_forward_hook(c.entry_criterion))
         self.hook_grads(c, params)
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
-        self.handles.append(register_optimizer_step_post_hook(c._on_optimizer_post))
+        self.handles.append(register_optimizer_step_post_hook(c.entry_optimizer_step))
         SCALER_TAP.add(c)
         STATE_TAP.add(self)
         if c.criterion is None:
@@ -465,7 +485,8 @@ class Hooks:
         gradient now (at install, when none has: the first and the last trainable one), and
         hooks their gradient accumulation (not with ``tap_reads``). False, changing nothing,
         when those are the sentinels already."""
-        trainable = [k for k, p in enumerate(params) if p.requires_grad]  # (a frozen one takes no hook)
+        # (A frozen one takes no hook, nor does a lazy module's parameter before it is made.)
+        trainable = [k for k, p in enumerate(params) if p.requires_grad and not _uninitialized(p)]
         present = [k for k in trainable if params[k].grad is not None]
         pool = present or trainable
         keep = sorted({pool[0], pool[-1]}) if pool else []
@@ -507,12 +528,18 @@ class Hooks:
         self.module_handles[0] = h
 
     def hook_module(self, i: int, keep: bool, record: bool = False) -> None:
+        if i in self.unhookable:
+            return
         m = self.modules[i]
         if record and is_recorded(m):
             self.module_handles[i] = CALL_RECORDER.add(m, make_record(i, self.refs, keep, self.first, self.hold))
             return
         hook = make_ref_hook(i, self.refs, keep, self.trace, self.first)
-        h = self.modules[i].register_forward_hook(hook)
+        try:
+            h = self.modules[i].register_forward_hook(hook)
+        except Exception:  # a module that refuses hooks (a user's ScriptModule-like class)
+            self.unhookable.add(i)
+            return
         STATE_TAP.ours.add(h.id)
         self.module_handles[i] = h
 
@@ -521,7 +548,10 @@ class Hooks:
         (and on parameter owners, whose running tells "no gradient" from a zero gradient)."""
         if self.frozen:
             return
-        self.wanted = [i for i in range(1, len(self.modules)) if i in owners or not is_passive(self.modules[i])]
+        self.wanted = [
+            i for i in range(1, len(self.modules))
+            if (i in owners or not is_passive(self.modules[i])) and i not in self.unhookable
+        ]
         self.recorded_pairs = None
         for i in list(self.module_handles):
             self.module_handles.pop(i).remove()
@@ -613,6 +643,13 @@ class Hooks:
         STATE_TAP.remove(self)
 
 
+def _uninitialized(p: Any) -> bool:
+    """A lazy module's parameter that has no shape yet (it gets one at the first forward)."""
+    from torch.nn.parameter import UninitializedParameter
+
+    return isinstance(p, UninitializedParameter)
+
+
 def _compiling() -> Callable[[], bool]:
     import torch
 
@@ -622,8 +659,10 @@ def _compiling() -> Callable[[], bool]:
 def _grad_hook(c: "Collector", k: int) -> Callable[[Any], None]:
     """The post-accumulate-grad hook of parameter ``k``."""
 
+    ready = c.entry_grad_ready
+
     def hook(param: Any) -> None:
-        c._on_grad_ready(k)
+        ready(k)
 
     return hook
 
@@ -742,7 +781,13 @@ class BackwardTap:
         self.collectors: List[Collector] = []
         self.original: Optional[Callable[..., Any]] = None
         self.installed = self._backward  # one bound method, so identity checks work
-        self.current: Any = None
+        # Per thread: two threads may each run a backward (two models trained at once).
+        self.local = threading.local()
+
+    @property
+    def current(self) -> Any:
+        """The tensor whose ``backward()`` is running on this thread (None outside one)."""
+        return getattr(self.local, "current", None)
 
     def add(self, c: "Collector") -> None:
         import torch.autograd
@@ -764,26 +809,27 @@ class BackwardTap:
         # Collectors that read their gradients here (see Hooks.tap_reads) answer with what
         # their sentinel gradients were before this backward.
         after = None
-        for c in self.collectors:
-            try:
-                marks = c.on_backward(tensors)
-            except Exception:  # never let observation break the user's backward
-                continue
+        me = threading.get_ident()
+        for c in list(self.collectors):
+            if c.thread != me and c.thread is not None:
+                continue  # a model whose forward ran on another thread (two trained at once)
+            marks = c.entry_backward_start(tensors)  # (guarded: never breaks the backward)
             if marks is not None:
                 after = [(c, marks)] if after is None else [*after, (c, marks)]
         assert self.original is not None
         # The tensor being differentiated, while its backward runs: a collector whose
         # parameters receive gradients from it takes it as its loss.
-        outer = self.current
-        self.current = tensors
+        local = self.local
+        outer = getattr(local, "current", None)
+        local.current = tensors
         try:
             result = self.original(tensors, *args, **kwargs)
             if after is not None:
                 for c, marks in after:
-                    c.after_backward(marks)
+                    c.entry_backward_done(marks)
             return result
         finally:
-            self.current = outer
+            local.current = outer
 
 
 BACKWARD_TAP = BackwardTap()
@@ -828,19 +874,13 @@ class ScalerTap:
     def _step(self, scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         collectors = list(self.collectors)
         for c in collectors:
-            try:
-                c.on_scaler_step(scaler, optimizer)
-            except Exception:  # pragma: no cover - never break the user's step
-                pass
+            c.entry_scaler_step(scaler, optimizer)
         assert self.original is not None
         try:
             out = self.original(scaler, optimizer, *args, **kwargs)
         finally:
             for c in collectors:
-                try:
-                    c.on_scaler_step_done(scaler, optimizer)
-                except Exception:  # pragma: no cover
-                    pass
+                c.entry_scaler_step_done(scaler, optimizer)
         for c in collectors:
             c.raise_halt()  # halt_on: from the step that confirmed the failure
         return out

@@ -4,10 +4,14 @@ the callbacks in :mod:`neuraldbg.lightning` and :mod:`neuraldbg.transformers` on
 
 from __future__ import annotations
 
+import functools
 import os
-from typing import Any, Callable, Dict, Iterable, List, Optional, Union
+import warnings
+from typing import Any, Callable, Dict, Iterable, List, Optional, TypeVar, Union, cast
 
+from ._guard import REPORT, check
 from .debugger import NeuralDbg
+from .errors import ConfigError, ModelError, NeuralDbgWarning
 from .types import CausalHypothesis
 
 TRACE_NAME = "neuraldbg.ndbg"
@@ -55,6 +59,29 @@ class WatchedRun:
             self.dbg.__exit__(type(exc) if exc is not None else None, exc, None)
 
 
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def guarded_callback(method: F) -> F:
+    """A framework callback's ``on_*`` method under the guard (see ``_guard.py``): an internal
+    error ends monitoring with one warning (what was observed is still written), never the
+    trainer's run. The user's own mistakes in the options (:class:`ConfigError`,
+    :class:`ModelError`) still raise."""
+
+    @functools.wraps(method)
+    def call(self: "CallbackCore", *args: Any, **kwargs: Any) -> Any:
+        try:
+            check("callback")
+            return method(self, *args, **kwargs)
+        except (KeyboardInterrupt, SystemExit, ConfigError, ModelError):
+            raise
+        except BaseException as e:
+            self.fail("callback", e)
+            return None
+
+    return cast(F, call)
+
+
 class CallbackCore:
     """The options and the watched run of a framework callback.
 
@@ -81,6 +108,44 @@ class CallbackCore:
         self.options = options
         self._run: Optional[WatchedRun] = None
         self.dbg: Optional[NeuralDbg] = None
+        # The guard's owner protocol (see _guard.py): a callback raises nothing on purpose.
+        self.raising: Optional[BaseException] = None
+        self.failed = False
+
+    def fail(self, entry: str, error: BaseException) -> None:
+        """An internal error in ``entry``: say so once, stop watching (the trace and report of
+        the steps observed so far are written), and let training go on."""
+        if self.failed:
+            return
+        self.failed = True
+        step = self.dbg.step if self.dbg is not None else 0
+        warnings.warn(
+            f"NeuralDBG stopped observing at step {step} after an internal error in {entry}: "
+            f"{type(error).__name__}: {error}. Training goes on unobserved; "
+            + (f"steps 0 to {step - 1} are diagnosed and written. " if step else "")
+            + f"This is a bug in NeuralDBG: {REPORT}",
+            NeuralDbgWarning,
+            stacklevel=3,
+        )
+        try:
+            self.close()
+        except BaseException:  # pragma: no cover - nothing more to do; training goes on
+            self._run = None
+
+    def log_metrics(self, log: Callable[[Dict[str, float]], None], layers: bool) -> None:
+        """Hands the verdict's numbers to the framework's logging (``log``), guarded."""
+        dbg = self.dbg
+        if dbg is None or self.failed:
+            return
+        try:
+            check("log_metrics")
+            numbers = metrics(dbg, layers)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:
+            self.fail("log_metrics", e)
+            return
+        log(numbers)
 
     def _open(self, model: Any, directory: str, zero: bool, stop: Callable[[], None]) -> None:
         """Starts watching ``model`` (``zero``: this is the job's rank 0, or the only process)."""
@@ -115,17 +180,19 @@ def metrics(dbg: NeuralDbg, layers: bool) -> Dict[str, float]:
     if layers:
         for name in layer_names(dbg):
             _, values = dbg.history(name, "grad_norm")
-            if len(values):
+            if len(values) and values[-1] >= 0:  # (-1: no gradient yet, a frozen layer)
                 out[f"neuraldbg/grad_norm/{name or '<model>'}"] = float(values[-1])
     return out
 
 
 def layer_names(dbg: NeuralDbg) -> Iterable[str]:
-    seen = []
-    for name, m in dbg.model.named_modules():
-        if any(p.requires_grad for p in m.parameters(recurse=False)):
-            seen.append(name)
-    return seen
+    """The layers the engine knows, in model order: the modules that own parameters (a module
+    that only shares another's, a tied output head, is reported under the owner's name)."""
+    collector = dbg._collector
+    if collector is None or not collector.registered:
+        return []
+    watched = collector.watched
+    return [watched.names[i] for i in sorted(set(watched.param_owner))]
 
 
 def summary(dbg: NeuralDbg, where: Optional[str]) -> str:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 # Autograd node names end in "Backward0", "Backward1"...: the operation's name is before it.
 _BACKWARD = re.compile(r"Backward\d*$")
@@ -37,8 +37,10 @@ def op_name(fn: Any) -> str:
 class LoopFacts:
     """Collects the loop facts of one watched model."""
 
-    def __init__(self, params: List[Any]) -> None:
+    def __init__(self, params: List[Any], guard: Optional[Callable[[Callable[..., Any]], Callable[..., Any]]] = None) -> None:
         self.params = params
+        # Wraps the probe's tensor hook in the collector's guard (see _guard.py).
+        self.guard = guard
         # Training mode of the grad-enabled forward passes of the current step.
         self.modes: List[bool] = []
         # Gradient accumulation: one parameter is watched. After each optimizer step, its
@@ -82,7 +84,8 @@ class LoopFacts:
     def hook_probe(self) -> None:
         """The probe's tensor hook, from now on (see :meth:`install_probe`)."""
         if self.probe is not None and self.probe_handle is None:
-            self.probe_handle = self.probe.register_hook(self._on_probe_grad)
+            hook = self._on_probe_grad if self.guard is None else self.guard(self._on_probe_grad)
+            self.probe_handle = self.probe.register_hook(hook)
 
     def remove(self) -> None:
         if self.probe_handle is not None:

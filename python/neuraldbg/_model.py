@@ -21,30 +21,49 @@ NORMS = ("BatchNorm", "GroupNorm", "InstanceNorm", "LayerNorm", "LocalResponseNo
 
 
 class WatchedModel:
-    """Modules (``model.named_modules()`` order) and trainable parameters of one model, each
-    parameter owned by the first module that holds it directly."""
+    """Modules (``model.named_modules()`` order) and parameters of one model, each parameter
+    owned by the first module that holds it directly.
+
+    Every parameter is watched, also one frozen now (``requires_grad=False``): it is observed
+    from its first gradient on when it is unfrozen later (fine-tuning schedules), and the
+    engine is told which were frozen at the start (not a stalled layer). A parameter held by
+    several modules (tied embeddings: ``lm_head.weight is wte.weight``) belongs to its first
+    module; the others are ``tied`` to it, so that their names resolve to its layer."""
 
     def __init__(self, model: Any) -> None:
+        import torch
+
         self.names: List[str] = []
         self.modules: List[Any] = []
         for name, m in model.named_modules():
             self.names.append(name)
             self.modules.append(m)
         self.by_name = {n: i for i, n in enumerate(self.names)}
+        # TorchScript modules take no Python hooks: they are watched from around (their
+        # parameters' gradients, their callers' calls).
+        self.scripted = [isinstance(m, torch.jit.ScriptModule) for m in self.modules]
 
         self.params: List[Any] = []
         self.param_names: List[str] = []
         self.param_owner: List[int] = []
-        seen: set = set()
+        # Per parameter: the other modules that hold it too (tied weights).
+        self.tied: List[List[int]] = []
+        index: Dict[int, int] = {}
         for i, m in enumerate(self.modules):
             for pname, p in m.named_parameters(recurse=False):
-                if p is None or not p.requires_grad or id(p) in seen:
+                if p is None:
                     continue
-                seen.add(id(p))
+                k = index.get(id(p))
+                if k is not None:
+                    if i != self.param_owner[k] and i not in self.tied[k]:
+                        self.tied[k].append(i)
+                    continue
+                index[id(p)] = len(self.params)
                 self.params.append(p)
                 self.param_names.append(f"{self.names[i]}.{pname}" if self.names[i] else pname)
                 self.param_owner.append(i)
-        self.param_ids = {id(p) for p in self.params}
+                self.tied.append([])
+        self.param_ids = set(index)
         # Engine order (executed modules in forward order, the others after their nearest
         # executed ancestor) and each module's rank in it; set by :meth:`spec`.
         self.spec_order: List[int] = []
@@ -55,6 +74,8 @@ class WatchedModel:
     def spec(self, executed: List[int], optimizer: Optional[str]) -> Dict[str, Any]:
         """The engine's ``ModelSpec`` (as a dict for JSON), given the forward order of the
         first step; fixes :attr:`spec_order` and :attr:`rank`."""
+        import torch
+
         pos = {m: k for k, m in enumerate(executed)}
         by_name = self.by_name
         # Modules that never ran go right after their nearest ancestor that did.
@@ -89,16 +110,24 @@ class WatchedModel:
                 {"name": self.names[i], "kind": type(m).__name__, "attrs": attrs, "executed": i in pos}
             )
         params = []
-        for p, pname, owner in zip(self.params, self.param_names, self.param_owner):
+        for p, pname, owner, tied in zip(self.params, self.param_names, self.param_owner, self.tied):
             leaf = pname.rsplit(".", 1)[-1]
             role = "weight" if leaf.startswith("weight") else "bias" if leaf.startswith("bias") else "other"
             fan_in = None
             kind = type(self.modules[owner]).__name__
-            if role == "weight" and p.dim() >= 2 and kind not in TABLE_MODULES:
+            # A lazy module that has not run yet holds parameters with no shape.
+            lazy = isinstance(p, torch.nn.parameter.UninitializedParameter)
+            if not lazy and role == "weight" and p.dim() >= 2 and kind not in TABLE_MODULES:
                 fan_in = int(p.shape[1]) * int(np.prod(p.shape[2:])) if p.dim() > 2 else int(p.shape[1])
-            params.append(
-                {"module": rank[owner], "name": pname, "numel": int(p.numel()), "role": role, "fan_in": fan_in}
-            )
+            spec: Dict[str, Any] = {
+                "module": rank[owner], "name": pname, "numel": 0 if lazy else int(p.numel()), "role": role,
+                "fan_in": fan_in,
+            }
+            if tied:
+                spec["tied"] = [rank[m] for m in tied]
+            if not p.requires_grad:
+                spec["frozen"] = True
+            params.append(spec)
         return {"modules": modules, "params": params, "optimizer": optimizer}
 
     def unit_axes(self, executed: List[int]) -> Dict[int, int]:
@@ -185,7 +214,7 @@ class WatchedModel:
                     for name, b in list(buffers.items()):
                         if b is not None:
                             buffers[name] = b.detach().clone()
-                if i:
+                if i and not self.scripted[i]:
                     handles.append(m.register_forward_hook(_replay_hook(i, refs)))
             with torch.no_grad():
                 for args, kwargs in calls:

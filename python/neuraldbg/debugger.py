@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Literal, 
 
 from . import _native
 from .errors import ConfigError, ModelError, NeuralDbgError, NeuralDbgWarning, TrainingFailure
+from ._guard import check, run_guarded
 from ._results import Results
 from .types import CausalHypothesis, Failure
 
@@ -148,6 +149,12 @@ class NeuralDbg(Results):
         inner = getattr(model, "_orig_mod", None)
         if isinstance(inner, torch.nn.Module) and type(model).__name__ == "OptimizedModule":
             model = inner
+        if isinstance(model, torch.jit.ScriptModule):
+            raise ModelError(
+                f"NeuralDbg cannot watch a TorchScript model ({type(model).__name__}): TorchScript "
+                "modules take no Python hooks. Watch the nn.Module before torch.jit.script (scripted "
+                "submodules inside a plain model are fine: they are watched from around)"
+            )
         if criterion is not None and not isinstance(criterion, torch.nn.Module):
             raise ConfigError(
                 "criterion must be the loss module used in the loop (e.g. nn.MSELoss()), "
@@ -256,9 +263,21 @@ class NeuralDbg(Results):
                 **self._options,
             )
             self._collector.install()
-        except BaseException:
+        except BaseException as e:
+            # Nothing of ours stays installed: no hook, no tap, no kept tensor.
+            if self._collector is not None:
+                try:
+                    self._collector.remove()
+                except Exception:  # pragma: no cover - the first error is the one to report
+                    pass
+                self._collector = None
             self._close_trace()
-            raise
+            if isinstance(e, NeuralDbgError) or not isinstance(e, Exception):
+                raise
+            raise ModelError(
+                f"NeuralDbg could not install its hooks on {type(self.model).__name__}: "
+                f"{type(e).__name__}: {e}"
+            ) from e
         self._active = True
         return self
 
@@ -266,7 +285,11 @@ class NeuralDbg(Results):
         collector = self._collector
         try:
             if collector is not None:
+                check("exit")
                 collector.finish(crashed=exc_type is not None)
+        except Exception as e:  # never raise from the exit of the user's block
+            if collector is not None:
+                collector.fail("exit", e)
         finally:
             try:
                 if collector is not None:
@@ -367,7 +390,7 @@ class NeuralDbg(Results):
         here: the value is read with the step's other statistics."""
         if self._collector is None or not self._active:
             raise NeuralDbgError("record_loss() is only meaningful inside the `with NeuralDbg(...)` block")
-        self._collector.record_loss(loss)
+        run_guarded(self._collector, "record_loss", self._collector.record_loss, loss)
 
     # ---------------------------------------------------------------- results
 

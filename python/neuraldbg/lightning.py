@@ -25,7 +25,7 @@ from typing import Any, Optional
 
 from .errors import NeuralDbgWarning
 
-from ._integration import CallbackCore, metrics, summary, verdict_text
+from ._integration import CallbackCore, guarded_callback, summary, verdict_text
 
 try:
     from lightning.pytorch.callbacks import Callback
@@ -54,6 +54,7 @@ class NeuralDbgCallback(CallbackCore, Callback):  # type: ignore[misc]
     ``explain_failure()``, ``events``, ``history()``...).
     """
 
+    @guarded_callback
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         directory = trainer.log_dir or trainer.default_root_dir
 
@@ -62,9 +63,11 @@ class NeuralDbgCallback(CallbackCore, Callback):  # type: ignore[misc]
 
         self._open(pl_module, directory, trainer.is_global_zero, stop)
 
+    @guarded_callback
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self._finish(trainer, None)
 
+    @guarded_callback
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         self._finish(trainer, exception)
 
@@ -76,13 +79,18 @@ class NeuralDbgCallback(CallbackCore, Callback):  # type: ignore[misc]
         if not trainer.is_global_zero:
             return
         dbg = run.dbg
-        numbers = metrics(dbg, layers=True)
-        for logger in trainer.loggers:
-            try:
-                logger.log_metrics(numbers, step=trainer.global_step)
-                logger.log_hyperparams({"neuraldbg_verdict": verdict_text(dbg)})
-                logger.save()
-            except Exception as e:  # a logger that cannot take it must not break training
-                warnings.warn(f"NeuralDBG could not log to {type(logger).__name__}: {e}", NeuralDbgWarning, stacklevel=2)
+
+        def log(numbers: Any) -> None:
+            for logger in trainer.loggers:
+                try:
+                    logger.log_metrics(numbers, step=trainer.global_step)
+                    logger.log_hyperparams({"neuraldbg_verdict": verdict_text(dbg)})
+                    logger.save()
+                except Exception as e:  # a logger that cannot take it must not break training
+                    warnings.warn(
+                        f"NeuralDBG could not log to {type(logger).__name__}: {e}", NeuralDbgWarning, stacklevel=2
+                    )
+
+        self.log_metrics(log, layers=True)
         if self.verbose:
             print(summary(dbg, run.report_path or run.trace_path))

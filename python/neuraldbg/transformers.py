@@ -28,7 +28,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from ._integration import CallbackCore, metrics, summary
+from ._integration import CallbackCore, guarded_callback, summary
 
 __all__ = ["NeuralDbgCallback"]
 
@@ -49,23 +49,27 @@ class NeuralDbgCallback(CallbackCore, TrainerCallback):  # type: ignore[misc]
     After training, :attr:`dbg` is the run's :class:`~neuraldbg.NeuralDbg`.
     """
 
+    @guarded_callback
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         self._go_first()
         if model is not None:
             self._open(model, args.output_dir, state.is_world_process_zero, lambda: None)
 
+    @guarded_callback
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.dbg is not None and self.dbg.halted is not None:
             control.should_training_stop = True
 
+    @guarded_callback
     def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
         """Adds the verdict to the trainer's log record, which every ``report_to`` integration
         receives after this callback (see :meth:`_go_first`)."""
         run = self._run
         if run is None or logs is None or not run.open:
             return
-        logs.update(metrics(run.dbg, layers="train_runtime" in logs))
+        self.log_metrics(logs.update, layers="train_runtime" in logs)
 
+    @guarded_callback
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         run = self._run
         self.close()

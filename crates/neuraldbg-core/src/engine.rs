@@ -278,7 +278,7 @@ impl Engine {
             })?;
         match metric {
             "grad_norm" | "weight_norm" => {
-                let layer = model.module_layer[module].ok_or_else(|| EngineError::Unknown {
+                let (layer, _tied) = model.layer_of_module(module).ok_or_else(|| EngineError::Unknown {
                     what: "layer with parameters",
                     name: name.to_string(),
                     expected: format!(

@@ -52,6 +52,14 @@ pub struct ParamSpec {
     /// Inputs feeding one output unit (`Linear`: `in_features`; `Conv`: `in_channels / groups x kernel`).
     #[serde(default)]
     pub fan_in: Option<u64>,
+    /// Other modules that hold this very parameter (tied weights: a language model's output
+    /// head and its input embedding). Their names resolve to this parameter's layer.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tied: Vec<usize>,
+    /// Frozen (`requires_grad=False`) when the model was registered: it gets no gradient until
+    /// it is unfrozen, and a layer of frozen parameters is not a stalled layer.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub frozen: bool,
 }
 
 /// The model as the engine sees it.
@@ -153,6 +161,8 @@ impl ModelSpec {
             numel: shape.iter().product(),
             role,
             fan_in,
+            tied: Vec::new(),
+            frozen: false,
         });
         self.params.len() - 1
     }
@@ -210,6 +220,9 @@ pub struct Model {
     pub module_layer: Vec<Option<usize>>,
     /// Activation index of each module.
     pub module_activation: Vec<Option<usize>>,
+    /// The layer of each module that holds only parameters another module owns (tied
+    /// weights), by module index.
+    pub module_tied: Vec<Option<usize>>,
     /// True when some module normalizes activations (`BatchNorm`, `LayerNorm`, `GroupNorm`...).
     pub has_normalization: bool,
     /// Layers with a weight matrix or kernel (the depth that gradients travel through).
@@ -344,6 +357,20 @@ impl Model {
                 }
             }
         }
+        let mut module_tied = vec![None; n_modules];
+        for (i, p) in spec.params.iter().enumerate() {
+            for &m in &p.tied {
+                if m >= n_modules {
+                    return Err(EngineError::Model(format!(
+                        "parameter {} (#{i}) is tied to module {m} but the model has {n_modules} modules",
+                        p.name
+                    )));
+                }
+                if module_layer[m].is_none() {
+                    module_tied[m].get_or_insert(param_layer[i]);
+                }
+            }
+        }
         let mut module_activation = vec![None; n_modules];
         let mut activations = Vec::new();
         for (m, module) in spec.modules.iter().enumerate() {
@@ -388,6 +415,7 @@ impl Model {
             activations,
             module_layer,
             module_activation,
+            module_tied,
             has_normalization,
             weighted_depth,
             by_name,
@@ -415,6 +443,19 @@ impl Model {
     /// Index of the module with this qualified name.
     pub fn module_index(&self, name: &str) -> Option<usize> {
         self.by_name.get(name).copied()
+    }
+
+    /// The layer whose gradients module `m` reports: its own, or, for a module that holds only
+    /// tied parameters, the layer that owns them (with `true`).
+    pub fn layer_of_module(&self, m: usize) -> Option<(usize, bool)> {
+        self.module_layer[m]
+            .map(|l| (l, false))
+            .or_else(|| self.module_tied[m].map(|l| (l, true)))
+    }
+
+    /// Whether every parameter of layer `l` was frozen when the model was registered.
+    pub fn layer_frozen(&self, l: usize) -> bool {
+        self.layers[l].params.iter().all(|&p| self.spec.params[p].frozen)
     }
 
     /// Position of a module in forward order (its index).

@@ -133,7 +133,7 @@ fn warn(py: Python<'_>, message: &str) {
 }
 
 /// The engine. One per watched model.
-#[pyclass(module = "neuraldbg._native", name = "Engine", unsendable)]
+#[pyclass(module = "neuraldbg._native", name = "Engine")]
 pub(crate) struct PyEngine {
     inner: Engine,
     /// Where the engine's inputs are recorded, when a trace is open.

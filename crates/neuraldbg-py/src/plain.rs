@@ -79,7 +79,7 @@ const ZERO: i32 = 2;
 const UNKNOWN: i32 = 8;
 
 /// One plain host step at a time (see the module docs).
-#[pyclass(module = "neuraldbg._native", name = "PlainStep", unsendable)]
+#[pyclass(module = "neuraldbg._native", name = "PlainStep")]
 #[derive(Debug)]
 pub struct PlainStep {
     collector: Py<PyAny>,

@@ -219,7 +219,7 @@ fn write_out(name: &str, a: &mut PyReadwriteArrayDyn<'_, f32>, values: &[f32]) -
 }
 
 /// Statistics of CPU tensors read straight from their memory (no torch op).
-#[pyclass(module = "neuraldbg._native", name = "TensorReader", unsendable)]
+#[pyclass(module = "neuraldbg._native", name = "TensorReader")]
 pub struct TensorReader {
     /// The exact tensor types accepted.
     types: Vec<Py<PyAny>>,
@@ -882,7 +882,7 @@ impl TensorReader {
 /// with no Python frame of ours per layer. An output the reader cannot read goes to `kept` as
 /// `(index, output, None)`, for the collector's torch path. [`OutputMaxima::table`] hands the
 /// step's values over as the engine's per-module table.
-#[pyclass(module = "neuraldbg._native", name = "OutputMaxima", unsendable)]
+#[pyclass(module = "neuraldbg._native", name = "OutputMaxima")]
 #[derive(Debug)]
 pub struct OutputMaxima {
     reader: Py<TensorReader>,

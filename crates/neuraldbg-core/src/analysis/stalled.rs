@@ -38,7 +38,8 @@ pub(crate) fn episodes(run: &Run, config: &Config) -> Vec<Episode> {
     for (l, t) in run.layers.iter().enumerate() {
         let m = model.layers[l].module;
         if t.observed == 0 {
-            if any_grad && span >= STILL_STEPS && model.spec.modules[m].executed {
+            // (A layer frozen on purpose gets no gradient: not a cut graph.)
+            if any_grad && span >= STILL_STEPS && model.spec.modules[m].executed && !model.layer_frozen(l) {
                 cut.push(l);
             }
             continue;

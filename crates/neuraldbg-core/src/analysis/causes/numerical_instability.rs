@@ -28,9 +28,15 @@ impl CauseRule for NumericalInstability {
                     return;
                 }
                 if f.forward_origin {
+                    // Inputs are named only when they were observed (a batch that never passed
+                    // through a watched module's call is not known to be finite).
                     v.add(
                         2.5,
-                        "a module's forward output went non-finite while gradients and inputs were finite and stable",
+                        if c.ev.input_scale_first.is_some() {
+                            "a module's forward output went non-finite while gradients and inputs were finite and stable"
+                        } else {
+                            "a module's forward output went non-finite while gradients were finite and stable (the inputs were not observed)"
+                        },
                     );
                 } else if f.loss_origin {
                     v.add(

@@ -1,0 +1,448 @@
+"""NeuralDBG never ends the user's run: setups people have (tied and late-trainable weights,
+scripted and lazy modules, a module called twice, training on other threads, torch.func) are
+observed step for step, and an internal error anywhere we run inside the training loop turns
+monitoring off with one warning while training goes on (the fault-injection suite: every entry
+point of ``neuraldbg.testing.ENTRY_POINTS`` made to raise in turn)."""
+
+from __future__ import annotations
+
+import math
+import threading
+import warnings
+import weakref
+from typing import List
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+import neuraldbg
+from neuraldbg import ModelError, NeuralDbg, NeuralDbgWarning
+from neuraldbg.testing import ENTRY_POINTS, fault_at
+
+
+def grad_norm(module: nn.Module) -> float:
+    """The layer's gradient norm as the engine defines it: over its own parameters."""
+    grads = [p.grad.double().reshape(-1) for p in module.parameters(recurse=False) if p.grad is not None]
+    return math.sqrt(sum(float(g.pow(2).sum()) for g in grads)) if grads else float("nan")
+
+
+def mlp(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
+
+
+def batches(n: int, seed: int = 1) -> List[tuple]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        x = torch.randn(16, 8, generator=g)
+        out.append((x, x.sum(1, keepdim=True) * 0.3))
+    return out
+
+
+def train(model: nn.Module, data, *, lr: float = 0.05, criterion=None, truth=None, layers=()):
+    """A plain loop: returns the losses; ``truth`` collects each step's layer norms."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    loss_fn = criterion or nn.functional.mse_loss
+    losses = []
+    for x, y in data:
+        opt.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        if truth is not None:
+            truth.append([grad_norm(model.get_submodule(n)) for n in layers])
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def no_hooks_left(model: nn.Module) -> bool:
+    return all(
+        not m._forward_hooks and not m._forward_pre_hooks for m in model.modules()
+    ) and torch.autograd.backward.__module__ == "torch.autograd"
+
+
+# ----------------------------------------------------------------------- shared parameters
+
+
+class TiedLM(nn.Module):
+    """An embedding and an output head sharing one weight, as language models do."""
+
+    def __init__(self, vocab: int = 32, dim: int = 16) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(vocab, dim)
+        self.mix = nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, tokens):
+        return self.head(torch.tanh(self.mix(self.emb(tokens))))
+
+
+def test_tied_head_resolves_to_the_embedding_it_shares():
+    model = TiedLM()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    truth = []
+    with NeuralDbg(model) as dbg:
+        for _ in range(12):
+            tokens = torch.randint(0, 32, (8, 6), generator=g)
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(model(tokens).reshape(-1, 32), tokens.reshape(-1))
+            loss.backward()
+            truth.append(float(model.emb.weight.grad.norm()))  # both uses, summed by autograd
+            opt.step()
+    steps, emb = dbg.history("emb")
+    _, head = dbg.history("head")
+    assert list(steps) == list(range(12))
+    np.testing.assert_allclose(emb, truth, rtol=1e-5)
+    np.testing.assert_array_equal(head, emb)  # the head reports the gradient it shares
+    assert not [h for h in dbg.explain_failure() if h.confidence >= 0.5]
+
+
+def test_a_module_called_twice_per_forward_is_one_layer_with_both_gradients():
+    torch.manual_seed(0)
+
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp = nn.Linear(8, 16)
+            self.block = nn.Linear(16, 16)
+            self.out = nn.Linear(16, 1)
+
+        def forward(self, x):
+            h = torch.tanh(self.inp(x))
+            h = torch.tanh(self.block(h))
+            h = torch.tanh(self.block(h))  # the same weights again
+            return self.out(h)
+
+    model = Twice()
+    truth: List[list] = []
+    with NeuralDbg(model) as dbg:
+        train(model, batches(15), truth=truth, layers=["block", "inp"])
+    steps, block = dbg.history("block")
+    assert list(steps) == list(range(15)) and dbg.step == 15
+    np.testing.assert_allclose(block, [t[0] for t in truth], rtol=1e-5)
+
+
+# --------------------------------------------------------------- late-trainable parameters
+
+
+def test_a_layer_unfrozen_mid_run_is_observed_from_then_on_and_its_blow_up_is_blamed_on_it():
+    model = mlp()
+    first = model[0]
+    first.requires_grad_(False)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.01)
+    boost = {"on": False}
+    truth = []
+    with NeuralDbg(model) as dbg:
+        for step, (x, y) in enumerate(batches(40)):
+            if step == 10:
+                first.requires_grad_(True)
+                # A blow-up planted in the unfrozen layer only: its gradient multiplied as made.
+                first.weight.register_hook(lambda g: g * 1e7 if boost["on"] else g)
+                opt.add_param_group({"params": list(first.parameters())})
+            boost["on"] = step >= 25
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            truth.append(grad_norm(first))
+            opt.step()
+    steps, values = dbg.history("0")
+    observed = steps[values >= 0]
+    assert list(observed) == list(range(10, 40)), "observed from its first gradient on"
+    np.testing.assert_allclose(values[values >= 0], truth[10:], rtol=1e-5)
+    h = dbg.explain_failure("exploding_gradients")[0]
+    assert h.confidence >= 0.5 and h.layer == "0" and h.step == 25
+    # Frozen on purpose for 10 steps: not a stalled layer.
+    assert not [h for h in dbg.explain_failure("stalled_layer") if h.confidence >= 0.5]
+
+
+# -------------------------------------------------------------- scripted and lazy modules
+
+
+def test_a_scripted_submodule_is_watched_around():
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(8, 16), nn.Tanh(), torch.jit.script(nn.Sequential(nn.Linear(16, 16), nn.Tanh())), nn.Linear(16, 1)
+    )
+    truth: List[list] = []
+    with NeuralDbg(model) as dbg:
+        train(model, batches(12), truth=truth, layers=["0", "2.0", "3"])
+    assert dbg.step == 12
+    for k, name in enumerate(["0", "2.0", "3"]):
+        steps, values = dbg.history(name)
+        assert list(steps) == list(range(12))
+        np.testing.assert_allclose(values, [t[k] for t in truth], rtol=1e-5)
+    assert no_hooks_left(model)
+
+
+def test_a_scripted_model_is_refused_with_our_error_and_nothing_left_behind():
+    torch.manual_seed(0)
+    model = torch.jit.script(nn.Sequential(nn.Linear(8, 4), nn.Tanh()))
+    with pytest.raises(ModelError, match="TorchScript"):
+        NeuralDbg(model)
+
+
+def test_a_failed_enter_leaves_no_hook_and_keeps_no_output():
+    """A model whose root refuses hooks (as a ScriptModule does): our ModelError, and nothing
+    of ours stays installed or keeps a tensor."""
+
+    class Refusing(nn.Sequential):
+        def register_forward_pre_hook(self, *args, **kwargs):
+            raise RuntimeError("register_forward_pre_hook is not supported here")
+
+    torch.manual_seed(0)
+    model = Refusing(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    original_backward = torch.autograd.backward
+    with pytest.raises(ModelError, match="hook"):
+        with NeuralDbg(model, trace=None):
+            pass
+    assert torch.autograd.backward is original_backward
+    assert no_hooks_left(model)
+    out = model(torch.randn(4, 8))
+    ref = weakref.ref(out)
+    del out
+    assert ref() is None, "an output is still referenced"
+
+
+def test_lazy_modules_are_watched_from_their_first_step():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LazyLinear(16), nn.Tanh(), nn.LazyLinear(1))
+    opt = None
+    truth = []
+    with NeuralDbg(model) as dbg:
+        for x, y in batches(12):
+            out = model(x)
+            if opt is None:
+                opt = torch.optim.SGD(model.parameters(), lr=0.05)
+            opt.zero_grad()
+            nn.functional.mse_loss(out, y).backward()
+            truth.append(grad_norm(model[0]))
+            opt.step()
+    steps, values = dbg.history("0")
+    assert dbg.step == 12 and list(steps) == list(range(12))
+    np.testing.assert_allclose(values, truth, rtol=1e-5)
+    assert no_hooks_left(model)
+
+
+# ------------------------------------------------------------------------------- threads
+
+
+def _run_on_thread(fn):
+    errors: List[BaseException] = []
+
+    def target():
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - reported to the test
+            errors.append(e)
+
+    t = threading.Thread(target=target)
+    t.start()
+    t.join(120)
+    assert not t.is_alive()
+    if errors:
+        raise errors[0]
+
+
+def test_entered_on_the_main_thread_and_trained_on_a_worker():
+    model = mlp()
+    truth: List[list] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NeuralDbgWarning)
+        with NeuralDbg(model) as dbg:
+            _run_on_thread(lambda: train(model, batches(20), truth=truth, layers=["0"]))
+    steps, values = dbg.history("0")
+    assert dbg.step == 20 and list(steps) == list(range(20))
+    np.testing.assert_allclose(values, [t[0] for t in truth], rtol=1e-5)
+
+
+def test_steps_alternating_between_threads_are_all_observed():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    truth = []
+
+    def one(x, y):
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        truth.append(grad_norm(model[2]))
+        opt.step()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NeuralDbgWarning)
+        with NeuralDbg(model) as dbg:
+            for i, (x, y) in enumerate(batches(24)):
+                if i % 2:
+                    _run_on_thread(lambda: one(x, y))
+                else:
+                    one(x, y)
+    steps, values = dbg.history("2")
+    assert dbg.step == 24 and list(steps) == list(range(24))
+    np.testing.assert_allclose(values, truth, rtol=1e-5)
+
+
+def test_two_models_on_two_threads_at_once_are_both_observed():
+    """Each thread enters its own debugger and trains its own model, at the same time; then a
+    third model later in the process, on yet another thread (after the others are done)."""
+    results = {}
+    start = threading.Barrier(2)
+
+    def job(name: str, seed: int) -> None:
+        model = mlp(seed)
+        truth: List[list] = []
+        start.wait(30)
+        with NeuralDbg(model) as dbg:
+            train(model, batches(30, seed), truth=truth, layers=["0", "4"])
+        results[name] = (dbg, truth)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NeuralDbgWarning)
+        threads = [threading.Thread(target=job, args=(n, s)) for n, s in (("a", 0), ("b", 1))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    assert set(results) == {"a", "b"}
+    for dbg, truth in results.values():
+        assert dbg.step == 30
+        for k, name in enumerate(["0", "4"]):
+            steps, values = dbg.history(name)
+            assert list(steps) == list(range(30))
+            np.testing.assert_allclose(values, [t[k] for t in truth], rtol=1e-5)
+
+    # A later model on another thread, after the two are done.
+    late = {}
+
+    def later() -> None:
+        model = mlp(3)
+        truth: List[list] = []
+        with NeuralDbg(model) as dbg:
+            train(model, batches(10, 3), truth=truth, layers=["2"])
+        late["r"] = (dbg, truth)
+
+    _run_on_thread(later)
+    dbg, truth = late["r"]
+    np.testing.assert_allclose(dbg.history("2")[1], [t[0] for t in truth], rtol=1e-5)
+
+
+# --------------------------------------------------------------------------- torch.func
+
+
+def test_functional_training_with_vmap_and_grad_is_observed_without_an_internal_error():
+    from torch.func import functional_call, grad, vmap
+
+    model = mlp()
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+
+    def loss_of(p, x, y):
+        out = functional_call(model, p, (x.unsqueeze(0),))
+        return nn.functional.mse_loss(out, y.unsqueeze(0))
+
+    per_example = vmap(grad(loss_of), in_dims=(None, 0, 0))
+    truth = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", NeuralDbgWarning)
+        with NeuralDbg(model) as dbg:
+            for x, y in batches(12):
+                grads = per_example(params, x, y)
+                opt.zero_grad()
+                for name, p in model.named_parameters():
+                    p.grad = grads[name].mean(0)
+                truth.append(grad_norm(model[0]))
+                opt.step()
+    said = [str(w.message) for w in caught if issubclass(w.category, NeuralDbgWarning)]
+    assert len(said) == 1 and "torch.func" in said[0], said  # what is not observed, once
+    steps, values = dbg.history("0")
+    assert dbg.step == 12 and list(steps) == list(range(12))
+    np.testing.assert_allclose(values, truth, rtol=1e-5)
+
+
+# ----------------------------------------------------------------- the fault-injection suite
+
+
+def _fault_cases():
+    """(entry, loop kind): a plain loop that reaches the entry point."""
+    kinds = {
+        "forward_pre": "tap", "forward_post": "tap", "backward_start": "tap", "backward_done": "tap",
+        "optimizer_step": "tap", "record_loss": "record", "criterion": "criterion",
+        "grad_ready": "criterion", "backward_end": "criterion", "loop_probe": "criterion",
+        "scaler_step": "scaler", "scaler_step_done": "scaler", "exit": "tap",
+    }
+    return sorted(kinds.items())
+
+
+FAULT_STEP = 6
+
+
+def _plain_loop(kind: str, dbg_on: bool, entry=None, trace=None):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    criterion = nn.MSELoss()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4) if kind == "scaler" else None
+    options = {"criterion": criterion} if kind in ("criterion", "scaler") else {}
+    dbg = NeuralDbg(model, trace=trace, **options) if dbg_on else None
+    import contextlib
+
+    with contextlib.ExitStack() as stack:
+        if entry == "exit":
+            stack.enter_context(fault_at(entry))  # (still active when the block exits)
+        if dbg is not None:
+            stack.enter_context(dbg)
+        for step, (x, y) in enumerate(batches(16)):
+            if step == FAULT_STEP and entry not in (None, "exit"):
+                stack.enter_context(fault_at(entry))
+            opt.zero_grad()
+            loss = criterion(model(x), y)
+            if dbg is not None and kind == "record":
+                dbg.record_loss(loss)
+            if scaler is not None:
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+            else:
+                loss.backward()
+                opt.step()
+    return model, dbg
+
+
+def test_every_entry_point_is_covered_by_the_fault_suite():
+    covered = {e for e, _ in _fault_cases()} | {"callback", "log_metrics"}
+    assert covered == set(ENTRY_POINTS)
+
+
+@pytest.mark.parametrize("entry,kind", _fault_cases())
+def test_a_fault_in_a_plain_loop_switches_monitoring_off_and_training_goes_on(tmp_path, entry, kind):
+    unwatched, _ = _plain_loop(kind, dbg_on=False)
+    trace = tmp_path / "run.ndbg"
+    with pytest.warns(NeuralDbgWarning, match=f"internal error in {entry}") as caught:
+        watched, dbg = _plain_loop(kind, dbg_on=True, entry=entry, trace=trace)
+    assert sum("stopped observing" in str(w.message) for w in caught) == 1, "one warning"
+    for a, b in zip(unwatched.parameters(), watched.parameters()):
+        assert torch.equal(a, b), "training went on exactly as without the debugger"
+    assert no_hooks_left(watched)
+    # What was observed before the fault is diagnosed, live and from the trace.
+    run = neuraldbg.load(trace)
+    steps, _ = run.history("0")
+    assert list(steps) == list(range(len(steps)))
+    if entry == "exit":
+        assert len(steps) == 16  # every step observed; the fault came after them
+    else:
+        assert FAULT_STEP - 1 <= len(steps) <= FAULT_STEP + 1
+    assert isinstance(run.explain_failure(), list) and isinstance(dbg.explain_failure(), list)
+
+
+def test_the_halt_still_reaches_the_loop_through_the_guard():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with pytest.raises(neuraldbg.TrainingFailure):
+        with NeuralDbg(model, halt_on="non_finite"):
+            for step, (x, y) in enumerate(batches(30)):
+                if step == 5:
+                    x = x * float("nan")
+                opt.zero_grad()
+                nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
