@@ -960,11 +960,17 @@ class Collector:
         if optimizer is self.plain_optimizer and self.grad_read and self._plain_host_step(optimizer):
             self.raise_halt()
             return
-        if self.disabled or self.step_on != "optimizer" or not self._is_relevant(optimizer):
+        if self.disabled or self.step_on == "backward" or not self._is_relevant(optimizer):
             return
-        if not self.grad_read:
-            if self.forward_gen == self.observed_gen:
+        if not self.grad_read and self.forward_gen == self.observed_gen:
+            if self.step_on != "each_optimizer":
                 return  # a second optimizer of the same iteration: one step
+            try:
+                self._read_gradients()  # a step of its own: the gradients it used, as they are
+            except Exception as e:  # pragma: no cover - defensive
+                self._fail(e)
+                return
+        if not self.grad_read:
             # Gradients no backward pass accumulated (set by hand), or one that reached no
             # sentinel: read as they are, and sentinels chosen among those that have one.
             # Read at the tap, sentinels that stay the same had gradients from a backward the
@@ -1051,7 +1057,9 @@ class Collector:
         # The optimizer whose steps may take the short path (host mode, the step boundary of
         # the optimizer: the one optimizer of the model seen stepping).
         self.plain_optimizer = (
-            optimizer if self.hm is not None and self.registered and self.step_on == "optimizer" and not self.disabled else None
+            optimizer
+            if self.hm is not None and self.registered and self.step_on == "optimizer" and not self.disabled
+            else None
         )
         self.step += 1
         try:
@@ -1101,7 +1109,7 @@ class Collector:
 
     def on_scaler_step(self, scaler: Any, optimizer: Any) -> None:
         """``scaler.step(optimizer)`` starts: the gradients read were scaled by its scale."""
-        if self.disabled or self.step_on != "optimizer" or not self._is_relevant(optimizer):
+        if self.disabled or self.step_on == "backward" or not self._is_relevant(optimizer):
             return
         if scaler.is_enabled():
             self.scaler = scaler

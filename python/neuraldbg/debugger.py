@@ -24,7 +24,7 @@ __all__ = ["NeuralDbg"]
 
 _DEFAULTS: Dict[str, Any] = json.loads(_native.default_config_json())
 _FORWARD_CHECKS = ("auto", "lazy", "off")
-_STEP_ON = ("optimizer", "backward")
+_STEP_ON = ("optimizer", "each_optimizer", "backward")
 _DISTRIBUTED = ("auto", "off")
 
 
@@ -72,8 +72,11 @@ class NeuralDbg(Results):
             are kept until the step's statistics reach the host, when the next forward starts
             (more memory during backward, no synchronization). ``"off"``: don't keep outputs
             (the origin of a NaN is then located from gradients only).
-        step_on: ``"optimizer"`` (default) counts a step per ``optimizer.step()``;
-            ``"backward"`` counts one per backward pass, for loops without a torch optimizer.
+        step_on: ``"optimizer"`` (default) counts a step per ``optimizer.step()`` (several
+            optimizers stepped after one backward pass are one step); ``"each_optimizer"`` counts
+            every ``optimizer.step()``, also several in one iteration (what Lightning's manual
+            optimization calls ``global_step``; its callback sets it); ``"backward"`` counts one
+            per backward pass, for loops without a torch optimizer.
         halt_on: stop training once a failure is confirmed (opt-in): ``True`` for any failure
             (a hypothesis with confidence >= 0.5), a number for any failure at least that
             confident, or failure names (``"non_finite"``, :class:`~neuraldbg.Failure`, or a list

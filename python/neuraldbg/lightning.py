@@ -61,6 +61,11 @@ class NeuralDbgCallback(CallbackCore, Callback):  # type: ignore[misc]
         def stop() -> None:
             trainer.should_stop = True
 
+        # Manual optimization counts every optimizer step in global_step, also several in one
+        # training_step: so does the debugger then (unless told otherwise).
+        manual = getattr(pl_module, "automatic_optimization", True) is False
+        if manual and "step_on" not in self.options:
+            self.options = {**self.options, "step_on": "each_optimizer"}
         self._open(pl_module, directory, trainer.is_global_zero, stop)
 
     @guarded_callback

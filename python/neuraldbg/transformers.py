@@ -24,7 +24,8 @@ event) to remove the hooks and write the trace and report.
 from __future__ import annotations
 
 import sys
-from typing import Any
+from types import FrameType
+from typing import Any, Optional
 
 from transformers import TrainerCallback
 
@@ -82,11 +83,17 @@ class NeuralDbgCallback(CallbackCore, TrainerCallback):  # type: ignore[misc]
         the Trainer placed before the user's callbacks. The handler is the caller of this
         event; when it cannot be found, logging simply goes without the verdict."""
         try:
-            frame = sys._getframe(2)
-            handler = frame.f_locals.get("self")
-            callbacks = getattr(handler, "callbacks", None)
-            if isinstance(callbacks, list) and self in callbacks and callbacks[0] is not self:
-                callbacks.remove(self)
-                callbacks.insert(0, self)
+            frame: Optional[FrameType] = sys._getframe(2)
+            for _ in range(4):  # (the guard's frame lies between)
+                if frame is None:
+                    return
+                handler = frame.f_locals.get("self")
+                callbacks = getattr(handler, "callbacks", None)
+                if isinstance(callbacks, list) and self in callbacks:
+                    if callbacks[0] is not self:
+                        callbacks.remove(self)
+                        callbacks.insert(0, self)
+                    return
+                frame = frame.f_back
         except Exception:  # pragma: no cover - best effort
             pass

@@ -510,6 +510,39 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn a_module_holding_only_tied_parameters_resolves_to_their_layer() {
+        let mut spec = ModelSpec::default();
+        let emb = spec.module("emb", "Embedding");
+        spec.param(emb, "emb.weight", &[64, 16]);
+        let head = spec.module("head", "Linear");
+        spec.module("", "Net");
+        spec.params[0].tied = vec![head];
+        let m = Model::new(spec.clone()).unwrap();
+        assert_eq!(m.layers.len(), 1, "the head is not a layer of its own");
+        assert_eq!(m.layer_of_module(emb), Some((0, false)));
+        assert_eq!(m.layer_of_module(head), Some((0, true)));
+        assert_eq!(m.layer_of_module(2), None);
+        spec.params[0].tied = vec![9];
+        assert!(Model::new(spec).unwrap_err().to_string().contains("tied to module 9"));
+    }
+
+    #[test]
+    fn a_layer_is_frozen_when_all_its_parameters_were() {
+        let mut spec = mlp_spec(2, "ReLU");
+        spec.params[0].frozen = true;
+        let m = Model::new(spec.clone()).unwrap();
+        assert!(!m.layer_frozen(0), "its bias was trainable");
+        spec.params[1].frozen = true;
+        let m = Model::new(spec.clone()).unwrap();
+        assert!(m.layer_frozen(0) && !m.layer_frozen(1));
+        // Old descriptions (no such fields) read as nothing tied, nothing frozen.
+        let json = serde_json::to_string(&mlp_spec(1, "ReLU")).unwrap();
+        assert!(!json.contains("tied") && !json.contains("frozen"));
+        let back: ModelSpec = serde_json::from_str(&json).unwrap();
+        assert!(back.params.iter().all(|p| p.tied.is_empty() && !p.frozen));
+    }
+
+    #[test]
     fn interleaved_parameters_have_no_ranges() {
         let mut spec = mlp_spec(2, "ReLU");
         spec.params.swap(1, 2); // fc0.weight, fc1.weight, fc0.bias, fc1.bias
