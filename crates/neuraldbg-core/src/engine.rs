@@ -278,14 +278,17 @@ impl Engine {
             })?;
         match metric {
             "grad_norm" | "weight_norm" => {
-                let (layer, _tied) = model.layer_of_module(module).ok_or_else(|| EngineError::Unknown {
-                    what: "layer with parameters",
-                    name: name.to_string(),
-                    expected: format!(
-                        "one of {}",
-                        short_list(model.layers.iter().map(|l| l.name.as_str()))
-                    ),
-                })?;
+                let (layer, _tied) =
+                    model
+                        .layer_of_module(module)
+                        .ok_or_else(|| EngineError::Unknown {
+                            what: "layer with parameters",
+                            name: name.to_string(),
+                            expected: format!(
+                                "one of {}",
+                                short_list(model.layers.iter().map(|l| l.name.as_str()))
+                            ),
+                        })?;
                 Ok(if metric == "grad_norm" {
                     run.grads.read(layer, reduce)
                 } else {

@@ -455,7 +455,10 @@ impl Model {
 
     /// Whether every parameter of layer `l` was frozen when the model was registered.
     pub fn layer_frozen(&self, l: usize) -> bool {
-        self.layers[l].params.iter().all(|&p| self.spec.params[p].frozen)
+        self.layers[l]
+            .params
+            .iter()
+            .all(|&p| self.spec.params[p].frozen)
     }
 
     /// Position of a module in forward order (its index).
@@ -523,7 +526,12 @@ pub(crate) mod tests {
         assert_eq!(m.layer_of_module(head), Some((0, true)));
         assert_eq!(m.layer_of_module(2), None);
         spec.params[0].tied = vec![9];
-        assert!(Model::new(spec).unwrap_err().to_string().contains("tied to module 9"));
+        assert!(
+            Model::new(spec)
+                .unwrap_err()
+                .to_string()
+                .contains("tied to module 9")
+        );
     }
 
     #[test]

@@ -39,7 +39,11 @@ pub(crate) fn episodes(run: &Run, config: &Config) -> Vec<Episode> {
         let m = model.layers[l].module;
         if t.observed == 0 {
             // (A layer frozen on purpose gets no gradient: not a cut graph.)
-            if any_grad && span >= STILL_STEPS && model.spec.modules[m].executed && !model.layer_frozen(l) {
+            if any_grad
+                && span >= STILL_STEPS
+                && model.spec.modules[m].executed
+                && !model.layer_frozen(l)
+            {
                 cut.push(l);
             }
             continue;
