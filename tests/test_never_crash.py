@@ -446,3 +446,38 @@ def test_the_halt_still_reaches_the_loop_through_the_guard():
                 opt.zero_grad()
                 nn.functional.mse_loss(model(x), y).backward()
                 opt.step()
+
+
+# ------------------------------------------------------- the deferred (CUDA) path, on the CPU
+
+
+def _deferred(dbg: NeuralDbg) -> None:
+    """The CPU stand-in of the CUDA path: one vector a step, handed over a step later."""
+    c = dbg._collector
+    c.host_allowed = False
+    c.hm = None
+    c.hooks.hold[0] = True
+    c.defer = True
+
+
+@pytest.mark.parametrize("how", ["submodule", "compiled"])
+def test_the_deferred_path_hands_every_step_over(how):
+    """Where no forward pre-hook of the model runs in Python (its submodule is what the loop
+    calls, or the hook is traced into a compiled graph), each step is handed over before the
+    next replaces it."""
+    model = mlp()
+    run = model if how == "submodule" else torch.compile(model, backend="eager")
+    outer = nn.Sequential(model) if how == "submodule" else model
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    truth = []
+    with NeuralDbg(outer) as dbg:
+        _deferred(dbg)
+        for x, y in batches(8):
+            opt.zero_grad()
+            nn.functional.mse_loss(run(x), y).backward()
+            truth.append(grad_norm(model[0]))
+            opt.step()
+    name = "0.0" if how == "submodule" else "0"
+    steps, values = dbg.history(name)
+    assert list(steps) == list(range(8))
+    np.testing.assert_allclose(values, truth, rtol=1e-5)

@@ -1386,6 +1386,10 @@ class Collector:
         # Asynchronous: copy into pinned memory behind the step's kernels; handed to the engine
         # when the next forward pass starts. The outputs kept for the non-finite scan wait with
         # it (only until then: they are released before the next step allocates its own).
+        if self.pending is not None:
+            # The previous step was not handed over at a forward pre-hook (traced into a
+            # compiled graph, or the model itself is not called): now, before it is replaced.
+            self._consume()
         host, event = self.host_copy.start(flat)
         keep = list(refs) if self.forward_check != "off" or final else [(i, None, None) for i, _, _ in refs]
         self.pending = Pending(layout, host, event, keep)
