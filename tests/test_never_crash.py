@@ -451,17 +451,8 @@ def test_the_halt_still_reaches_the_loop_through_the_guard():
 # ------------------------------------------------------- the deferred (CUDA) path, on the CPU
 
 
-def _deferred(dbg: NeuralDbg) -> None:
-    """The CPU stand-in of the CUDA path: one vector a step, handed over a step later."""
-    c = dbg._collector
-    c.host_allowed = False
-    c.hm = None
-    c.hooks.hold[0] = True
-    c.defer = True
-
-
 @pytest.mark.parametrize("how", ["submodule", "compiled"])
-def test_the_deferred_path_hands_every_step_over(how):
+def test_the_deferred_path_hands_every_step_over(how, monkeypatch):
     """Where no forward pre-hook of the model runs in Python (its submodule is what the loop
     calls, or the hook is traced into a compiled graph), each step is handed over before the
     next replaces it."""
@@ -470,8 +461,9 @@ def test_the_deferred_path_hands_every_step_over(how):
     outer = nn.Sequential(model) if how == "submodule" else model
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     truth = []
+    monkeypatch.setenv("NEURALDBG_DEVICE_PATH", "deferred")  # the CUDA path's CPU stand-in
     with NeuralDbg(outer) as dbg:
-        _deferred(dbg)
+        assert dbg._collector.defer is True and dbg._collector.hm is None
         for x, y in batches(8):
             opt.zero_grad()
             nn.functional.mse_loss(run(x), y).backward()

@@ -144,7 +144,12 @@ class Collector:
         # only on the steps whose outputs are measured (its NaN/Inf is found by computing it
         # again; see _hooks.make_record).
         self.hm: Optional[HostMeasurer] = None
-        self.host_allowed = True  # (False: the device path whatever the device; tests)
+        # NEURALDBG_DEVICE_PATH (see device_path_override) makes a CPU model take the device path.
+        forced = device_path_override()
+        self.host_allowed = forced is None
+        # Transfer: None until the first observation decides (True on CUDA: asynchronous copy
+        # into pinned memory, handed to the engine a step later).
+        self.defer: Optional[bool] = None if forced is None else forced == "deferred"
         # Host mode: this step's gradient norms (read at the end of backward), input statistics,
         # and the loss tensor read when its backward started, with its value.
         self.grad_host: Optional[np.ndarray] = None
@@ -237,9 +242,6 @@ class Collector:
         self.probes: List[Probe] = []
         self.registered = False
         self.internal_error: Optional[BaseException] = None
-        # Transfer: None until the first observation decides (True on CUDA: asynchronous copy
-        # into pinned memory, handed to the engine when the next forward starts).
-        self.defer: Optional[bool] = None
         self.pending: Optional[Pending] = None
         self.host_copy = HostCopy()
         # Work done when the step's forward is complete (see _release_forward): the activation
@@ -1630,6 +1632,29 @@ class Collector:
                 return bool(self.refs) and self.watched.first_nonfinite(self.refs) is not None
         except Exception:  # pragma: no cover - exit must never raise
             return False
+
+
+DEVICE_PATHS = ("direct", "deferred")
+
+
+def device_path_override() -> Optional[str]:
+    """``NEURALDBG_DEVICE_PATH``: ``deferred`` makes a CPU model take the CUDA code path (one
+    float32 vector of torch reductions a step, copied and handed to the engine a step later,
+    as on a GPU), ``direct`` the same path with the vector read at once; unset (or ``auto``),
+    the path follows the device. The CUDA stand-in the tests and CI run on every commit."""
+    import os
+
+    value = os.environ.get("NEURALDBG_DEVICE_PATH", "auto").strip().lower()
+    if value in ("", "auto"):
+        return None
+    if value not in DEVICE_PATHS:
+        warnings.warn(
+            f"NEURALDBG_DEVICE_PATH={value!r} is not one of auto, {', '.join(DEVICE_PATHS)}: ignored",
+            NeuralDbgWarning,
+            stacklevel=3,
+        )
+        return None
+    return value
 
 
 def _functorch_active() -> bool:
