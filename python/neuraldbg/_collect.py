@@ -62,6 +62,20 @@ from .errors import NeuralDbgWarning
 # is imported only once torch is, by NeuralDbg.__enter__.)
 from torch.compiler import is_compiling as _compiling  # noqa: E402
 
+# Whether a torch.func transform (vmap, grad...) is running: its tensors have no storage to read
+# (a private torch function, so with a fallback).
+try:
+    from torch._C._functorch import peek_interpreter_stack as _interpreter
+except ImportError:  # pragma: no cover - other torch versions
+
+    def _interpreter() -> Any:
+        return None
+
+
+def _functorch_active() -> bool:
+    return _interpreter() is not None
+
+
 # Whether any autocast is on (one cheap check before the per-device one; a private torch
 # function, so with a fallback).
 try:
@@ -1655,16 +1669,6 @@ def device_path_override() -> Optional[str]:
         )
         return None
     return value
-
-
-def _functorch_active() -> bool:
-    """Whether a ``torch.func`` transform (vmap, grad, jvp...) is running."""
-    try:
-        from torch._C._functorch import peek_interpreter_stack
-
-        return peek_interpreter_stack() is not None
-    except Exception:  # pragma: no cover - other torch versions
-        return False
 
 
 def _functorch_wrapped(x: Any) -> bool:
