@@ -473,3 +473,62 @@ def test_the_deferred_path_hands_every_step_over(how, monkeypatch):
     steps, values = dbg.history(name)
     assert list(steps) == list(range(8))
     np.testing.assert_allclose(values, truth, rtol=1e-5)
+
+
+@pytest.mark.parametrize("path", ["deferred", "auto"])
+def test_numbers_given_to_record_loss_stay_on_the_host(path, monkeypatch):
+    """``dbg.record_loss(float)``: the step's loss, kept on the host (on a GPU a tensor made of
+    it would be copied from pageable memory, a wait for the device's queue)."""
+    monkeypatch.setenv("NEURALDBG_DEVICE_PATH", path)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    seen = []
+    with NeuralDbg(model) as dbg:
+        for x, y in batches(6):
+            opt.zero_grad()
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            dbg.record_loss(float(loss) * 2.0)  # a number of the loop's own: it is the loss
+            dbg.record_loss(loss.detach() * 3.0)  # and a tensor: the step's mean of both
+            opt.step()
+            seen.append(float(loss) * 2.5)
+    steps, values = dbg.history(None, "loss")
+    assert list(steps) == list(range(6))
+    np.testing.assert_allclose(values, seen, rtol=1e-5)
+
+
+def test_a_copy_the_device_has_not_finished_is_not_waited_for_at_the_forward(monkeypatch):
+    """The GPU behind the CPU (its copy of the last step not done when the next forward
+    starts): that step is handed over at the next step's observation instead, and no step is
+    lost. A stand-in event says "not done" the first time it is asked."""
+    from neuraldbg import _transfer
+
+    class Event:
+        made: List["Event"] = []
+
+        def __init__(self) -> None:
+            self.asked = 0
+            self.waited = 0
+            Event.made.append(self)
+
+        def query(self) -> bool:
+            self.asked += 1
+            return self.asked > 1
+
+        def synchronize(self) -> None:
+            self.waited += 1
+
+    start = _transfer.HostCopy.start
+    monkeypatch.setattr(_transfer.HostCopy, "start", lambda self, flat: (start(self, flat)[0], Event()))
+    monkeypatch.setenv("NEURALDBG_DEVICE_PATH", "deferred")
+    model = mlp()
+    truth: List[list] = []
+    with NeuralDbg(model) as dbg:
+        train(model, batches(8), truth=truth, layers=["0"])
+    steps, values = dbg.history("0")
+    assert list(steps) == list(range(8))
+    np.testing.assert_allclose(values, [t[0] for t in truth], rtol=1e-5)
+    assert len(Event.made) == 8
+    # Inside training nothing waited: each copy was done when its step was handed over (only the
+    # last step's, handed over as the block exits, may be waited for).
+    assert [e.waited for e in Event.made[:-1]] == [0] * 7

@@ -784,7 +784,9 @@ class Collector:
                 loss = loss.detach().float().mean()
             self.losses.append(loss.detach())
         else:
-            self.losses.append(torch.tensor(float(loss)))
+            # A number stays on the host: a tensor made of it would be copied to the device
+            # from pageable memory, which waits for the device's queue.
+            self.losses.append(float(loss))
 
     def on_backward(self, tensors: Any) -> Any:
         """A ``backward()`` started somewhere in the process: keep its tensor if it is a scalar
@@ -952,7 +954,10 @@ class Collector:
         hm = self.hm
         assert hm is not None
         seen = self.loss_read
-        return [seen[1] if seen is not None and t is seen[0] else hm.scalar(t) for t in self.losses or self.auto_losses]
+        return [
+            t if isinstance(t, float) else seen[1] if seen is not None and t is seen[0] else hm.scalar(t)
+            for t in self.losses or self.auto_losses
+        ]
 
     def _is_relevant(self, optimizer: Any) -> bool:
         key = id(optimizer)
@@ -1345,10 +1350,14 @@ class Collector:
             layout.checked = self.origin_checked
             layout.ran = self.ran
             pending = self.losses or self.auto_losses
-            if pending:
+            tensors = [t for t in pending if not isinstance(t, float)]
+            if tensors:
                 layout.loss = True
-                loss = pending[0] if len(pending) == 1 else torch.stack([t.reshape(()).float() for t in pending]).mean()
+                loss = tensors[0] if len(tensors) == 1 else torch.stack([t.reshape(()).float() for t in tensors]).mean()
                 parts.append(loss.reshape(1).to(torch.float32))
+            if len(tensors) < len(pending):  # numbers given to record_loss: averaged in on the host
+                floats = [t for t in pending if isinstance(t, float)]
+                layout.loss_floats = (math.fsum(floats), len(floats), len(tensors))
             for x in self.raw_inputs:
                 if x.numel() > 0:
                     self.inputs.append(input_stats(x.detach()))
@@ -1495,7 +1504,8 @@ class Collector:
         return measures or None
 
     def _consume(self) -> None:
-        """Hands the pending (CUDA) step to the engine; its copy finished long ago."""
+        """Hands the pending (CUDA) step to the engine: at the next forward pass when its copy
+        is done (``Pending.ready``), else at the next step's observation, before its copy."""
         p = self.pending
         self.pending = None
         if p is None or self.disabled:
@@ -1507,7 +1517,10 @@ class Collector:
                 self._feed(p.layout, job, p.refs, job.measures or None, facts)
                 return
             if p.event is not None and not p.event.query():
-                p.event.synchronize()  # rare: the CPU ran more than a step ahead of the GPU
+                # Handed over late (the next step's observation, the end, a read of results):
+                # the copy is a step old by then; this waits only when the device is more than
+                # a step behind the CPU, and never drains the device's queue.
+                p.event.synchronize()
             assert p.host is not None
             self._ingest(p.layout, p.host, p.refs)
         except Exception as e:
@@ -1639,7 +1652,10 @@ class Collector:
         try:
             with torch.no_grad():
                 for t in [*self.losses, *self.auto_losses, *self.inputs, *self.raw_inputs]:
-                    if not bool(torch.isfinite(t).all()):
+                    if isinstance(t, float):
+                        if not math.isfinite(t):
+                            return True
+                    elif not bool(torch.isfinite(t).all()):
                         return True
                 if not all(math.isfinite(v) for v in self.host_inputs):
                     return True

@@ -22,7 +22,7 @@ class Layout:
 
     __slots__ = ("step", "lr", "grad_order", "weight_order", "act_index", "act_samples", "n_act",
                  "loss", "n_inputs", "final", "origin", "checked", "ran", "clip_index", "loss_scale",
-                 "skipped", "facts", "out_ranks", "zero_index")
+                 "skipped", "facts", "out_ranks", "zero_index", "loss_floats")
 
     def __init__(self, step: int, lr: Optional[float], final: bool) -> None:
         self.step = step
@@ -34,6 +34,8 @@ class Layout:
         self.act_samples: Optional[np.ndarray] = None
         self.n_act = 0
         self.loss = False
+        # Losses given as numbers (record_loss): (their sum, how many, how many tensors).
+        self.loss_floats: Optional[Tuple[float, int, int]] = None
         self.n_inputs = 0
         # Found when the loss appeared (CPU): the non-finite origin (and whether the outputs were
         # scanned at all), and which modules ran.
@@ -71,9 +73,13 @@ class Pending:
         self.exchange = exchange
 
     def ready(self) -> bool:
-        """Whether handing it over now costs no wait: a collective still in flight is left for
-        later (the next step's exchange, the end of the run, or a read of the results)."""
-        return self.exchange is None or self.exchange.done()
+        """Whether handing it over now costs no wait: a copy the device has not finished (the
+        GPU is behind the CPU, the normal state of a GPU-bound loop), or a collective still in
+        flight, is left for later (the next step's observation, the end of the run, or a read of
+        the results), never waited for on the step's critical path."""
+        if self.exchange is not None:
+            return bool(self.exchange.done())
+        return self.event is None or bool(self.event.query())
 
 
 
@@ -176,6 +182,9 @@ class Unpacked:
         if layout.loss:
             self.loss = float(flat[off])
             off += 1
+        if layout.loss_floats is not None:
+            total, n, k = layout.loss_floats
+            self.loss = ((self.loss or 0.0) * k + total) / (k + n)
         self.inputs: Optional[np.ndarray] = None
         if layout.n_inputs:
             self.inputs = np.ascontiguousarray(flat[off : off + 4 * layout.n_inputs])

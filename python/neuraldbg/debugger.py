@@ -81,8 +81,10 @@ class NeuralDbg(Results):
             (a hypothesis with confidence >= 0.5), a number for any failure at least that
             confident, or failure names (``"non_finite"``, :class:`~neuraldbg.Failure`, or a list
             of them). A plain loop gets :class:`~neuraldbg.TrainingFailure`, raised from the
-            ``optimizer.step()`` that confirmed it, after the block has exited (trace closed,
-            report written); the framework callbacks stop the trainer instead.
+            ``optimizer.step()`` that confirmed it (on a GPU, whose statistics reach the host
+            a step later without waiting for it: from the first forward pass or optimizer step
+            after they did), after the block has exited (trace closed, report written); the
+            framework callbacks stop the trainer instead.
         on_failure: called with the list of newly confirmed hypotheses each time a failure is
             confirmed (once per failure and layer), from the step that confirmed it. Looked up
             only when the engine records a new event, so it costs nothing on healthy steps.
