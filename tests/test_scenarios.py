@@ -36,3 +36,23 @@ def test_scenario(scenario):
         assert outcome.score["healthy"], f"healthy run got a confident hypothesis:\n{tops}"
     else:
         assert S.passed(outcome), f"truth {scenario.truth}, score {outcome.score}, top:\n{tops}"
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=[s.name for s in SCENARIOS])
+def test_the_cuda_path_stand_in_diagnoses_as_the_host_path(scenario, monkeypatch):
+    """The CUDA code path, run on the CPU (``NEURALDBG_DEVICE_PATH=deferred``: one vector of
+    torch reductions a step, handed to the engine a step later, module calls summarized on the
+    device), gives the diagnosis of the host path on every scenario: same steps, same top
+    hypothesis (failure, cause, layer, step)."""
+    torch.set_num_threads(1)
+    host = S.evaluate(scenario)
+    monkeypatch.setenv("NEURALDBG_DEVICE_PATH", "deferred")
+    device = S.evaluate(scenario)
+    assert device.dbg._collector.defer is True and device.dbg._collector.hm is None
+    assert device.dbg.step == host.dbg.step
+    assert len(device.dbg.history(None, "grad_norm")[0]) == len(host.dbg.history(None, "grad_norm")[0])
+
+    def top(o):
+        return [(str(h.failure), str(h.cause), h.layer, h.step) for h in o.hypotheses[:1] if h.confidence >= 0.5]
+
+    assert top(device) == top(host), f"host {host.hypotheses[:1]}\ndevice {device.hypotheses[:1]}"

@@ -53,7 +53,7 @@ from ._distributed import has_shards, local_tensors
 from ._guard import REPORT, guarded
 from ._hooks import BACKWARD_TAP, Hooks, reaches
 from ._loop import LoopFacts, grad_changed
-from ._measure import HostMeasurer, Measurer, Probe, first_float_tensor, input_stats
+from ._measure import HostMeasurer, Measurer, Probe, Summaries, first_float_tensor, input_stats, read_summaries
 from ._model import WatchedModel
 from ._transfer import HostCopy, HostStep, Layout, Pending, Unpacked, clip_ratio, flatten
 from .errors import NeuralDbgWarning
@@ -67,13 +67,11 @@ from torch.compiler import is_compiling as _compiling  # noqa: E402
 try:
     from torch._C._functorch import peek_interpreter_stack as _interpreter
 except ImportError:  # pragma: no cover - other torch versions
-
-    def _interpreter() -> Any:
-        return None
+    _interpreter = None  # type: ignore[assignment]
 
 
 def _functorch_active() -> bool:
-    return _interpreter() is not None
+    return _interpreter is not None and _interpreter() is not None
 
 
 # Whether any autocast is on (one cheap check before the per-device one; a private torch
@@ -135,6 +133,7 @@ class Collector:
 
         # Set before anything can fail: the guard (see _guard.py) reads them.
         self.disabled = False
+        self.registered = False
         self.raising: Optional[BaseException] = None
         self.step = 0
         # The thread of the model's latest forward pass: only backward passes on that thread
@@ -188,9 +187,13 @@ class Collector:
         # The extension's PlainStep (see _make_plain): the plain host steps, with no Python of
         # ours on their path; None when not used.
         self.plain: Any = None
+        # The device path's summaries of the module calls of the current forward pass.
+        self.summaries = Summaries()
+        device = not all(p.device.type == "cpu" for p in self.params) or device_path_override() is not None
         self.hooks = Hooks(
             self.watched.modules, self.refs, keep_outputs=forward_check != "off",
             unhookable={i for i, s in enumerate(self.watched.scripted) if s},
+            summaries=self.summaries if device and distributed is None and forward_check != "off" else None,
         )
         self._decide_host()
         # Latest output of each activation probe in this step (by probe row).
@@ -254,7 +257,6 @@ class Collector:
         self.relevant: Dict[int, bool] = {}
         self.optimizer_name: Optional[str] = None
         self.probes: List[Probe] = []
-        self.registered = False
         self.internal_error: Optional[BaseException] = None
         self.pending: Optional[Pending] = None
         self.host_copy = HostCopy()
@@ -304,13 +306,17 @@ class Collector:
             self._hold_outputs()
 
     def _hold_outputs(self, autocast: bool = False) -> None:
-        """What recorded layers keep (see ``_hooks.make_record``): their outputs and inputs on
-        the device path and under autocast (whose precision neither a recomputation nor a
-        replay would have); in host mode no tensor when the model's forward can be replayed
-        (a sampled step reads each output's largest magnitude as the layer returns), else their
-        inputs, and their outputs when measured."""
+        """What recorded layers keep (see ``_hooks.make_record``): on the device path, no
+        tensor, each call summarized on the device as it returns (:class:`Summaries`; its
+        outputs and inputs on the first step, which learns the model, and under
+        torch.distributed); under CPU autocast their outputs and inputs (whose precision
+        neither a recomputation nor a replay would have); in host mode no tensor when the
+        model's forward can be replayed (a sampled step reads each output's largest magnitude
+        as the layer returns), else their inputs, and their outputs when measured."""
         hold = self.hooks.hold
-        if self.hm is None or autocast:
+        if self.hm is None:
+            hold[0] = self.summaries if self._summarized() else True
+        elif autocast:
             hold[0] = True
         elif not self.replay_ok:
             hold[0] = self.hooks.probes_armed
@@ -319,7 +325,12 @@ class Collector:
         else:
             hold[0] = None
 
-    def _keep_output(self, index: int, output: Any) -> None:
+    def _summarized(self) -> bool:
+        """Whether this step's module calls are summarized on the device instead of kept (the
+        device path, once registered, one process, outputs checked)."""
+        return self.hm is None and self.registered and self.dist is None and self.forward_check != "off"
+
+    def _keep_output(self, index: int, output: Any, args: Any = None) -> None:
         """A recorded layer returned on a sampled host step without the extension's reader:
         its output is kept and measured with the others."""
         self.out_kept.append((index, output, None))
@@ -386,6 +397,7 @@ class Collector:
             # state here would become a guard (a recompile whenever it changes).
             self.hooks.trace.compiled = True
             self.refs.clear()
+            self.summaries.clear()
             self.raw_inputs.clear()
             x = first_float_tensor(args)
             if x is not None:
@@ -411,6 +423,7 @@ class Collector:
             self.raise_halt()  # CUDA: the step was handed to the engine just now
         self.forward_gen += 1
         self.refs.clear()
+        self.summaries.clear()
         self.ran = None
         if self.hooks.probes_armed:
             self.act_out[:] = self.act_none
@@ -490,12 +503,17 @@ class Collector:
         if _functorch_active():
             # This forward's calls and probes hold tensors without storage: let them go.
             self.refs.clear()
+            self.summaries.clear()
             self.act_out[:] = self.act_none
             self.out_kept.clear()
             if self.maxima is not None:
                 self.maxima.clear()
             return
-        self.refs.append((0, output, args))
+        if self.hooks.hold[0] is self.summaries:
+            self.refs.append((0, None, None))
+            self.summaries(0, output, args)
+        else:
+            self.refs.append((0, output, args))
         # The output's grad_fn: which backward is this model's loss (no criterion given; host
         # mode needs none once registered, see on_backward), and, on the first step, where
         # the loss's graph reaches the model (the loss facts).
@@ -904,7 +922,8 @@ class Collector:
                 self.out_staged = self._host_outputs()
             else:
                 self.act_staged = self.measure.activation_parts(self.probes, self.act_out)
-                self.out_staged = self.measure.output_absmax(self.refs, self.watched.rank)
+                if not self.summaries:  # (summarized calls carry their output scale)
+                    self.out_staged = self.measure.output_absmax(self.refs, self.watched.rank)
             self.act_out[:] = self.act_none
         self._entry_inputs()
         if nonfinite is None or self.forward_check == "off":
@@ -1277,6 +1296,7 @@ class Collector:
         if self.maxima is not None:
             self.maxima.clear()
         self.zeros_read = None
+        self.summaries.clear()
 
     def _end_plain_step(self, final: bool) -> None:
         """The part of :meth:`_end_step` a step that :meth:`_plain_host_step` observes needs:
@@ -1372,7 +1392,7 @@ class Collector:
                 layout.loss_scale = True
                 parts.append(scale.reshape(1).float())
             outs = self.out_staged
-            if outs is None and first:
+            if outs is None and first and not self.summaries:
                 outs = self.measure.output_absmax(self.refs, self.watched.rank)
             if outs is not None:
                 # At the end of the vector: the engine's per-module output scale (forward growth).
@@ -1385,6 +1405,14 @@ class Collector:
                 if zeros is not None:
                     parts.append(zeros[0])
                     layout.zero_index = zeros[1]
+            if self.summaries:
+                # Very last: the summaries of the step's module calls (where a NaN/Inf first
+                # appeared; on sampled steps, each module's output scale).
+                vec = self.summaries.vector()
+                if vec is not None:
+                    parts.append(vec)
+                layout.summary_calls, layout.summary_n = self.summaries.take()
+                layout.summary_out = first or self._sampled(self.activation_every)
             flat = flatten(parts)
         refs = self.refs
         if first:
@@ -1584,8 +1612,11 @@ class Collector:
         # finite, and the NaN/Inf came from the loss computation or the backward pass.
         checked = False
         if suspicious and self.forward_check != "off":
+            summary = getattr(layout, "summary", None)
             if layout.origin is not None or layout.checked:
                 nonfinite, checked = layout.origin, True
+            elif summary is not None:
+                nonfinite, checked = self.watched.first_nonfinite_summary(summary), True
             elif refs:
                 nonfinite, checked = self._scan(refs)
 
@@ -1606,9 +1637,21 @@ class Collector:
             self.on_observed(layout.step)
 
     def _measures(self, layout: Layout, flat: np.ndarray) -> Optional[Dict[str, np.ndarray]]:
-        """The named measures at the end of the step's vector (last part last)."""
+        """The named measures at the end of the step's vector (last part last); the summaries of
+        the module calls, read into ``layout.summary`` for the non-finite scan."""
         out: Dict[str, np.ndarray] = {}
         end = flat.size
+        calls = layout.summary_calls
+        if calls is not None and end >= layout.summary_n:
+            summary = read_summaries(calls, flat[end - layout.summary_n : end])
+            end -= layout.summary_n
+            layout.summary = summary
+            if layout.summary_out:
+                known = [(self.watched.rank[i], v) for i, v, _, _ in summary if i in self.watched.rank and v == v]
+                if known:
+                    out["output_absmax"] = self._module_table(
+                        np.asarray([r for r, _ in known], dtype=np.intp), np.asarray([v for _, v in known], np.float32)
+                    )
         index = layout.zero_index
         if index is not None and end >= 2 * index.size:
             k = index.size
@@ -1658,6 +1701,9 @@ class Collector:
                     elif not bool(torch.isfinite(t).all()):
                         return True
                 if not all(math.isfinite(v) for v in self.host_inputs):
+                    return True
+                vec = self.summaries.vector()
+                if vec is not None and not bool(torch.isfinite(vec).all()):
                     return True
                 return bool(self.refs) and self.watched.first_nonfinite(self.refs) is not None
         except Exception:  # pragma: no cover - exit must never raise

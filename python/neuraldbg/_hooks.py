@@ -52,6 +52,8 @@ try:  # the records as single calls into the extension (a Python frame less per 
 except ImportError:  # pragma: no cover - an extension built without them
     LayerRecord = SlotRecord = None  # type: ignore[assignment,misc]
 
+from ._measure import Summaries
+
 if TYPE_CHECKING:  # pragma: no cover
     from ._collect import Collector
 
@@ -415,8 +417,13 @@ class Hooks:
     """The handles of every hook installed for one collector; :meth:`remove` takes them all
     away (and never raises)."""
 
-    def __init__(self, modules: List[Any], refs: List[Any], keep_outputs: bool, unhookable: Set[int]) -> None:
+    def __init__(
+        self, modules: List[Any], refs: List[Any], keep_outputs: bool, unhookable: Set[int], summaries: Any = None
+    ) -> None:
         self.modules = modules
+        # The device path's summaries of module calls, for hooks traced into a compiled graph
+        # (None on the host path; see make_ref_hook).
+        self.summaries = summaries
         # Modules that take no forward hook (TorchScript ones): watched from around.
         self.unhookable = unhookable
         self.refs = refs
@@ -534,7 +541,9 @@ class Hooks:
         if record and is_recorded(m):
             self.module_handles[i] = CALL_RECORDER.add(m, make_record(i, self.refs, keep, self.first, self.hold))
             return
-        hook = make_ref_hook(i, self.refs, keep, self.trace, self.first)
+        hook = make_ref_hook(
+            i, self.refs, keep, self.trace, self.first, self.hold, self.summaries, is_recorded(m, RECORDED_PROBES)
+        )
         try:
             h = self.modules[i].register_forward_hook(hook)
         except Exception:  # a module that refuses hooks (a user's ScriptModule-like class)
@@ -668,8 +677,14 @@ def _grad_hook(c: "Collector", k: int) -> Callable[[Any], None]:
 
 
 def make_ref_hook(
-    index: int, refs: List[Any], keep: bool, trace: Trace, first: List[int]
+    index: int, refs: List[Any], keep: bool, trace: Trace, first: List[int], hold: List[Any],
+    summaries: Any = None, keep_traced: bool = True,
 ) -> Callable[..., None]:
+    """A module's forward hook: keeps ``(index, output, args)`` for the non-finite scan, or,
+    when ``hold[0]`` is the device path's :class:`~neuraldbg._measure.Summaries`, has the call
+    summarized (no tensor kept). Traced into a compiled graph it reads nothing of ours:
+    ``summaries`` (given on the device path) and ``keep_traced`` (keep the output: an
+    activation module, whose output its probe measures) decide there, once."""
     compiling = _compiling()
     append = refs.append
     if keep:
@@ -677,10 +692,19 @@ def make_ref_hook(
         def hook(module: Any, args: Any, output: Any) -> None:
             if compiling():  # traced: keep the reference only
                 trace.compiled = True
-                append((index, output, args))
+                if summaries is None:
+                    append((index, output, args))
+                else:
+                    append((index, output if keep_traced else None, None))
+                    summaries(index, output, args)
                 return
             if index == first[0]:
                 refs.clear()
+            h = hold[0]
+            if h.__class__ is Summaries:
+                append((index, None, None))
+                h(index, output, args)
+                return
             append((index, output, args))
 
     else:  # forward_check="off": remember that the module ran, keep no tensor
@@ -731,7 +755,7 @@ def make_record(index: int, refs: List[Any], keep: bool, first: List[int], hold:
         else:
             refs.append((index, None, None))
             if h is not None:
-                h(index, output)
+                h(index, output, args)
 
     return call
 

@@ -422,6 +422,79 @@ def samples_per_unit(probe: Probe, shape: Sequence[int]) -> float:
     return numel / max(int(shape[axis]), 1)
 
 
+class Summaries:
+    """What the device path keeps of a forward pass's module calls instead of the tensors: per
+    call, the largest magnitude of each floating-point tensor of its output and of its inputs,
+    reduced on the device as the call returns (one ``_foreach_norm``), so that no output is
+    held through backward. A NaN/Inf survives the reduction: the values say where one first
+    appeared (:meth:`~neuraldbg._model.WatchedModel.first_nonfinite_summary`), and the first
+    output tensor's value is the module's output scale. They travel to the host in the step's
+    one vector (:meth:`vector`).
+
+    Called as a record is (see ``_hooks.make_record``): ``summaries(index, output, args)``."""
+
+    __slots__ = ("calls", "norms", "torch")
+
+    def __init__(self) -> None:
+        self.torch = torch_module()
+        # (module index, float tensors of the output, of the inputs), in completion order.
+        self.calls: List[Tuple[int, int, int]] = []
+        # Their reductions (float32 0-d tensors on the device), one after another.
+        self.norms: List[Any] = []
+
+    def __call__(self, index: int, output: Any, args: Any) -> None:
+        outs: List[Any] = []
+        float_tensors(output, outs)
+        ins: List[Any] = []
+        float_tensors(args, ins)
+        tensors = outs + ins
+        if tensors:
+            torch = self.torch
+            with torch.no_grad():
+                try:
+                    norms = torch._foreach_norm(tensors, float("inf"), dtype=torch.float32)
+                except (RuntimeError, TypeError):  # mixed devices: one by one
+                    norms = [torch.linalg.vector_norm(t, float("inf"), dtype=torch.float32) for t in tensors]
+            self.norms.extend(norms)
+        self.calls.append((index, len(outs), len(ins)))
+
+    def clear(self) -> None:
+        self.calls.clear()
+        self.norms.clear()
+
+    def __bool__(self) -> bool:
+        return bool(self.calls)
+
+    def vector(self) -> Any:
+        """Every value, one float32 device vector (None when there is none)."""
+        if not self.norms:
+            return None
+        return self.torch.stack(self.norms)
+
+    def take(self) -> Tuple[List[Tuple[int, int, int]], int]:
+        """The calls (what :meth:`read` needs to read the vector back) and the vector's length;
+        starts afresh."""
+        calls, n = list(self.calls), len(self.norms)
+        self.clear()
+        return calls, n
+
+
+def read_summaries(
+    calls: Sequence[Tuple[int, int, int]], values: np.ndarray
+) -> List[Tuple[int, float, bool, bool]]:
+    """Per call of :class:`Summaries`: ``(module index, first output's largest magnitude (NaN:
+    none), output finite, inputs finite)``."""
+    out: List[Tuple[int, float, bool, bool]] = []
+    k = 0
+    for index, n_out, n_in in calls:
+        outs = values[k : k + n_out]
+        ins = values[k + n_out : k + n_out + n_in]
+        k += n_out + n_in
+        first = float(outs[0]) if n_out else math.nan
+        out.append((index, first, bool(np.isfinite(outs).all()), bool(np.isfinite(ins).all())))
+    return out
+
+
 def finite_flags(objs: Sequence[Any]) -> List[bool]:
     """Whether every float tensor inside each object is finite: one transfer for all of them.
     Uses min/max (finite iff both are) to avoid a full-size boolean mask per tensor."""

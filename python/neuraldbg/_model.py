@@ -177,6 +177,17 @@ class WatchedModel:
             return self.rank.get(self._enclosing(i))
         return None
 
+    def first_nonfinite_summary(self, summary: List[Tuple[int, float, bool, bool]]) -> Optional[int]:
+        """:meth:`first_nonfinite` from the device path's summaries of the calls (module index,
+        output scale, output finite, inputs finite), in completion order."""
+        for i, _, out_ok, in_ok in summary:
+            if out_ok:
+                continue
+            if in_ok or i == 0:
+                return self.rank.get(i)
+            return self.rank.get(self._enclosing(i))
+        return None
+
     def replayable(self) -> bool:
         """Whether a forward pass of this model can be computed again without writing its
         parameters: not with an ``nn.Embedding`` that renormalizes its weight in place when

@@ -22,7 +22,8 @@ class Layout:
 
     __slots__ = ("step", "lr", "grad_order", "weight_order", "act_index", "act_samples", "n_act",
                  "loss", "n_inputs", "final", "origin", "checked", "ran", "clip_index", "loss_scale",
-                 "skipped", "facts", "out_ranks", "zero_index", "loss_floats")
+                 "skipped", "facts", "out_ranks", "zero_index", "loss_floats", "summary_calls", "summary_n",
+                 "summary_out", "summary")
 
     def __init__(self, step: int, lr: Optional[float], final: bool) -> None:
         self.step = step
@@ -54,6 +55,12 @@ class Layout:
         self.out_ranks: Optional[np.ndarray] = None
         # Parameter index of each gradient's zero-row/zero-column share, after the output scales.
         self.zero_index: Optional[np.ndarray] = None
+        # Last: the summaries of the step's module calls (see _measure.Summaries): their calls
+        # and values, whether they give the output scales, and (on the host) what they say.
+        self.summary_calls: Optional[List[Tuple[int, int, int]]] = None
+        self.summary_n = 0
+        self.summary_out = False
+        self.summary: Optional[List[Tuple[int, float, bool, bool]]] = None
 
 
 class Pending:

@@ -992,8 +992,9 @@ impl OutputMaxima {
 /// as one call into the extension instead of a dozen lines of Python a layer: the record
 /// `(index, output, args)` appended to `refs` (after clearing it when `index` is `first[0]`,
 /// the layer that completes first in a forward pass), keeping what `hold[0]` says: True the
-/// output and inputs, False the inputs only, else no tensor, and a callable `hold[0]` (such as
-/// [`OutputMaxima`]) is handed `(index, output)`.
+/// output and inputs, False the inputs only, else no tensor, and a callable `hold[0]` is
+/// handed the call: [`OutputMaxima`] `(index, output)`, any other `(index, output, args)` (the
+/// device path's summaries of each call).
 #[pyclass(module = "neuraldbg._native", name = "LayerRecord", frozen)]
 #[derive(Debug)]
 pub struct LayerRecord {
@@ -1042,7 +1043,7 @@ impl LayerRecord {
             }
         }
         if !hold.is_none() {
-            hold.call1((self.index, output))?;
+            hold.call1((self.index, output, args))?;
         }
         Ok(())
     }
