@@ -532,3 +532,57 @@ def test_a_copy_the_device_has_not_finished_is_not_waited_for_at_the_forward(mon
     # Inside training nothing waited: each copy was done when its step was handed over (only the
     # last step's, handed over as the block exits, may be waited for).
     assert [e.waited for e in Event.made[:-1]] == [0] * 7
+
+
+def test_step_on_backward_when_the_backward_ends_on_another_thread(monkeypatch):
+    """On CUDA the end-of-backward callback runs on autograd's device thread: the step is
+    observed back on the training thread (when ``backward()`` returns, or at the next forward),
+    every step, with the same gradients. Here the callback is made to run on a thread of its own."""
+    monkeypatch.setenv("NEURALDBG_DEVICE_PATH", "deferred")
+    model = mlp()
+    criterion = nn.MSELoss()
+    threads: List[int] = []
+    truth = []
+    with NeuralDbg(model, step_on="backward", criterion=criterion) as dbg:
+        c = dbg._collector
+        queue = c._queue_callback
+
+        def on_a_thread(callback):
+            def run():
+                t = threading.Thread(target=lambda: (threads.append(threading.get_ident()), callback()))
+                t.start()
+                t.join()
+
+            queue(run)
+
+        c._queue_callback = on_a_thread  # what CUDA's autograd does with the callback
+        fed: List[int] = []
+
+        class Engine:  # the engine, noting which thread calls it
+            def __init__(self, engine):
+                self.engine = engine
+
+            def __getattr__(self, name):
+                member = getattr(self.engine, name)
+                if not callable(member):
+                    return member
+
+                def call(*args, **kwargs):
+                    fed.append(threading.get_ident())
+                    return member(*args, **kwargs)
+
+                return call
+
+        c.engine = Engine(c.engine)
+        for x, y in batches(10):
+            model.zero_grad()
+            criterion(model(x), y).backward()
+            truth.append(grad_norm(model[0]))
+            with torch.no_grad():  # no torch optimizer: the reason for step_on="backward"
+                for p in model.parameters():
+                    p -= 0.05 * p.grad
+    assert len(threads) == 10 and threading.get_ident() not in threads
+    assert fed and set(fed) == {threading.get_ident()}, "the engine is called from the training thread only"
+    steps, values = dbg.history("0")
+    assert dbg.step == 10 and list(steps) == list(range(10))
+    np.testing.assert_allclose(values, truth, rtol=1e-5)

@@ -139,6 +139,11 @@ class Collector:
         # The thread of the model's latest forward pass: only backward passes on that thread
         # can be its loss's (models trained on two threads at once).
         self.thread: Optional[int] = None
+        # The tensor whose backward the tap is running for this model (see BackwardTap), and a
+        # step_on="backward" step whose backward ended on another thread (a CUDA device
+        # thread): observed back on the training thread (see _run_due).
+        self.tap_current: Any = None
+        self.backward_due = False
         self.watched = WatchedModel(model)
         self.params = self.watched.params
         self.param_owner = self.watched.param_owner
@@ -404,6 +409,8 @@ class Collector:
                 self.raw_inputs.append(x)
             return
         self.thread = _thread_id()
+        if self.backward_due:
+            self._run_due()
         if _functorch_active():
             self._functional_forward()
             return
@@ -603,10 +610,27 @@ class Collector:
             self._fail(e)
             return
         if self.step_on == "backward":
-            self._observe(lr=None)
-            self.step += 1
-            self._arm_probes(self._activations_next())
+            if self.thread is not None and _thread_id() != self.thread:
+                # Autograd's device thread (CUDA): the engine is fed from the training thread,
+                # when the backward returns there or at the next forward pass.
+                self.backward_due = True
+                return
+            self._backward_step()
+
+    def _backward_step(self, halt: bool = True) -> None:
+        """``step_on="backward"``: the backward pass that just ended is a step."""
+        self._observe(lr=None)
+        self.step += 1
+        self._arm_probes(self._activations_next())
+        if halt:
             self.raise_halt()
+
+    def _run_due(self, halt: bool = True) -> None:
+        """On the training thread: the step of a backward that ended on another thread
+        (``halt``: raise a halt it confirms into the loop)."""
+        if self.backward_due:
+            self.backward_due = False
+            self._backward_step(halt)
 
     def _read_gradients(self) -> None:
         if self.hm is not None:
@@ -750,7 +774,7 @@ class Collector:
     def _take_loss(self) -> None:
         """The loss of this backward, when no criterion gives it: the tensor passed to
         ``backward()`` (unless the tap already took it before backward started)."""
-        t = BACKWARD_TAP.current
+        t = self.tap_current
         taken, self.tap_taken = self.tap_taken, None
         product, self.tap_product = self.tap_product, None
         if self.criterion is not None or t is None or t is taken:
@@ -868,6 +892,9 @@ class Collector:
             plain = self.plain
             if plain is not None:
                 plain.after_backward()
+            return
+        if marks is None:
+            self._run_due()
             return
         sentinels, probe = marks
         params = self.params
@@ -1556,6 +1583,8 @@ class Collector:
 
     def flush(self) -> None:
         """Makes every observed step visible to the engine (before results are read)."""
+        if self.backward_due:
+            self._run_due(halt=False)
         if self.pending is not None:
             self._consume()
 

@@ -805,13 +805,6 @@ class BackwardTap:
         self.collectors: List[Collector] = []
         self.original: Optional[Callable[..., Any]] = None
         self.installed = self._backward  # one bound method, so identity checks work
-        # Per thread: two threads may each run a backward (two models trained at once).
-        self.local = threading.local()
-
-    @property
-    def current(self) -> Any:
-        """The tensor whose ``backward()`` is running on this thread (None outside one)."""
-        return getattr(self.local, "current", None)
 
     def add(self, c: "Collector") -> None:
         import torch.autograd
@@ -832,28 +825,26 @@ class BackwardTap:
     def _backward(self, tensors: Any, *args: Any, **kwargs: Any) -> Any:
         # Collectors that read their gradients here (see Hooks.tap_reads) answer with what
         # their sentinel gradients were before this backward.
-        after = None
         me = threading.get_ident()
-        for c in list(self.collectors):
-            if c.thread != me and c.thread is not None:
-                continue  # a model whose forward ran on another thread (two trained at once)
-            marks = c.entry_backward_start(tensors)  # (guarded: never breaks the backward)
-            if marks is not None:
-                after = [(c, marks)] if after is None else [*after, (c, marks)]
+        # Models whose forward ran on another thread are not this backward's (two trained at once).
+        mine = [c for c in self.collectors if c.thread == me or c.thread is None]
+        marks = [c.entry_backward_start(tensors) for c in mine]  # (guarded: never breaks the backward)
         assert self.original is not None
         # The tensor being differentiated, while its backward runs: a collector whose
-        # parameters receive gradients from it takes it as its loss.
-        local = self.local
-        outer = getattr(local, "current", None)
-        local.current = tensors
+        # parameters receive gradients from it takes it as its loss (also in an end-of-backward
+        # callback that runs on autograd's device thread).
+        outer = [c.tap_current for c in mine]
+        for c in mine:
+            c.tap_current = tensors
         try:
             result = self.original(tensors, *args, **kwargs)
-            if after is not None:
-                for c, marks in after:
-                    c.entry_backward_done(marks)
+            for c, m in zip(mine, marks):
+                if m is not None or c.backward_due:
+                    c.entry_backward_done(m)
             return result
         finally:
-            local.current = outer
+            for c, o in zip(mine, outer):
+                c.tap_current = o
 
 
 BACKWARD_TAP = BackwardTap()
