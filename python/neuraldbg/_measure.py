@@ -338,9 +338,11 @@ class Measurer:
             for i, g in enumerate(grads):
                 if g is None or g.dim() < 2 or g.numel() == 0 or g.is_sparse:
                     continue
-                a = g.detach().reshape(g.shape[0], g.shape[1], -1).abs()
-                rows.append((a.amax(dim=(1, 2)) == 0).float().mean())
-                cols.append((a.amax(dim=(0, 2)) == 0).float().mean())
+                # A row is zero when its largest and smallest entries are: no |g| copy of the
+                # gradient at the step's peak memory.
+                a = g.detach().reshape(g.shape[0], g.shape[1], -1)
+                rows.append(((a.amax(dim=(1, 2)) == 0) & (a.amin(dim=(1, 2)) == 0)).float().mean())
+                cols.append(((a.amax(dim=(0, 2)) == 0) & (a.amin(dim=(0, 2)) == 0)).float().mean())
                 index.append(i)
             if not index:
                 return None
@@ -390,13 +392,23 @@ class Measurer:
         samples = np.full(n_probes, np.nan, dtype=np.float32)
         for probe, get, rows, _ in plan:
             ys = get(outs)
-            y = torch.stack(ys) if len(ys) > 1 else ys[0].detach().unsqueeze(0)
-            if not y.is_floating_point() or y.numel() == 0:
+            first = ys[0]
+            if not first.is_floating_point() or first.numel() == 0 or any(y.shape != first.shape for y in ys):
                 raise RuntimeError("activation output changed kind")
-            parts.append(activation_group(probe, y).reshape(-1))
-            samples[rows] = samples_per_unit(probe, y.shape[1:])
+            # Stacked in chunks of at most STACK_BYTES: a stack is a copy, made while the
+            # step's activations are all alive.
+            per = max(1, STACK_BYTES // max(1, first.numel() * first.element_size()))
+            for k in range(0, len(ys), per):
+                chunk = ys[k : k + per]
+                y = torch.stack(chunk) if len(chunk) > 1 else chunk[0].detach().unsqueeze(0)
+                parts.append(activation_group(probe, y).reshape(-1))
+            samples[rows] = samples_per_unit(probe, first.shape)
         index = plan[0][3] if len(plan) == 1 else np.concatenate([g[3] for g in plan])
         return parts, index, samples
+
+
+# The most a sampled step's stack of same-shape activation outputs copies at once.
+STACK_BYTES = 16 << 20
 
 
 def unit_axis(probe: Probe, nd: int) -> int:
