@@ -7,7 +7,7 @@ PY      := $(VENV)/bin/python
 STAMPS  := .stamps
 SOURCES := $(shell find crates python -type f \( -name '*.rs' -o -name '*.py' -o -name '*.pyi' -o -name 'Cargo.toml' -o -name '*.js' -o -name '*.css' -o -name '*.html' \) 2>/dev/null) Cargo.toml pyproject.toml
 
-.PHONY: all demo demo-burn test test-rust test-python lint bench bench-overhead bench-models bench-frameworks bench-distributed bench-engine bench-burn bench-memory bench-diagnosis bench-report bench-trace build browser terminal report-screenshot watch-screenshot clean
+.PHONY: all demo demo-burn test test-rust test-python lint bench bench-overhead bench-models bench-frameworks bench-distributed bench-engine bench-burn bench-memory bench-diagnosis bench-report bench-trace gpu-check bench-kept-memory build browser terminal report-screenshot watch-screenshot clean
 
 all: test
 
@@ -124,6 +124,16 @@ bench-burn:
 
 bench-memory:
 	cargo run --release -p neuraldbg-core --example memory
+
+# On a machine with a CUDA device: watched vs unwatched step time, peak memory and synchronizing
+# calls per step (ResNet-50, a GPT-2-small-sized model; eager and compiled, bf16), against the
+# targets; exits non-zero past them. Elsewhere it says "no CUDA device" and exits 0.
+gpu-check: build
+	$(PY) bench/gpu_check.py
+
+# Bytes the collector keeps that autograd did not save (host path and the CUDA path's stand-in).
+bench-kept-memory: build
+	$(PY) bench/kept_memory.py
 
 clean:
 	rm -rf $(STAMPS) target
