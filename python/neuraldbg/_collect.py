@@ -264,6 +264,9 @@ class Collector:
         self.probes: List[Probe] = []
         self.internal_error: Optional[BaseException] = None
         self.pending: Optional[Pending] = None
+        # CUDA: a second step on its way while the first is (the pinned copy is double-buffered:
+        # a step is waited for only when a third would need its buffer).
+        self.later: Optional[Pending] = None
         self.host_copy = HostCopy()
         # Work done when the step's forward is complete (see _release_forward): the activation
         # statistics (device parts, index, samples; host mode: the engine's table) and the
@@ -381,7 +384,7 @@ class Collector:
         self._drop_plain()
         self.hooks.remove(self)
         self.loop.remove()
-        self.pending = None
+        self.pending = self.later = None
         self.refs.clear()
         self.act_out[:] = self.act_none
         self.inputs.clear()
@@ -427,6 +430,8 @@ class Collector:
             self._decide_host()
         if self.pending is not None and self.pending.ready():
             self._consume()
+            if self.pending is not None and self.pending.ready():
+                self._consume()
             self.raise_halt()  # CUDA: the step was handed to the engine just now
         self.forward_gen += 1
         self.refs.clear()
@@ -1205,7 +1210,7 @@ class Collector:
             return
         self.internal_error = e
         self.disabled = True
-        self.pending = None
+        self.pending = self.later = None
         self.plain = None
         who = "NeuralDBG"
         if self.dist is not None:
@@ -1464,17 +1469,21 @@ class Collector:
             self._ingest(layout, host, refs)
             return
         # Asynchronous: copy into pinned memory behind the step's kernels; handed to the engine
-        # when the next forward pass starts. The outputs kept for the non-finite scan wait with
-        # it (only until then: they are released before the next step allocates its own).
-        if self.pending is not None:
-            # The previous step was not handed over at a forward pre-hook (traced into a
-            # compiled graph, or the model itself is not called): now, before it is replaced.
+        # at a later forward pass once the copy is done (see _consume). Two steps may be on
+        # their way (two buffers): the oldest of them is handed over first when a third comes,
+        # also when no forward pre-hook of the model runs (traced into a compiled graph, or the
+        # model itself is not called). Module calls were summarized: nothing heavy waits.
+        if self.later is not None:
             self._consume()
         host, event = self.host_copy.start(flat)
         keep = list(refs) if self.forward_check != "off" or final else [(i, None, None) for i, _, _ in refs]
-        self.pending = Pending(layout, host, event, keep)
+        p = Pending(layout, host, event, keep)
+        if self.pending is None:
+            self.pending = p
+        else:
+            self.later = p
         if final:
-            self._consume()
+            self.flush()
 
     def _observe_host(self, lr: Optional[float], final: bool, first: bool, skipped: bool) -> None:
         """Host mode (a CPU model, one process): the step's statistics are computed straight
@@ -1559,10 +1568,11 @@ class Collector:
         return measures or None
 
     def _consume(self) -> None:
-        """Hands the pending (CUDA) step to the engine: at the next forward pass when its copy
-        is done (``Pending.ready``), else at the next step's observation, before its copy."""
+        """Hands the oldest pending (CUDA) step to the engine: at a forward pass when its copy
+        is done (``Pending.ready``), else when a third step needs its buffer, at exit, or when
+        results are read."""
         p = self.pending
-        self.pending = None
+        self.pending, self.later = self.later, None
         if p is None or self.disabled:
             return
         try:
@@ -1572,9 +1582,9 @@ class Collector:
                 self._feed(p.layout, job, p.refs, job.measures or None, facts)
                 return
             if p.event is not None and not p.event.query():
-                # Handed over late (the next step's observation, the end, a read of results):
-                # the copy is a step old by then; this waits only when the device is more than
-                # a step behind the CPU, and never drains the device's queue.
+                # Handed over because a third step needs its buffer (or at the end, or for a
+                # read of results): the copy is two steps old then; this waits only when the
+                # device is more than two steps behind the CPU, and never drains its queue.
                 p.event.synchronize()
             assert p.host is not None
             self._ingest(p.layout, p.host, p.refs)
@@ -1585,7 +1595,7 @@ class Collector:
         """Makes every observed step visible to the engine (before results are read)."""
         if self.backward_due:
             self._run_due(halt=False)
-        if self.pending is not None:
+        while self.pending is not None:
             self._consume()
 
     def _ingest(self, layout: Layout, flat: np.ndarray, refs: List[Tuple[int, Any, Any]]) -> None:

@@ -116,10 +116,12 @@ def clip_ratio(before: float, after: float) -> Optional[float]:
 
 
 class HostCopy:
-    """Asynchronous copies of step vectors into one reused pinned buffer (CUDA)."""
+    """Asynchronous copies of step vectors into two reused pinned buffers, in turn (CUDA): a
+    step's buffer is written again two steps later, when the collector has handed it over."""
 
     def __init__(self) -> None:
-        self.pinned: Any = None
+        self.pinned: List[Any] = [None, None]
+        self.turn = 0
 
     def start(self, flat: "torch.Tensor") -> Tuple[np.ndarray, Any]:
         import torch
@@ -128,9 +130,11 @@ class HostCopy:
         if flat.device.type != "cuda":
             # The deferred path without a GPU (tests): a plain copy, consumed later alike.
             return flat.detach().clone().numpy(), None
-        if self.pinned is None or self.pinned.numel() < n:
-            self.pinned = torch.empty(max(n, 256) * 2, dtype=torch.float32, pin_memory=True)
-        dst = self.pinned[:n]
+        k = self.turn
+        self.turn ^= 1
+        if self.pinned[k] is None or self.pinned[k].numel() < n:
+            self.pinned[k] = torch.empty(max(n, 256) * 2, dtype=torch.float32, pin_memory=True)
+        dst = self.pinned[k][:n]
         dst.copy_(flat, non_blocking=True)
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(flat.device))
