@@ -1,0 +1,371 @@
+"""NeuralDBG for Keras 3 ``model.fit``, on any backend: one callback.
+
+::
+
+    from neuraldbg.keras import NeuralDbgCallback
+
+    cb = NeuralDbgCallback()                       # halt_on=, trace=, report=, any NeuralDbg option
+    model.fit(x, y, epochs=5, callbacks=[cb])
+    for h in cb.dbg.explain_failure():
+        print(h)
+
+Gradients are read where the optimizer receives them: the callback wraps ``model.optimizer``'s
+``apply`` for the run, and each call computes every trainable variable's gradient norm (and the
+variables' norms on sampled steps) with ``keras.ops`` inside the compiled train step, handed to
+the host in one callback per update (``jax.debug.callback`` on JAX, ``tf.numpy_function`` on
+TensorFlow, directly on the eager PyTorch backend). That is also where a custom ``train_step``
+that calls ``self.optimizer.apply(grads, ...)`` (or ``stateless_apply``, or ``apply_gradients``)
+is seen. Variables are named by their layer: ``dense_2.kernel`` belongs to layer ``dense_2``.
+The loss is the fit loop's: the per-batch value is recovered from the running mean Keras logs.
+Keras is not a dependency of neuraldbg.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
+
+import numpy as np
+
+from ._spoke import ParamEntry, Record, Spoke, model_spec, spec_order
+from .errors import ModelError, NeuralDbgError, NeuralDbgWarning
+from .types import CausalHypothesis
+
+try:
+    import keras
+    from keras import ops
+except ImportError as _e:  # pragma: no cover - depends on the environment
+    raise ImportError("neuraldbg.keras needs Keras 3: pip install keras") from _e
+
+__all__ = ["NeuralDbgCallback", "KerasDbg"]
+
+TRACE_NAME = "neuraldbg.ndbg"
+REPORT_NAME = "neuraldbg.html"
+
+# Keras activation names as the engine knows their kinds (PyTorch's class names).
+_ACTIVATIONS = {
+    "sigmoid": "Sigmoid",
+    "tanh": "Tanh",
+    "relu": "ReLU",
+    "relu6": "ReLU6",
+    "softsign": "Softsign",
+    "hard_sigmoid": "Hardsigmoid",
+    "leaky_relu": "LeakyReLU",
+    "elu": "ELU",
+    "selu": "SELU",
+    "gelu": "GELU",
+    "silu": "SiLU",
+    "swish": "SiLU",
+    "mish": "Mish",
+    "softplus": "Softplus",
+    "softmax": "Softmax",
+    "log_softmax": "LogSoftmax",
+    "hard_silu": "Hardswish",
+    "hard_swish": "Hardswish",
+}
+
+
+def _activation_kind(layer: Any) -> Optional[str]:
+    """The kind of the activation a layer applies to its output (``Dense(activation=...)``,
+    ``Activation(...)``, ``ReLU()``), or None."""
+    fn = getattr(layer, "activation", None)
+    if fn is None:
+        name = type(layer).__name__
+        return {"ReLU": "ReLU", "LeakyReLU": "LeakyReLU", "ELU": "ELU", "Softmax": "Softmax"}.get(name)
+    name = getattr(fn, "__name__", None)
+    return _ACTIVATIONS.get(str(name)) if name else None
+
+
+def _children(layer: Any) -> List[Any]:
+    try:
+        return list(layer._flatten_layers(include_self=False, recursive=False))
+    except Exception:  # pragma: no cover - very old Keras 3
+        return list(getattr(layer, "layers", []))
+
+
+class _Model:
+    """The model's trainable variables, each owned by the innermost layer that holds it, named
+    ``layer_path.variable_name``; layers in the order Keras lists them (a functional or
+    Sequential model's topological order; a subclassed model's attribute order)."""
+
+    def __init__(self, model: Any) -> None:
+        self.entries: List[ParamEntry] = []
+        self.variables: List[Any] = []
+        self.extra: List[Tuple[Tuple[str, ...], str, float]] = []
+        seen: Dict[int, int] = {}
+        counter = [0]
+
+        def walk(layer: Any, path: Tuple[str, ...]) -> None:
+            rank = float(counter[0])
+            counter[0] += 1
+            for child in _children(layer):
+                walk(child, path + (str(child.name),))
+            for v in getattr(layer, "trainable_weights", []):
+                if id(v) in seen:
+                    continue
+                seen[id(v)] = len(self.entries)
+                leaf = str(getattr(v, "name", "w")).split("/")[-1]
+                self.entries.append(ParamEntry(path, leaf, tuple(v.shape), type(layer).__name__, rank))
+                self.variables.append(v)
+            act = _activation_kind(layer) if path else None
+            if act is not None:
+                owns = any(e.layer == path for e in self.entries)
+                # The activation's output is the layer's: it comes right after the layer's
+                # own transform in the forward order.
+                self.extra.append((path + ("activation",) if owns else path, act, rank + 0.5))
+
+        walk(model, ())
+        if not self.entries:
+            raise ModelError(f"{type(model).__qualname__} has no trainable variable to watch")
+        order = spec_order(self.entries)
+        self.entries = [self.entries[i] for i in order]
+        self.variables = [self.variables[i] for i in order]
+        self.index = {id(v): j for j, v in enumerate(self.variables)}
+        self.root_kind = type(model).__name__
+
+    def spec(self, optimizer: Optional[str]) -> Dict[str, Any]:
+        return model_spec(self.entries, self.root_kind, optimizer, self.extra)
+
+
+def _emitter(backend: str) -> Callable[..., None]:
+    """How a compiled train step hands arrays to a host function, per Keras backend."""
+    if backend == "jax":
+        import jax
+
+        def emit_jax(fn: Callable[..., None], *args: Any) -> None:
+            jax.debug.callback(fn, *args)
+
+        return emit_jax
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        def emit_tf(fn: Callable[..., None], *args: Any) -> None:
+            def host(*a: Any) -> np.ndarray:
+                fn(*a)
+                return np.zeros((), np.int32)
+
+            # Stateful: kept (and ordered) in the traced step although nothing uses its result.
+            tf.numpy_function(host, list(args), tf.int32, stateful=True)
+
+        return emit_tf
+
+    def emit_eager(fn: Callable[..., None], *args: Any) -> None:
+        fn(*(ops.convert_to_numpy(a) for a in args))
+
+    return emit_eager
+
+
+class KerasDbg(Spoke):
+    """The debugger of one ``fit`` run (``NeuralDbgCallback.dbg``): the members of the PyTorch
+    ``NeuralDbg`` (``events``, ``explain_failure()``, ``history()``, ``save_report()``, ...)."""
+
+    _loss_apart = True
+
+    def __init__(self, model: Any, **options: Any) -> None:
+        super().__init__(**options)
+        self.model = model
+        self._model = _Model(model)
+        self._optimizer = model.optimizer
+        self._original: Any = None
+        self._base = 0
+        self._emit = _emitter(keras.backend.backend())
+        # Running-mean bookkeeping of the logged loss, per epoch: (last batch, its mean).
+        self._last_mean: Optional[Tuple[int, float]] = None
+        self._epoch_base = 0
+        self._epoch_batches = 0
+
+    @property
+    def layers(self) -> List[str]:
+        """The watched layers, in the order the engine reads as the forward order."""
+        out: List[str] = []
+        for e in self._model.entries:
+            name = ".".join(e.layer)
+            if name not in out:
+                out.append(name)
+        return out
+
+    def start(self) -> None:
+        opt = self._optimizer
+        meta = {"keras": keras.__version__, "backend": keras.backend.backend(), "model": type(self.model).__qualname__}
+        self._start(self._model.spec(type(opt).__name__ if opt is not None else None), meta)
+        self._base = int(ops.convert_to_numpy(opt.iterations)) if opt is not None else 0
+        if opt is not None:
+            current = opt.__dict__.get("apply")
+            # A wrapper left by a run that raised out of fit is replaced, not stacked.
+            original = getattr(current, "_neuraldbg_inner", None) or opt.apply
+            self._original = current if current is not None and not hasattr(current, "_neuraldbg_inner") else None
+
+            def apply(grads: Any, trainable_variables: Any = None) -> Any:
+                if self._active:
+                    try:
+                        self._observe(grads, trainable_variables)
+                    except Exception as e:  # our statistics failed to build: train on, unobserved
+                        warnings.warn(f"NeuralDBG cannot observe this update: {e}", NeuralDbgWarning, stacklevel=2)
+                return original(grads, trainable_variables)
+
+            apply._neuraldbg_inner = original  # type: ignore[attr-defined]
+            # An instance attribute: `stateless_apply` and `apply_gradients` call `self.apply`.
+            object.__setattr__(opt, "apply", apply)
+
+    def stop(self) -> None:
+        opt = self._optimizer
+        if opt is not None and hasattr(opt.__dict__.get("apply"), "_neuraldbg_inner"):
+            if self._original is None:
+                object.__delattr__(opt, "apply")
+            else:
+                object.__setattr__(opt, "apply", self._original)
+        self._finish()
+
+    def _observe(self, grads: Any, variables: Any) -> None:
+        """Traced inside the train step: the statistics of this update, sent to the host."""
+        opt = self._optimizer
+        grads = list(grads)
+        if variables is None:
+            variables = list(opt._trainable_variables)
+        else:
+            variables = list(variables)
+        where = [-1] * len(self._model.entries)
+        for k, v in enumerate(variables):
+            j = self._model.index.get(id(v))
+            if j is not None and k < len(grads) and grads[k] is not None:
+                where[j] = k
+        scale = getattr(opt, "loss_scale_factor", None)
+        sq = [ops.sum(ops.square(ops.cast(g, "float32"))) if g is not None else None for g in grads]
+        missing = ops.convert_to_tensor(-1.0, dtype="float32")
+        gn = ops.stack([ops.sqrt(sq[k]) if k >= 0 else missing for k in where])
+        if scale is not None:
+            gn = ops.where(gn >= 0, gn / scale, gn)
+        step = ops.convert_to_tensor(opt.iterations)
+        sampled = ops.logical_or(step - self._base < self._dense_steps, (step - self._base) % self._weight_every == 0)
+        values = self._model.variables
+
+        def norms() -> Any:
+            return ops.stack([ops.sqrt(ops.sum(ops.square(ops.cast(v, "float32")))) for v in values])
+
+        def skip() -> Any:
+            return ops.full((len(values),), -1.0, dtype="float32")
+
+        wn = ops.cond(sampled, norms, skip)
+        lr = ops.cast(opt.learning_rate, "float32")
+        self._emit(self._receive, step, gn, wn, lr)
+
+    def _receive(self, step: Any, gn: Any, wn: Any, lr: Any) -> None:
+        """The host side (any thread). Never raises."""
+        try:
+            s = int(np.asarray(step)) - self._base
+            self._post(
+                Record(
+                    s,
+                    grads=np.array(gn, dtype=np.float32),
+                    weights=np.array(wn, dtype=np.float32) if self._sampled(s) else None,
+                    lr=float(np.asarray(lr)),
+                )
+            )
+        except Exception as e:  # pragma: no cover - defensive
+            warnings.warn(f"NeuralDBG dropped an update: {e}", NeuralDbgWarning, stacklevel=2)
+
+    # ------------------------------------------------------------ the fit loop's loss
+
+    def batch_end(self, batch: int, logs: Optional[Dict[str, Any]]) -> None:
+        """After a batch (the main thread): the batch's loss from the epoch's running mean
+        (``(k+1) m_k - k m_(k-1)``; with ``steps_per_execution`` the mean of the executed
+        batches goes to the last of them, the others get none), then the records so far."""
+        batch = int(batch)
+        step = self._epoch_base + batch
+        self._epoch_batches = max(self._epoch_batches, batch + 1)
+        mean = None if not logs else logs.get("loss")
+        last_batch, last_mean = self._last_mean if self._last_mean is not None else (-1, 0.0)
+        gap = max(batch - last_batch, 1)
+        loss: Optional[float] = None
+        if isinstance(mean, (int, float, np.floating)):
+            m = float(mean)
+            loss = m if not np.isfinite(m) else ((batch + 1) * m - (last_batch + 1) * last_mean) / gap
+            self._last_mean = (batch, m)
+        for s in range(step - gap + 1, step):
+            self._post(Record(s, has_loss=True))
+        self._post(Record(step, loss=loss, has_loss=True))
+
+    def epoch_end(self) -> None:
+        self._epoch_base += self._epoch_batches
+        self._epoch_batches = 0
+        self._last_mean = None
+        self._drain()
+
+    def _title(self) -> str:
+        return f"NeuralDBG report: {type(self.model).__name__}"
+
+    def __repr__(self) -> str:
+        state = "active" if self._active else ("finished" if self._started else "idle")
+        return f"KerasDbg({type(self.model).__name__}, step={self.step}, {state})"
+
+
+class NeuralDbgCallback(keras.callbacks.Callback):
+    """Watches ``model.fit`` and explains why training failed: one line in ``callbacks=``.
+
+    ``callback.dbg`` is the run's debugger (``events``, ``explain_failure()``, ``history()``,
+    ``save_report()``...); ``dbg.step`` equals the number of batches trained. At the end of
+    ``fit`` the diagnosis is printed (``verbose``), and the trace and report are written.
+
+    Args:
+        trace: a path for the trace, or None (default): none is written.
+        report: a path for the HTML report, or None (default).
+        halt_on: stop training when a failure is confirmed (``True``, a confidence, failure
+            names): sets ``model.stop_training``, so ``fit`` ends after the current batch.
+        on_failure: called with newly confirmed hypotheses.
+        verbose: print the diagnosis when ``fit`` ends.
+        **options: any option of the debugger (thresholds, ``weight_every``, ``dense_steps``,
+            engine settings).
+    """
+
+    def __init__(
+        self,
+        *,
+        trace: "Union[str, os.PathLike[str], None]" = None,
+        report: "Union[str, os.PathLike[str], None]" = None,
+        halt_on: "Union[bool, float, str, Iterable[str], None]" = None,
+        on_failure: "Optional[Callable[[List[CausalHypothesis]], Any]]" = None,
+        verbose: bool = True,
+        **options: Any,
+    ) -> None:
+        super().__init__()
+        self.options: Dict[str, Any] = dict(trace=trace, report=report, halt_on=halt_on, on_failure=on_failure, **options)
+        self.verbose = verbose
+        self.dbg: Optional[KerasDbg] = None
+        # Checked here, so that a bad option fails at construction rather than inside fit.
+        from ._spoke import Spoke as _Check
+
+        _Check(**self.options)
+
+    def on_train_begin(self, logs: Optional[Dict[str, Any]] = None) -> None:
+        model = self.model
+        if getattr(model, "optimizer", None) is None:
+            raise NeuralDbgError("NeuralDbgCallback needs a compiled model (model.compile(optimizer=...))")
+        dbg = KerasDbg(model, **self.options)
+        dbg._on_halt = lambda hyps: setattr(model, "stop_training", True)
+        dbg.start()
+        self.dbg = dbg
+        # fit made its train function before this hook: made again, it traces the wrapped
+        # optimizer (a compiled function is otherwise reused as it was).
+        model.make_train_function(force=True)
+
+    def on_train_batch_end(self, batch: int, logs: Optional[Dict[str, Any]] = None) -> None:
+        if self.dbg is not None:
+            self.dbg.batch_end(batch, logs)
+
+    def on_epoch_end(self, epoch: int, logs: Optional[Dict[str, Any]] = None) -> None:
+        if self.dbg is not None:
+            self.dbg.epoch_end()
+
+    def on_train_end(self, logs: Optional[Dict[str, Any]] = None) -> None:
+        dbg = self.dbg
+        if dbg is None:
+            return
+        dbg.stop()
+        # The next fit traces a train function without the wrapper.
+        self.model.train_function = None
+        if self.verbose:
+            confirmed = [h for h in dbg.explain_failure() if h.confidence >= 0.5]
+            lines = [f"NeuralDBG: {dbg.step} steps observed"]
+            lines += [f"  {h}" for h in confirmed[:5]] if confirmed else ["no failure detected"]
+            print("\n".join(lines))
