@@ -163,10 +163,10 @@ class _Model:
                 continue
             if not jnp.issubdtype(leaf.dtype, jnp.inexact):
                 continue
-            names = _names(path)
-            if not names:
-                names = ("param",)
-            entries.append(ParamEntry(names[:-1], names[-1], leaf.shape, "", float(ranks.get(names[:-1], 1e9))))
+            full = _names(path) or ("param",)
+            rank = float(ranks.get(full[:-1], 1e9))
+            names = full[len(self.prefix) :] if full[: len(self.prefix)] == self.prefix else full
+            entries.append(ParamEntry(names[:-1], names[-1], leaf.shape, "", rank))
         if not entries:
             raise ModelError(
                 f"neuraldbg.jax found no floating-point parameter in {type(model).__module__}.{type(model).__qualname__}: "
@@ -220,14 +220,19 @@ def _norms(leaves: List[Any], where: List[int]) -> Any:
 
 
 def _inner_lr(state: Any) -> Any:
-    """The learning rate an ``optax.inject_hyperparams`` transformation holds in its state."""
-    try:
-        lr = optax.tree_utils.tree_get(state, "learning_rate")
-    except Exception:
-        return None
-    if lr is None or not hasattr(lr, "dtype"):
-        return None
-    return jnp.asarray(lr, jnp.float32).reshape(())
+    """The learning rate an ``optax.inject_hyperparams`` transformation holds in its state (the
+    first one met, outermost first), or None."""
+    todo = [state]
+    while todo:
+        node = todo.pop(0)
+        hyper = getattr(node, "hyperparams", None)
+        if isinstance(hyper, dict) and hasattr(hyper.get("learning_rate"), "dtype"):
+            return jnp.asarray(hyper["learning_rate"], jnp.float32).reshape(())
+        if isinstance(node, dict):
+            todo.extend(node.values())
+        elif isinstance(node, (list, tuple)):
+            todo.extend(node)
+    return None
 
 
 class NeuralDbg(Spoke):
@@ -371,15 +376,14 @@ class NeuralDbg(Spoke):
             return WatchState(count=jnp.zeros([], jnp.int32), inner=inner.init(params))
 
         def update(updates: Any, state: WatchState, params: Any = None, **extra: Any) -> Tuple[Any, WatchState]:
-            count = state.count
+            new, inner_state = inner.update(updates, state.inner, params, **extra)
             try:
-                observe(updates, state, params, extra)
+                observe(updates, state, params, extra, inner_state)
             except Exception as e:  # tracing our statistics failed: train on, unobserved
                 warnings.warn(f"NeuralDBG cannot observe this update: {e}", NeuralDbgWarning, stacklevel=2)
-            new, inner_state = inner.update(updates, state.inner, params, **extra)
-            return new, WatchState(count=count + 1, inner=inner_state)
+            return new, WatchState(count=state.count + 1, inner=inner_state)
 
-        def observe(updates: Any, state: WatchState, params: Any, extra: Dict[str, Any]) -> None:
+        def observe(updates: Any, state: WatchState, params: Any, extra: Dict[str, Any], after: Any) -> None:
             count = state.count
             leaves, where = model.gather(updates)
             grads = _norms(leaves, where)
@@ -398,7 +402,8 @@ class NeuralDbg(Spoke):
             if callable(learning_rate):
                 lr = jnp.asarray(learning_rate(count), jnp.float32).reshape(())
             elif learning_rate is None:
-                lr = _inner_lr(state.inner)
+                # inject_hyperparams keeps the rate this update used in its new state.
+                lr = _inner_lr(after)
             else:
                 lr = jnp.float32(learning_rate)
             jax.debug.callback(receive, count, grads, weights, loss, lr)
