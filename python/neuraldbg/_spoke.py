@@ -121,7 +121,7 @@ def path_option(name: str, value: Any) -> Optional[str]:
 class Record:
     """One optimizer step's numbers, as a spoke posts them (parameters in spec order)."""
 
-    __slots__ = ("step", "grads", "weights", "loss", "lr", "has_loss")
+    __slots__ = ("step", "grads", "weights", "loss", "lr", "has_loss", "activations")
 
     def __init__(
         self,
@@ -131,8 +131,10 @@ class Record:
         loss: Optional[float] = None,
         lr: Optional[float] = None,
         has_loss: bool = False,
+        activations: Optional[np.ndarray] = None,
     ) -> None:
         self.step = step
+        self.activations = activations
         self.grads = grads
         self.weights = weights
         self.loss = loss
@@ -223,7 +225,7 @@ class Spoke(Results):
                 os.makedirs(directory, exist_ok=True)
             self._engine.open_trace(self._trace_path, json.dumps(meta))
         try:
-            self._engine.register_model(json.dumps(spec))
+            self._probes: List[Dict[str, Any]] = json.loads(self._engine.register_model(json.dumps(spec)))
         except BaseException:
             self._close_trace()
             raise
@@ -296,6 +298,8 @@ class Spoke(Results):
                 have.grads, have.weights, have.lr = r.grads, r.weights, r.lr
             if r.has_loss:
                 have.loss, have.has_loss = r.loss, True
+            if r.activations is not None:
+                have.activations = r.activations
         ready = []
         for step in sorted(pending):
             r = pending[step]
@@ -311,6 +315,7 @@ class Spoke(Results):
                     r.step,
                     r.grads,
                     weight_norms=r.weights,
+                    activations=r.activations,
                     loss=r.loss,
                     lr=r.lr,
                 )

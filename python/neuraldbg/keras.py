@@ -93,6 +93,8 @@ class _Model:
         self.entries: List[ParamEntry] = []
         self.variables: List[Any] = []
         self.extra: List[Tuple[Tuple[str, ...], str, float]] = []
+        # The layer whose output each activation module (by its name) is.
+        self.activation_layers: Dict[str, Any] = {}
         seen: Dict[int, int] = {}
         counter = [0]
 
@@ -113,7 +115,9 @@ class _Model:
                 owns = any(e.layer == path for e in self.entries)
                 # The activation's output is the layer's: it comes right after the layer's
                 # own transform in the forward order.
-                self.extra.append((path + ("activation",) if owns else path, act, rank + 0.5))
+                where = path + ("activation",) if owns else path
+                self.extra.append((where, act, rank + 0.5))
+                self.activation_layers[".".join(where)] = layer
 
         walk(model, ())
         if not self.entries:
@@ -126,6 +130,65 @@ class _Model:
 
     def spec(self, optimizer: Optional[str]) -> Dict[str, Any]:
         return model_spec(self.entries, self.root_kind, optimizer, self.extra)
+
+
+def _activation_stats(y: Any, probe: Dict[str, Any]) -> Any:
+    """The engine's activation row for one output (absmax, saturated share, dead share, mean
+    slope, samples per unit; NaN where the probe asks nothing), with ``keras.ops``, features
+    last. The same statistics as the PyTorch collector's ``activation_group``."""
+    y = ops.cast(y, "float32")
+    shape = tuple(int(d) for d in y.shape)
+    units = shape[-1] if shape else 1
+    numel = int(np.prod(shape)) if shape else 1
+    flat = ops.reshape(y, (-1,))
+    nan = ops.convert_to_tensor(float("nan"), dtype="float32")
+    if probe.get("death"):
+        per_unit = ops.max(ops.reshape(y, (-1, units)), axis=0)
+        absmax = ops.max(ops.abs(per_unit))
+        dead = ops.mean(ops.cast(ops.equal(per_unit, 0.0), "float32"))
+    else:
+        absmax = ops.max(ops.abs(flat))
+        dead = nan
+    sat = probe.get("saturation")
+    saturated = nan
+    if sat is not None:
+        center, half = float(sat[0]), float(sat[1])
+        saturated = ops.mean(ops.cast(ops.greater(ops.abs(flat - center), half), "float32"))
+    kind = probe.get("slope")
+    sq = ops.mean(ops.square(flat))
+    slope = {
+        "tanh": lambda: 1.0 - sq,
+        "sigmoid": lambda: ops.mean(flat) - sq,
+        "softsign": lambda: 1.0 - 2.0 * ops.mean(ops.abs(flat)) + sq,
+    }.get(str(kind), lambda: nan)()
+    samples = ops.convert_to_tensor(numel / max(units, 1), dtype="float32")
+    return ops.stack([ops.cast(v, "float32") for v in (absmax, saturated, dead, slope, samples)])
+
+
+def _wrap_call(obj: Any, make: Callable[[Any], Callable[..., Any]]) -> None:
+    """Replaces ``obj.call`` for the run (an instance attribute, removed by :func:`_unwrap_call`);
+    a wrapper left by an earlier run that raised is replaced, not stacked."""
+    current = obj.__dict__.get("call")
+    inner = getattr(current, "_neuraldbg_inner", None) or obj.call
+    wrapper = make(inner)
+    wrapper._neuraldbg_inner = inner  # type: ignore[attr-defined]
+    wrapper._neuraldbg_kept = current if current is not None and not hasattr(current, "_neuraldbg_inner") else None  # type: ignore[attr-defined]
+    object.__setattr__(obj, "call", wrapper)
+
+
+def _unwrap_call(obj: Any) -> None:
+    current = obj.__dict__.get("call")
+    if current is None or not hasattr(current, "_neuraldbg_inner"):
+        return
+    kept = current._neuraldbg_kept
+    if kept is None:
+        object.__delattr__(obj, "call")
+    else:
+        object.__setattr__(obj, "call", kept)
+
+
+def _symbolic(x: Any) -> bool:
+    return isinstance(x, keras.KerasTensor)
 
 
 def _emitter(backend: str) -> Callable[..., None]:
@@ -174,6 +237,9 @@ class KerasDbg(Spoke):
         self._last_mean: Optional[Tuple[int, float]] = None
         self._epoch_base = 0
         self._epoch_batches = 0
+        self._wrapped_layers: List[Any] = []
+        self._collecting: Optional[Dict[int, Any]] = None
+        self._forwards = 0
 
     @property
     def layers(self) -> List[str]:
@@ -188,7 +254,9 @@ class KerasDbg(Spoke):
     def start(self) -> None:
         opt = self._optimizer
         meta = {"keras": keras.__version__, "backend": keras.backend.backend(), "model": type(self.model).__qualname__}
-        self._start(self._model.spec(type(opt).__name__ if opt is not None else None), meta)
+        spec = self._model.spec(type(opt).__name__ if opt is not None else None)
+        self._spec_modules = spec["modules"]
+        self._start(spec, meta)
         self._base = int(ops.convert_to_numpy(opt.iterations)) if opt is not None else 0
         if opt is not None:
             current = opt.__dict__.get("apply")
@@ -207,8 +275,77 @@ class KerasDbg(Spoke):
             apply._neuraldbg_inner = original  # type: ignore[attr-defined]
             # An instance attribute: `stateless_apply` and `apply_gradients` call `self.apply`.
             object.__setattr__(opt, "apply", apply)
+        self._watch_activations()
+
+    def _watch_activations(self) -> None:
+        """Activation statistics of each training forward pass (``training=True``), computed in
+        the compiled step and handed over in one callback with the pass's other activations.
+        Layers are wrapped for the run; a model whose ``call`` takes no ``training`` argument
+        is not measured (its training passes cannot be told from evaluation)."""
+        names = [m["name"] for m in self._spec_modules]
+        rows = []
+        for row, probe in enumerate(self._probes):
+            layer = self._model.activation_layers.get(names[probe["module"]])
+            if layer is not None:
+                rows.append((row, probe, layer))
+        if not rows:
+            return
+        n = len(self._probes)
+        for row, probe, layer in rows:
+            _wrap_call(layer, lambda inner, row=row, probe=probe: self._layer_call(inner, row, probe))
+            self._wrapped_layers.append(layer)
+
+        def model_call(inner: Any) -> Callable[..., Any]:
+            def call(*args: Any, **kwargs: Any) -> Any:
+                if kwargs.get("training") is not True or not self._active or self._collecting is not None:
+                    return inner(*args, **kwargs)
+                self._collecting = {}
+                try:
+                    out = inner(*args, **kwargs)
+                finally:
+                    collected, self._collecting = self._collecting, None
+                try:
+                    if collected and not _symbolic(out):
+                        table = [collected.get(r) for r in range(n)]
+                        blank = ops.full((5,), float("nan"), dtype="float32")
+                        self._emit(self._receive_activations, ops.concatenate([blank if t is None else t for t in table]))
+                except Exception as e:  # our statistics failed to build: train on, unmeasured
+                    warnings.warn(f"NeuralDBG cannot measure activations: {e}", NeuralDbgWarning, stacklevel=2)
+                return out
+
+            return call
+
+        _wrap_call(self.model, model_call)
+        self._wrapped_layers.append(self.model)
+
+    def _layer_call(self, inner: Any, row: int, probe: Dict[str, Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            out = inner(*args, **kwargs)
+            collecting = self._collecting
+            if collecting is not None and hasattr(out, "shape") and not _symbolic(out):
+                try:
+                    collecting[row] = _activation_stats(out, probe)
+                except Exception:  # an output we cannot measure (a tuple, a sparse tensor)
+                    pass
+            return out
+
+        return call
+
+    def _receive_activations(self, table: Any) -> None:
+        """The host side of a training forward pass's activations (any thread): paired with the
+        optimizer update that follows it, by count. Never raises."""
+        try:
+            step = self._forwards
+            self._forwards += 1
+            if self._sampled(step):
+                self._post(Record(step, activations=np.array(table, dtype=np.float32)))
+        except Exception as e:  # pragma: no cover - defensive
+            warnings.warn(f"NeuralDBG dropped activations: {e}", NeuralDbgWarning, stacklevel=2)
 
     def stop(self) -> None:
+        for layer in self._wrapped_layers:
+            _unwrap_call(layer)
+        self._wrapped_layers = []
         opt = self._optimizer
         if opt is not None and hasattr(opt.__dict__.get("apply"), "_neuraldbg_inner"):
             if self._original is None:
