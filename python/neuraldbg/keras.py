@@ -257,7 +257,7 @@ class KerasDbg(Spoke):
         spec = self._model.spec(type(opt).__name__ if opt is not None else None)
         self._spec_modules = spec["modules"]
         self._start(spec, meta)
-        self._base = int(ops.convert_to_numpy(opt.iterations)) if opt is not None else 0
+        self._base = int(ops.convert_to_numpy(opt.iterations.value)) if opt is not None else 0
         if opt is not None:
             current = opt.__dict__.get("apply")
             # A wrapper left by a run that raised out of fit is replaced, not stacked.
