@@ -151,6 +151,11 @@ class Spoke(Results):
 
     # Whether a step waits for its loss (posted separately) before it goes to the engine.
     _loss_apart = False
+    # Whether a step may be posted again with newer numbers until the next step shows up
+    # (optax.MultiSteps runs the inner update on every micro-batch, with the running mean, and
+    # keeps the result of the last one): then a step goes to the engine once a later step has
+    # arrived, or when results are read.
+    _last_wins = False
 
     def __init__(
         self,
@@ -301,9 +306,12 @@ class Spoke(Results):
             if r.activations is not None:
                 have.activations = r.activations
         ready = []
-        for step in sorted(pending):
+        steps = sorted(pending)
+        for k, step in enumerate(steps):
             r = pending[step]
             complete = r.grads is not None and (r.has_loss or not self._loss_apart)
+            if self._last_wins and k == len(steps) - 1:
+                complete = False
             if not complete and not final:
                 break
             ready.append(pending.pop(step))
@@ -367,7 +375,7 @@ class Spoke(Results):
     def _sync(self) -> None:
         if self._active:
             self._wait()
-            self._drain()
+            self._drain(final=self._last_wins)
 
     @property
     def step(self) -> int:

@@ -27,6 +27,7 @@ flax for nnx models); none of them is a dependency of neuraldbg, and torch is no
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Tuple, Union
 
@@ -50,10 +51,13 @@ _VALUE_KEYS = ("value", "raw_value", "_value")
 
 
 class WatchState(NamedTuple):
-    """The wrapped transformation's state: its update count (the step) and the inner state."""
+    """The wrapped transformation's state: its update count (the step), the inner state, and
+    the host callback's acknowledgement of the last update (kept so that the callback, which
+    JAX treats as pure, is part of the step's result and never pruned)."""
 
     count: Any
     inner: Any
+    ack: Any
 
 
 def _key_name(k: Any) -> str:
@@ -262,6 +266,8 @@ class NeuralDbg(Spoke):
         ConfigError: an option is out of range.
     """
 
+    _last_wins = True
+
     def __init__(
         self,
         model: Any,
@@ -373,60 +379,78 @@ class NeuralDbg(Spoke):
         self._wrapped += 1
 
         def init(params: Any) -> WatchState:
-            return WatchState(count=jnp.zeros([], jnp.int32), inner=inner.init(params))
+            return WatchState(count=jnp.zeros([], jnp.int32), inner=inner.init(params), ack=jnp.zeros([], jnp.int32))
 
         def update(updates: Any, state: WatchState, params: Any = None, **extra: Any) -> Tuple[Any, WatchState]:
             new, inner_state = inner.update(updates, state.inner, params, **extra)
+            ack = state.ack
             try:
-                observe(updates, state, params, extra, inner_state)
+                ack = observe(updates, state, params, extra, inner_state)
             except Exception as e:  # tracing our statistics failed: train on, unobserved
                 warnings.warn(f"NeuralDBG cannot observe this update: {e}", NeuralDbgWarning, stacklevel=2)
-            return new, WatchState(count=state.count + 1, inner=inner_state)
+            return new, WatchState(count=state.count + 1, inner=inner_state, ack=ack)
 
-        def observe(updates: Any, state: WatchState, params: Any, extra: Dict[str, Any], after: Any) -> None:
+        def observe(updates: Any, state: WatchState, params: Any, extra: Dict[str, Any], after: Any) -> Any:
             count = state.count
             leaves, where = model.gather(updates)
-            grads = _norms(leaves, where)
-            weights = None
-            sampled = jnp.logical_or(count < self._dense_steps, count % self._weight_every == 0)
-            if params is not None:
-                p_leaves, p_where = model.gather(params)
-                weights = jax.lax.cond(
-                    sampled,
-                    lambda ls: _norms(ls, p_where),
-                    lambda ls: jnp.full((len(p_where),), -1.0, jnp.float32),
-                    p_leaves,
-                )
+            parts = [jax.lax.bitcast_convert_type(count.astype(jnp.int32), jnp.float32).reshape(1)]
             value = extra.get("value")
-            loss = None if value is None else jnp.mean(jnp.asarray(value).astype(jnp.float32))
+            if value is not None:
+                parts.append(jnp.mean(jnp.asarray(value).astype(jnp.float32)).reshape(1))
             if callable(learning_rate):
-                lr = jnp.asarray(learning_rate(count), jnp.float32).reshape(())
+                lr = jnp.asarray(learning_rate(count), jnp.float32).reshape(1)
             elif learning_rate is None:
                 # inject_hyperparams keeps the rate this update used in its new state.
                 lr = _inner_lr(after)
             else:
-                lr = jnp.float32(learning_rate)
-            jax.debug.callback(receive, count, grads, weights, loss, lr)
+                lr = jnp.full((1,), learning_rate, jnp.float32)
+            if lr is not None:
+                parts.append(lr.reshape(1))
+            parts.append(_norms(leaves, where))
+            if params is not None:
+                sampled = jnp.logical_or(count < self._dense_steps, count % self._weight_every == 0)
+                p_leaves, p_where = model.gather(params)
+                parts.append(
+                    jax.lax.cond(
+                        sampled,
+                        lambda ls: _norms(ls, p_where),
+                        lambda ls: jnp.full((len(p_where),), -1.0, jnp.float32),
+                        p_leaves,
+                    )
+                )
+            layout = (value is not None, lr is not None, params is not None)
+            # One packed vector, one callback per update. A pure callback (its acknowledgement
+            # kept in the state) leaves the step on JAX's fast dispatch path, which a
+            # debug/io callback (an effect) takes it off.
+            return jax.pure_callback(
+                functools.partial(receive, layout),
+                jax.ShapeDtypeStruct((), jnp.int32),
+                jnp.concatenate(parts),
+            )
 
         return optax.GradientTransformationExtraArgs(init, update)
 
-    def _receive(self, count: Any, grads: Any, weights: Any, loss: Any, lr: Any) -> None:
-        """The host side of the callback (any thread): one record per update. Never raises:
-        an exception here would surface in the user's step."""
+    def _receive(self, layout: Tuple[bool, bool, bool], packed: Any) -> np.ndarray:
+        """The host side of the callback (any thread): one record per update, from the packed
+        vector ``[count (int32 bits), loss?, lr?, grad norms, parameter norms?]``. Never
+        raises: an exception here would surface in the user's step. JAX may call a pure
+        callback more than once; a step already seen is dropped by the queue."""
         try:
-            step = int(count)
-            sampled = self._sampled(step)
-            rec = Record(
-                step,
-                grads=np.array(grads, dtype=np.float32),
-                weights=np.array(weights, dtype=np.float32) if weights is not None and sampled else None,
-                loss=None if loss is None else float(loss),
-                lr=None if lr is None else float(lr),
-                has_loss=True,
-            )
-            self._post(rec)
+            v = np.asarray(packed, dtype=np.float32)
+            step = int(v[:1].view(np.int32)[0])
+            has_loss, has_lr, has_weights = layout
+            off = 1
+            loss = float(v[off]) if has_loss else None
+            off += has_loss
+            lr = float(v[off]) if has_lr else None
+            off += has_lr
+            n = self._n_params
+            grads = v[off : off + n].copy()
+            weights = v[off + n : off + 2 * n].copy() if has_weights and self._sampled(step) else None
+            self._post(Record(step, grads=grads, weights=weights, loss=loss, lr=lr, has_loss=True))
         except Exception as e:  # pragma: no cover - defensive
             warnings.warn(f"NeuralDBG dropped an update: {e}", NeuralDbgWarning, stacklevel=2)
+        return np.zeros((), np.int32)
 
     def _title(self) -> str:
         return f"NeuralDBG report: {type(self.model).__name__}"
