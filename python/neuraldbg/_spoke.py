@@ -121,7 +121,7 @@ def path_option(name: str, value: Any) -> Optional[str]:
 class Record:
     """One optimizer step's numbers, as a spoke posts them (parameters in spec order)."""
 
-    __slots__ = ("step", "grads", "weights", "loss", "lr", "has_loss", "activations")
+    __slots__ = ("step", "grads", "weights", "loss", "lr", "has_loss", "activations", "mean")
 
     def __init__(
         self,
@@ -135,6 +135,8 @@ class Record:
     ) -> None:
         self.step = step
         self.activations = activations
+        # What a spoke knows of the loss instead of its value (Keras: the running mean).
+        self.mean: Any = None
         self.grads = grads
         self.weights = weights
         self.loss = loss
@@ -302,7 +304,7 @@ class Spoke(Results):
             if r.grads is not None:
                 have.grads, have.weights, have.lr = r.grads, r.weights, r.lr
             if r.has_loss:
-                have.loss, have.has_loss = r.loss, True
+                have.loss, have.has_loss, have.mean = r.loss, True, r.mean
             if r.activations is not None:
                 have.activations = r.activations
         ready = []
@@ -324,7 +326,7 @@ class Spoke(Results):
                     r.grads,
                     weight_norms=r.weights,
                     activations=r.activations,
-                    loss=r.loss,
+                    loss=self._loss_of(r),
                     lr=r.lr,
                 )
             except Exception as e:  # never end the user's run: stop observing, say why
@@ -335,6 +337,11 @@ class Spoke(Results):
                 return
             self._fed = r.step
             self._after_step(r.step)
+
+    def _loss_of(self, r: Record) -> Optional[float]:
+        """A step's loss as the engine takes it, in step order (spokes that post something else
+        than the value convert it here)."""
+        return r.loss
 
     def _after_step(self, step: int) -> None:
         """When the engine has recorded new events: newly confirmed hypotheses go to

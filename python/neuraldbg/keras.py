@@ -23,6 +23,7 @@ Keras is not a dependency of neuraldbg.
 from __future__ import annotations
 
 import os
+import threading
 import warnings
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
@@ -191,13 +192,34 @@ def _symbolic(x: Any) -> bool:
     return isinstance(x, keras.KerasTensor)
 
 
-def _emitter(backend: str) -> Callable[..., None]:
-    """How a compiled train step hands arrays to a host function, per Keras backend."""
+def _emitter(backend: str) -> Callable[..., Any]:
+    """How a compiled train step hands arrays to a host function, per Keras backend. Returns
+    an acknowledgement to fold into the step's result where the backend would otherwise prune
+    the call (JAX), else None."""
     if backend == "jax":
-        import jax
+        import functools
 
-        def emit_jax(fn: Callable[..., None], *args: Any) -> None:
-            jax.debug.callback(fn, *args)
+        import jax
+        import jax.numpy as jnp
+
+        def host(fn: Callable[..., None], sizes: Tuple[int, ...], packed: Any) -> np.ndarray:
+            v = np.asarray(packed, dtype=np.float32)
+            parts, off = [], 0
+            for n in sizes:
+                parts.append(v[off : off + n])
+                off += n
+            fn(*parts)
+            return np.zeros((), np.float32)
+
+        def emit_jax(fn: Callable[..., None], *args: Any) -> Any:
+            # One packed vector in a pure callback: an effect (debug/io callback) would take the
+            # whole train step, with every variable as an argument, off JAX's fast dispatch.
+            flat = [jnp.ravel(jax.lax.stop_gradient(jnp.asarray(a))) for a in args]
+            flat = [jax.lax.bitcast_convert_type(f, jnp.float32) if f.dtype == jnp.int32 else f.astype(jnp.float32) for f in flat]
+            sizes = tuple(int(f.shape[0]) for f in flat)
+            return jax.pure_callback(
+                functools.partial(host, fn, sizes), jax.ShapeDtypeStruct((), jnp.float32), jnp.concatenate(flat)
+            )
 
         return emit_jax
     if backend == "tensorflow":
@@ -210,11 +232,13 @@ def _emitter(backend: str) -> Callable[..., None]:
 
             # Stateful: kept (and ordered) in the traced step although nothing uses its result.
             tf.numpy_function(host, list(args), tf.int32, stateful=True)
+            return None
 
         return emit_tf
 
     def emit_eager(fn: Callable[..., None], *args: Any) -> None:
         fn(*(ops.convert_to_numpy(a) for a in args))
+        return None
 
     return emit_eager
 
@@ -238,6 +262,9 @@ class KerasDbg(Spoke):
         self._epoch_base = 0
         self._epoch_batches = 0
         self._wrapped_layers: List[Any] = []
+        self._lock = threading.Lock()
+        per_call = getattr(model, "steps_per_execution", 1)
+        self._per_call = per_call if isinstance(per_call, int) and per_call > 0 else 1
         self._collecting: Optional[Dict[int, Any]] = None
         self._forwards = 0
 
@@ -308,7 +335,10 @@ class KerasDbg(Spoke):
                     if collected and not _symbolic(out):
                         table = [collected.get(r) for r in range(n)]
                         blank = ops.full((5,), float("nan"), dtype="float32")
-                        self._emit(self._receive_activations, ops.concatenate([blank if t is None else t for t in table]))
+                        ack = self._emit(self._receive_activations, ops.concatenate([blank if t is None else t for t in table]))
+                        if ack is not None and hasattr(out, "dtype"):
+                            # Adds exactly 0: the acknowledgement keeps the call in the step.
+                            out = out + ops.cast(ack, out.dtype) * 0
                 except Exception as e:  # our statistics failed to build: train on, unmeasured
                     warnings.warn(f"NeuralDBG cannot measure activations: {e}", NeuralDbgWarning, stacklevel=2)
                 return out
@@ -385,18 +415,23 @@ class KerasDbg(Spoke):
 
         wn = ops.cond(sampled, norms, skip)
         lr = ops.cast(opt.learning_rate, "float32")
-        self._emit(self._receive, step, gn, wn, lr)
+        step32 = ops.cast(step, "int32")
+        ack = self._emit(self._receive, step32, gn, wn, lr)
+        if ack is not None:
+            # Adds exactly 0 (the host answers 0): keeps the call in the step.
+            opt.iterations.assign_add(ops.cast(ack, opt.iterations.dtype))
 
     def _receive(self, step: Any, gn: Any, wn: Any, lr: Any) -> None:
         """The host side (any thread). Never raises."""
         try:
-            s = int(np.asarray(step)) - self._base
+            a = np.asarray(step)
+            s = int(a.view(np.int32).reshape(-1)[0] if a.dtype == np.float32 else a.reshape(-1)[0]) - self._base
             self._post(
                 Record(
                     s,
                     grads=np.array(gn, dtype=np.float32),
                     weights=np.array(wn, dtype=np.float32) if self._sampled(s) else None,
-                    lr=float(np.asarray(lr)),
+                    lr=float(np.asarray(lr).reshape(-1)[0]),
                 )
             )
         except Exception as e:  # pragma: no cover - defensive
@@ -405,28 +440,46 @@ class KerasDbg(Spoke):
     # ------------------------------------------------------------ the fit loop's loss
 
     def batch_end(self, batch: int, logs: Optional[Dict[str, Any]]) -> None:
-        """After a batch (the main thread): the batch's loss from the epoch's running mean
-        (``(k+1) m_k - k m_(k-1)``; with ``steps_per_execution`` the mean of the executed
-        batches goes to the last of them, the others get none), then the records so far."""
+        """After a batch (a Keras worker thread: the callback is ``async_safe``, so reading the
+        logs waits there, not in the training loop): the epoch's running mean of the loss,
+        turned into the batch's own loss in step order by :meth:`_loss_of`."""
         batch = int(batch)
-        step = self._epoch_base + batch
-        self._epoch_batches = max(self._epoch_batches, batch + 1)
+        with self._lock:
+            self._epoch_batches = max(self._epoch_batches, batch + 1)
         mean = None if not logs else logs.get("loss")
-        last_batch, last_mean = self._last_mean if self._last_mean is not None else (-1, 0.0)
-        gap = max(batch - last_batch, 1)
-        loss: Optional[float] = None
-        if isinstance(mean, (int, float, np.floating)):
-            m = float(mean)
-            loss = m if not np.isfinite(m) else ((batch + 1) * m - (last_batch + 1) * last_mean) / gap
-            self._last_mean = (batch, m)
-        for s in range(step - gap + 1, step):
+        step = self._epoch_base + batch
+        # With steps_per_execution, one call per execution: its earlier steps get no loss.
+        for s in range(max(step - self._per_call + 1, self._epoch_base), step):
             self._post(Record(s, has_loss=True))
-        self._post(Record(step, loss=loss, has_loss=True))
+        r = Record(step, has_loss=True)
+        if isinstance(mean, (int, float, np.floating)):
+            r.mean = (batch, float(mean))
+        self._post(r)
+
+    def _loss_of(self, r: Record) -> Optional[float]:
+        """The batch's loss from the epoch's running mean ``m_k`` after batch ``k``:
+        ``(k+1) m_k - (j+1) m_j`` over the ``k - j`` batches since the last mean ``m_j`` (one
+        batch, or the batches of one execution with ``steps_per_execution``, whose mean goes
+        to the last of them). Keras weights its mean by batch size: a smaller last batch of an
+        epoch is approximated."""
+        if r.mean is None:
+            return None
+        batch, m = r.mean
+        last_batch, last_mean = self._last_mean if self._last_mean is not None and self._last_mean[0] < batch else (-1, 0.0)
+        self._last_mean = (batch, m)
+        if not np.isfinite(m) or not np.isfinite(last_mean):
+            return m
+        return ((batch + 1) * m - (last_batch + 1) * last_mean) / (batch - last_batch)
+
+    def batch_begin(self) -> None:
+        """Before a batch (the main thread): the steps delivered so far go to the engine (and a
+        confirmed ``halt_on`` failure stops fit)."""
+        self._drain()
 
     def epoch_end(self) -> None:
+        # Keras has finished this epoch's batch-end calls (it waits for them first).
         self._epoch_base += self._epoch_batches
         self._epoch_batches = 0
-        self._last_mean = None
         self._drain()
 
     def _title(self) -> str:
@@ -485,6 +538,14 @@ class NeuralDbgCallback(keras.callbacks.Callback):
         # fit made its train function before this hook: made again, it traces the wrapped
         # optimizer (a compiled function is otherwise reused as it was).
         model.make_train_function(force=True)
+
+    # Keras then runs on_train_batch_end on a worker thread and keeps dispatching steps
+    # asynchronously; the engine is fed from on_train_batch_begin, on the main thread.
+    async_safe = True
+
+    def on_train_batch_begin(self, batch: int, logs: Optional[Dict[str, Any]] = None) -> None:
+        if self.dbg is not None:
+            self.dbg.batch_begin()
 
     def on_train_batch_end(self, batch: int, logs: Optional[Dict[str, Any]] = None) -> None:
         if self.dbg is not None:
