@@ -286,6 +286,12 @@ def test_package_imports_without_torch_jax_or_keras() -> None:
     assert "neuraldbg.jax needs jax and optax" in r.stdout
 
 
+def test_keras_spoke_imports_without_torch() -> None:
+    r = run_blocked(["torch"], "import sys, neuraldbg.keras, keras\nprint(keras.backend.backend(), 'torch' in sys.modules)\n")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["jax", "False"]
+
+
 def test_jax_spoke_runs_without_torch() -> None:
     r = run_blocked(
         ["torch"],
