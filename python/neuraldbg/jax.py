@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Literal, NamedTuple, Optional, Tuple, Union
 
 import numpy as np
 
@@ -177,8 +177,8 @@ class _Model:
                 "pass a flax nnx Module or a pytree (dict, list) of parameter arrays"
             )
         by_layer: Dict[Tuple[str, ...], List[ParamEntry]] = {}
-        for e in entries:
-            by_layer.setdefault(e.layer, []).append(e)
+        for entry in entries:
+            by_layer.setdefault(entry.layer, []).append(entry)
         for layer, group in by_layer.items():
             kind = None
             if self.is_nnx:
@@ -188,8 +188,8 @@ class _Model:
             else:
                 tail = layer[-1] if layer else ""
                 kind = _pytree_kind(tail, group)
-            for e in group:
-                e.kind = kind or "Module"
+            for entry in group:
+                entry.kind = kind or "Module"
         order = spec_order(entries)
         self.entries = [entries[i] for i in order]
         self.index = {self._key(e.layer + (e.leaf,)): j for j, e in enumerate(self.entries)}
@@ -207,7 +207,7 @@ class _Model:
         Runs at trace time."""
         flat = jax.tree_util.tree_flatten_with_path(tree)[0]
         where = [-1] * len(self.entries)
-        leaves = []
+        leaves: List[Any] = []
         for path, leaf in flat:
             j = self.index.get(self._key(_names(path)))
             if j is not None and where[j] < 0:
@@ -330,7 +330,7 @@ class NeuralDbg(Spoke):
         self._start(self._model.spec(self._optimizer), meta)
         return self
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> "Literal[False]":
         self._wait()
         self._finish()
         return False  # never swallow the user's exception

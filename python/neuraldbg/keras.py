@@ -22,6 +22,7 @@ Keras is not a dependency of neuraldbg.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import warnings
@@ -72,10 +73,9 @@ def _activation_kind(layer: Any) -> Optional[str]:
     ``Activation(...)``, ``ReLU()``), or None."""
     fn = getattr(layer, "activation", None)
     if fn is None:
-        name = type(layer).__name__
-        return {"ReLU": "ReLU", "LeakyReLU": "LeakyReLU", "ELU": "ELU", "Softmax": "Softmax"}.get(name)
-    name = getattr(fn, "__name__", None)
-    return _ACTIVATIONS.get(str(name)) if name else None
+        return {"ReLU": "ReLU", "LeakyReLU": "LeakyReLU", "ELU": "ELU", "Softmax": "Softmax"}.get(type(layer).__name__)
+    fn_name = getattr(fn, "__name__", None)
+    return _ACTIVATIONS.get(str(fn_name)) if fn_name else None
 
 
 def _children(layer: Any) -> List[Any]:
@@ -197,8 +197,6 @@ def _emitter(backend: str) -> Callable[..., Any]:
     an acknowledgement to fold into the step's result where the backend would otherwise prune
     the call (JAX), else None."""
     if backend == "jax":
-        import functools
-
         import jax
         import jax.numpy as jnp
 
@@ -319,7 +317,7 @@ class KerasDbg(Spoke):
             return
         n = len(self._probes)
         for row, probe, layer in rows:
-            _wrap_call(layer, lambda inner, row=row, probe=probe: self._layer_call(inner, row, probe))
+            _wrap_call(layer, functools.partial(self._layer_call, row=row, probe=probe))
             self._wrapped_layers.append(layer)
 
         def model_call(inner: Any) -> Callable[..., Any]:
@@ -348,7 +346,7 @@ class KerasDbg(Spoke):
         _wrap_call(self.model, model_call)
         self._wrapped_layers.append(self.model)
 
-    def _layer_call(self, inner: Any, row: int, probe: Dict[str, Any]) -> Callable[..., Any]:
+    def _layer_call(self, inner: Any, *, row: int, probe: Dict[str, Any]) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
             out = inner(*args, **kwargs)
             collecting = self._collecting
