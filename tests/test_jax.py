@@ -74,12 +74,12 @@ def make_step() -> Any:
     return step
 
 
-def train(lr: float, steps: int, *, nan_at: int = -1, depth: int = 3, trace: Any = None) -> Any:
+def train(lr: float, steps: int, *, nan_at: int = -1, depth: int = 3, **options: Any) -> Any:
     model = MLP(depth, 32, nnx.Rngs(0))
     x, y = data()
     gts: List[Dict[str, float]] = []
     losses: List[float] = []
-    with NeuralDbg(model, trace=trace) as dbg:
+    with NeuralDbg(model, **options) as dbg:
         optimizer = nnx.Optimizer(model, dbg.wrap(optax.sgd(lr), learning_rate=lr), wrt=nnx.Param)
         step = make_step()
         for i in range(steps):
@@ -121,7 +121,8 @@ def test_healthy_run_no_alarm_and_norms_match_jax_grad() -> None:
 
 
 def test_learning_rate_too_high_explosion_named() -> None:
-    dbg, gts, _ = train(5.0, 40)
+    confirmed: List[Any] = []
+    dbg, gts, _ = train(5.0, 40, halt_on="exploding_gradients", on_failure=confirmed.extend)
     exploded = [i for i, g in enumerate(gts) if any(v > 1e3 for v in g.values())]
     assert exploded, "the planted learning rate should make JAX's own gradients explode"
     onset = exploded[0]
@@ -133,6 +134,9 @@ def test_learning_rate_too_high_explosion_named() -> None:
     assert h.layer in {k for k, v in gts[onset].items() if v > 1e3}
     top = dbg.explain_failure()[0]
     assert str(top.cause) == "learning_rate_too_high"
+    # Confirmed while training ran: on_failure heard it, and halt_on marked the run.
+    assert any(str(c.failure) == "exploding_gradients" for c in confirmed)
+    assert dbg.halted and str(dbg.halted[0].failure) == "exploding_gradients"
 
 
 def test_nan_batch_is_named_at_its_step() -> None:
