@@ -25,7 +25,7 @@ from typing import Any, Callable, Deque, Dict, Iterable, List, Optional, Sequenc
 import numpy as np
 
 from . import _native
-from ._results import Results
+from ._results import Results, newly_confirmed
 from .errors import ConfigError, NeuralDbgError, NeuralDbgWarning
 from .types import CausalHypothesis
 
@@ -151,6 +151,8 @@ class Spoke(Results):
     DEFAULTS: Dict[str, Any] = dict(_DEFAULTS)
     """The engine's default settings."""
 
+    # The spoke's model: ``entries``, the watched parameters in spec order (set by subclasses).
+    _model: Any = None
     # Whether a step waits for its loss (posted separately) before it goes to the engine.
     _loss_apart = False
     # Whether a step may be posted again with newer numbers until the next step shows up
@@ -173,7 +175,7 @@ class Spoke(Results):
         on_failure: "Optional[Callable[[List[CausalHypothesis]], Any]]" = None,
         **engine_options: Any,
     ) -> None:
-        from .debugger import _halt_rule, _number
+        from .debugger import _engine, _halt_rule
 
         self._weight_every = check_int("weight_every", weight_every, 1)
         self._dense_steps = check_int("dense_steps", dense_steps, 0)
@@ -181,18 +183,7 @@ class Spoke(Results):
         self._report_path = path_option("report", report)
         if on_failure is not None and not callable(on_failure):
             raise ConfigError(f"on_failure must be callable, got {type(on_failure).__qualname__}")
-        unknown = sorted(set(engine_options) - set(_DEFAULTS))
-        if unknown:
-            raise ConfigError(
-                f"unknown option(s) {', '.join(unknown)}; engine options are: {', '.join(sorted(_DEFAULTS))}"
-            )
-        config = dict(engine_options)
-        config.update(
-            threshold_vanishing=_number("threshold_vanishing", threshold_vanishing),
-            threshold_exploding=_number("threshold_exploding", threshold_exploding),
-            threshold_saturated=_number("threshold_saturated", threshold_saturated),
-        )
-        self._engine = _native.Engine(json.dumps(config))
+        self._engine = _engine(threshold_vanishing, threshold_exploding, threshold_saturated, engine_options)
         self._halt = _halt_rule(halt_on)
         self._on_failure = on_failure
         # What a confirmed halt does (the Keras callback stops fit); None: only ``halted`` is set.
@@ -352,14 +343,7 @@ class Spoke(Results):
         if n == self._events_seen:
             return
         self._events_seen = n
-        hyps = [CausalHypothesis._from_json(h) for h in json.loads(self._engine.explain_json(None))]
-        confirmed = [h for h in hyps if h.confidence >= 0.5]
-        new = []
-        for h in confirmed:
-            key = (str(h.failure), h.layer)
-            if key not in self._confirmed:
-                self._confirmed.add(key)
-                new.append(h)
+        confirmed, new = newly_confirmed(self._engine, self._confirmed)
         if not new:
             return
         if self._on_failure is not None:
@@ -390,6 +374,17 @@ class Spoke(Results):
         self._sync()
         last = max([self._fed, *self._pending.keys(), *(r.step for r in list(self._inbox))])
         return last + 1
+
+    @property
+    def layers(self) -> List[str]:
+        """The watched layers (a parameter's path without its own name), in the order the
+        engine reads as the forward order."""
+        out: List[str] = []
+        for e in self._model.entries:
+            name = ".".join(e.layer)
+            if name not in out:
+                out.append(name)
+        return out
 
     @property
     def error(self) -> Optional[str]:

@@ -300,17 +300,6 @@ class NeuralDbg(Spoke):
         self._optimizer: Optional[str] = None
         self._wrapped = 0
 
-    @property
-    def layers(self) -> List[str]:
-        """The watched layers (parameter paths without the parameter's own name), in the order
-        the engine reads as the forward order."""
-        seen: List[str] = []
-        for e in self._model.entries:
-            name = ".".join(e.layer)
-            if name not in seen:
-                seen.append(name)
-        return seen
-
     # ---------------------------------------------------------------- lifecycle
 
     def __enter__(self) -> "NeuralDbg":

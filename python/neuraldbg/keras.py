@@ -266,16 +266,6 @@ class KerasDbg(Spoke):
         self._collecting: Optional[Dict[int, Any]] = None
         self._forwards = 0
 
-    @property
-    def layers(self) -> List[str]:
-        """The watched layers, in the order the engine reads as the forward order."""
-        out: List[str] = []
-        for e in self._model.entries:
-            name = ".".join(e.layer)
-            if name not in out:
-                out.append(name)
-        return out
-
     def start(self) -> None:
         opt = self._optimizer
         meta = {"keras": keras.__version__, "backend": keras.backend.backend(), "model": type(self.model).__qualname__}
