@@ -325,10 +325,12 @@ class NeuralDbg(Spoke):
         return False  # never swallow the user's exception
 
     def _wait(self) -> None:
-        # The host callbacks of the steps already dispatched; nothing else is waited for.
+        # Every dispatched computation, so that each update's host callback has run (the
+        # callback is pure, which jax.effects_barrier does not wait for). On CPU it ran during
+        # the step already; on an accelerator the last steps may still be in flight.
         try:
-            jax.effects_barrier()
-        except Exception:  # pragma: no cover - an error of the user's computation shows there
+            jax.block_until_ready(jax.live_arrays())
+        except Exception:  # an error of the user's computation shows in their own code
             pass
 
     # ---------------------------------------------------------------- the transformation
