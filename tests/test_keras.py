@@ -100,6 +100,16 @@ def test_healthy_run_no_alarm_and_loss_matches_keras() -> None:
     _, lr = dbg.history(None, "lr")
     np.testing.assert_allclose(lr, 1e-3, rtol=1e-6)
     assert dbg.history(model.layers[0].name, "weight_norm")[1].size >= 10  # dense_steps 10, then every 10th
+    assert dbg.history(model.layers[0].name + ".activation", "dead_fraction")[1].size >= 10
+    # Without activation measurement: the same gradients, no activation series.
+    keras.utils.set_random_seed(1)
+    again = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(1)])
+    again.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+    quiet = NeuralDbgCallback(verbose=False, activations=False)
+    again.fit(x, y, batch_size=64, epochs=1, callbacks=[quiet], verbose=0)
+    assert quiet.dbg.step == 10
+    assert quiet.dbg.history(again.layers[0].name + ".activation", "dead_fraction")[1].size == 0
+    assert "call" not in again.layers[0].__dict__
 
 
 def test_functional_validation_and_user_callbacks(tmp_path: Any) -> None:
@@ -202,6 +212,8 @@ def test_bad_options_are_clear_errors() -> None:
         NeuralDbgCallback(no_such_option=1)
     with pytest.raises(ConfigError, match="halt_on"):
         NeuralDbgCallback(halt_on="no_such_failure")
+    with pytest.raises(ConfigError, match="activations"):
+        NeuralDbgCallback(activations="yes")
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
     with pytest.raises(Exception, match="compile"):
         model.fit(np.zeros((4, 4)), np.zeros((4, 1)), callbacks=[NeuralDbgCallback()], verbose=0)

@@ -31,7 +31,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 import numpy as np
 
 from ._spoke import ParamEntry, Record, Spoke, model_spec, spec_order
-from .errors import ModelError, NeuralDbgError, NeuralDbgWarning
+from .errors import ConfigError, ModelError, NeuralDbgError, NeuralDbgWarning
 from .types import CausalHypothesis
 
 try:
@@ -247,8 +247,11 @@ class KerasDbg(Spoke):
 
     _loss_apart = True
 
-    def __init__(self, model: Any, **options: Any) -> None:
+    def __init__(self, model: Any, *, activations: bool = True, **options: Any) -> None:
         super().__init__(**options)
+        if not isinstance(activations, bool):
+            raise ConfigError(f"activations must be True or False, got {activations!r}")
+        self._measure_activations = activations
         self.model = model
         self._model = _Model(model)
         self._optimizer = model.optimizer
@@ -290,7 +293,8 @@ class KerasDbg(Spoke):
             apply._neuraldbg_inner = original  # type: ignore[attr-defined]
             # An instance attribute: `stateless_apply` and `apply_gradients` call `self.apply`.
             object.__setattr__(opt, "apply", apply)
-        self._watch_activations()
+        if self._measure_activations:
+            self._watch_activations()
 
     def _watch_activations(self) -> None:
         """Activation statistics of each training forward pass (``training=True``), computed in
@@ -492,6 +496,9 @@ class NeuralDbgCallback(keras.callbacks.Callback):
             names): sets ``model.stop_training``, so ``fit`` ends after the current batch.
         on_failure: called with newly confirmed hypotheses.
         verbose: print the diagnosis when ``fit`` ends.
+        activations: measure the activations of ``Dense(activation=...)``/``Activation``
+            layers in each training forward pass (default True; False saves their statistics
+            and their host callback per step, and the diagnosis then rests on the gradients).
         **options: any option of the debugger (thresholds, ``weight_every``, ``dense_steps``,
             engine settings).
     """
@@ -511,9 +518,11 @@ class NeuralDbgCallback(keras.callbacks.Callback):
         self.verbose = verbose
         self.dbg: Optional[KerasDbg] = None
         # Checked here, so that a bad option fails at construction rather than inside fit.
-        from ._spoke import Spoke as _Check
-
-        _Check(**self.options)
+        check = dict(self.options)
+        activations = check.pop("activations", True)
+        if not isinstance(activations, bool):
+            raise ConfigError(f"activations must be True or False, got {activations!r}")
+        Spoke(**check)
 
     def on_train_begin(self, logs: Optional[Dict[str, Any]] = None) -> None:
         model = self.model
