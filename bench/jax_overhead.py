@@ -5,7 +5,8 @@ unwatched, in the same process.
 JAX: two copies of one model, one optimizer plain and one wrapped (its debugger open for the
 whole run), compiled before timing; rounds of ``--steps`` steps alternate between the arms in
 a shuffled order, each round ending with ``block_until_ready``. Keras: two copies of one
-compiled model, each fit for ``--epochs`` epochs per round (alternating, shuffled); the time of
+compiled model, each fit for ``--epochs`` epochs per round (alternating, shuffled; ``no-act`` is the callback with
+``activations=False``); the time of
 every epoch after the first (compilation excluded) is taken from a timing callback, and the
 whole fit (compilation and the end-of-run report included) is given too. Each figure is the
 median of the per-round ratios watched/unwatched, with a 95% bootstrap interval.
@@ -163,7 +164,7 @@ def bench_keras(width: int, depth: int, batch: int, epochs: int, rounds: int, n:
         def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
             self.times.append(time.perf_counter() - self.t)
 
-    models = {"plain": make(), "neuraldbg": make()}
+    models = {"plain": make(), "neuraldbg": make(), "no-act": make()}
     steady: Dict[str, List[float]] = {k: [] for k in models}
     whole: Dict[str, List[float]] = {k: [] for k in models}
     names = list(models)
@@ -171,7 +172,9 @@ def bench_keras(width: int, depth: int, batch: int, epochs: int, rounds: int, n:
         random.shuffle(names)
         for k in names:
             timer = EpochTimes()
-            cbs: List[Any] = [timer] + ([NeuralDbgCallback(verbose=False)] if k == "neuraldbg" else [])
+            cbs: List[Any] = [timer]
+            if k != "plain":  # no-act: NeuralDbgCallback(activations=False), gradients only
+                cbs.append(NeuralDbgCallback(verbose=False, activations=k == "neuraldbg"))
             t = time.perf_counter()
             models[k].fit(x, y, batch_size=batch, epochs=epochs, callbacks=cbs, verbose=0)
             whole[k].append(time.perf_counter() - t)
