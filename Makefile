@@ -7,7 +7,7 @@ PY      := $(VENV)/bin/python
 STAMPS  := .stamps
 SOURCES := $(shell find crates python -type f \( -name '*.rs' -o -name '*.py' -o -name '*.pyi' -o -name 'Cargo.toml' -o -name '*.js' -o -name '*.css' -o -name '*.html' \) 2>/dev/null) Cargo.toml pyproject.toml
 
-.PHONY: all demo demo-burn test test-rust test-python lint bench bench-overhead bench-models bench-frameworks bench-distributed bench-engine bench-burn bench-memory bench-diagnosis bench-report bench-trace gpu-check bench-kept-memory build browser terminal report-screenshot watch-screenshot clean
+.PHONY: all demo demo-burn jax test test-rust test-python lint bench bench-overhead bench-jax bench-models bench-frameworks bench-distributed bench-engine bench-burn bench-memory bench-diagnosis bench-report bench-trace gpu-check bench-kept-memory build browser terminal report-screenshot watch-screenshot clean
 
 all: test
 
@@ -24,6 +24,14 @@ $(STAMPS)/build: $(STAMPS)/deps $(SOURCES)
 	@mkdir -p $(STAMPS) && touch $@
 
 build: $(STAMPS)/build
+
+# JAX (flax, optax) and Keras 3 for tests/test_jax.py, tests/test_keras.py and bench/jax_overhead.py
+# only: optional frameworks of the package, installed into .venv once (CPU wheels from PyPI).
+$(STAMPS)/jax: requirements-jax.txt $(STAMPS)/deps
+	$(PY) -m pip install --quiet -r requirements-jax.txt
+	@mkdir -p $(STAMPS) && touch $@
+
+jax: $(STAMPS)/jax
 
 # Headless Chromium renders the HTML report in the tests: Debian's package, installed once (CI
 # runs as root on a clean machine; elsewhere through sudo). Nothing to do when it is there.
@@ -57,7 +65,7 @@ lint:
 test-rust:
 	cargo test --workspace --quiet
 
-test-python: build browser terminal
+test-python: build browser terminal $(STAMPS)/jax
 	NEURALDBG_CHROMIUM=$(CHROMIUM) $(PY) -m pytest tests
 
 test: lint test-rust test-python
@@ -95,7 +103,7 @@ $(STAMPS)/bench-venv: $(STAMPS)/deps
 # `make bench`: the overhead table (plain vs monitored, interleaved; minutes), third-party models
 # and Lightning, a 2-process DDP and FSDP2 job, the engine's ingest throughput and the burn
 # adapter's overhead. `make bench-memory`: 10,000 layers x 1,000,000 steps (minutes).
-bench: bench-overhead bench-models bench-frameworks bench-distributed bench-engine bench-burn
+bench: bench-overhead bench-models bench-frameworks bench-distributed bench-engine bench-burn bench-jax
 
 bench-overhead: build $(STAMPS)/bench-venv
 	$(PY) bench/overhead.py --legacy-python $(BENCH_VENV)/bin/python
@@ -104,6 +112,10 @@ bench-overhead: build $(STAMPS)/bench-venv
 # collectives we add per step (counted).
 bench-distributed: build
 	$(PY) -m torch.distributed.run --standalone --nproc_per_node=2 bench/distributed_overhead.py
+
+# A jitted flax nnx MLP step and a Keras 3 fit (JAX backend), watched against unwatched.
+bench-jax: build $(STAMPS)/jax
+	$(PY) bench/jax_overhead.py
 
 # Third-party models (torchvision ResNet-18, Hugging Face GPT-2) eager and under torch.compile,
 # each against the same setup unwatched.

@@ -10,14 +10,14 @@ from __future__ import annotations
 import html
 import json
 import os
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Set, Tuple, Union
 
 import numpy as np
 
 from .errors import ConfigError, NeuralDbgError
 from .types import CausalHypothesis, CoupledFailure, Failure, RootCause, SemanticEvent
 
-__all__ = ["Hypotheses", "Results"]
+__all__ = ["Hypotheses", "Results", "newly_confirmed"]
 
 _TABLES = ("history", "events", "hypotheses")
 
@@ -34,6 +34,22 @@ def _frame_html(page: str, height: int) -> str:
         f'style="width:100%;height:{height}px;border:1px solid #dde1e8;border-radius:6px" '
         f'onload="{fit}" title="NeuralDBG report"></iframe>'
     )
+
+
+def newly_confirmed(
+    engine: Any, seen: Set[Tuple[str, Optional[str]]]
+) -> Tuple[List[CausalHypothesis], List[CausalHypothesis]]:
+    """The hypotheses confirmed so far (confidence >= 0.5), and those of them not yet in
+    ``seen`` (added to it): each failure and layer is new once, for ``on_failure``/``halt_on``."""
+    hyps = [CausalHypothesis._from_json(h) for h in json.loads(engine.explain_json(None))]
+    confirmed = [h for h in hyps if h.confidence >= 0.5]
+    new = []
+    for h in confirmed:
+        key = (str(h.failure), h.layer)
+        if key not in seen:
+            seen.add(key)
+            new.append(h)
+    return confirmed, new
 
 
 class Hypotheses(List[CausalHypothesis]):

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Literal, 
 from . import _native
 from .errors import ConfigError, ModelError, NeuralDbgError, NeuralDbgWarning, TrainingFailure
 from ._guard import check, run_guarded
-from ._results import Results
+from ._results import Results, newly_confirmed
 from .types import CausalHypothesis, Failure
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -188,19 +188,7 @@ class NeuralDbg(Results):
         trace_path = None if trace is None else os.fspath(trace)
         if trace_path is not None and (not isinstance(trace_path, str) or not trace_path):
             raise ConfigError(f"trace must be a non-empty file path, got {trace!r}")
-        unknown = sorted(set(engine_options) - set(_DEFAULTS))
-        if unknown:
-            raise ConfigError(
-                f"unknown option(s) {', '.join(unknown)}; engine options are: {', '.join(sorted(_DEFAULTS))}"
-            )
-        config = dict(engine_options)
-        config.update(
-            threshold_vanishing=_number("threshold_vanishing", threshold_vanishing),
-            threshold_exploding=_number("threshold_exploding", threshold_exploding),
-            threshold_saturated=_number("threshold_saturated", threshold_saturated),
-        )
-        # Validated by the engine; raises ConfigError with the offending name.
-        self._engine = _native.Engine(json.dumps(config))
+        self._engine = _engine(threshold_vanishing, threshold_exploding, threshold_saturated, engine_options)
         self.model = model
         self._options: Dict[str, Any] = dict(
             criterion=criterion,
@@ -324,14 +312,7 @@ class NeuralDbg(Results):
         if n == self._events_seen:
             return
         self._events_seen = n
-        hyps = [CausalHypothesis._from_json(h) for h in json.loads(self._engine.explain_json(None))]
-        confirmed = [h for h in hyps if h.confidence >= 0.5]
-        new = []
-        for h in confirmed:
-            key = (str(h.failure), h.layer)
-            if key not in self._confirmed:
-                self._confirmed.add(key)
-                new.append(h)
+        confirmed, new = newly_confirmed(self._engine, self._confirmed)
         if not new:
             return
         collector = self._collector
@@ -411,6 +392,23 @@ class NeuralDbg(Results):
     def __repr__(self) -> str:
         state = "active" if self._active else ("finished" if self._collector is not None else "idle")
         return f"NeuralDbg({type(self.model).__name__}, step={self.step}, {state})"
+
+
+def _engine(vanishing: Any, exploding: Any, saturated: Any, engine_options: Dict[str, Any]) -> Any:
+    """The engine of one watched run: the seed's thresholds and any other engine setting
+    (ConfigError for an unknown name; the engine validates the values, naming the offender)."""
+    unknown = sorted(set(engine_options) - set(_DEFAULTS))
+    if unknown:
+        raise ConfigError(
+            f"unknown option(s) {', '.join(unknown)}; engine options are: {', '.join(sorted(_DEFAULTS))}"
+        )
+    config = dict(engine_options)
+    config.update(
+        threshold_vanishing=_number("threshold_vanishing", vanishing),
+        threshold_exploding=_number("threshold_exploding", exploding),
+        threshold_saturated=_number("threshold_saturated", saturated),
+    )
+    return _native.Engine(json.dumps(config))
 
 
 def _number(name: str, value: Any) -> float:

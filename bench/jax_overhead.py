@@ -1,0 +1,208 @@
+"""What watching costs in JAX and Keras: a jitted flax nnx MLP step (``dbg.wrap(optax.adam)``) and
+a Keras 3 ``fit`` on the JAX backend (``NeuralDbgCallback``), each against the same thing
+unwatched, in the same process.
+
+JAX: two copies of one model, one optimizer plain and one wrapped (its debugger open for the
+whole run), compiled before timing; rounds of ``--steps`` steps alternate between the arms in
+a shuffled order, each round ending with ``block_until_ready``. Keras: two copies of one
+compiled model, each fit for ``--epochs`` epochs per round (alternating, shuffled; ``no-act`` is the callback with
+``activations=False``); the time of
+every epoch after the first (compilation excluded) is taken from a timing callback, and the
+whole fit (compilation and the end-of-run report included) is given too. Each figure is the
+median of the per-round ratios watched/unwatched, with a 95% bootstrap interval.
+
+    .venv/bin/python bench/jax_overhead.py [--rounds 15] [--steps 200] [--epochs 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import time
+from typing import Any, Callable, Dict, List, Tuple
+
+os.environ.setdefault("KERAS_BACKEND", "jax")
+
+import numpy as np  # noqa: E402
+
+
+def interval(ratios: List[float], seed: int = 0) -> Tuple[float, float, float]:
+    r = np.asarray(ratios)
+    rng = np.random.default_rng(seed)
+    meds = [float(np.median(rng.choice(r, size=r.size))) for _ in range(2000)]
+    return float(np.median(r)), float(np.percentile(meds, 2.5)), float(np.percentile(meds, 97.5))
+
+
+def paired(arms: Dict[str, Callable[[], float]], rounds: int) -> Dict[str, List[float]]:
+    times: Dict[str, List[float]] = {k: [] for k in arms}
+    names = list(arms)
+    for _ in range(rounds):
+        random.shuffle(names)
+        for k in names:
+            times[k].append(arms[k]())
+    return times
+
+
+def report(label: str, times: Dict[str, List[float]], per: int) -> None:
+    base = np.asarray(times["plain"])
+    for k, v in times.items():
+        if k == "plain":
+            continue
+        med, lo, hi = interval(list(np.asarray(v) / base))
+        print(
+            f"{label:<34} {k:<10} plain {np.median(base) / per * 1e3:8.3f} ms/step  "
+            f"watched {np.median(v) / per * 1e3:8.3f} ms/step  ratio {med:.3f}x [{lo:.3f}, {hi:.3f}]"
+        )
+
+
+def bench_jax(width: int, depth: int, batch: int, steps: int, rounds: int) -> None:
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    from neuraldbg.jax import NeuralDbg
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs: Any) -> None:
+            self.inp = nnx.Linear(64, width, rngs=rngs)
+            self.hidden = nnx.List([nnx.Linear(width, width, rngs=rngs) for _ in range(depth)])
+            self.out = nnx.Linear(width, 10, rngs=rngs)
+
+        def __call__(self, x: Any) -> Any:
+            x = jax.nn.gelu(self.inp(x))
+            for layer in self.hidden:
+                x = jax.nn.gelu(layer(x))
+            return self.out(x)
+
+    def loss_fn(model: Any, x: Any, y: Any) -> Any:
+        return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
+
+    @nnx.jit
+    def step(model: Any, optimizer: Any, x: Any, y: Any) -> Any:
+        loss, grads = nnx.value_and_grad(loss_fn)(model, x, y)
+        optimizer.update(model, grads, value=loss)
+        return loss
+
+    def floor(tx: Any) -> Any:
+        """The same gradient norms and one no-op host callback per update, without neuraldbg:
+        what any per-step host callback costs in JAX."""
+
+        def init(p: Any) -> Any:
+            return (tx.init(p), jnp.zeros((), jnp.int32))
+
+        def update(u: Any, s: Any, p: Any = None, **kw: Any) -> Any:
+            new, inner = tx.update(u, s[0], p)
+            norms = jnp.sqrt(jnp.stack([jnp.sum(jnp.square(leaf)) for leaf in jax.tree.leaves(u)]))
+            ack = jax.pure_callback(lambda a: np.zeros((), np.int32), jax.ShapeDtypeStruct((), jnp.int32), norms)
+            return new, (inner, ack)
+
+        return optax.GradientTransformationExtraArgs(init, update)
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(batch, 64)), jnp.float32)
+    y = jnp.asarray(rng.integers(0, 10, size=batch))
+    plain_model = MLP(nnx.Rngs(0))
+    watched_model = MLP(nnx.Rngs(0))
+    plain_opt = nnx.Optimizer(plain_model, optax.adam(1e-3), wrt=nnx.Param)
+    dbg = NeuralDbg(watched_model)
+    dbg.__enter__()
+    watched_opt = nnx.Optimizer(watched_model, dbg.wrap(optax.adam(1e-3), learning_rate=1e-3), wrt=nnx.Param)
+
+    def arm(model: Any, opt: Any) -> Callable[[], float]:
+        def run() -> float:
+            t = time.perf_counter()
+            loss = None
+            for _ in range(steps):
+                loss = step(model, opt, x, y)
+            jax.block_until_ready(loss)
+            return time.perf_counter() - t
+
+        return run
+
+    floor_model = MLP(nnx.Rngs(0))
+    floor_opt = nnx.Optimizer(floor_model, floor(optax.adam(1e-3)), wrt=nnx.Param)
+    for m, o in ((plain_model, plain_opt), (watched_model, watched_opt), (floor_model, floor_opt)):
+        jax.block_until_ready(step(m, o, x, y))  # compile
+    arms = {
+        "plain": arm(plain_model, plain_opt),
+        "A/A": arm(plain_model, plain_opt),
+        "callback": arm(floor_model, floor_opt),
+        "neuraldbg": arm(watched_model, watched_opt),
+    }
+    times = paired(arms, rounds)
+    dbg.__exit__(None, None, None)
+    report(f"jax nnx MLP {depth + 2}x{width}, batch {batch}", times, steps)
+
+
+def bench_keras(width: int, depth: int, batch: int, epochs: int, rounds: int, n: int) -> None:
+    import keras
+
+    from neuraldbg.keras import NeuralDbgCallback
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(n, 64)).astype("float32")
+    y = rng.integers(0, 10, size=n)
+
+    def make() -> Any:
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential(
+            [keras.Input((64,))] + [keras.layers.Dense(width, activation="relu") for _ in range(depth + 1)] + [keras.layers.Dense(10)]
+        )
+        model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    class EpochTimes(keras.callbacks.Callback):
+        def __init__(self) -> None:
+            super().__init__()
+            self.times: List[float] = []
+
+        def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
+            self.t = time.perf_counter()
+
+        def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+            self.times.append(time.perf_counter() - self.t)
+
+    models = {"plain": make(), "neuraldbg": make(), "no-act": make()}
+    steady: Dict[str, List[float]] = {k: [] for k in models}
+    whole: Dict[str, List[float]] = {k: [] for k in models}
+    names = list(models)
+    for _ in range(rounds):
+        random.shuffle(names)
+        for k in names:
+            timer = EpochTimes()
+            cbs: List[Any] = [timer]
+            if k != "plain":  # no-act: NeuralDbgCallback(activations=False), gradients only
+                cbs.append(NeuralDbgCallback(verbose=False, activations=k == "neuraldbg"))
+            t = time.perf_counter()
+            models[k].fit(x, y, batch_size=batch, epochs=epochs, callbacks=cbs, verbose=0)
+            whole[k].append(time.perf_counter() - t)
+            steady[k].append(float(np.sum(timer.times[1:])))
+    per = n // batch
+    report(f"keras fit {depth + 2}x{width}, batch {batch}, epochs 2+", steady, per * (epochs - 1))
+    report(f"keras fit, whole fit (compile incl.)", whole, per * epochs)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--only", choices=("jax", "keras"), default=None)
+    args = ap.parse_args()
+    random.seed(0)
+    import jax
+
+    print(f"jax {jax.__version__} on {jax.default_backend()}, {os.cpu_count()} CPUs")
+    if args.only in (None, "jax"):
+        bench_jax(64, 2, 32, args.steps, args.rounds)
+        bench_jax(256, 4, 128, args.steps, args.rounds)
+        bench_jax(1024, 4, 256, max(args.steps // 10, 5), args.rounds)
+    if args.only in (None, "keras"):
+        bench_keras(256, 4, 128, args.epochs, max(args.rounds // 2, 3), 128 * 100)
+        bench_keras(1024, 4, 256, args.epochs, max(args.rounds // 2, 3), 256 * 20)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,397 @@
+"""What the JAX and Keras spokes share: a debugger fed with host arrays rather than by torch hooks.
+
+A spoke describes the model once (a ``ModelSpec`` built from parameter paths, see
+:func:`model_spec`) and posts one record per optimizer step from wherever the framework hands
+the numbers over (a host callback of a compiled step, possibly on a runtime thread). The engine
+belongs to the thread that created the debugger (the extension's engine is not shared across
+threads), so records wait in a queue until that thread drains them: at once when the callback
+runs on it, else at the next read of the results, ``dbg.step`` or the end of the run.
+Framework-free: no jax, keras or torch here.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import platform
+import re
+import socket
+import threading
+import time
+import warnings
+from typing import Any, Callable, Deque, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
+
+import numpy as np
+
+from . import _native
+from ._results import Results, newly_confirmed
+from .errors import ConfigError, NeuralDbgError, NeuralDbgWarning
+from .types import CausalHypothesis
+
+_DEFAULTS: Dict[str, Any] = json.loads(_native.default_config_json())
+
+# Parameter leaf names (flax, Keras) and what they are to their layer.
+_WEIGHT_LEAVES = ("kernel", "weight", "depthwise_kernel", "pointwise_kernel", "recurrent_kernel")
+_TABLE_LEAVES = ("embedding", "embeddings")
+_BIAS_LEAVES = ("bias",)
+
+
+class ParamEntry:
+    """One trainable parameter as a spoke sees it: its layer's path, its own name, its shape,
+    and the layer's kind (class name)."""
+
+    __slots__ = ("layer", "leaf", "shape", "kind", "rank")
+
+    def __init__(self, layer: Tuple[str, ...], leaf: str, shape: Sequence[int], kind: str, rank: float) -> None:
+        self.layer = layer
+        self.leaf = leaf
+        self.shape = tuple(int(s) for s in shape)
+        self.kind = kind
+        # Where the layer comes in the forward order (smaller first).
+        self.rank = rank
+
+    @property
+    def name(self) -> str:
+        return ".".join(self.layer + (self.leaf,))
+
+
+def natural_key(path: Sequence[str]) -> Tuple[Any, ...]:
+    """Sort key of a path that puts ``layers.2`` before ``layers.10``."""
+    return tuple(tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p)) for p in path)
+
+
+def model_spec(
+    entries: List[ParamEntry],
+    root_kind: str,
+    optimizer: Optional[str],
+    extra: Sequence[Tuple[Tuple[str, ...], str, float]] = (),
+) -> Dict[str, Any]:
+    """The engine's ``ModelSpec`` (a dict for JSON) of parameters named by path: each layer (the
+    path without the parameter's own name) is a module, in forward order, the root last; ``extra``
+    adds modules without parameters ``(path, kind, rank)`` (activations). Flax and Keras store a
+    dense kernel as ``[in, out]`` and a convolution's as ``[..., in, out]``: the fan-in is every
+    dimension but the last."""
+    layers: Dict[Tuple[str, ...], Tuple[float, str]] = {}
+    for e in entries:
+        layers.setdefault(e.layer, (e.rank, e.kind))
+    for path, kind, rank in extra:
+        layers.setdefault(path, (rank, kind))
+    order = sorted(layers, key=lambda p: (layers[p][0], natural_key(p)))
+    index = {p: i for i, p in enumerate(order)}
+    modules = [{"name": ".".join(p), "kind": layers[p][1], "attrs": [], "executed": True} for p in order]
+    root = index.get(())
+    if root is None:
+        modules.append({"name": "", "kind": root_kind, "attrs": [], "executed": True})
+    params = []
+    for e in entries:
+        leaf = e.leaf.lower()
+        role = "weight" if leaf in _WEIGHT_LEAVES or leaf in _TABLE_LEAVES else "bias" if leaf in _BIAS_LEAVES else "other"
+        fan_in = None
+        if role == "weight" and leaf not in _TABLE_LEAVES and len(e.shape) >= 2:
+            fan_in = int(np.prod(e.shape[:-1]))
+        params.append(
+            {"module": index[e.layer], "name": e.name, "numel": int(np.prod(e.shape)), "role": role, "fan_in": fan_in}
+        )
+    return {"modules": modules, "params": params, "optimizer": optimizer}
+
+
+def spec_order(entries: List[ParamEntry]) -> List[int]:
+    """The order the spec lists parameters in: by layer (forward order), then as given."""
+    return sorted(range(len(entries)), key=lambda i: (entries[i].rank, natural_key(entries[i].layer), i))
+
+
+def check_int(name: str, value: Any, lowest: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < lowest:
+        raise ConfigError(f"{name} must be an integer >= {lowest}, got {value!r}")
+    return value
+
+
+def path_option(name: str, value: Any) -> Optional[str]:
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)):
+        raise ConfigError(f"{name} must be a file path or None, got {type(value).__qualname__}")
+    path = os.fspath(value)
+    if not isinstance(path, str) or not path:
+        raise ConfigError(f"{name} must be a non-empty file path, got {value!r}")
+    return path
+
+
+class Record:
+    """One optimizer step's numbers, as a spoke posts them (parameters in spec order)."""
+
+    __slots__ = ("step", "grads", "weights", "loss", "lr", "has_loss", "activations", "mean")
+
+    def __init__(
+        self,
+        step: int,
+        grads: Optional[np.ndarray] = None,
+        weights: Optional[np.ndarray] = None,
+        loss: Optional[float] = None,
+        lr: Optional[float] = None,
+        has_loss: bool = False,
+        activations: Optional[np.ndarray] = None,
+    ) -> None:
+        self.step = step
+        self.activations = activations
+        # What a spoke knows of the loss instead of its value (Keras: the running mean).
+        self.mean: Any = None
+        self.grads = grads
+        self.weights = weights
+        self.loss = loss
+        self.lr = lr
+        self.has_loss = has_loss
+
+
+class Spoke(Results):
+    """A debugger fed with host arrays by a framework spoke. Subclasses build the model spec,
+    post :class:`Record` parts with :meth:`_post`, and call :meth:`_start` / :meth:`_finish`."""
+
+    DEFAULTS: Dict[str, Any] = dict(_DEFAULTS)
+    """The engine's default settings."""
+
+    # The spoke's model: ``entries``, the watched parameters in spec order (set by subclasses).
+    _model: Any = None
+    # Whether a step waits for its loss (posted separately) before it goes to the engine.
+    _loss_apart = False
+    # Whether a step may be posted again with newer numbers until the next step shows up
+    # (optax.MultiSteps runs the inner update on every micro-batch, with the running mean, and
+    # keeps the result of the last one): then a step goes to the engine once a later step has
+    # arrived, or when results are read.
+    _last_wins = False
+
+    def __init__(
+        self,
+        *,
+        threshold_vanishing: float = 1e-6,
+        threshold_exploding: float = 1e3,
+        threshold_saturated: float = 1.0,
+        weight_every: int = 10,
+        dense_steps: int = 10,
+        trace: "Union[str, os.PathLike[str], None]" = None,
+        report: "Union[str, os.PathLike[str], None]" = None,
+        halt_on: "Union[bool, float, str, Iterable[str], None]" = None,
+        on_failure: "Optional[Callable[[List[CausalHypothesis]], Any]]" = None,
+        **engine_options: Any,
+    ) -> None:
+        from .debugger import _engine, _halt_rule
+
+        self._weight_every = check_int("weight_every", weight_every, 1)
+        self._dense_steps = check_int("dense_steps", dense_steps, 0)
+        self._trace_path = path_option("trace", trace)
+        self._report_path = path_option("report", report)
+        if on_failure is not None and not callable(on_failure):
+            raise ConfigError(f"on_failure must be callable, got {type(on_failure).__qualname__}")
+        self._engine = _engine(threshold_vanishing, threshold_exploding, threshold_saturated, engine_options)
+        self._halt = _halt_rule(halt_on)
+        self._on_failure = on_failure
+        # What a confirmed halt does (the Keras callback stops fit); None: only ``halted`` is set.
+        self._on_halt: Optional[Callable[[List[CausalHypothesis]], None]] = None
+        self.halted: Optional[List[CausalHypothesis]] = None
+        """The hypotheses that halted training (``halt_on``), or None."""
+        self._owner = threading.get_ident()
+        self._inbox: Deque[Record] = collections.deque()
+        self._pending: Dict[int, Record] = {}
+        self._fed = -1
+        self._posted = -1
+        self._n_params = 0
+        self._active = False
+        self._started = False
+        self._broken: Optional[str] = None
+        self._events_seen = 0
+        self._confirmed: Set[Tuple[str, Optional[str]]] = set()
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def _start(self, spec: Dict[str, Any], meta: Dict[str, Any]) -> None:
+        """Opens the trace (before anything else, so a bad path leaves nothing behind) and
+        registers the model."""
+        if self._started:
+            raise NeuralDbgError("a debugger watches one training run; create a new one for another run")
+        meta = dict(
+            producer=f"neuraldbg {_native.__version__} (python)",
+            python=platform.python_version(),
+            started=time.time(),
+            pid=os.getpid(),
+            host=socket.gethostname(),
+            **meta,
+        )
+        if self._trace_path is not None:
+            directory = os.path.dirname(self._trace_path)
+            if directory:
+                os.makedirs(directory, exist_ok=True)
+            self._engine.open_trace(self._trace_path, json.dumps(meta))
+        try:
+            self._probes: List[Dict[str, Any]] = json.loads(self._engine.register_model(json.dumps(spec)))
+        except BaseException:
+            self._close_trace()
+            raise
+        self._n_params = len(spec["params"])
+        self._started = True
+        self._active = True
+
+    def _finish(self) -> None:
+        """Feeds every record still waiting, closes the trace and writes the report; problems
+        are warnings, never an exception that would replace the user's own."""
+        if not self._active:
+            return
+        try:
+            self._drain(final=True)
+        finally:
+            self._active = False
+            self._close_trace()
+            self._write_report()
+
+    def _close_trace(self) -> None:
+        try:
+            summary = self._engine.close_trace()
+        except NeuralDbgError as e:
+            warnings.warn(f"NeuralDBG could not close the trace: {e}", NeuralDbgWarning, stacklevel=3)
+            return
+        if summary is not None and summary[1] == 0:
+            warnings.warn(
+                f"the trace {summary[0]} holds no step: no optimizer update of the watched model was observed",
+                NeuralDbgWarning,
+                stacklevel=3,
+            )
+
+    def _write_report(self) -> None:
+        if self._report_path is None or not self._started:
+            return
+        try:
+            directory = os.path.dirname(self._report_path)
+            if directory:
+                os.makedirs(directory, exist_ok=True)
+            self.save_report(self._report_path)
+        except Exception as e:
+            warnings.warn(f"NeuralDBG could not write the report: {e}", NeuralDbgWarning, stacklevel=3)
+
+    # ---------------------------------------------------------------- records
+
+    def _sampled(self, step: int) -> bool:
+        """Whether parameter norms are measured at ``step``."""
+        return step < self._dense_steps or step % self._weight_every == 0
+
+    def _post(self, record: Record) -> None:
+        """Hands over one step's numbers (or part of them: the spoke may post gradients and the
+        loss apart). Safe from any thread; never raises."""
+        self._inbox.append(record)
+        if threading.get_ident() == self._owner and self._active:
+            self._drain()
+
+    def _drain(self, final: bool = False) -> None:
+        """Feeds the engine every complete record in step order (the owner thread only)."""
+        if threading.get_ident() != self._owner or self._broken is not None:
+            return
+        pending = self._pending
+        inbox = self._inbox
+        while inbox:
+            r = inbox.popleft()
+            have = pending.get(r.step)
+            if have is None:
+                pending[r.step] = r
+                continue
+            if r.grads is not None:
+                have.grads, have.weights, have.lr = r.grads, r.weights, r.lr
+            if r.has_loss:
+                have.loss, have.has_loss, have.mean = r.loss, True, r.mean
+            if r.activations is not None:
+                have.activations = r.activations
+        ready = []
+        steps = sorted(pending)
+        for k, step in enumerate(steps):
+            r = pending[step]
+            complete = r.grads is not None and (r.has_loss or not self._loss_apart)
+            if self._last_wins and k == len(steps) - 1:
+                complete = False
+            if not complete and not final:
+                break
+            ready.append(pending.pop(step))
+        for r in ready:
+            if r.grads is None or r.step <= self._fed:
+                continue
+            try:
+                self._engine.observe(
+                    r.step,
+                    r.grads,
+                    weight_norms=r.weights,
+                    activations=r.activations,
+                    loss=self._loss_of(r),
+                    lr=r.lr,
+                )
+            except Exception as e:  # never end the user's run: stop observing, say why
+                self._broken = str(e)
+                warnings.warn(
+                    f"NeuralDBG stopped observing at step {r.step}: {e}", NeuralDbgWarning, stacklevel=2
+                )
+                return
+            self._fed = r.step
+            self._after_step(r.step)
+
+    def _loss_of(self, r: Record) -> Optional[float]:
+        """A step's loss as the engine takes it, in step order (spokes that post something else
+        than the value convert it here)."""
+        return r.loss
+
+    def _after_step(self, step: int) -> None:
+        """When the engine has recorded new events: newly confirmed hypotheses go to
+        ``on_failure``, and one that ``halt_on`` names halts training."""
+        if self._halt is None and self._on_failure is None:
+            return
+        n = self._engine.event_count
+        if n == self._events_seen:
+            return
+        self._events_seen = n
+        confirmed, new = newly_confirmed(self._engine, self._confirmed)
+        if not new:
+            return
+        if self._on_failure is not None:
+            try:
+                self._on_failure(new)
+            except Exception as e:  # the user's callback: reported, never raised into training
+                warnings.warn(f"on_failure raised {e!r}", NeuralDbgWarning, stacklevel=2)
+        if self.halted is None and self._halt is not None:
+            hit = [h for h in confirmed if self._halt(h)]
+            if hit:
+                self.halted = hit
+                if self._on_halt is not None:
+                    self._on_halt(hit)
+
+    # ---------------------------------------------------------------- results
+
+    def _wait(self) -> None:
+        """Waits for the framework to deliver the records of the steps it has run (subclasses)."""
+
+    def _sync(self) -> None:
+        if self._active:
+            self._wait()
+            self._drain(final=self._last_wins)
+
+    @property
+    def step(self) -> int:
+        """Optimizer updates observed so far (0 before the first one completes)."""
+        self._sync()
+        last = max([self._fed, *self._pending.keys(), *(r.step for r in list(self._inbox))])
+        return last + 1
+
+    @property
+    def layers(self) -> List[str]:
+        """The watched layers (a parameter's path without its own name), in the order the
+        engine reads as the forward order."""
+        out: List[str] = []
+        for e in self._model.entries:
+            name = ".".join(e.layer)
+            if name not in out:
+                out.append(name)
+        return out
+
+    @property
+    def error(self) -> Optional[str]:
+        """Why observation stopped early (the engine refused a step), or None."""
+        return self._broken
+
+
+def layer_path(parts: Iterable[Any]) -> Tuple[str, ...]:
+    """A parameter path's components as strings."""
+    return tuple(str(p) for p in parts)

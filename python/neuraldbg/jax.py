@@ -1,0 +1,451 @@
+"""NeuralDBG for JAX training loops (flax nnx + optax): ``from neuraldbg.jax import NeuralDbg``.
+
+::
+
+    from neuraldbg.jax import NeuralDbg
+
+    with NeuralDbg(model) as dbg:                    # a flax nnx Module, or a params pytree
+        tx = dbg.wrap(optax.adam(1e-3))              # an optax transformation that observes
+        optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+        @nnx.jit
+        def train_step(model, optimizer, x, y):
+            loss, grads = nnx.value_and_grad(loss_fn)(model, x, y)
+            optimizer.update(model, grads, value=loss)   # the loss as optax's `value=`
+            return loss
+        ...
+    for h in dbg.explain_failure():
+        print(h)
+
+The wrapped transformation computes each parameter's gradient norm inside the compiled step
+(and the parameter norms on sampled steps), then hands them to the host in one
+``jax.debug.callback`` per optimizer update; nothing else leaves the device. It works under
+``jit``, ``lax.scan`` and inside ``optax.MultiSteps`` (``optax.MultiSteps(dbg.wrap(tx), k)``:
+one step per accumulated update, with the accumulated gradient). Needs jax and optax (and
+flax for nnx models); none of them is a dependency of neuraldbg, and torch is not needed.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Any, Callable, Dict, Iterable, List, Literal, NamedTuple, Optional, Tuple, Union
+
+import numpy as np
+
+from ._spoke import ParamEntry, Record, Spoke, layer_path, model_spec, spec_order
+from .errors import ConfigError, ModelError, NeuralDbgError, NeuralDbgWarning
+from .types import CausalHypothesis
+
+try:
+    import jax
+    import jax.numpy as jnp
+    import optax
+except ImportError as _e:  # pragma: no cover - depends on the environment
+    raise ImportError("neuraldbg.jax needs jax and optax: pip install jax optax (flax for nnx models)") from _e
+
+__all__ = ["NeuralDbg", "WatchState"]
+
+# Path components of a Variable's own value, not of the model.
+_VALUE_KEYS = ("value", "raw_value", "_value")
+
+
+class WatchState(NamedTuple):
+    """The wrapped transformation's state: its update count (the step), the inner state, and
+    the host callback's acknowledgement of the last update (kept so that the callback, which
+    JAX treats as pure, is part of the step's result and never pruned)."""
+
+    count: Any
+    inner: Any
+    ack: Any
+
+
+def _key_name(k: Any) -> str:
+    for attr in ("key", "idx", "name"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
+def _names(path: Tuple[Any, ...]) -> Tuple[str, ...]:
+    names = tuple(_key_name(k) for k in path)
+    while names and names[-1] in _VALUE_KEYS:
+        names = names[:-1]
+    return names
+
+
+def _nnx() -> Any:
+    try:
+        from flax import nnx
+    except ImportError:
+        return None
+    return nnx
+
+
+def _ranks(root: Any) -> Dict[Tuple[str, ...], int]:
+    """Each node's place in a walk of the model in definition order (attributes as assigned,
+    lists by index, dicts as inserted): the forward order for the models that define their
+    layers in the order they call them, as most do. flax's own traversal sorts by name."""
+    ranks: Dict[Tuple[str, ...], int] = {}
+    seen = set()
+
+    def walk(obj: Any, path: Tuple[str, ...]) -> None:
+        if id(obj) in seen:
+            return
+        seen.add(id(obj))
+        ranks.setdefault(path, len(ranks))
+        if isinstance(obj, dict):
+            items: Iterable[Tuple[Any, Any]] = list(obj.items())
+        elif isinstance(obj, (list, tuple)):
+            items = list(enumerate(obj))
+        elif hasattr(obj, "__dict__") and not hasattr(obj, "shape"):
+            items = [(k, v) for k, v in vars(obj).items() if not str(k).startswith("_")]
+        else:
+            return
+        for k, v in items:
+            walk(v, path + (str(k),))
+
+    walk(root, ())
+    return ranks
+
+
+def _resolve(root: Any, path: Tuple[str, ...]) -> Any:
+    obj = root
+    for p in path:
+        if isinstance(obj, dict):
+            obj = obj.get(p, obj.get(int(p)) if p.isdigit() else None)
+        elif isinstance(obj, (list, tuple)):
+            obj = obj[int(p)]
+        else:
+            obj = getattr(obj, p, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def _pytree_kind(name: str, leaves: List[ParamEntry]) -> str:
+    """A layer's kind in a plain params pytree: flax linen's automatic names say it
+    (``Dense_0``), else the shape of its kernel."""
+    import re
+
+    m = re.fullmatch(r"([A-Z]\w*?)_\d+", name)
+    if m:
+        return m.group(1)
+    for e in leaves:
+        if e.leaf == "embedding":
+            return "Embed"
+        if e.leaf == "kernel":
+            return "Dense" if len(e.shape) == 2 else "Conv"
+    return "Module"
+
+
+class _Model:
+    """The watched parameters: names, shapes, kinds and forward ranks, and how a pytree of the
+    same structure (gradients, updates, parameters) maps onto the spec's order."""
+
+    def __init__(self, model: Any) -> None:
+        nnx = _nnx()
+        self.is_nnx = nnx is not None and isinstance(model, nnx.Module)
+        if self.is_nnx:
+            tree = nnx.as_pure(nnx.state(model, nnx.Param))
+            self.root_kind = type(model).__name__
+        else:
+            tree = model
+            self.root_kind = "Model"
+        # A flax linen variables dict: {"params": {...}} (the updates are the inner dict).
+        self.prefix: Tuple[str, ...] = ()
+        if isinstance(tree, dict) and list(tree) == ["params"] and not self.is_nnx:
+            self.prefix = ("params",)
+        try:
+            flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+        except Exception as e:  # not a pytree at all
+            raise ModelError(f"neuraldbg.jax watches a flax nnx Module or a pytree of parameters: {e}") from e
+        ranks = _ranks(model)
+        entries: List[ParamEntry] = []
+        for path, leaf in flat:
+            if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
+                continue
+            if not jnp.issubdtype(leaf.dtype, jnp.inexact):
+                continue
+            full = _names(path) or ("param",)
+            rank = float(ranks.get(full[:-1], 1e9))
+            names = full[len(self.prefix) :] if full[: len(self.prefix)] == self.prefix else full
+            entries.append(ParamEntry(names[:-1], names[-1], leaf.shape, "", rank))
+        if not entries:
+            raise ModelError(
+                f"neuraldbg.jax found no floating-point parameter in {type(model).__module__}.{type(model).__qualname__}: "
+                "pass a flax nnx Module or a pytree (dict, list) of parameter arrays"
+            )
+        by_layer: Dict[Tuple[str, ...], List[ParamEntry]] = {}
+        for entry in entries:
+            by_layer.setdefault(entry.layer, []).append(entry)
+        for layer, group in by_layer.items():
+            kind = None
+            if self.is_nnx:
+                node = _resolve(model, layer) if layer else model
+                if node is not None and isinstance(node, nnx.Module):
+                    kind = type(node).__name__
+            else:
+                tail = layer[-1] if layer else ""
+                kind = _pytree_kind(tail, group)
+            for entry in group:
+                entry.kind = kind or "Module"
+        order = spec_order(entries)
+        self.entries = [entries[i] for i in order]
+        self.index = {self._key(e.layer + (e.leaf,)): j for j, e in enumerate(self.entries)}
+
+    def _key(self, names: Tuple[str, ...]) -> str:
+        if self.prefix and names[: len(self.prefix)] == self.prefix:
+            names = names[len(self.prefix) :]
+        return ".".join(names)
+
+    def spec(self, optimizer: Optional[str]) -> Dict[str, Any]:
+        return model_spec(self.entries, self.root_kind, optimizer)
+
+    def gather(self, tree: Any) -> Tuple[List[Any], List[int]]:
+        """The leaves of ``tree`` and, per spec parameter, the index of its leaf (-1: absent).
+        Runs at trace time."""
+        flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+        where = [-1] * len(self.entries)
+        leaves: List[Any] = []
+        for path, leaf in flat:
+            j = self.index.get(self._key(_names(path)))
+            if j is not None and where[j] < 0:
+                where[j] = len(leaves)
+                leaves.append(leaf)
+        return leaves, where
+
+
+def _norms(leaves: List[Any], where: List[int]) -> Any:
+    """The L2 norm of each spec parameter's leaf (f32 sums of squares), -1 where absent."""
+    sq = [jnp.sum(jnp.square(jnp.asarray(leaf).astype(jnp.float32))) for leaf in leaves]
+    missing = jnp.float32(-1.0)
+    return jnp.stack([jnp.sqrt(sq[i]) if i >= 0 else missing for i in where]) if where else jnp.zeros((0,), jnp.float32)
+
+
+def _inner_lr(state: Any) -> Any:
+    """The learning rate an ``optax.inject_hyperparams`` transformation holds in its state (the
+    first one met, outermost first), or None."""
+    todo = [state]
+    while todo:
+        node = todo.pop(0)
+        hyper = getattr(node, "hyperparams", None)
+        if isinstance(hyper, dict) and hasattr(hyper.get("learning_rate"), "dtype"):
+            return jnp.asarray(hyper["learning_rate"], jnp.float32).reshape(())
+        if isinstance(node, dict):
+            todo.extend(node.values())
+        elif isinstance(node, (list, tuple)):
+            todo.extend(node)
+    return None
+
+
+class NeuralDbg(Spoke):
+    """Watches a JAX training run through its optax transformation and explains why it failed.
+
+    Args:
+        model: a flax nnx ``Module`` (its ``nnx.Param`` variables are watched, named by path:
+            ``l1.kernel`` belongs to layer ``l1``), or a pytree of parameter arrays (a dict,
+            a flax linen ``{"params": ...}``). Layers are ordered as the model defines them
+            (attribute assignment order, lists by index), the order most models call them in.
+        threshold_vanishing, threshold_exploding, threshold_saturated: the seed's gradient
+            thresholds (1e-6, 1e3, 1.0).
+        weight_every: measure parameter norms every this many steps after ``dense_steps``
+            (inside the compiled step, under ``lax.cond``: skipped steps compute nothing).
+        dense_steps: steps at the start whose parameter norms are always measured.
+        trace: a file path to record the run to (``neuraldbg explain``, ``neuraldbg watch``,
+            ``neuraldbg.load``).
+        report: a file path: the HTML report is written there on exit.
+        halt_on: as for the PyTorch ``NeuralDbg``; a compiled step cannot be stopped from
+            outside, so a confirmed halt sets :attr:`halted` (check it in the loop) and calls
+            ``on_failure``.
+        on_failure: called with newly confirmed hypotheses as they are confirmed.
+        **engine_options: any other engine setting (see :attr:`DEFAULTS`).
+
+    Raises:
+        ModelError: ``model`` has no floating-point parameter.
+        ConfigError: an option is out of range.
+    """
+
+    _last_wins = True
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        threshold_vanishing: float = 1e-6,
+        threshold_exploding: float = 1e3,
+        threshold_saturated: float = 1.0,
+        weight_every: int = 10,
+        dense_steps: int = 10,
+        trace: Any = None,
+        report: Any = None,
+        halt_on: "Union[bool, float, str, Iterable[str], None]" = None,
+        on_failure: "Optional[Callable[[List[CausalHypothesis]], Any]]" = None,
+        **engine_options: Any,
+    ) -> None:
+        super().__init__(
+            threshold_vanishing=threshold_vanishing,
+            threshold_exploding=threshold_exploding,
+            threshold_saturated=threshold_saturated,
+            weight_every=weight_every,
+            dense_steps=dense_steps,
+            trace=trace,
+            report=report,
+            halt_on=halt_on,
+            on_failure=on_failure,
+            **engine_options,
+        )
+        self.model = model
+        self._model = _Model(model)
+        self._optimizer: Optional[str] = None
+        self._wrapped = 0
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def __enter__(self) -> "NeuralDbg":
+        if self._active:
+            raise NeuralDbgError("this NeuralDbg is already active; use one `with` block per debugger")
+        meta: Dict[str, Any] = {
+            "jax": jax.__version__,
+            "optax": optax.__version__,
+            "model": type(self.model).__qualname__,
+        }
+        try:
+            import flax
+
+            meta["flax"] = flax.__version__
+        except (ImportError, AttributeError):  # a params pytree needs no flax
+            pass
+        self._start(self._model.spec(self._optimizer), meta)
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> "Literal[False]":
+        self._wait()
+        self._finish()
+        return False  # never swallow the user's exception
+
+    def _wait(self) -> None:
+        # Every dispatched computation, so that each update's host callback has run (the
+        # callback is pure, which jax.effects_barrier does not wait for). On CPU it ran during
+        # the step already; on an accelerator the last steps may still be in flight.
+        try:
+            jax.block_until_ready(jax.live_arrays())
+        except Exception:  # an error of the user's computation shows in their own code
+            pass
+
+    # ---------------------------------------------------------------- the transformation
+
+    def wrap(
+        self,
+        tx: "optax.GradientTransformation",
+        *,
+        learning_rate: "Union[float, Callable[[Any], Any], None]" = None,
+    ) -> "optax.GradientTransformationExtraArgs":
+        """``tx``, observing each update: the gradient norm of every watched parameter, the
+        parameter norms on sampled steps, the loss (optax's ``value=`` extra argument, as
+        ``reduce_on_plateau`` takes it) and the learning rate, handed to the host in one
+        callback per update. The updates are ``tx``'s own, unchanged.
+
+        ``learning_rate``: the rate or schedule ``tx`` was built with (a float or an optax
+        schedule, evaluated at the step inside the compiled update), so that the diagnosis
+        can weigh it; without it, the rate is read from an ``optax.inject_hyperparams`` state
+        when ``tx`` has one.
+
+        For gradient accumulation wrap the inner transformation:
+        ``optax.MultiSteps(dbg.wrap(tx), every_k_schedule=k)``.
+        """
+        if isinstance(tx, optax.MultiSteps):
+            raise ConfigError(
+                "wrap the transformation inside MultiSteps, not MultiSteps itself: "
+                "optax.MultiSteps(dbg.wrap(tx), every_k_schedule=k) (one step per accumulated update)"
+            )
+        if not (hasattr(tx, "init") and hasattr(tx, "update")):
+            raise ConfigError(f"wrap() takes an optax GradientTransformation, got {type(tx).__qualname__}")
+        if learning_rate is not None and not callable(learning_rate):
+            if isinstance(learning_rate, bool) or not isinstance(learning_rate, (int, float)):
+                raise ConfigError(f"learning_rate must be a number or an optax schedule, got {learning_rate!r}")
+        inner = optax.with_extra_args_support(tx)
+        model = self._model
+        receive = self._receive
+        self._wrapped += 1
+
+        def init(params: Any) -> WatchState:
+            return WatchState(count=jnp.zeros([], jnp.int32), inner=inner.init(params), ack=jnp.zeros([], jnp.int32))
+
+        def update(updates: Any, state: WatchState, params: Any = None, **extra: Any) -> Tuple[Any, WatchState]:
+            new, inner_state = inner.update(updates, state.inner, params, **extra)
+            ack = state.ack
+            try:
+                ack = observe(updates, state, params, extra, inner_state)
+            except Exception as e:  # tracing our statistics failed: train on, unobserved
+                warnings.warn(f"NeuralDBG cannot observe this update: {e}", NeuralDbgWarning, stacklevel=2)
+            return new, WatchState(count=state.count + 1, inner=inner_state, ack=ack)
+
+        def observe(updates: Any, state: WatchState, params: Any, extra: Dict[str, Any], after: Any) -> Any:
+            count = state.count
+            leaves, where = model.gather(updates)
+            parts = [jax.lax.bitcast_convert_type(count.astype(jnp.int32), jnp.float32).reshape(1)]
+            value = extra.get("value")
+            if value is not None:
+                parts.append(jnp.mean(jnp.asarray(value).astype(jnp.float32)).reshape(1))
+            if callable(learning_rate):
+                lr = jnp.asarray(learning_rate(count), jnp.float32).reshape(1)
+            elif learning_rate is None:
+                # inject_hyperparams keeps the rate this update used in its new state.
+                lr = _inner_lr(after)
+            else:
+                lr = jnp.full((1,), learning_rate, jnp.float32)
+            if lr is not None:
+                parts.append(lr.reshape(1))
+            parts.append(_norms(leaves, where))
+            if params is not None:
+                sampled = jnp.logical_or(count < self._dense_steps, count % self._weight_every == 0)
+                p_leaves, p_where = model.gather(params)
+                parts.append(
+                    jax.lax.cond(
+                        sampled,
+                        lambda ls: _norms(ls, p_where),
+                        lambda ls: jnp.full((len(p_where),), -1.0, jnp.float32),
+                        p_leaves,
+                    )
+                )
+            layout = (value is not None, lr is not None, params is not None)
+            # One packed vector, one callback per update. A pure callback (its acknowledgement
+            # kept in the state) leaves the step on JAX's fast dispatch path, which a
+            # debug/io callback (an effect) takes it off.
+            return jax.pure_callback(
+                functools.partial(receive, layout),
+                jax.ShapeDtypeStruct((), jnp.int32),
+                jnp.concatenate(parts),
+            )
+
+        return optax.GradientTransformationExtraArgs(init, update)
+
+    def _receive(self, layout: Tuple[bool, bool, bool], packed: Any) -> np.ndarray:
+        """The host side of the callback (any thread): one record per update, from the packed
+        vector ``[count (int32 bits), loss?, lr?, grad norms, parameter norms?]``. Never
+        raises: an exception here would surface in the user's step. JAX may call a pure
+        callback more than once; a step already seen is dropped by the queue."""
+        try:
+            v = np.asarray(packed, dtype=np.float32)
+            step = int(v[:1].view(np.int32)[0])
+            has_loss, has_lr, has_weights = layout
+            off = 1
+            loss = float(v[off]) if has_loss else None
+            off += has_loss
+            lr = float(v[off]) if has_lr else None
+            off += has_lr
+            n = self._n_params
+            grads = v[off : off + n].copy()
+            weights = v[off + n : off + 2 * n].copy() if has_weights and self._sampled(step) else None
+            self._post(Record(step, grads=grads, weights=weights, loss=loss, lr=lr, has_loss=True))
+        except Exception as e:  # pragma: no cover - defensive
+            warnings.warn(f"NeuralDBG dropped an update: {e}", NeuralDbgWarning, stacklevel=2)
+        return np.zeros((), np.int32)
+
+    def _title(self) -> str:
+        return f"NeuralDBG report: {type(self.model).__name__}"
+
+    def __repr__(self) -> str:
+        state = "active" if self._active else ("finished" if self._started else "idle")
+        return f"NeuralDbg({type(self.model).__name__}, jax, step={self.step}, {state})"

@@ -1,0 +1,566 @@
+"""NeuralDBG for Keras 3 ``model.fit``, on any backend: one callback.
+
+::
+
+    from neuraldbg.keras import NeuralDbgCallback
+
+    cb = NeuralDbgCallback()                       # halt_on=, trace=, report=, any NeuralDbg option
+    model.fit(x, y, epochs=5, callbacks=[cb])
+    for h in cb.dbg.explain_failure():
+        print(h)
+
+Gradients are read where the optimizer receives them: the callback wraps ``model.optimizer``'s
+``apply`` for the run, and each call computes every trainable variable's gradient norm (and the
+variables' norms on sampled steps) with ``keras.ops`` inside the compiled train step, handed to
+the host in one callback per update (``jax.debug.callback`` on JAX, ``tf.numpy_function`` on
+TensorFlow, directly on the eager PyTorch backend). That is also where a custom ``train_step``
+that calls ``self.optimizer.apply(grads, ...)`` (or ``stateless_apply``, or ``apply_gradients``)
+is seen. Variables are named by their layer: ``dense_2.kernel`` belongs to layer ``dense_2``.
+The loss is the fit loop's: the per-batch value is recovered from the running mean Keras logs.
+Keras is not a dependency of neuraldbg.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+import warnings
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
+
+import numpy as np
+
+from ._spoke import ParamEntry, Record, Spoke, model_spec, spec_order
+from .errors import ConfigError, ModelError, NeuralDbgError, NeuralDbgWarning
+from .types import CausalHypothesis
+
+try:
+    import keras
+    from keras import ops
+except ImportError as _e:  # pragma: no cover - depends on the environment
+    raise ImportError("neuraldbg.keras needs Keras 3: pip install keras") from _e
+
+__all__ = ["NeuralDbgCallback", "KerasDbg"]
+
+TRACE_NAME = "neuraldbg.ndbg"
+REPORT_NAME = "neuraldbg.html"
+
+# Keras activation names as the engine knows their kinds (PyTorch's class names).
+_ACTIVATIONS = {
+    "sigmoid": "Sigmoid",
+    "tanh": "Tanh",
+    "relu": "ReLU",
+    "relu6": "ReLU6",
+    "softsign": "Softsign",
+    "hard_sigmoid": "Hardsigmoid",
+    "leaky_relu": "LeakyReLU",
+    "elu": "ELU",
+    "selu": "SELU",
+    "gelu": "GELU",
+    "silu": "SiLU",
+    "swish": "SiLU",
+    "mish": "Mish",
+    "softplus": "Softplus",
+    "softmax": "Softmax",
+    "log_softmax": "LogSoftmax",
+    "hard_silu": "Hardswish",
+    "hard_swish": "Hardswish",
+}
+
+
+def _activation_kind(layer: Any) -> Optional[str]:
+    """The kind of the activation a layer applies to its output (``Dense(activation=...)``,
+    ``Activation(...)``, ``ReLU()``), or None."""
+    fn = getattr(layer, "activation", None)
+    if fn is None:
+        return {"ReLU": "ReLU", "LeakyReLU": "LeakyReLU", "ELU": "ELU", "Softmax": "Softmax"}.get(type(layer).__name__)
+    fn_name = getattr(fn, "__name__", None)
+    return _ACTIVATIONS.get(str(fn_name)) if fn_name else None
+
+
+def _children(layer: Any) -> List[Any]:
+    try:
+        return list(layer._flatten_layers(include_self=False, recursive=False))
+    except Exception:  # pragma: no cover - very old Keras 3
+        return list(getattr(layer, "layers", []))
+
+
+class _Model:
+    """The model's trainable variables, each owned by the innermost layer that holds it, named
+    ``layer_path.variable_name``; layers in the order Keras lists them (a functional or
+    Sequential model's topological order; a subclassed model's attribute order)."""
+
+    def __init__(self, model: Any) -> None:
+        self.entries: List[ParamEntry] = []
+        self.variables: List[Any] = []
+        self.extra: List[Tuple[Tuple[str, ...], str, float]] = []
+        # The layer whose output each activation module (by its name) is.
+        self.activation_layers: Dict[str, Any] = {}
+        seen: Dict[int, int] = {}
+        counter = [0]
+
+        def walk(layer: Any, path: Tuple[str, ...]) -> None:
+            rank = float(counter[0])
+            counter[0] += 1
+            for child in _children(layer):
+                walk(child, path + (str(child.name),))
+            for v in getattr(layer, "trainable_weights", []):
+                if id(v) in seen:
+                    continue
+                seen[id(v)] = len(self.entries)
+                leaf = str(getattr(v, "name", "w")).split("/")[-1]
+                self.entries.append(ParamEntry(path, leaf, tuple(v.shape), type(layer).__name__, rank))
+                self.variables.append(v)
+            act = _activation_kind(layer) if path else None
+            if act is not None:
+                owns = any(e.layer == path for e in self.entries)
+                # The activation's output is the layer's: it comes right after the layer's
+                # own transform in the forward order.
+                where = path + ("activation",) if owns else path
+                self.extra.append((where, act, rank + 0.5))
+                self.activation_layers[".".join(where)] = layer
+
+        walk(model, ())
+        if not self.entries:
+            raise ModelError(f"{type(model).__qualname__} has no trainable variable to watch")
+        order = spec_order(self.entries)
+        self.entries = [self.entries[i] for i in order]
+        self.variables = [self.variables[i] for i in order]
+        self.index = {id(v): j for j, v in enumerate(self.variables)}
+        self.root_kind = type(model).__name__
+
+    def spec(self, optimizer: Optional[str]) -> Dict[str, Any]:
+        return model_spec(self.entries, self.root_kind, optimizer, self.extra)
+
+
+def _activation_stats(y: Any, probe: Dict[str, Any]) -> Any:
+    """The engine's activation row for one output (absmax, saturated share, dead share, mean
+    slope, samples per unit; NaN where the probe asks nothing), with ``keras.ops``, features
+    last. The same statistics as the PyTorch collector's ``activation_group``."""
+    y = ops.cast(y, "float32")
+    shape = tuple(int(d) for d in y.shape)
+    units = shape[-1] if shape else 1
+    numel = int(np.prod(shape)) if shape else 1
+    flat = ops.reshape(y, (-1,))
+    nan = ops.convert_to_tensor(float("nan"), dtype="float32")
+    if probe.get("death"):
+        per_unit = ops.max(ops.reshape(y, (-1, units)), axis=0)
+        absmax = ops.max(ops.abs(per_unit))
+        dead = ops.mean(ops.cast(ops.equal(per_unit, 0.0), "float32"))
+    else:
+        absmax = ops.max(ops.abs(flat))
+        dead = nan
+    sat = probe.get("saturation")
+    saturated = nan
+    if sat is not None:
+        center, half = float(sat[0]), float(sat[1])
+        saturated = ops.mean(ops.cast(ops.greater(ops.abs(flat - center), half), "float32"))
+    kind = probe.get("slope")
+    sq = ops.mean(ops.square(flat))
+    slope = {
+        "tanh": lambda: 1.0 - sq,
+        "sigmoid": lambda: ops.mean(flat) - sq,
+        "softsign": lambda: 1.0 - 2.0 * ops.mean(ops.abs(flat)) + sq,
+    }.get(str(kind), lambda: nan)()
+    samples = ops.convert_to_tensor(numel / max(units, 1), dtype="float32")
+    return ops.stack([ops.cast(v, "float32") for v in (absmax, saturated, dead, slope, samples)])
+
+
+def _wrap_call(obj: Any, make: Callable[[Any], Callable[..., Any]]) -> None:
+    """Replaces ``obj.call`` for the run (an instance attribute, removed by :func:`_unwrap_call`);
+    a wrapper left by an earlier run that raised is replaced, not stacked."""
+    current = obj.__dict__.get("call")
+    inner = getattr(current, "_neuraldbg_inner", None) or obj.call
+    wrapper = make(inner)
+    wrapper._neuraldbg_inner = inner  # type: ignore[attr-defined]
+    wrapper._neuraldbg_kept = current if current is not None and not hasattr(current, "_neuraldbg_inner") else None  # type: ignore[attr-defined]
+    object.__setattr__(obj, "call", wrapper)
+
+
+def _unwrap_call(obj: Any) -> None:
+    current = obj.__dict__.get("call")
+    if current is None or not hasattr(current, "_neuraldbg_inner"):
+        return
+    kept = current._neuraldbg_kept
+    if kept is None:
+        object.__delattr__(obj, "call")
+    else:
+        object.__setattr__(obj, "call", kept)
+
+
+def _symbolic(x: Any) -> bool:
+    return isinstance(x, keras.KerasTensor)
+
+
+def _emitter(backend: str) -> Callable[..., Any]:
+    """How a compiled train step hands arrays to a host function, per Keras backend. Returns
+    an acknowledgement to fold into the step's result where the backend would otherwise prune
+    the call (JAX), else None."""
+    if backend == "jax":
+        import jax
+        import jax.numpy as jnp
+
+        def host(fn: Callable[..., None], sizes: Tuple[int, ...], packed: Any) -> np.ndarray:
+            v = np.asarray(packed, dtype=np.float32)
+            parts, off = [], 0
+            for n in sizes:
+                parts.append(v[off : off + n])
+                off += n
+            fn(*parts)
+            return np.zeros((), np.float32)
+
+        def emit_jax(fn: Callable[..., None], *args: Any) -> Any:
+            # One packed vector in a pure callback: an effect (debug/io callback) would take the
+            # whole train step, with every variable as an argument, off JAX's fast dispatch.
+            flat = [jnp.ravel(jax.lax.stop_gradient(jnp.asarray(a))) for a in args]
+            flat = [jax.lax.bitcast_convert_type(f, jnp.float32) if f.dtype == jnp.int32 else f.astype(jnp.float32) for f in flat]
+            sizes = tuple(int(f.shape[0]) for f in flat)
+            return jax.pure_callback(
+                functools.partial(host, fn, sizes), jax.ShapeDtypeStruct((), jnp.float32), jnp.concatenate(flat)
+            )
+
+        return emit_jax
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        def emit_tf(fn: Callable[..., None], *args: Any) -> None:
+            def host(*a: Any) -> np.ndarray:
+                fn(*a)
+                return np.zeros((), np.int32)
+
+            # Stateful: kept (and ordered) in the traced step although nothing uses its result.
+            tf.numpy_function(host, list(args), tf.int32, stateful=True)
+            return None
+
+        return emit_tf
+
+    def emit_eager(fn: Callable[..., None], *args: Any) -> None:
+        fn(*(ops.convert_to_numpy(a) for a in args))
+        return None
+
+    return emit_eager
+
+
+class KerasDbg(Spoke):
+    """The debugger of one ``fit`` run (``NeuralDbgCallback.dbg``): the members of the PyTorch
+    ``NeuralDbg`` (``events``, ``explain_failure()``, ``history()``, ``save_report()``, ...)."""
+
+    _loss_apart = True
+
+    def __init__(self, model: Any, *, activations: bool = True, **options: Any) -> None:
+        super().__init__(**options)
+        if not isinstance(activations, bool):
+            raise ConfigError(f"activations must be True or False, got {activations!r}")
+        self._measure_activations = activations
+        self.model = model
+        self._model = _Model(model)
+        self._optimizer = model.optimizer
+        self._original: Any = None
+        self._base = 0
+        self._emit = _emitter(keras.backend.backend())
+        # Running-mean bookkeeping of the logged loss, per epoch: (last batch, its mean).
+        self._last_mean: Optional[Tuple[int, float]] = None
+        self._epoch_base = 0
+        self._epoch_batches = 0
+        self._wrapped_layers: List[Any] = []
+        self._lock = threading.Lock()
+        per_call = getattr(model, "steps_per_execution", 1)
+        self._per_call = per_call if isinstance(per_call, int) and per_call > 0 else 1
+        self._collecting: Optional[Dict[int, Any]] = None
+        self._forwards = 0
+
+    def start(self) -> None:
+        opt = self._optimizer
+        meta = {"keras": keras.__version__, "backend": keras.backend.backend(), "model": type(self.model).__qualname__}
+        spec = self._model.spec(type(opt).__name__ if opt is not None else None)
+        self._spec_modules = spec["modules"]
+        self._start(spec, meta)
+        self._base = int(ops.convert_to_numpy(opt.iterations.value)) if opt is not None else 0
+        if opt is not None:
+            current = opt.__dict__.get("apply")
+            # A wrapper left by a run that raised out of fit is replaced, not stacked.
+            original = getattr(current, "_neuraldbg_inner", None) or opt.apply
+            self._original = current if current is not None and not hasattr(current, "_neuraldbg_inner") else None
+
+            def apply(grads: Any, trainable_variables: Any = None) -> Any:
+                if self._active:
+                    try:
+                        self._observe(grads, trainable_variables)
+                    except Exception as e:  # our statistics failed to build: train on, unobserved
+                        warnings.warn(f"NeuralDBG cannot observe this update: {e}", NeuralDbgWarning, stacklevel=2)
+                return original(grads, trainable_variables)
+
+            apply._neuraldbg_inner = original  # type: ignore[attr-defined]
+            # An instance attribute: `stateless_apply` and `apply_gradients` call `self.apply`.
+            object.__setattr__(opt, "apply", apply)
+        if self._measure_activations:
+            self._watch_activations()
+
+    def _watch_activations(self) -> None:
+        """Activation statistics of each training forward pass (``training=True``), computed in
+        the compiled step and handed over in one callback with the pass's other activations.
+        Layers are wrapped for the run; a model whose ``call`` takes no ``training`` argument
+        is not measured (its training passes cannot be told from evaluation)."""
+        names = [m["name"] for m in self._spec_modules]
+        rows = []
+        for row, probe in enumerate(self._probes):
+            layer = self._model.activation_layers.get(names[probe["module"]])
+            if layer is not None:
+                rows.append((row, probe, layer))
+        if not rows:
+            return
+        n = len(self._probes)
+        for row, probe, layer in rows:
+            _wrap_call(layer, functools.partial(self._layer_call, row=row, probe=probe))
+            self._wrapped_layers.append(layer)
+
+        def model_call(inner: Any) -> Callable[..., Any]:
+            def call(*args: Any, **kwargs: Any) -> Any:
+                if kwargs.get("training") is not True or not self._active or self._collecting is not None:
+                    return inner(*args, **kwargs)
+                self._collecting = {}
+                try:
+                    out = inner(*args, **kwargs)
+                finally:
+                    collected, self._collecting = self._collecting, None
+                try:
+                    if collected and not _symbolic(out):
+                        table = [collected.get(r) for r in range(n)]
+                        blank = ops.full((5,), float("nan"), dtype="float32")
+                        ack = self._emit(self._receive_activations, ops.concatenate([blank if t is None else t for t in table]))
+                        if ack is not None and hasattr(out, "dtype"):
+                            # Adds exactly 0: the acknowledgement keeps the call in the step.
+                            out = out + ops.cast(ack, out.dtype) * 0
+                except Exception as e:  # our statistics failed to build: train on, unmeasured
+                    warnings.warn(f"NeuralDBG cannot measure activations: {e}", NeuralDbgWarning, stacklevel=2)
+                return out
+
+            return call
+
+        _wrap_call(self.model, model_call)
+        self._wrapped_layers.append(self.model)
+
+    def _layer_call(self, inner: Any, *, row: int, probe: Dict[str, Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            out = inner(*args, **kwargs)
+            collecting = self._collecting
+            if collecting is not None and hasattr(out, "shape") and not _symbolic(out):
+                try:
+                    collecting[row] = _activation_stats(out, probe)
+                except Exception:  # an output we cannot measure (a tuple, a sparse tensor)
+                    pass
+            return out
+
+        return call
+
+    def _receive_activations(self, table: Any) -> None:
+        """The host side of a training forward pass's activations (any thread): paired with the
+        optimizer update that follows it, by count. Never raises."""
+        try:
+            step = self._forwards
+            self._forwards += 1
+            if self._sampled(step):
+                self._post(Record(step, activations=np.array(table, dtype=np.float32)))
+        except Exception as e:  # pragma: no cover - defensive
+            warnings.warn(f"NeuralDBG dropped activations: {e}", NeuralDbgWarning, stacklevel=2)
+
+    def stop(self) -> None:
+        for layer in self._wrapped_layers:
+            _unwrap_call(layer)
+        self._wrapped_layers = []
+        opt = self._optimizer
+        if opt is not None and hasattr(opt.__dict__.get("apply"), "_neuraldbg_inner"):
+            if self._original is None:
+                object.__delattr__(opt, "apply")
+            else:
+                object.__setattr__(opt, "apply", self._original)
+        self._finish()
+
+    def _observe(self, grads: Any, variables: Any) -> None:
+        """Traced inside the train step: the statistics of this update, sent to the host."""
+        opt = self._optimizer
+        grads = list(grads)
+        if variables is None:
+            variables = list(opt._trainable_variables)
+        else:
+            variables = list(variables)
+        where = [-1] * len(self._model.entries)
+        for k, v in enumerate(variables):
+            j = self._model.index.get(id(v))
+            if j is not None and k < len(grads) and grads[k] is not None:
+                where[j] = k
+        scale = getattr(opt, "loss_scale_factor", None)
+        sq = [ops.sum(ops.square(ops.cast(g, "float32"))) if g is not None else None for g in grads]
+        missing = ops.convert_to_tensor(-1.0, dtype="float32")
+        gn = ops.stack([ops.sqrt(sq[k]) if k >= 0 else missing for k in where])
+        if scale is not None:
+            gn = ops.where(gn >= 0, gn / scale, gn)
+        step = ops.convert_to_tensor(opt.iterations)
+        sampled = ops.logical_or(step - self._base < self._dense_steps, (step - self._base) % self._weight_every == 0)
+        values = self._model.variables
+
+        def norms() -> Any:
+            return ops.stack([ops.sqrt(ops.sum(ops.square(ops.cast(v, "float32")))) for v in values])
+
+        def skip() -> Any:
+            return ops.full((len(values),), -1.0, dtype="float32")
+
+        wn = ops.cond(sampled, norms, skip)
+        lr = ops.cast(opt.learning_rate, "float32")
+        step32 = ops.cast(step, "int32")
+        ack = self._emit(self._receive, step32, gn, wn, lr)
+        if ack is not None:
+            # Adds exactly 0 (the host answers 0): keeps the call in the step.
+            opt.iterations.assign_add(ops.cast(ack, opt.iterations.dtype))
+
+    def _receive(self, step: Any, gn: Any, wn: Any, lr: Any) -> None:
+        """The host side (any thread). Never raises."""
+        try:
+            a = np.asarray(step)
+            s = int(a.view(np.int32).reshape(-1)[0] if a.dtype == np.float32 else a.reshape(-1)[0]) - self._base
+            self._post(
+                Record(
+                    s,
+                    grads=np.array(gn, dtype=np.float32),
+                    weights=np.array(wn, dtype=np.float32) if self._sampled(s) else None,
+                    lr=float(np.asarray(lr).reshape(-1)[0]),
+                )
+            )
+        except Exception as e:  # pragma: no cover - defensive
+            warnings.warn(f"NeuralDBG dropped an update: {e}", NeuralDbgWarning, stacklevel=2)
+
+    # ------------------------------------------------------------ the fit loop's loss
+
+    def batch_end(self, batch: int, logs: Optional[Dict[str, Any]]) -> None:
+        """After a batch (a Keras worker thread: the callback is ``async_safe``, so reading the
+        logs waits there, not in the training loop): the epoch's running mean of the loss,
+        turned into the batch's own loss in step order by :meth:`_loss_of`."""
+        batch = int(batch)
+        with self._lock:
+            self._epoch_batches = max(self._epoch_batches, batch + 1)
+        mean = None if not logs else logs.get("loss")
+        step = self._epoch_base + batch
+        # With steps_per_execution, one call per execution: its earlier steps get no loss.
+        for s in range(max(step - self._per_call + 1, self._epoch_base), step):
+            self._post(Record(s, has_loss=True))
+        r = Record(step, has_loss=True)
+        if isinstance(mean, (int, float, np.floating)):
+            r.mean = (batch, float(mean))
+        self._post(r)
+
+    def _loss_of(self, r: Record) -> Optional[float]:
+        """The batch's loss from the epoch's running mean ``m_k`` after batch ``k``:
+        ``(k+1) m_k - (j+1) m_j`` over the ``k - j`` batches since the last mean ``m_j`` (one
+        batch, or the batches of one execution with ``steps_per_execution``, whose mean goes
+        to the last of them). Keras weights its mean by batch size: a smaller last batch of an
+        epoch is approximated."""
+        if r.mean is None:
+            return None
+        batch, m = r.mean
+        last_batch, last_mean = self._last_mean if self._last_mean is not None and self._last_mean[0] < batch else (-1, 0.0)
+        self._last_mean = (batch, m)
+        if not np.isfinite(m) or not np.isfinite(last_mean):
+            return m
+        return ((batch + 1) * m - (last_batch + 1) * last_mean) / (batch - last_batch)
+
+    def batch_begin(self) -> None:
+        """Before a batch (the main thread): the steps delivered so far go to the engine (and a
+        confirmed ``halt_on`` failure stops fit)."""
+        self._drain()
+
+    def epoch_end(self) -> None:
+        # Keras has finished this epoch's batch-end calls (it waits for them first).
+        self._epoch_base += self._epoch_batches
+        self._epoch_batches = 0
+        self._drain()
+
+    def _title(self) -> str:
+        return f"NeuralDBG report: {type(self.model).__name__}"
+
+    def __repr__(self) -> str:
+        state = "active" if self._active else ("finished" if self._started else "idle")
+        return f"KerasDbg({type(self.model).__name__}, step={self.step}, {state})"
+
+
+class NeuralDbgCallback(keras.callbacks.Callback):
+    """Watches ``model.fit`` and explains why training failed: one line in ``callbacks=``.
+
+    ``callback.dbg`` is the run's debugger (``events``, ``explain_failure()``, ``history()``,
+    ``save_report()``...); ``dbg.step`` equals the number of batches trained. At the end of
+    ``fit`` the diagnosis is printed (``verbose``), and the trace and report are written.
+
+    Args:
+        trace: a path for the trace, or None (default): none is written.
+        report: a path for the HTML report, or None (default).
+        halt_on: stop training when a failure is confirmed (``True``, a confidence, failure
+            names): sets ``model.stop_training``, so ``fit`` ends after the current batch.
+        on_failure: called with newly confirmed hypotheses.
+        verbose: print the diagnosis when ``fit`` ends.
+        activations: measure the activations of ``Dense(activation=...)``/``Activation``
+            layers in each training forward pass (default True; False saves their statistics
+            and their host callback per step, and the diagnosis then rests on the gradients).
+        **options: any option of the debugger (thresholds, ``weight_every``, ``dense_steps``,
+            engine settings).
+    """
+
+    def __init__(
+        self,
+        *,
+        trace: "Union[str, os.PathLike[str], None]" = None,
+        report: "Union[str, os.PathLike[str], None]" = None,
+        halt_on: "Union[bool, float, str, Iterable[str], None]" = None,
+        on_failure: "Optional[Callable[[List[CausalHypothesis]], Any]]" = None,
+        verbose: bool = True,
+        **options: Any,
+    ) -> None:
+        super().__init__()
+        self.options: Dict[str, Any] = dict(trace=trace, report=report, halt_on=halt_on, on_failure=on_failure, **options)
+        self.verbose = verbose
+        self.dbg: Optional[KerasDbg] = None
+        # Checked here, so that a bad option fails at construction rather than inside fit.
+        check = dict(self.options)
+        activations = check.pop("activations", True)
+        if not isinstance(activations, bool):
+            raise ConfigError(f"activations must be True or False, got {activations!r}")
+        Spoke(**check)
+
+    def on_train_begin(self, logs: Optional[Dict[str, Any]] = None) -> None:
+        model = self.model
+        if getattr(model, "optimizer", None) is None:
+            raise NeuralDbgError("NeuralDbgCallback needs a compiled model (model.compile(optimizer=...))")
+        dbg = KerasDbg(model, **self.options)
+        dbg._on_halt = lambda hyps: setattr(model, "stop_training", True)
+        dbg.start()
+        self.dbg = dbg
+        # fit made its train function before this hook: made again, it traces the wrapped
+        # optimizer (a compiled function is otherwise reused as it was).
+        model.make_train_function(force=True)
+
+    # Keras then runs on_train_batch_end on a worker thread and keeps dispatching steps
+    # asynchronously; the engine is fed from on_train_batch_begin, on the main thread.
+    async_safe = True
+
+    def on_train_batch_begin(self, batch: int, logs: Optional[Dict[str, Any]] = None) -> None:
+        if self.dbg is not None:
+            self.dbg.batch_begin()
+
+    def on_train_batch_end(self, batch: int, logs: Optional[Dict[str, Any]] = None) -> None:
+        if self.dbg is not None:
+            self.dbg.batch_end(batch, logs)
+
+    def on_epoch_end(self, epoch: int, logs: Optional[Dict[str, Any]] = None) -> None:
+        if self.dbg is not None:
+            self.dbg.epoch_end()
+
+    def on_train_end(self, logs: Optional[Dict[str, Any]] = None) -> None:
+        dbg = self.dbg
+        if dbg is None:
+            return
+        dbg.stop()
+        # The next fit traces a train function without the wrapper.
+        self.model.train_function = None
+        if self.verbose:
+            confirmed = [h for h in dbg.explain_failure() if h.confidence >= 0.5]
+            lines = [f"NeuralDBG: {dbg.step} steps observed"]
+            lines += [f"  {h}" for h in confirmed[:5]] if confirmed else ["no failure detected"]
+            print("\n".join(lines))

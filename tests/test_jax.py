@@ -1,0 +1,309 @@
+"""neuraldbg.jax: flax nnx / optax training loops, jitted, scanned and accumulated.
+
+Ground truth comes from JAX itself: each test step also returns the gradients ``jax.grad``
+(``nnx.value_and_grad``) produced, and the per-layer norms are computed from them here, in
+float64 on the host, independently of the spoke's own reduction inside the compiled step.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import Any, Dict, List
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+jnp = pytest.importorskip("jax.numpy")
+optax = pytest.importorskip("optax")
+nnx = pytest.importorskip("flax.nnx")
+
+import neuraldbg  # noqa: E402
+from neuraldbg import ConfigError, ModelError  # noqa: E402
+from neuraldbg.jax import NeuralDbg  # noqa: E402
+
+
+class MLP(nnx.Module):
+    def __init__(self, depth: int, width: int, rngs: Any, act: Any = jnp.tanh, d_in: int = 8) -> None:
+        self.inp = nnx.Linear(d_in, width, rngs=rngs)
+        self.hidden = nnx.List([nnx.Linear(width, width, rngs=rngs) for _ in range(depth)])
+        self.out = nnx.Linear(width, 1, rngs=rngs)
+        self.act = act
+
+    def __call__(self, x: Any) -> Any:
+        x = self.act(self.inp(x))
+        for layer in self.hidden:
+            x = self.act(layer(x))
+        return self.out(x)
+
+
+LAYERS = ["inp", "hidden.0", "hidden.1", "hidden.2", "out"]
+
+
+def data(n: int = 512, seed: int = 0) -> Any:
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 8)).astype(np.float32)
+    y = (np.sin(x[:, :1]) + 0.5 * x[:, 1:2]).astype(np.float32)
+    return x, y
+
+
+def mse(model: Any, x: Any, y: Any) -> Any:
+    return jnp.mean((model(x) - y) ** 2)
+
+
+def truth(grads: Any) -> Dict[str, float]:
+    """Per-layer L2 norm of the gradients JAX produced (host, float64)."""
+    sums: Dict[str, float] = {}
+    pure = nnx.as_pure(grads) if isinstance(grads, nnx.State) else grads
+    for path, leaf in jax.tree_util.tree_flatten_with_path(pure)[0]:
+        keys = [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
+        layer = ".".join(keys[:-1])
+        sums[layer] = sums.get(layer, 0.0) + float(np.sum(np.asarray(leaf, dtype=np.float64) ** 2))
+    return {k: float(np.sqrt(v)) for k, v in sums.items()}
+
+
+def make_step() -> Any:
+    @nnx.jit
+    def step(model: Any, optimizer: Any, x: Any, y: Any) -> Any:
+        loss, grads = nnx.value_and_grad(mse)(model, x, y)
+        optimizer.update(model, grads, value=loss)
+        return loss, grads
+
+    return step
+
+
+def train(lr: float, steps: int, *, nan_at: int = -1, depth: int = 3, **options: Any) -> Any:
+    model = MLP(depth, 32, nnx.Rngs(0))
+    x, y = data()
+    gts: List[Dict[str, float]] = []
+    losses: List[float] = []
+    with NeuralDbg(model, **options) as dbg:
+        optimizer = nnx.Optimizer(model, dbg.wrap(optax.sgd(lr), learning_rate=lr), wrt=nnx.Param)
+        step = make_step()
+        for i in range(steps):
+            j = (i * 32) % len(x)
+            xb = x[j : j + 32].copy()
+            if i == nan_at:
+                xb[3, 2] = np.nan
+            loss, grads = step(model, optimizer, xb, y[j : j + 32])
+            gts.append(truth(grads))
+            losses.append(float(loss))
+    return dbg, gts, losses
+
+
+def history(dbg: Any, layer: str) -> np.ndarray:
+    steps, values = dbg.history(layer, "grad_norm")
+    assert list(steps) == list(range(len(steps)))
+    return values
+
+
+def test_layers_are_parameter_paths_in_definition_order() -> None:
+    model = MLP(3, 16, nnx.Rngs(0))
+    dbg = NeuralDbg(model)
+    # flax sorts attributes by name (hidden < inp < out); the model defines inp first.
+    assert dbg.layers == LAYERS
+
+
+def test_healthy_run_no_alarm_and_norms_match_jax_grad() -> None:
+    dbg, gts, losses = train(0.01, 40)
+    assert dbg.step == 40
+    assert not [h for h in dbg.explain_failure() if h.confidence >= 0.5]
+    for layer in LAYERS:
+        np.testing.assert_allclose(history(dbg, layer), [g[layer] for g in gts], rtol=1e-4)
+    _, loss = dbg.history(None, "loss")
+    np.testing.assert_allclose(loss, losses, rtol=1e-6)
+    _, lr = dbg.history(None, "lr")
+    np.testing.assert_allclose(lr, 0.01, rtol=1e-6)
+    _, w = dbg.history("inp", "weight_norm")
+    assert len(w) >= 10  # dense_steps 10, then every 10th
+
+
+def test_learning_rate_too_high_explosion_named() -> None:
+    confirmed: List[Any] = []
+    dbg, gts, _ = train(5.0, 40, halt_on="exploding_gradients", on_failure=confirmed.extend)
+    exploded = [i for i, g in enumerate(gts) if any(v > 1e3 for v in g.values())]
+    assert exploded, "the planted learning rate should make JAX's own gradients explode"
+    onset = exploded[0]
+    assert all(v < 1e3 for v in gts[0].values())  # healthy before any update
+    h = dbg.explain_failure("exploding_gradients")[0]
+    assert h.confidence >= 0.5
+    assert str(h.cause) == "learning_rate_too_high"
+    assert h.step == onset
+    assert h.layer in {k for k, v in gts[onset].items() if v > 1e3}
+    top = dbg.explain_failure()[0]
+    assert str(top.cause) == "learning_rate_too_high"
+    # Confirmed while training ran: on_failure heard it, and halt_on marked the run.
+    assert any(str(c.failure) == "exploding_gradients" for c in confirmed)
+    assert dbg.halted and str(dbg.halted[0].failure) == "exploding_gradients"
+
+
+def test_nan_batch_is_named_at_its_step() -> None:
+    dbg, gts, losses = train(0.01, 20, nan_at=7)
+    assert not np.isfinite(losses[7]) and all(np.isfinite(losses[:7]))
+    bad = [i for i, g in enumerate(gts) if not all(np.isfinite(v) for v in g.values())]
+    assert bad and bad[0] == 7
+    h = dbg.explain_failure("non_finite")[0]
+    assert h.confidence >= 0.5
+    assert h.step == 7
+
+
+def test_gradient_accumulation_is_one_step_per_update() -> None:
+    model = MLP(2, 16, nnx.Rngs(1))
+    x, y = data(256)
+    with NeuralDbg(model) as dbg:
+        tx = optax.MultiSteps(dbg.wrap(optax.adam(1e-3)), every_k_schedule=4)
+        optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+        @nnx.jit
+        def micro(model: Any, optimizer: Any, xb: Any, yb: Any) -> Any:
+            loss, grads = nnx.value_and_grad(mse)(model, xb, yb)
+            optimizer.update(model, grads, value=loss)
+            return grads
+
+        accumulated = []
+        group: List[Any] = []
+        for i in range(24):
+            j = (i * 16) % len(x)
+            group.append(micro(model, optimizer, x[j : j + 16], y[j : j + 16]))
+            if len(group) == 4:
+                mean = jax.tree.map(lambda *g: sum(g) / 4, *group)
+                accumulated.append(truth(mean))
+                group = []
+    assert dbg.step == 6
+    for layer in ("inp", "hidden.0", "out"):
+        np.testing.assert_allclose(history(dbg, layer), [g[layer] for g in accumulated], rtol=1e-4)
+
+
+def test_scan_over_batches_one_step_each() -> None:
+    model = MLP(2, 16, nnx.Rngs(2))
+    x, y = data(256)
+    xs, ys = x.reshape(8, 32, 8), y.reshape(8, 32, 1)
+    with NeuralDbg(model) as dbg:
+        optimizer = nnx.Optimizer(model, dbg.wrap(optax.sgd(0.01)), wrt=nnx.Param)
+
+        @nnx.jit
+        def epoch(model: Any, optimizer: Any, xs: Any, ys: Any) -> Any:
+            @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0))
+            def body(carry: Any, xb: Any, yb: Any) -> Any:
+                model, optimizer = carry
+                loss, grads = nnx.value_and_grad(mse)(model, xb, yb)
+                optimizer.update(model, grads, value=loss)
+                return (model, optimizer), loss
+
+            _, losses = body((model, optimizer), xs, ys)
+            return losses
+
+        losses = np.concatenate([np.asarray(epoch(model, optimizer, xs, ys)) for _ in range(3)])
+    assert dbg.step == 24
+    _, loss = dbg.history(None, "loss")
+    np.testing.assert_allclose(loss, losses, rtol=1e-6)
+
+
+def test_params_pytree_plain_optax_and_schedule_lr(tmp_path: Any) -> None:
+    rng = np.random.default_rng(0)
+    params = {
+        "params": {
+            "Dense_0": {"kernel": jnp.asarray(rng.normal(size=(8, 16)) * 0.3, jnp.float32), "bias": jnp.zeros(16)},
+            "Dense_1": {"kernel": jnp.asarray(rng.normal(size=(16, 1)) * 0.3, jnp.float32), "bias": jnp.zeros(1)},
+        }
+    }
+
+    def f(p: Any, x: Any) -> Any:
+        h = jnp.tanh(x @ p["Dense_0"]["kernel"] + p["Dense_0"]["bias"])
+        return h @ p["Dense_1"]["kernel"] + p["Dense_1"]["bias"]
+
+    def loss_fn(p: Any, x: Any, y: Any) -> Any:
+        return jnp.mean((f(p, x) - y) ** 2)
+
+    schedule = optax.linear_schedule(0.05, 0.01, 20)
+    x, y = data(320)
+    inner = params["params"]
+    path = tmp_path / "run.ndbg"
+    with NeuralDbg(params, trace=path) as dbg:
+        tx = dbg.wrap(optax.inject_hyperparams(optax.sgd)(learning_rate=schedule))
+        state = tx.init(inner)
+
+        @jax.jit
+        def step(p: Any, s: Any, xb: Any, yb: Any) -> Any:
+            loss, g = jax.value_and_grad(loss_fn)(p, xb, yb)
+            u, s = tx.update(g, s, p, value=loss)
+            return optax.apply_updates(p, u), s, g
+
+        gts = []
+        for i in range(10):
+            inner, state, g = step(inner, state, x[i * 32 : (i + 1) * 32], y[i * 32 : (i + 1) * 32])
+            gts.append(truth(g)["Dense_0"])
+    assert dbg.layers == ["Dense_0", "Dense_1"]
+    _, lr = dbg.history(None, "lr")
+    np.testing.assert_allclose(lr, [float(schedule(i)) for i in range(10)], rtol=1e-5)
+    np.testing.assert_allclose(history(dbg, "Dense_0"), gts, rtol=1e-4)
+    # The trace replays to the same diagnosis.
+    run = neuraldbg.load(path)
+    assert run.step == 9
+    assert [str(h) for h in run.explain_failure()] == [str(h) for h in dbg.explain_failure()]
+    html = dbg.report_html()
+    assert "Dense_0" in html
+
+
+def test_bad_input_is_a_clear_error() -> None:
+    with pytest.raises(ModelError, match="no floating-point parameter"):
+        NeuralDbg({"step": jnp.zeros((), jnp.int32)})
+    dbg = NeuralDbg(MLP(1, 4, nnx.Rngs(0)))
+    with pytest.raises(ConfigError, match="inside MultiSteps"):
+        dbg.wrap(optax.MultiSteps(optax.sgd(0.1), every_k_schedule=2))
+    with pytest.raises(ConfigError, match="GradientTransformation"):
+        dbg.wrap("adam")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="learning_rate"):
+        dbg.wrap(optax.sgd(0.1), learning_rate="high")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="unknown option"):
+        NeuralDbg(MLP(1, 4, nnx.Rngs(0)), no_such_option=1)
+    with pytest.raises(ConfigError, match="weight_every"):
+        NeuralDbg(MLP(1, 4, nnx.Rngs(0)), weight_every=0)
+
+
+_BLOCK = """
+import sys
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {blocked!r}:
+            raise ImportError("blocked for the test: " + name)
+sys.meta_path.insert(0, Block())
+"""
+
+
+def run_blocked(blocked: List[str], code: str) -> subprocess.CompletedProcess:
+    src = _BLOCK.format(blocked=set(blocked)) + code
+    env = dict(os.environ, KERAS_BACKEND="jax")
+    return subprocess.run([sys.executable, "-c", src], capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_package_imports_without_torch_jax_or_keras() -> None:
+    r = run_blocked(
+        ["torch", "jax", "jaxlib", "flax", "optax", "keras"],
+        "import neuraldbg, sys\nprint(neuraldbg.__version__, 'torch' in sys.modules)\n"
+        "try:\n    import neuraldbg.jax\nexcept ImportError as e:\n    print('jax:', e)\n",
+    )
+    assert r.returncode == 0, r.stderr
+    assert "False" in r.stdout
+    assert "neuraldbg.jax needs jax and optax" in r.stdout
+
+
+def test_keras_spoke_imports_without_torch() -> None:
+    r = run_blocked(["torch"], "import sys, neuraldbg.keras, keras\nprint(keras.backend.backend(), 'torch' in sys.modules)\n")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["jax", "False"]
+
+
+def test_jax_spoke_runs_without_torch() -> None:
+    r = run_blocked(
+        ["torch"],
+        "import sys, jax.numpy as jnp, optax\nfrom neuraldbg.jax import NeuralDbg\n"
+        "p = {'l1': {'kernel': jnp.ones((3, 2)), 'bias': jnp.zeros(2)}}\n"
+        "with NeuralDbg(p) as dbg:\n    tx = dbg.wrap(optax.sgd(0.1)); s = tx.init(p)\n"
+        "    for _ in range(3):\n        u, s = tx.update(p, s, p)\n"
+        "print(dbg.step, 'torch' in sys.modules)\n",
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["3", "False"]

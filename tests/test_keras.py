@@ -1,0 +1,237 @@
+"""neuraldbg.keras: ``NeuralDbgCallback`` in ``model.fit`` on the JAX backend (and once on the
+PyTorch backend, in a subprocess, since Keras fixes its backend at import).
+
+Ground truth comes from JAX itself: per-layer gradient norms of the model's own loss by
+``jax.grad`` through ``model.stateless_call``, and the loss Keras logs per epoch.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import Any, Dict, List
+
+import numpy as np
+import pytest
+
+os.environ["KERAS_BACKEND"] = "jax"  # this module's backend (read by Keras on first import)
+jax = pytest.importorskip("jax")
+jnp = pytest.importorskip("jax.numpy")
+keras = pytest.importorskip("keras")
+if keras.backend.backend() != "jax":  # pragma: no cover - Keras imported earlier elsewhere
+    pytest.skip("Keras was imported with another backend in this process", allow_module_level=True)
+
+import neuraldbg  # noqa: E402
+from neuraldbg import ConfigError  # noqa: E402
+from neuraldbg.keras import NeuralDbgCallback  # noqa: E402
+
+
+def data(n: int = 640, d: int = 16, seed: int = 0) -> Any:
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, d)).astype("float32")
+    y = (np.sin(x[:, :1]) + 0.5 * x[:, 1:2]).astype("float32")
+    return x, y
+
+
+def sigmoid_mlp(depth: int) -> Any:
+    keras.utils.set_random_seed(0)
+    return keras.Sequential(
+        [keras.Input((16,))] + [keras.layers.Dense(32, activation="sigmoid") for _ in range(depth)] + [keras.layers.Dense(1)]
+    )
+
+
+def grad_norms(model: Any, x: Any, y: Any) -> Dict[str, float]:
+    """Per-layer gradient norms of the MSE of ``model`` on ``(x, y)`` by ``jax.grad``."""
+    tv = [v.value for v in model.trainable_variables]
+    ntv = [v.value for v in model.non_trainable_variables]
+
+    def loss(tv: Any) -> Any:
+        out, _ = model.stateless_call(tv, ntv, x)
+        return jnp.mean((out - y) ** 2)
+
+    sums: Dict[str, float] = {}
+    for v, g in zip(model.trainable_variables, jax.grad(loss)(tv)):
+        layer = v.path.split("/")[-2]
+        sums[layer] = sums.get(layer, 0.0) + float(np.sum(np.asarray(g, np.float64) ** 2))
+    return {k: float(np.sqrt(s)) for k, s in sums.items()}
+
+
+def test_deep_sigmoid_vanishing_named_at_the_right_layer_every_batch_a_step() -> None:
+    model = sigmoid_mlp(16)
+    x, y = data()
+    truth = grad_norms(model, x[:32], y[:32])  # the first batch, before any update
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    cb = NeuralDbgCallback(verbose=False)
+    model.fit(x, y, batch_size=32, epochs=2, shuffle=False, callbacks=[cb], verbose=0)
+    dbg = cb.dbg
+    assert dbg is not None
+    assert dbg.step == 2 * 20  # every batch is one step
+    order = [layer.name for layer in model.layers]
+    assert dbg.layers == order
+    for name in order:
+        np.testing.assert_allclose(dbg.history(name, "grad_norm")[1][0], truth[name], rtol=1e-3)
+    # Along the backward pass (output first), the first layer whose gradient is below 1e-6.
+    vanished = [n for n in reversed(order) if truth[n] < 1e-6]
+    assert len(vanished) >= 3
+    h = dbg.explain_failure()[0]
+    assert str(h.failure) == "vanishing_gradients"
+    assert h.confidence >= 0.5
+    assert h.layer == vanished[0]
+    assert h.step == 0
+    assert str(h.cause) == "saturating_activation"  # measured: the sigmoids' mean slope
+
+
+def test_healthy_run_no_alarm_and_loss_matches_keras() -> None:
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+    x, y = data()
+    cb = NeuralDbgCallback(verbose=False)
+    hist = model.fit(x, y, batch_size=64, epochs=3, callbacks=[cb], verbose=0)
+    dbg = cb.dbg
+    assert dbg.step == 30
+    assert not [h for h in dbg.explain_failure() if h.confidence >= 0.5]
+    steps, loss = dbg.history(None, "loss")
+    assert list(steps) == list(range(30))
+    # Keras logs each epoch's mean batch loss (equal batches here): the per-batch losses the
+    # callback recovered average to it.
+    np.testing.assert_allclose(loss.reshape(3, 10).mean(axis=1), hist.history["loss"], rtol=1e-5)
+    _, lr = dbg.history(None, "lr")
+    np.testing.assert_allclose(lr, 1e-3, rtol=1e-6)
+    assert dbg.history(model.layers[0].name, "weight_norm")[1].size >= 10  # dense_steps 10, then every 10th
+    assert dbg.history(model.layers[0].name + ".activation", "dead_fraction")[1].size >= 10
+    # Without activation measurement: the same gradients, no activation series.
+    keras.utils.set_random_seed(1)
+    again = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(1)])
+    again.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+    quiet = NeuralDbgCallback(verbose=False, activations=False)
+    again.fit(x, y, batch_size=64, epochs=1, callbacks=[quiet], verbose=0)
+    assert quiet.dbg.step == 10
+    assert quiet.dbg.history(again.layers[0].name + ".activation", "dead_fraction")[1].size == 0
+    assert "call" not in again.layers[0].__dict__
+
+
+def test_functional_validation_and_user_callbacks(tmp_path: Any) -> None:
+    keras.utils.set_random_seed(2)
+    inp = keras.Input((16,))
+    h = keras.layers.Dense(32, activation="tanh", name="enc")(inp)
+    h = keras.layers.Dense(16, name="mid")(h)
+    h = keras.layers.Activation("relu", name="act")(h)
+    out = keras.layers.Dense(1, name="head")(h)
+    model = keras.Model(inp, out)
+    model.compile(optimizer="adam", loss="mse", metrics=["mae"])
+    x, y = data()
+
+    class Counter(keras.callbacks.Callback):
+        def __init__(self) -> None:
+            super().__init__()
+            self.batches = 0
+
+        def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+            self.batches += 1
+
+    counter = Counter()
+    trace = tmp_path / "keras.ndbg"
+    report = tmp_path / "keras.html"
+    cb = NeuralDbgCallback(trace=trace, report=report, verbose=False)
+    model.fit(x[:512], y[:512], batch_size=32, epochs=2, validation_data=(x[512:], y[512:]), callbacks=[counter, cb], verbose=0)
+    dbg = cb.dbg
+    assert dbg.step == counter.batches == 32
+    assert dbg.layers == ["enc", "mid", "head"]
+    # Validation passes are no training step and no activation sample of one.
+    run = neuraldbg.load(trace)
+    assert run.step == 31
+    assert [str(h) for h in run.explain_failure()] == [str(h) for h in dbg.explain_failure()]
+    assert report.read_text().startswith("<!DOCTYPE html>")
+    assert dbg.history("act", "dead_fraction")[1].size >= 10
+    # The model is left as it was: a second fit without the callback trains unobserved.
+    model.fit(x[:64], y[:64], batch_size=32, epochs=1, verbose=0)
+    assert "apply" not in model.optimizer.__dict__
+    assert "call" not in model.__dict__
+
+
+def test_custom_train_step_subclassed_model() -> None:
+    class Net(keras.Model):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = keras.layers.Dense(16, activation="tanh")
+            self.b = keras.layers.Dense(1)
+
+        def call(self, x: Any, training: bool = False) -> Any:
+            return self.b(self.a(x))
+
+        def train_step(self, state: Any, data: Any) -> Any:
+            tv, ntv, ov, mv = state
+            x, y = data
+
+            def loss_fn(tv: Any) -> Any:
+                pred, nt = self.stateless_call(tv, ntv, x, training=True)
+                return jnp.mean((pred - y) ** 2), nt
+
+            (loss, ntv2), grads = jax.value_and_grad(loss_fn, has_aux=True)(tv)
+            tv2, ov2 = self.optimizer.stateless_apply(ov, grads, tv)
+            logs = {"loss": loss}
+            return logs, (tv2, ntv2, ov2, mv)
+
+    keras.utils.set_random_seed(3)
+    model = Net()
+    model.compile(optimizer=keras.optimizers.SGD(0.05))
+    x, y = data(320)
+    model(x[:2])
+    truth = grad_norms(model, x[:32], y[:32])
+    cb = NeuralDbgCallback(verbose=False)
+    model.fit(x, y, batch_size=32, epochs=1, shuffle=False, callbacks=[cb], verbose=0)
+    dbg = cb.dbg
+    assert dbg.step == 10
+    assert dbg.layers == [model.a.name, model.b.name]
+    first = dbg.layers[0]
+    np.testing.assert_allclose(dbg.history(first, "grad_norm")[1][0], truth[first], rtol=1e-3)
+
+
+def test_nan_batch_and_halt_on_stops_fit() -> None:
+    keras.utils.set_random_seed(4)
+    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    x, y = data()
+    x[5 * 32 + 3, 4] = np.nan  # batch 5
+    cb = NeuralDbgCallback(halt_on="non_finite", verbose=False)
+    hist = model.fit(x, y, batch_size=32, epochs=3, shuffle=False, callbacks=[cb], verbose=0)
+    dbg = cb.dbg
+    h = dbg.explain_failure("non_finite")[0]
+    assert h.confidence >= 0.5 and h.step == 5
+    assert dbg.halted is not None
+    # Stopped within the first epoch, a few batches after the NaN (Keras hands the logs over
+    # asynchronously), not after 60 batches.
+    assert len(hist.history["loss"]) == 1
+    assert 6 <= dbg.step <= 12
+
+
+def test_bad_options_are_clear_errors() -> None:
+    with pytest.raises(ConfigError, match="unknown option"):
+        NeuralDbgCallback(no_such_option=1)
+    with pytest.raises(ConfigError, match="halt_on"):
+        NeuralDbgCallback(halt_on="no_such_failure")
+    with pytest.raises(ConfigError, match="activations"):
+        NeuralDbgCallback(activations="yes")
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    with pytest.raises(Exception, match="compile"):
+        model.fit(np.zeros((4, 4)), np.zeros((4, 1)), callbacks=[NeuralDbgCallback()], verbose=0)
+
+
+def test_torch_backend_fit(tmp_path: Any) -> None:
+    code = (
+        "import numpy as np, keras\n"
+        "from neuraldbg.keras import NeuralDbgCallback\n"
+        "keras.utils.set_random_seed(0)\n"
+        "m = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, activation='sigmoid'), keras.layers.Dense(1)])\n"
+        "m.compile(optimizer='sgd', loss='mse')\n"
+        "x = np.random.default_rng(0).normal(size=(96, 8)).astype('float32')\n"
+        "cb = NeuralDbgCallback(verbose=False)\n"
+        "m.fit(x, x[:, :1], batch_size=16, epochs=2, callbacks=[cb], verbose=0)\n"
+        "print(keras.backend.backend(), cb.dbg.step, cb.dbg.layers, len(cb.dbg.history('dense', 'grad_norm')[1]))\n"
+    )
+    env = dict(os.environ, KERAS_BACKEND="torch")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split()[-1] == "12" and r.stdout.startswith("torch 12")
