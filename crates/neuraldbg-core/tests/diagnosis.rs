@@ -439,6 +439,49 @@ fn replaying_the_same_observations_gives_the_same_diagnosis() {
     assert_eq!(a.events(), b.events());
 }
 
+#[test]
+fn evidence_features_list_what_the_ranking_weighed() {
+    let depth = 3;
+    let engine = run(mlp(depth, "ReLU", "SGD"), 60, |step| {
+        let g = if step < 30 {
+            0.2
+        } else {
+            0.2 * 10f32.powf((step - 29) as f32 * 0.6)
+        };
+        Step {
+            layer_norms: (0..layers(depth)).map(|_| g).collect(),
+            acts: None,
+            weight_gain: Some(0.6),
+            input: Some(healthy_input()),
+            loss: Some(if step < 30 { 1.0 } else { f64::from(g) }),
+            lr: if step < 30 { 0.01 } else { 1.0 },
+            nonfinite_module: None,
+        }
+    });
+    let a = Analysis::new(&engine).unwrap();
+    let top = &a.hypotheses(None)[0];
+    let ev = a.evidence_features();
+    assert_eq!(ev["run"]["lr_first"].as_f64(), Some(0.01));
+    let e = ev["episodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["failure"] == top.failure.as_str() && e["onset"].as_u64() == top.step)
+        .expect("the top hypothesis' episode is listed");
+    let causes = e["causes"].as_array().unwrap();
+    // Ranked as the hypotheses are: the top cause first, probabilities a softmax of the scores.
+    assert_eq!(causes[0]["cause"], top.cause.as_str());
+    let p: Vec<f64> = causes.iter().map(|c| c["p"].as_f64().unwrap()).collect();
+    let score: Vec<f64> = causes
+        .iter()
+        .map(|c| c["score"].as_f64().unwrap())
+        .collect();
+    assert!((p.iter().sum::<f64>() - 1.0).abs() < 1e-9, "{p:?}");
+    assert!(score.windows(2).all(|w| w[0] >= w[1]), "{score:?}");
+    assert!(!causes[0]["reasons"].as_array().unwrap().is_empty());
+    assert!(e["features"]["lr_spike"].as_f64().unwrap() > 10.0, "{e}");
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(48))]
 
@@ -475,6 +518,7 @@ proptest! {
         let top = h.first().map_or(0.0, |h| h.confidence);
         prop_assert!(top < 0.5, "{}", h[0]);
     }
+
 
     /// A gradient norm that hovers around the vanishing threshold, inside the hysteresis band,
     /// yields at most one transition per layer, whatever the jitter.

@@ -10,7 +10,7 @@ use super::super::episodes::{Episode, activation_gap};
 use super::super::vocab::{Cause, Failure};
 
 /// Run-wide facts that several causes look at.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug, Default, serde::Serialize)]
 pub(crate) struct Evidence {
     pub first_step: u64,
     pub depth: usize,
@@ -53,7 +53,7 @@ pub(crate) struct Evidence {
 /// Where the forward signal grows the most at the first measurement of module outputs: the
 /// module whose output exceeds every output before it in forward order (and the input batch)
 /// by the largest factor.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, serde::Serialize)]
 pub(crate) struct ForwardGrowth {
     pub module: usize,
     /// Decades the module's output exceeds the largest magnitude before it.
@@ -99,7 +99,7 @@ pub(crate) fn forward_growth(run: &Run) -> Option<ForwardGrowth> {
 /// per layer (positive when layers nearer the output have larger gradients, i.e. gradients
 /// shrink on their way back), `span` the decades between the ends of the fit, `monotone` the
 /// rank correlation between position and log-norm (1: every layer smaller than the next).
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug, Default, serde::Serialize)]
 pub(crate) struct Profile {
     pub slope: f64,
     pub span: f64,
@@ -299,7 +299,7 @@ impl Evidence {
 }
 
 /// Per-episode facts.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug, Default, serde::Serialize)]
 #[allow(clippy::struct_excessive_bools)]
 pub(crate) struct Features {
     /// The failure was there at the very first observed step.
