@@ -439,6 +439,110 @@ fn replaying_the_same_observations_gives_the_same_diagnosis() {
     assert_eq!(a.events(), b.events());
 }
 
+/// fc0's gradient is `at_start` for the first `tiny_for` steps, then healthy; the loss falls
+/// (or stays flat).
+fn tiny_gradient_at_the_start(tiny_for: u64, at_start: f32, loss_falls: bool) -> Engine {
+    let depth = 3;
+    run(mlp(depth, "ReLU", "Adam"), 80, |step| Step {
+        layer_norms: (0..layers(depth))
+            .map(|l| {
+                if l == 0 && step < tiny_for {
+                    at_start
+                } else {
+                    0.05
+                }
+            })
+            .collect(),
+        acts: None,
+        weight_gain: Some(0.6),
+        input: Some(healthy_input()),
+        loss: Some(if loss_falls {
+            0.7 * (-(step as f64) / 30.0).exp() + 0.05
+        } else {
+            0.7
+        }),
+        lr: 1e-3,
+        nonfinite_module: None,
+    })
+}
+
+#[test]
+fn a_gradient_tiny_at_the_start_that_recovers_while_the_loss_falls_is_a_normal_beginning() {
+    // LoRA's lora_A: exactly zero at the first step (lora_B starts at zero); attention's
+    // query/key: about 4e-7 for the first steps.
+    for (tiny_for, at_start) in [(1, 0.0), (3, 0.0), (10, 4e-7)] {
+        let engine = tiny_gradient_at_the_start(tiny_for, at_start, true);
+        let h = explain(&engine);
+        assert!(
+            h.iter()
+                .all(|h| h.failure != Failure::VanishingGradients || h.confidence < 0.3),
+            "{tiny_for} steps at {at_start}: {}",
+            h[0]
+        );
+        assert!(h.first().is_none_or(|h| h.confidence < 0.5), "{}", h[0]);
+    }
+    // Not a beginning: tiny for longer than the first steps, or while the loss stays flat.
+    let long = tiny_gradient_at_the_start(60, 0.0, true);
+    let v = explain(&long);
+    assert!(
+        v.iter().any(|h| h.failure == Failure::VanishingGradients
+            && h.layer.as_deref() == Some("fc0")
+            && h.confidence
+                > explain(&tiny_gradient_at_the_start(10, 0.0, true))
+                    .iter()
+                    .filter(|h| h.failure == Failure::VanishingGradients)
+                    .map(|h| h.confidence)
+                    .fold(0.0, f64::max)),
+        "{v:?}"
+    );
+    let flat = explain(&tiny_gradient_at_the_start(10, 0.0, false));
+    let recovered = explain(&tiny_gradient_at_the_start(10, 0.0, true));
+    let best = |h: &[CausalHypothesis]| {
+        h.iter()
+            .filter(|h| h.failure == Failure::VanishingGradients)
+            .map(|h| h.confidence)
+            .fold(0.0, f64::max)
+    };
+    assert!(best(&flat) > best(&recovered), "{flat:?}");
+}
+
+#[test]
+fn a_later_episode_of_the_same_failure_is_evidence_of_the_first_not_a_rival() {
+    // fc1 vanishes from step 0 to the end; fc3 vanishes at step 52 for 7 steps.
+    let depth = 5;
+    let engine = run(mlp(depth, "Sigmoid", "SGD"), 120, |step| Step {
+        layer_norms: (0..layers(depth))
+            .map(|l| match l {
+                0 | 1 => 1e-8,
+                3 if (52..59).contains(&step) => 1e-8,
+                _ => 1e-3,
+            })
+            .collect(),
+        acts: None,
+        weight_gain: Some(0.6),
+        input: Some(healthy_input()),
+        loss: Some(0.69),
+        lr: 0.1,
+        nonfinite_module: None,
+    });
+    let h = explain(&engine);
+    let top = &h[0];
+    assert_eq!(top.failure, Failure::VanishingGradients, "{top}");
+    assert_eq!(top.step, Some(0), "{top}");
+    assert_eq!(top.layer.as_deref(), Some("fc1"), "{top}");
+    let later = h
+        .iter()
+        .find(|h| h.step == Some(52))
+        .expect("the later episode is still reported");
+    assert!(later.confidence < top.confidence, "{later}");
+    // Its root event is part of the first finding's chain.
+    assert!(
+        top.causal_chain.iter().any(|l| l.contains("fc3")),
+        "{:?}",
+        top.causal_chain
+    );
+}
+
 #[test]
 fn evidence_features_list_what_the_ranking_weighed() {
     let depth = 3;
@@ -519,6 +623,43 @@ proptest! {
         prop_assert!(top < 0.5, "{}", h[0]);
     }
 
+    /// Whatever the run, a hypothesis of unknown cause is never a finding on its own.
+    #[test]
+    fn unknown_cause_is_never_at_half_or_above(
+        seed in 0u64..1_000_000,
+        depth in 2usize..8,
+        blow_up in 0u64..60,
+        vanish_from in 0u64..60,
+    ) {
+        let mut x = seed | 1;
+        let mut rand = move || {
+            x ^= x << 13; x ^= x >> 7; x ^= x << 17;
+            (x % 1_000_000) as f64 / 1_000_000.0
+        };
+        let engine = run(mlp(depth, "Tanh", "SGD"), 60, |step| Step {
+            layer_norms: (0..layers(depth))
+                .map(|l| {
+                    let base = if step >= blow_up && l % 2 == 0 {
+                        10f64.powf(3.0 + 3.0 * rand())
+                    } else if step >= vanish_from && l % 2 == 1 {
+                        1e-9 * rand()
+                    } else {
+                        0.1 * rand()
+                    };
+                    base as f32
+                })
+                .collect(),
+            acts: None,
+            weight_gain: Some((0.1 + 3.0 * rand()) as f32),
+            input: Some(healthy_input()),
+            loss: Some(1.0 + 10.0 * rand()),
+            lr: 1e-2,
+            nonfinite_module: None,
+        });
+        for h in explain(&engine) {
+            prop_assert!(h.cause != Cause::Unknown || h.confidence < 0.5, "{}", h);
+        }
+    }
 
     /// A gradient norm that hovers around the vanishing threshold, inside the hysteresis band,
     /// yields at most one transition per layer, whatever the jitter.

@@ -95,6 +95,9 @@ pub struct Coupling {
     pub lag: u64,
 }
 
+/// Highest confidence of a hypothesis whose cause is `unknown`.
+const UNKNOWN_CAP: f64 = 0.49;
+
 /// Couplings reported at most (the closest pairs are kept).
 const MAX_COUPLINGS: usize = 10_000;
 
@@ -224,7 +227,13 @@ impl<'a> Analysis<'a> {
             let evidence = self.evidence_of(k);
             let causal_chain = self.chain_lines(k);
             for (scored, p_cause) in ranked.into_iter().take(3) {
-                let confidence = (e.p_failure * p_cause * discount).clamp(0.0, 1.0);
+                let mut confidence = (e.p_failure * p_cause * discount).clamp(0.0, 1.0);
+                // "We don't know why" is not a finding on its own: it stays below the level at
+                // which a run counts as failed, wherever named causes compete (a diverged
+                // replica has none: the failure itself is the finding).
+                if scored.cause == Cause::Unknown && e.failure.ranked_by_cause_rules() {
+                    confidence = confidence.min(UNKNOWN_CAP);
+                }
                 if confidence < 0.02 {
                     continue;
                 }
