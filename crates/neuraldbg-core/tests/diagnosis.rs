@@ -301,6 +301,27 @@ fn failure_present_at_step_zero_points_to_initialization() {
 }
 
 #[test]
+fn raw_inputs_exploding_at_the_first_step_are_the_data_even_after_a_huge_first_update() {
+    // Raw pixels (0..255) and ordinary weights: the first SGD step is so large that the weight
+    // norms read at its end are 20x a variance-preserving scale. They describe the update, not
+    // the initialization.
+    let depth = 3;
+    let engine = run(mlp(depth, "ReLU", "SGD"), 30, |_| Step {
+        layer_norms: (0..layers(depth)).map(|_| 5e4).collect(),
+        acts: None,
+        weight_gain: Some(20.0),
+        input: Some([0.0, 255.0, 100.0, 80.0]),
+        loss: Some(1e4),
+        lr: 0.1,
+        nonfinite_module: None,
+    });
+    let top = &explain(&engine)[0];
+    assert_eq!(top.failure, Failure::ExplodingGradients, "{top}");
+    assert_eq!(top.cause, Cause::BadInputData, "{top}");
+    assert_eq!(top.step, Some(0));
+}
+
+#[test]
 fn saturation_before_vanishing_points_to_the_activation() {
     let depth = 4;
     let engine = run(mlp(depth, "Sigmoid", "SGD"), 30, |step| {
