@@ -9,28 +9,18 @@ torch itself, that the run really starts the way the case describes and then tra
 from __future__ import annotations
 
 import math
+import os
+import sys
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from neuraldbg import NeuralDbg
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-
-class LoRALinear(nn.Module):
-    """A frozen linear layer plus `lora_B(lora_A(x))`, `lora_B` zero-initialised as in peft."""
-
-    def __init__(self, d_in: int, d_out: int, rank: int = 4) -> None:
-        super().__init__()
-        self.base = nn.Linear(d_in, d_out)
-        self.base.requires_grad_(False)
-        self.lora_A = nn.Linear(d_in, rank, bias=False)
-        self.lora_B = nn.Linear(rank, d_out, bias=False)
-        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
-        nn.init.zeros_(self.lora_B.weight)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.base(x) + self.lora_B(self.lora_A(x))
+# A frozen layer plus lora_B(lora_A(x)), lora_B zero-initialised as in peft.
+from bench.corpus.bases import LoRALinear  # noqa: E402
+from neuraldbg import NeuralDbg  # noqa: E402
 
 
 def test_lora_fine_tuning_is_healthy() -> None:

@@ -256,10 +256,10 @@ fn a_nan_batch_is_the_data_not_the_first_layer() {
     );
 }
 
-#[test]
-fn healthy_start_then_blow_up_points_to_the_learning_rate() {
+/// Healthy for 30 steps, then the lr rises 100x and the gradients grow 4x per step.
+fn blow_up_after_a_lr_raise() -> Engine {
     let depth = 3;
-    let engine = run(mlp(depth, "ReLU", "SGD"), 60, |step| {
+    run(mlp(depth, "ReLU", "SGD"), 60, |step| {
         let g = if step < 30 {
             0.2
         } else {
@@ -274,7 +274,12 @@ fn healthy_start_then_blow_up_points_to_the_learning_rate() {
             lr: if step < 30 { 0.01 } else { 1.0 },
             nonfinite_module: None,
         }
-    });
+    })
+}
+
+#[test]
+fn healthy_start_then_blow_up_points_to_the_learning_rate() {
+    let engine = blow_up_after_a_lr_raise();
     let top = &explain(&engine)[0];
     assert_eq!(top.failure, Failure::ExplodingGradients, "{top}");
     assert_eq!(top.cause, Cause::LearningRateTooHigh, "{top}");
@@ -566,23 +571,7 @@ fn a_later_episode_of_the_same_failure_is_evidence_of_the_first_not_a_rival() {
 
 #[test]
 fn evidence_features_list_what_the_ranking_weighed() {
-    let depth = 3;
-    let engine = run(mlp(depth, "ReLU", "SGD"), 60, |step| {
-        let g = if step < 30 {
-            0.2
-        } else {
-            0.2 * 10f32.powf((step - 29) as f32 * 0.6)
-        };
-        Step {
-            layer_norms: (0..layers(depth)).map(|_| g).collect(),
-            acts: None,
-            weight_gain: Some(0.6),
-            input: Some(healthy_input()),
-            loss: Some(if step < 30 { 1.0 } else { f64::from(g) }),
-            lr: if step < 30 { 0.01 } else { 1.0 },
-            nonfinite_module: None,
-        }
-    });
+    let engine = blow_up_after_a_lr_raise();
     let a = Analysis::new(&engine).unwrap();
     let top = &a.hypotheses(None)[0];
     let ev = a.evidence_features();
