@@ -7,7 +7,7 @@ PY      := $(VENV)/bin/python
 STAMPS  := .stamps
 SOURCES := $(shell find crates python -type f \( -name '*.rs' -o -name '*.py' -o -name '*.pyi' -o -name 'Cargo.toml' -o -name '*.js' -o -name '*.css' -o -name '*.html' \) 2>/dev/null) Cargo.toml pyproject.toml
 
-.PHONY: all demo demo-burn jax test test-rust test-python lint bench bench-overhead bench-jax bench-models bench-frameworks bench-distributed bench-engine bench-burn bench-memory bench-diagnosis bench-report bench-trace gpu-check bench-kept-memory build browser terminal report-screenshot watch-screenshot clean
+.PHONY: all demo demo-burn jax test test-rust test-python lint bench bench-overhead bench-jax bench-models bench-frameworks bench-distributed bench-engine bench-burn bench-memory bench-diagnosis bench-corpus bench-report bench-trace gpu-check bench-kept-memory build browser terminal report-screenshot watch-screenshot clean
 
 all: test
 
@@ -74,6 +74,17 @@ test: lint test-rust test-python
 bench-diagnosis: build
 	$(PY) bench/scoreboard.py
 	$(PY) bench/external_scoreboard.py
+
+# The mutation corpus (bench/corpus): base programs and their mutants trained under NeuralDbg,
+# the external suite's evidence, then the causes' evidence weights fitted (numpy) and reported on
+# held-out base programs and the external suite. CORPUS_ARGS sizes it (e.g. --seeds 3 --pairs 400
+# --jobs 4); the fitted table is written to bench/corpus/fitted_table.json.
+CORPUS_ARGS ?=
+bench-corpus: build
+	$(PY) bench/corpus/run.py --out runs/corpus/corpus.jsonl $(CORPUS_ARGS)
+	$(PY) bench/external_scoreboard.py --evidence runs/corpus/external.jsonl
+	$(PY) bench/corpus/fit.py runs/corpus/corpus.jsonl --external runs/corpus/external.jsonl \
+		--table bench/corpus/fitted_table.json
 
 # Size and generation time of the report for 1,000 layers x 100,000 synthetic steps (release).
 bench-report:

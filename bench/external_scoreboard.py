@@ -14,6 +14,7 @@ from the loop itself, not from NeuralDbg: they show what the planted fault did t
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -28,14 +29,24 @@ from bench.external import all_programs  # noqa: E402
 from bench.external.common import Program, TrainResult, train  # noqa: E402
 
 
-def monitored(p: Program, buggy: bool, steps=None):
+def monitored(p: Program, buggy: bool, steps=None, evidence=None):
     from neuraldbg import NeuralDbg
 
     torch.manual_seed(0)
     run = p.build(buggy, steps)
     with NeuralDbg(run.model) as dbg:
         res = train(run)
-    return res, dbg.explain_failure()
+    hyps = dbg.explain_failure()
+    if evidence is not None:
+        # What the cause ranking weighed, for bench/corpus/fit.py (never fitted on).
+        label = ([p.cause] if p.cause else ["unlabelled"]) if buggy else ["healthy"]
+        evidence.write(json.dumps({
+            "base": p.name, "ops": ["buggy"] if buggy else [], "label": label, "also": list(p.also),
+            "manifests": buggy, "evidence": json.loads(dbg._engine.evidence_json()),
+            "hypotheses": [{"failure": str(h.failure), "cause": str(h.cause), "confidence": h.confidence,
+                            "layer": h.layer, "step": h.step} for h in hyps[:5]],
+        }) + "\n")
+    return res, hyps
 
 
 def loss_span(r: TrainResult) -> str:
@@ -57,6 +68,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--steps", type=int, default=None, help="override every program's step count")
     ap.add_argument("-v", "--verbose", action="store_true", help="print the top hypotheses")
+    ap.add_argument("--evidence", default=None, metavar="FILE",
+                    help="write each run's evidence features as JSON lines (for bench/corpus/fit.py)")
     ap.add_argument("--list", action="store_true", help="print the programs' records as a Markdown table and exit")
     args = ap.parse_args()
     if args.list:
@@ -78,12 +91,13 @@ def main() -> int:
     print("-" * 250)
     n = detected = cause_n = cause_ok = alarms = 0
     controls: dict = {}  # fixed_key -> (result, hypotheses): a shared control is trained once
+    evidence = open(args.evidence, "w") if args.evidence else None
     for p in progs:
-        rb, hb = monitored(p, True, args.steps)
+        rb, hb = monitored(p, True, args.steps, evidence)
         if p.fixed_key is not None and p.fixed_key in controls:
             rf, hf = controls[p.fixed_key]
         else:
-            rf, hf = monitored(p, False, args.steps)
+            rf, hf = monitored(p, False, args.steps, evidence)
             if p.fixed_key is not None:
                 controls[p.fixed_key] = (rf, hf)
         n += 1
@@ -110,6 +124,8 @@ def main() -> int:
                 print(f"     buggy: {h}")
             for h in hf[:2]:
                 print(f"     fixed: {h}")
+    if evidence is not None:
+        evidence.close()
     print("-" * 250)
     print(
         f"external suite: {n} programs; buggy detected (top >= 0.5): {detected}/{n}; "

@@ -256,10 +256,10 @@ fn a_nan_batch_is_the_data_not_the_first_layer() {
     );
 }
 
-#[test]
-fn healthy_start_then_blow_up_points_to_the_learning_rate() {
+/// Healthy for 30 steps, then the lr rises 100x and the gradients grow 4x per step.
+fn blow_up_after_a_lr_raise() -> Engine {
     let depth = 3;
-    let engine = run(mlp(depth, "ReLU", "SGD"), 60, |step| {
+    run(mlp(depth, "ReLU", "SGD"), 60, |step| {
         let g = if step < 30 {
             0.2
         } else {
@@ -274,7 +274,12 @@ fn healthy_start_then_blow_up_points_to_the_learning_rate() {
             lr: if step < 30 { 0.01 } else { 1.0 },
             nonfinite_module: None,
         }
-    });
+    })
+}
+
+#[test]
+fn healthy_start_then_blow_up_points_to_the_learning_rate() {
+    let engine = blow_up_after_a_lr_raise();
     let top = &explain(&engine)[0];
     assert_eq!(top.failure, Failure::ExplodingGradients, "{top}");
     assert_eq!(top.cause, Cause::LearningRateTooHigh, "{top}");
@@ -297,6 +302,27 @@ fn failure_present_at_step_zero_points_to_initialization() {
     let top = &explain(&engine)[0];
     assert_eq!(top.failure, Failure::ExplodingGradients, "{top}");
     assert_eq!(top.cause, Cause::PoorInitialization, "{top}");
+    assert_eq!(top.step, Some(0));
+}
+
+#[test]
+fn raw_inputs_exploding_at_the_first_step_are_the_data_even_after_a_huge_first_update() {
+    // Raw pixels (0..255) and ordinary weights: the first SGD step is so large that the weight
+    // norms read at its end are 20x a variance-preserving scale. They describe the update, not
+    // the initialization.
+    let depth = 3;
+    let engine = run(mlp(depth, "ReLU", "SGD"), 30, |_| Step {
+        layer_norms: (0..layers(depth)).map(|_| 5e4).collect(),
+        acts: None,
+        weight_gain: Some(20.0),
+        input: Some([0.0, 255.0, 100.0, 80.0]),
+        loss: Some(1e4),
+        lr: 0.1,
+        nonfinite_module: None,
+    });
+    let top = &explain(&engine)[0];
+    assert_eq!(top.failure, Failure::ExplodingGradients, "{top}");
+    assert_eq!(top.cause, Cause::BadInputData, "{top}");
     assert_eq!(top.step, Some(0));
 }
 
@@ -439,6 +465,137 @@ fn replaying_the_same_observations_gives_the_same_diagnosis() {
     assert_eq!(a.events(), b.events());
 }
 
+/// fc0's gradient is `at_start` for the first `tiny_for` steps, then healthy; the loss falls
+/// (or stays flat).
+fn tiny_gradient_at_the_start(tiny_for: u64, at_start: f32, loss_falls: bool) -> Engine {
+    let depth = 3;
+    run(mlp(depth, "ReLU", "Adam"), 80, |step| Step {
+        layer_norms: (0..layers(depth))
+            .map(|l| {
+                if l == 0 && step < tiny_for {
+                    at_start
+                } else {
+                    0.05
+                }
+            })
+            .collect(),
+        acts: None,
+        weight_gain: Some(0.6),
+        input: Some(healthy_input()),
+        loss: Some(if loss_falls {
+            0.7 * (-(step as f64) / 30.0).exp() + 0.05
+        } else {
+            0.7
+        }),
+        lr: 1e-3,
+        nonfinite_module: None,
+    })
+}
+
+#[test]
+fn a_gradient_tiny_at_the_start_that_recovers_while_the_loss_falls_is_a_normal_beginning() {
+    // LoRA's lora_A: exactly zero at the first step (lora_B starts at zero); attention's
+    // query/key: about 4e-7 for the first steps.
+    for (tiny_for, at_start) in [(1, 0.0), (3, 0.0), (10, 4e-7)] {
+        let engine = tiny_gradient_at_the_start(tiny_for, at_start, true);
+        let h = explain(&engine);
+        assert!(
+            h.iter()
+                .all(|h| h.failure != Failure::VanishingGradients || h.confidence < 0.3),
+            "{tiny_for} steps at {at_start}: {}",
+            h[0]
+        );
+        assert!(h.first().is_none_or(|h| h.confidence < 0.5), "{}", h[0]);
+    }
+    // Not a beginning: tiny for longer than the first steps, or while the loss stays flat.
+    let long = tiny_gradient_at_the_start(60, 0.0, true);
+    let v = explain(&long);
+    assert!(
+        v.iter().any(|h| h.failure == Failure::VanishingGradients
+            && h.layer.as_deref() == Some("fc0")
+            && h.confidence
+                > explain(&tiny_gradient_at_the_start(10, 0.0, true))
+                    .iter()
+                    .filter(|h| h.failure == Failure::VanishingGradients)
+                    .map(|h| h.confidence)
+                    .fold(0.0, f64::max)),
+        "{v:?}"
+    );
+    let flat = explain(&tiny_gradient_at_the_start(10, 0.0, false));
+    let recovered = explain(&tiny_gradient_at_the_start(10, 0.0, true));
+    let best = |h: &[CausalHypothesis]| {
+        h.iter()
+            .filter(|h| h.failure == Failure::VanishingGradients)
+            .map(|h| h.confidence)
+            .fold(0.0, f64::max)
+    };
+    assert!(best(&flat) > best(&recovered), "{flat:?}");
+}
+
+#[test]
+fn a_later_episode_of_the_same_failure_is_evidence_of_the_first_not_a_rival() {
+    // fc1 vanishes from step 0 to the end; fc3 vanishes at step 52 for 7 steps.
+    let depth = 5;
+    let engine = run(mlp(depth, "Sigmoid", "SGD"), 120, |step| Step {
+        layer_norms: (0..layers(depth))
+            .map(|l| match l {
+                0 | 1 => 1e-8,
+                3 if (52..59).contains(&step) => 1e-8,
+                _ => 1e-3,
+            })
+            .collect(),
+        acts: None,
+        weight_gain: Some(0.6),
+        input: Some(healthy_input()),
+        loss: Some(0.69),
+        lr: 0.1,
+        nonfinite_module: None,
+    });
+    let h = explain(&engine);
+    let top = &h[0];
+    assert_eq!(top.failure, Failure::VanishingGradients, "{top}");
+    assert_eq!(top.step, Some(0), "{top}");
+    assert_eq!(top.layer.as_deref(), Some("fc1"), "{top}");
+    let later = h
+        .iter()
+        .find(|h| h.step == Some(52))
+        .expect("the later episode is still reported");
+    assert!(later.confidence < top.confidence, "{later}");
+    // Its root event is part of the first finding's chain.
+    assert!(
+        top.causal_chain.iter().any(|l| l.contains("fc3")),
+        "{:?}",
+        top.causal_chain
+    );
+}
+
+#[test]
+fn evidence_features_list_what_the_ranking_weighed() {
+    let engine = blow_up_after_a_lr_raise();
+    let a = Analysis::new(&engine).unwrap();
+    let top = &a.hypotheses(None)[0];
+    let ev = a.evidence_features();
+    assert_eq!(ev["run"]["lr_first"].as_f64(), Some(0.01));
+    let e = ev["episodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["failure"] == top.failure.as_str() && e["onset"].as_u64() == top.step)
+        .expect("the top hypothesis' episode is listed");
+    let causes = e["causes"].as_array().unwrap();
+    // Ranked as the hypotheses are: the top cause first, probabilities a softmax of the scores.
+    assert_eq!(causes[0]["cause"], top.cause.as_str());
+    let p: Vec<f64> = causes.iter().map(|c| c["p"].as_f64().unwrap()).collect();
+    let score: Vec<f64> = causes
+        .iter()
+        .map(|c| c["score"].as_f64().unwrap())
+        .collect();
+    assert!((p.iter().sum::<f64>() - 1.0).abs() < 1e-9, "{p:?}");
+    assert!(score.windows(2).all(|w| w[0] >= w[1]), "{score:?}");
+    assert!(!causes[0]["reasons"].as_array().unwrap().is_empty());
+    assert!(e["features"]["lr_spike"].as_f64().unwrap() > 10.0, "{e}");
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(48))]
 
@@ -474,6 +631,44 @@ proptest! {
         let h = explain(&engine);
         let top = h.first().map_or(0.0, |h| h.confidence);
         prop_assert!(top < 0.5, "{}", h[0]);
+    }
+
+    /// Whatever the run, a hypothesis of unknown cause is never a finding on its own.
+    #[test]
+    fn unknown_cause_is_never_at_half_or_above(
+        seed in 0u64..1_000_000,
+        depth in 2usize..8,
+        blow_up in 0u64..60,
+        vanish_from in 0u64..60,
+    ) {
+        let mut x = seed | 1;
+        let mut rand = move || {
+            x ^= x << 13; x ^= x >> 7; x ^= x << 17;
+            (x % 1_000_000) as f64 / 1_000_000.0
+        };
+        let engine = run(mlp(depth, "Tanh", "SGD"), 60, |step| Step {
+            layer_norms: (0..layers(depth))
+                .map(|l| {
+                    let base = if step >= blow_up && l % 2 == 0 {
+                        10f64.powf(3.0 + 3.0 * rand())
+                    } else if step >= vanish_from && l % 2 == 1 {
+                        1e-9 * rand()
+                    } else {
+                        0.1 * rand()
+                    };
+                    base as f32
+                })
+                .collect(),
+            acts: None,
+            weight_gain: Some((0.1 + 3.0 * rand()) as f32),
+            input: Some(healthy_input()),
+            loss: Some(1.0 + 10.0 * rand()),
+            lr: 1e-2,
+            nonfinite_module: None,
+        });
+        for h in explain(&engine) {
+            prop_assert!(h.cause != Cause::Unknown || h.confidence < 0.5, "{}", h);
+        }
     }
 
     /// A gradient norm that hovers around the vanishing threshold, inside the hysteresis band,

@@ -390,6 +390,13 @@ impl PyEngine {
         }))
     }
 
+    /// What the cause ranking weighed, per failure episode, as a JSON object (for fitting the
+    /// cause weights on a corpus: bench/corpus).
+    fn evidence_json(&self, py: Python<'_>) -> String {
+        let engine = &self.inner;
+        py.detach(|| analysis::evidence_features(engine).to_string())
+    }
+
     fn root_causes_json(&self) -> String {
         self.analysed(|a| output::root_causes_json(&self.inner, &a.root_causes()))
     }

@@ -520,6 +520,17 @@ fn explains(events: &[SemanticEvent], a: &Episode, b: &Episode, tol: u64, config
             F::LossPlateau,
         ) => a.p_failure >= 0.5 && a.onset <= b.onset + u64::from(config.loss_plateau_window),
         (F::NonFinite, F::LossDivergence | F::SaturatedGradients) => a.onset <= b.onset,
+        // One failure per failure: a later episode of the same failure, begun while an earlier
+        // real one was still going, is more of it (its evidence), not a rival finding.
+        (
+            F::VanishingGradients
+            | F::ExplodingGradients
+            | F::DeadNeurons
+            | F::SaturatedActivations,
+            _,
+        ) if a.failure == b.failure => {
+            a.p_failure >= 0.5 && a.onset < b.onset && (a.to_end || b.onset <= a.onset + a.duration)
+        }
         _ => false,
     }
 }

@@ -95,6 +95,9 @@ pub struct Coupling {
     pub lag: u64,
 }
 
+/// Highest confidence of a hypothesis whose cause is `unknown`.
+const UNKNOWN_CAP: f64 = 0.49;
+
 /// Couplings reported at most (the closest pairs are kept).
 const MAX_COUPLINGS: usize = 10_000;
 
@@ -140,9 +143,9 @@ impl<'a> Analysis<'a> {
         self.run.model.module_name(m).to_string()
     }
 
-    /// Ranked hypotheses, optionally for one failure only.
-    pub fn hypotheses(&self, only: Option<Failure>) -> Vec<CausalHypothesis> {
-        // Rank causes root-first, so a consequence can inherit its root's top cause.
+    /// Every episode's candidate causes, scored, with the per-episode facts the rules weighed;
+    /// root episodes first, so a consequence can inherit its root's top cause.
+    fn rankings(&self) -> Vec<(causes::Features, Vec<(causes::Scored, f64)>)> {
         let n = self.episodes.len();
         let depth = |mut k: usize| {
             let mut d = 0;
@@ -157,14 +160,63 @@ impl<'a> Analysis<'a> {
         };
         let mut order: Vec<usize> = (0..n).collect();
         order.sort_by_key(|&k| depth(k));
-        let mut rankings: Vec<Vec<(causes::Scored, f64)>> = vec![Vec::new(); n];
+        let mut out: Vec<(causes::Features, Vec<(causes::Scored, f64)>)> =
+            vec![(causes::Features::default(), Vec::new()); n];
         for k in order {
             let mut f = causes::features(self.run, &self.evidence, &self.events, &self.episodes, k);
             f.root_cause = self.episodes[k]
                 .explained_by
-                .and_then(|j| rankings[j].first().map(|(s, _)| (s.cause, j)));
-            rankings[k] = causes::rank_causes(self.run, &self.evidence, &self.episodes, k, &f);
+                .and_then(|j| out[j].1.first().map(|(s, _)| (s.cause, j)));
+            let ranked = causes::rank_causes(self.run, &self.evidence, &self.episodes, k, &f);
+            out[k] = (f, ranked);
         }
+        out
+    }
+
+    /// What the ranking weighed, for fitting and inspecting the cause weights: the run-wide
+    /// evidence, and per episode its failure, onset, root layer, probability of being real,
+    /// the facts its causes looked at and every candidate cause with its score (the sum of its
+    /// evidence weights), its probability and its reasons.
+    pub fn evidence_features(&self) -> serde_json::Value {
+        let episodes: Vec<serde_json::Value> = self
+            .rankings()
+            .into_iter()
+            .enumerate()
+            .map(|(k, (f, ranked))| {
+                let e = &self.episodes[k];
+                let causes: Vec<serde_json::Value> = ranked
+                    .into_iter()
+                    .map(|(s, p)| {
+                        serde_json::json!({
+                            "cause": s.cause,
+                            "score": s.score,
+                            "p": p,
+                            "reasons": s.reasons,
+                        })
+                    })
+                    .collect();
+                serde_json::json!({
+                    "failure": e.failure,
+                    "onset": e.onset,
+                    "layer": e.root.map(|m| self.name(m)),
+                    "p_failure": e.p_failure,
+                    "explained_by": e.explained_by,
+                    "duration": e.duration,
+                    "to_end": e.to_end,
+                    "margin": e.margin,
+                    "breadth": e.affected.len() as f64 / self.run.model.layers.len().max(1) as f64,
+                    "features": f,
+                    "causes": causes,
+                })
+            })
+            .collect();
+        serde_json::json!({ "run": self.evidence, "episodes": episodes })
+    }
+
+    /// Ranked hypotheses, optionally for one failure only.
+    pub fn hypotheses(&self, only: Option<Failure>) -> Vec<CausalHypothesis> {
+        let rankings: Vec<Vec<(causes::Scored, f64)>> =
+            self.rankings().into_iter().map(|(_, r)| r).collect();
         let mut out: Vec<(CausalHypothesis, usize)> = Vec::new();
         // Every episode is ranked and capped, the filter applies last: a hypothesis has the
         // same confidence whether or not the failure that explains it is asked for.
@@ -175,7 +227,13 @@ impl<'a> Analysis<'a> {
             let evidence = self.evidence_of(k);
             let causal_chain = self.chain_lines(k);
             for (scored, p_cause) in ranked.into_iter().take(3) {
-                let confidence = (e.p_failure * p_cause * discount).clamp(0.0, 1.0);
+                let mut confidence = (e.p_failure * p_cause * discount).clamp(0.0, 1.0);
+                // "We don't know why" is not a finding on its own: it stays below the level at
+                // which a run counts as failed, wherever named causes compete (a diverged
+                // replica has none: the failure itself is the finding).
+                if scored.cause == Cause::Unknown && e.failure.ranked_by_cause_rules() {
+                    confidence = confidence.min(UNKNOWN_CAP);
+                }
                 if confidence < 0.02 {
                     continue;
                 }
@@ -549,6 +607,12 @@ impl<'a> Analysis<'a> {
 /// failure: what `dbg.explain_failure()` and `neuraldbg explain` print.
 pub fn explain(engine: &Engine, only: Option<Failure>) -> Vec<CausalHypothesis> {
     Analysis::new(engine).map_or_else(Vec::new, |a| a.hypotheses(only))
+}
+
+/// What the ranking of `engine`'s failures weighed (see [`Analysis::evidence_features`]); an
+/// empty object before a model is registered.
+pub fn evidence_features(engine: &Engine) -> serde_json::Value {
+    Analysis::new(engine).map_or_else(|| serde_json::json!({}), |a| a.evidence_features())
 }
 
 /// The causal graph of `engine` as a Mermaid flowchart (a one-node graph before any model is

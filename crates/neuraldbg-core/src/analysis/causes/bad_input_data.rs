@@ -28,7 +28,10 @@ impl CauseRule for BadInputData {
             Failure::ExplodingGradients => {
                 // Ordinary weights that do not amplify the signal, yet a huge loss or huge
                 // inputs: the data is off scale (unnormalized inputs or regression targets).
-                if f.at_start && ev.gain_normal() && ev.network_gain() < 1.0 && ev.forward.is_none()
+                if f.at_start
+                    && ev.gain_not_off_scale()
+                    && ev.network_gain() < 1.0
+                    && ev.forward.is_none()
                 {
                     if let Some(l) = ev.loss_initial.filter(|l| *l > 1e3) {
                         v.add(

@@ -10,7 +10,7 @@ use super::super::episodes::{Episode, activation_gap};
 use super::super::vocab::{Cause, Failure};
 
 /// Run-wide facts that several causes look at.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug, Default, serde::Serialize)]
 pub(crate) struct Evidence {
     pub first_step: u64,
     pub depth: usize,
@@ -53,7 +53,7 @@ pub(crate) struct Evidence {
 /// Where the forward signal grows the most at the first measurement of module outputs: the
 /// module whose output exceeds every output before it in forward order (and the input batch)
 /// by the largest factor.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, serde::Serialize)]
 pub(crate) struct ForwardGrowth {
     pub module: usize,
     /// Decades the module's output exceeds the largest magnitude before it.
@@ -99,7 +99,7 @@ pub(crate) fn forward_growth(run: &Run) -> Option<ForwardGrowth> {
 /// per layer (positive when layers nearer the output have larger gradients, i.e. gradients
 /// shrink on their way back), `span` the decades between the ends of the fit, `monotone` the
 /// rank correlation between position and log-norm (1: every layer smaller than the next).
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug, Default, serde::Serialize)]
 pub(crate) struct Profile {
     pub slope: f64,
     pub span: f64,
@@ -155,7 +155,6 @@ impl Evidence {
             .filter_map(|(l, t)| t.gain_first.filter(|g| g.is_finite()).map(|g| (g, l)))
             .collect();
         gains.sort_by(|a, b| a.0.total_cmp(&b.0));
-        let gain_values: Vec<f64> = gains.iter().map(|g| g.0).collect();
 
         // Depth profile over weighted layers with a finite early gradient norm.
         let points: Vec<(f64, f64)> = model
@@ -201,6 +200,14 @@ impl Evidence {
                 Some(step / w)
             })
             .collect();
+        // Weight norms are first read at the end of the first step: when that step moved the
+        // weights by more than their own size, they describe the update, not the
+        // initialization, and the initial gains are unknown.
+        let init_known = median(&ratios).is_none_or(|r| r <= 1.0);
+        if !init_known {
+            gains.clear();
+        }
+        let gain_values: Vec<f64> = gains.iter().map(|g| g.0).collect();
         let slopes = |f: fn(&crate::track::ActTrack) -> f64| {
             let v: Vec<f64> = run.acts.iter().map(f).filter(|s| s.is_finite()).collect();
             median(&v)
@@ -226,7 +233,9 @@ impl Evidence {
             .iter()
             .enumerate()
             .filter_map(|(l, t)| {
-                let g = t.gain_first.filter(|g| *g > 0.0 && g.is_finite())?;
+                let g = t
+                    .gain_first
+                    .filter(|g| init_known && *g > 0.0 && g.is_finite())?;
                 let reference = match next_act[l].map(|a| model.activations[a].traits) {
                     Some(tr) if tr.can_die => std::f64::consts::SQRT_2,
                     _ => 1.0,
@@ -275,6 +284,12 @@ impl Evidence {
         self.gain_max.is_some_and(|(g, _)| g > 3.0)
     }
 
+    /// No measured weight scale is far from variance-preserving (also when the initial scale
+    /// is unknown).
+    pub fn gain_not_off_scale(&self) -> bool {
+        !self.gain_too_small() && !self.gain_too_large()
+    }
+
     pub fn gain_normal(&self) -> bool {
         self.gain_median.is_some_and(|g| (0.25..=3.0).contains(&g)) && !self.gain_too_large()
     }
@@ -299,7 +314,7 @@ impl Evidence {
 }
 
 /// Per-episode facts.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug, Default, serde::Serialize)]
 #[allow(clippy::struct_excessive_bools)]
 pub(crate) struct Features {
     /// The failure was there at the very first observed step.

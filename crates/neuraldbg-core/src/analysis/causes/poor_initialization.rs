@@ -40,7 +40,7 @@ impl CauseRule for PoorInitialization {
                 // inputs: the data is off scale (unnormalized inputs or regression targets).
                 let data_off_scale = ev.loss_initial.is_some_and(|l| l > 1e3)
                     || ev.input_scale_first.is_some_and(|x| x > 20.0);
-                if ev.gain_normal() && ev.network_gain() < 1.0 && data_off_scale {
+                if ev.gain_not_off_scale() && ev.network_gain() < 1.0 && data_off_scale {
                     v.against(1.0);
                 }
                 large_weights(v, ev, 1.5);

@@ -43,6 +43,9 @@ pub(crate) fn base_probability(run: &Run, e: &Episode) -> f64 {
                     p *= 0.2;
                 }
             }
+            if normal_beginning(run, e) {
+                p *= 0.1;
+            }
             p
         }
         Failure::DeadNeurons => {
@@ -117,6 +120,26 @@ pub(crate) fn base_probability(run: &Run, e: &Episode) -> f64 {
         }
     };
     p.clamp(0.0, 0.99)
+}
+
+/// Steps a gradient may stay tiny at the start of a run and still be a normal beginning.
+const BEGINNING_STEPS: u64 = 20;
+
+/// A gradient that is zero or tiny at the first steps and recovers within
+/// [`BEGINNING_STEPS`] while the loss falls is how some models start, not a failure: an
+/// adapter whose other half is zero-initialised (`LoRA`'s `lora_B`) passes no gradient to its
+/// first half until that half moves, and attention's query and key get almost none while the
+/// scores are near uniform at initialization.
+pub(crate) fn normal_beginning(run: &Run, e: &Episode) -> bool {
+    let first = run.first_step.unwrap_or(0);
+    let falls = run.loss.initial.is_some_and(|initial| {
+        initial.is_finite() && run.loss.best.is_finite() && run.loss.best < 0.9 * initial
+    });
+    e.failure == Failure::VanishingGradients
+        && e.onset <= first + 1
+        && !e.to_end
+        && e.duration <= BEGINNING_STEPS
+        && falls
 }
 
 /// The base probability, corroborated by each failure this one explains.

@@ -1,0 +1,290 @@
+#!/usr/bin/env python3
+"""Fits the causes' evidence weights on the mutation corpus and reports how well they rank.
+
+A multinomial logistic model (numpy, L2-regularised, full-batch gradient descent) predicts the
+planted cause of a run, or ``healthy``, from the engine's own evidence features (what
+``Engine.evidence_json`` exports: every candidate cause's evidence score for the run's primary
+failure episode, that failure, how likely it is to be real, and the run-wide facts the rules
+weigh). Runs of the held-out base programs (``--held-out``) are never used in fitting; neither is
+the external suite (``--external``, written by ``bench/external_scoreboard.py --evidence``).
+
+Reported for the held-out bases, next to the engine's current ranking on the same runs:
+- planted cause top: among mutants that manifest, the top prediction is a planted cause (the
+  engine's: its top hypothesis at confidence >= 0.5 names it);
+- healthy quiet: among healthy runs (bases, and mutants that train as well as their base), no
+  prediction of a failure at 0.5 or above;
+- a reliability table: predictions binned by confidence, with how often they were right.
+
+    .venv/bin/python bench/corpus/fit.py runs/corpus/corpus.jsonl [--external runs/corpus/external.jsonl] \\
+        [--table bench/corpus/fitted_table.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+CAUSES = [
+    "dying_relu", "saturating_activation", "learning_rate_too_high", "learning_rate_too_low",
+    "poor_initialization", "network_depth", "missing_normalization", "bad_input_data",
+    "numerical_instability", "missing_zero_grad", "parameters_not_updated", "eval_mode",
+    "output_loss_mismatch", "target_shape_mismatch", "unknown",
+]
+FAILURES = [
+    "vanishing_gradients", "exploding_gradients", "saturated_gradients", "saturated_activations",
+    "dead_neurons", "non_finite", "data_anomaly", "loss_divergence", "loss_plateau", "stalled_layer",
+    "replica_divergence", "loss_scale_collapse",
+]
+# Score of a cause that is not a candidate for the failure (below every candidate's prior).
+ABSENT = -3.0
+HELD_OUT = ("gru_regression", "cnn_batchnorm", "lora")
+
+
+def _log(v: Optional[float]) -> float:
+    return math.log10(v) if isinstance(v, (int, float)) and v > 0 and math.isfinite(v) else 0.0
+
+
+def _num(v: Optional[float]) -> float:
+    return float(v) if isinstance(v, (int, float)) and math.isfinite(v) else 0.0
+
+
+RUN_FEATURES = [
+    ("log10_lr", lambda r: _log(r.get("lr_first"))),
+    ("init_error", lambda r: _num(r.get("init_error"))),
+    ("act_attenuation", lambda r: _num(r.get("act_attenuation"))),
+    ("log10_update_ratio", lambda r: _log(r.get("update_ratio"))),
+    ("log10_input_scale", lambda r: _log(r.get("input_scale_first"))),
+    ("log10_loss_peak_ratio", lambda r: _log(r.get("loss_peak_ratio"))),
+    ("log10_loss_initial", lambda r: _log(r.get("loss_initial"))),
+    ("depth", lambda r: _num(r.get("depth"))),
+    ("has_norm", lambda r: 1.0 if r.get("has_norm") else 0.0),
+    ("log10_gain_median", lambda r: _log(r.get("gain_median"))),
+    ("log10_total_early", lambda r: _log(r.get("total_early"))),
+    ("profile_span", lambda r: _num((r.get("profile") or {}).get("span"))),
+    ("slope_first", lambda r: _num(r.get("slope_first"))),
+    ("forward_jump", lambda r: _num((r.get("forward") or {}).get("jump"))),
+]
+
+FEATURE_NAMES = (
+    [f"score:{c}" for c in CAUSES]
+    + [f"failure:{f}" for f in FAILURES]
+    + ["p_failure", "episodes_real", "no_episode"]
+    + [n for n, _ in RUN_FEATURES]
+)
+
+
+def primary_episode(evidence: Dict, hypotheses: Sequence[Dict]) -> Optional[Dict]:
+    """The episode of the top hypothesis, else the most probable root episode."""
+    eps = evidence.get("episodes") or []
+    if hypotheses:
+        h = hypotheses[0]
+        for e in eps:
+            if e["failure"] == h["failure"] and e["onset"] == h["step"] and e["layer"] == h["layer"]:
+                return e
+    roots = [e for e in eps if e.get("explained_by") is None]
+    return max(roots, key=lambda e: e["p_failure"], default=None)
+
+
+def features(evidence: Dict, hypotheses: Sequence[Dict]) -> np.ndarray:
+    x: List[float] = []
+    e = primary_episode(evidence, hypotheses)
+    scores = {c["cause"]: c["score"] for c in (e or {}).get("causes", [])}
+    x += [_num(scores[c]) if c in scores else ABSENT for c in CAUSES]
+    x += [1.0 if e is not None and e["failure"] == f else 0.0 for f in FAILURES]
+    eps = evidence.get("episodes") or []
+    x += [
+        _num(e["p_failure"]) if e else 0.0,
+        math.log1p(sum(1 for o in eps if o["p_failure"] >= 0.5)),
+        1.0 if e is None else 0.0,
+    ]
+    run = evidence.get("run") or {}
+    x += [f(run) for _, f in RUN_FEATURES]
+    return np.array(x, dtype=np.float64)
+
+
+def load(path: str) -> List[Dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+class Softmax:
+    """Multinomial logistic regression over standardized features."""
+
+    def __init__(self, classes: List[str], l2: float = 1e-2) -> None:
+        self.classes = classes
+        self.l2 = l2
+
+    def fit(self, x: np.ndarray, y: np.ndarray, w: np.ndarray, iters: int = 4000, lr: float = 0.5) -> "Softmax":
+        """`y`: (n, C) target distributions (a pair mutant splits its mass over its causes);
+        `w`: per-sample weights."""
+        self.mean = x.mean(0)
+        self.std = np.where(x.std(0) > 1e-9, x.std(0), 1.0)
+        z = (x - self.mean) / self.std
+        n, d = z.shape
+        c = y.shape[1]
+        self.W = np.zeros((d, c))
+        self.b = np.zeros(c)
+        wsum = w.sum()
+        for _ in range(iters):
+            p = self._softmax(z @ self.W + self.b)
+            g = (p - y) * w[:, None] / wsum
+            self.W -= lr * (z.T @ g + self.l2 * self.W)
+            self.b -= lr * g.sum(0)
+        return self
+
+    @staticmethod
+    def _softmax(a: np.ndarray) -> np.ndarray:
+        a = a - a.max(1, keepdims=True)
+        e = np.exp(a)
+        return e / e.sum(1, keepdims=True)
+
+    def predict(self, x: np.ndarray) -> np.ndarray:
+        return self._softmax(((x - self.mean) / self.std) @ self.W + self.b)
+
+    def table(self) -> Dict:
+        return {
+            "features": FEATURE_NAMES,
+            "classes": self.classes,
+            "mean": self.mean.round(6).tolist(),
+            "std": self.std.round(6).tolist(),
+            "weights": self.W.round(6).tolist(),
+            "bias": self.b.round(6).tolist(),
+        }
+
+
+def targets(records: List[Dict], classes: List[str]) -> np.ndarray:
+    y = np.zeros((len(records), len(classes)))
+    for i, r in enumerate(records):
+        lab = [c for c in r["label"] if c in classes]
+        for c in lab:
+            y[i, classes.index(c)] = 1.0 / len(lab)
+    return y
+
+
+def engine_prediction(r: Dict) -> Tuple[str, float]:
+    h = r["hypotheses"][0] if r["hypotheses"] else None
+    if h is None or h["confidence"] < 0.5:
+        return "healthy", (h["confidence"] if h else 0.0)
+    return h["cause"], h["confidence"]
+
+
+def fitted_prediction(model: Softmax, p: np.ndarray) -> Tuple[str, float]:
+    """The most probable failure cause if it reaches 0.5, else healthy."""
+    hi = model.classes.index("healthy")
+    q = p.copy()
+    q[hi] = -1.0
+    j = int(q.argmax())
+    return (model.classes[j], float(p[j])) if p[j] >= 0.5 else ("healthy", float(p[j]))
+
+
+def right(r: Dict, pred: str) -> bool:
+    if r["label"] == ["unlabelled"]:  # an external program whose label has no cause of ours
+        return pred != "healthy"
+    ok = set(r["label"]) | (set(r.get("also", [])) if r.get("manifests") else set())
+    return pred in ok
+
+
+def summary(records: List[Dict], preds: List[Tuple[str, float]]) -> Dict[str, Tuple[int, int]]:
+    man = [(r, p) for r, p in zip(records, preds) if r["label"] != ["healthy"]]
+    healthy = [(r, p) for r, p in zip(records, preds) if r["label"] == ["healthy"]]
+    return {
+        "planted cause top": (sum(right(r, p[0]) for r, p in man), len(man)),
+        "healthy quiet": (sum(p[0] == "healthy" for _, p in healthy), len(healthy)),
+    }
+
+
+def reliability(records: List[Dict], preds: List[Tuple[str, float]]) -> List[Tuple[str, int, int]]:
+    """Alarms (a failure predicted at >= 0.5) binned by confidence: how many were right."""
+    bins = [(0.5, 0.6), (0.6, 0.7), (0.7, 0.8), (0.8, 0.9), (0.9, 1.01)]
+    rows = []
+    for lo, hi in bins:
+        sel = [(r, p) for r, p in zip(records, preds) if p[0] != "healthy" and lo <= p[1] < hi]
+        rows.append((f"{lo:.1f}-{min(hi, 1.0):.1f}", sum(right(r, p[0]) for r, p in sel), len(sel)))
+    return rows
+
+
+def fmt(t: Tuple[int, int]) -> str:
+    return f"{t[0]}/{t[1]}" + (f" ({100.0 * t[0] / t[1]:.0f}%)" if t[1] else "")
+
+
+def matrix(records: List[Dict]) -> np.ndarray:
+    return np.stack([features(r["evidence"], r["hypotheses"]) for r in records])
+
+
+def fit(records: List[Dict], classes: List[str], l2: float) -> Softmax:
+    return Softmax(classes, l2).fit(matrix(records), targets(records, classes), np.ones(len(records)))
+
+
+def report(title: str, records: List[Dict], model: Softmax) -> None:
+    fitted = [fitted_prediction(model, p) for p in model.predict(matrix(records))] if records else []
+    compare(title, records, fitted)
+
+
+def compare(title: str, records: List[Dict], fitted: List[Tuple[str, float]]) -> None:
+    engine = [engine_prediction(r) for r in records]
+    print(f"\n## {title}: {len(records)} runs")
+    se, sf = summary(records, engine), summary(records, fitted)
+    print("| measure | engine's ranking | fitted table |")
+    print("|---|---|---|")
+    for k in se:
+        print(f"| {k} | {fmt(se[k])} | {fmt(sf[k])} |")
+    print("\nreliability (alarms at >= 0.5, right / all):")
+    print("| confidence | engine's ranking | fitted table |")
+    print("|---|---|---|")
+    for (b, e_ok, e_n), (_, f_ok, f_n) in zip(reliability(records, engine), reliability(records, fitted)):
+        print(f"| {b} | {fmt((e_ok, e_n))} | {fmt((f_ok, f_n))} |")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("corpus")
+    ap.add_argument("--held-out", default=",".join(HELD_OUT), help="base programs never used in fitting")
+    ap.add_argument("--external", default=None, help="the external suite's evidence (never used in fitting)")
+    ap.add_argument("--table", default=None, help="write the fitted table (JSON) here")
+    ap.add_argument("--l2", type=float, default=1e-2)
+    ap.add_argument("--cv", action="store_true", help="also report leave-one-base-out over every base")
+    args = ap.parse_args()
+
+    records = load(args.corpus)
+    held = set(args.held_out.split(","))
+    train = [r for r in records if r["base"] not in held]
+    test = [r for r in records if r["base"] in held]
+    classes = sorted({c for r in records for c in r["label"]} - {"healthy"}) + ["healthy"]
+    model = fit(train, classes, args.l2)
+    n_man = sum(r["manifests"] for r in records if r["ops"])
+    n_mut = sum(1 for r in records if r["ops"])
+    print(f"corpus {args.corpus}: {len(records)} runs, {n_mut} mutants ({n_man} manifest), "
+          f"{len({r['base'] for r in records})} bases; fitted on {len(train)} runs of "
+          f"{len({r['base'] for r in train})} bases; held out: {', '.join(sorted(held))}")
+    report("held-out base programs", test, model)
+    report("fitting set (in-sample)", train, model)
+    if args.cv:
+        # Every base in turn predicted by a model fitted on all the others.
+        order: List[Dict] = []
+        preds: List[Tuple[str, float]] = []
+        for b in sorted({r["base"] for r in records}):
+            out = [r for r in records if r["base"] == b]
+            m = fit([r for r in records if r["base"] != b], classes, args.l2)
+            order += out
+            preds += [fitted_prediction(m, p) for p in m.predict(matrix(out))]
+        compare("leave-one-base-out (each base predicted by a fit on the others)", order, preds)
+    if args.external:
+        ext = load(args.external)
+        for r in ext:
+            r.setdefault("manifests", r["label"] != ["healthy"])
+        report("external suite (buggy and fixed programs)", ext, model)
+    if args.table:
+        with open(args.table, "w") as f:
+            json.dump({"command": "make bench-corpus", **model.table()}, f, indent=1)
+            f.write("\n")
+        print(f"\nfitted table -> {args.table}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""The mutation corpus (bench/corpus): operators plant what they say, labels follow the runs,
+the features are the engine's own, and the fit recovers a known model."""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from bench.corpus import fit  # noqa: E402
+from bench.corpus.bases import BASES, Knobs, base  # noqa: E402
+from bench.corpus.mutations import MUTATIONS, pairs, singles  # noqa: E402
+from bench.corpus.run import label, one  # noqa: E402
+from neuraldbg.types import Cause  # noqa: E402
+
+
+def test_every_operator_plants_a_cause_of_the_vocabulary_and_applies_somewhere() -> None:
+    names = {c.value for c in Cause}
+    for m in MUTATIONS:
+        assert m.cause in names and set(m.also) <= names, m
+        assert any(m.applies_to(b) for b in BASES), m.name
+    # Pairs combine different causes and never turn the same knob twice.
+    for _, (a, b) in pairs(BASES, 200, seed=0):
+        assert a.cause != b.cause and not set(a.knobs()) & set(b.knobs())
+    assert len({(b.name, ms) for b, ms in singles(BASES)}) == len(singles(BASES))
+
+
+def test_a_mutant_is_labelled_by_what_it_did_to_the_run() -> None:
+    rec = {"ops": ["lr_x10"], "causes": ["learning_rate_too_high"], "chance": 0.1, "finite": True, "error": None}
+    label(r := dict(rec, score=0.30), base_score=0.9)  # lost 0.6 of the base's 0.8 gain
+    assert r["manifests"] and r["label"] == ["learning_rate_too_high"]
+    label(r := dict(rec, score=0.85), base_score=0.9)  # trains as well as its base
+    assert not r["manifests"] and r["label"] == ["healthy"]
+    label(r := dict(rec, score=0.85, finite=False), base_score=0.9)  # the loss went NaN
+    assert r["manifests"]
+    label(r := dict(rec, ops=[], causes=[], score=0.9), base_score=0.9)
+    assert r["label"] == ["healthy"]
+
+
+def test_a_run_carries_the_engines_evidence_and_the_features_are_read_from_it() -> None:
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+    healthy = one("mlp_regression", (), 0)
+    broken = one("mlp_regression", ("lr_x1000",), 0)
+    label(broken, healthy["score"])
+    # Adam at lr 3 destroys the regression: it manifests, and the engine confirms a failure.
+    assert broken["manifests"], (broken["score"], healthy["score"])
+    assert broken["hypotheses"] and broken["hypotheses"][0]["confidence"] >= 0.5
+    x = fit.features(broken["evidence"], broken["hypotheses"])
+    assert x.shape == (len(fit.FEATURE_NAMES),)
+    ep = fit.primary_episode(broken["evidence"], broken["hypotheses"])
+    assert ep is not None and ep["failure"] == broken["hypotheses"][0]["failure"]
+    top = ep["causes"][0]
+    assert x[fit.FEATURE_NAMES.index(f"score:{top['cause']}")] == top["score"]
+    assert x[fit.FEATURE_NAMES.index(f"failure:{ep['failure']}")] == 1.0
+    # The engine's learning rate reaches the features as it was set (Adam, 3e-3 x 1000).
+    assert abs(x[fit.FEATURE_NAMES.index("log10_lr")] - np.log10(3.0)) < 1e-6
+
+
+def test_the_fit_recovers_a_known_multinomial_model() -> None:
+    g = np.random.default_rng(0)
+    w = np.array([[3.0, -3.0, 0.0], [0.0, 3.0, -3.0]])
+    x = g.normal(size=(3000, 2))
+    logits = x @ w
+    p = np.exp(logits - logits.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    y_idx = np.array([g.choice(3, p=row) for row in p])
+    y = np.eye(3)[y_idx]
+    m = fit.Softmax(["a", "b", "c"], l2=1e-4).fit(x, y, np.ones(len(x)), iters=3000, lr=0.5)
+    # Same predicted distribution as the generating model, on fresh points.
+    xt = g.normal(size=(500, 2))
+    lt = xt @ w
+    pt = np.exp(lt - lt.max(1, keepdims=True))
+    pt /= pt.sum(1, keepdims=True)
+    assert np.abs(m.predict(xt) - pt).mean() < 0.03
+
+
+def test_every_base_builds_with_default_knobs() -> None:
+    for b in BASES:
+        p = b.build(Knobs(), 0)
+        x, y = p.batch(0)
+        out = p.model(x)
+        assert torch.isfinite(p.loss(out, y)), b.name
+    assert base("lora").kind == "lora-fine-tuning"
