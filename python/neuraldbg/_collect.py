@@ -1244,7 +1244,7 @@ class Collector:
             self.clip_index = max(pool, key=lambda k: sizes[k])
         spec = self.watched.spec(executed, self.optimizer_name)
         spec["param_lr"] = self.loop.param_lrs()
-        spec["loss"] = self.loop.loss
+        spec["loss"] = self.loop.loss_facts()
         # A CPU model whose loss is taken at the backward tap has its gradients read there
         # too, when the backward returns, instead of by hooks that fire inside it.
         tap = self.hm is not None and self in BACKWARD_TAP.collectors and not self.hooks.frozen

@@ -201,6 +201,28 @@ class LoopFacts:
             self.loss = None
         self.first_output = None
 
+    def loss_facts(self) -> Optional[Dict[str, Any]]:
+        """The loss's description for the engine (at registration), its output and target
+        ranges read now: on a GPU they were copied to the host without waiting when the loss
+        appeared, and by the end of the first step the copy is normally done."""
+        d = self.loss
+        if d is None:
+            return None
+        pending = d.pop("_ranges", None)
+        if pending is not None:
+            host, event = pending
+            try:
+                if event is not None and not event.query():
+                    event.synchronize()  # (the first step only, once)
+                lo, hi, tlo, thi = (float(v) for v in host.tolist())
+            except Exception:  # pragma: no cover - ranges are optional facts
+                lo = hi = tlo = thi = math.nan
+            if math.isfinite(lo) and math.isfinite(hi):
+                d["output_range"] = [lo, hi]
+            if math.isfinite(tlo) and math.isfinite(thi):
+                d["target_range"] = [tlo, thi]
+        return d
+
 
 def grad_changed(p: Any, before: Any, version: Optional[int]) -> bool:
     """Whether a backward pass gave ``p`` a gradient: its ``.grad`` is another tensor than
@@ -279,14 +301,14 @@ def _describe(loss: Any, output_fns: List[Any], output: Any) -> Optional[Dict[st
             break
         producer = nxt[0]
     d: Dict[str, Any] = {"ops": ops, "output_op": op_name(producer)}
+    # Output and target ranges: four values reduced on the device, read at registration
+    # (LoopFacts.loss_facts), not here in the middle of the first step.
+    bounded: List[Any] = []  # the tensors whose (min, max) are wanted, or None
     if isinstance(output, torch.Tensor):
         d["output_numel"] = int(output.numel())
         if output.dim() >= 1:
             d["output_units"] = int(output.shape[-1])
-        if output.is_floating_point() and output.numel() > 0:
-            lo, hi = torch.aminmax(output.detach().float())
-            if math.isfinite(float(lo)) and math.isfinite(float(hi)):
-                d["output_range"] = [float(lo), float(hi)]
+    bounded.append(output if isinstance(output, torch.Tensor) and output.is_floating_point() and output.numel() else None)
     # What the loss compared with the target: the first node on the path that saved its input
     # (MseLoss, SmoothL1Loss, NllLoss...; Abs for a written-out L1).
     for node in path[:-1]:
@@ -298,8 +320,22 @@ def _describe(loss: Any, output_fns: List[Any], output: Any) -> Optional[Dict[st
         (t for t in (getattr(n, "_saved_target", None) for n in path[:-1]) if isinstance(t, torch.Tensor)),
         None,
     )
-    if isinstance(target, torch.Tensor) and target.is_floating_point() and target.numel() > 0:
-        lo, hi = torch.aminmax(target.detach().float())
-        if math.isfinite(float(lo)) and math.isfinite(float(hi)):
-            d["target_range"] = [float(lo), float(hi)]
+    bounded.append(target if isinstance(target, torch.Tensor) and target.is_floating_point() and target.numel() else None)
+    device = next((t.device for t in bounded if t is not None), None)
+    if device is not None:
+        ranges: List[Any] = []
+        for t in bounded:
+            if t is not None and t.device == device:
+                ranges.extend(torch.aminmax(t.detach().float()))
+            else:  # (made on the device: a copy from the host would wait for its queue)
+                ranges.extend(torch.full((2,), float("nan"), device=device).unbind())
+        values = torch.stack(ranges)
+        if values.device.type == "cuda":
+            host = torch.empty(4, dtype=torch.float32, pin_memory=True)
+            host.copy_(values, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(values.device))
+            d["_ranges"] = (host, event)
+        else:
+            d["_ranges"] = (values, None)
     return d
