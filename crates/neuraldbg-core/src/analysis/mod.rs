@@ -229,9 +229,15 @@ impl<'a> Analysis<'a> {
             for (scored, p_cause) in ranked.into_iter().take(3) {
                 let mut confidence = (e.p_failure * p_cause * discount).clamp(0.0, 1.0);
                 // "We don't know why" is not a finding on its own: it stays below the level at
-                // which a run counts as failed, wherever named causes compete (a diverged
-                // replica has none: the failure itself is the finding).
-                if scored.cause == Cause::Unknown && e.failure.ranked_by_cause_rules() {
+                // which a run counts as failed, wherever named causes compete. Not where the
+                // failure itself is the finding: a diverged replica (no named cause explains
+                // it), values gone NaN/Inf (no healthy run has them; a spoke that does not see
+                // the inputs cannot tell a bad batch from an unstable operation, and halt_on
+                // must still stop the run).
+                if scored.cause == Cause::Unknown
+                    && e.failure.ranked_by_cause_rules()
+                    && e.failure != Failure::NonFinite
+                {
                     confidence = confidence.min(UNKNOWN_CAP);
                 }
                 if confidence < 0.02 {
