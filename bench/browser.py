@@ -42,6 +42,7 @@ _PROBE = """<script>
     page_height: document.documentElement.scrollHeight,
     heatmap: c ? rect(c) : null,
     heatmap_plot: c && c.dataset.plot ? c.dataset.plot.split(',').map(Number) : null,
+    thresholds: [...document.querySelectorAll('#legend text.threshold')].map(rect),
   }));
 })();
 </script>"""
