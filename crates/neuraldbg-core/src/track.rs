@@ -364,7 +364,10 @@ impl LossTrack {
                     config.loss_divergence_factor
                 };
                 let ratio = s / self.best;
-                self.peak_ratio = self.peak_ratio.max(ratio);
+                if s - self.best > NOISE_MARGIN * self.noise {
+                    // A rise beyond the noise (a noisy loss's ups are not jumps).
+                    self.peak_ratio = self.peak_ratio.max(ratio);
+                }
                 if ratio > factor.max(1.0)
                     && s > initial
                     && s - self.best > NOISE_MARGIN * self.noise
@@ -741,8 +744,9 @@ mod tests {
             t.observe(step as u64, loss, &config);
         }
         assert!(t.peak_ratio > 1000.0);
+        // A noisy loss's ups are no jump (the plateau's sentence quotes one from 2x).
         let before = t.peak_at_plateau.unwrap();
-        assert!(before < 5.0, "{before}");
+        assert!(before < 1.5, "{before}");
     }
 
     #[test]
