@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from ._distributed import has_shards, local_tensors
+from ._distributed import PeerLeft, has_shards, local_tensors
 from ._hooks import BACKWARD_TAP, Hooks, reaches
 from ._loop import LoopFacts, grad_changed
 from ._measure import HostMeasurer, Measurer, Probe, first_float_tensor, input_stats
@@ -887,7 +887,11 @@ class Collector:
         if optimizer is self.plain_optimizer and self.grad_read and self._plain_host_step(optimizer):
             self.raise_halt()
             return
-        if self.disabled or self.step_on != "optimizer" or not self._is_relevant(optimizer):
+        if self.disabled:
+            if self.step_on == "optimizer" and self._is_relevant(optimizer):
+                self.step += 1  # still a step of the run: the trace records it as not observed
+            return
+        if self.step_on != "optimizer" or not self._is_relevant(optimizer):
             return
         if not self.grad_read:
             if self.forward_gen == self.observed_gen:
@@ -1051,11 +1055,14 @@ class Collector:
         self.pending = None
         self.plain = None
         who = "NeuralDBG"
+        what = f"after an internal error: {type(e).__name__}: {e}"
         if self.dist is not None:
             self.dist.abandon(e)
             who = f"NeuralDBG (rank {self.dist.rank})"
+            if isinstance(e, PeerLeft):  # the peer's doing, not an error of ours
+                what = f"at step {self.step}: {e}; training goes on"
         warnings.warn(
-            f"{who} stopped observing after an internal error: {type(e).__name__}: {e}",
+            f"{who} stopped observing {what}",
             NeuralDbgWarning,
             stacklevel=3,
         )
