@@ -352,3 +352,28 @@ def test_report_legend_threshold_labels_do_not_touch(tmp_path: Any, chromium: st
         boxes.sort(key=lambda b: b["left"])
         for a, b in zip(boxes, boxes[1:]):
             assert a["left"] + a["width"] + 4 <= b["left"], (width, boxes)
+
+
+def test_a_relu_root_after_the_last_layer_keeps_its_label_off_the_axis(tmp_path: Any, chromium: str) -> None:
+    """The root is the output ReLU (no heatmap row of its own, after the last row): its label
+    stays beside the map, clear of the step axis below it."""
+    from bench import browser
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4), nn.ReLU())
+    with torch.no_grad():
+        model[4].bias.fill_(-10.0)  # every output unit dead
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with NeuralDbg(model) as dbg:
+        for _ in range(20):
+            opt.zero_grad()
+            nn.MSELoss()(model(torch.randn(32, 16)), torch.randn(32, 4)).backward()
+            opt.step()
+    top = dbg.explain_failure()[0]
+    assert (str(top.failure), top.layer) == ("dead_neurons", "5")
+    path = tmp_path / "r.html"
+    dbg.save_report(path)
+    layout = browser.layout(chromium, path)
+    _, plot_top, _, plot_h = layout["heatmap_plot"]
+    y = layout["root_label"]
+    assert plot_top + 6 <= y <= plot_top + plot_h - 6, layout

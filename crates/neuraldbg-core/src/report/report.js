@@ -275,8 +275,13 @@
       ctx.textBaseline = 'middle';
       const rowH = ph / rows;
       const every = Math.max(1, Math.ceil(13 / rowH));
+      // The root's label: beside its rows, or (an activation, which has no row of its own) on
+      // the line between two, kept clear of the axis labels above and below the map.
       let rootY = null;
-      if (focus && focus.rows) rootY = TOP + (focus.rows[0] + focus.rows[1]) / 2 * rowH;
+      if (focus && focus.rows) {
+        rootY = Math.min(Math.max(TOP + (focus.rows[0] + focus.rows[1]) / 2 * rowH, TOP + 7), TOP + ph - 7);
+        canvas.dataset.rootLabel = String(rootY);
+      }
       for (let r = 0; r < rows; r += every) {
         const y = TOP + (r + 0.5) * rowH;
         if (rootY !== null && Math.abs(y - rootY) < 11) continue;
@@ -312,7 +317,7 @@
         ctx.fillStyle = '#c0392b';
         ctx.textBaseline = 'middle';
         const label = '▶ root ' + (focus.layer === '' ? '<model>' : focus.layer) + (focus.kind ? ' (' + focus.kind + ')' : '');
-        ctx.fillText(ellipsize(ctx, label, LEFT - 8), LEFT - 6, (y0 + y1) / 2);
+        ctx.fillText(ellipsize(ctx, label, LEFT - 8), LEFT - 6, rootY);
       }
       if (focus && focus.step !== null && focus.step !== undefined) {
         const x = Math.round(xOf(focus.step)) + 0.5;
