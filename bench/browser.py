@@ -42,6 +42,8 @@ _PROBE = """<script>
     page_height: document.documentElement.scrollHeight,
     heatmap: c ? rect(c) : null,
     heatmap_plot: c && c.dataset.plot ? c.dataset.plot.split(',').map(Number) : null,
+    thresholds: [...document.querySelectorAll('#legend text.threshold')].map(rect),
+    root_label: c && c.dataset.rootLabel ? Number(c.dataset.rootLabel) : null,
   }));
 })();
 </script>"""

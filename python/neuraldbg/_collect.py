@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from ._distributed import has_shards, local_tensors
+from ._distributed import PeerLeft, has_shards, local_tensors
 from ._guard import REPORT, guarded
 from ._hooks import BACKWARD_TAP, Hooks, reaches
 from ._loop import LoopFacts, grad_changed
@@ -1032,7 +1032,11 @@ class Collector:
         if optimizer is self.plain_optimizer and self.grad_read and self._plain_host_step(optimizer):
             self.raise_halt()
             return
-        if self.disabled or self.step_on == "backward" or not self._is_relevant(optimizer):
+        if self.disabled:
+            if self.step_on != "backward" and self._is_relevant(optimizer):
+                self.step += 1  # still a step of the run: the trace records it as not observed
+            return
+        if self.step_on == "backward" or not self._is_relevant(optimizer):
             return
         if not self.grad_read and self.forward_gen == self.observed_gen:
             if self.step_on != "each_optimizer":
@@ -1213,17 +1217,22 @@ class Collector:
         self.pending = self.later = None
         self.plain = None
         who = "NeuralDBG"
+        message = (
+            f"stopped observing at step {self.step} after an internal error in {entry}: "
+            f"{type(e).__name__}: {e}. Training goes on unobserved; "
+            + (f"steps 0 to {self.step - 1} are diagnosed and in the trace. " if self.step else "")
+            + f"This is a bug in NeuralDBG: {REPORT}"
+        )
         if self.dist is not None:
             try:
                 self.dist.abandon(e)
             except Exception:  # pragma: no cover - the warning below says it all
                 pass
             who = f"NeuralDBG (rank {self.dist.rank})"
+            if isinstance(e, PeerLeft):  # the peer's doing, not an error of ours
+                message = f"stopped observing at step {self.step}: {e}; training goes on"
         warnings.warn(
-            f"{who} stopped observing at step {self.step} after an internal error in {entry}: "
-            f"{type(e).__name__}: {e}. Training goes on unobserved; "
-            + (f"steps 0 to {self.step - 1} are diagnosed and in the trace. " if self.step else "")
-            + f"This is a bug in NeuralDBG: {REPORT}",
+            f"{who} {message}",
             NeuralDbgWarning,
             stacklevel=3,
         )

@@ -35,7 +35,9 @@ what counts as a diverged replica.
 from __future__ import annotations
 
 import datetime
+import json
 import math
+import time
 import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -56,6 +58,101 @@ class CollectiveError(RuntimeError):
 
 class StoppedElsewhere(RuntimeError):
     """Another rank stopped observing after an error of its own: every rank stops with it."""
+
+
+class PeerLeft(CollectiveError):
+    """Another rank left its ``with NeuralDbg`` block (it raised, or its loop ended early)."""
+
+
+# Longest wait at ``__enter__`` for the other ranks to enter their block: a rank that never
+# enters must not hold the job for the collective timeout.
+ENTER_WAIT = 10.0
+# Seconds between looks at the store for a rank that left, while waiting for our collective.
+_LEFT_POLL = 0.2
+# This process's distributed blocks so far: numbers the store keys of each block.
+_blocks = 0
+
+
+def rank_and_world() -> Optional[Tuple[int, int]]:
+    """``(rank, world size)`` of an initialized job of more than one process, else None."""
+    if not active():
+        return None
+    import torch.distributed as dist
+
+    return int(dist.get_rank()), int(dist.get_world_size())
+
+
+class Roster:
+    """Who entered the block and who left it, through the job's key-value store (a few keys
+    per block, no collective): a rank that never enters, or leaves early, is named to the
+    others within seconds instead of after the collective's timeout."""
+
+    def __init__(self, store: Any, prefix: str, rank: int, world: int) -> None:
+        self.store = store
+        self.prefix = prefix
+        self.rank = rank
+        self.world = world
+
+    @classmethod
+    def join(cls, rank: int, world: int, wait: float) -> "Tuple[Optional[Roster], Optional[str]]":
+        """Enters this rank and waits up to ``wait`` seconds for the others: ``(roster, None)``
+        when every rank entered, ``(None, why)`` when some did not (every rank then agrees:
+        the first to decide writes the verdict), ``(None, None)`` without a store."""
+        global _blocks
+        try:
+            from torch.distributed import distributed_c10d
+
+            store = distributed_c10d._get_default_store()
+        except Exception:  # no store to ask: the group's creation is the only check
+            return None, None
+        _blocks += 1
+        prefix = f"neuraldbg/block{_blocks}"
+        store.set(f"{prefix}/in{rank}", "1")
+        store.add(f"{prefix}/in", 1)
+        deadline = time.monotonic() + wait
+        while True:
+            if store.add(f"{prefix}/in", 0) >= world:
+                verdict = store.compare_set(f"{prefix}/verdict", "", "go")
+            elif time.monotonic() > deadline:
+                verdict = store.compare_set(f"{prefix}/verdict", "", "off")
+            else:
+                time.sleep(0.02)
+                continue
+            break
+        if verdict == b"go":
+            return cls(store, prefix, rank, world), None
+        missing = [r for r in range(world) if r != rank and not store.check([f"{prefix}/in{r}"])]
+        if missing:
+            who = f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}"
+            late = f"{who} did not enter its `with NeuralDbg(...)` block within {wait:g} s"
+        else:
+            late = f"the other ranks stopped waiting for rank {rank} after {wait:g} s"
+        return None, (
+            f"NeuralDBG (rank {rank}): {late}. Every rank of the job must enter the block "
+            "(NeuralDBG's process group is created by all of them together); this rank is "
+            'watched on its own, as with distributed="off". Training goes on.'
+        )
+
+    def leave(self, step: int, why: Optional[str]) -> None:
+        """Tells the others this rank left its block after ``step`` steps (``why``: the
+        exception that ended it, if any)."""
+        try:
+            self.store.set(f"{self.prefix}/left{self.rank}", json.dumps({"step": step, "why": why}))
+        except Exception:  # best effort: the others' timeout still applies
+            pass
+
+    def left(self, step: int) -> Optional[str]:
+        """The first other rank that left its block before sending ``step``'s statistics (it
+        had completed at most ``step`` steps), as a sentence, or None."""
+        for r in range(self.world):
+            key = f"{self.prefix}/left{r}"
+            if r != self.rank and self.store.check([key]):
+                d = json.loads(self.store.get(key))
+                if int(d["step"]) > step:
+                    continue  # it sent this step's statistics: they are on their way
+                why = f" (it raised {d['why']})" if d.get("why") else ""
+                return f"rank {r} left its `with NeuralDbg(...)` block after step {d['step']}{why}"
+        return None
 
 
 def active() -> bool:
@@ -117,11 +214,12 @@ class Layout:
 class Exchange:
     """One step's all-gather in flight."""
 
-    __slots__ = ("work", "out", "host", "event")
+    __slots__ = ("work", "out", "host", "event", "step")
 
     def __init__(self, work: Any, out: Any) -> None:
         self.work = work
         self.out = out
+        self.step = -1  # the step whose statistics it carries (-1: none)
         self.host: Optional[np.ndarray] = None
         self.event: Any = None  # CUDA: recorded after the copy into pinned memory
 
@@ -134,7 +232,7 @@ class Exchange:
 class Distributed:
     """The distributed side of one collector: rank, world, parameter replication, exchange."""
 
-    def __init__(self, timeout: float) -> None:
+    def __init__(self, timeout: float, roster: Optional[Roster] = None) -> None:
         import torch
         import torch.distributed as dist
 
@@ -144,6 +242,7 @@ class Distributed:
         self.world = dist.get_world_size()
         self.backend = str(dist.get_backend())
         self.timeout = datetime.timedelta(seconds=timeout)
+        self.roster = roster
         # A group of our own: its collectives are numbered apart from the job's, so ranks that
         # disagree about ours (one stopped observing) can never shift the job's own collectives.
         # Creating it is a collective over every rank: each rank enters its `with NeuralDbg`.
@@ -185,8 +284,11 @@ class Distributed:
             loss_scale=layout.loss_scale,
         )
         if vec.device.type == "cuda":  # pragma: no cover - needs a GPU
-            return self.start_device(vec)
-        return self.start(vec)
+            ex = self.start_device(vec)
+        else:
+            ex = self.start(vec)
+        ex.step = int(layout.step)
+        return ex
 
     def receive(self, ex: "Exchange", layout: Any) -> "JobStep":
         """The job-wide step of an exchange (waits for it if it is still in flight)."""
@@ -324,10 +426,12 @@ class Distributed:
             return ex.host
         try:
             if ex.out.device.type == "cpu":
-                ex.work.wait(timeout=self.timeout)
+                self._await(ex.work, ex.step)
                 host = ex.out.numpy()
             else:  # pragma: no cover - needs a GPU
                 host = ex.out.cpu().numpy()
+        except PeerLeft:
+            raise
         except Exception as e:
             raise CollectiveError(
                 f"rank {self.rank} got no statistics from the other ranks ({type(e).__name__}: {e})"
@@ -335,6 +439,31 @@ class Distributed:
         assert self.layout is not None
         ex.host = host.reshape(self.world, self.layout.size)
         return ex.host
+
+    def _await(self, work: Any, step: int) -> None:
+        """Waits for the collective of ``step`` on the host, up to the timeout, looking now and
+        then whether a rank left its block before that step (then it never will deliver:
+        :class:`PeerLeft` names it)."""
+        roster = self.roster
+        if roster is None or work.is_completed():
+            work.wait(timeout=self.timeout)
+            return
+        now = time.monotonic()
+        deadline = now + self.timeout.total_seconds()
+        look = now + _LEFT_POLL
+        nap = 0.0002  # short naps first: a peer a little behind costs no more than it did
+        while not work.is_completed():
+            now = time.monotonic()
+            if now >= look:
+                gone = roster.left(step)
+                if gone is not None:
+                    raise PeerLeft(gone)
+                look = now + _LEFT_POLL
+            if now >= deadline:
+                break
+            time.sleep(min(nap, deadline - now))
+            nap = min(nap * 2, 0.02)
+        work.wait(timeout=datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
 
     def start_device(self, vec: Any) -> Exchange:  # pragma: no cover - needs a GPU
         """NCCL: the collective, then an asynchronous copy of its result into pinned memory

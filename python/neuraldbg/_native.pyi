@@ -34,6 +34,9 @@ class Engine:
         """Starts recording the engine's inputs to a trace file (ConfigError if it cannot be
         created). ``sync_interval``: seconds between syncs to disk (0: every step; inf: only
         on close; None: the default)."""
+    def record_unobserved(self, first: int, last: Optional[int], reason: str) -> None:
+        """Records in the open trace (if any) that steps ``first..=last`` (None: to the end)
+        were not observed, and why."""
     def close_trace(self) -> Optional[Tuple[str, int, int, bool]]:
         """Closes the trace: ``(path, steps, bytes, has_header)``, or None if none was open."""
     def register_model(self, spec_json: str) -> str:

@@ -7,7 +7,6 @@ style and script cannot touch the notebook's, and it loads nothing from the netw
 
 from __future__ import annotations
 
-import html
 import json
 import os
 from typing import Any, Dict, List, Optional, Set, Tuple, Union
@@ -29,8 +28,11 @@ def _frame_html(page: str, height: int) -> str:
         "try{var d=this.contentDocument;if(d){this.style.height="
         "(d.documentElement.scrollHeight+8)+'px';}}catch(e){}"
     )
+    # Single-quoted, so that only `&` and `'` need escaping: the page's JSON is full of `"`,
+    # and escaping those (and `<`, `>`) made the notebook's copy half again the report's size.
+    srcdoc = page.replace("&", "&amp;").replace("'", "&#39;")
     return (
-        f'<iframe class="neuraldbg-report" srcdoc="{html.escape(page, quote=True)}" '
+        f"<iframe class=\"neuraldbg-report\" srcdoc='{srcdoc}' "
         f'style="width:100%;height:{height}px;border:1px solid #dde1e8;border-radius:6px" '
         f'onload="{fit}" title="NeuralDBG report"></iframe>'
     )
@@ -58,6 +60,12 @@ class Hypotheses(List[CausalHypothesis]):
 
     _engine: Any = None
     _failure: Optional[str] = None
+
+    def __str__(self) -> str:
+        # One line per hypothesis (``print(dbg.explain_failure())``), not the dataclasses.
+        return "\n".join(str(h) for h in self) if self else "[]"
+
+    __repr__ = __str__
 
     def _repr_html_(self) -> Optional[str]:
         if self._engine is None:
@@ -142,6 +150,9 @@ class Results:
         Can be called during training (a snapshot so far) or after it.
         """
         page = self.report_html(title)
+        directory = os.path.dirname(os.fspath(path))
+        if directory:  # as `report=` and `neuraldbg report -o` do
+            os.makedirs(directory, exist_ok=True)
         with open(os.fspath(path), "w", encoding="utf-8") as f:
             f.write(page)
 
@@ -157,9 +168,26 @@ class Results:
         downsampled into buckets (``reduce``: ``last``, ``min`` or ``max`` of each bucket;
         ``max`` is NaN for a bucket that held a NaN/Inf).
         """
+        if layer is not None and not isinstance(layer, str):
+            raise ConfigError(
+                f"layer must be a qualified module name (a str such as {self._example_layer()!r}) "
+                f"or None for run-wide series, got {type(layer).__qualname__} {layer!r}"
+            )
+        if not isinstance(metric, str) or not isinstance(reduce, str):
+            bad = ("metric", metric) if not isinstance(metric, str) else ("reduce", reduce)
+            raise ConfigError(f"{bad[0]} must be a str, got {type(bad[1]).__qualname__} {bad[1]!r}")
         self._sync()
         steps, values = self._engine.history(layer, metric, reduce)
         return np.asarray(steps), np.asarray(values)
+
+    def _example_layer(self) -> str:
+        """A layer name of this run, for error messages."""
+        try:
+            keys = self._engine.history_table()[0]
+        except Exception:  # no model registered yet
+            return "encoder.layer.3"
+        names = [k[1] for k in keys if k[0] == "layer" and k[1]]
+        return names[0] if names else "encoder.layer.3"
 
     # ------------------------------------------------------------ data frames
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import os
 import platform
 import socket
@@ -231,20 +232,16 @@ class NeuralDbg(Results):
         from . import _distributed
         from ._collect import Collector
 
-        job = None
-        if self._distributed == "auto" and _distributed.active():
-            job = _distributed.Distributed(self._distributed_timeout)
-        trace_path = self._trace_path
-        if trace_path is not None and job is not None:
-            if self._trace_rank is None:
-                trace_path = _distributed.rank_path(trace_path, job.rank)
-            elif self._trace_rank != job.rank:
-                trace_path = None
+        where = _distributed.rank_and_world()
+        job = self._join(where) if where is not None and self._distributed == "auto" else None
+        trace_path = self._rank_trace(where)
         if trace_path is not None:
             # Opened before any hook is installed, so a bad path leaves nothing behind.
             meta = self._trace_meta()
+            if where is not None:
+                meta.update(rank=where[0], world_size=where[1])
             if job is not None:
-                meta.update(rank=job.rank, world_size=job.world, backend=job.backend)
+                meta.update(backend=job.backend)
             self._engine.open_trace(trace_path, json.dumps(meta))
         try:
             watch = self._halt is not None or self._on_failure is not None
@@ -279,7 +276,11 @@ class NeuralDbg(Results):
         try:
             if collector is not None:
                 check("exit")
+                roster = getattr(collector.dist, "roster", None)
+                if roster is not None:  # the other ranks stop waiting for this one
+                    roster.leave(int(collector.step), None if exc is None else repr(exc))
                 collector.finish(crashed=exc_type is not None)
+                self._record_unobserved(collector)
         except Exception as e:  # never raise from the exit of the user's block
             if collector is not None:
                 collector.fail("exit", e)
@@ -292,6 +293,75 @@ class NeuralDbg(Results):
                 self._close_trace()
                 self._write_report()
         return False  # never swallow the user's exception
+
+    # ---------------------------------------------------------------- distributed set-up
+
+    def _join(self, where: Tuple[int, int]) -> Any:
+        """The job's distributed side once every rank entered its block, or None (with one
+        warning naming the ranks that did not) after a short wait: this rank is then watched
+        on its own."""
+        from . import _distributed
+
+        wait = min(_distributed.ENTER_WAIT, self._distributed_timeout)
+        roster, late = _distributed.Roster.join(where[0], where[1], wait)
+        if late is not None:
+            warnings.warn(late, NeuralDbgWarning, stacklevel=3)
+            return None
+        return _distributed.Distributed(self._distributed_timeout, roster)
+
+    def _rank_trace(self, where: Optional[Tuple[int, int]]) -> Optional[str]:
+        """The trace this rank writes in a job of several processes (``where``: rank and world
+        size): rank ``trace_rank``'s, or each rank its own with ``trace_rank=None``; never one
+        file written by several ranks at once (with ``distributed="off"`` too)."""
+        from . import _distributed
+
+        path = self._trace_path
+        if path is None or where is None:
+            return path
+        rank, world = where
+        if self._trace_rank is None:
+            return _distributed.rank_path(path, rank)
+        writer = self._trace_rank
+        if writer >= world:
+            writer = 0
+            if rank == 0:
+                warnings.warn(
+                    f"trace_rank={self._trace_rank} is not a rank of this job (ranks 0 to {world - 1}): "
+                    f"rank 0 writes {path} instead; pass trace_rank between 0 and {world - 1}, or "
+                    f"trace_rank=None for one trace per rank ({_distributed.rank_path(path, rank)}, ...)",
+                    NeuralDbgWarning,
+                    stacklevel=4,
+                )
+        elif self._distributed == "off" and rank == writer:
+            warnings.warn(
+                f'distributed="off": each rank is watched on its own, and only rank {writer} '
+                f"(trace_rank) writes {path}; pass trace_rank=None for one trace per rank "
+                f"({_distributed.rank_path(path, rank)}, ...)",
+                NeuralDbgWarning,
+                stacklevel=4,
+            )
+        return path if rank == writer else None
+
+    def _record_unobserved(self, collector: Any) -> None:
+        """When monitoring stopped before the run ended, the trace records the steps it did not
+        see and why (readers say so instead of taking its last step for the run's end)."""
+        error = getattr(collector, "internal_error", None)
+        if error is None:
+            return
+        last = self._engine.last_step
+        first = 0 if last is None else int(last) + 1
+        end = int(collector.step)  # optimizer steps completed, also those not observed
+        if end <= first:
+            return
+        from ._distributed import CollectiveError, StoppedElsewhere
+
+        why = str(error)
+        if not isinstance(error, (CollectiveError, StoppedElsewhere)):
+            why = f"monitoring stopped after an internal error ({type(error).__name__}: {error})"
+        try:
+            self._engine.record_unobserved(first, end - 1, why)
+        except Exception:  # pragma: no cover - recorded best effort, never the user's problem
+            pass
 
     def _write_report(self) -> None:
         if self._report_path is None or self._collector is None:
@@ -402,19 +472,51 @@ def _engine(vanishing: Any, exploding: Any, saturated: Any, engine_options: Dict
         raise ConfigError(
             f"unknown option(s) {', '.join(unknown)}; engine options are: {', '.join(sorted(_DEFAULTS))}"
         )
-    config = dict(engine_options)
-    config.update(
-        threshold_vanishing=_number("threshold_vanishing", vanishing),
-        threshold_exploding=_number("threshold_exploding", exploding),
-        threshold_saturated=_number("threshold_saturated", saturated),
+    config = _engine_config(
+        dict(
+            engine_options,
+            threshold_vanishing=vanishing,
+            threshold_exploding=exploding,
+            threshold_saturated=saturated,
+        )
     )
     return _native.Engine(json.dumps(config))
 
 
 def _number(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{name} must be a number, got {value!r}")
-    return float(value)
+    """A real number option (Python or numpy scalar) as a float; NaN is no setting."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ConfigError(f"{name} must be a number, got {type(value).__qualname__} {value!r}")
+    out = float(value)
+    if math.isnan(out):
+        raise ConfigError(f"{name} must be a number, got nan")
+    return out
+
+
+def _engine_config(options: Dict[str, Any]) -> Dict[str, Any]:
+    """The engine's settings as plain JSON numbers, each checked against the kind of its
+    default (an integer or a finite number): Python and numpy scalars alike, and a message
+    naming the option, rather than a JSON encoder's or parser's. Ranges are the engine's."""
+    out: Dict[str, Any] = {}
+    for name, value in options.items():
+        default = _DEFAULTS[name]
+        if isinstance(default, bool) or not isinstance(default, (int, float)):
+            out[name] = value  # not a number: the engine checks it
+        elif isinstance(default, int):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise ConfigError(
+                    f"{name} must be a whole number (an integer >= 0, default {default}), "
+                    f"got {type(value).__qualname__} {value!r}"
+                )
+            if int(value) < 0:
+                raise ConfigError(f"{name} must be an integer >= 0 (default {default}), got {int(value)}")
+            out[name] = int(value)
+        else:
+            number = _number(name, value)
+            if not math.isfinite(number):
+                raise ConfigError(f"{name} must be a finite number (default {default}), got {number}")
+            out[name] = number
+    return out
 
 
 def _halt_rule(halt_on: Any) -> "Optional[Callable[[CausalHypothesis], bool]]":

@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 import os
 import warnings
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, List, Optional, Union
 
 from . import _native
 from ._results import Results
-from .errors import ConfigError, NeuralDbgWarning
+from .errors import ConfigError, NeuralDbgWarning, TraceError
 
 __all__ = ["TraceRun", "load"]
 
@@ -36,12 +36,16 @@ class TraceRun(Results):
         time, process id and host)."""
         self.steps_observed: int = int(facts["steps"])
         """Steps recorded in the trace."""
+        self.unobserved: List[str] = list(facts.get("unobserved", []))
+        """Steps the run took that were not observed, and why (monitoring stopped: a rank
+        left, an internal error), one sentence each; empty when every step was observed."""
 
     @property
     def step(self) -> int:
-        """The last step recorded (0 when none was)."""
+        """Completed steps recorded: the last recorded step + 1 (0 when none was), what the
+        live ``dbg.step`` read after the same run's last step."""
         last = self._engine.last_step
-        return 0 if last is None else int(last)
+        return 0 if last is None else int(last) + 1
 
     def _title(self) -> str:
         return f"NeuralDBG report: {os.path.basename(self.path)}"
@@ -50,6 +54,10 @@ class TraceRun(Results):
         model = self.meta.get("model", "model")
         state = "closed" if self.closed else ("damaged" if self.damage else "not closed")
         return f"TraceRun({self.path!r}, {model}, {self.steps_observed} steps, {state})"
+
+
+def _steps(n: int) -> str:
+    return {0: "no step", 1: "1 step"}.get(n, f"{n} steps")
 
 
 def load(path: Union[str, "os.PathLike[str]"]) -> TraceRun:
@@ -61,16 +69,23 @@ def load(path: Union[str, "os.PathLike[str]"]) -> TraceRun:
 
     Raises:
         TraceError: the file cannot be read, is not a trace, was written by a newer NeuralDBG,
-            or holds no training step.
+            holds no training step, or is damaged before its first step.
     """
     if not isinstance(path, (str, os.PathLike)):
         raise ConfigError(f"path must be a file path, got {type(path).__qualname__}")
     engine, facts_json = _native.Engine.load_trace(os.fspath(path))
     facts = json.loads(facts_json)
+    if facts["damage"] is not None and not facts["steps"]:
+        raise TraceError(
+            f"{facts['path']} is damaged before its first step ({facts['damage']}): no step can be read "
+            "(two processes writing one file? each rank of a job writes its own with trace_rank=None)"
+        )
     if facts["damage"] is not None:
         warnings.warn(
-            f"{facts['path']} is damaged at {facts['damage']}; using the {facts['steps']} steps before it",
+            f"{facts['path']} is damaged at {facts['damage']}; using the {_steps(facts['steps'])} before it",
             NeuralDbgWarning,
             stacklevel=2,
         )
+    for gap in facts.get("unobserved", []):
+        warnings.warn(f"{facts['path']}: {gap}", NeuralDbgWarning, stacklevel=2)
     return TraceRun(engine, facts)

@@ -145,7 +145,7 @@ def _layer(name: Optional[str]) -> str:
     return "<model>" if name == "" else name
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class SemanticEvent:
     """A confirmed health transition (the seed's causal compression: transitions only).
 
@@ -185,8 +185,15 @@ class SemanticEvent:
             f"{self.from_state} -> {self.to_state}{shown} (confidence {self.confidence:.2f})"
         )
 
+    def __repr__(self) -> str:
+        # Short: a list of events printed in a REPL stays one line per event.
+        return (
+            f"SemanticEvent(step={self.step}, layer_name={self.layer_name!r}, "
+            f"{self.event_type}: {self.from_state} -> {self.to_state}, confidence={self.confidence:.2f})"
+        )
 
-@dataclass(frozen=True)
+
+@dataclass(frozen=True, repr=False)
 class CausalHypothesis:
     """One ranked explanation of a failure: what failed, where, from when, why, what to do."""
 
@@ -219,6 +226,13 @@ class CausalHypothesis:
     def __str__(self) -> str:
         where = f"layer {_layer(self.layer)}, step {self.step if self.step is not None else '-'}"
         return f"[{self.confidence:.2f}] {self.failure} <- {self.cause} ({where}): {self.description}"
+
+    def __repr__(self) -> str:
+        # Short: the fields that identify it; `str(h)` is the sentence, `h.evidence` the events.
+        return (
+            f"CausalHypothesis(failure={str(self.failure)!r}, cause={str(self.cause)!r}, "
+            f"layer={self.layer!r}, step={self.step!r}, confidence={self.confidence:.2f})"
+        )
 
 
 @dataclass(frozen=True)

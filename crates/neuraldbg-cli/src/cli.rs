@@ -48,7 +48,7 @@ pub enum Command {
     Explain(Explain),
     /// The semantic events (confirmed health transitions), in step order
     Events(Events),
-    /// Export the diagnosis as JSON, a Mermaid graph or TensorBoard event files
+    /// Export the diagnosis as JSON, a Mermaid graph, TensorBoard event files or Parquet tables
     Export(Export),
     /// A self-contained HTML report: verdict, gradient-norm heatmap, curves, events, causal graph
     Report(Report),
@@ -81,8 +81,8 @@ pub struct Events {
     /// Only events of this kind: an event type (gradient_health, activation_health,
     /// non_finite_output, data_anomaly, loss_health) or a health state the event enters
     /// (VANISHING, EXPLODING, SATURATED, NON_FINITE, HEALTHY, DEAD, ANOMALOUS, NORMAL, DIVERGING,
-    /// PLATEAU, OUT_OF_DISTRIBUTION)
-    #[arg(long, value_name = "KIND", value_parser = kind_names(), hide_possible_values = true)]
+    /// PLATEAU, OUT_OF_DISTRIBUTION), in any case
+    #[arg(long, value_name = "KIND", value_parser = kind_names(), hide_possible_values = true, ignore_case = true)]
     pub kind: Option<String>,
     /// Print a JSON list of events (the SemanticEvent fields)
     #[arg(long)]
@@ -91,7 +91,9 @@ pub struct Events {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Format {
-    /// Events, hypotheses and per-layer histories in one JSON document
+    /// Events, hypotheses and per-layer histories in one JSON document (NaN and infinities,
+    /// which JSON numbers cannot hold, are the strings "NaN", "inf" and "-inf"; the root
+    /// module's name is "")
     Json,
     /// The causal graph as a Mermaid flowchart
     Mermaid,

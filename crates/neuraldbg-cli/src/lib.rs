@@ -226,6 +226,20 @@ fn dispatch(cli: &Cli, io: &mut Io<'_>) -> Result<i32, Stop> {
         }
     }
     let replay = load(path, io)?;
+    if let (Some(d), 0, false) = (
+        &replay.damage,
+        replay.steps,
+        matches!(cli.command, Command::Info(_)),
+    ) {
+        // Nothing to explain, list or export: as the exit codes say, not a success.
+        return Err(Stop::new(
+            EXIT_UNREADABLE,
+            format!(
+                "{} is damaged before its first step ({d}): no step can be read (two processes writing one file? each rank of a job writes its own trace with trace_rank=None)",
+                replay.origin
+            ),
+        ));
+    }
     match &cli.command {
         Command::Explain(a) => explain(&replay, a, io)?,
         Command::Events(a) => events(&replay, a, io)?,
@@ -249,19 +263,30 @@ fn load(path: &Path, io: &mut Io<'_>) -> Result<Replay, Stop> {
     let replay = Replay::read(reader, |done| bar.update(done))?;
     bar.finish();
     let steps = match (replay.first_step, replay.engine.last_step()) {
+        (Some(a), Some(b)) if a == b => format!("1 step (step {a})"),
         (Some(a), Some(b)) => format!("{} steps (steps {a} to {b})", replay.steps),
         _ => "no step".to_string(),
     };
     if let Some(d) = &replay.damage {
-        io.note(&format!(
-            "neuraldbg: warning: {} is damaged at {d}; using the {steps} before it",
-            replay.origin
-        ));
+        if replay.steps > 0 {
+            io.note(&format!(
+                "neuraldbg: warning: {} is damaged at {d}; using the {steps} before it",
+                replay.origin
+            ));
+        }
     } else if !replay.closed {
-        io.note(&format!(
-            "neuraldbg: note: {} was not closed (the run was killed or crashed); all {steps} written are used",
-            replay.origin
-        ));
+        let note = match watch::writer_of(&replay.header) {
+            watch::Writer::Alive(pid) => format!(
+                "is still being written (process {pid} is running); the {steps} written so far are used"
+            ),
+            _ => format!(
+                "was not closed (the run was killed or crashed); all {steps} written are used"
+            ),
+        };
+        io.note(&format!("neuraldbg: note: {} {note}", replay.origin));
+    }
+    for gap in &replay.unobserved {
+        io.note(&format!("neuraldbg: note: {gap}"));
     }
     Ok(replay)
 }
@@ -283,8 +308,31 @@ fn explain(replay: &Replay, a: &cli::Explain, io: &mut Io<'_>) -> Result<(), Sto
         return io.print(&to_json(&hypotheses_json(engine, &hypotheses)));
     }
     if hypotheses.is_empty() {
+        let unseen = if replay.unobserved.is_empty() {
+            String::new()
+        } else {
+            " (later steps were not observed, see above)".to_string()
+        };
+        let Some(only) = only else {
+            io.note(&format!(
+                "neuraldbg: no failure found in {} observed steps{unseen}",
+                replay.steps
+            ));
+            return Ok(());
+        };
+        // Say what the run did show, so a wrong guess at the failure is not a dead end.
+        let found = ranked(engine, None);
+        let instead = found.first().map_or_else(
+            || "nor any other failure".to_string(),
+            |h| {
+                format!(
+                    "what was found: {} (neuraldbg explain {} for the full ranking)",
+                    h.failure, replay.origin
+                )
+            },
+        );
         io.note(&format!(
-            "neuraldbg: no failure found in {} steps",
+            "neuraldbg: no {only} found in {} observed steps{unseen}; {instead}",
             replay.steps
         ));
     }
@@ -294,8 +342,12 @@ fn explain(replay: &Replay, a: &cli::Explain, io: &mut Io<'_>) -> Result<(), Sto
     Ok(())
 }
 
-/// Whether an event matches `--kind`: its type, or the state it enters.
+/// Whether an event matches `--kind`: its type, or the state it enters (in any case).
 fn kind_matches(e: &SemanticEvent, kind: &str) -> bool {
+    let kind = cli::kind_list()
+        .into_iter()
+        .find(|k| k.eq_ignore_ascii_case(kind))
+        .unwrap_or(kind);
     match EventType::parse(kind) {
         Some(t) => e.event_type == t,
         None => e.to_state.as_str() == kind,
@@ -392,7 +444,9 @@ fn export(replay: &Replay, a: &cli::Export, io: &mut Io<'_>) -> Result<(), Stop>
             let dir = a.output.as_deref().unwrap_or(Path::new("."));
             let wall = started(replay);
             let path = dir.join(format!("events.out.tfevents.{}.neuraldbg", wall as u64));
-            write_file(&path, &export::tensorboard(replay).to_bytes(wall))?;
+            // Each step at the time it was written (traces without clocks: the start time).
+            let at = |step| neuraldbg_core::trace::wall_time(&replay.clocks, step).unwrap_or(wall);
+            write_file(&path, &export::tensorboard(replay).to_bytes(wall, at))?;
             io.note(&format!(
                 "neuraldbg: wrote {} (view with: tensorboard --logdir {})",
                 path.display(),
@@ -447,53 +501,106 @@ fn info(replay: &Replay, a: &cli::Info, io: &mut Io<'_>) -> Result<(), Stop> {
         v => v.to_string(),
     };
     let model = &facts["model"];
-    let mut lines = vec![
-        format!(
-            "trace     {} (format {}, {} bytes)",
-            field("path"),
-            field("format_version"),
-            field("bytes")
+    let mut rows: Vec<(String, String)> = vec![
+        (
+            "trace".into(),
+            format!(
+                "{} (format {}, {} bytes)",
+                field("path"),
+                field("format_version"),
+                field("bytes")
+            ),
         ),
-        format!(
-            "model     {} modules, {} parameters, {} layers, {} activations, optimizer {}",
-            model["modules"],
-            model["parameters"],
-            model["layers"],
-            model["activations"],
-            model["optimizer"].as_str().unwrap_or("-")
+        (
+            "model".into(),
+            format!(
+                "{} modules, {} parameters, {} layers, {} activations, optimizer {}",
+                model["modules"],
+                model["parameters"],
+                model["layers"],
+                model["activations"],
+                model["optimizer"].as_str().unwrap_or("-")
+            ),
         ),
-        format!(
-            "steps     {} (steps {} to {})",
-            field("steps"),
-            field("first_step"),
-            field("last_step")
+        (
+            "steps".into(),
+            format!(
+                "{} (steps {} to {})",
+                field("steps"),
+                field("first_step"),
+                field("last_step")
+            ),
         ),
     ];
     if let Some(per) = facts["bytes_per_step"].as_f64() {
-        lines.push(format!("per step  {per:.0} bytes"));
+        rows.push(("per step".into(), format!("{per:.0} bytes")));
     }
-    lines.push(format!(
-        "closed    {}",
-        if replay.closed {
-            "yes"
-        } else {
-            "no (the run was killed or crashed, or the trace is damaged)"
-        }
-    ));
-    lines.push(format!(
-        "damage    {}",
+    let closed = if replay.closed {
+        "yes".to_string()
+    } else if replay.damage.is_some() {
+        "no (the trace is damaged)".to_string()
+    } else if let watch::Writer::Alive(pid) = watch::writer_of(&replay.header) {
+        format!("no: still being written (process {pid} is running)")
+    } else {
+        "no (the run was killed or crashed)".to_string()
+    };
+    rows.push(("closed".into(), closed));
+    rows.push((
+        "damage".into(),
         replay
             .damage
             .as_ref()
-            .map_or("none".to_string(), ToString::to_string)
+            .map_or("none".to_string(), ToString::to_string),
     ));
+    for gap in &replay.unobserved {
+        rows.push(("unobserved".into(), gap.to_string()));
+    }
     if let Value::Object(meta) = &facts["meta"] {
         for (k, v) in meta {
-            let v = v.as_str().map_or_else(|| v.to_string(), str::to_string);
-            lines.push(format!("{:<9} {v}", format!("{k}")));
+            let v = match (k.as_str(), v.as_f64()) {
+                ("started", Some(t)) => utc(t),
+                _ => v.as_str().map_or_else(|| v.to_string(), str::to_string),
+            };
+            rows.push((k.clone(), v));
         }
     }
+    let width = rows
+        .iter()
+        .map(|(k, _)| k.chars().count())
+        .max()
+        .unwrap_or(0);
+    let lines: Vec<String> = rows
+        .iter()
+        .map(|(k, v)| format!("{k:<width$}  {v}"))
+        .collect();
     io.print(&lines.join("\n"))
+}
+
+/// Seconds since the epoch as a UTC date and time (`2026-12-02 07:05:31 UTC`).
+fn utc(secs: f64) -> String {
+    if !secs.is_finite() || secs < 0.0 {
+        return secs.to_string();
+    }
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+    let t = secs as u64;
+    let (days, rest) = (t / 86_400, t % 86_400);
+    // Days to a civil date (Howard Hinnant's algorithm), for days since 1970-01-01.
+    #[allow(clippy::cast_possible_wrap)]
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02} {:02}:{:02}:{:02} UTC",
+        rest / 3600,
+        rest % 3600 / 60,
+        rest % 60
+    )
 }
 
 #[cfg(test)]

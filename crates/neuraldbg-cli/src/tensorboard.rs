@@ -135,18 +135,19 @@ impl EventFile {
         self.steps.entry(step).or_default().push(value);
     }
 
-    /// The file's bytes: the version event, then one event per step.
-    pub fn to_bytes(&self, wall_time: f64) -> Vec<u8> {
+    /// The file's bytes: the version event (at `start`), then one event per step at the time
+    /// `wall_time` gives it.
+    pub fn to_bytes(&self, start: f64, wall_time: impl Fn(u64) -> f64) -> Vec<u8> {
         let mut out = Vec::new();
         let version = Event {
-            wall_time,
+            wall_time: start,
             step: 0,
             what: Some(What::FileVersion("brain.Event:2".into())),
         };
         record(&mut out, &version.encode_to_vec());
         for (&step, values) in &self.steps {
             let event = Event {
-                wall_time,
+                wall_time: wall_time(step),
                 step: i64::try_from(step).unwrap_or(i64::MAX),
                 what: Some(What::Summary(Summary {
                     value: values.clone(),
@@ -177,7 +178,7 @@ mod tests {
         let mut file = EventFile::default();
         file.add(3, scalar("loss", 0.5));
         file.add(3, text("events", "hello"));
-        let bytes = file.to_bytes(1.0);
+        let bytes = file.to_bytes(1.0, |_| 1.0);
         // Walk the records back.
         let mut events = Vec::new();
         let mut rest = &bytes[..];

@@ -13,7 +13,9 @@ use std::time::{Duration, Instant};
 
 use neuraldbg_core::analysis::explain;
 use neuraldbg_core::report::{HealthStrip, health_strip};
-use neuraldbg_core::trace::{Damage, PREAMBLE_LEN, Record, TraceError, TraceHeader, TraceReader};
+use neuraldbg_core::trace::{
+    Damage, MAGIC, PREAMBLE_LEN, Record, TraceError, TraceHeader, TraceReader,
+};
 use neuraldbg_core::{Engine, GradientHealth, SemanticEvent};
 use serde_json::Value;
 
@@ -154,6 +156,13 @@ impl Follow {
         self.len = len;
         if self.reader.is_none() {
             if len < PREAMBLE_LEN as u64 {
+                // A short file that does not begin like a trace never becomes one.
+                if len > 0 && !starts_like_trace(&self.path) {
+                    return Err(TraceError::NotATrace {
+                        origin: self.path.display().to_string(),
+                    }
+                    .into());
+                }
                 return Ok(Vec::new());
             }
             self.reader = Some(TraceReader::open(&self.path).map_err(Stop::from)?);
@@ -196,7 +205,7 @@ impl Follow {
                     }
                     self.steps += 1;
                 }
-                Record::End { .. } => {}
+                Record::End { .. } | Record::Unobserved(_) | Record::Clock(_) => {}
             }
             if start.elapsed() > READ_BUDGET {
                 break;
@@ -271,8 +280,17 @@ impl Follow {
     }
 }
 
+/// Whether the first bytes of `path` are (a prefix of) the trace magic.
+fn starts_like_trace(path: &Path) -> bool {
+    use std::io::Read as _;
+    let mut head = Vec::with_capacity(MAGIC.len());
+    let read =
+        std::fs::File::open(path).and_then(|f| f.take(MAGIC.len() as u64).read_to_end(&mut head));
+    read.is_err() || MAGIC.starts_with(&head)
+}
+
 /// The writer's process, when the trace header names one on this machine.
-fn writer_of(h: &TraceHeader) -> Writer {
+pub(crate) fn writer_of(h: &TraceHeader) -> Writer {
     let pid = h.meta.get("pid").and_then(Value::as_u64);
     let host = h.meta.get("host").and_then(Value::as_str);
     match (pid, host, hostname()) {
@@ -445,18 +463,24 @@ mod tui {
     pub fn draw(frame: &mut Frame<'_>, follow: &Follow, view: &View) {
         let area = frame.area();
         let rows = view.strip.as_ref().map_or(1, |s| s.rows.len().max(1)) as u16;
-        let strip_height = (rows + 2).min(area.height.saturating_sub(13).max(5));
+        let hyp_lines = hypothesis_lines(follow, view, area.width.saturating_sub(2));
+        // The hypotheses take the lines they fill (the top one wrapped whole), no more.
+        let hyps_height = (hyp_lines.len() as u16 + 2).min(8);
+        let strip_height = (rows + 2).min(area.height.saturating_sub(8 + hyps_height).max(5));
         let [head, strip, hyps, events, foot] = Layout::vertical([
             Constraint::Length(4),
             Constraint::Length(strip_height),
-            Constraint::Length(6),
+            Constraint::Length(hyps_height),
             Constraint::Min(3),
             Constraint::Length(1),
         ])
         .areas(area);
         header(frame, head, follow);
         health(frame, strip, view);
-        hypotheses(frame, hyps, follow, view);
+        frame.render_widget(
+            Paragraph::new(hyp_lines).block(Block::bordered().title(" Top hypotheses ")),
+            hyps,
+        );
         let title = format!(" Events ({} confirmed, newest last) ", view.events_total);
         let lines: Vec<Line<'_>> = view
             .events
@@ -584,39 +608,63 @@ mod tui {
         );
     }
 
-    fn hypotheses(frame: &mut Frame<'_>, area: Rect, follow: &Follow, view: &View) {
-        let mut lines: Vec<Line<'_>> = Vec::new();
+    /// The hypotheses box's lines for a box `width` wide: the top failing hypothesis wrapped
+    /// whole (up to four lines), the next ones a line each (the terminal cuts them; `explain`
+    /// prints them whole).
+    fn hypothesis_lines(follow: &Follow, view: &View, width: u16) -> Vec<Line<'static>> {
         let failing: Vec<&CausalHypothesis> = view
             .hypotheses
             .iter()
             .filter(|h| h.confidence >= 0.5)
-            .take(area.height.saturating_sub(2) as usize)
+            .take(3)
             .collect();
         if follow.engine.is_none() {
-            lines.push(Line::raw("waiting for data"));
-        } else if failing.is_empty() {
-            lines.push(Line::styled(
+            return vec![Line::raw("waiting for data")];
+        }
+        let Some((top, rest)) = failing.split_first() else {
+            return vec![Line::styled(
                 format!(
                     "no failure so far ({} weaker hypotheses)",
                     view.hypotheses.len()
                 ),
                 Style::new().fg(Color::Green),
-            ));
-        }
-        for (i, h) in failing.iter().enumerate() {
-            let style = if i == 0 {
-                Style::new().fg(Color::Red).add_modifier(Modifier::BOLD)
-            } else {
-                Style::new().fg(Color::Yellow)
-            };
-            lines.push(Line::styled(h.to_string(), style));
-        }
-        // One line each (the terminal cuts it): the ranking at a glance; `explain` prints them
-        // whole.
-        frame.render_widget(
-            Paragraph::new(lines).block(Block::bordered().title(" Top hypotheses ")),
-            area,
+            )];
+        };
+        let bold = Style::new().fg(Color::Red).add_modifier(Modifier::BOLD);
+        let mut lines: Vec<Line<'static>> = wrap(&top.to_string(), width.max(20) as usize, 4)
+            .into_iter()
+            .map(|l| Line::styled(l, bold))
+            .collect();
+        lines.extend(
+            rest.iter()
+                .map(|h| Line::styled(h.to_string(), Style::new().fg(Color::Yellow))),
         );
+        lines
+    }
+
+    /// `text` in lines of at most `width` characters, broken at spaces, at most `max` lines
+    /// (the last one ends in `…` when text was left out).
+    pub(super) fn wrap(text: &str, width: usize, max: usize) -> Vec<String> {
+        let mut lines: Vec<String> = Vec::new();
+        let mut line = String::new();
+        for word in text.split(' ') {
+            let len = line.chars().count();
+            if len > 0 && len + 1 + word.chars().count() > width {
+                lines.push(std::mem::take(&mut line));
+            }
+            if !line.is_empty() {
+                line.push(' ');
+            }
+            line.push_str(word);
+        }
+        lines.push(line);
+        if lines.len() > max {
+            lines.truncate(max);
+            let last = &mut lines[max - 1];
+            let keep: String = last.chars().take(width.saturating_sub(1)).collect();
+            *last = format!("{keep}…");
+        }
+        lines
     }
 }
 
@@ -681,4 +729,97 @@ pub fn interactive(path: &Path, interval: Duration, io: &mut Io<'_>) -> Result<F
         io.print(&line)?;
     }
     Ok(follow)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Follow, tui};
+    use neuraldbg_core::trace::{TraceWriter, WriterOptions};
+    use neuraldbg_core::{Config, ModelSpec, Observation};
+    use ratatui::Terminal;
+    use ratatui::backend::TestBackend;
+
+    #[test]
+    fn wrap_breaks_at_spaces_and_marks_what_it_leaves_out() {
+        assert_eq!(tui::wrap("aa bb cc", 5, 3), ["aa bb", "cc"]);
+        assert_eq!(tui::wrap("aa bb cc dd", 2, 2), ["aa", "b…"]);
+    }
+
+    #[test]
+    fn an_80x24_terminal_shows_the_top_hypothesis_whole_and_no_blank_lines() {
+        // Twelve layers whose gradients vanish from step 5: one long top hypothesis.
+        let dir = std::env::temp_dir().join(format!("ndbg-watch-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("deep.ndbg");
+        let mut spec = ModelSpec::default();
+        for i in 0..12 {
+            let fc = spec.module(format!("encoder.layer.{i}"), "Linear");
+            spec.param(fc, format!("encoder.layer.{i}.weight"), &[16, 16]);
+        }
+        spec.module("", "Net");
+        let mut w =
+            TraceWriter::create(&path, serde_json::Map::new(), WriterOptions::default()).unwrap();
+        w.write_header(&Config::default(), &spec).unwrap();
+        for step in 0..30u64 {
+            let obs = Observation {
+                step,
+                grad_norms: (0..12)
+                    .map(|l| if step >= 5 && l < 6 { 1e-9 } else { 0.05 })
+                    .collect(),
+                loss: Some(1.0),
+                ..Observation::default()
+            };
+            w.write_step(&obs.view()).unwrap();
+        }
+        w.close().unwrap();
+        let mut follow = Follow::new(&path);
+        while !follow.caught_up {
+            follow.poll().unwrap();
+        }
+        let mut view = tui::View {
+            names: tui::name_width(&follow),
+            ..tui::View::default()
+        };
+        view.refresh(&follow, tui::View::columns_for(80, view.names));
+        let top = view.hypotheses.first().unwrap().to_string();
+        assert!(
+            top.chars().count() > 80,
+            "a hypothesis longer than a line: {top}"
+        );
+        let mut terminal = Terminal::new(TestBackend::new(80, 24)).unwrap();
+        terminal.draw(|f| tui::draw(f, &follow, &view)).unwrap();
+        let buffer = terminal.backend().buffer().clone();
+        let rows: Vec<String> = (0..24)
+            .map(|y| {
+                (0..80)
+                    .map(|x| buffer[(x, y)].symbol().to_string())
+                    .collect()
+            })
+            .collect();
+        let start = rows
+            .iter()
+            .position(|r| r.contains("Top hypotheses"))
+            .unwrap();
+        let end = start
+            + 1
+            + rows[start + 1..]
+                .iter()
+                .position(|r| r.starts_with('└'))
+                .unwrap();
+        let inner: Vec<String> = rows[start + 1..end]
+            .iter()
+            .map(|r| r.trim_matches(|c| c == '│' || c == ' ').to_string())
+            .collect();
+        assert!(
+            inner.iter().all(|l| !l.is_empty()),
+            "no blank line: {rows:#?}"
+        );
+        let shown = inner.join(" ");
+        assert!(
+            shown.starts_with(&top),
+            "the top hypothesis whole:\n{shown}\n{top}"
+        );
+        assert!(rows.iter().any(|r| r.contains("Events")), "{rows:#?}");
+        std::fs::remove_dir_all(dir).unwrap();
+    }
 }

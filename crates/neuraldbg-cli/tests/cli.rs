@@ -384,3 +384,239 @@ fn parquet_export_writes_every_history_row() {
     assert_eq!(rows("hypotheses.parquet"), hypotheses.len());
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// The run of [`observation`] for `steps` steps (fewer than 35: gradients vanish, nothing goes
+/// NaN), written to `dir/name` with `meta` in the header; closed when `close`.
+fn run_trace(dir: &Path, name: &str, steps: u64, meta: Map<String, Value>, close: bool) -> PathBuf {
+    let path = dir.join(name);
+    let mut w = TraceWriter::create(&path, meta, WriterOptions::default()).unwrap();
+    w.write_header(&Config::default(), &spec(4)).unwrap();
+    for step in 0..steps {
+        w.write_step(&observation(4, step).view()).unwrap();
+    }
+    if close {
+        w.close().unwrap();
+    } else {
+        std::mem::forget(w);
+    }
+    path
+}
+
+#[test]
+fn two_writers_of_one_file_leave_an_unreadable_trace_and_explain_says_so() {
+    // Two ranks of a torchrun job with distributed="off" and one trace path, as a user ran
+    // it: both create the file and append to it; no step survives.
+    let dir = temp_dir();
+    let path = dir.join("x.ndbg");
+    let rank = |r: u32| {
+        let mut meta = Map::new();
+        meta.insert("rank".into(), r.into());
+        meta.insert(
+            "host".into(),
+            format!("node-{}", "x".repeat((1 - r) as usize * 7)).into(),
+        );
+        meta
+    };
+    let mut a = TraceWriter::create(&path, rank(0), WriterOptions::default()).unwrap();
+    let mut b = TraceWriter::create(&path, rank(1), WriterOptions::default()).unwrap();
+    for w in [&mut a, &mut b] {
+        w.write_header(&Config::default(), &spec(4)).unwrap();
+    }
+    // Rank 1 runs ahead; rank 0's steps then land inside rank 1's records.
+    for w in [&mut b, &mut a] {
+        for step in 0..5 {
+            w.write_step(&observation(4, step).view()).unwrap();
+        }
+    }
+    let p = path.to_str().unwrap();
+    let (code, out, err) = cli(&["explain", p]);
+    assert_eq!(code, EXIT_UNREADABLE, "{out}{err}");
+    assert!(
+        err.contains("before its first step") && err.contains("trace_rank=None"),
+        "{err}"
+    );
+    assert!(!err.contains("no step before"), "{err}");
+    // `info` still describes the damage.
+    let (code, out, _) = cli(&["info", p]);
+    assert_eq!(code, EXIT_OK);
+    assert!(out.contains("the trace is damaged"), "{out}");
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[cfg(target_os = "linux")]
+#[test]
+fn a_trace_still_being_written_is_not_called_crashed() {
+    let dir = temp_dir();
+    let mut meta = Map::new();
+    meta.insert("pid".into(), std::process::id().into()); // this process: alive
+    meta.insert("host".into(), hostname().into());
+    meta.insert("world_size".into(), 2.into());
+    meta.insert("started".into(), 1_764_658_800.5.into());
+    let p = run_trace(&dir, "live.ndbg", 20, meta, false);
+    let p = p.to_str().unwrap();
+    for cmd in ["explain", "info"] {
+        let (code, out, err) = cli(&[cmd, p]);
+        assert_eq!(code, EXIT_OK, "{err}");
+        let all = format!("{out}{err}");
+        assert!(
+            all.contains("still being written")
+                && all.contains(&format!("process {}", std::process::id())),
+            "{all}"
+        );
+        assert!(!all.contains("crashed"), "{all}");
+    }
+    // `info` keeps its columns whatever the key, and shows when the run started.
+    let (_, out, _) = cli(&["info", p]);
+    let column = |key: &str| {
+        let line = out.lines().find(|l| l.starts_with(key)).unwrap();
+        line.len() - line[key.len()..].trim_start().len()
+    };
+    assert_eq!(column("world_size"), column("trace"), "{out}");
+    assert_eq!(column("started"), column("closed"), "{out}");
+    assert!(out.contains("2025-12-02 07:00:00 UTC"), "{out}");
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn watch_plain_ends_on_a_text_file_and_on_a_run_closed_before_its_first_step() {
+    let dir = temp_dir();
+    let text = dir.join("text.ndbg");
+    std::fs::write(&text, "hello world\n").unwrap(); // 12 bytes, shorter than a preamble
+    let (code, _, err) = cli(&[
+        "watch",
+        text.to_str().unwrap(),
+        "--plain",
+        "--interval",
+        "0.01",
+    ]);
+    assert_eq!(code, EXIT_UNREADABLE, "{err}");
+    assert!(err.contains("not a NeuralDBG trace"), "{err}");
+
+    // A run that ended without a step: its writer closes a trace with no header.
+    let none = dir.join("none.ndbg");
+    let mut w = TraceWriter::create(&none, Map::new(), WriterOptions::default()).unwrap();
+    w.close().unwrap();
+    let (code, out, err) = cli(&[
+        "watch",
+        none.to_str().unwrap(),
+        "--plain",
+        "--interval",
+        "0.01",
+    ]);
+    assert_eq!(code, EXIT_OK, "{err}");
+    assert!(out.contains("no training step"), "{out}");
+    let (code, _, err) = cli(&["explain", none.to_str().unwrap()]);
+    assert_eq!(code, EXIT_UNREADABLE);
+    assert!(err.contains("no model header"), "{err}");
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn explain_for_a_failure_the_run_does_not_have_says_what_it_has() {
+    let dir = temp_dir();
+    let p = run_trace(&dir, "vanishing.ndbg", 30, Map::new(), true);
+    let (code, out, err) = cli(&[
+        "explain",
+        p.to_str().unwrap(),
+        "--failure",
+        "exploding_gradients",
+    ]);
+    assert_eq!(code, EXIT_OK);
+    assert!(out.is_empty(), "{out}");
+    assert!(
+        err.contains("no exploding_gradients found in 30 observed steps")
+            && err.contains("what was found: vanishing_gradients"),
+        "{err}"
+    );
+    // Event kinds in any case; `export --help` names every format.
+    let (code, upper, _) = cli(&["events", p.to_str().unwrap(), "--kind", "VANISHING"]);
+    assert_eq!(code, EXIT_OK);
+    let (code, lower, err) = cli(&["events", p.to_str().unwrap(), "--kind", "vanishing"]);
+    assert_eq!(code, EXIT_OK, "{err}");
+    assert!(!upper.is_empty());
+    assert_eq!(upper, lower);
+    let (_, help, _) = cli(&["export", "--help"]);
+    assert!(help.lines().next().unwrap().contains("Parquet"), "{help}");
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn steps_not_observed_are_recorded_and_reported() {
+    let dir = temp_dir();
+    let path = dir.join("gap.ndbg");
+    let mut w = TraceWriter::create(&path, Map::new(), WriterOptions::default()).unwrap();
+    w.write_header(&Config::default(), &spec(4)).unwrap();
+    for step in 0..8 {
+        w.write_step(&observation(4, step).view()).unwrap();
+    }
+    let why =
+        "rank 1 left its `with NeuralDbg(...)` block after step 8 (it raised KeyError('planted'))";
+    w.write_unobserved(&neuraldbg_core::trace::Unobserved {
+        first: 8,
+        last: Some(19),
+        reason: why.into(),
+    })
+    .unwrap();
+    w.close().unwrap();
+    let p = path.to_str().unwrap();
+    let (code, out, err) = cli(&["info", p]);
+    assert_eq!(code, EXIT_OK, "{err}");
+    assert!(
+        out.contains(&format!("steps 8 to 19 were not observed: {why}")),
+        "{out}"
+    );
+    assert!(out.contains("closed      yes"), "{out}");
+    let (code, _, err) = cli(&["explain", p]);
+    assert_eq!(code, EXIT_OK);
+    assert!(err.contains("steps 8 to 19 were not observed"), "{err}");
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn tensorboard_scalars_carry_the_time_their_step_was_written() {
+    let dir = temp_dir();
+    let path = dir.join("timed.ndbg");
+    let mut meta = Map::new();
+    meta.insert("started".into(), 1_000.0.into()); // long before: not what the steps get
+    let mut w = TraceWriter::create(&path, meta, WriterOptions::default()).unwrap();
+    w.write_header(&Config::default(), &spec(4)).unwrap();
+    w.write_step(&observation(4, 0).view()).unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(1100));
+    for step in 1..3 {
+        w.write_step(&observation(4, step).view()).unwrap();
+    }
+    w.close().unwrap();
+    let tb = dir.join("tb");
+    let (code, _, err) = cli(&[
+        "export",
+        path.to_str().unwrap(),
+        "-f",
+        "tensorboard",
+        "-o",
+        tb.to_str().unwrap(),
+    ]);
+    assert_eq!(code, EXIT_OK, "{err}");
+    let file = std::fs::read_dir(&tb)
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    let bytes = std::fs::read(file).unwrap();
+    // Each record's Event starts with its wall_time (field 1, a double: tag byte 0x09).
+    let mut rest = &bytes[..];
+    let mut times = Vec::new();
+    while !rest.is_empty() {
+        let len = u64::from_le_bytes(rest[..8].try_into().unwrap()) as usize;
+        let data = &rest[12..12 + len];
+        assert_eq!(data[0], 0x09);
+        times.push(f64::from_le_bytes(data[1..9].try_into().unwrap()));
+        rest = &rest[16 + len..];
+    }
+    let (version, steps) = times.split_first().unwrap();
+    assert!((version - 1_000.0).abs() < 1e-9, "{times:?}");
+    assert!(steps.len() >= 3, "{times:?}");
+    assert!(steps[0] > 1_700_000_000.0, "{times:?}");
+    assert!(steps[1] - steps[0] >= 1.0, "{times:?}");
+    std::fs::remove_dir_all(dir).unwrap();
+}

@@ -121,11 +121,25 @@ fn at_least(name: &'static str, value: f64, min: f64) -> Result<(), ConfigError>
     }
 }
 
+/// A parse error naming the setting it is about (serde's says only where in the text it is).
+fn parse_error(text: &str, e: &serde_json::Error) -> ConfigError {
+    let object: serde_json::Map<String, serde_json::Value> = match serde_json::from_str(text) {
+        Ok(o) => o,
+        Err(_) => return ConfigError::Parse(e.to_string()),
+    };
+    for (key, value) in object {
+        let one = serde_json::Value::Object([(key.clone(), value.clone())].into_iter().collect());
+        if let Err(e) = serde_json::from_value::<Config>(one) {
+            return ConfigError::Parse(format!("{key} = {value}: {e}"));
+        }
+    }
+    ConfigError::Parse(e.to_string())
+}
+
 impl Config {
     /// Parses a configuration from JSON (unknown keys are rejected) and validates it.
     pub fn from_json(text: &str) -> Result<Self, ConfigError> {
-        let config: Self =
-            serde_json::from_str(text).map_err(|e| ConfigError::Parse(e.to_string()))?;
+        let config: Self = serde_json::from_str(text).map_err(|e| parse_error(text, &e))?;
         config.validate()?;
         Ok(config)
     }

@@ -274,7 +274,7 @@ impl Engine {
             .ok_or_else(|| EngineError::Unknown {
                 what: "layer",
                 name: name.to_string(),
-                expected: "a qualified module name from model.named_modules()".into(),
+                expected: candidates(name, model.spec.modules.iter().map(|m| m.name.as_str())),
             })?;
         match metric {
             "grad_norm" | "weight_norm" => {
@@ -284,9 +284,9 @@ impl Engine {
                         .ok_or_else(|| EngineError::Unknown {
                             what: "layer with parameters",
                             name: name.to_string(),
-                            expected: format!(
-                                "one of {}",
-                                short_list(model.layers.iter().map(|l| l.name.as_str()))
+                            expected: candidates(
+                                name,
+                                model.layers.iter().map(|l| l.name.as_str()),
                             ),
                         })?;
                 Ok(if metric == "grad_norm" {
@@ -299,10 +299,7 @@ impl Engine {
                 let a = model.module_activation[module].ok_or_else(|| EngineError::Unknown {
                     what: "activation module",
                     name: name.to_string(),
-                    expected: format!(
-                        "one of {}",
-                        short_list(model.activations.iter().map(|a| a.name.as_str()))
-                    ),
+                    expected: candidates(name, model.activations.iter().map(|a| a.name.as_str())),
                 })?;
                 let offset = match metric {
                     "saturated_fraction" => 0,
@@ -343,6 +340,24 @@ fn history_capacity(config: &Config, series: usize) -> usize {
     let per_bucket = series * History::CELL_BYTES + std::mem::size_of::<u64>();
     let fit = config.history_max_bytes / per_bucket.max(1);
     config.history_capacity.min(fit).max(16)
+}
+
+/// The names closest to an unknown `name` first (the same name under a wrapper such as DDP's
+/// `module.`, then names containing it), then the others, as a short list.
+fn candidates<'a>(name: &str, names: impl Iterator<Item = &'a str>) -> String {
+    let dotted = format!(".{name}");
+    let rank = |n: &str| {
+        if n.ends_with(&dotted) {
+            0
+        } else if !name.is_empty() && n.contains(name) {
+            1
+        } else {
+            2
+        }
+    };
+    let mut names: Vec<&str> = names.filter(|n| !n.is_empty()).collect();
+    names.sort_by_key(|n| rank(n));
+    short_list(names.into_iter())
 }
 
 fn short_list<'a>(names: impl Iterator<Item = &'a str>) -> String {

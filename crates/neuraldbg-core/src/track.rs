@@ -263,6 +263,13 @@ impl ActTrack {
     }
 }
 
+/// A loss rise counts as divergence only beyond this many typical step-to-step changes.
+const NOISE_MARGIN: f64 = 4.0;
+/// Differences of consecutive losses before the noise estimate is used.
+const NOISE_WARMUP: u64 = 10;
+/// Weight of each new step in the loss's noise estimate (about the last 20 steps).
+const NOISE_WEIGHT: f64 = 0.05;
+
 /// The training loss: smoothed, with divergence and plateau detection.
 #[derive(Clone, Debug)]
 pub struct LossTrack {
@@ -281,6 +288,21 @@ pub struct LossTrack {
     /// any level of the loss; None while it improves.
     pub flat_since: Option<u64>,
     window: VecDeque<(u64, f64)>,
+    /// Mean smoothed loss over the plateau window when the current plateau was confirmed: a
+    /// plateau ends only when the loss falls clearly below it (beyond its own noise).
+    plateau_level: f64,
+    /// Standard error of `plateau_level`.
+    plateau_se: f64,
+    /// Step the last loss transition was confirmed: a new one is never dated before it.
+    last_event: Option<u64>,
+    /// `peak_ratio` when the first plateau was confirmed: what the loss did before it
+    /// flattened, not a jump that came later.
+    pub peak_at_plateau: Option<f64>,
+    /// Typical step-to-step change of the raw loss (an exponential average of its absolute
+    /// differences): a rise or a fall smaller than a few of these is noise, not a change.
+    noise: f64,
+    diffs: u64,
+    last_raw: f64,
 }
 
 impl Default for LossTrack {
@@ -296,6 +318,13 @@ impl Default for LossTrack {
             peak_ratio: 1.0,
             flat_since: None,
             window: VecDeque::new(),
+            plateau_level: f64::NAN,
+            plateau_se: f64::NAN,
+            last_event: None,
+            peak_at_plateau: None,
+            noise: 0.0,
+            diffs: 0,
+            last_raw: f64::NAN,
         }
     }
 }
@@ -337,8 +366,15 @@ impl LossTrack {
                     config.loss_divergence_factor
                 };
                 let ratio = s / self.best;
-                self.peak_ratio = self.peak_ratio.max(ratio);
-                if ratio > factor.max(1.0) && s > initial {
+                // A rise counts beyond the loss's noise (a noisy loss's ups are no jump), once
+                // there are enough steps to know it (a blow-up in the first steps is one).
+                let beyond = self.diffs < NOISE_WARMUP || s - self.best > NOISE_MARGIN * self.noise;
+                if beyond {
+                    self.peak_ratio = self.peak_ratio.max(ratio);
+                }
+                // (Only to enter: a diverging loss's own swings must not end it.)
+                let rose = beyond || current == LossHealth::Diverging;
+                if ratio > factor.max(1.0) && s > initial && rose {
                     c = Classified {
                         state: LossHealth::Diverging,
                         margin: decades(s, self.best * config.loss_divergence_factor),
@@ -357,12 +393,15 @@ impl LossTrack {
                         } else {
                             self.flat_since = None;
                         }
-                        let tolerance = if current == LossHealth::Plateau {
-                            config.loss_plateau_tolerance * h
+                        // Leaving takes a real fall of the loss, not a dip of a noisy one below
+                        // its level or its (noisy) start: one event per change of state.
+                        let flat = if current == LossHealth::Plateau {
+                            !self.recovered(config)
                         } else {
-                            config.loss_plateau_tolerance
+                            s > config.loss_plateau_level * initial
+                                && improvement < config.loss_plateau_tolerance
                         };
-                        if improvement < tolerance && s > config.loss_plateau_level * initial {
+                        if flat {
                             c = Classified {
                                 state: LossHealth::Plateau,
                                 margin: 0.0,
@@ -380,6 +419,13 @@ impl LossTrack {
             while self.window.front().is_some_and(|(st, _)| step - st > w) {
                 self.window.pop_front();
             }
+            if self.last_raw.is_finite() {
+                // A plain mean over the first differences, then a moving one.
+                self.diffs += 1;
+                let weight = (1.0 / self.diffs as f64).max(NOISE_WEIGHT);
+                self.noise += weight * ((loss - self.last_raw).abs() - self.noise);
+            }
+            self.last_raw = loss;
         } else {
             c = Classified {
                 state: LossHealth::NonFinite,
@@ -391,11 +437,49 @@ impl LossTrack {
         let mut t = self.detector.update(step, loss, c, urgent, config);
         if let Some(t) = &mut t {
             if t.to == LossHealth::Plateau {
-                // The plateau began where the flat window began.
-                t.onset = t.onset.saturating_sub(onset_shift);
+                // The plateau began where the flat window began, though not before the loss's
+                // previous change was confirmed (events stay in the order they happened).
+                let after = self.last_event.map_or(0, |e| e + 1);
+                t.onset = t
+                    .onset
+                    .saturating_sub(onset_shift)
+                    .max(after)
+                    .min(t.confirmed);
+                (self.plateau_level, self.plateau_se) = self.window_stats(0);
+                self.peak_at_plateau.get_or_insert(self.peak_ratio);
             }
+            self.last_event = Some(t.confirmed);
         }
         t
+    }
+
+    /// Mean of the smoothed losses in the window after its first `skip` entries, and its
+    /// standard error from the loss's step-to-step noise (`noise` is the mean absolute
+    /// difference of consecutive losses, 2/sqrt(pi) standard deviations for independent
+    /// ones; a median of three is worth about 2/pi of a sample).
+    fn window_stats(&self, skip: usize) -> (f64, f64) {
+        let n = self.window.len().saturating_sub(skip);
+        if n < 2 {
+            return (f64::NAN, f64::NAN);
+        }
+        let mean = self.window.iter().skip(skip).map(|x| x.1).sum::<f64>() / n as f64;
+        let sd = self.noise * std::f64::consts::PI.sqrt() / 2.0;
+        (mean, sd / (n as f64 * 2.0 / std::f64::consts::PI).sqrt())
+    }
+
+    /// Whether the loss has come down from its plateau: the mean of the window's newer half
+    /// is below the plateau's level by more than the tolerance (with hysteresis) and by more
+    /// than four standard errors of the difference (it is asked every step).
+    fn recovered(&self, config: &Config) -> bool {
+        let skip = self.window.len() / 2;
+        if self.window.len() - skip < 4 || !self.plateau_level.is_finite() {
+            return false;
+        }
+        let (mean, se) = self.window_stats(skip);
+        let drop = self.plateau_level - mean;
+        let noise = 4.0 * se.hypot(self.plateau_se);
+        drop > config.loss_plateau_tolerance * config.hysteresis * self.plateau_level
+            && drop > noise
     }
 }
 
@@ -571,6 +655,101 @@ mod tests {
         assert_eq!(events.len(), 1, "{events:?}");
         assert_eq!(events[0].to, LossHealth::Plateau);
         assert_eq!(events[0].onset, 0);
+    }
+
+    /// A batch loss of a model that cannot fit its targets (noise): the mean of 16 squared
+    /// standard normals around `level`, from a fixed generator.
+    fn noisy_losses(n: usize, level: f64, seed: u64) -> Vec<f64> {
+        let mut state = seed;
+        let mut uniform = || {
+            state = state
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            ((state >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+        };
+        (0..n)
+            .map(|_| {
+                let sum: f64 = (0..16)
+                    .map(|_| {
+                        let z = (-2.0 * uniform().ln()).sqrt()
+                            * (2.0 * std::f64::consts::PI * uniform()).cos();
+                        z * z
+                    })
+                    .sum();
+                level * sum / 16.0
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_noisy_flat_loss_is_one_plateau_not_a_flip_flop() {
+        let config = Config::default();
+        for seed in 1..60 {
+            let mut t = LossTrack::default();
+            let mut events = Vec::new();
+            for (step, loss) in noisy_losses(500, 1.0, seed).into_iter().enumerate() {
+                events.extend(t.observe(step as u64, loss, &config));
+            }
+            let plateaus: Vec<_> = events
+                .iter()
+                .filter(|e| e.to == LossHealth::Plateau)
+                .collect();
+            assert_eq!(plateaus.len(), 1, "seed {seed}: {events:?}");
+            assert!(events.len() <= 2, "seed {seed}: {events:?}");
+            assert!(
+                events
+                    .windows(2)
+                    .all(|w| w[0].onset <= w[1].onset && w[0].to == w[1].from)
+            );
+        }
+    }
+
+    #[test]
+    fn a_plateau_ends_when_the_loss_really_falls_and_dates_stay_ordered() {
+        let config = Config::default();
+        let mut t = LossTrack::default();
+        let mut events = Vec::new();
+        let flat = noisy_losses(300, 1.0, 7);
+        // Flat, then a real descent (a fixed learning rate), then flat again at a third.
+        let losses = flat.iter().copied().chain(
+            noisy_losses(300, 1.0, 8)
+                .into_iter()
+                .enumerate()
+                .map(|(i, l)| l * (0.35 + 0.65 * (-(i as f64) / 40.0).exp())),
+        );
+        for (step, loss) in losses.enumerate() {
+            events.extend(t.observe(step as u64, loss, &config));
+        }
+        assert_eq!(
+            events.first().map(|e| e.to),
+            Some(LossHealth::Plateau),
+            "{events:?}"
+        );
+        assert!(
+            events
+                .iter()
+                .any(|e| e.from == LossHealth::Plateau && e.confirmed > 300),
+            "{events:?}"
+        );
+        for w in events.windows(2) {
+            assert!(w[1].onset > w[0].confirmed, "{events:?}");
+        }
+    }
+
+    #[test]
+    fn the_peak_before_a_plateau_is_not_a_later_jump() {
+        let config = Config::default();
+        let mut t = LossTrack::default();
+        let losses = noisy_losses(2000, 1.0, 3)
+            .into_iter()
+            .chain((0..100).map(|i| 1.0 + 4000.0 * f64::from(i).min(3.0)));
+        for (step, loss) in losses.enumerate() {
+            t.observe(step as u64, loss, &config);
+        }
+        assert!(t.peak_ratio > 1000.0);
+        // What the loss did before it flattened, not the jump at step 2,000.
+        let before = t.peak_at_plateau.unwrap();
+        assert!(before < 3.0, "{before}");
     }
 
     #[test]

@@ -200,6 +200,7 @@ impl PyEngine {
             "first_step": replay.first_step,
             "closed": replay.closed,
             "damage": replay.damage.as_ref().map(ToString::to_string),
+            "unobserved": replay.unobserved.iter().map(ToString::to_string).collect::<Vec<_>>(),
             "meta": replay.header.meta,
         });
         Ok((
@@ -247,6 +248,20 @@ impl PyEngine {
         }
         self.trace = Some(writer);
         Ok(())
+    }
+
+    /// Records in the trace (if one is open) that steps `first..=last` (`last` None: to the
+    /// end) were not observed, and why.
+    #[pyo3(signature = (first, last, reason))]
+    fn record_unobserved(&mut self, py: Python<'_>, first: u64, last: Option<u64>, reason: String) {
+        let gap = neuraldbg_core::trace::Unobserved {
+            first,
+            last,
+            reason,
+        };
+        self.traced(py, "recording unobserved steps", |_, w| {
+            w.write_unobserved(&gap)
+        });
     }
 
     /// Closes the trace: `(path, steps, bytes, has_header)`, or None when no trace was open.

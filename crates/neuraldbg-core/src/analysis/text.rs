@@ -40,9 +40,13 @@ pub fn num(v: f64) -> String {
     }
 }
 
-/// A module name as shown in sentences (the root module has the empty name).
+/// A module name as shown in sentences (the root module, whose name is empty, is the model's
+/// output).
 pub fn show(name: &str) -> String {
-    format!("`{}`", crate::model::display_name(name))
+    if name.is_empty() {
+        return "the model's output".into();
+    }
+    format!("`{name}`")
 }
 
 /// One line describing an event.
@@ -223,4 +227,13 @@ pub fn remedies(run: &Run, e: &Episode, cause: Cause) -> Vec<String> {
         r.push("clip gradients at 1.0 while you fix the cause".into());
     }
     r
+}
+
+#[cfg(test)]
+mod show_tests {
+    #[test]
+    fn the_root_module_reads_as_the_model_s_output_in_sentences() {
+        assert_eq!(super::show(""), "the model's output");
+        assert_eq!(super::show("encoder.0"), "`encoder.0`");
+    }
 }

@@ -104,9 +104,17 @@ pub fn render_html_with(engine: &Engine, title: &str, options: &Options) -> Stri
         .as_ref()
         .map(|a| a.hypotheses(options.only))
         .unwrap_or_default();
-    let data = engine
-        .run()
-        .map(|run| collect(engine, run, analysis.as_ref(), &hypotheses, title));
+    let data = engine.run().map(|run| {
+        let mut d = collect(engine, run, analysis.as_ref(), &hypotheses, title);
+        if options.sections != Sections::All {
+            // Hidden sections need no data: a notebook's copy stays smaller than the report.
+            d.curves.clear();
+            d.loss = None;
+            d.events.clear();
+            d.graph.clear();
+        }
+        d
+    });
     let json = data.map_or_else(
         || "null".to_string(),
         |d| serde_json::to_string(&d).unwrap_or_else(|_| "null".to_string()),

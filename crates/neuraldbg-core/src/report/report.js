@@ -163,19 +163,30 @@
         el('line', { x1: xl(d), x2: xl(d), y1: 30, y2: 34, stroke: '#8a91a0' }, svg);
         text(svg, xl(d), 45, decade(d), { 'text-anchor': 'middle' });
       }
-      // Threshold labels sit centred on their mark unless a neighbour is too close; then the
-      // pair splits, one to each side.
-      const marks = [[LV, 'vanishing <'], [LS, 'saturated >'], [LE, 'exploding >']]
-        .map(([l, name]) => ({ x: xl(l), label: name + ' ' + decade(Math.round(l)), anchor: 'middle' }));
-      for (let i = 1; i < marks.length; i++) {
-        const need = (marks[i - 1].label.length + marks[i].label.length) * 3.3 + 8;
-        if (marks[i].x - marks[i - 1].x < need) { marks[i - 1].anchor = 'end'; marks[i].anchor = 'start'; }
-      }
-      marks.forEach((m) => {
-        el('line', { x1: m.x, x2: m.x, y1: 14, y2: 32, stroke: '#1d2330', 'stroke-width': 1.5 }, svg);
-        const dx = m.anchor === 'end' ? -3 : m.anchor === 'start' ? 3 : 0;
-        text(svg, m.x + dx, 11, m.label, { 'text-anchor': m.anchor, fill: '#1d2330' });
+      // Threshold labels sit centred on their mark; neighbours too close are pushed apart
+      // (by their measured widths) so that a gap always separates them.
+      const GAP = 10;
+      const marks = [[LV, 'vanishing <'], [LS, 'saturated >'], [LE, 'exploding >']].map(([l, name]) => {
+        const x = xl(l);
+        el('line', { x1: x, x2: x, y1: 14, y2: 32, stroke: '#1d2330', 'stroke-width': 1.5 }, svg);
+        const label = name + ' ' + decade(Math.round(l));
+        const t = text(svg, x, 11, label, { 'text-anchor': 'start', fill: '#1d2330', class: 'threshold' });
+        let w = 0;
+        try { w = t.getComputedTextLength(); } catch (e) { /* not laid out */ }
+        if (!(w > 0)) w = label.length * 7;
+        return { t: t, w: w, left: x - w / 2 };
       });
+      for (let pass = 0; pass < 2; pass++) {
+        for (let i = 1; i < marks.length; i++) {
+          const p = marks[i - 1], q = marks[i];
+          const overlap = p.left + p.w + GAP - q.left;
+          if (overlap > 0) {
+            if (pass === 0) { p.left -= overlap / 2; q.left += overlap / 2; } else { q.left += overlap; }
+          }
+        }
+      }
+      const shift = Math.max(0, -marks[0].left);
+      marks.forEach((m) => m.t.setAttribute('x', m.left + shift));
       text(svg, LEFT - 8, 28, 'gradient norm', { 'text-anchor': 'end' });
       let x = x0 + w + 24;
       [[COL_ZERO, 'exactly 0'], [COL_NAN, 'NaN / Inf'], [COL_EMPTY, 'no gradient']].forEach(([c, name]) => {
@@ -264,8 +275,13 @@
       ctx.textBaseline = 'middle';
       const rowH = ph / rows;
       const every = Math.max(1, Math.ceil(13 / rowH));
+      // The root's label: beside its rows, or (an activation, which has no row of its own) on
+      // the line between two, kept clear of the axis labels above and below the map.
       let rootY = null;
-      if (focus && focus.rows) rootY = TOP + (focus.rows[0] + focus.rows[1]) / 2 * rowH;
+      if (focus && focus.rows) {
+        rootY = Math.min(Math.max(TOP + (focus.rows[0] + focus.rows[1]) / 2 * rowH, TOP + 7), TOP + ph - 7);
+        canvas.dataset.rootLabel = String(rootY);
+      }
       for (let r = 0; r < rows; r += every) {
         const y = TOP + (r + 0.5) * rowH;
         if (rootY !== null && Math.abs(y - rootY) < 11) continue;
@@ -301,7 +317,7 @@
         ctx.fillStyle = '#c0392b';
         ctx.textBaseline = 'middle';
         const label = '▶ root ' + (focus.layer === '' ? '<model>' : focus.layer) + (focus.kind ? ' (' + focus.kind + ')' : '');
-        ctx.fillText(ellipsize(ctx, label, LEFT - 8), LEFT - 6, (y0 + y1) / 2);
+        ctx.fillText(ellipsize(ctx, label, LEFT - 8), LEFT - 6, rootY);
       }
       if (focus && focus.step !== null && focus.step !== undefined) {
         const x = Math.round(xOf(focus.step)) + 0.5;

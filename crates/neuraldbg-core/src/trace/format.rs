@@ -32,6 +32,12 @@ pub enum Kind {
     Step = 2,
     /// Binary: the number of step records written; present only when the writer closed.
     End = 3,
+    /// JSON: steps the run took that were not observed, and why ([`super::Unobserved`]).
+    /// Optional: a reader that predates it skips it and reads the steps around it.
+    Unobserved = 0x81,
+    /// JSON: the wall-clock time a step was written ([`super::Clock`]), at most about once a
+    /// second. Optional.
+    Clock = 0x82,
 }
 
 pub const OPTIONAL_KINDS: u8 = 0x80;
@@ -42,6 +48,8 @@ impl Kind {
             1 => Some(Kind::Header),
             2 => Some(Kind::Step),
             3 => Some(Kind::End),
+            0x81 => Some(Kind::Unobserved),
+            0x82 => Some(Kind::Clock),
             _ => None,
         }
     }

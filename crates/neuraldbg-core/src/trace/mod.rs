@@ -54,6 +54,57 @@ pub use reader::{Record, TraceHeader, TraceReader};
 pub use replay::Replay;
 pub use writer::{SyncPolicy, TraceWriter, WriterOptions};
 
+/// Steps the run went through without them being observed (monitoring stopped: a peer rank
+/// left, an internal error), recorded so that readers say so instead of taking the last
+/// recorded step for the end of the run.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Unobserved {
+    /// The first step not observed.
+    pub first: u64,
+    /// The last one, when known (None: to the end of the run).
+    pub last: Option<u64>,
+    /// Why, in a sentence.
+    pub reason: String,
+}
+
+/// When a step was written: seconds since the Unix epoch. Readers place the other steps in
+/// time between two of these.
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Clock {
+    pub step: u64,
+    pub time: f64,
+}
+
+/// The wall-clock time of `step` from a trace's clocks (in step order): interpolated between
+/// the two around it, the nearest one outside them, None without any.
+pub fn wall_time(clocks: &[Clock], step: u64) -> Option<f64> {
+    let after = clocks.partition_point(|c| c.step < step);
+    match (after.checked_sub(1).map(|i| clocks[i]), clocks.get(after)) {
+        (_, Some(b)) if b.step == step => Some(b.time),
+        (Some(a), Some(b)) => {
+            #[allow(clippy::cast_precision_loss)]
+            let f = (step - a.step) as f64 / (b.step - a.step) as f64;
+            Some(a.time + f * (b.time - a.time))
+        }
+        (Some(a), None) => Some(a.time),
+        (None, Some(b)) => Some(b.time),
+        (None, None) => None,
+    }
+}
+
+impl std::fmt::Display for Unobserved {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.last {
+            Some(last) if last > self.first => {
+                write!(f, "steps {} to {last} were not observed", self.first)?;
+            }
+            Some(_) => write!(f, "step {} was not observed", self.first)?,
+            None => write!(f, "steps from {} on were not observed", self.first)?,
+        }
+        write!(f, ": {}", self.reason)
+    }
+}
+
 /// A trace cannot be written, or cannot be read at all.
 ///
 /// Damage after a readable header is not an error: the reader recovers everything before it and
@@ -139,5 +190,30 @@ impl std::fmt::Display for Damage {
             DamageKind::Preamble => f.write_str("the trace preamble is cut short or corrupted"),
             DamageKind::Unreadable(why) => write!(f, "cannot read: {why}"),
         }
+    }
+}
+
+#[cfg(test)]
+mod clock_tests {
+    use super::{Clock, wall_time};
+
+    #[test]
+    fn wall_time_interpolates_between_clocks_and_holds_outside() {
+        let clocks = [
+            Clock {
+                step: 10,
+                time: 100.0,
+            },
+            Clock {
+                step: 20,
+                time: 110.0,
+            },
+        ];
+        assert_eq!(wall_time(&[], 5), None);
+        assert_eq!(wall_time(&clocks, 0), Some(100.0));
+        assert_eq!(wall_time(&clocks, 10), Some(100.0));
+        assert_eq!(wall_time(&clocks, 15), Some(105.0));
+        assert_eq!(wall_time(&clocks, 20), Some(110.0));
+        assert_eq!(wall_time(&clocks, 99), Some(110.0));
     }
 }

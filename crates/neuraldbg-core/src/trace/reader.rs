@@ -34,6 +34,10 @@ pub enum Record {
     End {
         steps: u64,
     },
+    /// Steps the run took without observing them.
+    Unobserved(super::Unobserved),
+    /// When a step was written.
+    Clock(super::Clock),
 }
 
 /// Reads records in order. Iteration ends at the end of the file or at the first damaged
@@ -324,6 +328,22 @@ impl<R: Read> TraceReader<R> {
                 Err(format!("unknown record kind {kind}"))
             };
         };
+        if kind == Kind::Unobserved && self.header_seen {
+            let gap = serde_json::from_slice(payload)
+                .map_err(|e| format!("unreadable record of unobserved steps: {e}"))?;
+            return Ok(Some(Record::Unobserved(gap)));
+        }
+        if kind == Kind::Clock && self.header_seen {
+            let clock = serde_json::from_slice(payload)
+                .map_err(|e| format!("unreadable clock record: {e}"))?;
+            return Ok(Some(Record::Clock(clock)));
+        }
+        if kind == Kind::End && !self.header_seen && format::decode_end(payload)? == 0 {
+            // Closed before any step: the writer ends a header-less trace so that readers
+            // following it know no model will come.
+            self.ended = true;
+            return Ok(Some(Record::End { steps: 0 }));
+        }
         if (kind == Kind::Header) == self.header_seen {
             return Err(if self.header_seen {
                 "a second header".into()
@@ -358,6 +378,7 @@ impl<R: Read> TraceReader<R> {
                 self.ended = true;
                 Record::End { steps }
             }
+            Kind::Unobserved | Kind::Clock => unreachable!("handled above"),
         }))
     }
 }
@@ -408,6 +429,8 @@ mod tests {
                 Record::Header(_) => "header",
                 Record::Step(_) => "step",
                 Record::End { .. } => "end",
+                Record::Unobserved(_) => "unobserved",
+                Record::Clock(_) => "clock",
             })
             .collect()
     }
@@ -433,9 +456,10 @@ mod tests {
             reader.inner.get_mut().write_all(&full[cut..]).unwrap();
             assert!(reader.resume().unwrap(), "cut at {cut}");
             all.extend(kinds(&mut reader));
+            // (The writer records the first step's time after it.)
             assert_eq!(
                 all,
-                ["header", "step", "step", "step", "step", "end"],
+                ["header", "step", "clock", "step", "step", "step", "end"],
                 "cut at {cut}"
             );
             assert!(reader.closed() && reader.damage().is_none());

@@ -33,6 +33,11 @@ pub struct Replay {
     /// Whether the writer closed the trace (false: the run was killed or crashed, or the trace
     /// is damaged).
     pub closed: bool,
+    /// Steps the run took that the writer recorded as not observed, and why.
+    pub unobserved: Vec<super::Unobserved>,
+    /// When steps were written (about one a second; none in traces from before they were
+    /// recorded).
+    pub clocks: Vec<super::Clock>,
 }
 
 impl Replay {
@@ -69,11 +74,17 @@ impl Replay {
         let mut steps = 0u64;
         let mut first_step = None;
         let mut step_bytes = 0;
+        let mut unobserved = Vec::new();
+        let mut clocks = Vec::new();
         let mut start = reader.offset();
         while let Some(record) = reader.next_record() {
             let size = reader.offset() - start;
             start = reader.offset();
-            if let Record::Step(obs) = record {
+            if let Record::Unobserved(gap) = record {
+                unobserved.push(gap);
+            } else if let Record::Clock(clock) = record {
+                clocks.push(clock);
+            } else if let Record::Step(obs) = record {
                 if let Err(e) = engine.observe(&obs.view()) {
                     reader.reject_last(e.to_string());
                     break;
@@ -100,6 +111,8 @@ impl Replay {
             file_len: reader.len(),
             damage,
             closed: reader.closed(),
+            unobserved,
+            clocks,
         })
     }
 }

@@ -8,6 +8,10 @@ use std::time::{Duration, Instant};
 use serde_json::{Map, Value, json};
 
 use super::TraceError;
+
+/// Seconds between two clock records: enough to place steps in time for plots, a few bytes a
+/// second.
+const CLOCK_EVERY: Duration = Duration::from_secs(1);
 use super::format::{self, Kind, MAX_PAYLOAD};
 use crate::config::Config;
 use crate::model::ModelSpec;
@@ -75,6 +79,8 @@ pub struct TraceWriter {
     last_step: Option<u64>,
     header: bool,
     last_sync: Instant,
+    /// When the last clock record was written (None: none yet).
+    last_clock: Option<Instant>,
     /// Set after a failed write: the file may end in a partial record, so nothing more is
     /// appended after it.
     failed: bool,
@@ -122,6 +128,7 @@ impl TraceWriter {
             last_step: None,
             header: false,
             last_sync: Instant::now(),
+            last_clock: None,
             failed: false,
             closed: false,
         };
@@ -199,12 +206,37 @@ impl TraceWriter {
         self.write_record(Kind::Step)?;
         self.steps += 1;
         self.last_step = Some(view.step);
+        if self.last_clock.is_none_or(|t| t.elapsed() >= CLOCK_EVERY) {
+            self.write_clock(view.step)?;
+        }
         if let SyncPolicy::Interval(every) = self.options.sync {
             if self.last_sync.elapsed() >= every {
                 self.sync()?;
             }
         }
         Ok(())
+    }
+
+    /// Records when `step` was written, so that exports can place steps in time.
+    fn write_clock(&mut self, step: u64) -> Result<(), TraceError> {
+        self.last_clock = Some(Instant::now());
+        let time = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64());
+        self.payload = serde_json::to_vec(&super::Clock { step, time })
+            .map_err(|e| self.usage(&e.to_string()))?;
+        self.write_record(Kind::Clock)
+    }
+
+    /// Records steps the run took that were not observed, and why (written before the end
+    /// record; readers report them). Does nothing before the header: there is no step to
+    /// speak of.
+    pub fn write_unobserved(&mut self, gap: &super::Unobserved) -> Result<(), TraceError> {
+        if !self.header {
+            return Ok(());
+        }
+        self.payload = serde_json::to_vec(gap).map_err(|e| self.usage(&e.to_string()))?;
+        self.write_record(Kind::Unobserved)
     }
 
     /// Writes the end record and syncs; later calls do nothing and later writes fail. A trace
@@ -214,11 +246,10 @@ impl TraceWriter {
         if self.closed || self.failed {
             return Ok(());
         }
-        // A trace without a header has nothing to end: readers say "no model" instead.
-        if self.header {
-            self.payload = format::encode_end(self.steps).to_vec();
-            self.write_record(Kind::End)?;
-        }
+        // A trace without a header ends with zero steps: readers say "no model", and one
+        // following it knows that none will come.
+        self.payload = format::encode_end(self.steps).to_vec();
+        self.write_record(Kind::End)?;
         self.closed = true;
         self.sync()
     }

@@ -255,7 +255,7 @@ impl Evidence {
             init_error: median(&errors),
             act_attenuation: median(&attenuations).unwrap_or(0.0),
             loss_initial: run.loss.initial,
-            loss_peak_ratio: run.loss.peak_ratio,
+            loss_peak_ratio: run.loss.peak_at_plateau.unwrap_or(run.loss.peak_ratio),
             slope_first: slopes(|a| a.first_slope),
             slope_min: slopes(|a| a.min_slope),
             bounded_kind,
