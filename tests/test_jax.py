@@ -241,7 +241,7 @@ def test_params_pytree_plain_optax_and_schedule_lr(tmp_path: Any) -> None:
     np.testing.assert_allclose(history(dbg, "Dense_0"), gts, rtol=1e-4)
     # The trace replays to the same diagnosis.
     run = neuraldbg.load(path)
-    assert run.step == 9
+    assert run.step == dbg.step == 10  # completed steps, like the live dbg.step
     assert [str(h) for h in run.explain_failure()] == [str(h) for h in dbg.explain_failure()]
     html = dbg.report_html()
     assert "Dense_0" in html

@@ -141,7 +141,7 @@ def test_functional_validation_and_user_callbacks(tmp_path: Any) -> None:
     assert dbg.layers == ["enc", "mid", "head"]
     # Validation passes are no training step and no activation sample of one.
     run = neuraldbg.load(trace)
-    assert run.step == 31
+    assert run.step == dbg.step == 32  # completed steps, like the live dbg.step
     assert [str(h) for h in run.explain_failure()] == [str(h) for h in dbg.explain_failure()]
     assert report.read_text().startswith("<!DOCTYPE html>")
     assert dbg.history("act", "dead_fraction")[1].size >= 10
