@@ -38,21 +38,22 @@ JOBS = {
 }
 
 
-def _run_job(world: int, out: str) -> None:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+def _run_job(world: int, out: str, names: List[str], **env_extra: str) -> None:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **env_extra)
     cmd = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
-        "--standalone", os.path.join(HERE, "distributed_job.py"), out, *JOBS[world],
+        "--standalone", os.path.join(HERE, "distributed_job.py"), out, *names,
     ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
-def _job(world: int, tmp_path_factory: Any) -> Dict[str, Any]:
+def _job(world: int, tmp_path_factory: Any, names: Any = None, **env_extra: str) -> Dict[str, Any]:
+    names = JOBS[world] if names is None else names
     out = str(tmp_path_factory.mktemp(f"job{world}"))
-    _run_job(world, out)
+    _run_job(world, out, names, **env_extra)
     results: Dict[str, List[Dict[str, Any]]] = {}
-    for name in JOBS[world]:
+    for name in names:
         per_rank = []
         for r in range(world):
             with open(os.path.join(out, f"{name}.rank{r}.json")) as f:
@@ -71,6 +72,13 @@ def job2(tmp_path_factory: Any) -> Dict[str, Any]:
 @pytest.fixture(scope="module")
 def job4(tmp_path_factory: Any) -> Dict[str, Any]:
     return _job(4, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def job2_device(tmp_path_factory: Any) -> Dict[str, Any]:
+    """The NaN jobs on the CUDA code path's CPU stand-in: each rank's origin is found on the
+    device before the exchange (no host read), as under NCCL."""
+    return _job(2, tmp_path_factory, ["nan_forward", "nan_batch"], NEURALDBG_DEVICE_PATH="deferred")
 
 
 @pytest.fixture(params=[2, 4], ids=["2proc", "4proc"])
@@ -144,7 +152,12 @@ def test_one_trace_for_the_job(job: Dict[str, Any]) -> None:
     assert replayed[0]["evidence"][0]["metadata"]["rank"] == job["results"]["nan_batch"][0]["bad_rank"]
 
 
-def test_nan_batch_is_named_with_its_rank_and_step(job: Dict[str, Any]) -> None:
+@pytest.mark.parametrize("device_path", [False, True], ids=["", "device_path"])
+def test_nan_batch_is_named_with_its_rank_and_step(job: Dict[str, Any], device_path: bool, request: Any) -> None:
+    if device_path:
+        if job["world"] != 2:
+            pytest.skip("the CUDA path's stand-in runs in the 2-process job")
+        job = request.getfixturevalue("job2_device")
     for d in job["results"]["nan_batch"]:
         top = d["hypotheses"][0]
         assert (top["failure"], top["cause"], top["step"]) == ("data_anomaly", "bad_input_data", d["bad_step"])
@@ -155,10 +168,9 @@ def test_nan_batch_is_named_with_its_rank_and_step(job: Dict[str, Any]) -> None:
         assert nonfinite and nonfinite[0]["cause"] == "bad_input_data"
 
 
-def test_nan_made_by_a_module_names_the_module_and_the_rank(job2: Dict[str, Any]) -> None:
-    if _BACKEND == "nccl":
-        pytest.xfail("on CUDA each rank finds a forward NaN's origin in its own outputs only (docs)")
-    for d in job2["results"]["nan_forward"]:
+@pytest.mark.parametrize("path", ["job2", "job2_device"])
+def test_nan_made_by_a_module_names_the_module_and_the_rank(path: str, request: Any) -> None:
+    for d in request.getfixturevalue(path)["results"]["nan_forward"]:
         top = d["hypotheses"][0]
         assert (top["failure"], top["cause"], top["layer"], top["step"]) == (
             "non_finite", "numerical_instability", "module.1", d["bad_step"]

@@ -198,7 +198,7 @@ class Collector:
         self.hooks = Hooks(
             self.watched.modules, self.refs, keep_outputs=forward_check != "off",
             unhookable={i for i, s in enumerate(self.watched.scripted) if s},
-            summaries=self.summaries if device and distributed is None and forward_check != "off" else None,
+            summaries=self.summaries if (device or distributed is not None) and forward_check != "off" else None,
         )
         self._decide_host()
         # Latest output of each activation probe in this step (by probe row).
@@ -336,7 +336,7 @@ class Collector:
     def _summarized(self) -> bool:
         """Whether this step's module calls are summarized on the device instead of kept (the
         device path, once registered, one process, outputs checked)."""
-        return self.hm is None and self.registered and self.dist is None and self.forward_check != "off"
+        return self.hm is None and self.registered and self.forward_check != "off"
 
     def _keep_output(self, index: int, output: Any, args: Any = None) -> None:
         """A recorded layer returned on a sampled host step without the extension's reader:
@@ -986,10 +986,27 @@ class Collector:
                 self.inputs.append(input_stats(x.detach()))
             return
 
+    def _device_origin(self) -> Any:
+        """:meth:`Summaries.origin` for this model's engine indices."""
+        from ._distributed import _to_device
+
+        watched = self.watched
+        own = np.asarray([watched.rank.get(i, -1) for i, _, _ in self.summaries.calls], dtype=np.float32)
+        enclosing = np.asarray(
+            [watched.rank.get(i if i == 0 else watched._enclosing(i), -1) for i, _, _ in self.summaries.calls],
+            dtype=np.float32,
+        )
+        torch = self.torch
+        return self.summaries.origin(own, enclosing, lambda a, device: _to_device(torch, a, device))
+
     def _scan(self, refs: List[Tuple[int, Any, Any]]) -> Tuple[Optional[int], bool]:
         """The module where this step's forward first went non-finite, and whether that was
         known: from the kept module calls, or, when the step recorded none (host mode), by
         computing the model's forward passes again while the parameters are unchanged."""
+        if self.summaries:  # the device path: its calls were summarized (a host read: a failure step)
+            vec = self.summaries.vector()
+            summary = read_summaries(self.summaries.calls, vec.detach().cpu().numpy())
+            return self.watched.first_nonfinite_summary(summary), True
         calls = self.root_calls[self.released :]
         kept = self.hooks.hold[0]
         if not calls or (self.hooks.modules_armed and (kept is True or kept is False)):
@@ -1452,6 +1469,10 @@ class Collector:
                 vec = self.summaries.vector()
                 if vec is not None:
                     parts.append(vec)
+                    if self.dist is not None and layout.origin is None and not layout.checked:
+                        # The exchange takes each rank's origin before the vector reaches a
+                        # host: found on the device.
+                        layout.origin_device = self._device_origin()
                 layout.summary_calls, layout.summary_n = self.summaries.take()
                 layout.summary_out = first or self._sampled(self.activation_every)
             flat = flatten(parts)

@@ -282,6 +282,7 @@ class Distributed:
             layout.n_act, layout.loss, layout.n_inputs, layout.origin, layout.checked, device,
             clip=layout.clip_index is not None,
             loss_scale=layout.loss_scale,
+            origin_device=getattr(layout, "origin_device", None),
         )
         if vec.device.type == "cuda":  # pragma: no cover - needs a GPU
             ex = self.start_device(vec)
@@ -321,6 +322,7 @@ class Distributed:
         device: Any,
         clip: bool = False,
         loss_scale: bool = False,
+        origin_device: Any = None,
     ) -> Any:
         """This rank's fixed-layout vector, on ``device``, from the collector's flat vector of
         local norms (grads, weights, activation cells, loss, input rows, in that order).
@@ -360,10 +362,13 @@ class Distributed:
         n_tail = int(clip) + int(loss_scale)
         if n_tail:  # the clip probe's norm after clipping, the loss scale: as they are
             parts.append(flat[tail : tail + n_tail])
+        found = origin_device is not None
+        if found:  # the origin found on the device (the outputs were checked there)
+            parts.append(torch.stack((origin_device.reshape(()).float(), torch.ones((), device=origin_device.device))))
         vec = _to_device(torch, base, device)
         if parts:
             key = (id(grad_order), k_g, id(weight_order), k_w, id(act_index), n_act, has_loss, n_inputs > 0,
-                   clip, loss_scale, device)
+                   clip, loss_scale, found, device)
             hit = self._index.get(key)
             idx = hit[0] if hit is not None else None
             if idx is None:
@@ -382,6 +387,8 @@ class Distributed:
                     index.append(np.array([lay.header + 6]))
                 if loss_scale:
                     index.append(np.array([lay.header + 7]))
+                if found:
+                    index.append(np.array([lay.header + 2, lay.header + 3]))
                 idx = _to_device(torch, np.concatenate(index).astype(np.int64), device)
                 if len(self._index) > 16:
                     self._index.clear()

@@ -483,6 +483,31 @@ class Summaries:
             return None
         return self.torch.stack(self.norms)
 
+    def origin(self, own: np.ndarray, enclosing: np.ndarray, to_device: Callable[[np.ndarray, Any], Any]) -> Any:
+        """On the device, without a host read: the engine index of the module where a NaN/Inf
+        first appeared among the calls (the rule of ``first_nonfinite_summary``: the first call
+        whose output is not finite, its own module if its inputs were finite, else ``enclosing``),
+        -1 when none; a 0-d float32 tensor. ``own`` and ``enclosing``: per call, engine indices
+        (-1: unknown); ``to_device``: host array -> device tensor without waiting. For the
+        distributed exchange, which takes each rank's origin before the vector reaches a host."""
+        torch = self.torch
+        vals = self.vector()
+        device = vals.device
+        n = len(self.calls)
+        counts = [o + i for _, o, i in self.calls]
+        call_of = np.repeat(np.arange(n, dtype=np.int64), counts)
+        is_out = np.concatenate([np.arange(o + i) < o for _, o, i in self.calls]).astype(np.int64)
+        meta = to_device(np.stack([call_of, is_out]), device)
+        ranks = to_device(np.stack([own, enclosing]).astype(np.float32), device)
+        bad = (~torch.isfinite(vals)).to(torch.float32)
+        out_bad = torch.zeros(n, device=device).index_add_(0, meta[0], bad * meta[1])
+        in_bad = torch.zeros(n, device=device).index_add_(0, meta[0], bad * (1 - meta[1]))
+        pos = torch.arange(n, device=device)
+        first = torch.where(out_bad > 0, pos, torch.full_like(pos, n)).min()
+        c = first.clamp(max=n - 1)
+        rank = torch.where(in_bad[c] > 0, ranks[1][c], ranks[0][c])
+        return torch.where(first < n, rank, torch.full_like(rank, -1.0))
+
     def take(self) -> Tuple[List[Tuple[int, int, int]], int]:
         """The calls (what :meth:`read` needs to read the vector back) and the vector's length;
         starts afresh."""

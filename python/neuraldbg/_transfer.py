@@ -23,7 +23,7 @@ class Layout:
     __slots__ = ("step", "lr", "grad_order", "weight_order", "act_index", "act_samples", "n_act",
                  "loss", "n_inputs", "final", "origin", "checked", "ran", "clip_index", "loss_scale",
                  "skipped", "facts", "out_ranks", "zero_index", "loss_floats", "summary_calls", "summary_n",
-                 "summary_out", "summary")
+                 "summary_out", "summary", "origin_device")
 
     def __init__(self, step: int, lr: Optional[float], final: bool) -> None:
         self.step = step
@@ -61,6 +61,9 @@ class Layout:
         self.summary_n = 0
         self.summary_out = False
         self.summary: Optional[List[Tuple[int, float, bool, bool]]] = None
+        # Distributed, the origin not known on the host yet: found on the device (a 0-d tensor,
+        # -1 for none), for the exchange's header.
+        self.origin_device: Any = None
 
 
 class Pending:
