@@ -586,3 +586,32 @@ def test_step_on_backward_when_the_backward_ends_on_another_thread(monkeypatch):
     steps, values = dbg.history("0")
     assert dbg.step == 10 and list(steps) == list(range(10))
     np.testing.assert_allclose(values, truth, rtol=1e-5)
+
+
+def test_on_the_cuda_path_a_recorded_call_keeps_no_tensor(monkeypatch):
+    """The CUDA path (its stand-in): a recorded layer's call is summarized on the device as it
+    returns (the largest magnitude of its output, then of its input), and nothing of it is kept."""
+    monkeypatch.setenv("NEURALDBG_DEVICE_PATH", "deferred")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(8, 16)
+    with NeuralDbg(model) as dbg:
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(8, 16)).pow(2).mean().backward()
+            opt.step()
+        c = dbg._collector
+        names = c.watched.names
+        model.eval()
+        with torch.no_grad():
+            first = model[0](x)
+            c.refs.clear()
+            c.summaries.clear()
+            model(x)
+        assert [names[i] for i, _, _ in c.refs] == ["0", "1", "3", ""]
+        assert all(out is None and args is None for _, out, args in c.refs)
+        assert [names[i] for i, _, _ in c.summaries.calls] == ["0", "1", "3", ""]
+        values = c.summaries.vector().numpy()
+        assert values[0] == pytest.approx(float(first.abs().max()))
+        assert values[1] == pytest.approx(float(x.abs().max()))

@@ -194,11 +194,16 @@ class Collector:
         self.plain: Any = None
         # The device path's summaries of the module calls of the current forward pass.
         self.summaries = Summaries()
-        device = not all(p.device.type == "cpu" for p in self.params) or device_path_override() is not None
+        # Summaries replace kept calls where device memory is at stake: a model on an
+        # accelerator, or the CUDA path's CPU stand-in (a CPU job under torch.distributed keeps
+        # its calls: reading every output again costs a CPU more than the memory they hold).
+        self.forced_device = forced is not None
+        self.accelerator = not all(p.device.type == "cpu" for p in self.params)
+        summarize = (self.accelerator or self.forced_device) and forward_check != "off"
         self.hooks = Hooks(
             self.watched.modules, self.refs, keep_outputs=forward_check != "off",
             unhookable={i for i, s in enumerate(self.watched.scripted) if s},
-            summaries=self.summaries if (device or distributed is not None) and forward_check != "off" else None,
+            summaries=self.summaries if summarize else None,
         )
         self._decide_host()
         # Latest output of each activation probe in this step (by probe row).
@@ -311,6 +316,7 @@ class Collector:
         elif not host:
             self.hm = None
             self.maxima = None
+            self.accelerator = not all(p.device.type == "cpu" for p in self.params)
             self._hold_outputs()
 
     def _hold_outputs(self, autocast: bool = False) -> None:
@@ -335,8 +341,11 @@ class Collector:
 
     def _summarized(self) -> bool:
         """Whether this step's module calls are summarized on the device instead of kept (the
-        device path, once registered, one process, outputs checked)."""
-        return self.hm is None and self.registered and self.forward_check != "off"
+        device path on an accelerator or its stand-in, once registered, outputs checked)."""
+        return (
+            self.hm is None and self.registered and self.forward_check != "off"
+            and (self.accelerator or self.forced_device)
+        )
 
     def _keep_output(self, index: int, output: Any, args: Any = None) -> None:
         """A recorded layer returned on a sampled host step without the extension's reader:
