@@ -309,8 +309,9 @@ def unwrapped() -> Iterator[None]:
         torch.autograd.backward = tap.original
     from torch.optim import optimizer
 
+    # (A collector's hook, under NeuralDBG's guard: the guard's wrapper holds it as __wrapped__.)
     ours = {k: h for k, h in optimizer._global_optimizer_post_hooks.items()
-            if type(getattr(h, "__self__", None)).__name__ == "Collector"}
+            if type(getattr(getattr(h, "__wrapped__", h), "__self__", None)).__name__ == "Collector"}
     for k in ours:
         del optimizer._global_optimizer_post_hooks[k]
     try:
