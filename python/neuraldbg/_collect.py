@@ -995,18 +995,19 @@ class Collector:
                 self.inputs.append(input_stats(x.detach()))
             return
 
-    def _device_origin(self) -> Any:
-        """:meth:`Summaries.origin` for this model's engine indices."""
+    def _device_origin(self, vals: Any) -> Any:
+        """:meth:`Summaries.origin` of the step's summary vector ``vals``, for this model."""
         from ._distributed import _to_device
 
         watched = self.watched
-        own = np.asarray([watched.rank.get(i, -1) for i, _, _ in self.summaries.calls], dtype=np.float32)
-        enclosing = np.asarray(
-            [watched.rank.get(i if i == 0 else watched._enclosing(i), -1) for i, _, _ in self.summaries.calls],
-            dtype=np.float32,
-        )
+
+        def ranks_of(calls: List[Tuple[int, int, int]]) -> Tuple[np.ndarray, np.ndarray]:
+            own = [watched.rank.get(i, -1) for i, _, _ in calls]
+            enclosing = [watched.rank.get(i if i == 0 else watched._enclosing(i), -1) for i, _, _ in calls]
+            return np.asarray(own, dtype=np.float32), np.asarray(enclosing, dtype=np.float32)
+
         torch = self.torch
-        return self.summaries.origin(own, enclosing, lambda a, device: _to_device(torch, a, device))
+        return self.summaries.origin(vals, ranks_of, lambda a, device: _to_device(torch, a, device))
 
     def _scan(self, refs: List[Tuple[int, Any, Any]]) -> Tuple[Optional[int], bool]:
         """The module where this step's forward first went non-finite, and whether that was
@@ -1481,7 +1482,7 @@ class Collector:
                     if self.dist is not None and layout.origin is None and not layout.checked:
                         # The exchange takes each rank's origin before the vector reaches a
                         # host: found on the device.
-                        layout.origin_device = self._device_origin()
+                        layout.origin_device = self._device_origin(vec)
                 layout.summary_calls, layout.summary_n = self.summaries.take()
                 layout.summary_out = first or self._sampled(self.activation_every)
             flat = flatten(parts)

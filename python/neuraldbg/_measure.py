@@ -445,7 +445,7 @@ class Summaries:
 
     Called as a record is (see ``_hooks.make_record``): ``summaries(index, output, args)``."""
 
-    __slots__ = ("calls", "norms", "torch")
+    __slots__ = ("calls", "norms", "torch", "plan")
 
     def __init__(self) -> None:
         self.torch = torch_module()
@@ -453,6 +453,8 @@ class Summaries:
         self.calls: List[Tuple[int, int, int]] = []
         # Their reductions (float32 0-d tensors on the device), one after another.
         self.norms: List[Any] = []
+        # The device-side origin's index tensors, by the calls they are for (see origin).
+        self.plan: Optional[Tuple[Any, Any, Any]] = None
 
     def __call__(self, index: int, output: Any, args: Any) -> None:
         outs: List[Any] = []
@@ -483,22 +485,33 @@ class Summaries:
             return None
         return self.torch.stack(self.norms)
 
-    def origin(self, own: np.ndarray, enclosing: np.ndarray, to_device: Callable[[np.ndarray, Any], Any]) -> Any:
+    def origin(
+        self, vals: Any, ranks_of: Callable[[List[Tuple[int, int, int]]], Tuple[np.ndarray, np.ndarray]],
+        to_device: Callable[[np.ndarray, Any], Any],
+    ) -> Any:
         """On the device, without a host read: the engine index of the module where a NaN/Inf
         first appeared among the calls (the rule of ``first_nonfinite_summary``: the first call
-        whose output is not finite, its own module if its inputs were finite, else ``enclosing``),
-        -1 when none; a 0-d float32 tensor. ``own`` and ``enclosing``: per call, engine indices
-        (-1: unknown); ``to_device``: host array -> device tensor without waiting. For the
-        distributed exchange, which takes each rank's origin before the vector reaches a host."""
+        whose output is not finite, its own module if its inputs were finite, else the enclosing
+        one), -1 when none; a 0-d float32 tensor. ``vals``: :meth:`vector`; ``ranks_of(calls)``:
+        per call, its own and its enclosing module's engine index (-1: unknown); ``to_device``:
+        host array -> device tensor without waiting. For the distributed exchange, which takes
+        each rank's origin before the vector reaches a host. What depends only on which calls
+        the step made is built once and kept while they stay the same."""
         torch = self.torch
-        vals = self.vector()
         device = vals.device
+        key = (tuple(self.calls), device)
+        if self.plan is None or self.plan[0] != key:
+            counts = [o + i for _, o, i in self.calls]
+            call_of = np.repeat(np.arange(len(self.calls), dtype=np.int64), counts)
+            is_out = np.concatenate([np.arange(o + i) < o for _, o, i in self.calls]).astype(np.int64)
+            own, enclosing = ranks_of(self.calls)
+            self.plan = (
+                key,
+                to_device(np.stack([call_of, is_out]), device),
+                to_device(np.stack([own, enclosing]).astype(np.float32), device),
+            )
+        _, meta, ranks = self.plan
         n = len(self.calls)
-        counts = [o + i for _, o, i in self.calls]
-        call_of = np.repeat(np.arange(n, dtype=np.int64), counts)
-        is_out = np.concatenate([np.arange(o + i) < o for _, o, i in self.calls]).astype(np.int64)
-        meta = to_device(np.stack([call_of, is_out]), device)
-        ranks = to_device(np.stack([own, enclosing]).astype(np.float32), device)
         bad = (~torch.isfinite(vals)).to(torch.float32)
         out_bad = torch.zeros(n, device=device).index_add_(0, meta[0], bad * meta[1])
         in_bad = torch.zeros(n, device=device).index_add_(0, meta[0], bad * (1 - meta[1]))
@@ -509,10 +522,11 @@ class Summaries:
         return torch.where(first < n, rank, torch.full_like(rank, -1.0))
 
     def take(self) -> Tuple[List[Tuple[int, int, int]], int]:
-        """The calls (what :meth:`read` needs to read the vector back) and the vector's length;
-        starts afresh."""
-        calls, n = list(self.calls), len(self.norms)
-        self.clear()
+        """The calls (what :func:`read_summaries` needs to read the vector back) and the
+        vector's length; starts afresh."""
+        calls, n = self.calls, len(self.norms)
+        self.calls = []
+        self.norms.clear()
         return calls, n
 
 
