@@ -264,6 +264,7 @@ class Collector:
         self.entry_optimizer_step = guarded(self, "optimizer_step", self._on_optimizer_post)
         self.entry_scaler_step = guarded(self, "scaler_step", self.on_scaler_step)
         self.entry_scaler_step_done = guarded(self, "scaler_step_done", self.on_scaler_step_done)
+        self.entry_record_loss = guarded(self, "record_loss", self.record_loss)
         self.relevant: Dict[int, bool] = {}
         self.optimizer_name: Optional[str] = None
         self.probes: List[Probe] = []

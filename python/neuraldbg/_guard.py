@@ -102,8 +102,3 @@ def guarded(owner: Owner, entry: str, fn: Callable[..., Any]) -> Callable[..., A
     call.__wrapped__ = fn  # type: ignore[attr-defined]
     call.__qualname__ = f"guarded({getattr(fn, '__qualname__', entry)})"
     return call
-
-
-def run_guarded(owner: Owner, entry: str, fn: Callable[..., Any], *args: Any) -> Any:
-    """Calls ``fn(*args)`` once under the guard (see :func:`guarded`)."""
-    return guarded(owner, entry, fn)(*args)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Literal, 
 
 from . import _native
 from .errors import ConfigError, ModelError, NeuralDbgError, NeuralDbgWarning, TrainingFailure
-from ._guard import check, run_guarded
+from ._guard import check
 from ._results import Results, newly_confirmed
 from .types import CausalHypothesis, Failure
 
@@ -446,7 +446,7 @@ class NeuralDbg(Results):
         here: the value is read with the step's other statistics."""
         if self._collector is None or not self._active:
             raise NeuralDbgError("record_loss() is only meaningful inside the `with NeuralDbg(...)` block")
-        run_guarded(self._collector, "record_loss", self._collector.record_loss, loss)
+        self._collector.entry_record_loss(loss)
 
     # ---------------------------------------------------------------- results
 
