@@ -42,7 +42,7 @@ import neuraldbg  # noqa: E402
 from neuraldbg import _collect  # noqa: E402
 from neuraldbg._native import TensorReader  # noqa: E402
 
-ENTRIES = ["_on_root_pre", "on_backward", "after_backward", "_on_optimizer_post"]
+ENTRIES = ["on_forward_pre", "on_backward", "after_backward", "on_optimizer_step"]
 
 
 def callbacks(depth: int, steps: int) -> None:

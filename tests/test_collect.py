@@ -245,12 +245,12 @@ def test_two_optimizers_on_one_model_step_once_per_iteration():
 
 
 def test_an_internal_failure_warns_and_never_breaks_training(monkeypatch):
-    from neuraldbg import _collect
+    from neuraldbg import _read_host
 
     def broken(self, *a, **k):
         raise RuntimeError("collector bug")
 
-    monkeypatch.setattr(_collect.Collector, "_observe_inner", broken)
+    monkeypatch.setattr(_read_host.HostReader, "observe", broken)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 3))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)

@@ -210,9 +210,9 @@ def test_steps_not_observed_are_in_the_trace_and_load_says_so(tmp_path: Any) -> 
                 if step == 8:
                     def broken(*a: Any, **k: Any) -> Any:
                         raise RuntimeError("planted internal error")
-                    dbg._collector._read_gradients = broken
-                    dbg._collector.plain = None  # (the extension's fast path reads them itself)
-                    dbg._collector.plain_optimizer = None
+                    dbg._collector.reader.read_gradients = broken
+                    dbg._collector.reader.plain = None  # (the extension's fast path reads them itself)
+                    dbg._collector.reader.plain_optimizer = None
                 opt.zero_grad()
                 nn.functional.mse_loss(model(torch.randn(16, 16)), torch.randn(16, 1)).backward()
                 opt.step()

@@ -17,6 +17,7 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from neuraldbg import NeuralDbg
+from neuraldbg.testing import device_path, read_path, spy_engine, steps_in_flight
 
 PACKAGE = "/neuraldbg/"
 # Everything that moves a tensor's values to the host (or blocks on a device).
@@ -137,11 +138,11 @@ def test_deferred_transfer_reads_nothing_inside_the_step():
                 if mode == "deferred" and i >= 1:
                     # Observed at optimizer.step(), not yet handed over.
                     assert dbg._engine.last_step == i - 1
-                    assert dbg._collector.pending is not None
+                    assert steps_in_flight(dbg) > 0
             steps, values = dbg.history("0", "grad_norm")  # flushes
             assert list(steps) == list(range(15))
             runs[mode] = (values, dbg.history(None, "loss")[1], dbg.history("1", "dead_fraction")[1])
-        assert dbg._collector.pending is None
+        assert steps_in_flight(dbg) == 0
     for a, b in zip(runs["direct"], runs["deferred"]):
         np.testing.assert_array_equal(a, b)
     # The host path (a CPU model: statistics read from memory by the extension) agrees with
@@ -149,15 +150,6 @@ def test_deferred_transfer_reads_nothing_inside_the_step():
     for a, b in zip(runs["host"], runs["direct"]):
         np.testing.assert_allclose(a, b, rtol=1e-5)
 
-
-def device_path(dbg: NeuralDbg, deferred: bool) -> None:
-    """Makes a CPU model take the device path (one float32 vector of torch reductions, read
-    with .numpy()), directly or deferred like CUDA's, instead of the host path."""
-    c = dbg._collector
-    c.host_allowed = False
-    c.hm = None
-    c.hooks.hold[0] = True
-    c.defer = deferred
 
 
 def test_deferred_transfer_has_no_host_read_in_the_step():
@@ -191,7 +183,7 @@ def test_cuda_steps_never_synchronize():
                 step(model, opt, device="cuda")
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        assert dbg._collector.defer is True
+        assert read_path(dbg) == "deferred"
     assert len(dbg.history("0", "grad_norm")[0]) == 37
 
 
@@ -212,7 +204,7 @@ def test_nan_origin_is_named_on_its_step(mode):
     model = nan_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with NeuralDbg(model) as dbg:
-        dbg._collector.defer = mode == "deferred"
+        device_path(dbg, deferred=mode == "deferred")
         for i in range(20):
             opt.zero_grad()
             x = torch.randn(16, 8)
@@ -235,7 +227,7 @@ def test_crash_after_a_nan_forward_is_still_diagnosed(mode):
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with pytest.raises(FloatingPointError):
         with NeuralDbg(model) as dbg:
-            dbg._collector.defer = mode == "deferred"
+            device_path(dbg, deferred=mode == "deferred")
             for i in range(10):
                 opt.zero_grad()
                 if i == 7:
@@ -661,7 +653,7 @@ def test_a_sampled_steps_output_maxima_are_each_layers(path):
         if path == "device":
             device_path(dbg, deferred=False)
         c = dbg._collector
-        c.engine = Measures(c.engine)
+        spy_engine(dbg, Measures(c.engine))
         opt = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: the twin keeps the same weights
         for xi in x:
             opt.zero_grad()
@@ -817,7 +809,8 @@ def test_clip_ratio_fact_says_what_happened_to_the_gradient_between_backward_and
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with NeuralDbg(model) as dbg:
         c = dbg._collector
-        c.engine = spy = FactsSpy(c.engine)
+        spy = FactsSpy(c.engine)
+        spy_engine(dbg, spy)
         expected = []
         for _ in range(6):
             opt.zero_grad()
@@ -900,7 +893,7 @@ def test_record_groups_and_single_records_on_shared_modules_stay_consistent():
 
 def test_every_step_ends_with_the_state_of_a_step_not_yet_begun():
     """The common host step is reset by the part of the step's reset it needs
-    (``Collector._end_plain_step``): after every step, sampled or not, with a product loss and
+    (``Collector.end_step``): after every step, sampled or not, with a product loss and
     a clipped gradient, whatever path observed it, the per-step state is that of a step not
     yet begun."""
     from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -914,13 +907,14 @@ def test_every_step_ends_with_the_state_of_a_step_not_yet_begun():
 
         def check(optimizer, args, kwargs):  # runs after NeuralDBG's own post hook
             seen.append(dbg.step)
-            assert c.observed_gen == c.forward_gen and not c.grad_read and c.grad_host is None
-            assert c.grad_parts == [] and not c.raw_inputs and not c.inputs and not c.output_fns
-            assert all(a is None for a in c.act_out) and c.act_staged is None and c.out_staged is None
-            assert not c.out_kept and not len(c.maxima) and c.zeros_read is None
-            assert not c.losses and not c.auto_losses and not c.host_inputs and c.loss_read is None
-            assert c.tap_product is None and c.clip_after is None and c.clip_seen is None
-            assert c.origin is None and c.ran is None and not c.refs and not c.root_calls
+            s = c.cur
+            assert not s.forwards and not s.grad_read and s.grad_host is None
+            assert s.grad_parts == [] and not s.raw_inputs and not s.inputs and not s.output_fns
+            assert all(a is None for a in c.act_out) and s.act_staged is None and s.out_staged is None
+            assert not c.reader.out_kept and not len(c.reader.maxima) and s.zeros_read is None
+            assert not s.losses and not s.auto_losses and not s.host_inputs and s.loss_read is None
+            assert s.tap_product is None and s.clip_after is None and s.clip_seen is None
+            assert s.origin is None and s.ran is None and not c.refs and not s.root_calls
 
         handle = register_optimizer_step_post_hook(check)
         try:
@@ -955,10 +949,10 @@ def _train(loop: str, tmp_path, name: str, plain: bool, monkeypatch) -> Tuple[Li
     """A 40-step run of one loop kind, with the extension's PlainStep taking the plain steps or
     (``plain`` False) the collector's Python doing everything; its trace's bytes, events,
     ranked explanation, and the steps PlainStep observed."""
-    from neuraldbg import _collect
+    from neuraldbg import _read_host
 
     if not plain:
-        monkeypatch.setattr(_collect.Collector, "_make_plain", lambda self: setattr(self, "plain", None))
+        monkeypatch.setattr(_read_host.HostReader, "make_plain", lambda self: setattr(self, "plain", None))
     else:
         monkeypatch.undo()
     torch.manual_seed(0)
@@ -1003,7 +997,7 @@ def _train(loop: str, tmp_path, name: str, plain: bool, monkeypatch) -> Tuple[Li
                 if loop == "lr_tensor":
                     opt.param_groups[0]["lr"] = torch.tensor(0.05)
                 opt.step()
-                plain_step = dbg._collector.plain
+                plain_step = dbg._collector.reader.plain
                 taken = plain_step.taken if plain_step is not None else taken
     except RuntimeError:
         assert loop == "crash"

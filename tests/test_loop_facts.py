@@ -45,8 +45,10 @@ class watch:
 
     def __enter__(self) -> Spy:
         self.dbg.__enter__()
-        spy = Spy(self.dbg._collector.engine)
-        self.dbg._collector.engine = spy
+        from neuraldbg.testing import spy_engine
+
+        spy = Spy(self.dbg._engine)
+        spy_engine(self.dbg, spy)
         return spy
 
     def __exit__(self, *exc: Any) -> Any:

@@ -19,7 +19,7 @@ import torch.nn as nn
 
 import neuraldbg
 from neuraldbg import ModelError, NeuralDbg, NeuralDbgWarning
-from neuraldbg.testing import ENTRY_POINTS, fault_at
+from neuraldbg.testing import ENTRY_POINTS, fault_at, read_path
 
 
 def grad_norm(module: nn.Module) -> float:
@@ -463,7 +463,7 @@ def test_the_deferred_path_hands_every_step_over(how, monkeypatch):
     truth = []
     monkeypatch.setenv("NEURALDBG_DEVICE_PATH", "deferred")  # the CUDA path's CPU stand-in
     with NeuralDbg(outer) as dbg:
-        assert dbg._collector.defer is True and dbg._collector.hm is None
+        assert read_path(dbg) == "deferred"
         for x, y in batches(8):
             opt.zero_grad()
             nn.functional.mse_loss(run(x), y).backward()

@@ -277,13 +277,7 @@ class Distributed:
         device = flat.device if flat is not None else torch.device("cpu")
         if flat is None:
             flat = torch.zeros(0)
-        vec = self.pack(
-            flat, layout.grad_order, layout.weight_order, layout.act_index, layout.act_samples,
-            layout.n_act, layout.loss, layout.n_inputs, layout.origin, layout.checked, device,
-            clip=layout.clip_index is not None,
-            loss_scale=layout.loss_scale,
-            origin_device=getattr(layout, "origin_device", None),
-        )
+        vec = self.pack(flat, layout, device)
         if vec.device.type == "cuda":  # pragma: no cover - needs a GPU
             ex = self.start_device(vec)
         else:
@@ -294,8 +288,8 @@ class Distributed:
     def receive(self, ex: "Exchange", layout: Any) -> "JobStep":
         """The job-wide step of an exchange (waits for it if it is still in flight)."""
         job = JobStep(
-            self.combine(self.wait(ex), layout.weight_order is not None, layout.clip_index),
-            layout.weight_order is not None,
+            self.combine(self.wait(ex), layout.has("weight"), layout.clip_index),
+            layout.has("weight"),
             self.rank,
             layout.skipped,
         )
@@ -307,25 +301,9 @@ class Distributed:
 
     # ----------------------------------------------------------------- per-rank vector
 
-    def pack(
-        self,
-        flat: Any,
-        grad_order: Optional[np.ndarray],
-        weight_order: Optional[np.ndarray],
-        act_index: Optional[np.ndarray],
-        act_samples: Optional[np.ndarray],
-        n_act: int,
-        has_loss: bool,
-        n_inputs: int,
-        origin: Optional[int],
-        checked: bool,
-        device: Any,
-        clip: bool = False,
-        loss_scale: bool = False,
-        origin_device: Any = None,
-    ) -> Any:
+    def pack(self, flat: Any, layout: Any, device: Any) -> Any:
         """This rank's fixed-layout vector, on ``device``, from the collector's flat vector of
-        local norms (grads, weights, activation cells, loss, input rows, in that order).
+        local statistics (its parts read by name through ``layout``).
 
         What the host already knows (the layout, the header, samples per unit) is written on
         the host and moved with the index in non-blocking copies from pinned memory; what is on
@@ -333,40 +311,52 @@ class Distributed:
         torch = self.torch
         lay = self.layout
         assert lay is not None
+        grad_order = layout.index("grad")
+        weight_order = layout.index("weight")
+        act_index = layout.index("activation")
+        n_inputs = layout.count("input") // 4
+        has_loss = layout.has("loss")
+        clip = layout.clip_index is not None and layout.has("clip")
+        loss_scale = layout.has("loss_scale")
         base = np.full(lay.size, np.nan, dtype=np.float32)
         base[: lay.acts] = -1.0  # sums of squares: -1 is "no value on this rank"
         base[lay.header : lay.header + _HEADER] = (
-            float(has_loss), math.nan, -1.0 if origin is None else float(origin), float(checked),
-            float(n_inputs), 0.0, math.nan, math.nan,
+            float(has_loss), math.nan, -1.0 if layout.origin is None else float(layout.origin),
+            float(layout.checked), float(n_inputs), 0.0, math.nan, math.nan,
         )
-        if act_samples is not None:
-            base[lay.acts + 4 : lay.inputs : 5] = act_samples
-        k_g = 0 if grad_order is None else grad_order.size
-        k_w = 0 if weight_order is None else weight_order.size
-        n_norms = k_g + k_w
-        # Norms -> sums of squares, in one op; activation cells and the loss as they are.
+        if layout.act_samples is not None:
+            base[lay.acts + 4 : lay.inputs : 5] = layout.act_samples
+        # Norms -> sums of squares; activation cells, the loss, the clip probe's norm after
+        # clipping and the loss scale as they are; the input rows combined into one.
         parts: List[Any] = []
-        if n_norms:
-            parts.append(flat[:n_norms].square())
-        rest = n_norms + (n_act if act_index is not None else 0) + int(has_loss)
-        if rest > n_norms:
-            parts.append(flat[n_norms:rest])
+        for name in ("grad", "weight"):
+            v = layout.read(flat, name)
+            if v is not None and v.numel():
+                parts.append(v.square())
+        for name in ("activation", "loss"):
+            v = layout.read(flat, name)
+            if v is not None and v.numel():
+                parts.append(v)
         if n_inputs == 1:
-            parts.append(flat[rest : rest + 4])
+            parts.append(layout.read(flat, "input"))
         elif n_inputs:
-            rows = flat[rest : rest + 4 * n_inputs].reshape(n_inputs, 4)
+            rows = layout.read(flat, "input").reshape(n_inputs, 4)
             parts.append(
                 torch.stack((rows[:, 0].min(), rows[:, 1].max(), rows[:, 2].mean(), rows[:, 3].max()))
             )
-        tail = rest + 4 * n_inputs
-        n_tail = int(clip) + int(loss_scale)
-        if n_tail:  # the clip probe's norm after clipping, the loss scale: as they are
-            parts.append(flat[tail : tail + n_tail])
+        if clip:
+            parts.append(layout.read(flat, "clip"))
+        if loss_scale:
+            parts.append(layout.read(flat, "loss_scale"))
+        origin_device = layout.origin_device
         found = origin_device is not None
         if found:  # the origin found on the device (the outputs were checked there)
             parts.append(torch.stack((origin_device.reshape(()).float(), torch.ones((), device=origin_device.device))))
         vec = _to_device(torch, base, device)
         if parts:
+            k_g = layout.count("grad")
+            k_w = layout.count("weight")
+            n_act = layout.count("activation")
             key = (id(grad_order), k_g, id(weight_order), k_w, id(act_index), n_act, has_loss, n_inputs > 0,
                    clip, loss_scale, found, device)
             hit = self._index.get(key)

@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence,
 
 import numpy as np
 
+from ._step import UNKNOWN
+
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
@@ -653,7 +655,7 @@ class HostMeasurer:
             if flags >= 0:
                 return flags  # type: ignore[no-any-return]
         out[:] = self.norms(params, "grad")
-        return 8
+        return UNKNOWN
 
     def norm(self, item: Any, attr: str) -> float:
         """L2 norm of ``getattr(item, attr)`` (-1 when None)."""

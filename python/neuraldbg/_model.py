@@ -9,7 +9,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from ._hooks import CALL_RECORDER, is_passive
+from ._hooks import is_passive
+from ._record import CALL_RECORDER
 from ._measure import finite_flags
 
 # Modules that hold a lookup table rather than a transform: their weight scale says nothing
@@ -187,6 +188,13 @@ class WatchedModel:
                 return self.rank.get(i)
             return self.rank.get(self._enclosing(i))
         return None
+
+    def module_table(self, ranks: np.ndarray, values: np.ndarray) -> np.ndarray:
+        """Per engine module, its largest value (NaN: none); a module called several times in
+        the step (a shared block) keeps its largest output."""
+        table = np.full(len(self.spec_order), np.nan, dtype=np.float32)
+        np.fmax.at(table, ranks, values)
+        return table
 
     def replayable(self) -> bool:
         """Whether a forward pass of this model can be computed again without writing its

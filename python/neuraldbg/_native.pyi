@@ -7,8 +7,18 @@ import numpy as np
 import numpy.typing as npt
 from typing_extensions import final
 
-__all__ = ["Engine", "LayerRecord", "OutputMaxima", "PlainStep", "SlotRecord", "TensorReader", "__version__", "cli_main", "default_config_json"]
+from ._plain import PlainFacts, PlainHost
+
+__all__ = [
+    "GRAD_MISSING", "GRAD_NONFINITE", "GRAD_ZERO", "Engine", "LayerRecord", "OutputMaxima", "PlainStep",
+    "SlotRecord", "TensorReader", "__version__", "cli_main", "default_config_json",
+]
 __version__: str
+
+# Bits of ``TensorReader.grad_norms``'s answer: a norm is not finite, exactly zero, missing.
+GRAD_NONFINITE: int
+GRAD_ZERO: int
+GRAD_MISSING: int
 
 def default_config_json() -> str:
     """The engine's default configuration as a JSON object."""
@@ -211,20 +221,19 @@ class OutputMaxima:
 
 @final
 class PlainStep:
-    """The common host-mode step observed by the extension (``Collector._make_plain``): the
+    """The common host-mode step observed by the extension (``HostReader.make_plain``): the
     collector's hooks hand it the model's forward, the loss's backward and the optimizer step;
-    anything else is handed back to the collector's own methods (``_host_forward`` with
-    ``seen``, ``_host_loss``, ``_spill_grads``, ``after_backward``, ``_on_backward_end``).
-    Errors go to ``collector._fail``; nothing raises."""
+    anything else is handed to its :class:`PlainHost`. Errors go to ``PlainHost.fail``;
+    nothing raises."""
 
     def __new__(
         cls,
-        collector: object,
+        host: PlainHost,
         reader: TensorReader,
         engine: Engine,
         params: List[object],
         grads: npt.NDArray[np.float32],
-        facts: object,
+        facts: PlainFacts,
         sentinels: List[int],
         clip: Optional[int],
         tensor: type,

@@ -18,52 +18,80 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
 class Layout:
-    """Where each statistic of one step sits in the step's flat vector (host-side metadata)."""
+    """One step's statistics on their way to the host: the parts of its flat float32 vector,
+    each under its name (:meth:`add`; the vector is their concatenation, in the order added),
+    and where each part sits once flattened (:meth:`read`), with what is known on the host.
 
-    __slots__ = ("step", "lr", "grad_order", "weight_order", "act_index", "act_samples", "n_act",
-                 "loss", "n_inputs", "final", "origin", "checked", "ran", "clip_index", "loss_scale",
-                 "skipped", "facts", "out_ranks", "zero_index", "loss_floats", "summary_calls", "summary_n",
-                 "summary_out", "summary", "origin_device")
+    The names: ``grad`` and ``weight`` (norms, indexed by parameter), ``activation`` (cells
+    of the engine's activation table), ``loss``, ``input`` (4 statistics per forward pass),
+    ``clip`` (the clipping check's gradient norm), ``loss_scale``, ``output_absmax``
+    (indexed by engine module), ``grad_zero`` (zero-row then zero-column shares, indexed by
+    parameter), ``summary`` (the step's module-call summaries).
+    """
+
+    __slots__ = ("step", "lr", "final", "parts", "slots", "size", "act_samples", "origin", "checked",
+                 "ran", "clip_index", "skipped", "facts", "loss_floats", "summary_calls", "summary_out",
+                 "summary", "origin_device")
 
     def __init__(self, step: int, lr: Optional[float], final: bool) -> None:
         self.step = step
         self.lr = lr
         self.final = final
-        self.grad_order: Optional[np.ndarray] = None
-        self.weight_order: Optional[np.ndarray] = None
-        self.act_index: Optional[np.ndarray] = None
+        # The device tensors added, until flattened; name -> (offset, size, index).
+        self.parts: List[Any] = []
+        self.slots: Dict[str, Tuple[int, int, Optional[np.ndarray]]] = {}
+        self.size = 0
+        # Samples per unit of each activation module (known on the host).
         self.act_samples: Optional[np.ndarray] = None
-        self.n_act = 0
-        self.loss = False
         # Losses given as numbers (record_loss): (their sum, how many, how many tensors).
         self.loss_floats: Optional[Tuple[float, int, int]] = None
-        self.n_inputs = 0
         # Found when the loss appeared (CPU): the non-finite origin (and whether the outputs were
         # scanned at all), and which modules ran.
         self.origin: Optional[int] = None
         self.checked = False
         self.ran: Optional[List[int]] = None
-        # Facts measured on the device, after the inputs: the norm of one parameter's gradient
-        # as the optimizer received it (which parameter; None: not read), then the loss scale.
+        # The parameter whose gradient norm the ``clip`` part holds, as the optimizer received it.
         self.clip_index: Optional[int] = None
-        self.loss_scale = False
         # Under a GradScaler: whether its step skipped the optimizer (None: no scaler).
         self.skipped: Optional[bool] = None
         # Facts about the loop in this step (training mode, gradient accumulation).
         self.facts: Optional[Dict[str, float]] = None
-        # Engine module index of each module-output scale at the end of the vector.
-        self.out_ranks: Optional[np.ndarray] = None
-        # Parameter index of each gradient's zero-row/zero-column share, after the output scales.
-        self.zero_index: Optional[np.ndarray] = None
-        # Last: the summaries of the step's module calls (see _measure.Summaries): their calls
-        # and values, whether they give the output scales, and (on the host) what they say.
+        # The summaries' calls, whether they give the output scales, and (on the host) what
+        # they say (see _measure.Summaries).
         self.summary_calls: Optional[List[Tuple[int, int, int]]] = None
-        self.summary_n = 0
         self.summary_out = False
         self.summary: Optional[List[Tuple[int, float, bool, bool]]] = None
         # Distributed, the origin not known on the host yet: found on the device (a 0-d tensor,
         # -1 for none), for the exchange's header.
         self.origin_device: Any = None
+
+    def add(self, name: str, parts: "List[torch.Tensor]", index: Optional[np.ndarray] = None) -> None:
+        """Adds the step's ``parts`` (device tensors, concatenated flat) under ``name``;
+        ``index``: what each of their values is an entry of (parameter, cell, module)."""
+        n = 0
+        for t in parts:
+            n += t.numel()
+        self.slots[name] = (self.size, n, index)
+        self.size += n
+        self.parts.extend(parts)
+
+    def has(self, name: str) -> bool:
+        return name in self.slots
+
+    def index(self, name: str) -> Optional[np.ndarray]:
+        slot = self.slots.get(name)
+        return None if slot is None else slot[2]
+
+    def count(self, name: str) -> int:
+        slot = self.slots.get(name)
+        return 0 if slot is None else slot[1]
+
+    def read(self, flat: Any, name: str) -> Any:
+        """The values of part ``name`` in the step's flattened vector (host or device), or None."""
+        slot = self.slots.get(name)
+        if slot is None or flat.shape[0] < slot[0] + slot[1]:
+            return None
+        return flat[slot[0] : slot[0] + slot[1]]
 
 
 class Pending:
@@ -166,51 +194,44 @@ class HostStep:
 
 
 class Unpacked:
-    """One step's statistics as the engine takes them (host arrays)."""
+    """One step's statistics as the engine takes them (host arrays), read from its vector."""
 
     __slots__ = ("grad_norms", "weight_norms", "activations", "loss", "inputs", "facts")
 
     def __init__(self, layout: Layout, flat: np.ndarray, no_grads: np.ndarray, n_probes: int) -> None:
-        off = 0
         grad_norms = no_grads.copy()
-        order = layout.grad_order
+        order = layout.index("grad")
         if order is not None:
-            grad_norms[order] = flat[: order.size]
-            off = order.size
+            grad_norms[order] = layout.read(flat, "grad")
         self.grad_norms = grad_norms
         self.weight_norms: Optional[np.ndarray] = None
-        if layout.weight_order is not None:
-            k = layout.weight_order.size
+        order = layout.index("weight")
+        if order is not None:
             weight_norms = no_grads.copy()
-            weight_norms[layout.weight_order] = flat[off : off + k]
-            off += k
+            weight_norms[order] = layout.read(flat, "weight")
             self.weight_norms = weight_norms
         self.activations: Optional[np.ndarray] = None
-        if layout.act_index is not None:
+        cells = layout.index("activation")
+        if cells is not None:
             table = np.full(n_probes * 5, np.nan, dtype=np.float32)
-            table[layout.act_index] = flat[off : off + layout.n_act]
-            off += layout.n_act
+            table[cells] = layout.read(flat, "activation")
             table[4::5] = layout.act_samples
             self.activations = table
         self.loss: Optional[float] = None
-        if layout.loss:
-            self.loss = float(flat[off])
-            off += 1
+        if layout.has("loss"):
+            self.loss = float(layout.read(flat, "loss")[0])
         if layout.loss_floats is not None:
             total, n, k = layout.loss_floats
             self.loss = ((self.loss or 0.0) * k + total) / (k + n)
         self.inputs: Optional[np.ndarray] = None
-        if layout.n_inputs:
-            self.inputs = np.ascontiguousarray(flat[off : off + 4 * layout.n_inputs])
-            off += 4 * layout.n_inputs
+        if layout.has("input"):
+            self.inputs = np.ascontiguousarray(layout.read(flat, "input"))
         self.facts: Dict[str, float] = {}
-        if layout.clip_index is not None:
-            ratio = clip_ratio(float(grad_norms[layout.clip_index]), float(flat[off]))
-            off += 1
+        if layout.clip_index is not None and layout.has("clip"):
+            ratio = clip_ratio(float(grad_norms[layout.clip_index]), float(layout.read(flat, "clip")[0]))
             if ratio is not None:
                 self.facts["clip_ratio"] = ratio
-        if layout.loss_scale:
-            self.facts["loss_scale"] = float(flat[off])
-            off += 1
+        if layout.has("loss_scale"):
+            self.facts["loss_scale"] = float(layout.read(flat, "loss_scale")[0])
         if layout.skipped is not None:
             self.facts["optimizer_skipped"] = 1.0 if layout.skipped else 0.0

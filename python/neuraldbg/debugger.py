@@ -279,7 +279,7 @@ class NeuralDbg(Results):
                 roster = getattr(collector.dist, "roster", None)
                 if roster is not None:  # the other ranks stop waiting for this one
                     roster.leave(int(collector.step), None if exc is None else repr(exc))
-                collector.finish(crashed=exc_type is not None)
+                collector.boundary.finish(crashed=exc_type is not None)
                 self._record_unobserved(collector)
         except Exception as e:  # never raise from the exit of the user's block
             if collector is not None:
@@ -454,7 +454,7 @@ class NeuralDbg(Results):
         # On CUDA the last step's statistics reach the engine when the next forward starts;
         # results read mid-training include it.
         if self._collector is not None and self._active:
-            self._collector.flush()
+            self._collector.boundary.flush()
 
     def _title(self) -> str:
         return f"NeuralDBG report: {type(self.model).__name__}"

@@ -531,6 +531,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<plain::PlainStep>()?;
     m.add_class::<reader::LayerRecord>()?;
     m.add_class::<reader::SlotRecord>()?;
+    m.add("GRAD_NONFINITE", reader::GRAD_NONFINITE)?;
+    m.add("GRAD_ZERO", reader::GRAD_ZERO)?;
+    m.add("GRAD_MISSING", reader::GRAD_MISSING)?;
     m.add_function(wrap_pyfunction!(default_config_json, m)?)?;
     m.add_function(wrap_pyfunction!(cli_main, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

@@ -15,11 +15,15 @@
 //! ([`PlainStep::arm`]). Anything the path does not cover (a second forward, a non-scalar or
 //! scaled loss, a non-finite loss or gradient, a backward that did not reach the model,
 //! another optimizer, a clip gradient missing) *spills*: what was seen so far is handed to the
-//! collector's own methods, in order, with the values read when it happened
-//! (`Collector._host_forward(..., seen)`, `_host_loss`, `_spill_grads`), so the collector's
-//! state is what its hooks would have made, and the event goes its usual way.
+//! collector's host reader, in order, with the values read when it happened, so the
+//! collector's state is what its hooks would have made, and the event goes its usual way.
 //!
-//! Never raises into the training loop: an error is handed to `Collector._fail` (which stops
+//! Python talks to this object through one typed protocol, `PlainHost` in `_native.pyi`
+//! (implemented by `neuraldbg._read_host.HostReader`): `take_forward`, `take_loss`,
+//! `take_grads`, `backward_returned`, `backward_end`, `plain_done`, `fail`, `step` and
+//! `plain_optimizer`; the loop facts it reads and writes are `PlainFacts` there.
+//!
+//! Never raises into the training loop: an error is handed to `PlainHost.fail` (which stops
 //! monitoring with a warning), and the event counts as handled.
 
 use neuraldbg_core::{Fact, StepView};
@@ -30,7 +34,7 @@ use pyo3::types::{PyBool, PyFloat, PyInt, PyList, PyTuple};
 use pyo3::{PyTraverseError, PyVisit};
 
 use crate::PyEngine;
-use crate::reader::TensorReader;
+use crate::reader::{GRAD_NONFINITE, GRAD_ZERO, TensorReader};
 
 /// Where the step is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -73,16 +77,12 @@ struct ProbeMark {
     key: Option<Py<PyAny>>,
 }
 
-/// Bits of `TensorReader.grad_norms`'s answer (the collector's `NONFINITE`, `ZERO`, `UNKNOWN`).
-const NONFINITE: i32 = 1;
-const ZERO: i32 = 2;
-const UNKNOWN: i32 = 8;
 
 /// One plain host step at a time (see the module docs).
 #[pyclass(module = "neuraldbg._native", name = "PlainStep")]
 #[derive(Debug)]
 pub struct PlainStep {
-    collector: Py<PyAny>,
+    host: Py<PyAny>,
     reader: Py<TensorReader>,
     engine: Py<PyEngine>,
     /// The watched parameters (the collector's list), and its gradient-norm buffer.
@@ -163,7 +163,7 @@ impl PlainStep {
         self.params.bind(py).get_item(k)
     }
 
-    /// Runs `f`; an error stops monitoring (`Collector._fail`, which warns) and the event
+    /// Runs `f`; an error stops monitoring (`PlainHost.fail`, which warns) and the event
     /// counts as handled (`done`).
     fn guard<R>(
         &mut self,
@@ -176,10 +176,10 @@ impl PlainStep {
             Err(e) => {
                 self.reset();
                 self.armed = false;
-                let collector = self.collector.clone_ref(py);
-                if let Err(e) = collector
+                let host = self.host.clone_ref(py);
+                if let Err(e) = host
                     .bind(py)
-                    .call_method1(intern!(py, "_fail"), (e.into_value(py),))
+                    .call_method1(intern!(py, "fail"), (e.into_value(py),))
                 {
                     e.write_unraisable(py, None);
                 }
@@ -206,21 +206,20 @@ impl PlainStep {
             clip_seen,
             ..
         } = std::mem::take(&mut self.st);
-        let c = self.collector.bind(py);
+        let c = self.host.bind(py);
         if let Some(call) = call {
-            let hm = c.getattr(intern!(py, "hm"))?;
             let seen = (call.training, true, call.stats);
             c.call_method1(
-                intern!(py, "_host_forward"),
-                (call.module, call.args, call.kwargs, hm, seen),
+                intern!(py, "take_forward"),
+                (call.module, call.args, call.kwargs, seen),
             )?;
         }
         if let Some((tensor, _)) = &loss {
-            c.call_method1(intern!(py, "_host_loss"), (tensor,))?;
+            c.call_method1(intern!(py, "take_loss"), (tensor,))?;
         }
         if grads && stage == Stage::Grads {
             c.call_method1(
-                intern!(py, "_spill_grads"),
+                intern!(py, "take_grads"),
                 (loss.map(|(t, _)| t), flags, clip_seen, accumulated),
             )?;
         } else if let Some(a) = accumulated {
@@ -365,14 +364,14 @@ impl PlainStep {
                 break;
             }
         }
-        let c = self.collector.clone_ref(py);
+        let c = self.host.clone_ref(py);
         let c = c.bind(py);
         if !reached {
             // Not this model's backward (or it reached none of its parameters): the
             // collector's way, from the marks it would have taken.
             let marks = self.py_marks(py)?;
             self.spill(py, false)?;
-            c.call_method1(intern!(py, "after_backward"), (marks,))?;
+            c.call_method1(intern!(py, "backward_returned"), (marks,))?;
             return Ok(());
         }
         if let Some(p) = &self.st.probe {
@@ -401,12 +400,12 @@ impl PlainStep {
                 .grad_norms(&params, grads, -1.0, None, None)?
         };
         let kept = self.facts.bind(py).getattr(intern!(py, "grads_kept"))?;
-        let zero_unclear = flags & ZERO != 0 && !kept.is(&*PyBool::new(py, false));
-        if flags < 0 || flags & (NONFINITE | UNKNOWN) != 0 || zero_unclear {
+        let zero_unclear = flags & GRAD_ZERO != 0 && !kept.is(&*PyBool::new(py, false));
+        if flags < 0 || flags & GRAD_NONFINITE != 0 || zero_unclear {
             // Non-finite, unreadable, or exact-zero gradients that may be leftovers: the
             // collector reads and judges them itself.
             self.spill(py, false)?;
-            c.call_method0(intern!(py, "_on_backward_end"))?;
+            c.call_method0(intern!(py, "backward_end"))?;
             return Ok(());
         }
         self.st.clip_seen = match self.clip {
@@ -422,14 +421,12 @@ impl PlainStep {
     }
 
     fn step_inner(&mut self, py: Python<'_>, optimizer: &Bound<'_, PyAny>) -> PyResult<bool> {
-        let c = self.collector.clone_ref(py);
+        let c = self.host.clone_ref(py);
         let c = c.bind(py);
         if self.st.stage != Stage::Grads
             || !optimizer.is(&c.getattr(intern!(py, "plain_optimizer"))?)
-            || !c.getattr(intern!(py, "engine"))?.is(&self.engine)
         {
-            // Another optimizer's step, or an engine the collector was given since (a test's
-            // spy): the collector's way.
+            // Another optimizer's step: the collector's way.
             self.spill(py, true)?;
             return Ok(false);
         }
@@ -454,7 +451,7 @@ impl PlainStep {
         }
         let array = self.grads.bind(py).clone();
         if let Some(k) = self.clip {
-            // Collector._read_clipped: the same tensor at the same version is what the
+            // HostReader.read_clipped: the same tensor at the same version is what the
             // backward produced; else (rescaled in place: clipping) it is read again.
             let before = array
                 .readonly()
@@ -507,13 +504,13 @@ impl PlainStep {
         let pending = match observed {
             Ok(p) => Some(p),
             Err(e) => {
-                c.call_method1(intern!(py, "_fail"), (e.into_value(py),))?;
+                c.call_method1(intern!(py, "fail"), (e.into_value(py),))?;
                 None
             }
         };
         self.taken += 1;
         self.armed = c
-            .call_method1(intern!(py, "_plain_done"), (pending, step))?
+            .call_method1(intern!(py, "plain_done"), (pending, step))?
             .is_truthy()?;
         Ok(true)
     }
@@ -523,9 +520,9 @@ impl PlainStep {
 impl PlainStep {
     #[new]
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (collector, reader, engine, params, grads, facts, sentinels, clip, tensor, grad_enabled, any_autocast))]
+    #[pyo3(signature = (host, reader, engine, params, grads, facts, sentinels, clip, tensor, grad_enabled, any_autocast))]
     fn new(
-        collector: Py<PyAny>,
+        host: Py<PyAny>,
         reader: Py<TensorReader>,
         engine: Py<PyEngine>,
         params: Py<PyList>,
@@ -538,7 +535,7 @@ impl PlainStep {
         any_autocast: Py<PyAny>,
     ) -> Self {
         Self {
-            collector,
+            host,
             reader,
             engine,
             params,
@@ -558,7 +555,7 @@ impl PlainStep {
     /// The Python objects held (the collector holds this object: a cycle the garbage
     /// collector can break).
     fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
-        visit.call(&self.collector)?;
+        visit.call(&self.host)?;
         visit.call(&self.reader)?;
         visit.call(&self.engine)?;
         visit.call(&self.params)?;

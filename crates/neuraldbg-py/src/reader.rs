@@ -219,6 +219,11 @@ fn write_out(name: &str, a: &mut PyReadwriteArrayDyn<'_, f32>, values: &[f32]) -
 }
 
 /// Statistics of CPU tensors read straight from their memory (no torch op).
+/// Bits of [`TensorReader::grad_norms`]'s answer (also `_native.GRAD_NONFINITE`, ...).
+pub(crate) const GRAD_NONFINITE: i32 = 1;
+pub(crate) const GRAD_ZERO: i32 = 2;
+pub(crate) const GRAD_MISSING: i32 = 4;
+
 #[pyclass(module = "neuraldbg._native", name = "TensorReader")]
 pub struct TensorReader {
     /// The exact tensor types accepted.
@@ -651,7 +656,7 @@ impl TensorReader {
                 values.push(missing);
                 row_values.push(f32::NAN);
                 col_values.push(f32::NAN);
-                flags |= 4;
+                flags |= GRAD_MISSING;
                 continue;
             }
             let read = |e: Elements<'_>, me: &mut Self| {
@@ -680,9 +685,9 @@ impl TensorReader {
             };
             let norm = norm as f32;
             if !norm.is_finite() {
-                flags |= 1;
+                flags |= GRAD_NONFINITE;
             } else if norm == 0.0 {
-                flags |= 2;
+                flags |= GRAD_ZERO;
             }
             values.push(norm);
             row_values.push(zr as f32);

@@ -1,0 +1,310 @@
+"""Where a step ends: the part of the collector that counts steps, observes them, and arms
+what the next one needs.
+
+A step ends at the optimizer step of the model's parameters (``step_on="optimizer"``, the
+default; a closure's forward and backward run inside it), at each optimizer's step
+(``"each_optimizer"``: Lightning's manual optimization), or at the end of each backward
+(``"backward"``). A GradScaler's skipped step is still a step, marked skipped. The first step
+registers the model with the engine (its structure, probes, loss facts). Every step is then
+observed by the collector's reader and its per-step state replaced; the sampling schedule
+(dense first steps, activation and weight periods, dense while the engine confirms a change)
+decides what the coming step measures.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from typing import TYPE_CHECKING, Any, Optional
+
+from ._taps import BACKWARD_TAP
+from ._measure import Probe
+from ._read_host import lr_of
+from ._step import StepState
+from .errors import NeuralDbgWarning
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ._collect import Collector
+
+
+class StepBoundary:
+    """Where one collector's steps end, and what the next one measures."""
+
+    def __init__(self, c: "Collector") -> None:
+        self.c = c
+
+    def arm_probes(self, on: bool) -> None:
+        """Activation probes are hooked only on steps whose activations are measured."""
+        on = on and not self.c.disabled
+        if on != self.c.hooks.probes_armed:
+            self.c.hooks.arm_probes(on, self.c.probes, self.c.act_out)
+        if self.c.registered:
+            self.c.hooks.arm_modules(self.modules_wanted(on))
+        self.c.reader.hold_outputs()
+
+    def modules_wanted(self, sampled: bool) -> bool:
+        """Whether the coming step needs the calls of the model's modules seen: always on the
+        device path (a NaN is known only after the step, when the parameters have changed);
+        on the host only on sampled steps (their outputs are measured), while exact-zero
+        gradients need to know which modules ran, or when a forward cannot be replayed."""
+        return not self.c.reader.host or sampled or not self.c.replay_ok or self.c.need_ran > 0 or self.c.disabled
+
+    def backward_step(self, halt: bool = True) -> None:
+        """``step_on="backward"``: the backward pass that just ended is a step."""
+        self._observe(lr=None)
+        self.c.step += 1
+        self.arm_probes(self.activations_next())
+        if halt:
+            self.c.raise_halt()
+
+    def run_due(self, halt: bool = True) -> None:
+        """On the training thread: the step of a backward that ended on another thread
+        (``halt``: raise a halt it confirms into the loop)."""
+        if self.c.backward_due:
+            self.c.backward_due = False
+            self.backward_step(halt)
+
+    def _is_relevant(self, optimizer: Any) -> bool:
+        key = id(optimizer)
+        hit = self.c.relevant.get(key)
+        if hit is None:
+            hit = any(id(p) in self.c.param_ids for g in optimizer.param_groups for p in g["params"])
+            self.c.relevant[key] = hit
+            if hit and self.c.optimizer_name is None:
+                self.c.optimizer_name = type(optimizer).__name__
+        return hit
+
+    def on_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """The step boundary: the optimizer step of the model's parameters ran (a closure's
+        forward and backward ran inside it)."""
+        reader = self.c.reader
+        plain = reader.plain
+        if plain is not None and plain.step(optimizer):
+            self.c.raise_halt()
+            return
+        s = self.c.cur
+        if optimizer is reader.plain_optimizer and s.grad_read and reader.plain_step(optimizer):
+            self.c.raise_halt()
+            return
+        if self.c.disabled:
+            if self.c.step_on != "backward" and self._is_relevant(optimizer):
+                self.c.step += 1  # still a step of the run: the trace records it as not observed
+            return
+        if self.c.step_on == "backward" or not self._is_relevant(optimizer):
+            return
+        if not s.grad_read and not s.forwards:
+            if self.c.step_on != "each_optimizer":
+                return  # a second optimizer of the same iteration: one step
+            reader.read_gradients()  # a step of its own: the gradients it used, as they are
+        if not s.grad_read:
+            # Gradients no backward pass accumulated (set by hand), or one that reached no
+            # sentinel: read as they are, and sentinels chosen among those that have one.
+            # Read at the tap, sentinels that stay the same had gradients from a backward the
+            # tap did not see: from now on their hooks say where a backward ends.
+            moved = self.c.hooks.hook_grads(self.c, self.c.params)
+            if self.c.hooks.tap_reads and not moved:
+                self.c.hooks.read_at_tap(self.c, self.c.params, False)
+                self.c.loop.hook_probe()
+            if reader.plain is not None:
+                reader.make_plain()  # (new sentinels, or none read at the tap any more)
+            reader.read_gradients()
+        reader.read_clipped()
+        self._step_boundary(optimizer, skipped=False)
+        self.c.raise_halt()
+
+    def _step_boundary(self, optimizer: Any, skipped: bool) -> None:
+        """One optimizer iteration ended (``skipped``: a GradScaler skipped its step): observe
+        it, count it, and prepare the next one."""
+        if not self.c.registered:
+            self.c.loop.optimizer = optimizer  # the loop facts' optimizer, read at registration
+        self._observe(lr=lr_of(optimizer), skipped=skipped)
+        reader = self.c.reader
+        # The optimizer whose steps may take the short path (host mode, the step boundary of
+        # the optimizer: the one optimizer of the model seen stepping).
+        reader.plain_optimizer = (
+            optimizer
+            if reader.host and self.c.registered and self.c.step_on == "optimizer" and not self.c.disabled
+            else None
+        )
+        self._count_step()
+        self.arm_probes(self.activations_next())
+        if reader.plain is not None:
+            reader.plain.arm(reader.plain_next())
+
+    def _count_step(self) -> None:
+        """A step was observed: count it, and let the loop facts' probe see the gradient the
+        optimizer used."""
+        self.c.step += 1
+        try:
+            self.c.loop.after_optimizer_step()
+        except Exception as e:  # pragma: no cover - defensive
+            self.c.fail("observation", e)
+
+    def next_step(self) -> bool:
+        """The host reader's short paths observed a step: count it and arm what the coming step
+        needs. True when something was armed (or disarmed)."""
+        self._count_step()
+        sampled = self.activations_next()
+        if sampled or self.c.hooks.modules_armed or self.modules_wanted(sampled):
+            self.arm_probes(sampled)
+            return True
+        return False  # (nothing to arm or disarm, nothing held)
+
+    def on_scaler_step(self, scaler: Any, optimizer: Any) -> None:
+        """``scaler.step(optimizer)`` starts: the gradients read were scaled by its scale."""
+        if self.c.disabled or self.c.step_on == "backward" or not self._is_relevant(optimizer):
+            return
+        if scaler.is_enabled():
+            self.c.scaler = scaler
+
+    def on_scaler_step_done(self, scaler: Any, optimizer: Any) -> None:
+        """``scaler.step`` returned. If the optimizer step did not run (an overflow), the
+        iteration is still a step, marked skipped."""
+        if self.c.scaler is not scaler:
+            return
+        try:
+            if self.c.cur.grad_read and not self.c.disabled:
+                self._step_boundary(optimizer, skipped=True)
+        finally:
+            self.c.scaler = None
+
+    def _register(self) -> None:
+        if self.c.order is None:
+            self.c._learn_order()  # the model itself was not called: its submodules were
+        executed = self.c.order or []
+        if executed and executed[0] != 0:
+            self.c.hooks.first[0] = executed[0]
+        if self.c.params:
+            # The gradient read again after the step to detect clipping: the largest parameter
+            # up to 64k elements (clip_grad_norm_ scales every gradient alike, so any one
+            # shows it, and a small one is cheap to read).
+            sizes = [int(p.numel()) for p in self.c.params]
+            small = [k for k, n in enumerate(sizes) if n <= 1 << 16]
+            pool = small or list(range(len(sizes)))
+            self.c.clip_index = max(pool, key=lambda k: sizes[k])
+        spec = self.c.watched.spec(executed, self.c.optimizer_name)
+        spec["param_lr"] = self.c.loop.param_lrs()
+        spec["loss"] = self.c.loop.loss_facts()
+        # A CPU model whose loss is taken at the backward tap has its gradients read there
+        # too, when the backward returns, instead of by hooks that fire inside it.
+        tap = self.c.reader.host and self.c in BACKWARD_TAP.collectors and not self.c.hooks.frozen
+        self.c.hooks.read_at_tap(self.c, self.c.params, tap)
+        self.c.loop.install_probe(hook=not tap)
+        self.c.reader.make_plain()
+        self.c.loop.optimizer = None
+        probes = json.loads(self.c.engine.register_model(json.dumps(spec)))
+        axes = self.c.watched.unit_axes(executed)
+        self.c.probes = []
+        for row, d in enumerate(probes):
+            module = self.c.watched.spec_order[d["module"]]
+            d = dict(d, module=module)
+            self.c.probes.append(Probe(row, d, axes.get(module, -1)))
+        self.c.act_none = [None] * len(self.c.probes)
+        if self.c.dist is not None:
+            self.c.dist.setup(len(self.c.params), len(self.c.probes))
+        # This first step ran with every module hooked: its probe outputs are in refs.
+        self._fill_act_out()
+        self.c.registered = True
+        self.c.hooks.probes_armed = False
+
+    def _fill_act_out(self) -> None:
+        """Each probe's latest output from the kept module outputs."""
+        self.c.act_out[:] = self.c.act_none
+        row_of = {p.module: p.row for p in self.c.probes}
+        for i, out, _ in self.c.refs:
+            r = row_of.get(i)
+            if r is not None:
+                self.c.act_out[r] = out
+
+    def probes_due(self, first: bool) -> bool:
+        """At observation, no activation staged: whether the probes' outputs are measured now
+        (the first step; a sampled step; compiled, where the probes are the kept outputs)."""
+        if not self.c.probes:
+            return False
+        if self.c.hooks.frozen and self.activations_next():
+            self._fill_act_out()
+            return True
+        return first or self.c.hooks.probes_armed
+
+    def _check_seen(self) -> None:
+        """Gradients without any forward pass seen: the forward ran where module hooks are not
+        called. Said once; gradients, loss and steps are still observed."""
+        s = self.c.cur
+        if self.c.blind_warned or self.c.refs or s.raw_inputs or s.ran:
+            return
+        if s.forwards or self.c.hooks.frozen:
+            return
+        self.c.blind_warned = True
+        warnings.warn(
+            "NeuralDBG sees this model's gradients but none of its forward passes: the forward "
+            "ran where module hooks are not called (a torch.compile'd model first called before "
+            "`with NeuralDbg(...)` was entered, or torch.func). Inputs, activations and the module "
+            "where a NaN/Inf first appears are not observed; enter NeuralDbg before the first "
+            "compiled call to get them.",
+            NeuralDbgWarning,
+            stacklevel=4,
+        )
+
+    def sampled(self, every: int) -> bool:
+        return self.c.step < self.c.dense_steps or (every > 0 and self.c.step % every == 0)
+
+    def unsampled(self) -> bool:
+        """The current step is past the dense ones and measures neither activations nor
+        weights (by its number; an unconfirmed activation change is ``act_pending``)."""
+        s = self.c.step
+        return s >= self.c.dense_steps and s % self.c.activation_every != 0 and s % self.c.weight_every != 0
+
+    def activations_next(self) -> bool:
+        """Measure activations in the coming step: on its sample period, or densely while the
+        engine has an unconfirmed activation change (so it is confirmed within `persistence`
+        steps, not `persistence` samples)."""
+        return self.sampled(self.c.activation_every) or self.c.act_pending
+
+    def _observe(self, lr: Optional[float], final: bool = False, skipped: bool = False) -> None:
+        try:
+            first = not self.c.registered
+            if first:
+                self._register()
+            self._check_seen()
+            self.c._entry_inputs()
+            self.c.reader.observe(lr, final, first, skipped)
+        except Exception as e:
+            self.c.fail("observation", e)
+        finally:
+            self.c.act_out[:] = self.c.act_none
+            self.c.reader.clear_outputs()
+            self.c.summaries.clear()
+            self.end_step(final)
+
+    def end_step(self, final: bool) -> None:
+        """The step was observed: a fresh per-step state for the next one."""
+        if not final:
+            if not self.c.cur.root_seen:
+                self.c.replay_ok = False  # gradients without a call of the model itself
+            if self.c.need_ran > 0:
+                self.c.need_ran -= 1
+            self.c.refs.clear()
+        self.c.cur = StepState()
+
+    def flush(self) -> None:
+        """Makes every observed step visible to the engine (before results are read)."""
+        if self.c.backward_due:
+            self.run_due(halt=False)
+        self.c.reader.flush()
+
+    def finish(self, crashed: bool) -> None:
+        """Called on exit. A step still on its way to the host is handed to the engine. A
+        forward pass that never reached ``optimizer.step()`` is observed too (gradients if any,
+        inputs, loss, and the forward outputs scanned for NaN/Inf) when the loop raised, or when
+        it stopped on its own after that forward went non-finite (``if not
+        torch.isfinite(loss): break``), so a run that ended in a failure still leaves its
+        diagnosis. A final healthy forward (an evaluation pass) is not a step."""
+        self.c.reader.drop_plain()
+        if self.c.disabled:
+            return
+        self.flush()
+        s = self.c.cur
+        unobserved = s.forwards > 0 or s.grad_read or bool(s.raw_inputs)
+        if unobserved and (crashed or self.c.origin_search.unobserved_failed()):
+            self._observe(lr=None, final=True)
+            self.flush()

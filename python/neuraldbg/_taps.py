@@ -1,0 +1,197 @@
+"""Pass-through wrappers of torch functions, installed while a watched model needs them and
+restored when the last leaves: :class:`BackwardTap` (``torch.autograd.backward``: the loss of a
+step, and where its backward ends), :class:`ScalerTap` (``GradScaler.step``: a skipped step and
+the loss scale) and :class:`StateTap` (``nn.Module.__getstate__``: copies of a watched model
+carry none of our hooks).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Set
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ._collect import Collector
+    from ._hooks import Hooks
+
+
+def reaches(fn: Any, targets: List[Any], limit: int = 512) -> bool:
+    """Whether autograd node ``fn`` leads (through ``next_functions``) to one of ``targets``,
+    visiting at most ``limit`` nodes."""
+    wanted = {id(t) for t in targets}
+    stack = [fn]
+    seen = {id(fn)}
+    while stack and limit > 0:
+        node = stack.pop()
+        limit -= 1
+        if id(node) in wanted:
+            return True
+        for nxt, _ in getattr(node, "next_functions", ()):
+            if nxt is not None and id(nxt) not in seen:
+                seen.add(id(nxt))
+                stack.append(nxt)
+    return False
+
+
+class BackwardTap:
+    """Observes ``torch.autograd.backward`` (which ``Tensor.backward`` calls) while at least one
+    collector without an explicit criterion is active, to read each step's loss without a
+    change to the training loop. The call itself is passed through untouched; the original
+    function is restored when the last collector leaves."""
+
+    def __init__(self) -> None:
+        self.collectors: List[Collector] = []
+        self.original: Optional[Callable[..., Any]] = None
+        self.installed = self._backward  # one bound method, so identity checks work
+
+    def add(self, c: "Collector") -> None:
+        import torch.autograd
+
+        if not self.collectors:
+            self.original = torch.autograd.backward
+            torch.autograd.backward = self.installed  # type: ignore[assignment]
+        self.collectors.append(c)
+
+    def remove(self, c: "Collector") -> None:
+        import torch.autograd
+
+        if c in self.collectors:
+            self.collectors.remove(c)
+            if not self.collectors and torch.autograd.backward is self.installed:
+                torch.autograd.backward = self.original  # type: ignore[assignment]
+
+    def _backward(self, tensors: Any, *args: Any, **kwargs: Any) -> Any:
+        # Collectors that read their gradients here (see Hooks.tap_reads) answer with what
+        # their sentinel gradients were before this backward.
+        me = threading.get_ident()
+        # Models whose forward ran on another thread are not this backward's (two trained at once).
+        mine = [c for c in self.collectors if c.thread == me or c.thread is None]
+        marks = [c.entry_backward_start(tensors) for c in mine]  # (guarded: never breaks the backward)
+        assert self.original is not None
+        # The tensor being differentiated, while its backward runs: a collector whose
+        # parameters receive gradients from it takes it as its loss (also in an end-of-backward
+        # callback that runs on autograd's device thread).
+        outer = [c.tap_current for c in mine]
+        for c in mine:
+            c.tap_current = tensors
+        try:
+            result = self.original(tensors, *args, **kwargs)
+            for c, m in zip(mine, marks):
+                if m is not None or c.backward_due:
+                    c.entry_backward_done(m)
+            return result
+        finally:
+            for c, o in zip(mine, outer):
+                c.tap_current = o
+
+
+BACKWARD_TAP = BackwardTap()
+
+
+class ScalerTap:
+    """Observes ``GradScaler.step`` (``torch.amp``; ``torch.cuda.amp``'s is a subclass) while a
+    collector is active: the collector learns the scaler of the step (its loss scale, and that
+    the gradients it read were scaled) and whether the optimizer step ran or was skipped for an
+    overflow. The call is passed through untouched; the method is restored when the last
+    collector leaves."""
+
+    def __init__(self) -> None:
+        self.collectors: List[Collector] = []
+        self.original: Optional[Callable[..., Any]] = None
+        self.cls: Any = None
+
+    def add(self, c: "Collector") -> None:
+        if not self.collectors:
+            try:
+                from torch.amp.grad_scaler import GradScaler
+            except ImportError:  # pragma: no cover - very old torch
+                return
+            self.cls = GradScaler
+            self.original = GradScaler.step
+            tap = self
+
+            def step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+                return tap._step(scaler, optimizer, *args, **kwargs)
+
+            step.__wrapped__ = self.original  # type: ignore[attr-defined]
+            GradScaler.step = step  # type: ignore[method-assign, assignment]
+        self.collectors.append(c)
+
+    def remove(self, c: "Collector") -> None:
+        if c in self.collectors:
+            self.collectors.remove(c)
+            if not self.collectors and self.cls is not None:
+                self.cls.step = self.original
+                self.cls = None
+
+    def _step(self, scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        collectors = list(self.collectors)
+        for c in collectors:
+            c.entry_scaler_step(scaler, optimizer)
+        assert self.original is not None
+        try:
+            out = self.original(scaler, optimizer, *args, **kwargs)
+        finally:
+            for c in collectors:
+                c.entry_scaler_step_done(scaler, optimizer)
+        for c in collectors:
+            c.raise_halt()  # halt_on: from the step that confirmed the failure
+        return out
+
+
+_HOOK_DICTS = (
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+)
+
+
+class StateTap:
+    """While a model is watched, ``nn.Module.__getstate__`` (what ``copy.deepcopy``,
+    ``pickle`` and ``torch.save`` read) leaves our forward hooks out of the copied state: the
+    copy is a plain module, loadable where NeuralDBG is not installed. Restored when the last
+    collector leaves."""
+
+    def __init__(self) -> None:
+        self.users: List["Hooks"] = []
+        self.ours: Set[int] = set()
+        self.original: Optional[Callable[..., Any]] = None
+
+    def add(self, hooks: "Hooks") -> None:
+        if not self.users:
+            import torch.nn
+
+            self.original = torch.nn.Module.__getstate__
+            original = self.original
+            ours = self.ours
+
+            def __getstate__(module: Any) -> Any:
+                state = original(module)
+                if not ours or not isinstance(state, dict):
+                    return state
+                for key in _HOOK_DICTS:
+                    d = state.get(key)
+                    if d and any(k in ours for k in d):
+                        state[key] = OrderedDict((k, v) for k, v in d.items() if k not in ours)
+                return state
+
+            __getstate__.__wrapped__ = original  # type: ignore[attr-defined]
+            torch.nn.Module.__getstate__ = __getstate__  # type: ignore[method-assign]
+        self.users.append(hooks)
+
+    def remove(self, hooks: "Hooks") -> None:
+        if hooks in self.users:
+            self.users.remove(hooks)
+            if not self.users and self.original is not None:
+                import torch.nn
+
+                torch.nn.Module.__getstate__ = self.original  # type: ignore[method-assign]
+                self.original = None
+                self.ours.clear()
+
+
+SCALER_TAP = ScalerTap()
+STATE_TAP = StateTap()
