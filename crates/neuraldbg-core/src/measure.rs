@@ -1,9 +1,9 @@
 //! Tensor statistics computed straight over a tensor's elements: the kernels behind the
 //! collector's CPU fast path.
 //!
-//! On a CPU training step every framework op the collector adds costs 10-25 µs (the step has
-//! evicted the dispatcher's code from the caches), far more than the arithmetic of the small
-//! reductions it needs. So the `PyTorch` collector hands the memory of contiguous CPU tensors to
+//! On a short CPU training step every framework op the collector adds costs far more than the
+//! arithmetic of the small reductions it needs (the step has evicted the dispatcher's code from
+//! the caches; figures in docs/performance.md). So the `PyTorch` collector hands the memory of contiguous CPU tensors to
 //! these kernels (the Python bindings build the slices from `data_ptr()`; this crate stays free
 //! of `unsafe`) and gets every statistic of a step from one call: gradient and parameter L2
 //! norms, input `min, max, mean, std`, output magnitudes, the zero rows and columns of a
@@ -13,9 +13,9 @@
 //! [`half::bf16`]), accumulates in `f64`, and propagates NaN the way the torch reductions it
 //! replaces do (`amax`, `aminmax` and norms return NaN when any element is NaN). The hot loops
 //! run over chunks of [`LANES`] elements into as many independent accumulators, which the
-//! compiler turns into SIMD code even for the baseline x86-64 target (SSE2): a 1M-element `f32`
-//! L2 norm takes about 0.15 ms, `min, max, mean, std` 0.6 ms (`cargo test --release -p
-//! neuraldbg-core --lib measure::tests::speed -- --ignored --nocapture` prints them all).
+//! compiler turns into SIMD code even for the baseline x86-64 target (SSE2); `cargo test
+//! --release -p neuraldbg-core --lib measure::tests::speed -- --ignored --nocapture` prints how
+//! fast each kernel runs.
 
 use half::{bf16, f16};
 

@@ -1,7 +1,7 @@
 //! `TensorReader`: statistics of CPU tensors read straight from their memory, no torch op.
 //!
-//! On a fast CPU step each torch op the collector adds costs 10-25 µs (the step has evicted the
-//! dispatcher's code from the caches), far more than the arithmetic of its small reductions.
+//! On a fast CPU step each torch op the collector adds costs far more than the arithmetic of its
+//! small reductions (the step has evicted the dispatcher's code from the caches).
 //! So for a *readable* tensor, the reader takes the pointer `tensor.data_ptr()` and the count
 //! `tensor.numel()`, views them as a slice of `f32`, `f64`, `f16` or `bf16`, and hands it to the
 //! kernels of [`neuraldbg_core::measure`]; results go into numpy arrays the caller gives.
@@ -17,11 +17,11 @@
 //! Given torch's DLPack exporter (`torch._C._to_dlpack`), the reader learns all of that in one
 //! call instead of five (dtype, device, shape, strides and address of a `DLManagedTensor`; a
 //! tensor is then readable when it is on the CPU, of a float type of 16, 32 or 64 bits or
-//! bfloat16, one lane, and compact row-major): about 0.2 us a tensor instead of 0.5, which is
-//! most of the cost of reading the gradients of a deep model on every step. The capsule keeps
-//! a reference to the tensor while the elements are read and its destructor (torch's, the
-//! capsule not being consumed) releases it. Not `Tensor.__dlpack__`: that is a Python method
-//! costing ~2.5 us.
+//! bfloat16, one lane, and compact row-major): the per-tensor checks were most of the cost of
+//! reading the gradients of a deep model on every step. The capsule keeps a reference to the
+//! tensor while the elements are read and its destructor (torch's, the capsule not being
+//! consumed) releases it. Not `Tensor.__dlpack__`: that is a Python method, slower than the
+//! checks it would replace.
 //!
 //! Safety contract: a readable tensor's `numel` elements lie contiguously from `data_ptr()` in
 //! memory its storage owns. The tensor is referenced by the method's arguments and the GIL is
@@ -126,9 +126,9 @@ macro_rules! dispatch {
 /// Asks the CPU to start loading the first bytes of a CPU tensor's elements (up to
 /// [`PREFETCH_BYTES`]) while other work runs. A model's gradients are thousands of separate small
 /// allocations: reading them one after the other, each begins with cache and TLB misses that
-/// the hardware prefetcher cannot foresee (`bench/callbacks.py --grads-made`, a VM: 2,050 4 KB
-/// gradients read in ~1.8 ms, the same elements in one tensor in 0.19 ms). Only a hint: it never faults and
-/// changes nothing, whatever the address; a no-op on other architectures.
+/// the hardware prefetcher cannot foresee (`bench/callbacks.py --grads-made` measures it). Only a
+/// hint: it never faults and changes nothing, whatever the address; a no-op on other
+/// architectures.
 fn prefetch(dl: &DlTensor) {
     #[cfg(target_arch = "x86_64")]
     {
