@@ -58,9 +58,12 @@ demo: build
 demo-burn:
 	cargo run --release -q -p neuraldbg-burn --example vanishing_gradients
 
-lint:
+# Python: ruff's formatter and linter under pyproject.toml's configuration.
+lint: $(STAMPS)/deps
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets -- -D warnings
+	$(VENV)/bin/ruff format --check python tests bench examples
+	$(VENV)/bin/ruff check python tests bench examples
 
 test-rust:
 	cargo test --workspace --quiet

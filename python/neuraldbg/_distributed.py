@@ -15,7 +15,7 @@ the wait has a timeout (``timeout``), so a rank that raised or exited cannot lea
 blocked in our collective; any error in this path turns monitoring off with a warning on the
 rank that saw it, and the training itself is never touched.
 
-Per rank, the vector holds (see :class:`Layout`):
+Per rank, the vector holds (see :class:`JobLayout`):
 
 * the sum of squares of each parameter's local gradient and (on sampled steps) of the local
   parameter, one entry per parameter;
@@ -197,8 +197,8 @@ def _replicas(t: Any, world: int) -> float:
     return float(n) * world / max(int(mesh.size()), 1)
 
 
-class Layout:
-    """Where each statistic sits in a rank's vector (identical on every rank)."""
+class JobLayout:
+    """Where each statistic sits in a rank's exchanged vector (identical on every rank)."""
 
     def __init__(self, n_params: int, n_probes: int) -> None:
         self.n_params = n_params
@@ -249,7 +249,7 @@ class Distributed:
         self.group: Any = dist.new_group(backend=self.backend, timeout=self.timeout)
         self.scale = np.zeros(0)
         self.replicated = np.zeros(0, dtype=bool)
-        self.layout: Optional[Layout] = None
+        self.layout: Optional[JobLayout] = None
         self._device: Any = None  # where our vectors live (NCCL: the GPU)
         # Device index tensors of recent layouts (the norm plans' order arrays are reused objects).
         self._index: Dict[Any, Any] = {}
@@ -268,7 +268,7 @@ class Distributed:
             self.replicated[:] = [getattr(p, "_local_tensor", None) is None for p in params]
 
     def setup(self, n_params: int, n_probes: int) -> None:
-        self.layout = Layout(n_params, n_probes)
+        self.layout = JobLayout(n_params, n_probes)
 
     def exchange(self, layout: Any, flat: Any) -> "Exchange":
         """Packs this rank's step (the collector's :class:`~._transfer.Layout` and flat vector

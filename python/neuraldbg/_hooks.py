@@ -130,7 +130,7 @@ class Hooks:
         self.hooked_wanted: List[int] = []
         self.probe_pairs: Optional[RecordGroup] = None
         self.probe_hooked: List[Tuple[int, Any]] = []
-        # The model's own forward hook (Collector._on_root_post), hooked as module 0.
+        # The model's own forward hook (Collector.on_forward_post), hooked as module 0.
         self.root_post: Any = None
 
     @property
@@ -241,7 +241,7 @@ class Hooks:
 
     def arm_modules(self, on: bool) -> None:
         """Puts the hooks and records of the wanted modules in place, or takes them away (the
-        steps that need nothing per module; see ``Collector._modules_wanted``). Hooks traced
+        steps that need nothing per module; see ``StepBoundary.modules_wanted``). Hooks traced
         into a compiled graph stay."""
         if on == self.modules_armed or self.frozen:
             return

@@ -168,8 +168,6 @@ class TensorReader:
         None."""
     def scalar(self, t: object) -> Optional[float]:
         """The value of a readable one-element tensor, else None."""
-    def abs_max(self, t: object) -> Optional[float]:
-        """max |x| over a readable tensor (NaN when it has no element), else None."""
     def absmax(self, items: Sequence[object], out: npt.NDArray[np.float32], empty: float = 0.0) -> bool:
         """``out[i]`` = max |x| over ``items[i]`` (``empty`` when it has no element); False if
         an item is not a readable tensor."""

@@ -241,10 +241,7 @@ class HostReader:
         try:
             facts = c.loop.step_facts()
             self.read_clipped()
-            if s.clip_after is not None and c.clip_index is not None:
-                ratio = clip_ratio(float(grads[c.clip_index]), s.clip_after)
-                if ratio is not None:
-                    facts["clip_ratio"] = ratio
+            self._clip_fact(facts, grads)
             step = c.step
             c.act_pending = c.engine.observe(
                 step, grads, None, None, s.host_inputs or None, loss, lr_of(optimizer), None, False, facts or None, None
@@ -384,6 +381,16 @@ class HostReader:
                 return
         s.clip_after = self.hm.norm(c.params[k], "grad")
 
+    def _clip_fact(self, facts: Dict[str, float], grads: np.ndarray) -> None:
+        """The ``clip_ratio`` fact: the checked gradient's norm as the optimizer received it
+        over its norm when the backward produced it."""
+        k = self.c.clip_index
+        after = self.c.cur.clip_after
+        if after is not None and k is not None:
+            ratio = clip_ratio(float(grads[k]), after)
+            if ratio is not None:
+                facts["clip_ratio"] = ratio
+
     # -------------------------------------------------------------- observation
 
     def observe(self, lr: Optional[float], final: bool, first: bool, skipped: bool) -> None:
@@ -407,10 +414,7 @@ class HostReader:
                 facts["loss_scale"] = float(scale)
                 facts["optimizer_skipped"] = 1.0 if skipped else 0.0
         step = HostStep(c.step, lr, final, grads)
-        if s.clip_after is not None and c.clip_index is not None:
-            ratio = clip_ratio(float(grads[c.clip_index]), s.clip_after)
-            if ratio is not None:
-                facts["clip_ratio"] = ratio
+        self._clip_fact(facts, grads)
         seen = s.loss_read
         pending = s.loss_pending()
         if len(pending) == 1 and seen is not None and pending[0] is seen[0]:

@@ -9,7 +9,7 @@ first appeared) is settled here, once, before the engine sees the step.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 
@@ -17,6 +17,8 @@ from ._step import NONFINITE, UNKNOWN, ZERO
 
 if TYPE_CHECKING:  # pragma: no cover
     from ._collect import Collector
+    from ._distributed import JobStep
+    from ._transfer import HostStep, Layout, Unpacked
 
 # Steps that record which modules ran after exact-zero gradients were seen on a step that did
 # not (host mode): while zeros keep coming, they are told apart from "no gradient".
@@ -31,8 +33,8 @@ class Sink:
 
     def feed(
         self,
-        layout: Any,
-        u: Any,
+        layout: "Union[Layout, HostStep]",
+        u: "Union[Unpacked, JobStep, HostStep]",
         refs: List[Tuple[int, Any, Any]],
         measures: Optional[Dict[str, np.ndarray]],
         facts: Optional[Dict[str, float]],

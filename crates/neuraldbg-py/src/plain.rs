@@ -625,7 +625,7 @@ impl PlainStep {
         self.guard(py, (), PlainStep::after_inner);
     }
 
-    /// The optimizer stepped (`Collector._on_optimizer_post`): True when the step was
+    /// The optimizer stepped (`StepBoundary.on_optimizer_step`): True when the step was
     /// observed here.
     fn step(&mut self, py: Python<'_>, optimizer: &Bound<'_, PyAny>) -> bool {
         if self.st.stage == Stage::Fresh {

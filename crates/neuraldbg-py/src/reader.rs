@@ -260,6 +260,15 @@ impl std::fmt::Debug for TensorReader {
 }
 
 impl TensorReader {
+    /// max |x| over a readable tensor (NaN when it has no element), else None.
+    pub(crate) fn abs_max(&mut self, t: &Bound<'_, PyAny>) -> Option<f64> {
+        self.with_elements(
+            t,
+            false,
+            |e, _| dispatch!(e, xs => if xs.is_empty() { f64::NAN } else { measure::abs_max(xs) }),
+        )
+    }
+
     /// The exchange API's non-owning view of `t` when `t` is an exact `torch.Tensor` it can
     /// view (a CPU or GPU tensor without a pending conjugation, ...), else None (and the
     /// refusal's error cleared). The view is valid while `t` is alive and no Python code runs.
@@ -738,15 +747,6 @@ impl TensorReader {
             |e, _| dispatch!(e, xs => (xs.len() == 1).then(|| xs[0].to_f64())),
         )
         .flatten()
-    }
-
-    /// max |x| over a readable tensor (NaN when it has no element), else None.
-    fn abs_max(&mut self, t: &Bound<'_, PyAny>) -> Option<f64> {
-        self.with_elements(
-            t,
-            false,
-            |e, _| dispatch!(e, xs => if xs.is_empty() { f64::NAN } else { measure::abs_max(xs) }),
-        )
     }
 
     /// `out[i]` = max |x| over `items[i]` (`empty` when it has no element). False if an item
