@@ -111,7 +111,7 @@ class Remedy:
         held = [p for g in optimizer.param_groups for p in g["params"]]
         if not any(id(p) in mine for p in held):
             return
-        kind, value = self.kind, self.spec.get("value")
+        kind, value = self.kind, self.spec.get("value", 1.0)
         if kind == "lr_scale":
             saved: List[float] = []
 

@@ -271,7 +271,7 @@ class Watch:
 
         __init__.__wrapped__ = original  # type: ignore[attr-defined]
         self._original_init = original
-        torch.optim.Optimizer.__init__ = __init__  # type: ignore[method-assign]
+        torch.optim.Optimizer.__init__ = __init__  # type: ignore[method-assign, assignment]
 
     def _made(self, optimizer: Any) -> None:
         """An optimizer was made: the models it trains that are not watched yet are watched
