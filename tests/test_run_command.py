@@ -368,3 +368,33 @@ def test_diff_says_where_two_runs_part(tmp_path: Path) -> None:
     text = subprocess.run([sys.executable, "-m", "neuraldbg", "diff", str(tmp_path / "good.ndbg"), str(tmp_path / "bad.ndbg")],
                           env=_env(), capture_output=True, text=True, timeout=120).stdout
     assert f"The runs part at step {d['parting']['step']}" in text and "Events only in B:" in text
+
+
+def test_halt_on_stops_training_at_a_confirmed_failure(tmp_path: Path) -> None:
+    r = run(tmp_path, PLAIN, "--halt-on", "non_finite", "--json", "d.json", "--out", "o", "SCRIPT", "--steps", "30", "--lr", "1.0")
+    assert r.returncode == 3, r.stderr
+    printed = losses(r.stdout)
+    assert printed and len(printed) < 30 and "finished" not in r.stdout
+    data = json.loads((tmp_path / "d.json").read_text())
+    assert data["stopped"].startswith("halted") and data["steps"] == len(printed) + 1
+    assert any(h["failure"] == "non_finite" and h["confidence"] >= 0.5 for h in data["hypotheses"])
+
+
+def test_ctrl_c_still_gives_the_diagnosis_trace_and_report(tmp_path: Path) -> None:
+    import signal
+
+    (tmp_path / "train.py").write_text(textwrap.dedent(PLAIN))
+    cmd = [sys.executable, "-m", "neuraldbg", "run", "--json", "d.json", "--out", "o", "train.py", "--steps", "100000"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith("step 3 "):
+            break
+    proc.send_signal(signal.SIGINT)
+    rest, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "stopped the script: interrupted" in err and "Sequential:" in err
+    data = json.loads((tmp_path / "d.json").read_text())
+    assert data["steps"] >= 4 and data["stopped"] == "interrupted"
+    assert neuraldbg.load(str(tmp_path / "o" / "Sequential.ndbg")).step == data["steps"]
+    assert (tmp_path / "o" / "Sequential.html").exists()
