@@ -398,3 +398,82 @@ def test_ctrl_c_still_gives_the_diagnosis_trace_and_report(tmp_path: Path) -> No
     assert data["steps"] >= 4 and data["stopped"] == "interrupted"
     assert neuraldbg.load(str(tmp_path / "o" / "Sequential.ndbg")).step == data["steps"]
     assert (tmp_path / "o" / "Sequential.html").exists()
+
+
+def test_each_remedy_does_what_it_says() -> None:
+    """The remedies ``--confirm`` applies in its runs, checked in process against torch."""
+    import torch
+    import torch.nn as nn
+
+    from neuraldbg._confirm import Remedy
+
+    def setup(kind: str, value: Any = None, layer: Any = None) -> Tuple[nn.Module, Remedy, List[str]]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3), nn.Softmax(dim=1))
+        notes: List[str] = []
+        remedy = Remedy({"model": "Sequential", "kind": kind, "value": value, "layer": layer}, notes)
+        remedy.model_found("Sequential", model)
+        return model, remedy, notes
+
+    x = torch.randn(16, 4) * 50 + 7
+
+    # Learning rate: the step moves the weights by 0.1 x lr x grad; the schedule's lr is kept.
+    model, remedy, notes = setup("lr_scale", 0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    remedy.optimizer_made(opt)
+    model(x).sum().backward()
+    w0, g = model[0].weight.detach().clone(), model[0].weight.grad.clone()
+    opt.step()
+    assert torch.allclose(model[0].weight, w0 - 0.05 * g) and opt.param_groups[0]["lr"] == 0.5
+    assert notes == ["learning rate x0.1 in SGD"]
+    remedy.remove()
+
+    # zero_grad after each step; clipping before it.
+    model, remedy, _ = setup("zero_grad")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    remedy.optimizer_made(opt)
+    model(x).sum().backward()
+    opt.step()
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())
+    model, remedy, _ = setup("clip", 1.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    remedy.optimizer_made(opt)
+    (model[2](model[1](model[0](x))) ** 2).sum().backward()
+    assert torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]) > 1.0
+    opt.step()
+    assert torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]) == pytest.approx(1.0, rel=1e-4)
+
+    # Module surgery: LeakyReLU for ReLU, the output softmax gone, a layer re-initialized.
+    model, _, notes = setup("leaky_relu")
+    assert isinstance(model[1], nn.LeakyReLU) and notes == ["1 nn.ReLU replaced by LeakyReLU(0.01)"]
+    model, _, _ = setup("remove_output_activation", layer="3")
+    assert isinstance(model[3], nn.Identity)
+    torch.manual_seed(0)
+    planted = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    with torch.no_grad():
+        planted[2].weight.fill_(5.0)
+    Remedy({"kind": "reinit", "layer": "2"}, notes := []).model_found("Sequential", planted)
+    assert planted[2].weight.abs().max() <= 1 / 8**0.5 and notes == ["2 re-initialized (1 module(s) reset)"]
+
+    # Training mode before each forward; inputs standardized with the first batch's statistics.
+    model, remedy, _ = setup("train_mode")
+    model.eval()
+    model(x)
+    assert model.training and model[0].training
+    model, remedy, _ = setup("standardize")
+    seen: List[Any] = []
+    model[0].register_forward_pre_hook(lambda m, a: seen.append(a[0]))
+    model(x)
+    assert seen[0].mean(0).abs().max() < 1e-4 and torch.allclose(seen[0].std(0), torch.ones(4), atol=1e-4)
+
+    # Parameters missing from the optimizer are added to it.
+    model, remedy, notes = setup("add_parameters")
+    opt = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    remedy.optimizer_made(opt)
+    held = {id(p) for g in opt.param_groups for p in g["params"]}
+    assert all(id(p) in held for p in model.parameters()) and notes[0].startswith("2 parameter(s) added")
+
+    # A remedy that does not fit the script says so.
+    plain = nn.Sequential(nn.Linear(4, 3))
+    Remedy({"kind": "leaky_relu"}, notes := []).model_found("Sequential", plain)
+    assert notes[0].startswith("not applicable")

@@ -49,18 +49,22 @@ _ACTIVATIONS = ("Softmax", "LogSoftmax", "Sigmoid", "Tanh", "Softmax2d", "Hardta
 
 
 def _describe(spec: Dict[str, Any]) -> str:
-    kind, value, layer = spec["kind"], spec.get("value"), spec.get("layer")
-    text = {
-        "lr_scale": f"learning rate x{value:g}",
-        "zero_grad": "optimizer.zero_grad() after each step",
-        "train_mode": "model.train() before each forward",
-        "add_parameters": "parameters missing from the optimizer added to it",
-        "reinit": f"{layer or 'every layer'} re-initialized (reset_parameters)",
-        "leaky_relu": "ReLU replaced by LeakyReLU(0.01)",
-        "standardize": "inputs standardized (first batch's mean and std)",
-        "remove_output_activation": f"output activation {layer or ''} removed".replace("  ", " "),
-        "clip": f"gradients clipped at norm {value:g}",
-    }.get(kind, kind)
+    """The remedy in words, for the verdicts."""
+    kind, value, layer = spec["kind"], spec.get("value", 1.0), spec.get("layer")
+    if kind == "lr_scale":
+        text = f"learning rate x{float(value):g}"
+    elif kind == "clip":
+        text = f"gradients clipped at norm {float(value):g}"
+    else:
+        text = {
+            "zero_grad": "optimizer.zero_grad() after each step",
+            "train_mode": "model.train() before each forward",
+            "add_parameters": "parameters missing from the optimizer added to it",
+            "reinit": f"{layer or 'every layer'} re-initialized (reset_parameters)",
+            "leaky_relu": "ReLU replaced by LeakyReLU(0.01)",
+            "standardize": "inputs standardized (first batch's mean and std)",
+            "remove_output_activation": f"output activation {layer} removed" if layer else "output activation removed",
+        }.get(kind, kind)
     return f"{text} ({spec['model']})" if spec.get("model") else text
 
 

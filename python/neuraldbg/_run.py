@@ -519,7 +519,10 @@ def main(argv: Sequence[str]) -> int:
     if args.confirm and rank == 0 and data is not None and watch.models:
         from ._confirm import confirm
 
-        confirm(data, target, script_args, args, out)
+        try:
+            confirm(data, target, script_args, args, out)
+        except Exception as e:  # the run's own diagnosis and outputs still stand
+            _say(f"--confirm failed ({type(e).__name__}: {e}); the diagnosis above is the run's own")
     if args.json and rank == 0 and data is not None:
         folder = os.path.dirname(args.json)
         if folder:
