@@ -262,6 +262,32 @@ def test_hugging_face_trainer_script(tmp_path: Path) -> None:
     assert data["steps"] == global_step == 5
 
 
+ACCELERATE = """
+    import torch, torch.nn as nn
+    from accelerate import Accelerator
+    acc = Accelerator(cpu=True)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = acc.prepare(model, opt)
+    x = torch.randn(64, 8); y = x.sum(1, keepdim=True)
+    for step in range(5):
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        acc.backward(loss)
+        opt.step()
+        print(f"step {step} loss {loss.item():.9g}", flush=True)
+"""
+
+
+def test_accelerate_script(tmp_path: Path) -> None:
+    r = run(tmp_path, ACCELERATE, "--json", "d.json", "--out", "o", "SCRIPT")
+    assert r.returncode == 0, r.stderr
+    data = json.loads((tmp_path / "d.json").read_text())
+    (model,) = data["models"]
+    assert data["steps"] == 5 and model["loss"] == pytest.approx([v for _, v in losses(r.stdout)], rel=1e-6)
+
+
 DDP = """
     import os, torch, torch.nn as nn, torch.distributed as dist
     dist.init_process_group("gloo")

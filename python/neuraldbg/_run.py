@@ -164,6 +164,14 @@ def _rank() -> int:
         return 0
 
 
+def _world() -> int:
+    """Processes in this torchrun job (1 otherwise)."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+
+
 def _say(text: str) -> None:
     print(f"neuraldbg: {text}", file=sys.stderr, flush=True)
 
@@ -516,7 +524,10 @@ def main(argv: Sequence[str]) -> int:
         _write_reports(watch)
         _print_diagnosis(watch, args.quiet)
     data = results(watch, code, stopped) if watch.models or args.json else None
-    if args.confirm and rank == 0 and data is not None and watch.models:
+    if args.confirm and _world() > 1:
+        if rank == 0:
+            _say("--confirm re-runs the script in single processes: run it without torchrun")
+    elif args.confirm and data is not None and watch.models:
         from ._confirm import confirm
 
         try:
