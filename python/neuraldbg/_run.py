@@ -259,7 +259,6 @@ class Watch:
         self.steps = steps
         self.apply = apply
         self.models: List[Tuple[str, Any, Any]] = []  # (name, module, debugger)
-        self.optimizers: List[Any] = []
         self.watched: Set[int] = set()  # ids of watched parameters
         self.notes: List[str] = []  # what the remedy did, or why it could not be applied
         self._original_init: Any = None
@@ -283,11 +282,8 @@ class Watch:
 
     def _made(self, optimizer: Any) -> None:
         """An optimizer was made: the models it trains that are not watched yet are watched
-        from now on. An error of ours here is a warning; the script goes on unwatched."""
-        if self.failed is not None:
-            return
+        from now on. An error here is reported and the script goes on, that model unwatched."""
         try:
-            self.optimizers.append(optimizer)
             params = [p for g in optimizer.param_groups for p in g["params"]]
             if all(id(p) in self.watched for p in params):
                 if self._remedy is not None:
@@ -518,7 +514,7 @@ def main(argv: Sequence[str]) -> int:
     if args.seed is not None:
         _seed(args.seed)
     watch = Watch(out, options, halt_on, args.steps, apply)
-    code, stopped, failure = _execute(watch, target, script_args)
+    code, stopped = _execute(watch, target, script_args)
     rank = _rank()
     if rank == 0:
         _write_reports(watch)
@@ -540,8 +536,6 @@ def main(argv: Sequence[str]) -> int:
             os.makedirs(folder, exist_ok=True)
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(data, f, indent=1)
-    if failure is not None:
-        raise failure
     return code
 
 
@@ -554,9 +548,9 @@ def _check_options(options: Dict[str, Any], halt_on: Any) -> None:
     NeuralDbg(torch.nn.Linear(1, 1), halt_on=halt_on, **options)
 
 
-def _execute(watch: Watch, target: Tuple[str, str], script_args: List[str]) -> Tuple[int, Optional[str], Optional[BaseException]]:
-    """Runs the script under ``watch``: its exit status, why we stopped it (``--steps``,
-    ``--halt-on``, Ctrl-C) or None, and a KeyboardInterrupt to re-raise after the outputs."""
+def _execute(watch: Watch, target: Tuple[str, str], script_args: List[str]) -> Tuple[int, Optional[str]]:
+    """Runs the script under ``watch``: its exit status (130 after Ctrl-C, :data:`HALTED` after
+    ``--halt-on``), and why we stopped it (``--steps``, ``--halt-on``, Ctrl-C) or None."""
     saved_argv, saved_path = list(sys.argv), list(sys.path)
     exc: Optional[BaseException] = None
     code, stopped = 0, None
@@ -580,7 +574,7 @@ def _execute(watch: Watch, target: Tuple[str, str], script_args: List[str]) -> T
         watch.finish(exc)
     if stopped is not None:
         _say(f"stopped the script: {stopped}")
-    return code, stopped, None
+    return code, stopped
 
 
 def _exit_code(code: Any) -> int:
