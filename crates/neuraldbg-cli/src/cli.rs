@@ -56,6 +56,31 @@ pub enum Command {
     Info(Info),
     /// Follow a trace while the run writes it: steps/s, per-layer health, events, top hypotheses
     Watch(Watch),
+    /// Where two runs part: the first step and layer whose health differs, the events only one
+    /// has, both loss curves
+    Diff(Diff),
+    /// Run an unchanged training script, watch every model it trains and diagnose it (see
+    /// `neuraldbg run --help`; needs the Python package: `python -m neuraldbg run`)
+    #[command(disable_help_flag = true)]
+    Run(RunScript),
+}
+
+#[derive(Debug, Args)]
+pub struct Diff {
+    /// The first trace (.ndbg): the run that worked, say
+    pub a: PathBuf,
+    /// The second trace (.ndbg)
+    pub b: PathBuf,
+    /// Print the comparison as a JSON object
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct RunScript {
+    /// The options of `neuraldbg run`, the script and its arguments
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+    pub args: Vec<String>,
 }
 
 #[derive(Debug, Args)]

@@ -16,6 +16,7 @@
 //! ```
 
 mod cli;
+mod diff;
 mod export;
 mod parquet;
 mod progress;
@@ -209,6 +210,18 @@ fn dispatch(cli: &Cli, io: &mut Io<'_>) -> Result<i32, Stop> {
                 EXIT_OK
             });
         }
+        Command::Diff(a) => {
+            let first = load(&a.a, io)?;
+            let second = load(&a.b, io)?;
+            diff::print(&first, &second, a.json, io)?;
+            return Ok(EXIT_OK);
+        }
+        Command::Run(_) => {
+            return Err(Stop::new(
+                EXIT_USAGE,
+                "`neuraldbg run` runs Python: use the `neuraldbg` command installed by `pip install neuraldbg`, or `python -m neuraldbg run [OPTIONS] SCRIPT [ARGS...]`",
+            ));
+        }
     };
     // Arguments that need no trace are checked before a possibly long read.
     if let Command::Export(a) = &cli.command {
@@ -246,7 +259,7 @@ fn dispatch(cli: &Cli, io: &mut Io<'_>) -> Result<i32, Stop> {
         Command::Export(a) => export(&replay, a, io)?,
         Command::Report(a) => report(&replay, a, io)?,
         Command::Info(a) => info(&replay, a, io)?,
-        Command::Watch(_) => {}
+        Command::Watch(_) | Command::Diff(_) | Command::Run(_) => {}
     }
     Ok(if cli.strict && replay.damage.is_some() {
         EXIT_DAMAGED

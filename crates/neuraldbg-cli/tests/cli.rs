@@ -620,3 +620,53 @@ fn tensorboard_scalars_carry_the_time_their_step_was_written() {
     assert!(steps[1] - steps[0] >= 1.0, "{times:?}");
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// Writes the failing run's trace with every step healthy (same model, same loss).
+fn healthy_trace(dir: &Path) -> PathBuf {
+    let depth = 4;
+    let path = dir.join("healthy.ndbg");
+    let mut w = TraceWriter::create(&path, Map::new(), WriterOptions::default()).unwrap();
+    w.write_header(&Config::default(), &spec(depth)).unwrap();
+    for step in 0..40 {
+        let mut obs = observation(depth, step);
+        obs.grad_norms = vec![0.05; depth];
+        w.write_step(&obs.view()).unwrap();
+    }
+    w.close().unwrap();
+    path
+}
+
+#[test]
+fn diff_names_the_step_and_layer_where_two_runs_part() {
+    let dir = temp_dir();
+    let (bad, _) = failing_trace(&dir);
+    let good = healthy_trace(&dir);
+    let (good, bad) = (good.to_str().unwrap(), bad.to_str().unwrap());
+    let (code, out, err) = cli(&["diff", good, bad, "--json"]);
+    assert_eq!(code, EXIT_OK, "{err}");
+    let v: Value = serde_json::from_str(&out).unwrap();
+    // The planted vanishing begins at step 10 in the first two layers.
+    let part = &v["parting"];
+    assert_eq!(part["step"], 10, "{out}");
+    assert!(
+        ["fc0", "fc1"].contains(&part["layer"].as_str().unwrap()),
+        "{out}"
+    );
+    assert_eq!(part["a"], "HEALTHY");
+    assert_eq!(part["b"], "VANISHING");
+    assert!(v["only_a"].as_array().unwrap().is_empty());
+    assert!(
+        v["only_b"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|e| e["to_state"] == "NON_FINITE")
+    );
+    assert!(v["loss_parting_step"].is_null(), "both losses are 1.0");
+    let (code, out, _) = cli(&["diff", bad, bad]);
+    assert_eq!(code, EXIT_OK);
+    assert!(out.contains("Health never differs"), "{out}");
+    let (code, _, err) = cli(&["run", "train.py"]);
+    assert_eq!(code, EXIT_USAGE);
+    assert!(err.contains("python -m neuraldbg run"), "{err}");
+}
