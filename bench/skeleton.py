@@ -44,7 +44,7 @@ class Skeleton(Arm):
         from torch.autograd import Variable
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
-        from neuraldbg._measure import reader
+        from neuraldbg._measure_host import reader
 
         model = self.model
         params = list(model.parameters())

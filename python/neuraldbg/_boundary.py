@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from ._taps import BACKWARD_TAP
 from ._measure import Probe
+from ._model import learn_order
 from ._read_host import lr_of
 from ._step import StepState
 from .errors import NeuralDbgWarning
@@ -170,7 +171,8 @@ class StepBoundary:
 
     def _register(self) -> None:
         if self.c.order is None:
-            self.c._learn_order()  # the model itself was not called: its submodules were
+            # The model itself was not called: its submodules were.
+            self.c.order, self.c.order_set = learn_order(self.c.refs)
         executed = self.c.order or []
         if executed and executed[0] != 0:
             self.c.hooks.first[0] = executed[0]

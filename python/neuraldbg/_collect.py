@@ -35,9 +35,9 @@ from ._guard import REPORT, guarded
 from ._boundary import StepBoundary
 from ._hooks import Hooks
 from ._taps import reaches
-from ._loop import LoopFacts, grad_changed
+from ._loop import LoopFacts, grad_changed, unscaled_loss
 from ._measure import Measurer, Probe, Summaries, first_float_tensor
-from ._model import WatchedModel
+from ._model import WatchedModel, learn_order
 from ._origin import OriginSearch
 from ._read_device import DeviceReader
 from ._read_host import HostReader
@@ -345,7 +345,7 @@ class Collector:
                 if not self.registered and self.loop.first_output is None:
                     self.loop.first_output = t
         if self.order is None:
-            self._learn_order()
+            self.order, self.order_set = learn_order(self.refs)
 
     def _functional_forward(self) -> None:
         """A forward pass inside a ``torch.func`` transform (``vmap(grad(functional_call))``):
@@ -363,16 +363,6 @@ class Collector:
             NeuralDbgWarning,
             stacklevel=4,
         )
-
-    def _learn_order(self) -> None:
-        order: List[int] = []
-        done = set()
-        for i, _, _ in self.refs:
-            if i not in done:
-                done.add(i)
-                order.append(i)
-        self.order = order
-        self.order_set = done
 
     # ------------------------------------------------------------------- loss
 
@@ -396,24 +386,6 @@ class Collector:
             # A number stays on the host: a tensor made of it would be copied to the device
             # from pageable memory, which waits for the device's queue.
             self.cur.losses.append(float(loss))
-
-    def unscaled_loss(self, tensors: "torch.Tensor") -> "torch.Tensor":
-        """The loss whose backward runs, without GradScaler's scale (``scaler.scale(loss)``
-        multiplies by a constant 1-element tensor), so it keeps its own scale."""
-        torch = self.torch
-        fn = tensors.grad_fn
-        if type(fn).__name__ != "MulBackward0":
-            # Being differentiated: its graph lets go of its saved tensors in this backward, and
-            # it is read under no_grad (or by the host reader), so no detach is needed.
-            return tensors
-        loss = tensors.detach()
-        try:
-            other = getattr(fn, "_saved_other", None)
-        except RuntimeError:  # freed by its backward already
-            other = None
-        if isinstance(other, torch.Tensor) and other.numel() == 1 and not other.requires_grad:
-            loss = loss / other.detach()
-        return loss.reshape(())
 
     def on_loss(self, loss: "torch.Tensor") -> None:
         """The loss of a forward pass exists, so that forward is complete: measure its sampled
@@ -500,7 +472,7 @@ class Collector:
         fn = tensors.grad_fn
         if fn is None or tensors.numel() != 1 or not reaches(fn, s.output_fns):
             return None
-        s.auto_losses.append(self.unscaled_loss(tensors))
+        s.auto_losses.append(unscaled_loss(tensors))
         s.tap_taken = tensors
         if not self.registered:
             self.loop.describe_loss(tensors, s.output_fns)
@@ -560,7 +532,7 @@ class Collector:
             return
         if not self.registered:
             self.decide_reader()
-        self._take_loss()
+        self.cur.take_loss(self.tap_current, self.criterion is not None)
         self.reader.read_gradients()
         self.reader.check_after_backward()
         if self.step_on == "backward":
@@ -570,25 +542,6 @@ class Collector:
                 self.backward_due = True
                 return
             self.boundary.backward_step()
-
-    def _take_loss(self) -> None:
-        """The loss of this backward, when no criterion gives it: the tensor passed to
-        ``backward()`` (unless the tap already took it before backward started)."""
-        s = self.cur
-        t = self.tap_current
-        taken, s.tap_taken = s.tap_taken, None
-        product, s.tap_product = s.tap_product, None
-        if self.criterion is not None or t is None or t is taken:
-            return
-        if product is not None and t is product[0]:
-            s.auto_losses.append(product[1])  # host mode: unscaled before its backward
-            return
-        seen = s.loss_read
-        if seen is not None and t is seen[0]:
-            s.auto_losses.append(t)  # host mode: the loss read before its backward
-            return
-        if isinstance(t, self.torch.Tensor) and t.numel() == 1 and t.grad_fn is not None:
-            s.auto_losses.append(self.unscaled_loss(t))
 
     # ------------------------------------------------------------ optimizer step
 

@@ -339,3 +339,23 @@ def _describe(loss: Any, output_fns: List[Any], output: Any) -> Optional[Dict[st
         else:
             d["_ranges"] = (values, None)
     return d
+
+
+def unscaled_loss(tensors: Any) -> Any:
+    """The loss whose backward runs, without GradScaler's scale (``scaler.scale(loss)``
+    multiplies by a constant 1-element tensor), so it keeps its own scale."""
+    import torch
+
+    fn = tensors.grad_fn
+    if type(fn).__name__ != "MulBackward0":
+        # Being differentiated: its graph lets go of its saved tensors in this backward, and
+        # it is read under no_grad (or by the host reader), so no detach is needed.
+        return tensors
+    loss = tensors.detach()
+    try:
+        other = getattr(fn, "_saved_other", None)
+    except RuntimeError:  # freed by its backward already
+        other = None
+    if isinstance(other, torch.Tensor) and other.numel() == 1 and not other.requires_grad:
+        loss = loss / other.detach()
+    return loss.reshape(())

@@ -266,3 +266,14 @@ def _replay_hook(index: int, refs: List[Tuple[int, Any, Any]]) -> Any:
         refs.append((index, output, args))
 
     return hook
+
+
+def learn_order(refs: List[Tuple[int, Any, Any]]) -> Tuple[List[int], set]:
+    """The modules of a forward's recorded calls, each once, in the order they completed."""
+    order: List[int] = []
+    done = set()
+    for i, _, _ in refs:
+        if i not in done:
+            done.add(i)
+            order.append(i)
+    return order, done

@@ -1,7 +1,7 @@
 """The host reader: how a step of a CPU model in one process is read.
 
 Every statistic is read by the extension from the tensors' memory straight into the arrays the
-engine takes (:class:`~._measure.HostMeasurer`): no torch operation, no vector, no transfer.
+engine takes (:class:`~._measure_host.HostMeasurer`): no torch operation, no vector, no transfer.
 The model's module hooks and records are there only on the steps that need them
 (:meth:`Collector.modules_wanted`); a step that went non-finite without them has its forward
 computed again (``WatchedModel.replay``).
@@ -20,7 +20,9 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from ._measure import HostMeasurer, first_float_tensor
+from ._loop import unscaled_loss
+from ._measure import first_float_tensor
+from ._measure_host import HostMeasurer
 from ._step import NONFINITE, UNKNOWN, ZERO, Stage
 from ._transfer import HostStep, clip_ratio
 
@@ -128,7 +130,7 @@ class HostReader:
         c = self.c
         if c.refs and isinstance(tensors, c.torch.Tensor) and tensors.numel() == 1:
             if type(tensors.grad_fn).__name__ == "MulBackward0":
-                c.cur.tap_product = (tensors, c.unscaled_loss(tensors))
+                c.cur.tap_product = (tensors, unscaled_loss(tensors))
             c.on_loss(tensors)
 
     def take_grads(self, loss: Any, flags: int, clip_seen: Any, accumulated: Optional[bool]) -> None:

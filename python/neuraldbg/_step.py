@@ -94,6 +94,27 @@ class StepState:
         # Whether the model itself was called (not only its submodules).
         self.root_seen = False
 
+    def take_loss(self, t: Any, criterion_given: bool) -> None:
+        """A backward of ``t`` gave the model gradients: ``t`` is the step's loss when no
+        criterion gives it (unless the tap took it before the backward started)."""
+        taken, self.tap_taken = self.tap_taken, None
+        product, self.tap_product = self.tap_product, None
+        if criterion_given or t is None or t is taken:
+            return
+        if product is not None and t is product[0]:
+            self.auto_losses.append(product[1])  # host mode: unscaled before its backward
+            return
+        seen = self.loss_read
+        if seen is not None and t is seen[0]:
+            self.auto_losses.append(t)  # host mode: the loss read before its backward
+            return
+        from torch import Tensor
+
+        from ._loop import unscaled_loss
+
+        if isinstance(t, Tensor) and t.numel() == 1 and t.grad_fn is not None:
+            self.auto_losses.append(unscaled_loss(t))
+
     def loss_pending(self) -> List[Any]:
         """The losses of the step: those given, else those taken from backward."""
         return self.losses or self.auto_losses
