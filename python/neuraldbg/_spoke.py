@@ -188,8 +188,7 @@ class Spoke(Results):
         self._on_failure = on_failure
         # What a confirmed halt does (the Keras callback stops fit); None: only ``halted`` is set.
         self._on_halt: Optional[Callable[[List[CausalHypothesis]], None]] = None
-        self.halted: Optional[List[CausalHypothesis]] = None
-        """The hypotheses that halted training (``halt_on``), or None."""
+        self._halted: Optional[List[CausalHypothesis]] = None
         self._owner = threading.get_ident()
         self._inbox: Deque[Record] = collections.deque()
         self._pending: Dict[int, Record] = {}
@@ -351,14 +350,19 @@ class Spoke(Results):
                 self._on_failure(new)
             except Exception as e:  # the user's callback: reported, never raised into training
                 warnings.warn(f"on_failure raised {e!r}", NeuralDbgWarning, stacklevel=2)
-        if self.halted is None and self._halt is not None:
+        if self._halted is None and self._halt is not None:
             hit = [h for h in confirmed if self._halt(h)]
             if hit:
-                self.halted = hit
+                self._halted = hit
                 if self._on_halt is not None:
                     self._on_halt(hit)
 
     # ---------------------------------------------------------------- results
+
+    @property
+    def halted(self) -> Optional[List[CausalHypothesis]]:
+        """The hypotheses that halted training (``halt_on``), or None."""
+        return self._halted
 
     def _wait(self) -> None:
         """Waits for the framework to deliver the records of the steps it has run (subclasses)."""
