@@ -32,17 +32,28 @@ neuraldbg, and torch is not needed.
 
 from __future__ import annotations
 
-import collections
 import itertools
 import math
-import threading
 import warnings
 import weakref
-from typing import Any, Callable, Deque, Dict, Iterable, List, Literal, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Literal, Optional, Tuple, Union
 
 import numpy as np
 
-from ._spoke import ParamEntry, Record, Spoke, check_int, model_spec, spec_order
+from ._spoke import (
+    HAS_LOSS,
+    HAS_LR,
+    HAS_WEIGHTS,
+    RING_BYTES,
+    RING_HEAD,
+    RING_MARKER,
+    ParamEntry,
+    RingReader,
+    Spoke,
+    check_int,
+    model_spec,
+    spec_order,
+)
 from .errors import ConfigError, ModelError, NeuralDbgError, NeuralDbgWarning
 from .types import CausalHypothesis
 
@@ -59,16 +70,6 @@ __all__ = ["NeuralDbg", "WatchState"]
 _VALUE_KEYS = ("value", "raw_value", "_value")
 
 
-# The last row of a ring buffer: [update count (int32 bits), this marker (int32 bits), ...].
-_MARKER = 0x4E444247
-# Row flags (int32 bits in column 1): the update had a loss, a learning rate, parameter norms.
-_HAS_LOSS, _HAS_LR, _HAS_WEIGHTS = 1, 2, 4
-# Columns before the gradient norms: step, flags, loss, learning rate.
-_HEAD = 4
-# Default size of a ring buffer on the device (rows x columns x 4 bytes).
-_RING_BYTES = 1 << 18
-
-
 def _as_f32(i: Any) -> Any:
     return jax.lax.bitcast_convert_type(jnp.asarray(i, jnp.int32), jnp.float32)
 
@@ -77,22 +78,13 @@ def _as_i32(f: Any) -> Any:
     return jax.lax.bitcast_convert_type(f, jnp.int32)
 
 
-class _Ring:
-    """The host side of one wrapped transformation: the ring buffers of the states it has seen,
-    read in step order once the device has computed them (any thread; never raises)."""
+class _Ring(RingReader):
+    """The host side of one wrapped transformation: the ring buffers of the states it meets."""
 
     def __init__(self, dbg: "NeuralDbg", rows: int, width: int) -> None:
-        self.dbg = dbg
-        self.rows = rows
-        self.width = width
-        # The next step to read; steps below it have been posted.
-        self.next = 0
-        self.pending: Deque[Any] = collections.deque()
-        self.last: Any = None
+        super().__init__(dbg, rows, width)
         # An nnx Variable that holds the state's buffer: its value is always the newest one.
         self.holder: Any = None
-        self.lock = threading.RLock()
-        self.missed = 0
 
     def see(self, leaf: Any) -> None:
         """A buffer (or the nnx Variable holding one) met in a state pytree."""
@@ -100,65 +92,18 @@ class _Ring:
             if not isinstance(leaf, jax.Array) and hasattr(leaf, "get_value"):
                 self.holder = leaf
                 leaf = leaf.get_value()
-            if not isinstance(leaf, jax.Array) or isinstance(leaf, jax.core.Tracer) or leaf is self.last:
-                return
-            if leaf.shape != (self.rows + 1, self.width):
-                return
-            with self.lock:
-                self.last = leaf
-                self.pending.append(leaf)
-                # Never more than half a ring behind: wait for the oldest buffer rather than lose steps.
-                self.pump(wait=len(self.pending) - self.rows // 2)
+            if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
+                self.add(leaf)
         except Exception as e:  # pragma: no cover - defensive
             warnings.warn(f"NeuralDBG could not read an update: {e}", NeuralDbgWarning, stacklevel=2)
 
-    def pump(self, wait: int = 0) -> None:
-        """Reads the buffers whose computation is done, oldest first, waiting for the first
-        ``wait`` of them if they are not."""
-        with self.lock:
-            while self.pending:
-                buf = self.pending[0]
-                try:
-                    if buf.is_deleted():  # donated to a later step, whose buffer holds these rows
-                        self.pending.popleft()
-                        continue
-                    if wait <= 0 and not buf.is_ready():
-                        return
-                    v = np.asarray(buf)
-                except Exception:  # the step itself failed: the user's code says so
-                    self.pending.popleft()
-                    continue
-                self.pending.popleft()
-                wait -= 1
-                self.read(v)
-
-    def newest(self) -> None:
-        """Reads everything up to the newest state the device holds, waiting for it."""
+    def newest(self, wait: bool = True) -> None:
+        """Reads everything up to the newest state known (an nnx Variable's value changes after
+        each step without a flatten), waiting for the device or not."""
         holder = self.holder
         if holder is not None:
             self.see(holder)
-        self.pump(wait=len(self.pending))
-
-    def read(self, v: np.ndarray) -> None:
-        tail = v[self.rows, :2].view(np.int32)
-        if int(tail[1]) != _MARKER:
-            return
-        count = int(tail[0])
-        first = max(self.next, count - self.rows)
-        if first > self.next:
-            self.missed += first - self.next
-            warnings.warn(
-                f"NeuralDBG missed steps {self.next}-{first - 1}: more updates ran between two reads than the "
-                f"buffer holds ({self.rows} rows); pass dbg.wrap(tx, buffer=N) with a larger N",
-                NeuralDbgWarning,
-                stacklevel=4,
-            )
-        for step in range(first, count):
-            row = v[step % self.rows]
-            if int(row[:2].view(np.int32)[0]) != step:
-                continue
-            self.dbg._row(step, int(row[:2].view(np.int32)[1]), row)
-        self.next = max(self.next, count)
+        self.pump(wait=len(self.pending) if wait else 0)
 
 
 # Rings by key: the key is the pytree node's static data, the ring lives as long as its debugger.
@@ -515,9 +460,9 @@ class NeuralDbg(Spoke):
             if isinstance(learning_rate, bool) or not isinstance(learning_rate, (int, float)):
                 raise ConfigError(f"learning_rate must be a number or an optax schedule, got {learning_rate!r}")
         n = len(self._model.entries)
-        width = _HEAD + 2 * n
+        width = RING_HEAD + 2 * n
         if buffer is None:
-            rows = max(16, min(256, 2 ** int(math.log2(max(_RING_BYTES // (4 * width), 1)))))
+            rows = max(16, min(256, 2 ** int(math.log2(max(RING_BYTES // (4 * width), 1)))))
         else:
             rows = check_int("buffer", buffer, 1)
         inner = optax.with_extra_args_support(tx)
@@ -531,7 +476,7 @@ class NeuralDbg(Spoke):
         def init(params: Any) -> WatchState:
             buf = jnp.zeros((rows + 1, width), jnp.float32)
             buf = buf.at[:rows, 0].set(_as_f32(-1))  # no step yet in any row
-            buf = buf.at[rows, :2].set(_as_f32(jnp.asarray([0, _MARKER])))
+            buf = buf.at[rows, :2].set(_as_f32(jnp.asarray([0, RING_MARKER])))
             return WatchState(inner.init(params), buf, key)
 
         def update(updates: Any, state: WatchState, params: Any = None, **extra: Any) -> Tuple[Any, WatchState]:
@@ -556,10 +501,10 @@ class NeuralDbg(Spoke):
                 lr = _inner_lr(after)
             else:
                 lr = jnp.float32(learning_rate)
-            flags = (_HAS_LOSS if value is not None else 0) | (_HAS_LR if lr is not None else 0)
+            flags = (HAS_LOSS if value is not None else 0) | (HAS_LR if lr is not None else 0)
             grads = _norms(leaves, where)
             if params is not None:
-                flags |= _HAS_WEIGHTS
+                flags |= HAS_WEIGHTS
                 sampled = jnp.logical_or(count < dense, count % every == 0)
                 p_leaves, p_where = model.gather(params)
                 weights = jax.lax.cond(
@@ -577,22 +522,13 @@ class NeuralDbg(Spoke):
 
         return optax.GradientTransformationExtraArgs(init, update)
 
-    def _row(self, step: int, flags: int, row: np.ndarray) -> None:
-        """One update's row of a ring buffer, posted as the step's record."""
-        n = self._n_params
-        grads = row[_HEAD : _HEAD + n].copy()
-        weights = row[_HEAD + n : _HEAD + 2 * n].copy() if flags & _HAS_WEIGHTS and self._sampled(step) else None
-        loss = float(row[2]) if flags & _HAS_LOSS else None
-        lr = float(row[3]) if flags & _HAS_LR else None
-        self._post(Record(step, grads=grads, weights=weights, loss=loss, lr=lr, has_loss=True))
-
     @property
     def halted(self) -> Optional[List[CausalHypothesis]]:
         """The hypotheses that halted training (``halt_on``), or None. Reading it takes in the
         steps the device has finished, without waiting for the others."""
         if self._active:
             for ring in self._rings:
-                ring.pump()
+                ring.newest(wait=False)
             self._drain()
         return self._halted
 
