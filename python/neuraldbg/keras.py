@@ -14,9 +14,9 @@ Gradients are read where the optimizer receives them: the callback wraps ``model
 variables' norms on sampled steps) with ``keras.ops`` inside the compiled train step. On JAX they
 go into a ring buffer the step carries as an optimizer variable, read from the fit loop's state
 before the next batch (no host callback: one takes every call off JAX's fast dispatch path); on
-TensorFlow through ``tf.numpy_function``, on the eager PyTorch backend directly. That is also where a custom ``train_step``
-that calls ``self.optimizer.apply(grads, ...)`` (or ``stateless_apply``, or ``apply_gradients``)
-is seen. Variables are named by their layer: ``dense_2.kernel`` belongs to layer ``dense_2``.
+TensorFlow through ``tf.numpy_function``, on the eager PyTorch backend directly. That is also
+where a custom ``train_step`` that calls ``self.optimizer.apply(grads, ...)`` (or
+``stateless_apply``, or ``apply_gradients``) is seen. Variables are named by their layer: ``dense_2.kernel`` belongs to layer ``dense_2``.
 The loss is the fit loop's: the per-batch value is recovered from the running mean Keras logs.
 Keras is not a dependency of neuraldbg.
 """
