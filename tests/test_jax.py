@@ -149,6 +149,110 @@ def test_nan_batch_is_named_at_its_step() -> None:
     assert h.step == 7
 
 
+def test_no_step_lost_when_the_loop_never_waits() -> None:
+    """A loop that never reads a result while it runs (so the device may be steps behind) and a
+    ring far shorter than the run: every update arrives once, in order, with the loss the loop
+    computed, also the last ones, which only the final state holds."""
+    model = MLP(2, 16, nnx.Rngs(3))
+    x, y = data()
+    steps = 150  # over 9 rings of 16, and not a multiple of 16
+    with NeuralDbg(model) as dbg:
+        optimizer = nnx.Optimizer(model, dbg.wrap(optax.adam(1e-3), buffer=16), wrt=nnx.Param)
+        step = make_step()
+        out = []
+        for i in range(steps):
+            j = (i * 32) % len(x)
+            out.append(step(model, optimizer, x[j : j + 32], y[j : j + 32])[0])
+        assert dbg.step == steps  # read while the run is open: waits for the device
+        losses = [float(v) for v in out]
+    assert dbg.step == steps
+    got, loss = dbg.history(None, "loss")
+    assert list(got) == list(range(steps))
+    np.testing.assert_allclose(loss, losses, rtol=1e-6)
+
+
+def test_plain_jit_loop_last_partial_buffer_arrives_at_exit() -> None:
+    """A functional loop under jax.jit: the state goes in and out of the compiled step (the host
+    sees it there); the steps after the last read are in the final state only."""
+    p = {"l1": {"kernel": jnp.asarray(np.random.default_rng(0).normal(size=(8, 4)), jnp.float32), "bias": jnp.zeros(4)}}
+    x, y = data(64)
+
+    def loss_fn(p: Any, xb: Any) -> Any:
+        return jnp.mean(jnp.tanh(xb @ p["l1"]["kernel"] + p["l1"]["bias"]) ** 2)
+
+    with NeuralDbg(p) as dbg:
+        tx = dbg.wrap(optax.sgd(0.1), buffer=8)
+        state = tx.init(p)
+
+        @jax.jit
+        def step(p: Any, s: Any, xb: Any) -> Any:
+            loss, g = jax.value_and_grad(loss_fn)(p, xb)
+            u, s = tx.update(g, s, p, value=loss)
+            return optax.apply_updates(p, u), s, loss
+
+        out = []
+        for i in range(21):
+            p, state, loss = step(p, state, x[(i % 8) * 8 : (i % 8 + 1) * 8])
+            out.append(loss)
+        assert int(state.count) == 21
+    assert dbg.step == 21
+    _, loss = dbg.history(None, "loss")
+    np.testing.assert_allclose(loss, [float(v) for v in out], rtol=1e-6)
+
+
+def test_nan_halts_on_its_step() -> None:
+    """``halt_on``: the loop checks ``dbg.halted`` after each step; once the step's loss has been
+    read (the device has finished it), the halt is there, dated at the NaN batch."""
+    model = MLP(2, 16, nnx.Rngs(0))
+    x, y = data()
+    stopped = None
+    with NeuralDbg(model, halt_on="non_finite") as dbg:
+        optimizer = nnx.Optimizer(model, dbg.wrap(optax.sgd(0.01)), wrt=nnx.Param)
+        step = make_step()
+        for i in range(30):
+            xb = x[i * 16 : (i + 1) * 16].copy()
+            if i == 7:
+                xb[0, 0] = np.nan
+            loss, _ = step(model, optimizer, xb, y[i * 16 : (i + 1) * 16])
+            if i < 7:
+                assert np.isfinite(float(loss)) and dbg.halted is None
+            elif not np.isfinite(float(loss)) and dbg.halted:
+                stopped = i
+                break
+    assert stopped == 7
+    assert dbg.step == 8
+    assert str(dbg.halted[0].failure) == "non_finite" and dbg.halted[0].step == 7
+
+
+def test_more_updates_per_call_than_the_ring_holds_is_said() -> None:
+    """A scan of 8 updates per call over a ring of 4 rows cannot keep them all: a warning names
+    the steps missed and the remedy, and the steps kept are right."""
+    model = MLP(1, 8, nnx.Rngs(2))
+    x, y = data(256)
+    xs, ys = x.reshape(8, 32, 8), y.reshape(8, 32, 1)
+    with NeuralDbg(model) as dbg:
+        optimizer = nnx.Optimizer(model, dbg.wrap(optax.sgd(0.01), buffer=4), wrt=nnx.Param)
+
+        @nnx.jit
+        def epoch(model: Any, optimizer: Any, xs: Any, ys: Any) -> Any:
+            @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0))
+            def body(carry: Any, xb: Any, yb: Any) -> Any:
+                model, optimizer = carry
+                loss, grads = nnx.value_and_grad(mse)(model, xb, yb)
+                optimizer.update(model, grads, value=loss)
+                return (model, optimizer), loss
+
+            _, losses = body((model, optimizer), xs, ys)
+            return losses
+
+        with pytest.warns(neuraldbg.NeuralDbgWarning, match="missed steps 0-3.*buffer=N"):
+            losses = np.asarray(epoch(model, optimizer, xs, ys))
+            assert dbg.step == 8
+    steps, loss = dbg.history(None, "loss")
+    assert list(steps) == [4, 5, 6, 7]
+    np.testing.assert_allclose(loss, losses[4:], rtol=1e-6)
+
+
 def test_gradient_accumulation_is_one_step_per_update() -> None:
     model = MLP(2, 16, nnx.Rngs(1))
     x, y = data(256)
@@ -257,6 +361,8 @@ def test_bad_input_is_a_clear_error() -> None:
         dbg.wrap("adam")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="learning_rate"):
         dbg.wrap(optax.sgd(0.1), learning_rate="high")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="buffer"):
+        dbg.wrap(optax.sgd(0.1), buffer=0)
     with pytest.raises(ConfigError, match="unknown option"):
         NeuralDbg(MLP(1, 4, nnx.Rngs(0)), no_such_option=1)
     with pytest.raises(ConfigError, match="weight_every"):

@@ -151,6 +151,39 @@ def test_functional_validation_and_user_callbacks(tmp_path: Any) -> None:
     assert "call" not in model.__dict__
 
 
+def test_ring_buffer_leaves_no_trace_in_the_optimizer_or_a_checkpoint(tmp_path: Any) -> None:
+    """On JAX the numbers travel in a ring buffer the train step carries as an optimizer variable
+    for the run: every batch arrives (more batches than the ring has rows, with
+    steps_per_execution), a checkpoint saved during fit loads into a fresh model with the
+    optimizer's own state, and the optimizer ends as it began."""
+    keras.utils.set_random_seed(5)
+
+    def make() -> Any:
+        m = keras.Sequential([keras.Input((16,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(1)])
+        m.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse", steps_per_execution=4)
+        return m
+
+    model = make()
+    x, y = data(1280)
+    model.fit(x[:64], y[:64], batch_size=32, epochs=1, verbose=0)  # builds the optimizer
+    before = [v.name for v in model.optimizer.variables]
+    path = tmp_path / "ckpt.keras"
+    cb = NeuralDbgCallback(verbose=False, activations=False)
+    ckpt = keras.callbacks.ModelCheckpoint(path)
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, callbacks=[cb, ckpt], verbose=0)
+    dbg = cb.dbg
+    assert dbg._ring is not None and dbg._ring.rows < 320 and dbg._ring.missed == 0
+    assert dbg.step == 2 * 160
+    assert list(dbg.history(dbg.layers[0], "grad_norm")[0]) == list(range(320))
+    assert [v.name for v in model.optimizer.variables] == before
+    assert not {"apply", "save_own_variables", "load_own_variables"} & set(model.optimizer.__dict__)
+    loaded = keras.saving.load_model(path)
+    assert len(loaded.optimizer.variables) == len(before)
+    np.testing.assert_allclose(
+        loaded.optimizer.variables[-1].numpy(), model.optimizer.variables[-1].numpy(), rtol=1e-6
+    )
+
+
 def test_custom_train_step_subclassed_model() -> None:
     class Net(keras.Model):
         def __init__(self) -> None:

@@ -144,6 +144,87 @@ class Record:
         self.has_loss = has_loss
 
 
+# The last row of a ring buffer: [update count (int32 bits), this marker (int32 bits), ...].
+RING_MARKER = 0x4E444247
+# Row flags (int32 bits in column 1): the update had a loss, a learning rate, parameter norms.
+HAS_LOSS, HAS_LR, HAS_WEIGHTS = 1, 2, 4
+# Columns before the gradient norms: step, flags, loss, learning rate.
+RING_HEAD = 4
+# Default size of a ring buffer on the device (rows x columns x 4 bytes).
+RING_BYTES = 1 << 18
+
+
+class RingReader:
+    """Reads the ring buffers a compiled step keeps in its state, on the device, in step order
+    once the device has computed them (any thread; never raises). A buffer is ``[rows + 1,
+    width]`` float32: row ``step % rows`` holds that step's numbers (``[step, flags, loss, lr,
+    grad norms, parameter norms]``, the step and flags as int32 bits), the last row the number
+    of steps made and :data:`RING_MARKER`."""
+
+    def __init__(self, dbg: "Spoke", rows: int, width: int) -> None:
+        self.dbg = dbg
+        self.rows = rows
+        self.width = width
+        # The next step to read; steps below it have been posted.
+        self.next = 0
+        self.pending: Deque[Any] = collections.deque()
+        self.last: Any = None
+        self.lock = threading.RLock()
+        self.missed = 0
+
+    def add(self, buf: Any) -> None:
+        """A device buffer of a newer state (an array with ``is_ready``/``is_deleted``, read
+        with ``np.asarray``): read now if the device is done with it, else later."""
+        if buf is self.last or tuple(buf.shape) != (self.rows + 1, self.width):
+            return
+        with self.lock:
+            self.last = buf
+            self.pending.append(buf)
+            # Never more than half a ring behind: wait for the oldest buffer rather than lose steps.
+            self.pump(wait=len(self.pending) - self.rows // 2)
+
+    def pump(self, wait: int = 0) -> None:
+        """Reads the buffers whose computation is done, oldest first, waiting for the first
+        ``wait`` of them if they are not."""
+        with self.lock:
+            while self.pending:
+                buf = self.pending[0]
+                try:
+                    if buf.is_deleted():  # donated to a later step, whose buffer holds these rows
+                        self.pending.popleft()
+                        continue
+                    if wait <= 0 and not buf.is_ready():
+                        return
+                    v = np.asarray(buf)
+                except Exception:  # the step itself failed: the user's code says so
+                    self.pending.popleft()
+                    continue
+                self.pending.popleft()
+                wait -= 1
+                self.read(v)
+
+    def read(self, v: np.ndarray) -> None:
+        tail = v[self.rows, :2].view(np.int32)
+        if int(tail[1]) != RING_MARKER:
+            return
+        count = int(tail[0])
+        first = max(self.next, count - self.rows)
+        if first > self.next:
+            self.missed += first - self.next
+            warnings.warn(
+                f"NeuralDBG missed steps {self.next}-{first - 1}: more updates ran between two reads than the "
+                f"buffer holds ({self.rows} rows); pass dbg.wrap(tx, buffer=N) with a larger N",
+                NeuralDbgWarning,
+                stacklevel=4,
+            )
+        for step in range(first, count):
+            row = v[step % self.rows]
+            if int(row[:2].view(np.int32)[0]) != step:
+                continue
+            self.dbg._post_row(step, int(row[:2].view(np.int32)[1]), row)
+        self.next = max(self.next, count)
+
+
 class Spoke(Results):
     """A debugger fed with host arrays by a framework spoke. Subclasses build the model spec,
     post :class:`Record` parts with :meth:`_post`, and call :meth:`_start` / :meth:`_finish`."""
@@ -188,8 +269,7 @@ class Spoke(Results):
         self._on_failure = on_failure
         # What a confirmed halt does (the Keras callback stops fit); None: only ``halted`` is set.
         self._on_halt: Optional[Callable[[List[CausalHypothesis]], None]] = None
-        self.halted: Optional[List[CausalHypothesis]] = None
-        """The hypotheses that halted training (``halt_on``), or None."""
+        self._halted: Optional[List[CausalHypothesis]] = None
         self._owner = threading.get_ident()
         self._inbox: Deque[Record] = collections.deque()
         self._pending: Dict[int, Record] = {}
@@ -329,6 +409,15 @@ class Spoke(Results):
             self._fed = r.step
             self._after_step(r.step)
 
+    def _post_row(self, step: int, flags: int, row: np.ndarray) -> None:
+        """One step's row of a ring buffer (see :class:`RingReader`), posted as its record."""
+        n = self._n_params
+        grads = row[RING_HEAD : RING_HEAD + n].copy()
+        weights = row[RING_HEAD + n : RING_HEAD + 2 * n].copy() if flags & HAS_WEIGHTS and self._sampled(step) else None
+        loss = float(row[2]) if flags & HAS_LOSS else None
+        lr = float(row[3]) if flags & HAS_LR else None
+        self._post(Record(step, grads=grads, weights=weights, loss=loss, lr=lr, has_loss=not self._loss_apart))
+
     def _loss_of(self, r: Record) -> Optional[float]:
         """A step's loss as the engine takes it, in step order (spokes that post something else
         than the value convert it here)."""
@@ -351,14 +440,19 @@ class Spoke(Results):
                 self._on_failure(new)
             except Exception as e:  # the user's callback: reported, never raised into training
                 warnings.warn(f"on_failure raised {e!r}", NeuralDbgWarning, stacklevel=2)
-        if self.halted is None and self._halt is not None:
+        if self._halted is None and self._halt is not None:
             hit = [h for h in confirmed if self._halt(h)]
             if hit:
-                self.halted = hit
+                self._halted = hit
                 if self._on_halt is not None:
                     self._on_halt(hit)
 
     # ---------------------------------------------------------------- results
+
+    @property
+    def halted(self) -> Optional[List[CausalHypothesis]]:
+        """The hypotheses that halted training (``halt_on``), or None."""
+        return self._halted
 
     def _wait(self) -> None:
         """Waits for the framework to deliver the records of the steps it has run (subclasses)."""

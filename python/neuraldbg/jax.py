@@ -18,22 +18,42 @@
         print(h)
 
 The wrapped transformation computes each parameter's gradient norm inside the compiled step
-(and the parameter norms on sampled steps), then hands them to the host in one
-``jax.debug.callback`` per optimizer update; nothing else leaves the device. It works under
-``jit``, ``lax.scan`` and inside ``optax.MultiSteps`` (``optax.MultiSteps(dbg.wrap(tx), k)``:
-one step per accumulated update, with the accumulated gradient). Needs jax and optax (and
-flax for nnx models); none of them is a dependency of neuraldbg, and torch is not needed.
+(and the parameter norms on sampled steps) and writes them, with the loss and the learning rate,
+into a ring buffer that it keeps in its own optimizer state, on the device: the compiled step
+holds no host callback (one would take every call off JAX's fast dispatch path and make it
+synchronous). The host reads the buffer of the newest state it sees, without waiting for the
+device: pytrees of the state are flattened and rebuilt by ``jit`` and ``nnx`` at every call, and
+the wrapper's state is a pytree node that notes its buffer there. It works under ``jit``,
+``lax.scan`` (up to the buffer's rows of updates per call) and inside ``optax.MultiSteps``
+(``optax.MultiSteps(dbg.wrap(tx), k)``: one step per accumulated update, with the accumulated
+gradient). Needs jax and optax (and flax for nnx models); none of them is a dependency of
+neuraldbg, and torch is not needed.
 """
 
 from __future__ import annotations
 
-import functools
+import itertools
+import math
 import warnings
-from typing import Any, Callable, Dict, Iterable, List, Literal, NamedTuple, Optional, Tuple, Union
+import weakref
+from typing import Any, Callable, Dict, Iterable, List, Literal, Optional, Tuple, Union
 
 import numpy as np
 
-from ._spoke import ParamEntry, Record, Spoke, layer_path, model_spec, spec_order
+from ._spoke import (
+    HAS_LOSS,
+    HAS_LR,
+    HAS_WEIGHTS,
+    RING_BYTES,
+    RING_HEAD,
+    RING_MARKER,
+    ParamEntry,
+    RingReader,
+    Spoke,
+    check_int,
+    model_spec,
+    spec_order,
+)
 from .errors import ConfigError, ModelError, NeuralDbgError, NeuralDbgWarning
 from .types import CausalHypothesis
 
@@ -50,14 +70,89 @@ __all__ = ["NeuralDbg", "WatchState"]
 _VALUE_KEYS = ("value", "raw_value", "_value")
 
 
-class WatchState(NamedTuple):
-    """The wrapped transformation's state: its update count (the step), the inner state, and
-    the host callback's acknowledgement of the last update (kept so that the callback, which
-    JAX treats as pure, is part of the step's result and never pruned)."""
+def _as_f32(i: Any) -> Any:
+    return jax.lax.bitcast_convert_type(jnp.asarray(i, jnp.int32), jnp.float32)
 
-    count: Any
-    inner: Any
-    ack: Any
+
+def _as_i32(f: Any) -> Any:
+    return jax.lax.bitcast_convert_type(f, jnp.int32)
+
+
+class _Ring(RingReader):
+    """The host side of one wrapped transformation: the ring buffers of the states it meets."""
+
+    def __init__(self, dbg: "NeuralDbg", rows: int, width: int) -> None:
+        super().__init__(dbg, rows, width)
+        # An nnx Variable that holds the state's buffer: its value is always the newest one.
+        self.holder: Any = None
+
+    def see(self, leaf: Any) -> None:
+        """A buffer (or the nnx Variable holding one) met in a state pytree."""
+        try:
+            if not isinstance(leaf, jax.Array) and hasattr(leaf, "get_value"):
+                self.holder = leaf
+                leaf = leaf.get_value()
+            if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
+                self.add(leaf)
+        except Exception as e:  # pragma: no cover - defensive
+            warnings.warn(f"NeuralDBG could not read an update: {e}", NeuralDbgWarning, stacklevel=2)
+
+    def newest(self, wait: bool = True) -> None:
+        """Reads everything up to the newest state known (an nnx Variable's value changes after
+        each step without a flatten), waiting for the device or not."""
+        holder = self.holder
+        if holder is not None:
+            self.see(holder)
+        self.pump(wait=len(self.pending) if wait else 0)
+
+
+# Rings by key: the key is the pytree node's static data, the ring lives as long as its debugger.
+_RINGS: "weakref.WeakValueDictionary[int, _Ring]" = weakref.WeakValueDictionary()
+_KEYS = itertools.count(1)
+
+
+def _seen(key: int, leaf: Any) -> None:
+    ring = _RINGS.get(key)
+    if ring is not None and ring.dbg._active:
+        ring.see(leaf)
+
+
+@jax.tree_util.register_pytree_with_keys_class
+class WatchState:
+    """The wrapped transformation's state: the inner state and the ring buffer of the last
+    updates' statistics (``[rows + 1, columns]`` float32; its last row holds the update count).
+    A pytree node that tells the debugger about every concrete buffer it is built or flattened
+    with: ``jit`` and ``nnx.jit`` do both at each call, which is how the host learns of a new
+    state without a callback in the compiled step."""
+
+    __slots__ = ("inner", "ring", "key")
+
+    def __init__(self, inner: Any, ring: Any, key: int = 0) -> None:
+        self.inner = inner
+        self.ring = ring
+        self.key = key
+        _seen(key, ring)
+
+    def tree_flatten_with_keys(self) -> Tuple[Tuple[Tuple[Any, Any], ...], int]:
+        _seen(self.key, self.ring)
+        keys = jax.tree_util.GetAttrKey
+        return ((keys("inner"), self.inner), (keys("ring"), self.ring)), self.key
+
+    def tree_flatten(self) -> Tuple[Tuple[Any, Any], int]:
+        _seen(self.key, self.ring)
+        return (self.inner, self.ring), self.key
+
+    @classmethod
+    def tree_unflatten(cls, key: int, children: Any) -> "WatchState":
+        return cls(children[0], children[1], key)
+
+    @property
+    def count(self) -> Any:
+        """The number of updates made (a scalar array)."""
+        return _as_i32(jnp.asarray(self.ring)[-1, 0])
+
+    def __repr__(self) -> str:
+        return f"WatchState(inner={self.inner!r}, ring={getattr(self.ring, 'shape', self.ring)})"
 
 
 def _key_name(k: Any) -> str:
@@ -266,8 +361,6 @@ class NeuralDbg(Spoke):
         ConfigError: an option is out of range.
     """
 
-    _last_wins = True
-
     def __init__(
         self,
         model: Any,
@@ -298,7 +391,7 @@ class NeuralDbg(Spoke):
         self.model = model
         self._model = _Model(model)
         self._optimizer: Optional[str] = None
-        self._wrapped = 0
+        self._rings: List[_Ring] = []
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -325,13 +418,9 @@ class NeuralDbg(Spoke):
         return False  # never swallow the user's exception
 
     def _wait(self) -> None:
-        # Every dispatched computation, so that each update's host callback has run (the
-        # callback is pure, which jax.effects_barrier does not wait for). On CPU it ran during
-        # the step already; on an accelerator the last steps may still be in flight.
-        try:
-            jax.block_until_ready(jax.live_arrays())
-        except Exception:  # an error of the user's computation shows in their own code
-            pass
+        # Every step dispatched so far: the newest state's buffer, waited for.
+        for ring in self._rings:
+            ring.newest()
 
     # ---------------------------------------------------------------- the transformation
 
@@ -340,16 +429,22 @@ class NeuralDbg(Spoke):
         tx: "optax.GradientTransformation",
         *,
         learning_rate: "Union[float, Callable[[Any], Any], None]" = None,
+        buffer: Optional[int] = None,
     ) -> "optax.GradientTransformationExtraArgs":
         """``tx``, observing each update: the gradient norm of every watched parameter, the
         parameter norms on sampled steps, the loss (optax's ``value=`` extra argument, as
-        ``reduce_on_plateau`` takes it) and the learning rate, handed to the host in one
-        callback per update. The updates are ``tx``'s own, unchanged.
+        ``reduce_on_plateau`` takes it) and the learning rate, written into a ring buffer in the
+        transformation's state that the host reads without stopping the device. The updates
+        are ``tx``'s own, unchanged.
 
         ``learning_rate``: the rate or schedule ``tx`` was built with (a float or an optax
         schedule, evaluated at the step inside the compiled update), so that the diagnosis
         can weigh it; without it, the rate is read from an ``optax.inject_hyperparams`` state
         when ``tx`` has one.
+
+        ``buffer``: the ring's rows, the most updates one compiled call may make (a
+        ``lax.scan`` over batches) without losing any; by default as many as fit in 256 KiB,
+        at least 16 and at most 256. Each update copies the ring once (the state is not donated).
 
         For gradient accumulation wrap the inner transformation:
         ``optax.MultiSteps(dbg.wrap(tx), every_k_schedule=k)``.
@@ -364,84 +459,78 @@ class NeuralDbg(Spoke):
         if learning_rate is not None and not callable(learning_rate):
             if isinstance(learning_rate, bool) or not isinstance(learning_rate, (int, float)):
                 raise ConfigError(f"learning_rate must be a number or an optax schedule, got {learning_rate!r}")
+        n = len(self._model.entries)
+        width = RING_HEAD + 2 * n
+        if buffer is None:
+            rows = max(16, min(256, 2 ** int(math.log2(max(RING_BYTES // (4 * width), 1)))))
+        else:
+            rows = check_int("buffer", buffer, 1)
         inner = optax.with_extra_args_support(tx)
         model = self._model
-        receive = self._receive
-        self._wrapped += 1
+        ring = _Ring(self, rows, width)
+        key = next(_KEYS)
+        _RINGS[key] = ring
+        self._rings.append(ring)
+        dense, every = self._dense_steps, self._weight_every
 
         def init(params: Any) -> WatchState:
-            return WatchState(count=jnp.zeros([], jnp.int32), inner=inner.init(params), ack=jnp.zeros([], jnp.int32))
+            buf = jnp.zeros((rows + 1, width), jnp.float32)
+            buf = buf.at[:rows, 0].set(_as_f32(-1))  # no step yet in any row
+            buf = buf.at[rows, :2].set(_as_f32(jnp.asarray([0, RING_MARKER])))
+            return WatchState(inner.init(params), buf, key)
 
         def update(updates: Any, state: WatchState, params: Any = None, **extra: Any) -> Tuple[Any, WatchState]:
             new, inner_state = inner.update(updates, state.inner, params, **extra)
-            ack = state.ack
+            buf = state.ring
             try:
-                ack = observe(updates, state, params, extra, inner_state)
+                buf = observe(updates, buf, params, extra, inner_state)
             except Exception as e:  # tracing our statistics failed: train on, unobserved
                 warnings.warn(f"NeuralDBG cannot observe this update: {e}", NeuralDbgWarning, stacklevel=2)
-            return new, WatchState(count=state.count + 1, inner=inner_state, ack=ack)
+            return new, WatchState(inner_state, buf, key)
 
-        def observe(updates: Any, state: WatchState, params: Any, extra: Dict[str, Any], after: Any) -> Any:
-            count = state.count
+        def observe(updates: Any, buf: Any, params: Any, extra: Dict[str, Any], after: Any) -> Any:
+            buf = jnp.asarray(buf)
+            count = _as_i32(buf[rows, 0])
             leaves, where = model.gather(updates)
-            parts = [jax.lax.bitcast_convert_type(count.astype(jnp.int32), jnp.float32).reshape(1)]
             value = extra.get("value")
-            if value is not None:
-                parts.append(jnp.mean(jnp.asarray(value).astype(jnp.float32)).reshape(1))
+            loss = jnp.mean(jnp.asarray(value).astype(jnp.float32)) if value is not None else jnp.float32(0)
             if callable(learning_rate):
-                lr = jnp.asarray(learning_rate(count), jnp.float32).reshape(1)
+                lr = jnp.asarray(learning_rate(count), jnp.float32).reshape(())
             elif learning_rate is None:
                 # inject_hyperparams keeps the rate this update used in its new state.
                 lr = _inner_lr(after)
             else:
-                lr = jnp.full((1,), learning_rate, jnp.float32)
-            if lr is not None:
-                parts.append(lr.reshape(1))
-            parts.append(_norms(leaves, where))
+                lr = jnp.float32(learning_rate)
+            flags = (HAS_LOSS if value is not None else 0) | (HAS_LR if lr is not None else 0)
+            grads = _norms(leaves, where)
             if params is not None:
-                sampled = jnp.logical_or(count < self._dense_steps, count % self._weight_every == 0)
+                flags |= HAS_WEIGHTS
+                sampled = jnp.logical_or(count < dense, count % every == 0)
                 p_leaves, p_where = model.gather(params)
-                parts.append(
-                    jax.lax.cond(
-                        sampled,
-                        lambda ls: _norms(ls, p_where),
-                        lambda ls: jnp.full((len(p_where),), -1.0, jnp.float32),
-                        p_leaves,
-                    )
+                weights = jax.lax.cond(
+                    sampled,
+                    lambda ls: _norms(ls, p_where),
+                    lambda ls: jnp.full((len(p_where),), -1.0, jnp.float32),
+                    p_leaves,
                 )
-            layout = (value is not None, lr is not None, params is not None)
-            # One packed vector, one callback per update. A pure callback (its acknowledgement
-            # kept in the state) leaves the step on JAX's fast dispatch path, which a
-            # debug/io callback (an effect) takes it off.
-            return jax.pure_callback(
-                functools.partial(receive, layout),
-                jax.ShapeDtypeStruct((), jnp.int32),
-                jnp.concatenate(parts),
-            )
+            else:
+                weights = jnp.full((n,), -1.0, jnp.float32)
+            head = jnp.stack([_as_f32(count), _as_f32(flags), loss, lr if lr is not None else jnp.float32(0)])
+            row = jnp.concatenate([head, grads, weights])
+            buf = jax.lax.dynamic_update_index_in_dim(buf, row, count % rows, 0)
+            return buf.at[rows, 0].set(_as_f32(count + 1))
 
         return optax.GradientTransformationExtraArgs(init, update)
 
-    def _receive(self, layout: Tuple[bool, bool, bool], packed: Any) -> np.ndarray:
-        """The host side of the callback (any thread): one record per update, from the packed
-        vector ``[count (int32 bits), loss?, lr?, grad norms, parameter norms?]``. Never
-        raises: an exception here would surface in the user's step. JAX may call a pure
-        callback more than once; a step already seen is dropped by the queue."""
-        try:
-            v = np.asarray(packed, dtype=np.float32)
-            step = int(v[:1].view(np.int32)[0])
-            has_loss, has_lr, has_weights = layout
-            off = 1
-            loss = float(v[off]) if has_loss else None
-            off += has_loss
-            lr = float(v[off]) if has_lr else None
-            off += has_lr
-            n = self._n_params
-            grads = v[off : off + n].copy()
-            weights = v[off + n : off + 2 * n].copy() if has_weights and self._sampled(step) else None
-            self._post(Record(step, grads=grads, weights=weights, loss=loss, lr=lr, has_loss=True))
-        except Exception as e:  # pragma: no cover - defensive
-            warnings.warn(f"NeuralDBG dropped an update: {e}", NeuralDbgWarning, stacklevel=2)
-        return np.zeros((), np.int32)
+    @property
+    def halted(self) -> Optional[List[CausalHypothesis]]:
+        """The hypotheses that halted training (``halt_on``), or None. Reading it takes in the
+        steps the device has finished, without waiting for the others."""
+        if self._active:
+            for ring in self._rings:
+                ring.newest(wait=False)
+            self._drain()
+        return self._halted
 
     def _title(self) -> str:
         return f"NeuralDBG report: {type(self.model).__name__}"

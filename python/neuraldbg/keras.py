@@ -11,11 +11,12 @@
 
 Gradients are read where the optimizer receives them: the callback wraps ``model.optimizer``'s
 ``apply`` for the run, and each call computes every trainable variable's gradient norm (and the
-variables' norms on sampled steps) with ``keras.ops`` inside the compiled train step, handed to
-the host in one callback per update (``jax.debug.callback`` on JAX, ``tf.numpy_function`` on
-TensorFlow, directly on the eager PyTorch backend). That is also where a custom ``train_step``
-that calls ``self.optimizer.apply(grads, ...)`` (or ``stateless_apply``, or ``apply_gradients``)
-is seen. Variables are named by their layer: ``dense_2.kernel`` belongs to layer ``dense_2``.
+variables' norms on sampled steps) with ``keras.ops`` inside the compiled train step. On JAX they
+go into a ring buffer the step carries as an optimizer variable, read from the fit loop's state
+before the next batch (no host callback: one takes every call off JAX's fast dispatch path); on
+TensorFlow through ``tf.numpy_function``, on the eager PyTorch backend directly. That is also
+where a custom ``train_step`` that calls ``self.optimizer.apply(grads, ...)`` (or
+``stateless_apply``, or ``apply_gradients``) is seen. Variables are named by their layer: ``dense_2.kernel`` belongs to layer ``dense_2``.
 The loss is the fit loop's: the per-batch value is recovered from the running mean Keras logs.
 Keras is not a dependency of neuraldbg.
 """
@@ -30,7 +31,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import numpy as np
 
-from ._spoke import ParamEntry, Record, Spoke, model_spec, spec_order
+from ._spoke import HAS_LR, HAS_WEIGHTS, RING_BYTES, RING_HEAD, RING_MARKER, ParamEntry, Record, RingReader, Spoke, model_spec, spec_order
 from .errors import ConfigError, ModelError, NeuralDbgError, NeuralDbgWarning
 from .types import CausalHypothesis
 
@@ -268,6 +269,11 @@ class KerasDbg(Spoke):
         self._per_call = per_call if isinstance(per_call, int) and per_call > 0 else 1
         self._collecting: Optional[Dict[int, Any]] = None
         self._forwards = 0
+        # JAX: the ring buffer the train step writes each update's numbers into (an optimizer
+        # variable for the run), its place in the optimizer's variables, and its reader.
+        self._ring_var: Any = None
+        self._ring_index = -1
+        self._ring: Optional[RingReader] = None
 
     def start(self) -> None:
         opt = self._optimizer
@@ -293,8 +299,78 @@ class KerasDbg(Spoke):
             apply._neuraldbg_inner = original  # type: ignore[attr-defined]
             # An instance attribute: `stateless_apply` and `apply_gradients` call `self.apply`.
             object.__setattr__(opt, "apply", apply)
+            if keras.backend.backend() == "jax":
+                self._add_ring(opt)
         if self._measure_activations:
             self._watch_activations()
+
+    def _add_ring(self, opt: Any) -> None:
+        """On JAX, the update's numbers go into a ring buffer that the train step carries as an
+        optimizer variable, read by the host from the fit loop's state after each batch: no host
+        callback in the compiled step (one takes every call off JAX's fast dispatch path)."""
+        for v in opt.variables:  # left by a run that raised out of fit
+            if getattr(v, "_neuraldbg_ring", False):
+                opt._untrack_variable(v)
+        for name in ("save_own_variables", "load_own_variables"):
+            opt.__dict__.pop(name, None)
+        n = len(self._model.entries)
+        width = RING_HEAD + 2 * n
+        # At least two executions of steps_per_execution steps between two reads.
+        rows = max(16, 2 * self._per_call, min(256, 2 ** int(np.log2(max(RING_BYTES // (4 * width), 1)))))
+        init = np.zeros((rows + 1, width), np.float32)
+        init[:rows, 0] = np.array([-1], np.int32).view(np.float32)[0]
+        init[rows, :2] = np.array([0, RING_MARKER], np.int32).view(np.float32)
+        var = opt.add_variable((rows + 1, width), initializer="zeros", dtype="float32", name="neuraldbg_ring")
+        var.assign(init)
+        var._neuraldbg_ring = True
+        self._ring_var = var
+
+        # A checkpoint saved during the run holds the optimizer's own variables, not the ring.
+        def others() -> List[Any]:
+            return [v for v in opt.variables if v is not var]
+
+        def save_own_variables(store: Any) -> None:
+            for i, v in enumerate(others()):
+                store[str(i)] = v.numpy()
+
+        def load_own_variables(store: Any) -> None:
+            for i, v in enumerate(others()):
+                if str(i) in store:
+                    v.assign(store[str(i)])
+
+        object.__setattr__(opt, "save_own_variables", save_own_variables)
+        object.__setattr__(opt, "load_own_variables", load_own_variables)
+        self._ring_index = next(i for i, v in enumerate(opt.variables) if v is var)
+        self._ring = RingReader(self, rows, width)
+
+    def _remove_ring(self) -> None:
+        var, self._ring_var = self._ring_var, None
+        opt = self._optimizer
+        if var is not None and opt is not None:
+            opt._untrack_variable(var)
+            for name in ("save_own_variables", "load_own_variables"):
+                opt.__dict__.pop(name, None)
+
+    def _read_ring(self, wait: bool) -> None:
+        """The ring of the newest state: the fit loop's (JAX keeps the state out of the variables
+        during an epoch), else the variable's own value."""
+        ring = self._ring
+        if ring is None:
+            return
+        buf = None
+        state = getattr(self.model, "_jax_state", None)
+        if isinstance(state, dict) and not getattr(self.model, "_jax_state_synced", True):
+            opt_vars = state.get("optimizer_variables")
+            if opt_vars is not None and len(opt_vars) > self._ring_index:
+                buf = opt_vars[self._ring_index]
+        if buf is None and self._ring_var is not None:
+            buf = self._ring_var.value
+        if buf is not None and hasattr(buf, "is_ready"):
+            ring.add(buf)
+        ring.pump(wait=len(ring.pending) if wait else 0)
+
+    def _wait(self) -> None:
+        self._read_ring(wait=True)
 
     def _watch_activations(self) -> None:
         """Activation statistics of each training forward pass (``training=True``), computed in
@@ -365,6 +441,10 @@ class KerasDbg(Spoke):
             warnings.warn(f"NeuralDBG dropped activations: {e}", NeuralDbgWarning, stacklevel=2)
 
     def stop(self) -> None:
+        try:
+            self._read_ring(wait=True)
+        finally:
+            self._remove_ring()
         for layer in self._wrapped_layers:
             _unwrap_call(layer)
         self._wrapped_layers = []
@@ -408,10 +488,29 @@ class KerasDbg(Spoke):
         wn = ops.cond(sampled, norms, skip)
         lr = ops.cast(opt.learning_rate, "float32")
         step32 = ops.cast(step, "int32")
+        if self._ring_var is not None:
+            self._write_ring(step32 - self._base, gn, wn, lr)
+            return
         ack = self._emit(self._receive, step32, gn, wn, lr)
         if ack is not None:
             # Adds exactly 0 (the host answers 0): keeps the call in the step.
             opt.iterations.assign_add(ops.cast(ack, opt.iterations.dtype))
+
+    def _write_ring(self, step: Any, gn: Any, wn: Any, lr: Any) -> None:
+        """JAX, traced in the train step: this update's row into the ring variable."""
+        import jax
+        import jax.numpy as jnp
+
+        rows = self._ring.rows if self._ring is not None else 1
+
+        def bits(i: Any) -> Any:
+            return jax.lax.bitcast_convert_type(jnp.asarray(i, jnp.int32), jnp.float32)
+
+        head = jnp.stack([bits(step), bits(HAS_LR | HAS_WEIGHTS), jnp.float32(0), jnp.asarray(lr, jnp.float32)])
+        row = jnp.concatenate([head, jnp.asarray(gn, jnp.float32), jnp.asarray(wn, jnp.float32)])
+        buf = jnp.asarray(self._ring_var.value)
+        buf = jax.lax.dynamic_update_index_in_dim(buf, jax.lax.stop_gradient(row), step % rows, 0)
+        self._ring_var.assign(buf.at[rows, 0].set(bits(step + 1)))
 
     def _receive(self, step: Any, gn: Any, wn: Any, lr: Any) -> None:
         """The host side (any thread). Never raises."""
@@ -465,13 +564,15 @@ class KerasDbg(Spoke):
 
     def batch_begin(self) -> None:
         """Before a batch (the main thread): the steps delivered so far go to the engine (and a
-        confirmed ``halt_on`` failure stops fit)."""
+        confirmed ``halt_on`` failure stops fit); on JAX, those of the ring the device is done with."""
+        self._read_ring(wait=False)
         self._drain()
 
     def epoch_end(self) -> None:
         # Keras has finished this epoch's batch-end calls (it waits for them first).
         self._epoch_base += self._epoch_batches
         self._epoch_batches = 0
+        self._read_ring(wait=False)
         self._drain()
 
     def _title(self) -> str:
