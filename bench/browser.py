@@ -99,6 +99,10 @@ def screenshot(chromium: str, page: PathLike, png: PathLike, width: int = 1280, 
     url = Path(page).resolve().as_uri()
     _run(
         chromium,
-        [f"--window-size={width},{height}", "--run-all-compositor-stages-before-draw",
-         f"--screenshot={Path(png).resolve()}", url],
+        [
+            f"--window-size={width},{height}",
+            "--run-all-compositor-stages-before-draw",
+            f"--screenshot={Path(png).resolve()}",
+            url,
+        ],
     )

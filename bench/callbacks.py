@@ -36,11 +36,10 @@ import torch
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from overhead import MLP  # noqa: E402
-
-import neuraldbg  # noqa: E402
-from neuraldbg import _collect  # noqa: E402
-from neuraldbg._native import TensorReader  # noqa: E402
+import neuraldbg
+from neuraldbg import _collect
+from neuraldbg._native import TensorReader
+from overhead import MLP
 
 ENTRIES = ["on_forward_pre", "on_backward", "after_backward", "on_optimizer_step"]
 
@@ -95,7 +94,9 @@ def baseline_reader(path: str) -> Any:
     tmp = tempfile.mkdtemp(prefix="baseline_nd")
     os.makedirs(os.path.join(tmp, "baseline_nd"))
     shutil.copy(path, os.path.join(tmp, "baseline_nd", "_native.abi3.so"))
-    spec = importlib.util.spec_from_file_location("baseline_nd._native", os.path.join(tmp, "baseline_nd", "_native.abi3.so"))
+    spec = importlib.util.spec_from_file_location(
+        "baseline_nd._native", os.path.join(tmp, "baseline_nd", "_native.abi3.so")
+    )
     if spec is None or spec.loader is None:
         raise SystemExit(f"cannot load {path}")
     module = importlib.util.module_from_spec(spec)
@@ -134,7 +135,9 @@ def reads(depth: int, steps: int, baseline: str = "", grads_made: bool = False) 
         times[name].append(time.perf_counter_ns() - t)
         opt.step()
     for name, v in times.items():
-        print(f"  gradient read, {name:13s}: {statistics.median(v[1:]) / 1e3:8.1f} us for {len(params)} gradients after a backward")
+        print(
+            f"  gradient read, {name:13s}: {statistics.median(v[1:]) / 1e3:8.1f} us for {len(params)} gradients after a backward"
+        )
     numel = sum(p.numel() for p in params)
     whole, one = [torch.randn(numel)], np.empty(1, np.float32)
     spent = []

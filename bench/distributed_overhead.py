@@ -40,8 +40,15 @@ DEPTH = 8
 BATCH = 64
 
 COLLECTIVES = (
-    "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast",
-    "all_to_all_single", "barrier", "gather", "reduce",
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "broadcast",
+    "all_to_all_single",
+    "barrier",
+    "gather",
+    "reduce",
 )
 
 
@@ -50,7 +57,7 @@ class Count:
         self.n = 0
         self.saved: Dict[str, Callable[..., Any]] = {}
 
-    def __enter__(self) -> "Count":
+    def __enter__(self) -> Count:
         for name in COLLECTIVES:
             f = getattr(dist, name)
             self.saved[name] = f
@@ -85,7 +92,7 @@ def build(kind: str) -> nn.Module:
     return model
 
 
-def run(model: nn.Module, arm: str, steps: int) -> "tuple[float, float, int]":
+def run(model: nn.Module, arm: str, steps: int) -> tuple[float, float, int]:
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     criterion = nn.CrossEntropyLoss()
     g = torch.Generator().manual_seed(dist.get_rank())
@@ -126,7 +133,7 @@ def main() -> None:
             run(model, arm, 5)
         wall: Dict[str, List[float]] = {a: [] for a in ARMS}
         cpu: Dict[str, List[float]] = {a: [] for a in ARMS}
-        counts = {a: 0 for a in ARMS}
+        counts = dict.fromkeys(ARMS, 0)
         for i in range(ROUNDS):
             for arm in ARMS[i % 3 :] + ARMS[: i % 3]:  # rotating order
                 dt, ct, n = run(model, arm, STEPS)

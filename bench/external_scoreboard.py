@@ -23,10 +23,10 @@ import warnings
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import torch  # noqa: E402
+import torch
 
-from bench.external import all_programs  # noqa: E402
-from bench.external.common import Program, TrainResult, train  # noqa: E402
+from bench.external import all_programs
+from bench.external.common import Program, TrainResult, train
 
 
 def monitored(p: Program, buggy: bool, steps=None, evidence=None):
@@ -40,12 +40,29 @@ def monitored(p: Program, buggy: bool, steps=None, evidence=None):
     if evidence is not None:
         # What the cause ranking weighed, for bench/corpus/fit.py (never fitted on).
         label = ([p.cause] if p.cause else ["unlabelled"]) if buggy else ["healthy"]
-        evidence.write(json.dumps({
-            "base": p.name, "ops": ["buggy"] if buggy else [], "label": label, "also": list(p.also),
-            "manifests": buggy, "evidence": json.loads(dbg._engine.evidence_json()),
-            "hypotheses": [{"failure": str(h.failure), "cause": str(h.cause), "confidence": h.confidence,
-                            "layer": h.layer, "step": h.step} for h in hyps[:5]],
-        }) + "\n")
+        evidence.write(
+            json.dumps(
+                {
+                    "base": p.name,
+                    "ops": ["buggy"] if buggy else [],
+                    "label": label,
+                    "also": list(p.also),
+                    "manifests": buggy,
+                    "evidence": json.loads(dbg._engine.evidence_json()),
+                    "hypotheses": [
+                        {
+                            "failure": str(h.failure),
+                            "cause": str(h.cause),
+                            "confidence": h.confidence,
+                            "layer": h.layer,
+                            "step": h.step,
+                        }
+                        for h in hyps[:5]
+                    ],
+                }
+            )
+            + "\n"
+        )
     return res, hyps
 
 
@@ -68,8 +85,12 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--steps", type=int, default=None, help="override every program's step count")
     ap.add_argument("-v", "--verbose", action="store_true", help="print the top hypotheses")
-    ap.add_argument("--evidence", default=None, metavar="FILE",
-                    help="write each run's evidence features as JSON lines (for bench/corpus/fit.py)")
+    ap.add_argument(
+        "--evidence",
+        default=None,
+        metavar="FILE",
+        help="write each run's evidence features as JSON lines (for bench/corpus/fit.py)",
+    )
     ap.add_argument("--list", action="store_true", help="print the programs' records as a Markdown table and exit")
     args = ap.parse_args()
     if args.list:
@@ -86,12 +107,14 @@ def main() -> int:
 
     progs = [p for p in all_programs() if not args.names or any(n in p.name for n in args.names)]
     t0 = time.perf_counter()
-    print(f"{'program':<34} {'label -> cause':<62} {'buggy: top hypothesis':<52} {'det':<4}{'cause':<6}"
-          f"{'fixed: top':<34} {'alarm':<6} {'loss buggy':<26} loss fixed")
+    print(
+        f"{'program':<34} {'label -> cause':<62} {'buggy: top hypothesis':<52} {'det':<4}{'cause':<6}"
+        f"{'fixed: top':<34} {'alarm':<6} {'loss buggy':<26} loss fixed"
+    )
     print("-" * 250)
     n = detected = cause_n = cause_ok = alarms = 0
     controls: dict = {}  # fixed_key -> (result, hypotheses): a shared control is trained once
-    evidence = open(args.evidence, "w") if args.evidence else None
+    evidence = open(args.evidence, "w") if args.evidence else None  # noqa: SIM115 (closed after the loop)
     for p in progs:
         rb, hb = monitored(p, True, args.steps, evidence)
         if p.fixed_key is not None and p.fixed_key in controls:
@@ -117,8 +140,11 @@ def main() -> int:
         desc = f"{top.failure}/{top.cause} {top.confidence:.2f}" if top else "(none)"
         fdesc = f"{ftop.failure}/{ftop.cause} {ftop.confidence:.2f}" if ftop else "(none)"
         lab = f"{p.label[:40]} -> {p.cause or '(not in vocabulary)'}"
-        print(f"{p.name:<34} {lab:<62} {desc:<52} {'ok' if det else 'XX':<4}{cmark:<6}"
-              f"{fdesc:<34} {'XX' if alarm else 'ok':<6} {loss_span(rb):<26} {loss_span(rf)}", flush=True)
+        print(
+            f"{p.name:<34} {lab:<62} {desc:<52} {'ok' if det else 'XX':<4}{cmark:<6}"
+            f"{fdesc:<34} {'XX' if alarm else 'ok':<6} {loss_span(rb):<26} {loss_span(rf)}",
+            flush=True,
+        )
         if args.verbose:
             for h in hb[:3]:
                 print(f"     buggy: {h}")

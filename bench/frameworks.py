@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from overhead import Transformer  # noqa: E402
+from overhead import Transformer
 
 
 def main() -> int:
@@ -64,10 +64,17 @@ def main() -> int:
         module = Module(copy.deepcopy(base))
         with tempfile.TemporaryDirectory() as tmp:
             trainer = L.Trainer(
-                default_root_dir=tmp, max_steps=args.steps, accelerator="cpu", devices=1,
-                callbacks=[NeuralDbgCallback(verbose=False)] if watch else [], logger=L.loggers.CSVLogger(tmp),
-                enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                gradient_clip_val=1.0, accumulate_grad_batches=2,
+                default_root_dir=tmp,
+                max_steps=args.steps,
+                accelerator="cpu",
+                devices=1,
+                callbacks=[NeuralDbgCallback(verbose=False)] if watch else [],
+                logger=L.loggers.CSVLogger(tmp),
+                enable_progress_bar=False,
+                enable_model_summary=False,
+                enable_checkpointing=False,
+                gradient_clip_val=1.0,
+                accumulate_grad_batches=2,
             )
             t0 = time.perf_counter()
             trainer.fit(module, loader)
@@ -79,7 +86,7 @@ def main() -> int:
     fit(True)
     times = {False: [], True: []}
     for r in range(args.rounds):
-        for watch in ((False, True) if r % 2 == 0 else (True, False)):
+        for watch in (False, True) if r % 2 == 0 else (True, False):
             times[watch].append(fit(watch))
     plain, ours = statistics.median(times[False]), statistics.median(times[True])
     out = {

@@ -191,9 +191,18 @@ def nccl_job() -> Optional[str]:
     if torch.cuda.device_count() < 2:
         return None
     out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         os.path.abspath(__file__), "--nccl-worker"],
-        capture_output=True, text=True, timeout=240,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            os.path.abspath(__file__),
+            "--nccl-worker",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     lines = [ln for ln in (out.stdout + out.stderr).splitlines() if ln.startswith("NCCL")]
     return lines[-1] if lines else (out.stdout + out.stderr)[-1500:]
@@ -252,7 +261,9 @@ def nccl_worker() -> int:
     assert dbg is not None
     dbg.__exit__(None, None, None)
     if rank == 0:
-        print(f"NCCL DDP 2 ranks, 8x Linear 2048: step time {statistics.median(ratios):.3f}x, {dbg.step} steps observed")
+        print(
+            f"NCCL DDP 2 ranks, 8x Linear 2048: step time {statistics.median(ratios):.3f}x, {dbg.step} steps observed"
+        )
     dist.destroy_process_group()
     return 0
 
@@ -271,7 +282,9 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("no CUDA device: gpu-check skipped")
         return 0
-    print(f"{torch.cuda.get_device_name()} x{torch.cuda.device_count()}, torch {torch.__version__}; bf16 autocast, AdamW")
+    print(
+        f"{torch.cuda.get_device_name()} x{torch.cuda.device_count()}, torch {torch.__version__}; bf16 autocast, AdamW"
+    )
     print("| model | step time | peak memory | sampled step memory | syncs a step | steps observed | verdict |")
     print("|---|---|---|---|---|---|---|")
     failed = False
@@ -286,8 +299,10 @@ def main() -> int:
                 failed = True
                 continue
             ok = (
-                r["time"] <= TIME_TARGET and r["memory"] <= MEMORY_TARGET
-                and r["sampled_memory"] <= SAMPLED_MEMORY_TARGET and r["syncs"] == 0
+                r["time"] <= TIME_TARGET
+                and r["memory"] <= MEMORY_TARGET
+                and r["sampled_memory"] <= SAMPLED_MEMORY_TARGET
+                and r["syncs"] == 0
             )
             failed |= not ok
             print(

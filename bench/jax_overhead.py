@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict, List, Tuple
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
-import numpy as np  # noqa: E402
+import numpy as np
 
 
 def interval(ratios: List[float], seed: int = 0) -> Tuple[float, float, float]:
@@ -144,7 +144,7 @@ def bench_jax(width: int, depth: int, batch: int, steps: int, rounds: int) -> No
     report(f"jax nnx MLP {depth + 2}x{width}, batch {batch}", times, steps)
     # The Python side of a step (flax's graph handling, dispatch, a synchronous step's callback,
     # our reading) runs on this thread: its CPU time is what other processes disturb least.
-    report(f"  the same, calling thread's CPU time", cpu, steps)
+    report("  the same, calling thread's CPU time", cpu, steps)
 
 
 def bench_keras(width: int, depth: int, batch: int, epochs: int, rounds: int, n: int) -> None:
@@ -159,9 +159,13 @@ def bench_keras(width: int, depth: int, batch: int, epochs: int, rounds: int, n:
     def make() -> Any:
         keras.utils.set_random_seed(0)
         model = keras.Sequential(
-            [keras.Input((64,))] + [keras.layers.Dense(width, activation="relu") for _ in range(depth + 1)] + [keras.layers.Dense(10)]
+            [keras.Input((64,))]
+            + [keras.layers.Dense(width, activation="relu") for _ in range(depth + 1)]
+            + [keras.layers.Dense(10)]
         )
-        model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.compile(
+            optimizer=keras.optimizers.Adam(1e-3), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        )
         return model
 
     class EpochTimes(keras.callbacks.Callback):
@@ -192,7 +196,7 @@ def bench_keras(width: int, depth: int, batch: int, epochs: int, rounds: int, n:
             steady[k].append(float(np.sum(timer.times[1:])))
     per = n // batch
     report(f"keras fit {depth + 2}x{width}, batch {batch}, epochs 2+", steady, per * (epochs - 1))
-    report(f"keras fit, whole fit (compile incl.)", whole, per * epochs)
+    report("keras fit, whole fit (compile incl.)", whole, per * epochs)
 
 
 def main() -> None:

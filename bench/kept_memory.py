@@ -22,8 +22,8 @@ from typing import Any, Dict, List, Set
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 
-import torch  # noqa: E402
-import torch.nn as nn  # noqa: E402
+import torch
+import torch.nn as nn
 
 
 def storages(obj: Any, out: Dict[int, int], depth: int = 0) -> None:
@@ -83,7 +83,7 @@ def run(path: str, steps: int, layers: int) -> Dict[str, float]:
 
     with NeuralDbg(model) as dbg:
         c = dbg._collector
-        for step in range(steps):
+        for _step in range(steps):
             saved.clear()
             saved_bytes.append(0)
             opt.zero_grad()
@@ -116,7 +116,9 @@ def main() -> None:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     mb = lambda b: f"{b / 2**20:.1f} MB"  # noqa: E731
     print(f"{args.layers}-layer TransformerEncoder (d=256, batch 16, sequence 128), steps 2-{args.steps}:")
-    print("| path | autograd saves | kept at the loss | kept after backward | largest at the loss | first step at the loss |")
+    print(
+        "| path | autograd saves | kept at the loss | kept after backward | largest at the loss | first step at the loss |"
+    )
     print("|---|---|---|---|---|---|")
     for path in ("host", "deferred"):
         r = run(path, args.steps, args.layers)

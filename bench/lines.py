@@ -24,9 +24,8 @@ import torch
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from overhead import MLP  # noqa: E402
-
-import neuraldbg  # noqa: E402
+import neuraldbg
+from overhead import MLP
 
 PACKAGE = os.path.dirname(os.path.abspath(neuraldbg.__file__))
 
@@ -67,7 +66,9 @@ def main() -> int:
             loss_fn(model(x), y).backward()
             opt.step()
         sys.settrace(None)
-        assert args.warmup % period == 0 and args.warmup >= dbg._collector.dense_steps, "--warmup: a multiple of the period past the dense steps"
+        assert args.warmup % period == 0 and args.warmup >= dbg._collector.dense_steps, (
+            "--warmup: a multiple of the period past the dense steps"
+        )
     cycle = sum(lines.values())
     unmeasured = sum(n for (k, _), n in lines.items() if 0 < k < period - 1)
     print(f"MLP {args.depth} x (Linear 32x32 + ReLU): lines of NeuralDBG's Python a step runs")

@@ -63,8 +63,9 @@ def moved(r: Record, layer: str) -> bool:
     return any(abs(b - a) > 0.0 for a, b in zip(w, w[1:]))
 
 
-def regression_data(dim: int, batch: int, scale: float = 1.0, shift: float = 0.0, seed: int = 5,
-                    column: bool = True) -> Callable[[int], tuple]:
+def regression_data(
+    dim: int, batch: int, scale: float = 1.0, shift: float = 0.0, seed: int = 5, column: bool = True
+) -> Callable[[int], tuple]:
     """Targets from a fixed linear teacher: ``(N, 1)`` (``column``) or ``(N,)``."""
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(dim, 1, generator=g) / math.sqrt(dim)
@@ -86,21 +87,27 @@ def never_zeroed() -> Scenario:
 
     def make(zero: bool) -> Setup:
         model = mlp([16, 64, 64, 4], nn.ReLU)
-        return Setup(model, torch.optim.SGD(model.parameters(), lr=0.05), CE(), teacher_data(16, 4, 64), 150,
-                     zero_grad=zero)
+        return Setup(
+            model, torch.optim.SGD(model.parameters(), lr=0.05), CE(), teacher_data(16, 4, 64), 150, zero_grad=zero
+        )
 
     def check(r: Record) -> None:
         best = min(r.loss)
-        assert max(r.loss[r.loss.index(best):]) > 10 * best, "the loss did not blow up after its best"
+        assert max(r.loss[r.loss.index(best) :]) > 10 * best, "the loss did not blow up after its best"
         # The gradient read before each step is the sum of every step's: it keeps growing.
         norms = r.grad["4"]
         assert norms[-1] > 20 * norms[0], "accumulated gradients grew"
 
     return Scenario(
-        "mlp_sgd_grad_never_zeroed", "MLP 2x ReLU, SGD",
+        "mlp_sgd_grad_never_zeroed",
+        "MLP 2x ReLU, SGD",
         "optimizer.zero_grad() missing: every step applies the sum of all gradients so far, so the "
         "steps grow until the loss blows up",
-        lambda: make(False), truth, check, lambda: make(True), learns(0.3),
+        lambda: make(False),
+        truth,
+        check,
+        lambda: make(True),
+        learns(0.3),
     )
 
 
@@ -109,17 +116,28 @@ def never_zeroed_lstm() -> Scenario:
 
     def make(zero: bool) -> Setup:
         model = LSTMClassifier(8, 32, 4)
-        return Setup(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), CE(),
-                     float_sequences(8, 20, 4, 32), 150, zero_grad=zero)
+        return Setup(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+            CE(),
+            float_sequences(8, 20, 4, 32),
+            150,
+            zero_grad=zero,
+        )
 
     def check(r: Record) -> None:
         best = min(r.loss)
-        assert max(r.loss[r.loss.index(best):]) > 5 * best, "the loss did not blow up after its best"
+        assert max(r.loss[r.loss.index(best) :]) > 5 * best, "the loss did not blow up after its best"
 
     return Scenario(
-        "lstm_momentum_grad_never_zeroed", "LSTM, SGD+momentum",
+        "lstm_momentum_grad_never_zeroed",
+        "LSTM, SGD+momentum",
         "an LSTM classifier whose loop never zeroes the gradients",
-        lambda: make(False), truth, check, lambda: make(True), learns(0.1),
+        lambda: make(False),
+        truth,
+        check,
+        lambda: make(True),
+        learns(0.1),
     )
 
 
@@ -140,9 +158,12 @@ def not_in_optimizer() -> Scenario:
         expect(truth, "layer", next(n for n in r.layer_names if not moved(r, n)))
 
     return Scenario(
-        "mlp_layer_not_in_optimizer", "MLP 2x ReLU, Adam",
+        "mlp_layer_not_in_optimizer",
+        "MLP 2x ReLU, Adam",
         "the first layer receives gradients but the optimizer does not hold its parameters",
-        build, truth, check,
+        build,
+        truth,
+        check,
     )
 
 
@@ -151,10 +172,13 @@ def zero_lr_group() -> Scenario:
 
     def build() -> Setup:
         model = LSTMClassifier(8, 32, 4)
-        opt = torch.optim.Adam([
-            {"params": model.lstm.parameters(), "lr": 0.0},  # "frozen" by a schedule gone wrong
-            {"params": model.head.parameters()},
-        ], lr=3e-3)
+        opt = torch.optim.Adam(
+            [
+                {"params": model.lstm.parameters(), "lr": 0.0},  # "frozen" by a schedule gone wrong
+                {"params": model.head.parameters()},
+            ],
+            lr=3e-3,
+        )
         return Setup(model, opt, CE(), float_sequences(8, 20, 4, 32), 120)
 
     def check(r: Record) -> None:
@@ -162,9 +186,12 @@ def zero_lr_group() -> Scenario:
         assert min(r.grad["lstm"]) > 1e-5, "the LSTM receives real gradients"
 
     return Scenario(
-        "lstm_param_group_lr_zero", "LSTM, Adam with 2 groups",
+        "lstm_param_group_lr_zero",
+        "LSTM, Adam with 2 groups",
         "the LSTM's param group has lr 0: it gets gradients and never moves while the head trains",
-        build, truth, check,
+        build,
+        truth,
+        check,
     )
 
 
@@ -194,9 +221,12 @@ def detached_encoder() -> Scenario:
         expect(truth, "layer", cut[-1])  # the one next to the cut
 
     return Scenario(
-        "custom_encoder_detached", "custom encoder + head",
+        "custom_encoder_detached",
+        "custom encoder + head",
         "the encoder's output is .detach()ed before the head: the encoder never gets a gradient",
-        build, truth, check,
+        build,
+        truth,
+        check,
     )
 
 
@@ -209,10 +239,15 @@ def softmax_into_cross_entropy() -> Scenario:
         return Setup(model, torch.optim.SGD(model.parameters(), lr=0.05), CE(), teacher_data(16, 10, 64), 200)
 
     return Scenario(
-        "mlp_softmax_into_cross_entropy", "MLP 1x ReLU + Softmax",
+        "mlp_softmax_into_cross_entropy",
+        "MLP 1x ReLU + Softmax",
         "nn.Softmax before CrossEntropyLoss (which applies log-softmax itself): the loss is "
         "bounded away from zero and its gradient is tiny, so it barely moves",
-        lambda: make(True), truth, flat_loss(), lambda: make(False), learns_much_better(0.6),
+        lambda: make(True),
+        truth,
+        flat_loss(),
+        lambda: make(False),
+        learns_much_better(0.6),
     )
 
 
@@ -232,11 +267,16 @@ def tanh_logits_into_cross_entropy() -> Scenario:
         assert r.saturated["3"][-1] > 0.6, "the tanh on the logits ends saturated"
 
     return Scenario(
-        "mlp_tanh_logits_into_cross_entropy", "MLP 1x ReLU + Tanh logits",
+        "mlp_tanh_logits_into_cross_entropy",
+        "MLP 1x ReLU + Tanh logits",
         "a tanh on the logits (a Keras Dense(10, activation='tanh') ported as is) before "
         "CrossEntropyLoss: the logits are capped to (-1, 1), so the loss has a floor of 0.80 and "
         "the tanh saturates trying to pass it",
-        lambda: make(nn.Tanh()), truth, check, lambda: make(nn.Identity()), learns_much_better(0.25),
+        lambda: make(nn.Tanh()),
+        truth,
+        check,
+        lambda: make(nn.Identity()),
+        learns_much_better(0.25),
     )
 
 
@@ -270,10 +310,15 @@ def sigmoid_into_logits_loss() -> Scenario:
         flat_loss()(r)
 
     return Scenario(
-        "custom_sigmoid_into_bce_with_logits", "custom MLP + torch.sigmoid",
+        "custom_sigmoid_into_bce_with_logits",
+        "custom MLP + torch.sigmoid",
         "torch.sigmoid on the output, then BCEWithLogitsLoss (which applies sigmoid again): the "
         "outputs are confined to [0.5, 0.73] and the loss cannot go below 0.31",
-        lambda: make(nn.BCEWithLogitsLoss()), truth, check, lambda: make(nn.BCELoss()), learns_much_better(0.5),
+        lambda: make(nn.BCEWithLogitsLoss()),
+        truth,
+        check,
+        lambda: make(nn.BCELoss()),
+        learns_much_better(0.5),
     )
 
 
@@ -294,9 +339,14 @@ def one_unit_softmax() -> Scenario:
         expect(truth, "step", r.first_step(lambda s: r.any_layer(s, lambda v: v < VANISHING), 3))
 
     return Scenario(
-        "mlp_one_unit_softmax", "MLP 1x ReLU + Softmax(1 unit)",
+        "mlp_one_unit_softmax",
+        "MLP 1x ReLU + Softmax(1 unit)",
         "a softmax over a single output unit is the constant 1: every gradient is exactly zero",
-        lambda: make(nn.Softmax(dim=1)), truth, check, lambda: make(nn.Sigmoid()), learns(0.2),
+        lambda: make(nn.Softmax(dim=1)),
+        truth,
+        check,
+        lambda: make(nn.Sigmoid()),
+        learns(0.2),
     )
 
 
@@ -306,8 +356,13 @@ def bounded_regression() -> Scenario:
     def make(last: nn.Module) -> Setup:
         model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1), last)
         # Targets around 20 (e.g. prices in thousands), regressed through a sigmoid.
-        return Setup(model, torch.optim.Adam(model.parameters(), lr=1e-2), nn.MSELoss(),
-                     regression_data(8, 64, scale=5.0, shift=20.0), 200)
+        return Setup(
+            model,
+            torch.optim.Adam(model.parameters(), lr=1e-2),
+            nn.MSELoss(),
+            regression_data(8, 64, scale=5.0, shift=20.0),
+            200,
+        )
 
     def check(r: Record) -> None:
         # A sigmoid output is below 1 and the targets are above 5: the error cannot fall below
@@ -316,9 +371,14 @@ def bounded_regression() -> Scenario:
         assert r.saturated["3"][-1] > 0.9, "the output sigmoid ends saturated"
 
     return Scenario(
-        "mlp_sigmoid_output_regression", "MLP 1x ReLU + Sigmoid output",
+        "mlp_sigmoid_output_regression",
+        "MLP 1x ReLU + Sigmoid output",
         "a sigmoid output regressing targets around 20: the output cannot exceed 1",
-        lambda: make(nn.Sigmoid()), truth, check, lambda: make(nn.Identity()), learns_much_better(0.1),
+        lambda: make(nn.Sigmoid()),
+        truth,
+        check,
+        lambda: make(nn.Identity()),
+        learns_much_better(0.1),
     )
 
 
@@ -327,8 +387,13 @@ def broadcast_targets() -> Scenario:
 
     def make(column: bool) -> Setup:
         model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
-        return Setup(model, torch.optim.Adam(model.parameters(), lr=1e-2), nn.MSELoss(),
-                     regression_data(8, 64, column=column), 200)
+        return Setup(
+            model,
+            torch.optim.Adam(model.parameters(), lr=1e-2),
+            nn.MSELoss(),
+            regression_data(8, 64, column=column),
+            200,
+        )
 
     def check(r: Record) -> None:
         # Output (N, 1) against target (N,): the loss is the mean over all N x N pairs, at
@@ -337,9 +402,14 @@ def broadcast_targets() -> Scenario:
         flat_loss(tolerance=0.1)(r)
 
     return Scenario(
-        "mlp_mse_broadcast_targets", "MLP 1x ReLU regression",
+        "mlp_mse_broadcast_targets",
+        "MLP 1x ReLU regression",
         "MSELoss on an (N, 1) output and an (N,) target broadcasts to (N, N): only the mean is learned",
-        lambda: make(False), truth, check, lambda: make(True), learns_much_better(0.2),
+        lambda: make(False),
+        truth,
+        check,
+        lambda: make(True),
+        learns_much_better(0.2),
     )
 
 
@@ -366,10 +436,15 @@ def deep_bn_eval() -> Scenario:
         learns(0.1)(r)  # no layer vanishes, and the loss falls
 
     return Scenario(
-        "deep_bn_mlp_trained_in_eval_mode", "MLP 13x BatchNorm+ReLU",
+        "deep_bn_mlp_trained_in_eval_mode",
+        "MLP 13x BatchNorm+ReLU",
         "model.eval() before training: BatchNorm uses its initial running statistics and no "
         "longer normalizes, so the gradients of a deep stack vanish",
-        lambda: make(True), truth, check, lambda: make(False), counter_check,
+        lambda: make(True),
+        truth,
+        check,
+        lambda: make(False),
+        counter_check,
     )
 
 
@@ -395,20 +470,43 @@ def healthy_loop_runs() -> List[Scenario]:
     def h_regression() -> Setup:
         model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1), nn.Tanh())
         # Targets inside the tanh's range: a bounded output is fine.
-        return Setup(model, torch.optim.Adam(model.parameters(), lr=1e-2), nn.MSELoss(),
-                     regression_data(8, 64, scale=0.3), 150)
+        return Setup(
+            model, torch.optim.Adam(model.parameters(), lr=1e-2), nn.MSELoss(), regression_data(8, 64, scale=0.3), 150
+        )
 
     return [
-        Scenario("healthy_eval_mode_dropout_only", "MLP 1x ReLU + Dropout (eval mode)",
-                 "trained in eval mode, but its only mode-dependent layer is Dropout: it learns",
-                 h_eval_dropout, Truth(None), healthy_check(0.3)),
-        Scenario("healthy_log_softmax_nll", "MLP 1x ReLU + LogSoftmax",
-                 "LogSoftmax with NLLLoss: the right pairing", h_log_softmax_nll, Truth(None), healthy_check(0.3)),
-        Scenario("healthy_frozen_first_layer", "MLP 2x ReLU, first layer frozen",
-                 "a layer frozen with requires_grad_(False) is not a stalled layer",
-                 h_frozen_first_layer, Truth(None), healthy_check(0.3)),
-        Scenario("healthy_tanh_output_regression", "MLP 1x Tanh + Tanh output",
-                 "a tanh output regressing targets within (-1, 1)", h_regression, Truth(None), healthy_check(0.3)),
+        Scenario(
+            "healthy_eval_mode_dropout_only",
+            "MLP 1x ReLU + Dropout (eval mode)",
+            "trained in eval mode, but its only mode-dependent layer is Dropout: it learns",
+            h_eval_dropout,
+            Truth(None),
+            healthy_check(0.3),
+        ),
+        Scenario(
+            "healthy_log_softmax_nll",
+            "MLP 1x ReLU + LogSoftmax",
+            "LogSoftmax with NLLLoss: the right pairing",
+            h_log_softmax_nll,
+            Truth(None),
+            healthy_check(0.3),
+        ),
+        Scenario(
+            "healthy_frozen_first_layer",
+            "MLP 2x ReLU, first layer frozen",
+            "a layer frozen with requires_grad_(False) is not a stalled layer",
+            h_frozen_first_layer,
+            Truth(None),
+            healthy_check(0.3),
+        ),
+        Scenario(
+            "healthy_tanh_output_regression",
+            "MLP 1x Tanh + Tanh output",
+            "a tanh output regressing targets within (-1, 1)",
+            h_regression,
+            Truth(None),
+            healthy_check(0.3),
+        ),
     ]
 
 
@@ -497,11 +595,16 @@ def amplified_through_time(name: str, arch: str, model: Callable[[float], nn.Mod
         assert r.first_step(lambda s: r.any_layer(s, lambda v: v > 1e3), 1) is None, "gain 1: no explosion"
 
     return Scenario(
-        name, arch,
+        name,
+        arch,
         "recurrent weights 2x orthogonal, 40 time steps of standard-normal inputs: the state is "
         "amplified at every step and the gradients explode from step 0, though each weight matrix "
         "is only twice the usual scale",
-        lambda: make(2.0), truth, check, lambda: make(1.0), counter_check,
+        lambda: make(2.0),
+        truth,
+        check,
+        lambda: make(1.0),
+        counter_check,
     )
 
 
@@ -573,10 +676,15 @@ def functional_dead(name: str, arch: str, model: Callable[[float], nn.Module], d
         assert all(g > 0.0 for g in r.grad[layer]), "with a zero bias the layer gets gradients"
 
     return Scenario(
-        name, arch,
+        name,
+        arch,
         "ReLUs applied inline with torch.relu (no module to observe) after a layer whose bias is "
         "-10: every unit is dead for every sample from step 0",
-        lambda: make(-10.0), truth, check, lambda: make(0.0), counter_check,
+        lambda: make(-10.0),
+        truth,
+        check,
+        lambda: make(0.0),
+        counter_check,
     )
 
 
@@ -584,8 +692,18 @@ def functional_scenarios() -> List[Scenario]:
     from .scenarios import image_data
 
     return [
-        functional_dead("custom_functional_relu_mlp_dead", "custom MLP, inline torch.relu", FunctionalMLP,
-                        teacher_data(16, 4, 64), "fc2"),
-        functional_dead("custom_functional_relu_cnn_dead", "custom CNN, inline torch.relu", FunctionalCNN,
-                        image_data(3, 8, 5, 16), "conv2"),
+        functional_dead(
+            "custom_functional_relu_mlp_dead",
+            "custom MLP, inline torch.relu",
+            FunctionalMLP,
+            teacher_data(16, 4, 64),
+            "fc2",
+        ),
+        functional_dead(
+            "custom_functional_relu_cnn_dead",
+            "custom CNN, inline torch.relu",
+            FunctionalCNN,
+            image_data(3, 8, 5, 16),
+            "conv2",
+        ),
     ]

@@ -162,7 +162,9 @@ MODELS: Dict[str, Tuple[str, Callable[[], nn.Module], Callable[[], List[Batch]],
     "transformer": (
         "Transformer encoder, 4 layers, d_model 128, 4 heads, seq 64, batch 16",
         lambda: Transformer(1000, 128, 4, 4),
-        lambda: _batches(lambda g: (torch.randint(0, 1000, (16, 64), generator=g), torch.randint(0, 10, (16,), generator=g))),
+        lambda: _batches(
+            lambda g: (torch.randint(0, 1000, (16, 64), generator=g), torch.randint(0, 10, (16,), generator=g))
+        ),
         12,
     ),
     "cnn": (
@@ -201,7 +203,9 @@ MODELS: Dict[str, Tuple[str, Callable[[], nn.Module], Callable[[], List[Batch]],
     "transformer-large": (
         "Transformer encoder, 6 layers, d_model 256, 8 heads, seq 128, batch 8",
         lambda: Transformer(4000, 256, 8, 6),
-        lambda: _batches(lambda g: (torch.randint(0, 4000, (8, 128), generator=g), torch.randint(0, 10, (8,), generator=g))),
+        lambda: _batches(
+            lambda g: (torch.randint(0, 4000, (8, 128), generator=g), torch.randint(0, 10, (8,), generator=g))
+        ),
         6,
     ),
     "resnet18": (
@@ -213,7 +217,9 @@ MODELS: Dict[str, Tuple[str, Callable[[], nn.Module], Callable[[], List[Batch]],
     "gpt2": (
         "Hugging Face GPT-2, 6 layers, d_model 256, 4 heads, seq 64, batch 4 (next-token loss)",
         GPT2,
-        lambda: _batches(lambda g: (torch.randint(0, 2000, (4, 64), generator=g), torch.randint(0, 2000, (4 * 64,), generator=g))),
+        lambda: _batches(
+            lambda g: (torch.randint(0, 2000, (4, 64), generator=g), torch.randint(0, 2000, (4 * 64,), generator=g))
+        ),
         6,
     ),
 }
@@ -274,8 +280,10 @@ class Arm:
 
     def block(self, n: int, record: bool) -> float:
         """Runs ``n`` steps; their time (also kept in ``times`` with ``record``)."""
-        with contextlib.nullcontext() if self.keep_wrappers else unwrapped(), \
-                suspended(self.model) if self.shared and not self.keep_wrappers else contextlib.nullcontext():
+        with (
+            contextlib.nullcontext() if self.keep_wrappers else unwrapped(),
+            suspended(self.model) if self.shared and not self.keep_wrappers else contextlib.nullcontext(),
+        ):
             t0 = CLOCK()
             for _ in range(n):
                 self.step()
@@ -310,8 +318,11 @@ def unwrapped() -> Iterator[None]:
     from torch.optim import optimizer
 
     # (A collector's hook, under NeuralDBG's guard: the guard's wrapper holds it as __wrapped__.)
-    ours = {k: h for k, h in optimizer._global_optimizer_post_hooks.items()
-            if type(getattr(getattr(h, "__wrapped__", h), "__self__", None)).__name__ == "Collector"}
+    ours = {
+        k: h
+        for k, h in optimizer._global_optimizer_post_hooks.items()
+        if type(getattr(getattr(h, "__wrapped__", h), "__self__", None)).__name__ == "Collector"
+    }
     for k in ours:
         del optimizer._global_optimizer_post_hooks[k]
     try:
@@ -326,8 +337,13 @@ def unwrapped() -> Iterator[None]:
 
 # The hook tables of a module and of a tensor that torch's call paths consult.
 MODULE_HOOKS = (
-    "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
-    "_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks",
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_backward_pre_hooks",
+    "_backward_hooks",
 )
 
 
@@ -465,8 +481,13 @@ def paired(times: List[float], plain: List[float], seed: int = 0) -> Tuple[float
 
 
 def measure(
-    model_name: str, arm_names: List[str], rounds: int, block: int, warmup: int,
-    same_model: bool = False, interleave: str = "step",
+    model_name: str,
+    arm_names: List[str],
+    rounds: int,
+    block: int,
+    warmup: int,
+    same_model: bool = False,
+    interleave: str = "step",
 ) -> Dict[str, object]:
     """Interleaved timing of the arms on one model; ratios against ``plain``.
 
@@ -560,10 +581,29 @@ def run_legacy(python: str, model: str, rounds: int, block: int, warmup: int, in
     # 1.3.2 writes a tensor cache directory into the working directory: give it a scratch one.
     with tempfile.TemporaryDirectory() as tmp:
         out = subprocess.run(
-            [python, os.path.abspath(__file__), "--worker", "--models", model, "--arms", "plain,1.3.2",
-             "--clock", "thread" if CLOCK is time.thread_time else "wall", "--interleave", interleave,
-             "--rounds", str(rounds), "--block", str(block), "--warmup", str(warmup)],
-            cwd=tmp, capture_output=True, text=True, check=False,
+            [
+                python,
+                os.path.abspath(__file__),
+                "--worker",
+                "--models",
+                model,
+                "--arms",
+                "plain,1.3.2",
+                "--clock",
+                "thread" if CLOCK is time.thread_time else "wall",
+                "--interleave",
+                interleave,
+                "--rounds",
+                str(rounds),
+                "--block",
+                str(block),
+                "--warmup",
+                str(warmup),
+            ],
+            cwd=tmp,
+            capture_output=True,
+            text=True,
+            check=False,
         )
     if out.returncode != 0:
         raise RuntimeError(f"1.3.2 worker failed:\n{out.stderr[-3000:]}")
@@ -612,21 +652,31 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=20, help="steps per arm before timing")
     ap.add_argument("--legacy-python", default=None, help="python of the virtualenv holding neuraldbg==1.3.2")
     ap.add_argument("--no-legacy", action="store_true", help="skip the 1.3.2 arm")
-    ap.add_argument("--clock", choices=("thread", "wall"), default="thread",
-                    help="thread CPU time (default; robust on a shared machine) or wall time")
+    ap.add_argument(
+        "--clock",
+        choices=("thread", "wall"),
+        default="thread",
+        help="thread CPU time (default; robust on a shared machine) or wall time",
+    )
     ap.add_argument("--options", default="{}", help="JSON keyword options for NeuralDbg (ablations)")
     ap.add_argument("--json", default=None, help="also write the results here")
     ap.add_argument(
-        "--no-view", action="store_true",
+        "--no-view",
+        action="store_true",
         help="ablation: hide torch's DLPack exchange API, so the reader takes a _to_dlpack capsule a tensor",
     )
     ap.add_argument(
-        "--separate-models", action="store_true",
+        "--separate-models",
+        action="store_true",
         help="every arm trains its own copy of the model (the default, when every arm can, is one shared instance: "
-             "the unwatched arms' steps run with NeuralDBG's hooks put aside)",
+        "the unwatched arms' steps run with NeuralDBG's hooks put aside)",
     )
-    ap.add_argument("--interleave", choices=("step", "block"), default="step",
-                    help="within a round, the arms take turns step by step (default) or block by block")
+    ap.add_argument(
+        "--interleave",
+        choices=("step", "block"),
+        default="step",
+        help="within a round, the arms take turns step by step (default) or block by block",
+    )
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     warnings.simplefilter("ignore")
@@ -668,10 +718,12 @@ def main() -> int:
 
     print()
     turns = "step by step" if args.interleave == "step" else "block by block"
-    print(f"Overhead: median over rounds of (arm's round time / plain's round time), [95% bootstrap interval]; "
-          f"a round: {args.block} steps of each arm, interleaved {turns}, "
-          f"{'one shared model instance' if same else 'a model copy per arm'}, "
-          f"{'thread CPU' if args.clock == 'thread' else 'wall'} time")
+    print(
+        f"Overhead: median over rounds of (arm's round time / plain's round time), [95% bootstrap interval]; "
+        f"a round: {args.block} steps of each arm, interleaved {turns}, "
+        f"{'one shared model instance' if same else 'a model copy per arm'}, "
+        f"{'thread CPU' if args.clock == 'thread' else 'wall'} time"
+    )
     print(f"machine: {machine()}; torch.set_num_threads(1)")
     print()
     print(table(results))

@@ -97,9 +97,7 @@ class Recorder:
         self.rec = Record()
         self._names = {id(m): n for n, m in model.named_modules()}
         self._owners = [
-            (n, m)
-            for n, m in model.named_modules()
-            if any(p.requires_grad for p in m.parameters(recurse=False))
+            (n, m) for n, m in model.named_modules() if any(p.requires_grad for p in m.parameters(recurse=False))
         ]
         self._first_forward = True
         self._step_nonfinite: Optional[str] = None
@@ -181,9 +179,7 @@ class Recorder:
         if self._first_forward:
             self._first_forward = False
             order = {n: i for i, n in enumerate(self.rec.module_order)}
-            self.rec.layer_names = sorted(
-                (n for n, _ in self._owners), key=lambda n: order.get(n, len(order))
-            )
+            self.rec.layer_names = sorted((n for n, _ in self._owners), key=lambda n: order.get(n, len(order)))
             for n in self.rec.layer_names:
                 self.rec.grad[n] = []
                 self.rec.weight[n] = []

@@ -16,8 +16,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench import browser, suite  # noqa: E402
-from bench import scenarios as S  # noqa: E402
+from bench import browser, suite
+from bench import scenarios as S
 
 
 def main() -> int:

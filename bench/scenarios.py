@@ -198,7 +198,9 @@ def float_sequences(features: int, length: int, classes: int, batch: int, seed: 
     return batch_at
 
 
-def corrupt(batch: Callable[[int], Batch], at: int, how: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[int], Batch]:
+def corrupt(
+    batch: Callable[[int], Batch], at: int, how: Callable[[torch.Tensor], torch.Tensor]
+) -> Callable[[int], Batch]:
     def batch_at(i: int) -> Batch:
         x, y = batch(i)
         return (how(x.clone()), y) if i == at else (x, y)

@@ -18,10 +18,10 @@ import warnings
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import torch  # noqa: E402
+import torch
 
-from bench import scenarios as S  # noqa: E402
-from bench import suite  # noqa: E402
+from bench import scenarios as S
+from bench import suite
 
 
 def mark(v) -> str:
@@ -82,7 +82,11 @@ def main() -> int:
         else:
             hh, conf = "(none)", "-"
         sc = o.score
-        marks = " ".join(mark(sc.get(k)) for k in ("failure", "cause", "layer", "step")) if truth_ok else "truth not confirmed"
+        marks = (
+            " ".join(mark(sc.get(k)) for k in ("failure", "cause", "layer", "step"))
+            if truth_ok
+            else "truth not confirmed"
+        )
         print(f"{s.name:<34} {s.arch:<30} {tt:<58} {hh:<58} {marks} {conf}")
     print("-" * 200)
     calibrated = reliability(rows)
@@ -128,7 +132,9 @@ def reliability(rows) -> bool:
     ok = True
     print()
     print("reliability (calibration): hypotheses by confidence, and how many were right")
-    print(f"{'confidence':<12} {'top: n':>8} {'right':>7} {'share':>7}   {'all: n':>8} {'right':>7} {'share':>7}   required")
+    print(
+        f"{'confidence':<12} {'top: n':>8} {'right':>7} {'share':>7}   {'all: n':>8} {'right':>7} {'share':>7}   required"
+    )
     for k, (lo, hi, need) in enumerate(BINS):
         cells = []
         for name in ("top", "all"):

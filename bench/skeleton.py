@@ -29,10 +29,9 @@ from typing import Any, Callable, List
 
 import numpy as np
 import torch
-import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from overhead import MLP, Arm, Batch, unwrapped  # noqa: E402
+from overhead import MLP, Arm, Batch, unwrapped
 
 
 class Skeleton(Arm):
@@ -127,7 +126,9 @@ def main() -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
-    batches: List[Batch] = [(torch.randn(64, 32, generator=g), torch.randint(0, 10, (64,), generator=g)) for _ in range(8)]
+    batches: List[Batch] = [
+        (torch.randn(64, 32, generator=g), torch.randint(0, 10, (64,), generator=g)) for _ in range(8)
+    ]
     base = MLP(depth=args.depth)
     kinds: List[Callable[..., Arm]] = [Arm, Arm, Skeleton, SkeletonRead, Watched]
     names = ["plain", "A/A", "skeleton", "skeleton+read", "neuraldbg"]

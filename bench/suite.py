@@ -83,10 +83,15 @@ def deep_sigmoid() -> Scenario:
         assert first_vanishing(r)[0] is None, "the same depth with ReLU must not vanish"
 
     return Scenario(
-        "deep_sigmoid_mlp", "MLP 12x Sigmoid",
+        "deep_sigmoid_mlp",
+        "MLP 12x Sigmoid",
         "12 sigmoid layers: sigmoid's slope is at most 1/4, so the gradient shrinks ~4x per layer "
         "and the first layers' gradients vanish from step 0",
-        build, truth, check, counterfactual, counter_check,
+        build,
+        truth,
+        check,
+        counterfactual,
+        counter_check,
     )
 
 
@@ -98,7 +103,7 @@ def deep_tanh_depth() -> Scenario:
         return Setup(model, torch.optim.SGD(model.parameters(), lr=0.05), CE(), teacher_data(16, 4, 64), 40)
 
     def check(r: Record) -> None:
-        step, root = first_vanishing(r)
+        step, _root = first_vanishing(r)
         expect(truth, "step", step)
         slopes = [v[0] for v in r.slope.values()]
         assert min(slopes) > 0.7, "tanh runs in its linear region: the activation is not what shrinks the gradient"
@@ -110,10 +115,15 @@ def deep_tanh_depth() -> Scenario:
         assert first_vanishing(r)[0] is None, "the same layers, 6 deep, must not vanish"
 
     return Scenario(
-        "deep_tanh_mlp", "MLP 48x Tanh",
+        "deep_tanh_mlp",
+        "MLP 48x Tanh",
         "48 tanh layers with PyTorch's default init: each layer passes back ~0.5x of the gradient, "
         "so after 48 layers it has vanished, though no unit is saturated",
-        lambda: make(48), truth, check, lambda: make(6), counter_check,
+        lambda: make(48),
+        truth,
+        check,
+        lambda: make(6),
+        counter_check,
     )
 
 
@@ -134,10 +144,13 @@ def dead_relu_bias() -> Scenario:
         assert all(r.grad[n][0] == 0.0 for n in before), "every layer before the dead ReLU gets exactly zero gradient"
 
     return Scenario(
-        "dead_relu_bias_init", "MLP 5x ReLU",
+        "dead_relu_bias_init",
+        "MLP 5x ReLU",
         "a bias of -20 switches off every unit of the 4th ReLU: no gradient reaches the layers "
         "below it; the dead layer, not the layers whose gradients vanished, is the root",
-        build, truth, check,
+        build,
+        truth,
+        check,
     )
 
 
@@ -158,16 +171,22 @@ def relu_dies_adam() -> Scenario:
         assert max(r.dead[layer]) >= 0.99, "the layer ends up completely dead"
         below = r.layer_names[: r.layer_names.index("2") + 1]
         assert r.first_step(lambda s: all(r.grad[n][s] == 0.0 for n in below), 3) is not None, (
-            "later, nothing flows back through it")
+            "later, nothing flows back through it"
+        )
 
     def counter_check(r: Record) -> None:
         assert r.first_step(lambda s: any(v[s] >= 0.5 for v in r.dead.values()), 3) is None
 
     return Scenario(
-        "relu_dies_adam_lr", "MLP 3x ReLU",
+        "relu_dies_adam_lr",
+        "MLP 3x ReLU",
         "Adam at lr=0.2 kicks pre-activations negative: the second ReLU layer goes silent within "
         "a few steps and later blocks every gradient below it",
-        lambda: make(0.2), truth, check, lambda: make(1e-3), counter_check,
+        lambda: make(0.2),
+        truth,
+        check,
+        lambda: make(1e-3),
+        counter_check,
     )
 
 
@@ -177,7 +196,11 @@ def lr_spike_explosion() -> Scenario:
     def make(spike: float) -> Setup:
         model = ConvNet([3, 8, 16, 16], 5, norm=False)
         return Setup(
-            model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9), CE(), image_data(3, 12, 5, 32), 60,
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
+            CE(),
+            image_data(3, 12, 5, 32),
+            60,
             before_step=lr_at(lambda s: 0.01 * (spike if s >= 30 else 1.0)),
         )
 
@@ -189,10 +212,15 @@ def lr_spike_explosion() -> Scenario:
         assert first_exploding(r)[0] is None and all(r.all_finite(s) for s in range(r.steps))
 
     return Scenario(
-        "cnn_lr_schedule_explosion", "CNN (no norm)",
+        "cnn_lr_schedule_explosion",
+        "CNN (no norm)",
         "a learning-rate schedule multiplies the lr by 1000 at step 30: weights blow up and the "
         "gradients explode a few steps later",
-        lambda: make(1000.0), truth, check, lambda: make(1.0), counter_check,
+        lambda: make(1000.0),
+        truth,
+        check,
+        lambda: make(1.0),
+        counter_check,
     )
 
 
@@ -210,10 +238,12 @@ def nan_batch() -> Scenario:
         assert not r.all_finite(25), "the bad batch poisons the step"
 
     return Scenario(
-        "cnn_bn_nan_batch", "CNN + BatchNorm",
-        "one sample of the batch at step 25 is all NaN (a corrupt image): loss, gradients and then "
-        "every weight go NaN",
-        build, truth, check,
+        "cnn_bn_nan_batch",
+        "CNN + BatchNorm",
+        "one sample of the batch at step 25 is all NaN (a corrupt image): loss, gradients and then every weight go NaN",
+        build,
+        truth,
+        check,
     )
 
 
@@ -233,10 +263,13 @@ def ood_batch() -> Scenario:
         assert r.max_grad(40) > 30 * max(r.max_grad(s) for s in range(40)), "the batch hits the gradients"
 
     return Scenario(
-        "mlp_unnormalized_batch", "MLP 2x ReLU",
+        "mlp_unnormalized_batch",
+        "MLP 2x ReLU",
         "the batch at step 40 arrives un-normalized, 10^4 times the usual scale: a gradient spike "
         "that wrecks the weights",
-        build, truth, check,
+        build,
+        truth,
+        check,
     )
 
 
@@ -255,10 +288,13 @@ def normalize_nan() -> Scenario:
         assert r.input_finite[step], "the input batch itself is finite"
 
     return Scenario(
-        "custom_l2_normalize_nan", "custom module (MLP)",
+        "custom_l2_normalize_nan",
+        "custom module (MLP)",
         "a custom L2-normalize layer divides by the sample norm without an epsilon; an all-zero "
         "(but perfectly finite) sample at step 30 gives 0/0",
-        build, truth, check,
+        build,
+        truth,
+        check,
     )
 
 
@@ -285,10 +321,13 @@ def masked_attention_nan() -> Scenario:
         expect(truth, "layer", r.first_nonfinite[step])
 
     return Scenario(
-        "attention_all_masked_nan", "custom attention",
+        "attention_all_masked_nan",
+        "custom attention",
         "hand-written attention masks padding with -inf; an all-padding sequence at step 20 "
         "makes softmax compute 0/0 in the attention module",
-        build, truth, check,
+        build,
+        truth,
+        check,
     )
 
 
@@ -305,9 +344,14 @@ def lr_too_low() -> Scenario:
         assert first_vanishing(r)[0] is None and first_exploding(r)[0] is None, "gradients are healthy"
 
     return Scenario(
-        "mlp_lr_too_low", "MLP 2x ReLU",
+        "mlp_lr_too_low",
+        "MLP 2x ReLU",
         "SGD at lr=1e-6: healthy gradients, but the weights barely move and the loss stays flat",
-        lambda: make(1e-6), truth, check, lambda: make(0.1), learns(0.3),
+        lambda: make(1e-6),
+        truth,
+        check,
+        lambda: make(0.1),
+        learns(0.3),
     )
 
 
@@ -324,9 +368,14 @@ def adam_divergence() -> Scenario:
         assert first_exploding(r)[0] is None, "the gradients themselves never pass 1e3"
 
     return Scenario(
-        "transformer_adam_lr_too_high", "Transformer",
+        "transformer_adam_lr_too_high",
+        "Transformer",
         "a 2-layer transformer with Adam at lr=0.5: the loss climbs above where it started",
-        lambda: make(0.5), truth, check, lambda: make(1e-3), learns(0.15),
+        lambda: make(0.5),
+        truth,
+        check,
+        lambda: make(1e-3),
+        learns(0.15),
     )
 
 
@@ -348,10 +397,15 @@ def tiny_init() -> Scenario:
         expect(truth, "step", first_vanishing(r)[0])
 
     return Scenario(
-        "mlp_tiny_init", "MLP 5x ReLU",
+        "mlp_tiny_init",
+        "MLP 5x ReLU",
         "weights initialised with std 1e-3 (100x too small): the signal, and with it every "
         "gradient, shrinks ~200x per layer",
-        lambda: make(1e-3), truth, check, lambda: make(None), learns(0.2),
+        lambda: make(1e-3),
+        truth,
+        check,
+        lambda: make(None),
+        learns(0.2),
     )
 
 
@@ -371,10 +425,14 @@ def huge_init() -> Scenario:
         assert first_exploding(r)[0] is None
 
     return Scenario(
-        "mlp_huge_init", "MLP 3x ReLU",
-        "weights initialised with std 3 (~25x a He init): activations and gradients are huge from "
-        "the first step",
-        lambda: make(3.0), truth, check, lambda: make(None), counter_check,
+        "mlp_huge_init",
+        "MLP 3x ReLU",
+        "weights initialised with std 3 (~25x a He init): activations and gradients are huge from the first step",
+        lambda: make(3.0),
+        truth,
+        check,
+        lambda: make(None),
+        counter_check,
     )
 
 
@@ -393,10 +451,13 @@ def cnn_dead_channels() -> Scenario:
         assert r.grad["blocks.0.0"][0] == 0.0, "no gradient reaches the first convolution"
 
     return Scenario(
-        "cnn_bn_dead_channels", "CNN + BatchNorm",
+        "cnn_bn_dead_channels",
+        "CNN + BatchNorm",
         "BatchNorm's shift of the second block starts at -30: every channel of its ReLU is off "
         "and nothing flows back to the first block",
-        build, truth, check,
+        build,
+        truth,
+        check,
     )
 
 
@@ -415,10 +476,15 @@ def lstm_divergence() -> Scenario:
         assert max(r.loss) < 1.5 * r.loss[0]
 
     return Scenario(
-        "lstm_lr_too_high", "LSTM",
+        "lstm_lr_too_high",
+        "LSTM",
         "an LSTM trained with plain SGD at lr=50: the loss blows up to ~100x its start while "
         "the gated recurrence keeps gradient norms moderate",
-        lambda: make(50.0), truth, check, lambda: make(0.5), counter_check,
+        lambda: make(50.0),
+        truth,
+        check,
+        lambda: make(0.5),
+        counter_check,
     )
 
 
@@ -430,8 +496,13 @@ def accumulation_explosion() -> Scenario:
         for b in model.blocks:
             b.norm = nn.Identity()  # a residual net without normalization
         return Setup(
-            model, torch.optim.SGD(model.parameters(), lr=0.02), CE(), teacher_data(16, 4, 16), 40,
-            before_step=lr_at(lambda s: 0.02 * (spike if s >= 20 else 1.0)), accumulate=4,
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.02),
+            CE(),
+            teacher_data(16, 4, 16),
+            40,
+            before_step=lr_at(lambda s: 0.02 * (spike if s >= 20 else 1.0)),
+            accumulate=4,
         )
 
     def check(r: Record) -> None:
@@ -442,10 +513,15 @@ def accumulation_explosion() -> Scenario:
         assert first_exploding(r)[0] is None
 
     return Scenario(
-        "resnet_accumulation_lr_explosion", "residual MLP, grad accumulation x4",
+        "resnet_accumulation_lr_explosion",
+        "residual MLP, grad accumulation x4",
         "gradient accumulation over 4 micro-batches per step; the lr jumps 500x at step 20 and "
         "the gradients explode; steps are optimizer steps, not micro-batches",
-        lambda: make(500.0), truth, check, lambda: make(1.0), counter_check,
+        lambda: make(500.0),
+        truth,
+        check,
+        lambda: make(1.0),
+        counter_check,
     )
 
 
@@ -467,9 +543,14 @@ def tanh_saturated() -> Scenario:
         assert all(v[0] < 0.5 for v in r.saturated.values())
 
     return Scenario(
-        "tanh_saturated_large_init", "MLP 2x Tanh",
+        "tanh_saturated_large_init",
+        "MLP 2x Tanh",
         "weights with std 2 (16x Xavier): pre-activations of ±10, most tanh outputs pinned at ±1",
-        lambda: make(2.0), truth, check, lambda: make(None), counter_check,
+        lambda: make(2.0),
+        truth,
+        check,
+        lambda: make(None),
+        counter_check,
     )
 
 
@@ -478,7 +559,11 @@ def lstm_nan_input() -> Scenario:
 
     def build() -> Setup:
         model = LSTMClassifier(8, 32, 4)
-        data = corrupt(float_sequences(8, 20, 4, 32), 15, lambda x: x.index_put_((torch.tensor([2]), torch.tensor([7])), torch.tensor(float("inf"))))
+        data = corrupt(
+            float_sequences(8, 20, 4, 32),
+            15,
+            lambda x: x.index_put_((torch.tensor([2]), torch.tensor([7])), torch.tensor(float("inf"))),
+        )
         return Setup(model, torch.optim.Adam(model.parameters(), lr=3e-3), CE(), data, 30)
 
     def check(r: Record) -> None:
@@ -486,10 +571,13 @@ def lstm_nan_input() -> Scenario:
         assert not r.all_finite(15), "one Inf feature poisons the recurrence"
 
     return Scenario(
-        "lstm_inf_in_sequence", "LSTM",
+        "lstm_inf_in_sequence",
+        "LSTM",
         "one time step of one sequence at step 15 holds an Inf (a sensor glitch): the LSTM state and "
         "every gradient go NaN",
-        build, truth, check,
+        build,
+        truth,
+        check,
     )
 
 
@@ -533,10 +621,13 @@ def softmax_overflow() -> Scenario:
         assert all(r.input_finite), "inputs are finite"
 
     return Scenario(
-        "custom_softmax_overflow", "custom attention pooling",
+        "custom_softmax_overflow",
+        "custom attention pooling",
         "a hand-written softmax exp(s / 0.002) without subtracting the max overflows float32 "
         "(exp(>88) = inf, inf/inf = NaN) on the very first batch",
-        build, truth, check,
+        build,
+        truth,
+        check,
     )
 
 
@@ -563,10 +654,15 @@ def unscaled_targets() -> Scenario:
         assert first_exploding(r)[0] is None, "the same model on standardized targets is fine"
 
     return Scenario(
-        "regression_unscaled_targets", "MLP 2x ReLU, MSE",
+        "regression_unscaled_targets",
+        "MLP 2x ReLU, MSE",
         "regression targets around 500 with spread 100 (not standardized): an MSE of ~4e5 and "
         "gradients above 1e3 from the first step, with ordinarily initialized weights",
-        lambda: make(100.0, 500.0), truth, check, lambda: make(1.0, 0.0), counter_check,
+        lambda: make(100.0, 500.0),
+        truth,
+        check,
+        lambda: make(1.0, 0.0),
+        counter_check,
     )
 
 
@@ -592,10 +688,15 @@ def double_he_init() -> Scenario:
         assert first_exploding(r)[0] is None, "He init itself (factor 1) is stable"
 
     return Scenario(
-        "mlp_double_he_init", "MLP 10x ReLU",
+        "mlp_double_he_init",
+        "MLP 10x ReLU",
         "He initialization scaled by 2: every layer doubles the signal, 2^10 over ten layers: "
         "huge logits, a huge loss, and gradients above 1e3 in every layer from the first step",
-        lambda: make(2.0), truth, check, lambda: make(1.0), counter_check,
+        lambda: make(2.0),
+        truth,
+        check,
+        lambda: make(1.0),
+        counter_check,
     )
 
 
@@ -622,10 +723,15 @@ def unnormalized_pixels() -> Scenario:
         assert all(v[0] < 0.5 for v in r.saturated.values()), "normalized inputs do not saturate"
 
     return Scenario(
-        "mlp_unnormalized_pixels", "MLP 2x Tanh",
+        "mlp_unnormalized_pixels",
+        "MLP 2x Tanh",
         "raw 0..255 pixel values fed to a tanh MLP with ordinary init: the first tanh is pinned "
         "at +-1 from the first step",
-        lambda: make(True), truth, check, lambda: make(False), counter_check,
+        lambda: make(True),
+        truth,
+        check,
+        lambda: make(False),
+        counter_check,
     )
 
 
@@ -641,9 +747,12 @@ def zero_batch() -> Scenario:
         expect(truth, "step", next(s for s in range(r.steps) if r.input_scale[s] == 0.0))
 
     return Scenario(
-        "mlp_all_zero_batch", "MLP 2x ReLU",
+        "mlp_all_zero_batch",
+        "MLP 2x ReLU",
         "the loader yields an all-zero batch at step 30 (a blank shard): finite, but no signal at all",
-        build, truth, check,
+        build,
+        truth,
+        check,
     )
 
 
@@ -653,7 +762,11 @@ def warmup_too_high() -> Scenario:
     def make(peak: float) -> Setup:
         model = mlp([16, 64, 64, 4], nn.ReLU)
         return Setup(
-            model, torch.optim.SGD(model.parameters(), lr=0.01), CE(), teacher_data(16, 4, 64), 80,
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.01),
+            CE(),
+            teacher_data(16, 4, 64),
+            80,
             before_step=lr_at(lambda s: min(peak, 0.01 * (1 + 10 * s))),
         )
 
@@ -665,9 +778,14 @@ def warmup_too_high() -> Scenario:
         assert max(r.loss[10:]) < r.loss[0]
 
     return Scenario(
-        "mlp_warmup_to_lr_5", "MLP 2x ReLU",
+        "mlp_warmup_to_lr_5",
+        "MLP 2x ReLU",
         "a linear warmup that never stops: the lr reaches 5.0 around step 50 and the loss blows up",
-        lambda: make(5.0), truth, check, lambda: make(0.1), counter_check,
+        lambda: make(5.0),
+        truth,
+        check,
+        lambda: make(0.1),
+        counter_check,
     )
 
 
@@ -685,7 +803,9 @@ def healthy_runs() -> List[Scenario]:
 
     def h_cnn() -> Setup:
         model = ConvNet([3, 8, 16, 16], 5, norm=True)
-        return Setup(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), CE(), image_data(3, 12, 5, 32), 80)
+        return Setup(
+            model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), CE(), image_data(3, 12, 5, 32), 80
+        )
 
     def h_lstm() -> Setup:
         model = LSTMClassifier(8, 32, 4)
@@ -694,12 +814,20 @@ def healthy_runs() -> List[Scenario]:
     def h_transformer() -> Setup:
         model = TinyTransformer(50, 32, 4, 2, 4)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        return Setup(model, opt, CE(), sequence_data(50, 16, 4, 32), 120,
-                     before_step=lr_at(lambda s: 1e-3 * min(1.0, (s + 1) / 20)))
+        return Setup(
+            model,
+            opt,
+            CE(),
+            sequence_data(50, 16, 4, 32),
+            120,
+            before_step=lr_at(lambda s: 1e-3 * min(1.0, (s + 1) / 20)),
+        )
 
     def h_resnet() -> Setup:
         model = ResNetMLP(16, 32, 6, 4)
-        return Setup(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), CE(), teacher_data(16, 4, 64), 120)
+        return Setup(
+            model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), CE(), teacher_data(16, 4, 64), 120
+        )
 
     def h_tanh() -> Setup:
         model = mlp([16, 64, 64, 4], nn.Tanh)
@@ -715,10 +843,20 @@ def healthy_runs() -> List[Scenario]:
 
     def h_accumulate() -> Setup:
         model = ResNetMLP(16, 32, 3, 4)
-        return Setup(model, torch.optim.SGD(model.parameters(), lr=0.05), CE(), teacher_data(16, 4, 16), 60, accumulate=4)
+        return Setup(
+            model, torch.optim.SGD(model.parameters(), lr=0.05), CE(), teacher_data(16, 4, 16), 60, accumulate=4
+        )
 
     def h_dropout() -> Setup:
-        model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.5), nn.Linear(64, 64), nn.ReLU(), nn.Dropout(0.5), nn.Linear(64, 4))
+        model = nn.Sequential(
+            nn.Linear(16, 64),
+            nn.ReLU(),
+            nn.Dropout(0.5),
+            nn.Linear(64, 64),
+            nn.ReLU(),
+            nn.Dropout(0.5),
+            nn.Linear(64, 4),
+        )
         return Setup(model, torch.optim.Adam(model.parameters(), lr=1e-3), CE(), teacher_data(16, 4, 64), 150)
 
     def h_clipped() -> Setup:
@@ -735,22 +873,41 @@ def healthy_runs() -> List[Scenario]:
 
     def h_long() -> Setup:
         model = ConvNet([3, 8, 16], 5, norm=True)
-        return Setup(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), CE(), image_data(3, 12, 5, 32), 400)
+        return Setup(
+            model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), CE(), image_data(3, 12, 5, 32), 400
+        )
 
     return [
         healthy("healthy_dropout", "MLP 2x ReLU + Dropout", "dropout 0.5 between layers", h_dropout),
         healthy("healthy_high_lr_clipped", "MLP 2x ReLU", "SGD at lr=1 with gradient clipping at 1.0", h_clipped),
-        healthy("healthy_long_converged_cnn", "CNN + BatchNorm",
-                "400 steps, converged for most of them: a flat converged loss is not a plateau", h_long, 0.9),
+        healthy(
+            "healthy_long_converged_cnn",
+            "CNN + BatchNorm",
+            "400 steps, converged for most of them: a flat converged loss is not a plateau",
+            h_long,
+            0.9,
+        ),
         healthy("healthy_mlp_adam", "MLP 2x ReLU", "a ReLU MLP with Adam", h_mlp),
         healthy("healthy_cnn_bn", "CNN + BatchNorm", "Conv-BN-ReLU with SGD+momentum", h_cnn),
         healthy("healthy_lstm", "LSTM", "an LSTM classifier with Adam", h_lstm, 0.1),
-        healthy("healthy_transformer_warmup", "Transformer", "a transformer with AdamW and lr warmup", h_transformer, 0.1),
+        healthy(
+            "healthy_transformer_warmup", "Transformer", "a transformer with AdamW and lr warmup", h_transformer, 0.1
+        ),
         healthy("healthy_resnet", "residual MLP + LayerNorm", "6 residual blocks with LayerNorm", h_resnet),
         healthy("healthy_tanh_xavier", "MLP 2x Tanh", "tanh with Xavier(5/3) init", h_tanh),
-        healthy("healthy_memorizes_one_batch", "MLP 1x ReLU",
-                "fits one fixed batch to ~zero loss: vanishing gradients of a converged run are not a failure", h_converges, 0.9),
-        healthy("healthy_accumulation", "residual MLP, grad accumulation x4", "gradient accumulation, 4 micro-batches", h_accumulate),
+        healthy(
+            "healthy_memorizes_one_batch",
+            "MLP 1x ReLU",
+            "fits one fixed batch to ~zero loss: vanishing gradients of a converged run are not a failure",
+            h_converges,
+            0.9,
+        ),
+        healthy(
+            "healthy_accumulation",
+            "residual MLP, grad accumulation x4",
+            "gradient accumulation, 4 micro-batches",
+            h_accumulate,
+        ),
     ]
 
 
@@ -788,5 +945,11 @@ def all_scenarios() -> List[Scenario]:
         through_time_scenarios,
     )
 
-    return (failures + loop_mistake_scenarios() + through_time_scenarios() + functional_scenarios()
-            + healthy_runs() + healthy_loop_runs())
+    return (
+        failures
+        + loop_mistake_scenarios()
+        + through_time_scenarios()
+        + functional_scenarios()
+        + healthy_runs()
+        + healthy_loop_runs()
+    )

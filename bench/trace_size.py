@@ -63,8 +63,16 @@ def write_cost(steps: int, sync: Optional[float], workdir: str, trace: bool) -> 
     modules = []
     params = []
     for i in range(DEPTH):
-        params.append({"module": len(modules), "name": f"{2*i}.weight", "numel": WIDTH * WIDTH, "role": "weight", "fan_in": WIDTH})
-        params.append({"module": len(modules), "name": f"{2*i}.bias", "numel": WIDTH, "role": "bias"})
+        params.append(
+            {
+                "module": len(modules),
+                "name": f"{2 * i}.weight",
+                "numel": WIDTH * WIDTH,
+                "role": "weight",
+                "fan_in": WIDTH,
+            }
+        )
+        params.append({"module": len(modules), "name": f"{2 * i}.bias", "numel": WIDTH, "role": "bias"})
         modules.append({"name": str(2 * i), "kind": "Linear"})
         modules.append({"name": str(2 * i + 1), "kind": "Tanh"})
     modules.append({"name": "", "kind": "Sequential"})
@@ -120,7 +128,9 @@ def main() -> int:
         print(json.dumps(result, indent=2))
         return 0
     print(result["model"])
-    print(f"trace of {result['steps']} steps: {result['file_bytes']} bytes, {result['bytes_per_step']:.0f} bytes per step")
+    print(
+        f"trace of {result['steps']} steps: {result['file_bytes']} bytes, {result['bytes_per_step']:.0f} bytes per step"
+    )
     base = cost["no trace"]
     for name, seconds in cost.items():
         extra = "" if name == "no trace" else f"  (+{(seconds - base) * 1e6:.1f} us)"

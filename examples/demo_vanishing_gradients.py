@@ -52,7 +52,7 @@ def main() -> None:
 
     os.makedirs("runs", exist_ok=True)
     with NeuralDbg(model, trace="runs/demo_vanishing_gradients.ndbg") as dbg:
-        for step, (x, y) in enumerate(train_loader(STEPS)):
+        for _step, (x, y) in enumerate(train_loader(STEPS)):
             optimizer.zero_grad()
             output = model(x)
             loss = criterion(output, y)
@@ -62,7 +62,7 @@ def main() -> None:
     print(f"Trained {dbg.step} steps; final loss {loss.item():.3f} (chance level is {math.log(CLASSES):.3f}).")
     linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     first_norms = [dbg.history(name)[1][0] for name in linears]
-    print(f"\nGradient norm per Linear layer at step 0 (input -> output, log scale):")
+    print("\nGradient norm per Linear layer at step 0 (input -> output, log scale):")
     print(f"  {sparkline(first_norms)}   {first_norms[0]:.1e} ... {first_norms[-1]:.1e}")
 
     events = dbg.events

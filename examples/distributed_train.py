@@ -38,9 +38,7 @@ def main() -> None:
         torch.cuda.set_device(device)
 
     torch.manual_seed(0)  # the same initial weights on every rank
-    model = nn.Sequential(
-        nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10)
-    ).to(device)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10)).to(device)
     if args.wrap == "ddp":
         model = nn.parallel.DistributedDataParallel(model)
     else:

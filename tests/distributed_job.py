@@ -14,7 +14,6 @@ of them together); ``raises`` leaves the group unusable and must come last.
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import sys
@@ -37,17 +36,15 @@ DEVICE = torch.device("cpu")
 
 def mlp(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Sequential(
-        nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3)
-    )
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3))
 
 
-def global_batch(step: int) -> "tuple[torch.Tensor, torch.Tensor]":
+def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 + step)
     return torch.randn(GLOBAL_BATCH, 6, generator=g), torch.randn(GLOBAL_BATCH, 3, generator=g)
 
 
-def local_batch(step: int, rank: int, world: int) -> "tuple[torch.Tensor, torch.Tensor]":
+def local_batch(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
     x, y = global_batch(step)
     n = GLOBAL_BATCH // world
     return x[rank * n : (rank + 1) * n].to(DEVICE), y[rank * n : (rank + 1) * n].to(DEVICE)
@@ -58,7 +55,7 @@ def layer_norms(model: nn.Module, attr: str) -> Dict[str, float]:
     (``"grad"`` or ``"data"``), by plain torch on one process."""
     out: Dict[str, float] = {}
     for name, m in model.named_modules():
-        ps = [p for p in m.parameters(recurse=False)]
+        ps = list(m.parameters(recurse=False))
         if not ps:
             continue
         ts = [p.grad if attr == "grad" else p.data for p in ps]
@@ -88,7 +85,7 @@ def history(dbg: NeuralDbg, names: List[str], metric: str, strip: str = "") -> D
     out: Dict[str, Dict[int, float]] = {}
     for name in names:
         steps, values = dbg.history(name, metric)
-        out[name[len(strip):] if strip and name.startswith(strip) else name] = {
+        out[name[len(strip) :] if strip and name.startswith(strip) else name] = {
             int(s): float(v) for s, v in zip(steps, values)
         }
     return out
@@ -99,15 +96,22 @@ class Counter:
     we go through; DDP's reducer runs in C++ and is the same watched or not)."""
 
     NAMES = (
-        "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
-        "broadcast", "all_to_all_single", "barrier", "gather", "reduce",
+        "all_reduce",
+        "all_gather",
+        "all_gather_into_tensor",
+        "reduce_scatter_tensor",
+        "broadcast",
+        "all_to_all_single",
+        "barrier",
+        "gather",
+        "reduce",
     )
 
     def __init__(self) -> None:
         self.calls = 0
         self.saved: Dict[str, Callable[..., Any]] = {}
 
-    def __enter__(self) -> "Counter":
+    def __enter__(self) -> Counter:
         for n in self.NAMES:
             f = getattr(dist, n)
             self.saved[n] = f
@@ -136,16 +140,26 @@ def wrap(kind: str, model: nn.Module, world: int) -> nn.Module:
     else:
         mesh = init_device_mesh(DEVICE.type, (world,))
     reshard = kind != "fsdp_keep"
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if kind == "fsdp_bf16" else MixedPrecisionPolicy()
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if kind == "fsdp_bf16"
+        else MixedPrecisionPolicy()
+    )
     for i in (0, 2, 4):
         fully_shard(model[i], mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
     return model
 
 
-def train(model: nn.Module, steps: int, rank: int, world: int, lr: float = 0.05,
-          plan: "Callable[[int, torch.Tensor, nn.Module, Any], torch.Tensor] | None" = None,
-          **opts: Any) -> NeuralDbg:
+def train(
+    model: nn.Module,
+    steps: int,
+    rank: int,
+    world: int,
+    lr: float = 0.05,
+    plan: Callable[[int, torch.Tensor, nn.Module, Any], torch.Tensor] | None = None,
+    **opts: Any,
+) -> NeuralDbg:
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     with NeuralDbg(model, **opts) as dbg:
         for step in range(steps):
@@ -161,14 +175,21 @@ def train(model: nn.Module, steps: int, rank: int, world: int, lr: float = 0.05,
 
 def hypotheses(dbg: NeuralDbg) -> List[Dict[str, Any]]:
     return [
-        {"failure": str(h.failure), "cause": str(h.cause), "layer": h.layer, "step": h.step,
-         "confidence": h.confidence, "description": h.description,
-         "evidence": [dict(e.metadata, layer=e.layer_name, step=e.step) for e in h.evidence]}
+        {
+            "failure": str(h.failure),
+            "cause": str(h.cause),
+            "layer": h.layer,
+            "step": h.step,
+            "confidence": h.confidence,
+            "description": h.description,
+            "evidence": [dict(e.metadata, layer=e.layer_name, step=e.step) for e in h.evidence],
+        }
         for h in dbg.explain_failure()
     ]
 
 
 # ----------------------------------------------------------------------------- scenarios
+
 
 def norms(kind: str, rank: int, world: int, out: str) -> Dict[str, Any]:
     """Per-layer gradient and parameter norms of a DDP / FSDP2 / HSDP job against the
@@ -181,8 +202,7 @@ def norms(kind: str, rank: int, world: int, out: str) -> Dict[str, Any]:
         model = wrap(kind, mlp(), world)
         with Counter() as c:
             if watched:
-                dbg = train(model, steps, rank, world, weight_every=1,
-                            trace=os.path.join(out, f"{kind}.ndbg"))
+                dbg = train(model, steps, rank, world, weight_every=1, trace=os.path.join(out, f"{kind}.ndbg"))
             else:
                 opt = torch.optim.SGD(model.parameters(), lr=0.05)
                 for step in range(steps):
@@ -215,7 +235,8 @@ def fsdp_rank(rank: int, world: int, out: str) -> Dict[str, Any]:
     names = [n for n, m in model.named_modules() if list(m.parameters(recurse=False))]
     shard = {
         n: float(torch.sqrt(sum((p.grad._local_tensor.double() ** 2).sum() for p in m.parameters(recurse=False))))
-        for n, m in model.named_modules() if n in names
+        for n, m in model.named_modules()
+        if n in names
     }
     return {
         "steps": dbg.step,
@@ -235,10 +256,13 @@ def nan_batch(rank: int, world: int, out: str) -> Dict[str, Any]:
             x[0, 0] = float("nan")
         return x
 
-    dbg = train(wrap("ddp", mlp(), world), 8, rank, world, plan=plan,
-                trace=os.path.join(out, "nan_batch.ndbg"))
-    return {"bad_rank": bad_rank, "bad_step": bad_step, "hypotheses": hypotheses(dbg),
-            "events": [dict(e.metadata, type=str(e.event_type), layer=e.layer_name, step=e.step) for e in dbg.events]}
+    dbg = train(wrap("ddp", mlp(), world), 8, rank, world, plan=plan, trace=os.path.join(out, "nan_batch.ndbg"))
+    return {
+        "bad_rank": bad_rank,
+        "bad_step": bad_step,
+        "hypotheses": hypotheses(dbg),
+        "events": [dict(e.metadata, type=str(e.event_type), layer=e.layer_name, step=e.step) for e in dbg.events],
+    }
 
 
 class Div(nn.Module):
@@ -272,6 +296,7 @@ def nan_forward(rank: int, world: int, out: str) -> Dict[str, Any]:
 def lr_explosion(rank: int, world: int, out: str) -> Dict[str, Any]:
     """The learning rate multiplied by 1000 at step 15, in a DDP job and in one process on the
     global batch: the same diagnosis."""
+
     def plan(step: int, x: torch.Tensor, model: nn.Module, opt: Any) -> torch.Tensor:
         if step == 15:
             for g in opt.param_groups:
@@ -319,8 +344,10 @@ def fails_locally(rank: int, world: int, out: str) -> Dict[str, Any]:
         with NeuralDbg(model, distributed_timeout=60.0) as dbg:
             for step in range(8):
                 if rank == bad_rank and step == 4:
+
                     def broken(*a: Any, **k: Any) -> Any:
                         raise RuntimeError("planted internal error")
+
                     dbg._collector.measure.gradient_norms = broken
                 x, y = local_batch(step, rank, world)
                 opt.zero_grad()
@@ -348,7 +375,7 @@ def raises(rank: int, world: int, out: str) -> Dict[str, Any]:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            with NeuralDbg(model, distributed_timeout=3.0) as dbg:
+            with NeuralDbg(model, distributed_timeout=3.0):
                 for step in range(8):
                     if rank == bad_rank and step == 3:
                         raise KeyError("planted")

@@ -24,7 +24,7 @@ def step(model: nn.Module, opt: Any) -> None:
     opt.step()
 
 
-def model_and_optimizer() -> "tuple[nn.Module, Any]":
+def model_and_optimizer() -> tuple[nn.Module, Any]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
     return model, torch.optim.SGD(model.parameters(), lr=0.01)

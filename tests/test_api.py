@@ -46,10 +46,7 @@ def train(model, dbg_model=None, steps=5, lr=0.01, accumulate=1, loss_fn=None, s
 
 
 def hook_counts(model: nn.Module) -> int:
-    return sum(
-        len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks)
-        for m in model.modules()
-    )
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks) for m in model.modules())
 
 
 def global_optimizer_hooks() -> int:
@@ -80,10 +77,9 @@ def test_hooks_removed_on_exit_and_on_exception():
     class Boom(RuntimeError):
         pass
 
-    with pytest.raises(Boom, match="user error"):
-        with NeuralDbg(model):
-            train(model, steps=2)
-            raise Boom("user error")
+    with pytest.raises(Boom, match="user error"), NeuralDbg(model):
+        train(model, steps=2)
+        raise Boom("user error")
     assert hook_counts(model) == before_model
     assert global_optimizer_hooks() == before_global
 
@@ -153,12 +149,10 @@ def test_unknown_names_raise_clear_errors():
 def test_reentry_is_refused():
     model = mlp()
     dbg = NeuralDbg(model)
-    with dbg:
-        with pytest.raises(NeuralDbgError, match="already active"):
-            dbg.__enter__()
-    with pytest.raises(NeuralDbgError, match="one training run"):
-        with dbg:
-            pass
+    with dbg, pytest.raises(NeuralDbgError, match="already active"):
+        dbg.__enter__()
+    with pytest.raises(NeuralDbgError, match="one training run"), dbg:
+        pass
 
 
 def test_history_is_per_step_and_matches_torch():
@@ -173,9 +167,7 @@ def test_history_is_per_step_and_matches_torch():
             loss = crit(model(torch.randn(32, 16)), torch.randint(0, 4, (32,)))
             loss.backward()
             first = model[0]
-            expected.append(
-                math.sqrt(first.weight.grad.norm().item() ** 2 + first.bias.grad.norm().item() ** 2)
-            )
+            expected.append(math.sqrt(first.weight.grad.norm().item() ** 2 + first.bias.grad.norm().item() ** 2))
             opt.step()
     steps, values = dbg.history("0", "grad_norm")
     assert list(steps) == list(range(12))

@@ -50,17 +50,16 @@ def test_crashed_loop_still_leaves_the_diagnosis():
     torch.manual_seed(0)
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    with pytest.raises(FloatingPointError):
-        with NeuralDbg(model) as dbg:
-            for i, (x, y) in enumerate(batches(30)):
-                if i == 12:
-                    model.bad.scale = 0.0
-                opt.zero_grad()
-                loss = nn.functional.cross_entropy(model(x), y)
-                if not torch.isfinite(loss):
-                    raise FloatingPointError(f"NaN loss at step {i}")
-                loss.backward()
-                opt.step()
+    with pytest.raises(FloatingPointError), NeuralDbg(model) as dbg:
+        for i, (x, y) in enumerate(batches(30)):
+            if i == 12:
+                model.bad.scale = 0.0
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(model(x), y)
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"NaN loss at step {i}")
+            loss.backward()
+            opt.step()
     assert dbg.step == 12
     top = dbg.explain_failure()[0]
     assert top.failure == "non_finite"

@@ -8,14 +8,12 @@ compile, so the tests stay fast; one test uses inductor itself."""
 
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 import pytest
 import torch
 import torch.nn as nn
 
-from neuraldbg import NeuralDbg, NeuralDbgWarning
+from neuraldbg import NeuralDbg
 
 dynamo = pytest.importorskip("torch._dynamo")
 from torch._dynamo.utils import counters  # noqa: E402

@@ -12,11 +12,12 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench.corpus import fit  # noqa: E402
-from bench.corpus.bases import BASES, Knobs, base  # noqa: E402
-from bench.corpus.mutations import MUTATIONS, pairs, singles  # noqa: E402
-from bench.corpus.run import label, one  # noqa: E402
-from neuraldbg.types import Cause  # noqa: E402
+from bench.corpus import fit
+from bench.corpus.bases import BASES, Knobs, base
+from bench.corpus.mutations import MUTATIONS, pairs, singles
+from bench.corpus.run import label, one
+
+from neuraldbg.types import Cause
 
 
 def test_every_operator_plants_a_cause_of_the_vocabulary_and_applies_somewhere() -> None:

@@ -33,7 +33,18 @@ pytestmark = [
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 JOBS = {
-    2: ["ddp", "fsdp", "fsdp_keep", "fsdp_bf16", "fsdp_rank", "nan_batch", "nan_forward", "lr_explosion", "fails_locally", "raises"],
+    2: [
+        "ddp",
+        "fsdp",
+        "fsdp_keep",
+        "fsdp_bf16",
+        "fsdp_rank",
+        "nan_batch",
+        "nan_forward",
+        "lr_explosion",
+        "fails_locally",
+        "raises",
+    ],
     4: ["hsdp", "fsdp", "diverged", "nan_batch"],
 }
 
@@ -41,8 +52,14 @@ JOBS = {
 def _run_job(world: int, out: str, names: List[str], **env_extra: str) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **env_extra)
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
-        "--standalone", os.path.join(HERE, "distributed_job.py"), out, *names,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={world}",
+        "--standalone",
+        os.path.join(HERE, "distributed_job.py"),
+        out,
+        *names,
     ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -143,7 +160,9 @@ def test_one_trace_for_the_job(job: Dict[str, Any]) -> None:
     cli = os.path.join(os.path.dirname(sys.executable), "neuraldbg")
     proc = subprocess.run(
         [cli, "explain", os.path.join(job["out"], "nan_batch.ndbg"), "--json"],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert proc.returncode == 0, proc.stderr
     replayed = json.loads(proc.stdout)
@@ -173,7 +192,10 @@ def test_nan_made_by_a_module_names_the_module_and_the_rank(path: str, request: 
     for d in request.getfixturevalue(path)["results"]["nan_forward"]:
         top = d["hypotheses"][0]
         assert (top["failure"], top["cause"], top["layer"], top["step"]) == (
-            "non_finite", "numerical_instability", "module.1", d["bad_step"]
+            "non_finite",
+            "numerical_instability",
+            "module.1",
+            d["bad_step"],
         ), top
         assert f"on rank {d['bad_rank']}" in top["description"], top["description"]
         origin = [e for e in top["evidence"] if e["layer"] == "module.1"]
@@ -182,7 +204,10 @@ def test_nan_made_by_a_module_names_the_module_and_the_rank(path: str, request: 
 
 def test_learning_rate_explosion_diagnosed_as_in_one_process(job2: Dict[str, Any]) -> None:
     for d in job2["results"]["lr_explosion"]:
-        job_top = [(h["failure"], h["cause"], h["layer"].removeprefix("module.") if h["layer"] else None, h["step"]) for h in d["job"][:3]]
+        job_top = [
+            (h["failure"], h["cause"], h["layer"].removeprefix("module.") if h["layer"] else None, h["step"])
+            for h in d["job"][:3]
+        ]
         single_top = [(h["failure"], h["cause"], h["layer"], h["step"]) for h in d["single"][:3]]
         assert job_top == single_top
         assert job_top[0][:2] == ("exploding_gradients", "learning_rate_too_high")

@@ -7,7 +7,6 @@ import math
 
 import pytest
 import torch
-
 from bench.external import all_programs
 from bench.external.common import (
     Program,
@@ -88,7 +87,7 @@ def test_data_keeps_the_originals_schema_and_scale() -> None:
     assert c.shape[1:] == (3, 32, 32) and c.min() >= 0 and c.max() <= 255 and set(cy) == set(range(10))
     f, mpg = auto_mpg()
     assert f.shape == (392, 9) and not math.isnan(float(f.sum()))
-    assert 9 <= mpg.min() and mpg.max() <= 47  # Auto MPG's range
+    assert mpg.min() >= 9 and mpg.max() <= 47  # Auto MPG's range
     assert f[:, 3].max() > 4000  # raw weight in lbs: the missing-normalization fault needs it
     assert (f[:, 6:].sum(1) == 1).all()  # origin one-hot
 

@@ -73,7 +73,9 @@ def test_a_trace_damaged_before_its_first_step_is_an_error_not_zero_steps(tmp_pa
     path.write_bytes(bytes(data))
     with pytest.raises(neuraldbg.TraceError, match="damaged before its first step"):
         neuraldbg.load(path)
-    cli = subprocess.run([sys.executable, "-m", "neuraldbg", "explain", str(path)], capture_output=True, text=True, timeout=60)
+    cli = subprocess.run(
+        [sys.executable, "-m", "neuraldbg", "explain", str(path)], capture_output=True, text=True, timeout=60
+    )
     assert cli.returncode == 3 and "before its first step" in cli.stderr, cli.stderr
 
 
@@ -111,7 +113,7 @@ def test_options_name_the_option_the_value_and_the_range(option: str, value: Any
     assert "line 1 column" not in str(e.value) and "JSON" not in str(e.value)
 
 
-def noise_run(steps: int, spike_at: "int | None" = None) -> NeuralDbg:
+def noise_run(steps: int, spike_at: int | None = None) -> NeuralDbg:
     """A small MLP regressing pure noise (its loss stays near 1, the user's 500-step run); the
     learning rate is multiplied by 1000 at ``spike_at``."""
     torch.manual_seed(0)
@@ -183,7 +185,9 @@ def test_history_errors_say_what_was_wrong_and_list_candidates() -> None:
     model.add_module("encoder", nn.Sequential(nn.Linear(16, 16), nn.ReLU()))
     model.add_module("head", nn.Linear(16, 1))
     dbg = train(model, 3)
-    with pytest.raises(ConfigError, match=r"layer must be a qualified module name \(a str such as 'encoder.0'\).*int 0"):
+    with pytest.raises(
+        ConfigError, match=r"layer must be a qualified module name \(a str such as 'encoder.0'\).*int 0"
+    ):
         dbg.history(0)  # type: ignore[arg-type]
     # An unknown name lists the model's names, the closest first (DDP's `module.` prefix...).
     with pytest.raises(UnknownNameError, match=r'unknown layer "0"; expected one of: "encoder.0", .*"head"'):
@@ -208,8 +212,10 @@ def test_steps_not_observed_are_in_the_trace_and_load_says_so(tmp_path: Any) -> 
         with NeuralDbg(model, trace=path) as dbg:
             for step in range(20):
                 if step == 8:
+
                     def broken(*a: Any, **k: Any) -> Any:
                         raise RuntimeError("planted internal error")
+
                     dbg._collector.reader.read_gradients = broken
                     dbg._collector.reader.plain = None  # (the extension's fast path reads them itself)
                     dbg._collector.reader.plain_optimizer = None
@@ -238,7 +244,16 @@ def _torchrun(scenario: str, out: str, timeout: float = 120) -> Dict[str, Any]:
     """Runs one scenario of tests/distributed_mistakes.py as a 2-process torchrun job; returns
     what each rank reported and the job's wall time."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", _MISTAKES, out, scenario]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--standalone",
+        _MISTAKES,
+        out,
+        scenario,
+    ]
     t0 = time.monotonic()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     wall = time.monotonic() - t0
@@ -260,7 +275,7 @@ def plain_seconds(tmp_path_factory: Any) -> float:
     return _plain_job_seconds(tmp_path_factory)
 
 
-def _readable(path: str) -> "neuraldbg.TraceRun":
+def _readable(path: str) -> neuraldbg.TraceRun:
     with warnings.catch_warnings():
         warnings.simplefilter("error", NeuralDbgWarning)  # damage would warn: fail instead
         return neuraldbg.load(path)
@@ -321,7 +336,9 @@ def test_a_rank_that_raises_and_lives_on_is_named_and_the_gap_recorded(tmp_path:
     assert run.unobserved[0].startswith(f"steps {run.step} to 19 were not observed: rank 1 left its"), run.unobserved
     cli = subprocess.run(
         [sys.executable, "-m", "neuraldbg", "explain", os.path.join(str(tmp_path), "x.ndbg")],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert f"steps {run.step} to 19 were not observed" in cli.stderr, cli.stderr
 

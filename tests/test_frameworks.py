@@ -14,7 +14,6 @@ import pytest
 import torch
 import torch.nn as nn
 
-
 L = pytest.importorskip("lightning.pytorch")
 transformers = pytest.importorskip("transformers")
 
@@ -64,9 +63,16 @@ class Regressor(L.LightningModule):
 
 def fit(module, tmp_path, callback, batch_size: int = 32, **trainer_args):
     trainer = L.Trainer(
-        default_root_dir=tmp_path, callbacks=[callback], logger=L.loggers.CSVLogger(tmp_path),
-        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-        accelerator="cpu", devices=1, num_sanity_val_steps=0, **trainer_args,
+        default_root_dir=tmp_path,
+        callbacks=[callback],
+        logger=L.loggers.CSVLogger(tmp_path),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        accelerator="cpu",
+        devices=1,
+        num_sanity_val_steps=0,
+        **trainer_args,
     )
     loader = torch.utils.data.DataLoader(regression_data(), batch_size=batch_size)
     trainer.fit(module, loader)
@@ -162,9 +168,16 @@ class LogSpy(transformers.TrainerCallback):
 
 def hf_train(tmp_path, model, cb, max_steps: int, spy=None, **args):
     targs = transformers.TrainingArguments(
-        output_dir=str(tmp_path), max_steps=max_steps, per_device_train_batch_size=8,
-        learning_rate=1e-3, logging_steps=2, report_to=[], save_strategy="no", use_cpu=True,
-        disable_tqdm=True, **args,
+        output_dir=str(tmp_path),
+        max_steps=max_steps,
+        per_device_train_batch_size=8,
+        learning_rate=1e-3,
+        logging_steps=2,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+        **args,
     )
     callbacks = [cb] if spy is None else [spy, cb]  # the spy first, as the integrations are
     trainer = transformers.Trainer(model=model, args=targs, train_dataset=Rows(), callbacks=callbacks)
@@ -249,8 +262,12 @@ def test_lightning_callback_watches_every_rank_and_only_rank_zero_writes_the_rep
 
     logger = Logger()
     trainer = SimpleNamespace(
-        is_global_zero=zero, log_dir=str(tmp_path), default_root_dir=str(tmp_path), should_stop=False,
-        loggers=[logger], global_step=3,
+        is_global_zero=zero,
+        log_dir=str(tmp_path),
+        default_root_dir=str(tmp_path),
+        should_stop=False,
+        loggers=[logger],
+        global_step=3,
     )
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))

@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
-import sys
 import copy
+import sys
 from collections import Counter
 from contextlib import contextmanager
 from typing import Iterator, List, Tuple
@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
-
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from neuraldbg import NeuralDbg
@@ -134,7 +133,7 @@ def test_deferred_transfer_reads_nothing_inside_the_step():
             if mode != "host":
                 device_path(dbg, deferred=mode == "deferred")
             for i in range(15):
-                loss = step(model, opt)
+                step(model, opt)
                 if mode == "deferred" and i >= 1:
                     # Observed at optimizer.step(), not yet handed over.
                     assert dbg._engine.last_step == i - 1
@@ -149,7 +148,6 @@ def test_deferred_transfer_reads_nothing_inside_the_step():
     # the device path's torch reductions.
     for a, b in zip(runs["host"], runs["direct"]):
         np.testing.assert_allclose(a, b, rtol=1e-5)
-
 
 
 def test_deferred_transfer_has_no_host_read_in_the_step():
@@ -225,19 +223,18 @@ def test_crash_after_a_nan_forward_is_still_diagnosed(mode):
     torch.manual_seed(0)
     model = nan_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    with pytest.raises(FloatingPointError):
-        with NeuralDbg(model) as dbg:
-            device_path(dbg, deferred=mode == "deferred")
-            for i in range(10):
-                opt.zero_grad()
-                if i == 7:
-                    with torch.no_grad():
-                        model[0].bias.fill_(-100.0)
-                loss = nn.functional.cross_entropy(model(torch.randn(16, 8)), torch.randint(0, 4, (16,)))
-                if not torch.isfinite(loss):
-                    raise FloatingPointError("loss is NaN")
-                loss.backward()
-                opt.step()
+    with pytest.raises(FloatingPointError), NeuralDbg(model) as dbg:
+        device_path(dbg, deferred=mode == "deferred")
+        for i in range(10):
+            opt.zero_grad()
+            if i == 7:
+                with torch.no_grad():
+                    model[0].bias.fill_(-100.0)
+            loss = nn.functional.cross_entropy(model(torch.randn(16, 8)), torch.randint(0, 4, (16,)))
+            if not torch.isfinite(loss):
+                raise FloatingPointError("loss is NaN")
+            loss.backward()
+            opt.step()
     # The dead ReLU that feeds it zeros is the deeper cause; the non-finite origin is named too.
     top = dbg.explain_failure("non_finite")[0]
     assert (top.failure, top.layer, top.step) == ("non_finite", "2", 7), top
@@ -257,7 +254,9 @@ def test_hooks_only_where_a_nan_can_start_and_probes_only_when_sampled(path):
     step has no forward hook or record on any module, the model itself keeping its pre-hook
     (a forward pass starts) alone."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Dropout(0.1), nn.Sequential(nn.Linear(16, 16), nn.Tanh()), nn.Linear(16, 4))
+    model = nn.Sequential(
+        nn.Linear(16, 16), nn.ReLU(), nn.Dropout(0.1), nn.Sequential(nn.Linear(16, 16), nn.Tanh()), nn.Linear(16, 4)
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with NeuralDbg(model, activation_every=5, dense_steps=2) as dbg:
         if path == "device":
@@ -300,7 +299,9 @@ def test_activation_sampling_measures_densely_while_a_change_is_unconfirmed():
 def test_conv_bn_relu_units_are_channels():
     """Dead units after Conv -> BatchNorm -> ReLU are channels, not image columns."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 64, 4))
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 64, 4)
+    )
     with torch.no_grad():
         model[1].bias[:4] = -50.0  # four of eight channels are off everywhere
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
@@ -406,27 +407,26 @@ def test_layers_are_recorded_without_hooks_and_the_classes_restored_on_exit():
     twin = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x = torch.randn(8, 16)
-    with pytest.raises(RuntimeError, match="boom"):
-        with NeuralDbg(model) as dbg:
-            device_path(dbg, deferred=False)  # (host mode keeps no tensor of a recorded call)
-            for _ in range(3):
-                step(model, opt)
-            assert not any(m._forward_hooks for m in model)  # the ReLU (a probe) too
-            assert nn.Linear.forward is not linear_forward
-            twin.load_state_dict(model.state_dict())
-            refs = dbg._collector.refs
-            refs.clear()
-            model.eval()
-            twin.eval()
-            with torch.no_grad():
-                got = twin(x)
-                assert refs == []  # another model: not recorded
-                expected = model(x)
-            np.testing.assert_array_equal(got.numpy(), expected.numpy())
-            names = dbg._collector.watched.names
-            assert [names[i] for i, _, _ in refs] == ["0", "1", "3", ""]
-            assert refs[0][1] is not None and refs[0][2][0] is x  # output and args, as a hook sees them
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError, match="boom"), NeuralDbg(model) as dbg:
+        device_path(dbg, deferred=False)  # (host mode keeps no tensor of a recorded call)
+        for _ in range(3):
+            step(model, opt)
+        assert not any(m._forward_hooks for m in model)  # the ReLU (a probe) too
+        assert nn.Linear.forward is not linear_forward
+        twin.load_state_dict(model.state_dict())
+        refs = dbg._collector.refs
+        refs.clear()
+        model.eval()
+        twin.eval()
+        with torch.no_grad():
+            got = twin(x)
+            assert refs == []  # another model: not recorded
+            expected = model(x)
+        np.testing.assert_array_equal(got.numpy(), expected.numpy())
+        names = dbg._collector.watched.names
+        assert [names[i] for i, _, _ in refs] == ["0", "1", "3", ""]
+        assert refs[0][1] is not None and refs[0][2][0] is x  # output and args, as a hook sees them
+        raise RuntimeError("boom")
     assert nn.Linear.forward is linear_forward
     assert "forward" not in nn.BatchNorm1d.__dict__
     assert not CALL_RECORDER.watched and not CALL_RECORDER.records and not CALL_RECORDER.wrappers
@@ -450,7 +450,7 @@ def test_gradients_are_read_where_each_backward_ends_and_new_sentinels_when_a_se
     torch.manual_seed(0)
     model = mlp(4)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    middle = [p for p in model[4].parameters()]
+    middle = list(model[4].parameters())
     unclipped: List[float] = []
     criterion = nn.CrossEntropyLoss()
     hooked = 2 if where == "hooks" else 0
@@ -494,7 +494,7 @@ def test_a_backward_the_tap_does_not_see_has_the_sentinels_hooked_again():
     torch.manual_seed(0)
     model = mlp(3)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    middle = [p for p in model[2].parameters()]
+    middle = list(model[2].parameters())
     unclipped: List[float] = []
     with NeuralDbg(model) as dbg:
         for i in range(12):
@@ -566,7 +566,9 @@ def test_a_replayed_forward_leaves_the_model_and_the_random_stream_as_they_were(
     from neuraldbg._model import WatchedModel
 
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Dropout(0.5), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)).train()
+    model = nn.Sequential(
+        nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Dropout(0.5), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)
+    ).train()
     with torch.no_grad():
         model[3].weight[0, 0] = float("inf")
     watched = WatchedModel(model)
@@ -594,7 +596,9 @@ def test_a_nan_step_replayed_for_its_origin_leaves_training_as_an_unwatched_run_
     sees: the running statistics, the parameters and the random stream after the step are
     those of an unwatched twin run on the same data."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 16), nn.Linear(16, 4))
+    model = nn.Sequential(
+        nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 16), nn.Linear(16, 4)
+    )
     twin = copy.deepcopy(model)
     data = [(torch.randn(32, 8), torch.randint(0, 4, (32,))) for _ in range(16)]
 
@@ -959,7 +963,9 @@ def _train(loop: str, tmp_path, name: str, plain: bool, monkeypatch) -> Tuple[Li
     g = torch.Generator().manual_seed(1)
     if loop == "tokens":  # token ids in: no float input, no input statistics
         model = nn.Sequential(nn.Embedding(50, 8), nn.Flatten(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
-        data = [(torch.randint(0, 50, (32, 2), generator=g), torch.randint(0, 4, (32,), generator=g)) for _ in range(40)]
+        data = [
+            (torch.randint(0, 50, (32, 2), generator=g), torch.randint(0, 4, (32,), generator=g)) for _ in range(40)
+        ]
     else:
         model = mlp(3)
         data = [(torch.randn(32, 16, generator=g), torch.randint(0, 4, (32,), generator=g)) for _ in range(40)]
@@ -1027,6 +1033,15 @@ def test_the_extensions_plain_steps_give_the_engine_what_the_collector_would(loo
     # with a second backward (odd ones: 15 of them), an evaluation forward (i % 4 == 2: 6),
     # another model's backward (i % 3 != 0: 18), a NaN (27 on), a tensor learning rate (all),
     # and those after the crash at 23.
-    expected = {"plain": 27, "tokens": 27, "accumulate": 12, "clip": 27, "eval_between": 21, "nan": 15,
-                "other_backward": 9, "lr_tensor": 0, "crash": 11}
+    expected = {
+        "plain": 27,
+        "tokens": 27,
+        "accumulate": 12,
+        "clip": 27,
+        "eval_between": 21,
+        "nan": 15,
+        "other_backward": 9,
+        "lr_tensor": 0,
+        "crash": 11,
+    }
     assert ours[3] == expected[loop]

@@ -175,7 +175,7 @@ def test_plain_jit_loop_last_partial_buffer_arrives_at_exit() -> None:
     """A functional loop under jax.jit: the state goes in and out of the compiled step (the host
     sees it there); the steps after the last read are in the final state only."""
     p = {"l1": {"kernel": jnp.asarray(np.random.default_rng(0).normal(size=(8, 4)), jnp.float32), "bias": jnp.zeros(4)}}
-    x, y = data(64)
+    x, _y = data(64)
 
     def loss_fn(p: Any, xb: Any) -> Any:
         return jnp.mean(jnp.tanh(xb @ p["l1"]["kernel"] + p["l1"]["bias"]) ** 2)
@@ -397,7 +397,9 @@ def test_package_imports_without_torch_jax_or_keras() -> None:
 
 
 def test_keras_spoke_imports_without_torch() -> None:
-    r = run_blocked(["torch"], "import sys, neuraldbg.keras, keras\nprint(keras.backend.backend(), 'torch' in sys.modules)\n")
+    r = run_blocked(
+        ["torch"], "import sys, neuraldbg.keras, keras\nprint(keras.backend.backend(), 'torch' in sys.modules)\n"
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["jax", "False"]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from typing import Any, Dict, List
+from typing import Any, Dict
 
 import numpy as np
 import pytest
@@ -37,7 +37,9 @@ def data(n: int = 640, d: int = 16, seed: int = 0) -> Any:
 def sigmoid_mlp(depth: int) -> Any:
     keras.utils.set_random_seed(0)
     return keras.Sequential(
-        [keras.Input((16,))] + [keras.layers.Dense(32, activation="sigmoid") for _ in range(depth)] + [keras.layers.Dense(1)]
+        [keras.Input((16,))]
+        + [keras.layers.Dense(32, activation="sigmoid") for _ in range(depth)]
+        + [keras.layers.Dense(1)]
     )
 
 
@@ -135,7 +137,15 @@ def test_functional_validation_and_user_callbacks(tmp_path: Any) -> None:
     trace = tmp_path / "keras.ndbg"
     report = tmp_path / "keras.html"
     cb = NeuralDbgCallback(trace=trace, report=report, verbose=False)
-    model.fit(x[:512], y[:512], batch_size=32, epochs=2, validation_data=(x[512:], y[512:]), callbacks=[counter, cb], verbose=0)
+    model.fit(
+        x[:512],
+        y[:512],
+        batch_size=32,
+        epochs=2,
+        validation_data=(x[512:], y[512:]),
+        callbacks=[counter, cb],
+        verbose=0,
+    )
     dbg = cb.dbg
     assert dbg.step == counter.batches == 32
     assert dbg.layers == ["enc", "mid", "head"]
@@ -179,9 +189,7 @@ def test_ring_buffer_leaves_no_trace_in_the_optimizer_or_a_checkpoint(tmp_path: 
     assert not {"apply", "save_own_variables", "load_own_variables"} & set(model.optimizer.__dict__)
     loaded = keras.saving.load_model(path)
     assert len(loaded.optimizer.variables) == len(before)
-    np.testing.assert_allclose(
-        loaded.optimizer.variables[-1].numpy(), model.optimizer.variables[-1].numpy(), rtol=1e-6
-    )
+    np.testing.assert_allclose(loaded.optimizer.variables[-1].numpy(), model.optimizer.variables[-1].numpy(), rtol=1e-6)
 
 
 def test_custom_train_step_subclassed_model() -> None:

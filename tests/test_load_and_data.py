@@ -100,8 +100,10 @@ def test_to_pandas_history_is_the_measured_gradient_norms(run) -> None:
     assert list(first.step) == list(range(len(norms)))
     # Independent ground truth: the norms torch computed in the loop (float32 in the engine).
     for got, want in zip(first.value, norms):
-        assert (math.isnan(got) and not math.isfinite(want)) or math.isclose(got, want, rel_tol=1e-5) or (
-            math.isinf(got) and math.isinf(want)
+        assert (
+            (math.isnan(got) and not math.isfinite(want))
+            or math.isclose(got, want, rel_tol=1e-5)
+            or (math.isinf(got) and math.isinf(want))
         )
     assert set(df.group.cat.categories) == {"layer", "activation", "run"}
     assert df[df.group == "run"].layer.isna().all()
@@ -132,8 +134,9 @@ def test_parquet_export_round_trips_with_pyarrow(run, tmp_path: Path) -> None:
     pq = pytest.importorskip("pyarrow.parquet")
     dbg, path, _ = run
     out = tmp_path / "pq"
-    proc = subprocess.run([CLI, "export", str(path), "--format", "parquet", "-o", str(out)],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [CLI, "export", str(path), "--format", "parquet", "-o", str(out)], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     history = pq.read_table(out / "history.parquet")
     assert str(history.schema.field("step").type) == "uint64"

@@ -407,16 +407,15 @@ def test_halt_on_counting_backward_passes_raises_from_the_confirming_backward():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), NanAfter(5), nn.Linear(16, 3))
     backwards = 0
-    with pytest.raises(TrainingFailure) as info:
-        with NeuralDbg(model, step_on="backward", halt_on="non_finite") as dbg:
-            for x, y in batches(20):
-                loss = nn.functional.cross_entropy(model(x), y)
-                model.zero_grad()
-                backwards += 1
-                loss.backward()
-                with torch.no_grad():
-                    for p in model.parameters():
-                        p -= 0.05 * p.grad
+    with pytest.raises(TrainingFailure) as info, NeuralDbg(model, step_on="backward", halt_on="non_finite") as dbg:
+        for x, y in batches(20):
+            loss = nn.functional.cross_entropy(model(x), y)
+            model.zero_grad()
+            backwards += 1
+            loss.backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.05 * p.grad
     assert backwards == 6 and info.value.step == 5
     assert info.value.hypotheses[0].failure == "non_finite" and info.value.hypotheses[0].layer == "2"
     assert dbg._collector.hooks.tap_reads
@@ -430,16 +429,21 @@ def test_halt_on_raises_training_failure_from_the_confirming_step(tmp_path):
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     seen = []
     iterations = 0
-    with pytest.raises(TrainingFailure) as info:
-        with NeuralDbg(
-            model, halt_on="non_finite", on_failure=seen.append,
-            trace=tmp_path / "run.ndbg", report=tmp_path / "report.html",
-        ) as dbg:
-            for x, y in batches(20):
-                iterations += 1
-                opt.zero_grad()
-                nn.functional.cross_entropy(model(x), y).backward()
-                opt.step()
+    with (
+        pytest.raises(TrainingFailure) as info,
+        NeuralDbg(
+            model,
+            halt_on="non_finite",
+            on_failure=seen.append,
+            trace=tmp_path / "run.ndbg",
+            report=tmp_path / "report.html",
+        ) as dbg,
+    ):
+        for x, y in batches(20):
+            iterations += 1
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
     err = info.value
     assert iterations == 6, "raised from the step that confirmed it, the loop went no further"
     assert err.step == 5 and err.hypotheses[0].failure == "non_finite"
@@ -450,7 +454,9 @@ def test_halt_on_raises_training_failure_from_the_confirming_step(tmp_path):
     # The trace holds the failure step: the CLI replays the same diagnosis.
     cli = subprocess.run(
         [os.path.join(os.path.dirname(sys.executable), "neuraldbg"), "explain", str(tmp_path / "run.ndbg"), "--json"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert cli.returncode == 0, cli.stderr
     assert json.loads(cli.stdout)[0]["failure"] == "non_finite"

@@ -59,9 +59,10 @@ def train(model: nn.Module, data, *, lr: float = 0.05, criterion=None, truth=Non
 
 
 def no_hooks_left(model: nn.Module) -> bool:
-    return all(
-        not m._forward_hooks and not m._forward_pre_hooks for m in model.modules()
-    ) and torch.autograd.backward.__module__ == "torch.autograd"
+    return (
+        all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+        and torch.autograd.backward.__module__ == "torch.autograd"
+    )
 
 
 # ----------------------------------------------------------------------- shared parameters
@@ -197,9 +198,8 @@ def test_a_failed_enter_leaves_no_hook_and_keeps_no_output():
     torch.manual_seed(0)
     model = Refusing(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
     original_backward = torch.autograd.backward
-    with pytest.raises(ModelError, match="hook"):
-        with NeuralDbg(model, trace=None):
-            pass
+    with pytest.raises(ModelError, match="hook"), NeuralDbg(model, trace=None):
+        pass
     assert torch.autograd.backward is original_backward
     assert no_hooks_left(model)
     out = model(torch.randn(4, 8))
@@ -237,7 +237,7 @@ def _run_on_thread(fn):
     def target():
         try:
             fn()
-        except BaseException as e:  # noqa: BLE001 - reported to the test
+        except BaseException as e:
             errors.append(e)
 
     t = threading.Thread(target=target)
@@ -367,10 +367,19 @@ def test_functional_training_with_vmap_and_grad_is_observed_without_an_internal_
 def _fault_cases():
     """(entry, loop kind): a plain loop that reaches the entry point."""
     kinds = {
-        "forward_pre": "tap", "forward_post": "tap", "backward_start": "tap", "backward_done": "tap",
-        "optimizer_step": "tap", "record_loss": "record", "criterion": "criterion",
-        "grad_ready": "criterion", "backward_end": "criterion", "loop_probe": "criterion",
-        "scaler_step": "scaler", "scaler_step_done": "scaler", "exit": "tap",
+        "forward_pre": "tap",
+        "forward_post": "tap",
+        "backward_start": "tap",
+        "backward_done": "tap",
+        "optimizer_step": "tap",
+        "record_loss": "record",
+        "criterion": "criterion",
+        "grad_ready": "criterion",
+        "backward_end": "criterion",
+        "loop_probe": "criterion",
+        "scaler_step": "scaler",
+        "scaler_step_done": "scaler",
+        "exit": "tap",
     }
     return sorted(kinds.items())
 
@@ -438,14 +447,13 @@ def test_a_fault_in_a_plain_loop_switches_monitoring_off_and_training_goes_on(tm
 def test_the_halt_still_reaches_the_loop_through_the_guard():
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    with pytest.raises(neuraldbg.TrainingFailure):
-        with NeuralDbg(model, halt_on="non_finite"):
-            for step, (x, y) in enumerate(batches(30)):
-                if step == 5:
-                    x = x * float("nan")
-                opt.zero_grad()
-                nn.functional.mse_loss(model(x), y).backward()
-                opt.step()
+    with pytest.raises(neuraldbg.TrainingFailure), NeuralDbg(model, halt_on="non_finite"):
+        for step, (x, y) in enumerate(batches(30)):
+            if step == 5:
+                x = x * float("nan")
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
 
 
 # ------------------------------------------------------- the deferred (CUDA) path, on the CPU
@@ -504,7 +512,7 @@ def test_a_copy_the_device_has_not_finished_is_not_waited_for_at_the_forward(mon
     from neuraldbg import _transfer
 
     class Event:
-        made: List["Event"] = []
+        made: List[Event] = []
 
         def __init__(self) -> None:
             self.asked = 0

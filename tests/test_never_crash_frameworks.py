@@ -6,7 +6,6 @@ fault-injection suite through ``trainer.fit`` and ``trainer.train``."""
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 import warnings
 
@@ -29,9 +28,16 @@ FAULT_STEP = 6
 
 def fit(module, tmp_path, callbacks, data, **trainer_args):
     trainer = L.Trainer(
-        default_root_dir=tmp_path, callbacks=callbacks, logger=L.loggers.CSVLogger(tmp_path),
-        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-        accelerator="cpu", devices=1, num_sanity_val_steps=0, **trainer_args,
+        default_root_dir=tmp_path,
+        callbacks=callbacks,
+        logger=L.loggers.CSVLogger(tmp_path),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        accelerator="cpu",
+        devices=1,
+        num_sanity_val_steps=0,
+        **trainer_args,
     )
     trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=16))
     return trainer
@@ -233,8 +239,16 @@ class Spy(transformers.TrainerCallback):
 
 def hf_train(tmp_path, model, callbacks, max_steps: int = 12):
     args = transformers.TrainingArguments(
-        output_dir=str(tmp_path), max_steps=max_steps, per_device_train_batch_size=8, learning_rate=1e-3,
-        logging_steps=2, report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0,
+        output_dir=str(tmp_path),
+        max_steps=max_steps,
+        per_device_train_batch_size=8,
+        learning_rate=1e-3,
+        logging_steps=2,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=0,
     )
     trainer = transformers.Trainer(model=model, args=args, train_dataset=TokenRows(), callbacks=callbacks)
     trainer.train()
@@ -291,8 +305,14 @@ class FaultAt(L.Callback):
 
 
 LIGHTNING_ENTRIES = [
-    "forward_pre", "forward_post", "backward_start", "backward_done", "optimizer_step", "callback",
-    "log_metrics", "exit",
+    "forward_pre",
+    "forward_post",
+    "backward_start",
+    "backward_done",
+    "optimizer_step",
+    "callback",
+    "log_metrics",
+    "exit",
 ]
 
 
@@ -357,8 +377,16 @@ class HFFaultAt(transformers.TrainerCallback):
 def test_a_fault_in_an_hf_train_leaves_training_as_it_was(tmp_path, entry):
     def train(model, callbacks, out):
         args = transformers.TrainingArguments(
-            output_dir=str(out), max_steps=12, per_device_train_batch_size=8, learning_rate=1e-2,
-            logging_steps=2, report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0,
+            output_dir=str(out),
+            max_steps=12,
+            per_device_train_batch_size=8,
+            learning_rate=1e-2,
+            logging_steps=2,
+            report_to=[],
+            save_strategy="no",
+            use_cpu=True,
+            disable_tqdm=True,
+            seed=0,
         )
         transformers.Trainer(model=model, args=args, train_dataset=Rows(), callbacks=callbacks).train()
 

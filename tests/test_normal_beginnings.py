@@ -19,8 +19,9 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 # A frozen layer plus lora_B(lora_A(x)), lora_B zero-initialised as in peft.
-from bench.corpus.bases import LoRALinear  # noqa: E402
-from neuraldbg import NeuralDbg  # noqa: E402
+from bench.corpus.bases import LoRALinear
+
+from neuraldbg import NeuralDbg
 
 
 def test_lora_fine_tuning_is_healthy() -> None:

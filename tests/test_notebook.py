@@ -6,11 +6,9 @@ from __future__ import annotations
 import html
 import re
 import textwrap
-from pathlib import Path
 from typing import Any, Dict, List
 
 import pytest
-
 from bench import browser
 
 nbformat = pytest.importorskip("nbformat")
@@ -81,7 +79,7 @@ def test_notebook_outputs_are_rich_html_and_readable_text(notebook) -> None:
         data = out["data"]
         assert data["text/plain"].startswith("NeuralDbg(Sequential, step=") and state in data["text/plain"]
         page = srcdoc(data["text/html"])
-        assert 'class="inline"' in page and "<canvas id=\"heatmap\"" in page
+        assert 'class="inline"' in page and '<canvas id="heatmap"' in page
         self_contained(page)
     observed = [
         int(re.search(r"\((\d+) observed\)", srcdoc(o["data"]["text/html"])).group(1))  # type: ignore[union-attr]
@@ -119,9 +117,7 @@ def test_chromium_draws_the_notebook_outputs(notebook) -> None:
     assert "exploding_gradients" in dom
     # The outputs as a notebook page shows them (each in its iframe), as Chromium draws them.
     cells = "".join(
-        f"<div class='cell'>{o['data']['text/html']}</div>"
-        for i in (2, 3, 4)
-        for o in outputs(nb.cells[i])
+        f"<div class='cell'>{o['data']['text/html']}</div>" for i in (2, 3, 4) for o in outputs(nb.cells[i])
     )
     page = tmp / "notebook.html"
     page.write_text(f"<!DOCTYPE html><html><body style='width:960px'>{cells}</body></html>", encoding="utf-8")

@@ -406,7 +406,7 @@ def test_gradient_norms_of_many_sizes_in_one_pass(dtype):
     r = reader()
     out = np.full(len(params), np.nan, np.float32)
     assert r.grad_norms(params, out, -2.0) == 2 | 4  # (the empty one: an exact zero)
-    for i, (p, v) in enumerate(zip(params, out)):
+    for p, v in zip(params, out):
         if p.grad is None:
             assert v == -2.0
         else:
@@ -441,7 +441,9 @@ def test_unreadable_tensors_fall_back_without_raising():
     assert r.norms([Raising()], np.empty(1, np.float32), "grad") is False
     assert r.norms([object()], np.empty(1, np.float32), "grad") is False
     # A reader that accepts only torch.Tensor refuses Parameters.
-    only_tensor = TensorReader((torch.Tensor,), torch.float32, torch.float64, torch.float16, torch.bfloat16, *_EXPORT[0])
+    only_tensor = TensorReader(
+        (torch.Tensor,), torch.float32, torch.float64, torch.float16, torch.bfloat16, *_EXPORT[0]
+    )
     assert only_tensor.norms([torch.nn.Parameter(torch.ones(2))], np.empty(1, np.float32)) is False
     assert only_tensor.stats(torch.ones(2)) is not None
 

@@ -8,7 +8,6 @@ browser checks mandatory; without it they are skipped when no Chromium is on PAT
 from __future__ import annotations
 
 import html
-import os
 import re
 from pathlib import Path
 from typing import Tuple
@@ -17,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
-
 from bench import browser, suite
 from bench import scenarios as S
+
 from neuraldbg import NeuralDbg
 
 
@@ -43,7 +42,7 @@ def chromium() -> str:
 
 
 def test_report_is_one_self_contained_file(sigmoid_report):
-    outcome, path = sigmoid_report
+    _outcome, path = sigmoid_report
     text = path.read_text(encoding="utf-8")
     assert text.startswith("<!DOCTYPE html>")
     # The only URL is the SVG namespace name, which is never fetched.

@@ -175,7 +175,20 @@ def test_module_form_and_bad_options(tmp_path: Path) -> None:
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "__init__.py").write_text("")
     (tmp_path / "pkg" / "trainmod.py").write_text(textwrap.dedent(PLAIN))
-    cmd = [sys.executable, "-m", "neuraldbg", "run", "--json", "m.json", "--out", "o", "-m", "pkg.trainmod", "--steps", "3"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "neuraldbg",
+        "run",
+        "--json",
+        "m.json",
+        "--out",
+        "o",
+        "-m",
+        "pkg.trainmod",
+        "--steps",
+        "3",
+    ]
     r = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr
     assert "argv ['--steps', '3'] __main__" in r.stdout
@@ -189,7 +202,9 @@ def test_module_form_and_bad_options(tmp_path: Path) -> None:
 def test_help_lists_run() -> None:
     out = subprocess.run([sys.executable, "-m", "neuraldbg", "--help"], env=_env(), capture_output=True, text=True)
     assert re.search(r"^\s+run\s", out.stdout, re.M), out.stdout
-    out = subprocess.run([sys.executable, "-m", "neuraldbg", "run", "--help"], env=_env(), capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "neuraldbg", "run", "--help"], env=_env(), capture_output=True, text=True
+    )
     assert out.returncode == 0 and "--confirm" in out.stdout and "SCRIPT" in out.stdout
 
 
@@ -310,8 +325,18 @@ DDP = """
 def test_torchrun_two_processes_one_diagnosis(tmp_path: Path) -> None:
     (tmp_path / "train.py").write_text(textwrap.dedent(DDP))
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "neuraldbg", "run",
-        "--json", "d.json", "--out", "o", "train.py",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "-m",
+        "neuraldbg",
+        "run",
+        "--json",
+        "d.json",
+        "--out",
+        "o",
+        "train.py",
     ]
     r = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
@@ -328,8 +353,24 @@ def _verdicts(data: Dict[str, Any]) -> List[Tuple[str, str, str]]:
 
 def test_confirm_a_planted_learning_rate(tmp_path: Path) -> None:
     # lr 1.0 is 20x this regression's working 0.05: gradients explode within a few steps.
-    r = run(tmp_path, PLAIN, "--confirm", "--confirm-top", "5", "--jobs", "2", "--json", "d.json", "--out", "o",
-            "SCRIPT", "--steps", "30", "--lr", "1.0")
+    r = run(
+        tmp_path,
+        PLAIN,
+        "--confirm",
+        "--confirm-top",
+        "5",
+        "--jobs",
+        "2",
+        "--json",
+        "d.json",
+        "--out",
+        "o",
+        "SCRIPT",
+        "--steps",
+        "30",
+        "--lr",
+        "1.0",
+    )
     assert r.returncode == 0, r.stderr
     data = json.loads((tmp_path / "d.json").read_text())
     top = data["hypotheses"][0]
@@ -338,7 +379,9 @@ def test_confirm_a_planted_learning_rate(tmp_path: Path) -> None:
     assert ev["failure_in_unchanged"] and not ev["failure_recurred"]
     assert ev["loss_unchanged"] is None and ev["loss"] is not None  # non-finite unchanged, finite remedied
     assert top["intervention"].startswith("learning rate x0.1")
-    others = [h for h in data["hypotheses"][:5] if h["cause"] not in ("learning_rate_too_high", "numerical_instability")]
+    others = [
+        h for h in data["hypotheses"][:5] if h["cause"] not in ("learning_rate_too_high", "numerical_instability")
+    ]
     assert others and all(h["verdict"] in ("untested", "refuted", "inconclusive") for h in others), _verdicts(data)
     assert "CONFIRMED" in r.stderr
 
@@ -391,13 +434,32 @@ def test_diff_says_where_two_runs_part(tmp_path: Path) -> None:
     assert any(e["to_state"] == "EXPLODING" for e in d["only_b"])
     same = _diff(tmp_path / "good.ndbg", tmp_path / "again.ndbg")
     assert same["parting"] is None and same["only_a"] == same["only_b"] == [] and same["loss_parting_step"] is None
-    text = subprocess.run([sys.executable, "-m", "neuraldbg", "diff", str(tmp_path / "good.ndbg"), str(tmp_path / "bad.ndbg")],
-                          env=_env(), capture_output=True, text=True, timeout=120).stdout
+    text = subprocess.run(
+        [sys.executable, "-m", "neuraldbg", "diff", str(tmp_path / "good.ndbg"), str(tmp_path / "bad.ndbg")],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout
     assert f"The runs part at step {d['parting']['step']}" in text and "Events only in B:" in text
 
 
 def test_halt_on_stops_training_at_a_confirmed_failure(tmp_path: Path) -> None:
-    r = run(tmp_path, PLAIN, "--halt-on", "non_finite", "--json", "d.json", "--out", "o", "SCRIPT", "--steps", "30", "--lr", "1.0")
+    r = run(
+        tmp_path,
+        PLAIN,
+        "--halt-on",
+        "non_finite",
+        "--json",
+        "d.json",
+        "--out",
+        "o",
+        "SCRIPT",
+        "--steps",
+        "30",
+        "--lr",
+        "1.0",
+    )
     assert r.returncode == 3, r.stderr
     printed = losses(r.stdout)
     assert printed and len(printed) < 30 and "finished" not in r.stdout
@@ -417,7 +479,7 @@ def test_ctrl_c_still_gives_the_diagnosis_trace_and_report(tmp_path: Path) -> No
         if line.startswith("step 3 "):
             break
     proc.send_signal(signal.SIGINT)
-    rest, err = proc.communicate(timeout=120)
+    _rest, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
     assert "stopped the script: interrupted" in err and "Sequential:" in err
     data = json.loads((tmp_path / "d.json").read_text())

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from bench import scenarios as S
 from bench import suite
+
 from neuraldbg.testing import read_path
 
 SCENARIOS = suite.all_scenarios()
@@ -22,8 +22,14 @@ def test_suite_is_broad_enough():
     kinds = {s.truth.failure for s in failures}
     # Every failure PyTorch produces on CPU (saturated_gradients is a warning, never the failure).
     assert kinds >= {
-        "vanishing_gradients", "exploding_gradients", "saturated_activations", "dead_neurons",
-        "non_finite", "data_anomaly", "loss_divergence", "loss_plateau",
+        "vanishing_gradients",
+        "exploding_gradients",
+        "saturated_activations",
+        "dead_neurons",
+        "non_finite",
+        "data_anomaly",
+        "loss_divergence",
+        "loss_plateau",
     }
 
 

@@ -13,16 +13,25 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 def test_native_stub_matches_the_extension():
     out = subprocess.run(
         [sys.executable, "-m", "mypy.stubtest", "neuraldbg._native"],
-        capture_output=True, text=True, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
     )
     assert out.returncode == 0, out.stdout + out.stderr
 
 
-
 def test_package_type_checks():
     out = subprocess.run(
-        [sys.executable, "-m", "mypy", "--ignore-missing-imports", "--no-error-summary",
-         os.path.join(ROOT, "python", "neuraldbg")],
-        capture_output=True, text=True, cwd=ROOT,
+        [
+            sys.executable,
+            "-m",
+            "mypy",
+            "--ignore-missing-imports",
+            "--no-error-summary",
+            os.path.join(ROOT, "python", "neuraldbg"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
     )
     assert out.returncode == 0, out.stdout + out.stderr

@@ -121,9 +121,7 @@ def test_explain_replays_exactly_the_live_diagnosis(run: Tuple[NeuralDbg, Path])
     for d, h in zip(cli, live):
         replayed = CausalHypothesis._from_json(d)
         for field in dataclasses.fields(CausalHypothesis):
-            assert same(
-                dataclasses.asdict(replayed)[field.name], dataclasses.asdict(h)[field.name]
-            ), field.name
+            assert same(dataclasses.asdict(replayed)[field.name], dataclasses.asdict(h)[field.name]), field.name
     # The text is what print(h) shows.
     text = neuraldbg("explain", path).stdout.splitlines()
     assert text == [str(h) for h in live]
@@ -215,11 +213,7 @@ def test_export_tensorboard_is_read_by_tensorboard(run: Tuple[NeuralDbg, Path], 
         np.testing.assert_allclose([p.value for p in points], values[finite].astype(np.float32), rtol=1e-6)
     assert "run/loss" in tags["scalars"]
     texts = acc.Tensors("events")
-    lines = [
-        line
-        for t in texts
-        for line in tensor_util.make_ndarray(t.tensor_proto).item().decode().splitlines()
-    ]
+    lines = [line for t in texts for line in tensor_util.make_ndarray(t.tensor_proto).item().decode().splitlines()]
     assert len(lines) == len(dbg.events)
     assert lines[0] == f"- `{dbg.events[0]}`"
     diagnosis = tensor_util.make_ndarray(acc.Tensors("diagnosis")[0].tensor_proto).item().decode()
@@ -245,11 +239,10 @@ def test_trace_is_closed_when_the_loop_raises(tmp_path: Path) -> None:
     class Boom(RuntimeError):
         pass
 
-    with pytest.raises(Boom):
-        with NeuralDbg(model, trace=path) as dbg:
-            train(model, steps=5, lr=0.01)
-            model(torch.randn(2, 16)).sum().backward()  # a step that never reaches optimizer.step()
-            raise Boom()
+    with pytest.raises(Boom), NeuralDbg(model, trace=path) as dbg:
+        train(model, steps=5, lr=0.01)
+        model(torch.randn(2, 16)).sum().backward()  # a step that never reaches optimizer.step()
+        raise Boom()
     info = json.loads(neuraldbg("info", path, "--json").stdout)
     assert info["closed"] is True
     # The crashed iteration is observed on exit and recorded too.
@@ -260,9 +253,8 @@ def test_trace_is_closed_when_the_loop_raises(tmp_path: Path) -> None:
 def test_a_run_without_steps_and_unwritable_paths(tmp_path: Path) -> None:
     model = deep_tanh(depth=2)
     empty = tmp_path / "empty.ndbg"
-    with pytest.warns(NeuralDbgWarning, match="no model header"):
-        with NeuralDbg(model, trace=empty):
-            pass
+    with pytest.warns(NeuralDbgWarning, match="no model header"), NeuralDbg(model, trace=empty):
+        pass
     proc = neuraldbg("explain", empty, check=False)
     assert proc.returncode == 3
     assert "no model header" in proc.stderr and proc.stdout == ""
@@ -270,9 +262,8 @@ def test_a_run_without_steps_and_unwritable_paths(tmp_path: Path) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     hooks = sum(len(m._forward_hooks) for m in model.modules())
-    with pytest.raises(ConfigError, match="a-file"):
-        with NeuralDbg(model, trace=blocker / "run.ndbg"):
-            pass
+    with pytest.raises(ConfigError, match="a-file"), NeuralDbg(model, trace=blocker / "run.ndbg"):
+        pass
     assert sum(len(m._forward_hooks) for m in model.modules()) == hooks
     with pytest.raises(ConfigError, match="trace"):
         NeuralDbg(model, trace=42)  # type: ignore[arg-type]
@@ -351,9 +342,7 @@ CHILD = textwrap.dedent(
 
 def test_sigkill_mid_run_leaves_every_finished_step_readable(tmp_path: Path) -> None:
     path = tmp_path / "killed.ndbg"
-    child = subprocess.Popen(
-        [sys.executable, "-c", CHILD, str(path), "forever"], stdout=subprocess.PIPE, text=True
-    )
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(path), "forever"], stdout=subprocess.PIPE, text=True)
     assert child.stdout is not None
     deadline = time.monotonic() + 120
     done = 0

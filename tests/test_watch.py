@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Callable, Iterator, List, Optional
 
 import pytest
-
 from bench import browser
 
 CLI = str(Path(sys.executable).parent / "neuraldbg")
@@ -55,7 +54,7 @@ TRAIN = textwrap.dedent(
 )
 
 
-def start_training(tmp: Path, steps: int, delay: float) -> "tuple[subprocess.Popen, Path]":
+def start_training(tmp: Path, steps: int, delay: float) -> tuple[subprocess.Popen, Path]:
     script = tmp / "train.py"
     script.write_text(TRAIN)
     trace = tmp / "run.ndbg"
@@ -87,8 +86,9 @@ def test_plain_mode_prints_events_as_they_are_confirmed_then_the_verdict(tmp_pat
     try:
         # Started before the trace exists; stdout is a pipe, so plain mode is automatic.
         with open(err_path, "w") as err_file:
-            watch = subprocess.Popen([CLI, "watch", str(trace), "--interval", "0.05"],
-                                     stdout=subprocess.PIPE, stderr=err_file, text=True)
+            watch = subprocess.Popen(
+                [CLI, "watch", str(trace), "--interval", "0.05"], stdout=subprocess.PIPE, stderr=err_file, text=True
+            )
             assert watch.stdout is not None
             lines = []
             running_at_first_event = None
@@ -106,7 +106,7 @@ def test_plain_mode_prints_events_as_they_are_confirmed_then_the_verdict(tmp_pat
     assert running_at_first_event, "the run ended before watch printed its first event"
     assert re.match(r"step +\d+ ", lines[0]), lines[0]
     verdict = explain_lines(trace)
-    assert lines[-len(verdict):] == verdict
+    assert lines[-len(verdict) :] == verdict
     assert "exploding_gradients" in verdict[0]
     events = subprocess.run([CLI, "events", str(trace)], capture_output=True, text=True).stdout.splitlines()
     assert sorted(lines[: -len(verdict)]) == sorted(events)
@@ -122,7 +122,6 @@ def tmux() -> Iterator[Callable[..., str]]:
     if exe is None:
         pytest.skip("no tmux (make test installs Debian's tmux)")
     socket = f"ndbg-{uuid.uuid4().hex[:8]}"
-    sessions: List[str] = []
 
     def run(*args: str) -> str:
         proc = subprocess.run([exe, "-L", socket, *args], capture_output=True, text=True, timeout=30)
@@ -192,8 +191,17 @@ def test_watch_tui_follows_a_running_training_and_survives_its_kill(tmp_path: Pa
     train, trace = start_training(tmp_path, steps=100_000, delay=0.03)
     try:
         wait_for("the trace header", lambda: trace.exists() and trace.stat().st_size > 2000)
-        tmux("new-session", "-d", "-s", "w", "-x", "110", "-y", "34",
-             f"cd {tmp_path} && {CLI} watch {trace.name} --interval 0.2; echo EXITED $?; sleep 600")
+        tmux(
+            "new-session",
+            "-d",
+            "-s",
+            "w",
+            "-x",
+            "110",
+            "-y",
+            "34",
+            f"cd {tmp_path} && {CLI} watch {trace.name} --interval 0.2; echo EXITED $?; sleep 600",
+        )
         screen = lambda: tmux("capture-pane", "-p", "-J", "-t", "w")  # noqa: E731
 
         def step_shown() -> int:
@@ -238,8 +246,14 @@ def test_watch_tui_follows_a_running_training_and_survives_its_kill(tmp_path: Pa
         for line in verdict[:3]:
             assert line[:100] in after.replace("\n", ""), (line, after)
         # Ctrl-C quits as well (the terminal is in raw mode: it arrives as a key).
-        tmux("new-window", "-t", "w", "-n", "again",
-             f"cd {tmp_path} && {CLI} watch {trace.name}; echo EXITED $?; sleep 600")
+        tmux(
+            "new-window",
+            "-t",
+            "w",
+            "-n",
+            "again",
+            f"cd {tmp_path} && {CLI} watch {trace.name}; echo EXITED $?; sleep 600",
+        )
         again = lambda: tmux("capture-pane", "-p", "-J", "-t", "w:again")  # noqa: E731
         wait_for("the second view", lambda: "without closing the trace" in again(), 30)
         tmux("send-keys", "-t", "w:again", "C-c")
@@ -252,8 +266,7 @@ def test_watch_tui_follows_a_running_training_and_survives_its_kill(tmp_path: Pa
 def test_watch_tui_exits_when_the_run_closes_the_trace(tmp_path: Path, tmux) -> None:
     train, trace = start_training(tmp_path, steps=40, delay=0.05)
     try:
-        tmux("new-session", "-d", "-s", "c", "-x", "100", "-y", "30",
-             f"{CLI} watch {trace}; echo EXITED $?; sleep 600")
+        tmux("new-session", "-d", "-s", "c", "-x", "100", "-y", "30", f"{CLI} watch {trace}; echo EXITED $?; sleep 600")
         # (With the scrollback: the verdict printed on exit may push the first lines up.)
         screen = lambda: tmux("capture-pane", "-p", "-J", "-S", "-200", "-t", "c")  # noqa: E731
         wait_for("the view to start", lambda: "neuraldbg watch" in screen() or "step" in screen(), 30)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache
 from typing import Callable, Dict, FrozenSet, List, Optional, Tuple
 
 import numpy as np
@@ -168,7 +168,9 @@ def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     with torch.no_grad():
         out = model(x)
     if out.dim() == 1 or out.shape[-1] == 1:
-        return float(((out.reshape(-1) > (0.5 if is_prob(model) else 0.0)).long() == y.long().reshape(-1)).float().mean())
+        return float(
+            ((out.reshape(-1) > (0.5 if is_prob(model) else 0.0)).long() == y.long().reshape(-1)).float().mean()
+        )
     return float((out.argmax(-1) == y).float().mean())
 
 
@@ -186,7 +188,9 @@ def r2(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     return max(-1.0, 1.0 - ss / max(tot, 1e-12))
 
 
-def scored(fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], float], x: torch.Tensor, y: torch.Tensor) -> Callable[[nn.Module], float]:
+def scored(
+    fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], float], x: torch.Tensor, y: torch.Tensor
+) -> Callable[[nn.Module], float]:
     def score(model: nn.Module) -> float:
         was = model.training
         model.eval()
@@ -203,7 +207,7 @@ def scored(fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], float], x: torc
 # ----------------------------------------------------------------------------- data
 
 
-@lru_cache(maxsize=None)
+@cache
 def digits() -> Tuple[np.ndarray, np.ndarray]:
     """scikit-learn's bundled 8x8 digits: 1,797 images, pixels 0..16, 10 classes."""
     from sklearn.datasets import load_digits  # type: ignore[import-untyped]
@@ -212,7 +216,9 @@ def digits() -> Tuple[np.ndarray, np.ndarray]:
     return d.images.astype(np.float32), d.target.astype(np.int64)
 
 
-def digit_tensors(k: Knobs, seed: int, classes: Optional[List[int]] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def digit_tensors(
+    k: Knobs, seed: int, classes: Optional[List[int]] = None
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(train x, train y, held-out x, held-out y); pixels in [0, 1], or 0..255 raw."""
     img, lab = digits()
     if classes is not None:
@@ -281,25 +287,35 @@ def token_data(seed: int, n: int = 1200, t: int = 12, vocab: int = 12) -> Tuple[
 # ----------------------------------------------------------------------------- the bases
 
 
-def _classifier(model: nn.Module, k: Knobs, seed: int, data, classes: int, opt: str, lr: float,
-                steps: int = 150, bs: int = 64, **kw) -> Program:
+def _classifier(
+    model: nn.Module, k: Knobs, seed: int, data, classes: int, opt: str, lr: float, steps: int = 150, bs: int = 64, **kw
+) -> Program:
     xtr, ytr, xte, yte = data
     ytr = noisy_labels(ytr, k.label_noise, classes, seed)
     model = finish(model, k, seed)
-    return Program(model, optimizer(model, k, opt, lr, **kw), nn.CrossEntropyLoss(), batches(xtr, ytr, bs, seed),
-                   steps, scored(accuracy, xte, yte), 1.0 / classes)
+    return Program(
+        model,
+        optimizer(model, k, opt, lr, **kw),
+        nn.CrossEntropyLoss(),
+        batches(xtr, ytr, bs, seed),
+        steps,
+        scored(accuracy, xte, yte),
+        1.0 / classes,
+    )
 
 
-def _regressor(model: nn.Module, k: Knobs, seed: int, data, opt: str, lr: float,
-               steps: int = 150, bs: int = 64, **kw) -> Program:
+def _regressor(
+    model: nn.Module, k: Knobs, seed: int, data, opt: str, lr: float, steps: int = 150, bs: int = 64, **kw
+) -> Program:
     xtr, ytr, xte, yte = data
     model = finish(model, k, seed)
 
     def loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return F.mse_loss(out.reshape(y.shape), y)
 
-    return Program(model, optimizer(model, k, opt, lr, **kw), loss, batches(xtr, ytr, bs, seed), steps,
-                   scored(r2, xte, yte), 0.0)
+    return Program(
+        model, optimizer(model, k, opt, lr, **kw), loss, batches(xtr, ytr, bs, seed), steps, scored(r2, xte, yte), 0.0
+    )
 
 
 def mlp_classifier(k: Knobs, seed: int) -> Program:
@@ -326,8 +342,15 @@ def mlp_binary(k: Knobs, seed: int) -> Program:
     def loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return F.binary_cross_entropy_with_logits(out.reshape(y.shape), y)
 
-    return Program(model, optimizer(model, k, "sgd", 0.1, momentum=0.9), loss, batches(xtr, ytr, 64, seed), 150,
-                   scored(accuracy, xte, yte), 0.5)
+    return Program(
+        model,
+        optimizer(model, k, "sgd", 0.1, momentum=0.9),
+        loss,
+        batches(xtr, ytr, 64, seed),
+        150,
+        scored(accuracy, xte, yte),
+        0.5,
+    )
 
 
 class ConvNet(nn.Module):
@@ -373,7 +396,9 @@ class RecurrentClassifier(nn.Module):
 
 def lstm_classifier(k: Knobs, seed: int) -> Program:
     torch.manual_seed(seed)
-    return _classifier(RecurrentClassifier(k, "lstm", 2), k, seed, sequence_sum_data(k, seed), 2, "adam", 5e-3, steps=150)
+    return _classifier(
+        RecurrentClassifier(k, "lstm", 2), k, seed, sequence_sum_data(k, seed), 2, "adam", 5e-3, steps=150
+    )
 
 
 def gru_regression(k: Knobs, seed: int) -> Program:
@@ -416,8 +441,9 @@ def autoencoder(k: Knobs, seed: int) -> Program:
     x0, _, x1, _ = digit_tensors(k, seed)
     x0, x1 = x0.flatten(1), x1.flatten(1)
     model = finish(AutoEncoder(k), k, seed)
-    return Program(model, optimizer(model, k, "adam", 3e-3), nn.MSELoss(), batches(x0, x0, 64, seed), 200,
-                   scored(r2, x1, x1), 0.0)
+    return Program(
+        model, optimizer(model, k, "adam", 3e-3), nn.MSELoss(), batches(x0, x0, 64, seed), 200, scored(r2, x1, x1), 0.0
+    )
 
 
 def finetune(k: Knobs, seed: int) -> Program:
@@ -498,23 +524,49 @@ _ALL = {"lr_factor", "init_scale", "zero_grad", "frozen_first"}
 _MODEL = {"act", "extra_depth", "output_act"}
 
 BASES: List[Base] = [
-    Base("mlp_classifier", "mlp-classification", mlp_classifier,
-         frozenset(_ALL | _MODEL | {"raw_inputs", "label_noise", "dead_bias"})),
-    Base("mlp_regression", "mlp-regression", mlp_regression,
-         frozenset(_ALL | _MODEL | {"raw_inputs", "raw_targets", "dead_bias"})),
-    Base("mlp_binary", "mlp-binary-classification", mlp_binary,
-         frozenset(_ALL | _MODEL | {"raw_inputs", "label_noise"})),
+    Base(
+        "mlp_classifier",
+        "mlp-classification",
+        mlp_classifier,
+        frozenset(_ALL | _MODEL | {"raw_inputs", "label_noise", "dead_bias"}),
+    ),
+    Base(
+        "mlp_regression",
+        "mlp-regression",
+        mlp_regression,
+        frozenset(_ALL | _MODEL | {"raw_inputs", "raw_targets", "dead_bias"}),
+    ),
+    Base(
+        "mlp_binary", "mlp-binary-classification", mlp_binary, frozenset(_ALL | _MODEL | {"raw_inputs", "label_noise"})
+    ),
     Base("cnn", "cnn", cnn, frozenset(_ALL | _MODEL | {"raw_inputs", "label_noise", "dead_bias"})),
-    Base("cnn_batchnorm", "cnn-batchnorm", cnn_batchnorm,
-         frozenset(_ALL | _MODEL | {"raw_inputs", "label_noise", "eval_mode"})),
-    Base("lstm_classifier", "lstm", lstm_classifier, frozenset(_ALL | {"act", "output_act", "raw_inputs", "label_noise"})),
+    Base(
+        "cnn_batchnorm",
+        "cnn-batchnorm",
+        cnn_batchnorm,
+        frozenset(_ALL | _MODEL | {"raw_inputs", "label_noise", "eval_mode"}),
+    ),
+    Base(
+        "lstm_classifier", "lstm", lstm_classifier, frozenset(_ALL | {"act", "output_act", "raw_inputs", "label_noise"})
+    ),
     Base("gru_regression", "gru", gru_regression, frozenset(_ALL | {"act", "output_act", "raw_inputs", "raw_targets"})),
     Base("transformer", "transformer", transformer, frozenset(_ALL | {"output_act", "label_noise", "extra_depth"})),
-    Base("autoencoder", "autoencoder", autoencoder, frozenset(_ALL | {"act", "extra_depth", "raw_inputs", "dead_bias"})),
-    Base("finetune", "fine-tuning", finetune, frozenset({"lr_factor", "zero_grad", "act", "output_act", "raw_inputs", "label_noise"})),
+    Base(
+        "autoencoder", "autoencoder", autoencoder, frozenset(_ALL | {"act", "extra_depth", "raw_inputs", "dead_bias"})
+    ),
+    Base(
+        "finetune",
+        "fine-tuning",
+        finetune,
+        frozenset({"lr_factor", "zero_grad", "act", "output_act", "raw_inputs", "label_noise"}),
+    ),
     Base("lora", "lora-fine-tuning", lora, frozenset({"lr_factor", "zero_grad", "act", "raw_inputs", "raw_targets"})),
-    Base("deep_layernorm", "deep-mlp-layernorm", deep_layernorm,
-         frozenset(_ALL | {"act", "output_act", "raw_inputs", "label_noise", "extra_depth"})),
+    Base(
+        "deep_layernorm",
+        "deep-mlp-layernorm",
+        deep_layernorm,
+        frozenset(_ALL | {"act", "output_act", "raw_inputs", "label_noise", "extra_depth"}),
+    ),
 ]
 
 

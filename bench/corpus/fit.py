@@ -30,15 +30,35 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 CAUSES = [
-    "dying_relu", "saturating_activation", "learning_rate_too_high", "learning_rate_too_low",
-    "poor_initialization", "network_depth", "missing_normalization", "bad_input_data",
-    "numerical_instability", "missing_zero_grad", "parameters_not_updated", "eval_mode",
-    "output_loss_mismatch", "target_shape_mismatch", "unknown",
+    "dying_relu",
+    "saturating_activation",
+    "learning_rate_too_high",
+    "learning_rate_too_low",
+    "poor_initialization",
+    "network_depth",
+    "missing_normalization",
+    "bad_input_data",
+    "numerical_instability",
+    "missing_zero_grad",
+    "parameters_not_updated",
+    "eval_mode",
+    "output_loss_mismatch",
+    "target_shape_mismatch",
+    "unknown",
 ]
 FAILURES = [
-    "vanishing_gradients", "exploding_gradients", "saturated_gradients", "saturated_activations",
-    "dead_neurons", "non_finite", "data_anomaly", "loss_divergence", "loss_plateau", "stalled_layer",
-    "replica_divergence", "loss_scale_collapse",
+    "vanishing_gradients",
+    "exploding_gradients",
+    "saturated_gradients",
+    "saturated_activations",
+    "dead_neurons",
+    "non_finite",
+    "data_anomaly",
+    "loss_divergence",
+    "loss_plateau",
+    "stalled_layer",
+    "replica_divergence",
+    "loss_scale_collapse",
 ]
 # Score of a cause that is not a candidate for the failure (below every candidate's prior).
 ABSENT = -3.0
@@ -119,13 +139,13 @@ class Softmax:
         self.classes = classes
         self.l2 = l2
 
-    def fit(self, x: np.ndarray, y: np.ndarray, w: np.ndarray, iters: int = 4000, lr: float = 0.5) -> "Softmax":
+    def fit(self, x: np.ndarray, y: np.ndarray, w: np.ndarray, iters: int = 4000, lr: float = 0.5) -> Softmax:
         """`y`: (n, C) target distributions (a pair mutant splits its mass over its causes);
         `w`: per-sample weights."""
         self.mean = x.mean(0)
         self.std = np.where(x.std(0) > 1e-9, x.std(0), 1.0)
         z = (x - self.mean) / self.std
-        n, d = z.shape
+        _n, d = z.shape
         c = y.shape[1]
         self.W = np.zeros((d, c))
         self.b = np.zeros(c)
@@ -258,9 +278,11 @@ def main() -> int:
     model = fit(train, classes, args.l2)
     n_man = sum(r["manifests"] for r in records if r["ops"])
     n_mut = sum(1 for r in records if r["ops"])
-    print(f"corpus {args.corpus}: {len(records)} runs, {n_mut} mutants ({n_man} manifest), "
-          f"{len({r['base'] for r in records})} bases; fitted on {len(train)} runs of "
-          f"{len({r['base'] for r in train})} bases; held out: {', '.join(sorted(held))}")
+    print(
+        f"corpus {args.corpus}: {len(records)} runs, {n_mut} mutants ({n_man} manifest), "
+        f"{len({r['base'] for r in records})} bases; fitted on {len(train)} runs of "
+        f"{len({r['base'] for r in train})} bases; held out: {', '.join(sorted(held))}"
+    )
     report("held-out base programs", test, model)
     report("fitting set (in-sample)", train, model)
     if args.cv:

@@ -25,10 +25,10 @@ from typing import Dict, List, Optional, Tuple
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
-import torch  # noqa: E402
+import torch
 
-from bench.corpus.bases import BASES, Knobs, Program, base  # noqa: E402
-from bench.corpus.mutations import MUTATIONS, pairs, singles  # noqa: E402
+from bench.corpus.bases import BASES, Knobs, Program, base
+from bench.corpus.mutations import MUTATIONS, pairs, singles
 
 # A mutant manifests when it loses more than this share of its base's gain over chance.
 MANIFEST_SHARE = 0.25
@@ -85,7 +85,13 @@ def one(base_name: str, ops: Tuple[str, ...], seed: int) -> Dict:
         "chance": p.chance,
         "seconds": round(time.perf_counter() - t0, 3),
         "hypotheses": [
-            {"failure": str(h.failure), "cause": str(h.cause), "confidence": h.confidence, "layer": h.layer, "step": h.step}
+            {
+                "failure": str(h.failure),
+                "cause": str(h.cause),
+                "confidence": h.confidence,
+                "layer": h.layer,
+                "step": h.step,
+            }
             for h in hyps[:5]
         ],
         "evidence": evidence,
@@ -147,11 +153,15 @@ def main() -> int:
             f.write(json.dumps(r) + "\n")
     n_mut = sum(1 for r in records if r["ops"])
     n_man = sum(1 for r in records if r["manifests"])
-    print(f"corpus: {len(records)} runs ({len(records) - n_mut} bases, {n_mut} mutants, {n_man} manifest) "
-          f"in {time.perf_counter() - t0:.0f}s -> {args.out}")
+    print(
+        f"corpus: {len(records)} runs ({len(records) - n_mut} bases, {n_mut} mutants, {n_man} manifest) "
+        f"in {time.perf_counter() - t0:.0f}s -> {args.out}"
+    )
     for b in bases:
         rs = [r for r in records if r["base"] == b.name and not r["ops"]]
-        print(f"  base {b.name:<16} score {', '.join(format(r['score'], '.2f') for r in rs)} (chance {rs[0]['chance']:.2f})")
+        print(
+            f"  base {b.name:<16} score {', '.join(format(r['score'], '.2f') for r in rs)} (chance {rs[0]['chance']:.2f})"
+        )
     return 0
 
 

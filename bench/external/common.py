@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache
 from typing import Callable, List, Optional, Tuple
 
 import numpy as np
@@ -183,7 +183,7 @@ def accuracy_onehot(out: torch.Tensor, y: torch.Tensor) -> float:
 # ----------------------------------------------------------------------------- data
 
 
-@lru_cache(maxsize=None)
+@cache
 def digits_as_mnist() -> Tuple[np.ndarray, np.ndarray]:
     """MNIST's schema from scikit-learn's bundled digits: 28x28 grey images, uint8 scale 0..255.
 
@@ -201,7 +201,7 @@ def digits_as_mnist() -> Tuple[np.ndarray, np.ndarray]:
     return img.squeeze(1).numpy(), d.target.astype(np.int64)
 
 
-@lru_cache(maxsize=None)
+@cache
 def digits_as_cifar() -> Tuple[np.ndarray, np.ndarray]:
     """CIFAR-10's schema (32x32 RGB, uint8 scale 0..255, 10 classes) from the bundled digits.
 
@@ -224,7 +224,7 @@ def digits_as_cifar() -> Tuple[np.ndarray, np.ndarray]:
     return x, d.target.astype(np.int64)
 
 
-@lru_cache(maxsize=None)
+@cache
 def auto_mpg() -> Tuple[np.ndarray, np.ndarray]:
     """TheDeepChecker's `data/auto-mpg.csv` rebuilt from vega_datasets' bundled `cars` (the same
     UCI Auto MPG records): 9 raw features in the original's column order (Cylinders,
@@ -285,7 +285,9 @@ def fixed_batch(x: np.ndarray, y: np.ndarray) -> Callable[[int], Batch]:
     return lambda i: (xt, yt)
 
 
-def cycling_batches(x: np.ndarray, y: np.ndarray, batch: int, seed: int, y_dtype=torch.float32) -> Callable[[int], Batch]:
+def cycling_batches(
+    x: np.ndarray, y: np.ndarray, batch: int, seed: int, y_dtype=torch.float32
+) -> Callable[[int], Batch]:
     """`next_batch(batch)` over a training set reshuffled at every epoch (seeded)."""
     xt = torch.tensor(x, dtype=torch.float32)
     yt = torch.tensor(y, dtype=y_dtype)

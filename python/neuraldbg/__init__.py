@@ -6,6 +6,7 @@ change. Statistics are collected by PyTorch hooks and analysed by a Rust engine.
 """
 
 from . import _native
+from ._results import Hypotheses
 from .debugger import NeuralDbg
 from .errors import (
     ConfigError,
@@ -17,7 +18,6 @@ from .errors import (
     TrainingFailure,
     UnknownNameError,
 )
-from ._results import Hypotheses
 from .run import TraceRun, load
 from .types import (
     ActivationHealth,
@@ -37,29 +37,29 @@ from .types import (
 __version__: str = _native.__version__
 
 __all__ = [
-    "NeuralDbg",
-    "load",
-    "TraceRun",
-    "Hypotheses",
-    "SemanticEvent",
-    "CausalHypothesis",
-    "RootCause",
-    "CoupledFailure",
-    "EventType",
-    "GradientHealth",
     "ActivationHealth",
-    "LossHealth",
-    "DataHealth",
-    "ReplicaHealth",
-    "Failure",
+    "CausalHypothesis",
     "Cause",
-    "NeuralDbgError",
     "ConfigError",
-    "ModelError",
+    "CoupledFailure",
+    "DataHealth",
     "EngineError",
-    "UnknownNameError",
-    "TraceError",
-    "TrainingFailure",
+    "EventType",
+    "Failure",
+    "GradientHealth",
+    "Hypotheses",
+    "LossHealth",
+    "ModelError",
+    "NeuralDbg",
+    "NeuralDbgError",
     "NeuralDbgWarning",
+    "ReplicaHealth",
+    "RootCause",
+    "SemanticEvent",
+    "TraceError",
+    "TraceRun",
+    "TrainingFailure",
+    "UnknownNameError",
     "__version__",
+    "load",
 ]

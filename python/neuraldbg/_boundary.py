@@ -17,11 +17,11 @@ import json
 import warnings
 from typing import TYPE_CHECKING, Any, Optional
 
-from ._taps import BACKWARD_TAP
 from ._measure import Probe
 from ._model import learn_order
 from ._read_host import lr_of
 from ._step import StepState
+from ._taps import BACKWARD_TAP
 from .errors import NeuralDbgWarning
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -31,7 +31,7 @@ if TYPE_CHECKING:  # pragma: no cover
 class StepBoundary:
     """Where one collector's steps end, and what the next one measures."""
 
-    def __init__(self, c: "Collector") -> None:
+    def __init__(self, c: Collector) -> None:
         self.c = c
 
     def arm_probes(self, on: bool) -> None:

@@ -22,7 +22,6 @@ where the forward first went non-finite. This module decides nothing about healt
 
 from __future__ import annotations
 
-
 import operator
 import warnings
 from threading import get_ident as _thread_id
@@ -30,11 +29,14 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Union
 
 import numpy as np
 
+# Whether dynamo is tracing (torch.compile): hooks then run inside a compiled graph. (This module
+# is imported only once torch is, by NeuralDbg.__enter__.)
+from torch.compiler import is_compiling as _compiling
+
+from ._boundary import StepBoundary
 from ._distributed import PeerLeft, has_shards
 from ._guard import REPORT, guarded
-from ._boundary import StepBoundary
 from ._hooks import Hooks
-from ._taps import reaches
 from ._loop import LoopFacts, grad_changed, unscaled_loss
 from ._measure import Measurer, Probe, Summaries, first_float_tensor
 from ._model import WatchedModel, learn_order
@@ -43,11 +45,8 @@ from ._read_device import DeviceReader
 from ._read_host import HostReader
 from ._sink import Sink
 from ._step import Stage, StepState
+from ._taps import reaches
 from .errors import NeuralDbgWarning
-
-# Whether dynamo is tracing (torch.compile): hooks then run inside a compiled graph. (This module
-# is imported only once torch is, by NeuralDbg.__enter__.)
-from torch.compiler import is_compiling as _compiling  # noqa: E402
 
 # Whether a torch.func transform (vmap, grad...) is running: its tensors have no storage to read
 # (a private torch function, so with a fallback).
@@ -83,10 +82,10 @@ class Collector:
 
     def __init__(
         self,
-        model: "torch.nn.Module",
+        model: torch.nn.Module,
         engine: Any,
         *,
-        criterion: "Optional[torch.nn.Module]",
+        criterion: Optional[torch.nn.Module],
         activation_every: int,
         weight_every: int,
         dense_steps: int,
@@ -156,7 +155,9 @@ class Collector:
         self.summaries = Summaries()
         summarize = (self.accelerator or self.forced_device) and forward_check != "off"
         self.hooks = Hooks(
-            self.watched.modules, self.refs, keep_outputs=forward_check != "off",
+            self.watched.modules,
+            self.refs,
+            keep_outputs=forward_check != "off",
             unhookable={i for i, s in enumerate(self.watched.scripted) if s},
             summaries=self.summaries if summarize else None,
         )
@@ -164,7 +165,9 @@ class Collector:
         self.act_out: List[Any] = []
         self.act_none: List[Any] = []
         self.probes: List[Probe] = []
-        self.reader: Union[HostReader, DeviceReader] = DeviceReader(self, None if forced is None else forced == "deferred")
+        self.reader: Union[HostReader, DeviceReader] = DeviceReader(
+            self, None if forced is None else forced == "deferred"
+        )
         self.sink = Sink(self)
         self.boundary = StepBoundary(self)
         self.origin_search = OriginSearch(self)
@@ -222,7 +225,9 @@ class Collector:
             self.reader.hold_outputs()
             return
         host = (
-            not self.forced_device and self.dist is None and not self.sharded
+            not self.forced_device
+            and self.dist is None
+            and not self.sharded
             and all(p.device.type == "cpu" for p in self.params)
         )
         if host and not self.reader.host:
@@ -237,7 +242,9 @@ class Collector:
         """Whether this step's module calls are summarized on the device instead of kept (the
         device path on an accelerator or its stand-in, once registered, outputs checked)."""
         return (
-            not self.reader.host and self.registered and self.forward_check != "off"
+            not self.reader.host
+            and self.registered
+            and self.forward_check != "off"
             and (self.accelerator or self.forced_device)
         )
 
@@ -387,7 +394,7 @@ class Collector:
             # from pageable memory, which waits for the device's queue.
             self.cur.losses.append(float(loss))
 
-    def on_loss(self, loss: "torch.Tensor") -> None:
+    def on_loss(self, loss: torch.Tensor) -> None:
         """The loss of a forward pass exists, so that forward is complete: measure its sampled
         statistics now (its outputs are still hot in cache) and release them. When reading the
         loss costs no wait (a CPU loss), a finite one releases the kept module outputs before
@@ -581,7 +588,6 @@ class Collector:
         warnings.warn(f"{who} {message}", NeuralDbgWarning, stacklevel=3)
 
 
-
 DEVICE_PATHS = ("direct", "deferred")
 
 
@@ -614,4 +620,3 @@ def _functorch_wrapped(x: Any) -> bool:
         return bool(is_functorch_wrapped_tensor(x))
     except Exception:  # pragma: no cover - other torch versions
         return False
-

@@ -154,7 +154,9 @@ class Remedy:
                 optimizer.add_param_group({"params": missing})
             self.done = True
             if missing or zero:
-                self._note(f"{len(missing)} parameter(s) added to {type(optimizer).__name__}, {len(zero)} group(s) with lr 0 given lr")
+                self._note(
+                    f"{len(missing)} parameter(s) added to {type(optimizer).__name__}, {len(zero)} group(s) with lr 0 given lr"
+                )
             else:
                 self._note("not applicable: every parameter is in the optimizer with a learning rate")
 
@@ -272,7 +274,12 @@ def _recurs(run: Dict[str, Any], h: Dict[str, Any]) -> bool:
 
 
 def _child_argv(
-    target: Tuple[str, str], script_args: Sequence[str], args: Any, folder: str, steps: int, spec: Optional[Dict[str, Any]]
+    target: Tuple[str, str],
+    script_args: Sequence[str],
+    args: Any,
+    folder: str,
+    steps: int,
+    spec: Optional[Dict[str, Any]],
 ) -> List[str]:
     cmd = [sys.executable, "-m", "neuraldbg", "run", "--quiet", "--out", folder, "--json", folder + ".json"]
     cmd += ["--steps", str(steps), "--seed", "0"]
@@ -324,10 +331,19 @@ def confirm(data: Dict[str, Any], target: Tuple[str, str], script_args: Sequence
         result = _run_child(_child_argv(target, script_args, args, job[0], steps, job[1]), job[0])
         with lock:
             done[0] += 1
-            print(f"\rneuraldbg: --confirm: {done[0]}/{len(jobs)} runs of {steps} steps done", end="", file=sys.stderr, flush=True)
+            print(
+                f"\rneuraldbg: --confirm: {done[0]}/{len(jobs)} runs of {steps} steps done",
+                end="",
+                file=sys.stderr,
+                flush=True,
+            )
         return result
 
-    print(f"neuraldbg: --confirm: {len(jobs)} runs of {steps} steps ({max(1, args.jobs)} at once)", file=sys.stderr, flush=True)
+    print(
+        f"neuraldbg: --confirm: {len(jobs)} runs of {steps} steps ({max(1, args.jobs)} at once)",
+        file=sys.stderr,
+        flush=True,
+    )
     with ThreadPoolExecutor(max_workers=max(1, int(args.jobs))) as pool:
         runs = list(pool.map(one, jobs))
     print(file=sys.stderr)
@@ -344,19 +360,31 @@ def confirm(data: Dict[str, Any], target: Tuple[str, str], script_args: Sequence
     hyps.sort(key=lambda h: 0 if h.get("verdict") == "confirmed" else 1)
     data["confirm"] = {
         "steps": steps,
-        "runs": [{"folder": j[0], "intervention": None if j[1] is None else _describe(j[1]), "exit_code": r["process_exit"]} for j, r in zip(jobs, runs)],
+        "runs": [
+            {"folder": j[0], "intervention": None if j[1] is None else _describe(j[1]), "exit_code": r["process_exit"]}
+            for j, r in zip(jobs, runs)
+        ],
     }
     _print_verdicts(hyps[: max(top, 1)] if hyps else [])
 
 
 def _verdict(
-    h: Dict[str, Any], spec: Dict[str, Any], first: Dict[str, Any], unchanged: Dict[str, Any], tried: Dict[str, Any], steps: int
+    h: Dict[str, Any],
+    spec: Dict[str, Any],
+    first: Dict[str, Any],
+    unchanged: Dict[str, Any],
+    tried: Dict[str, Any],
+    steps: int,
 ) -> Dict[str, Any]:
     model = h.get("model")
     base = _final_loss(unchanged, model, steps)
     again = _final_loss(first, model, steps)
     loss = _final_loss(tried, model, steps)
-    spread = abs(base - again) if base is not None and again is not None and math.isfinite(base) and math.isfinite(again) else 0.0
+    spread = (
+        abs(base - again)
+        if base is not None and again is not None and math.isfinite(base) and math.isfinite(again)
+        else 0.0
+    )
     evidence: Dict[str, Any] = {
         "failure_recurred": _recurs(tried, h),
         "failure_in_unchanged": _recurs(unchanged, h),
@@ -383,7 +411,10 @@ def _verdict(
         gain = (math.inf if math.isfinite(loss) else 0.0) if not math.isfinite(base) else base - loss
         need = max(spread, MIN_GAIN * abs(base)) if math.isfinite(base) else 0.0
         if gain > need:
-            verdict, why = "confirmed", "the failure did not recur and the loss beat the unchanged re-run by more than the spread"
+            verdict, why = (
+                "confirmed",
+                "the failure did not recur and the loss beat the unchanged re-run by more than the spread",
+            )
         else:
             why = "the failure did not recur, but the loss did no better than the unchanged re-run beyond the spread"
     evidence["why"] = why

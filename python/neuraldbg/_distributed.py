@@ -44,7 +44,6 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ._transfer import clip_ratio
-from .errors import NeuralDbgWarning
 
 # Header of each rank's vector: has_loss, loss, origin module (-1: none), outputs checked,
 # number of forward passes in the step, stop (this rank stopped observing), the clipped
@@ -94,7 +93,7 @@ class Roster:
         self.world = world
 
     @classmethod
-    def join(cls, rank: int, world: int, wait: float) -> "Tuple[Optional[Roster], Optional[str]]":
+    def join(cls, rank: int, world: int, wait: float) -> Tuple[Optional[Roster], Optional[str]]:
         """Enters this rank and waits up to ``wait`` seconds for the others: ``(roster, None)``
         when every rank entered, ``(None, why)`` when some did not (every rank then agrees:
         the first to decide writes the verdict), ``(None, None)`` without a store."""
@@ -214,7 +213,7 @@ class JobLayout:
 class Exchange:
     """One step's all-gather in flight."""
 
-    __slots__ = ("work", "out", "host", "event", "step")
+    __slots__ = ("event", "host", "out", "step", "work")
 
     def __init__(self, work: Any, out: Any) -> None:
         self.work = work
@@ -270,7 +269,7 @@ class Distributed:
     def setup(self, n_params: int, n_probes: int) -> None:
         self.layout = JobLayout(n_params, n_probes)
 
-    def exchange(self, layout: Any, flat: Any) -> "Exchange":
+    def exchange(self, layout: Any, flat: Any) -> Exchange:
         """Packs this rank's step (the collector's :class:`~._transfer.Layout` and flat vector
         of local norms) and issues the step's collective."""
         torch = self.torch
@@ -285,7 +284,7 @@ class Distributed:
         ex.step = int(layout.step)
         return ex
 
-    def receive(self, ex: "Exchange", layout: Any) -> "JobStep":
+    def receive(self, ex: Exchange, layout: Any) -> JobStep:
         """The job-wide step of an exchange (waits for it if it is still in flight)."""
         job = JobStep(
             self.combine(self.wait(ex), layout.has("weight"), layout.clip_index),
@@ -321,8 +320,14 @@ class Distributed:
         base = np.full(lay.size, np.nan, dtype=np.float32)
         base[: lay.acts] = -1.0  # sums of squares: -1 is "no value on this rank"
         base[lay.header : lay.header + _HEADER] = (
-            float(has_loss), math.nan, -1.0 if layout.origin is None else float(layout.origin),
-            float(layout.checked), float(n_inputs), 0.0, math.nan, math.nan,
+            float(has_loss),
+            math.nan,
+            -1.0 if layout.origin is None else float(layout.origin),
+            float(layout.checked),
+            float(n_inputs),
+            0.0,
+            math.nan,
+            math.nan,
         )
         if layout.act_samples is not None:
             base[lay.acts + 4 : lay.inputs : 5] = layout.act_samples
@@ -341,9 +346,7 @@ class Distributed:
             parts.append(layout.read(flat, "input"))
         elif n_inputs:
             rows = layout.read(flat, "input").reshape(n_inputs, 4)
-            parts.append(
-                torch.stack((rows[:, 0].min(), rows[:, 1].max(), rows[:, 2].mean(), rows[:, 3].max()))
-            )
+            parts.append(torch.stack((rows[:, 0].min(), rows[:, 1].max(), rows[:, 2].mean(), rows[:, 3].max())))
         if clip:
             parts.append(layout.read(flat, "clip"))
         if loss_scale:
@@ -357,8 +360,20 @@ class Distributed:
             k_g = layout.count("grad")
             k_w = layout.count("weight")
             n_act = layout.count("activation")
-            key = (id(grad_order), k_g, id(weight_order), k_w, id(act_index), n_act, has_loss, n_inputs > 0,
-                   clip, loss_scale, found, device)
+            key = (
+                id(grad_order),
+                k_g,
+                id(weight_order),
+                k_w,
+                id(act_index),
+                n_act,
+                has_loss,
+                n_inputs > 0,
+                clip,
+                loss_scale,
+                found,
+                device,
+            )
             hit = self._index.get(key)
             idx = hit[0] if hit is not None else None
             if idx is None:
@@ -591,7 +606,17 @@ class JobStep:
     """A job-wide step as the collector feeds it to the engine (the fields of
     :class:`~._transfer.Unpacked`, plus the per-rank facts and measures)."""
 
-    __slots__ = ("grad_norms", "weight_norms", "activations", "loss", "inputs", "origin", "checked", "facts", "measures")
+    __slots__ = (
+        "activations",
+        "checked",
+        "facts",
+        "grad_norms",
+        "inputs",
+        "loss",
+        "measures",
+        "origin",
+        "weight_norms",
+    )
 
     def __init__(self, job: Dict[str, Any], weights: bool, rank: int, skipped: Optional[bool] = None) -> None:
         self.grad_norms: np.ndarray = job["grad_norms"]

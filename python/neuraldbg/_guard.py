@@ -45,7 +45,7 @@ ENTRY_POINTS: FrozenSet[str] = frozenset(
 REPORT = "please report it with this message at https://github.com/neuraldbg/neuraldbg/issues"
 
 _lock = threading.Lock()
-_faults: "set[str]" = set()
+_faults: set[str] = set()
 
 
 class InjectedFault(NeuralDbgError):

@@ -58,16 +58,42 @@ if TYPE_CHECKING:  # pragma: no cover
 # a user subclass may add its own computation.
 PASSIVE = frozenset(
     {
-        "Sequential", "Identity", "Flatten", "Unflatten",
-        "ReLU", "ReLU6", "LeakyReLU", "ELU", "CELU", "SELU", "GELU", "SiLU", "Mish", "Hardswish",
-        "Tanh", "Sigmoid", "Hardtanh", "Hardsigmoid", "Softsign", "Tanhshrink", "Softshrink",
+        "Sequential",
+        "Identity",
+        "Flatten",
+        "Unflatten",
+        "ReLU",
+        "ReLU6",
+        "LeakyReLU",
+        "ELU",
+        "CELU",
+        "SELU",
+        "GELU",
+        "SiLU",
+        "Mish",
+        "Hardswish",
+        "Tanh",
+        "Sigmoid",
+        "Hardtanh",
+        "Hardsigmoid",
+        "Softsign",
+        "Tanhshrink",
+        "Softshrink",
         "Hardshrink",
-        "Dropout", "Dropout1d", "Dropout2d", "Dropout3d", "AlphaDropout", "FeatureAlphaDropout",
-        "MaxPool1d", "MaxPool2d", "MaxPool3d", "AdaptiveMaxPool1d", "AdaptiveMaxPool2d",
+        "Dropout",
+        "Dropout1d",
+        "Dropout2d",
+        "Dropout3d",
+        "AlphaDropout",
+        "FeatureAlphaDropout",
+        "MaxPool1d",
+        "MaxPool2d",
+        "MaxPool3d",
+        "AdaptiveMaxPool1d",
+        "AdaptiveMaxPool2d",
         "AdaptiveMaxPool3d",
     }
 )
-
 
 
 def is_passive(m: Any) -> bool:
@@ -138,7 +164,7 @@ class Hooks:
         """Hooks traced into a compiled graph must stay: removing one recompiles."""
         return self.trace.compiled
 
-    def install(self, c: "Collector", params: List[Any]) -> None:
+    def install(self, c: Collector, params: List[Any]) -> None:
         # Until the first step is observed every module is hooked, to learn the forward order.
         for i in range(1, len(self.modules)):
             self.hook_module(i, keep=True)
@@ -159,7 +185,7 @@ class Hooks:
         if c.criterion is None:
             BACKWARD_TAP.add(c)
 
-    def hook_grads(self, c: "Collector", params: List[Any]) -> bool:
+    def hook_grads(self, c: Collector, params: List[Any]) -> bool:
         """Chooses two sentinels, the first and the last trainable parameter that has a
         gradient now (at install, when none has: the first and the last trainable one), and
         hooks their gradient accumulation (not with ``tap_reads``). False, changing nothing,
@@ -176,12 +202,12 @@ class Hooks:
             self._hook_sentinels(c, params)
         return True
 
-    def _hook_sentinels(self, c: "Collector", params: List[Any]) -> None:
+    def _hook_sentinels(self, c: Collector, params: List[Any]) -> None:
         for h in self.grad_handles.values():
             h.remove()
         self.grad_handles = {k: params[k].register_post_accumulate_grad_hook(_grad_hook(c, k)) for k in self.sentinels}
 
-    def read_at_tap(self, c: "Collector", params: List[Any], on: bool) -> None:
+    def read_at_tap(self, c: Collector, params: List[Any], on: bool) -> None:
         """Gradients read by the backward tap (``on``), or at the end of each backward pass
         through the sentinels' hooks again (a backward the tap did not see gave the model
         gradients: ``torch.autograd.backward`` was called under another name)."""
@@ -224,13 +250,14 @@ class Hooks:
         STATE_TAP.ours.add(h.id)
         self.module_handles[i] = h
 
-    def rehook(self, owners: "set[int]") -> None:
+    def rehook(self, owners: set[int]) -> None:
         """After the first step: keep hooks only on modules that can create a non-finite value
         (and on parameter owners, whose running tells "no gradient" from a zero gradient)."""
         if self.frozen:
             return
         self.wanted = [
-            i for i in range(1, len(self.modules))
+            i
+            for i in range(1, len(self.modules))
             if (i in owners or not is_passive(self.modules[i])) and i not in self.unhookable
         ]
         self.recorded_pairs = None
@@ -307,7 +334,7 @@ class Hooks:
             self.probe_handles.clear()
         self.probes_armed = on
 
-    def remove(self, c: "Collector") -> None:
+    def remove(self, c: Collector) -> None:
         hooks = [*self.handles, *self.module_handles.values(), *self.probe_handles, *self.grad_handles.values()]
         self.grad_handles.clear()
         for h in hooks:
@@ -337,7 +364,7 @@ def _compiling() -> Callable[[], bool]:
     return torch.compiler.is_compiling
 
 
-def _grad_hook(c: "Collector", k: int) -> Callable[[Any], None]:
+def _grad_hook(c: Collector, k: int) -> Callable[[Any], None]:
     """The post-accumulate-grad hook of parameter ``k``."""
 
     ready = c.entry_grad_ready
@@ -349,8 +376,14 @@ def _grad_hook(c: "Collector", k: int) -> Callable[[Any], None]:
 
 
 def make_ref_hook(
-    index: int, refs: List[Any], keep: bool, trace: Trace, first: List[int], hold: List[Any],
-    summaries: Any = None, keep_traced: bool = True,
+    index: int,
+    refs: List[Any],
+    keep: bool,
+    trace: Trace,
+    first: List[int],
+    hold: List[Any],
+    summaries: Any = None,
+    keep_traced: bool = True,
 ) -> Callable[..., None]:
     """A module's forward hook: keeps ``(index, output, args)`` for the non-finite scan, or,
     when ``hold[0]`` is the device path's :class:`~neuraldbg._measure.Summaries`, has the call
@@ -398,5 +431,3 @@ def make_slot_hook(row: int, slots: List[Any]) -> Callable[..., None]:
         slots[row] = output
 
     return hook
-
-

@@ -40,7 +40,7 @@ class WatchedRun:
         trace: PathOption,
         report: PathOption,
         halt_on: Any,
-        on_failure: "Optional[Callable[[List[CausalHypothesis]], Any]]",
+        on_failure: Optional[Callable[[List[CausalHypothesis]], Any]],
         stop: Callable[[], None],
         options: Dict[str, Any],
     ) -> None:
@@ -69,7 +69,7 @@ def guarded_callback(method: F) -> F:
     :class:`ModelError`) still raise."""
 
     @functools.wraps(method)
-    def call(self: "CallbackCore", *args: Any, **kwargs: Any) -> Any:
+    def call(self: CallbackCore, *args: Any, **kwargs: Any) -> Any:
         try:
             check("callback")
             return method(self, *args, **kwargs)
@@ -95,7 +95,7 @@ class CallbackCore:
         trace: PathOption = True,
         report: PathOption = True,
         halt_on: Any = None,
-        on_failure: "Optional[Callable[[List[CausalHypothesis]], Any]]" = None,
+        on_failure: Optional[Callable[[List[CausalHypothesis]], Any]] = None,
         verbose: bool = True,
         **options: Any,
     ) -> None:
@@ -151,8 +151,14 @@ class CallbackCore:
         """Starts watching ``model`` (``zero``: this is the job's rank 0, or the only process)."""
         self.close()
         self._run = WatchedRun(
-            model, directory, trace=self.trace, report=self.report if zero else False, halt_on=self.halt_on,
-            on_failure=self.on_failure, stop=stop, options=self.options,
+            model,
+            directory,
+            trace=self.trace,
+            report=self.report if zero else False,
+            halt_on=self.halt_on,
+            on_failure=self.on_failure,
+            stop=stop,
+            options=self.options,
         )
         self.dbg = self._run.dbg
 

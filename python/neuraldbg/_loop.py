@@ -20,10 +20,27 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 _BACKWARD = re.compile(r"Backward\d*$")
 
 # Operations that only index, reshape or copy their one input.
-_VIEWS = frozenset({
-    "Select", "Slice", "View", "Reshape", "Unsqueeze", "Squeeze", "Permute", "Transpose", "T",
-    "Clone", "Contiguous", "Flatten", "Unflatten", "Index", "Narrow", "Alias", "ToCopy",
-})
+_VIEWS = frozenset(
+    {
+        "Select",
+        "Slice",
+        "View",
+        "Reshape",
+        "Unsqueeze",
+        "Squeeze",
+        "Permute",
+        "Transpose",
+        "T",
+        "Clone",
+        "Contiguous",
+        "Flatten",
+        "Unflatten",
+        "Index",
+        "Narrow",
+        "Alias",
+        "ToCopy",
+    }
+)
 
 # Autograd nodes visited at most when looking for the model's output from the loss.
 _WALK_LIMIT = 64
@@ -37,7 +54,9 @@ def op_name(fn: Any) -> str:
 class LoopFacts:
     """Collects the loop facts of one watched model."""
 
-    def __init__(self, params: List[Any], guard: Optional[Callable[[Callable[..., Any]], Callable[..., Any]]] = None) -> None:
+    def __init__(
+        self, params: List[Any], guard: Optional[Callable[[Callable[..., Any]], Callable[..., Any]]] = None
+    ) -> None:
         self.params = params
         # Wraps the probe's tensor hook in the collector's guard (see _guard.py).
         self.guard = guard
@@ -308,7 +327,9 @@ def _describe(loss: Any, output_fns: List[Any], output: Any) -> Optional[Dict[st
         d["output_numel"] = int(output.numel())
         if output.dim() >= 1:
             d["output_units"] = int(output.shape[-1])
-    bounded.append(output if isinstance(output, torch.Tensor) and output.is_floating_point() and output.numel() else None)
+    bounded.append(
+        output if isinstance(output, torch.Tensor) and output.is_floating_point() and output.numel() else None
+    )
     # What the loss compared with the target: the first node on the path that saved its input
     # (MseLoss, SmoothL1Loss, NllLoss...; Abs for a written-out L1).
     for node in path[:-1]:
@@ -320,7 +341,9 @@ def _describe(loss: Any, output_fns: List[Any], output: Any) -> Optional[Dict[st
         (t for t in (getattr(n, "_saved_target", None) for n in path[:-1]) if isinstance(t, torch.Tensor)),
         None,
     )
-    bounded.append(target if isinstance(target, torch.Tensor) and target.is_floating_point() and target.numel() else None)
+    bounded.append(
+        target if isinstance(target, torch.Tensor) and target.is_floating_point() and target.numel() else None
+    )
     device = next((t.device for t in bounded if t is not None), None)
     if device is not None:
         ranges: List[Any] = []

@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence,
 
 import numpy as np
 
-
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
@@ -50,7 +49,7 @@ def torch_module() -> Any:
 _TORCH: Any = None
 
 
-def first_float_tensor(obj: Any, depth: int = 0) -> "Optional[torch.Tensor]":
+def first_float_tensor(obj: Any, depth: int = 0) -> Optional[torch.Tensor]:
     if isinstance(obj, (_TORCH or torch_module()).Tensor):
         return obj if obj.is_floating_point() else None
     if depth > 2:
@@ -68,7 +67,7 @@ def first_float_tensor(obj: Any, depth: int = 0) -> "Optional[torch.Tensor]":
     return None
 
 
-def float_tensors(obj: Any, out: "List[torch.Tensor]", depth: int = 0) -> None:
+def float_tensors(obj: Any, out: List[torch.Tensor], depth: int = 0) -> None:
     torch = torch_module()
     if isinstance(obj, torch.Tensor):
         if obj.is_floating_point() and obj.numel() > 0:
@@ -114,7 +113,7 @@ class NormPlan:
     raises, and the caller falls back to the generic path.
     """
 
-    def __init__(self, tensors: "Sequence[torch.Tensor]", stack_limit: int) -> None:
+    def __init__(self, tensors: Sequence[torch.Tensor], stack_limit: int) -> None:
         by_key: Dict[Tuple[Any, ...], List[int]] = {}
         for i, t in enumerate(tensors):
             if stack_limit and t.layout == torch_module().strided and t.numel() <= stack_limit:
@@ -124,15 +123,13 @@ class NormPlan:
         singles = [i for i in range(len(tensors)) if i not in taken]
         # Per group: its tensors, and the dims of the stacked tensor to reduce (all but the first).
         # Scalars (0-d) are stacked and reshaped to (k, 1).
-        self.groups = [
-            (getter(ix), tuple(range(1, tensors[ix[0]].dim() + 1)) or None, len(ix)) for ix in stacked
-        ]
+        self.groups = [(getter(ix), tuple(range(1, tensors[ix[0]].dim() + 1)) or None, len(ix)) for ix in stacked]
         self.singles = getter(singles) if singles else None
         self.singles_f32 = all(tensors[i].dtype == torch_module().float32 for i in singles)
         self.order = np.array([i for ix in stacked for i in ix] + singles, dtype=np.intp)
         self.device = tensors[0].device
 
-    def __call__(self, tensors: "Sequence[torch.Tensor]", out: "List[torch.Tensor]") -> None:
+    def __call__(self, tensors: Sequence[torch.Tensor], out: List[torch.Tensor]) -> None:
         torch = torch_module()
         vector_norm = torch.linalg.vector_norm
         # Two ops per group and two for the rest: on a fast step each op costs microseconds.
@@ -154,7 +151,7 @@ SLOPES = {None: 0, "tanh": 1, "sigmoid": 2, "softsign": 3}
 class Probe:
     """What to measure on one activation module (decided by the engine)."""
 
-    __slots__ = ("row", "module", "center", "half", "death", "slope", "unit_axis", "cols", "spec")
+    __slots__ = ("center", "cols", "death", "half", "module", "row", "slope", "spec", "unit_axis")
 
     def __init__(self, row: int, d: Dict[str, Any], unit_axis: int) -> None:
         self.row = row
@@ -170,15 +167,15 @@ class Probe:
         # What the extension's reader takes (TensorReader.activations).
         self.spec = (row, unit_axis, self.center, self.half, self.death, SLOPES[self.slope])
         # Columns of the engine's activation row this probe fills (absmax always).
-        self.cols = [0] + ([1] if self.half is not None else []) + ([2] if self.death else []) + (
-            [3] if self.slope else []
+        self.cols = (
+            [0] + ([1] if self.half is not None else []) + ([2] if self.death else []) + ([3] if self.slope else [])
         )
 
     def key(self) -> Tuple[Any, ...]:
         return (self.center, self.half, self.death, self.slope, self.unit_axis)
 
 
-def activation_group(probe: Probe, y: "torch.Tensor") -> "torch.Tensor":
+def activation_group(probe: Probe, y: torch.Tensor) -> torch.Tensor:
     """Statistics of ``y`` (``G`` stacked outputs of modules measured alike, shape
     ``(G, *output)``) as a ``(G, len(probe.cols))`` float32 tensor, in ``probe.cols`` order.
 
@@ -221,7 +218,7 @@ def activation_group(probe: Probe, y: "torch.Tensor") -> "torch.Tensor":
     return torch.stack([c.to(torch.float32) for c in cols], dim=1)
 
 
-def input_stats(x: "torch.Tensor") -> "torch.Tensor":
+def input_stats(x: torch.Tensor) -> torch.Tensor:
     """``min, max, mean, std`` of one input batch, as a float32 tensor of 4 on its device."""
     torch = torch_module()
     if x.dtype not in (torch.float32, torch.float64):
@@ -253,7 +250,9 @@ class Measurer:
         self.plan_tried = False
         self.act_plan: Optional[ActPlan] = None
 
-    def gradient_norms(self, grads: "Sequence[Optional[torch.Tensor]]", parts: "List[torch.Tensor]") -> Optional[np.ndarray]:
+    def gradient_norms(
+        self, grads: Sequence[Optional[torch.Tensor]], parts: List[torch.Tensor]
+    ) -> Optional[np.ndarray]:
         """Appends the L2 norm of each present gradient to ``parts``; returns which gradient
         (index into ``grads``) each appended norm belongs to, or None when none is present."""
         if not grads:
@@ -280,7 +279,7 @@ class Measurer:
         self.generic_norms([g for g in grads if g is not None], parts)
         return np.asarray(present, dtype=np.intp)
 
-    def _plan(self, tensors: "Sequence[torch.Tensor]") -> Optional[NormPlan]:
+    def _plan(self, tensors: Sequence[torch.Tensor]) -> Optional[NormPlan]:
         if not self.plan_tried:
             self.plan_tried = True
             torch = self.torch
@@ -289,7 +288,7 @@ class Measurer:
                 self.norm_plan = NormPlan(tensors, STACK_LIMIT if device.type == "cpu" else 0)
         return self.norm_plan
 
-    def generic_norms(self, tensors: "List[torch.Tensor]", parts: "List[torch.Tensor]") -> None:
+    def generic_norms(self, tensors: List[torch.Tensor], parts: List[torch.Tensor]) -> None:
         torch = self.torch
         tensors = [t.coalesce().values() if t.is_sparse else t for t in tensors]
         device = tensors[0].device
@@ -298,7 +297,7 @@ class Measurer:
         else:
             parts.append(torch.stack([torch.linalg.vector_norm(t).to(device) for t in tensors]).float())
 
-    def weight_norms(self, weights: "Sequence[torch.Tensor]", parts: "List[torch.Tensor]") -> np.ndarray:
+    def weight_norms(self, weights: Sequence[torch.Tensor], parts: List[torch.Tensor]) -> np.ndarray:
         """Appends the L2 norm of each parameter to ``parts`` (read under no_grad: no graph, no
         detach needed); returns which parameter each appended norm belongs to."""
         plan = self.norm_plan
@@ -312,7 +311,9 @@ class Measurer:
         self.generic_norms(list(weights), parts)
         return np.arange(len(weights), dtype=np.intp)
 
-    def output_absmax(self, refs: Sequence[Tuple[int, Any, Any]], rank: Dict[int, int]) -> Optional[Tuple[Any, np.ndarray]]:
+    def output_absmax(
+        self, refs: Sequence[Tuple[int, Any, Any]], rank: Dict[int, int]
+    ) -> Optional[Tuple[Any, np.ndarray]]:
         """Largest magnitude of each kept module output (its first floating-point tensor), as
         (one device vector, each value's engine module index). One batched reduction."""
         torch = self.torch
@@ -353,7 +354,9 @@ class Measurer:
                 return None
             return torch.stack(rows + cols), np.asarray(index, dtype=np.intp)
 
-    def activation_parts(self, probes: "Sequence[Probe]", outs: Sequence[Any]) -> Optional[Tuple[List[Any], np.ndarray, np.ndarray]]:
+    def activation_parts(
+        self, probes: Sequence[Probe], outs: Sequence[Any]
+    ) -> Optional[Tuple[List[Any], np.ndarray, np.ndarray]]:
         """Stats of each probed module's latest output, as (device tensors, where they go in
         the engine's activation table, samples per unit). Modules measured alike whose outputs
         have one shape are stacked and reduced together. The grouping is kept while every probe
@@ -373,7 +376,7 @@ class Measurer:
                 self.act_plan = plan
             return self._run_act_plan(plan, len(probes), outs)
 
-    def _build_act_plan(self, probes: "Sequence[Probe]", outs: Sequence[Any]) -> Tuple[ActPlan, bool]:
+    def _build_act_plan(self, probes: Sequence[Probe], outs: Sequence[Any]) -> Tuple[ActPlan, bool]:
         torch = self.torch
         groups: Dict[Tuple[Any, ...], List[Probe]] = {}
         complete = True
@@ -391,7 +394,9 @@ class Measurer:
             plan.append((members[0], getter([m.row for m in members]), rows, index))
         return plan, complete
 
-    def _run_act_plan(self, plan: ActPlan, n_probes: int, outs: Sequence[Any]) -> Tuple[List[Any], np.ndarray, np.ndarray]:
+    def _run_act_plan(
+        self, plan: ActPlan, n_probes: int, outs: Sequence[Any]
+    ) -> Tuple[List[Any], np.ndarray, np.ndarray]:
         torch = self.torch
         parts: List[Any] = []
         samples = np.full(n_probes, np.nan, dtype=np.float32)
@@ -450,7 +455,7 @@ class Summaries:
 
     Called as a record is (see ``_hooks.make_record``): ``summaries(index, output, args)``."""
 
-    __slots__ = ("calls", "norms", "torch", "plan")
+    __slots__ = ("calls", "norms", "plan", "torch")
 
     def __init__(self) -> None:
         self.torch = torch_module()
@@ -491,7 +496,9 @@ class Summaries:
         return self.torch.stack(self.norms)
 
     def origin(
-        self, vals: Any, ranks_of: Callable[[List[Tuple[int, int, int]]], Tuple[np.ndarray, np.ndarray]],
+        self,
+        vals: Any,
+        ranks_of: Callable[[List[Tuple[int, int, int]]], Tuple[np.ndarray, np.ndarray]],
         to_device: Callable[[np.ndarray, Any], Any],
     ) -> Any:
         """On the device, without a host read: the engine index of the module where a NaN/Inf
@@ -535,9 +542,7 @@ class Summaries:
         return calls, n
 
 
-def read_summaries(
-    calls: Sequence[Tuple[int, int, int]], values: np.ndarray
-) -> List[Tuple[int, float, bool, bool]]:
+def read_summaries(calls: Sequence[Tuple[int, int, int]], values: np.ndarray) -> List[Tuple[int, float, bool, bool]]:
     """Per call of :class:`Summaries`: ``(module index, first output's largest magnitude (NaN:
     none), output finite, inputs finite)``."""
     out: List[Tuple[int, float, bool, bool]] = []

@@ -24,8 +24,13 @@ def reader() -> Any:
             # in one call (the reader falls back to asking each when torch has none); DLPack
             # 1.3's exchange API (torch >= 2.10) does it without a capsule, for torch.Tensor.
             _READER = _native.TensorReader(
-                (torch.Tensor, torch.nn.Parameter), torch.float32, torch.float64, torch.float16, torch.bfloat16,
-                getattr(torch._C, "_to_dlpack", None), getattr(torch.Tensor, "__dlpack_c_exchange_api__", None),
+                (torch.Tensor, torch.nn.Parameter),
+                torch.float32,
+                torch.float64,
+                torch.float16,
+                torch.bfloat16,
+                getattr(torch._C, "_to_dlpack", None),
+                getattr(torch.Tensor, "__dlpack_c_exchange_api__", None),
             )
         except (ImportError, AttributeError):  # pragma: no cover - an extension built without it
             _READER = False
@@ -33,7 +38,6 @@ def reader() -> Any:
 
 
 _READER: Any = None
-
 
 
 def _host(t: Any) -> np.ndarray:
@@ -118,7 +122,9 @@ class HostMeasurer:
             return (float(a[0]), float(a[1]), float(a[2]), float(a[3]))
         return v
 
-    def absmax(self, refs: Sequence[Tuple[int, Any, Any]], rank: Dict[int, int]) -> Optional[Tuple[np.ndarray, np.ndarray]]:
+    def absmax(
+        self, refs: Sequence[Tuple[int, Any, Any]], rank: Dict[int, int]
+    ) -> Optional[Tuple[np.ndarray, np.ndarray]]:
         """Largest magnitude of each kept module output: (values, engine module indices)."""
         rd = self.reader
         if rd is not None:
@@ -142,7 +148,9 @@ class HostMeasurer:
         out = np.empty(len(tensors), dtype=np.float32)
         rd = self.reader
         if rd is None or not rd.absmax(tensors, out):
-            staged = self.measure.output_absmax([(i, t, None) for i, t in enumerate(tensors)], {i: i for i in range(len(tensors))})
+            staged = self.measure.output_absmax(
+                [(i, t, None) for i, t in enumerate(tensors)], {i: i for i in range(len(tensors))}
+            )
             assert staged is not None
             out = _host(staged[0])
         return out, np.asarray(ranks, dtype=np.intp)

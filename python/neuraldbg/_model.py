@@ -10,8 +10,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from ._hooks import is_passive
-from ._record import CALL_RECORDER
 from ._measure import finite_flags
+from ._record import CALL_RECORDER
 
 # Modules that hold a lookup table rather than a transform: their weight scale says nothing
 # about signal propagation.
@@ -107,9 +107,7 @@ class WatchedModel:
                 v = getattr(m, a, None)
                 if isinstance(v, (int, float)):
                     attrs.append([a, float(v)])
-            modules.append(
-                {"name": self.names[i], "kind": type(m).__name__, "attrs": attrs, "executed": i in pos}
-            )
+            modules.append({"name": self.names[i], "kind": type(m).__name__, "attrs": attrs, "executed": i in pos})
         params = []
         for p, pname, owner, tied in zip(self.params, self.param_names, self.param_owner, self.tied):
             leaf = pname.rsplit(".", 1)[-1]
@@ -121,7 +119,10 @@ class WatchedModel:
             if not lazy and role == "weight" and p.dim() >= 2 and kind not in TABLE_MODULES:
                 fan_in = int(p.shape[1]) * int(np.prod(p.shape[2:])) if p.dim() > 2 else int(p.shape[1])
             spec: Dict[str, Any] = {
-                "module": rank[owner], "name": pname, "numel": 0 if lazy else int(p.numel()), "role": role,
+                "module": rank[owner],
+                "name": pname,
+                "numel": 0 if lazy else int(p.numel()),
+                "role": role,
                 "fan_in": fan_in,
             }
             if tied:

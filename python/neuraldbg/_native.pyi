@@ -10,8 +10,18 @@ from typing_extensions import final
 from ._plain import PlainFacts, PlainHost
 
 __all__ = [
-    "GRAD_MISSING", "GRAD_NONFINITE", "GRAD_ZERO", "Engine", "LayerRecord", "OutputMaxima", "PlainStep",
-    "SlotRecord", "TensorReader", "__version__", "cli_main", "default_config_json",
+    "GRAD_MISSING",
+    "GRAD_NONFINITE",
+    "GRAD_ZERO",
+    "Engine",
+    "LayerRecord",
+    "OutputMaxima",
+    "PlainStep",
+    "SlotRecord",
+    "TensorReader",
+    "__version__",
+    "cli_main",
+    "default_config_json",
 ]
 __version__: str
 

@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # pragma: no cover
 class OriginSearch:
     """The non-finite origin of one collector's steps."""
 
-    def __init__(self, c: "Collector") -> None:
+    def __init__(self, c: Collector) -> None:
         self.c = c
 
     def scan(self, refs: List[Tuple[int, Any, Any]]) -> Tuple[Optional[int], bool]:

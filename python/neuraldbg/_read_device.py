@@ -31,7 +31,7 @@ class DeviceReader:
 
     host = False
 
-    def __init__(self, c: "Collector", defer: Optional[bool]) -> None:
+    def __init__(self, c: Collector, defer: Optional[bool]) -> None:
         self.c = c
         # Transfer: None until the first observation decides (True on CUDA: asynchronous copy
         # into pinned memory, handed to the engine a step later).

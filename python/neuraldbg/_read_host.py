@@ -38,7 +38,7 @@ class HostReader:
 
     host = True
 
-    def __init__(self, c: "Collector") -> None:
+    def __init__(self, c: Collector) -> None:
         self.c = c
         self.hm = HostMeasurer(c.measure, len(c.params))
         # The output maxima of recorded layers, read by the extension as they return on a
@@ -177,8 +177,17 @@ class HostReader:
         from ._native import PlainStep
 
         self.plain = PlainStep(
-            self, hm.reader, c.engine, c.params, self.grad_buf, c.loop, list(c.hooks.sentinels),
-            c.clip_index, c.torch.Tensor, c.torch.is_grad_enabled, c.any_autocast,
+            self,
+            hm.reader,
+            c.engine,
+            c.params,
+            self.grad_buf,
+            c.loop,
+            list(c.hooks.sentinels),
+            c.clip_index,
+            c.torch.Tensor,
+            c.torch.is_grad_enabled,
+            c.any_autocast,
         )
 
     def drop_plain(self) -> None:

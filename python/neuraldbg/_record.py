@@ -18,9 +18,21 @@ from ._native import LayerRecord, SlotRecord
 # deep models. Exact classes only (a subclass may override ``forward``).
 RECORDED = frozenset(
     {
-        "Linear", "Bilinear", "Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d",
-        "ConvTranspose3d", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "LayerNorm", "GroupNorm",
-        "RMSNorm", "Embedding",
+        "Linear",
+        "Bilinear",
+        "Conv1d",
+        "Conv2d",
+        "Conv3d",
+        "ConvTranspose1d",
+        "ConvTranspose2d",
+        "ConvTranspose3d",
+        "BatchNorm1d",
+        "BatchNorm2d",
+        "BatchNorm3d",
+        "LayerNorm",
+        "GroupNorm",
+        "RMSNorm",
+        "Embedding",
     }
 )
 
@@ -29,14 +41,33 @@ RECORDED = frozenset(
 # and disarming a probe is then a dict entry, not a hook registered and removed.
 RECORDED_PROBES = frozenset(
     {
-        "ReLU", "ReLU6", "LeakyReLU", "PReLU", "ELU", "CELU", "SELU", "GELU", "SiLU", "Mish",
-        "Hardswish", "Tanh", "Sigmoid", "Hardtanh", "Hardsigmoid", "Softsign", "Softplus",
-        "LogSigmoid", "Tanhshrink", "Softshrink", "Hardshrink", "Threshold",
+        "ReLU",
+        "ReLU6",
+        "LeakyReLU",
+        "PReLU",
+        "ELU",
+        "CELU",
+        "SELU",
+        "GELU",
+        "SiLU",
+        "Mish",
+        "Hardswish",
+        "Tanh",
+        "Sigmoid",
+        "Hardtanh",
+        "Hardsigmoid",
+        "Softsign",
+        "Softplus",
+        "LogSigmoid",
+        "Tanhshrink",
+        "Softshrink",
+        "Hardshrink",
+        "Threshold",
     }
 )
 
 
-def is_recorded(m: Any, names: "frozenset[str]" = RECORDED) -> bool:
+def is_recorded(m: Any, names: frozenset[str] = RECORDED) -> bool:
     cls = type(m)
     return cls.__name__ in names and cls.__module__.startswith("torch.nn.modules")
 
@@ -45,7 +76,7 @@ def _locked(method: Callable[..., Any]) -> Callable[..., Any]:
     """A :class:`CallRecorder` change, made under its lock: models watched on two threads
     arm and disarm records of the same classes."""
 
-    def call(self: "CallRecorder", *args: Any) -> Any:
+    def call(self: CallRecorder, *args: Any) -> Any:
         with self.lock:
             return method(self, *args)
 
@@ -89,7 +120,7 @@ class CallRecorder:
         self.lock = threading.RLock()
 
     @_locked
-    def add(self, module: Any, record: Any) -> "RecorderHandle":
+    def add(self, module: Any, record: Any) -> RecorderHandle:
         cls = type(module)
         if cls not in self.wrappers:
             self._wrap(cls)
@@ -118,7 +149,7 @@ class CallRecorder:
             self.watched[key] = all_records
 
     @_locked
-    def add_group(self, group: "RecordGroup | List[Tuple[Any, Any, List[Any]]]") -> "GroupHandle":
+    def add_group(self, group: RecordGroup | List[Tuple[Any, Any, List[Any]]]) -> GroupHandle:
         """:meth:`add` for many ``(module, record, [record])`` at once, removed together by
         the handle (arming and disarming a model's layers on sampled steps). The one-record
         list is made once by the caller (a :class:`RecordGroup`, kept for re-use) and is never
@@ -174,7 +205,7 @@ class CallRecorder:
             self._unwrap(cls)
 
     @_locked
-    def discard_group(self, group: "RecordGroup") -> None:
+    def discard_group(self, group: RecordGroup) -> None:
         """:meth:`discard` of every record of a group."""
         records, watched, count = self.records, self.watched, self.count
         if group.added >= 0 and group.added == self.mixed:
@@ -286,12 +317,14 @@ class RecordGroup:
     them at once needs: the records and one-record lists by module key, and the number of
     modules per class."""
 
-    __slots__ = ("pairs", "keyed", "lists", "classes", "unique", "added")
+    __slots__ = ("added", "classes", "keyed", "lists", "pairs", "unique")
 
     def __init__(self, pairs: List[Tuple[Any, Any, List[Any]]]) -> None:
         self.pairs = pairs
         self.keyed = {id(m): record for m, record, _ in pairs}
-        self.lists = {id(m): alone if len(alone) == 1 and alone[0] is record else [record] for m, record, alone in pairs}
+        self.lists = {
+            id(m): alone if len(alone) == 1 and alone[0] is record else [record] for m, record, alone in pairs
+        }
         classes: Dict[type, int] = {}
         for m, _, _ in pairs:
             classes[type(m)] = classes.get(type(m), 0) + 1
@@ -307,7 +340,7 @@ class RecordGroup:
 class GroupHandle:
     """Removes the records of :meth:`CallRecorder.add_group`."""
 
-    __slots__ = ("recorder", "group")
+    __slots__ = ("group", "recorder")
 
     def __init__(self, recorder: CallRecorder, group: RecordGroup) -> None:
         self.recorder = recorder
@@ -322,7 +355,7 @@ class GroupHandle:
 class RecorderHandle:
     """Removes one module's record from the :class:`CallRecorder` (like a hook's handle)."""
 
-    __slots__ = ("recorder", "module", "record")
+    __slots__ = ("module", "record", "recorder")
 
     def __init__(self, recorder: CallRecorder, module: Any, record: Any) -> None:
         self.recorder = recorder

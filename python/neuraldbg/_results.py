@@ -24,10 +24,7 @@ _TABLES = ("history", "events", "hypotheses")
 def _frame_html(page: str, height: int) -> str:
     """A report page as a self-contained notebook output: an iframe holding the page, resized
     to its content once drawn (where the notebook lets scripts run; else ``height`` pixels)."""
-    fit = (
-        "try{var d=this.contentDocument;if(d){this.style.height="
-        "(d.documentElement.scrollHeight+8)+'px';}}catch(e){}"
-    )
+    fit = "try{var d=this.contentDocument;if(d){this.style.height=(d.documentElement.scrollHeight+8)+'px';}}catch(e){}"
     # Single-quoted, so that only `&` and `'` need escaping: the page's JSON is full of `"`,
     # and escaping those (and `<`, `>`) made the notebook's copy half again the report's size.
     srcdoc = page.replace("&", "&amp;").replace("'", "&#39;")
@@ -101,9 +98,7 @@ class Results:
         """
         self._sync()
         name = None if failure_type is None else str(failure_type)
-        out = Hypotheses(
-            CausalHypothesis._from_json(h) for h in json.loads(self._engine.explain_json(name))
-        )
+        out = Hypotheses(CausalHypothesis._from_json(h) for h in json.loads(self._engine.explain_json(name)))
         out._engine = self._engine
         out._failure = name
         return out
@@ -137,7 +132,7 @@ class Results:
         self._sync()
         return str(self._engine.report_html(self._title() if title is None else str(title)))
 
-    def save_report(self, path: Union[str, "os.PathLike[str]"], title: Optional[str] = None) -> None:
+    def save_report(self, path: Union[str, os.PathLike[str]], title: Optional[str] = None) -> None:
         """Writes a self-contained HTML report of the run to ``path`` (UTF-8).
 
         Open it in any browser, offline: it loads nothing from the network. It shows the
@@ -222,9 +217,7 @@ class Results:
                 "confidence": np.asarray([e["confidence"] for e in events], dtype=np.float64),
                 "value": np.asarray([_number(e["metadata"]["value"]) for e in events]),
                 "threshold": np.asarray([_number(e["metadata"]["threshold"]) for e in events]),
-                "confirmed_step": np.asarray(
-                    [e["metadata"]["confirmed_step"] for e in events], dtype=np.uint64
-                ),
+                "confirmed_step": np.asarray([e["metadata"]["confirmed_step"] for e in events], dtype=np.uint64),
             }
         hyps = json.loads(self._engine.explain_json(None))
         return {

@@ -430,7 +430,9 @@ def _print_diagnosis(watch: Watch, quiet: bool) -> None:
                         print(f"      try: {'; '.join(h.remedies)}", file=sys.stderr)
             else:
                 _say(f"{head}, no failure found")
-        _say(f"{name}: trace {os.path.join(watch.out, name + '.ndbg')}, report {os.path.join(watch.out, name + '.html')}")
+        _say(
+            f"{name}: trace {os.path.join(watch.out, name + '.ndbg')}, report {os.path.join(watch.out, name + '.html')}"
+        )
     sys.stderr.flush()
 
 

@@ -28,13 +28,13 @@ NEED_RAN_STEPS = 32
 class Sink:
     """Feeds one collector's observed steps to the engine and the per-step callback."""
 
-    def __init__(self, c: "Collector") -> None:
+    def __init__(self, c: Collector) -> None:
         self.c = c
 
     def feed(
         self,
-        layout: "Union[Layout, HostStep]",
-        u: "Union[Unpacked, JobStep, HostStep]",
+        layout: Union[Layout, HostStep],
+        u: Union[Unpacked, JobStep, HostStep],
         refs: List[Tuple[int, Any, Any]],
         measures: Optional[Dict[str, np.ndarray]],
         facts: Optional[Dict[str, float]],

@@ -41,7 +41,7 @@ class ParamEntry:
     """One trainable parameter as a spoke sees it: its layer's path, its own name, its shape,
     and the layer's kind (class name)."""
 
-    __slots__ = ("layer", "leaf", "shape", "kind", "rank")
+    __slots__ = ("kind", "layer", "leaf", "rank", "shape")
 
     def __init__(self, layer: Tuple[str, ...], leaf: str, shape: Sequence[int], kind: str, rank: float) -> None:
         self.layer = layer
@@ -86,7 +86,9 @@ def model_spec(
     params = []
     for e in entries:
         leaf = e.leaf.lower()
-        role = "weight" if leaf in _WEIGHT_LEAVES or leaf in _TABLE_LEAVES else "bias" if leaf in _BIAS_LEAVES else "other"
+        role = (
+            "weight" if leaf in _WEIGHT_LEAVES or leaf in _TABLE_LEAVES else "bias" if leaf in _BIAS_LEAVES else "other"
+        )
         fan_in = None
         if role == "weight" and leaf not in _TABLE_LEAVES and len(e.shape) >= 2:
             fan_in = int(np.prod(e.shape[:-1]))
@@ -121,7 +123,7 @@ def path_option(name: str, value: Any) -> Optional[str]:
 class Record:
     """One optimizer step's numbers, as a spoke posts them (parameters in spec order)."""
 
-    __slots__ = ("step", "grads", "weights", "loss", "lr", "has_loss", "activations", "mean")
+    __slots__ = ("activations", "grads", "has_loss", "loss", "lr", "mean", "step", "weights")
 
     def __init__(
         self,
@@ -161,7 +163,7 @@ class RingReader:
     grad norms, parameter norms]``, the step and flags as int32 bits), the last row the number
     of steps made and :data:`RING_MARKER`."""
 
-    def __init__(self, dbg: "Spoke", rows: int, width: int) -> None:
+    def __init__(self, dbg: Spoke, rows: int, width: int) -> None:
         self.dbg = dbg
         self.rows = rows
         self.width = width
@@ -250,10 +252,10 @@ class Spoke(Results):
         threshold_saturated: float = 1.0,
         weight_every: int = 10,
         dense_steps: int = 10,
-        trace: "Union[str, os.PathLike[str], None]" = None,
-        report: "Union[str, os.PathLike[str], None]" = None,
-        halt_on: "Union[bool, float, str, Iterable[str], None]" = None,
-        on_failure: "Optional[Callable[[List[CausalHypothesis]], Any]]" = None,
+        trace: Union[str, os.PathLike[str], None] = None,
+        report: Union[str, os.PathLike[str], None] = None,
+        halt_on: Union[bool, float, str, Iterable[str], None] = None,
+        on_failure: Optional[Callable[[List[CausalHypothesis]], Any]] = None,
         **engine_options: Any,
     ) -> None:
         from .debugger import _engine, _halt_rule
@@ -402,9 +404,7 @@ class Spoke(Results):
                 )
             except Exception as e:  # never end the user's run: stop observing, say why
                 self._broken = str(e)
-                warnings.warn(
-                    f"NeuralDBG stopped observing at step {r.step}: {e}", NeuralDbgWarning, stacklevel=2
-                )
+                warnings.warn(f"NeuralDBG stopped observing at step {r.step}: {e}", NeuralDbgWarning, stacklevel=2)
                 return
             self._fed = r.step
             self._after_step(r.step)

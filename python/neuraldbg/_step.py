@@ -37,10 +37,33 @@ class StepState:
     """What one step has gathered until it is observed (then replaced by a fresh one)."""
 
     __slots__ = (
-        "stage", "forwards", "grad_read", "grad_host", "grad_flags", "zeros_read", "grad_parts",
-        "grad_order", "host_inputs", "inputs", "raw_inputs", "losses", "auto_losses", "loss_read",
-        "output_fns", "tap_taken", "tap_product", "clip_after", "clip_seen", "act_staged",
-        "out_staged", "origin", "origin_checked", "ran", "root_calls", "released", "root_seen",
+        "act_staged",
+        "auto_losses",
+        "clip_after",
+        "clip_seen",
+        "forwards",
+        "grad_flags",
+        "grad_host",
+        "grad_order",
+        "grad_parts",
+        "grad_read",
+        "host_inputs",
+        "inputs",
+        "loss_read",
+        "losses",
+        "origin",
+        "origin_checked",
+        "out_staged",
+        "output_fns",
+        "ran",
+        "raw_inputs",
+        "released",
+        "root_calls",
+        "root_seen",
+        "stage",
+        "tap_product",
+        "tap_taken",
+        "zeros_read",
     )
 
     def __init__(self) -> None:

@@ -45,7 +45,7 @@ class BackwardTap:
         self.original: Optional[Callable[..., Any]] = None
         self.installed = self._backward  # one bound method, so identity checks work
 
-    def add(self, c: "Collector") -> None:
+    def add(self, c: Collector) -> None:
         import torch.autograd
 
         if not self.collectors:
@@ -53,7 +53,7 @@ class BackwardTap:
             torch.autograd.backward = self.installed  # type: ignore[assignment]
         self.collectors.append(c)
 
-    def remove(self, c: "Collector") -> None:
+    def remove(self, c: Collector) -> None:
         import torch.autograd
 
         if c in self.collectors:
@@ -101,7 +101,7 @@ class ScalerTap:
         self.original: Optional[Callable[..., Any]] = None
         self.cls: Any = None
 
-    def add(self, c: "Collector") -> None:
+    def add(self, c: Collector) -> None:
         if not self.collectors:
             try:
                 from torch.amp.grad_scaler import GradScaler
@@ -118,7 +118,7 @@ class ScalerTap:
             GradScaler.step = step  # type: ignore[method-assign, assignment]
         self.collectors.append(c)
 
-    def remove(self, c: "Collector") -> None:
+    def remove(self, c: Collector) -> None:
         if c in self.collectors:
             self.collectors.remove(c)
             if not self.collectors and self.cls is not None:
@@ -156,11 +156,11 @@ class StateTap:
     collector leaves."""
 
     def __init__(self) -> None:
-        self.users: List["Hooks"] = []
+        self.users: List[Hooks] = []
         self.ours: Set[int] = set()
         self.original: Optional[Callable[..., Any]] = None
 
-    def add(self, hooks: "Hooks") -> None:
+    def add(self, hooks: Hooks) -> None:
         if not self.users:
             import torch.nn
 
@@ -182,7 +182,7 @@ class StateTap:
             torch.nn.Module.__getstate__ = __getstate__  # type: ignore[method-assign]
         self.users.append(hooks)
 
-    def remove(self, hooks: "Hooks") -> None:
+    def remove(self, hooks: Hooks) -> None:
         if hooks in self.users:
             self.users.remove(hooks)
             if not self.users and self.original is not None:

@@ -17,6 +17,7 @@ import numpy as np
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
+
 class Layout:
     """One step's statistics on their way to the host: the parts of its flat float32 vector,
     each under its name (:meth:`add`; the vector is their concatenation, in the order added),
@@ -29,9 +30,26 @@ class Layout:
     parameter), ``summary`` (the step's module-call summaries).
     """
 
-    __slots__ = ("step", "lr", "final", "parts", "slots", "size", "act_samples", "origin", "checked",
-                 "ran", "clip_index", "skipped", "facts", "loss_floats", "summary_calls", "summary_out",
-                 "summary", "origin_device")
+    __slots__ = (
+        "act_samples",
+        "checked",
+        "clip_index",
+        "facts",
+        "final",
+        "loss_floats",
+        "lr",
+        "origin",
+        "origin_device",
+        "parts",
+        "ran",
+        "size",
+        "skipped",
+        "slots",
+        "step",
+        "summary",
+        "summary_calls",
+        "summary_out",
+    )
 
     def __init__(self, step: int, lr: Optional[float], final: bool) -> None:
         self.step = step
@@ -65,7 +83,7 @@ class Layout:
         # -1 for none), for the exchange's header.
         self.origin_device: Any = None
 
-    def add(self, name: str, parts: "List[torch.Tensor]", index: Optional[np.ndarray] = None) -> None:
+    def add(self, name: str, parts: List[torch.Tensor], index: Optional[np.ndarray] = None) -> None:
         """Adds the step's ``parts`` (device tensors, concatenated flat) under ``name``;
         ``index``: what each of their values is an entry of (parameter, cell, module)."""
         n = 0
@@ -98,10 +116,14 @@ class Pending:
     """A step whose statistics are on their way to the host (CUDA), or to and from the other
     ranks (distributed: ``exchange``, see :mod:`._distributed`)."""
 
-    __slots__ = ("layout", "host", "event", "refs", "exchange")
+    __slots__ = ("event", "exchange", "host", "layout", "refs")
 
     def __init__(
-        self, layout: Layout, host: Optional[np.ndarray], event: Any, refs: List[Tuple[int, Any, Any]],
+        self,
+        layout: Layout,
+        host: Optional[np.ndarray],
+        event: Any,
+        refs: List[Tuple[int, Any, Any]],
         exchange: Any = None,
     ) -> None:
         self.layout = layout
@@ -120,9 +142,7 @@ class Pending:
         return self.event is None or bool(self.event.query())
 
 
-
-
-def flatten(parts: "List[torch.Tensor]") -> "Optional[torch.Tensor]":
+def flatten(parts: List[torch.Tensor]) -> Optional[torch.Tensor]:
     """One float32 vector of every part, on the first part's device."""
     if not parts:
         return None
@@ -154,7 +174,7 @@ class HostCopy:
         self.pinned: List[Any] = [None, None]
         self.turn = 0
 
-    def start(self, flat: "torch.Tensor") -> Tuple[np.ndarray, Any]:
+    def start(self, flat: torch.Tensor) -> Tuple[np.ndarray, Any]:
         import torch
 
         n = int(flat.numel())
@@ -176,8 +196,19 @@ class HostStep:
     """One step computed on the host (a CPU model): its statistics, and what :class:`Layout`
     says of a device step (no vector, no transfer)."""
 
-    __slots__ = ("step", "lr", "final", "origin", "checked", "ran",
-                 "grad_norms", "weight_norms", "activations", "loss", "inputs")
+    __slots__ = (
+        "activations",
+        "checked",
+        "final",
+        "grad_norms",
+        "inputs",
+        "loss",
+        "lr",
+        "origin",
+        "ran",
+        "step",
+        "weight_norms",
+    )
 
     def __init__(self, step: int, lr: Optional[float], final: bool, grad_norms: np.ndarray) -> None:
         self.step = step
@@ -196,7 +227,7 @@ class HostStep:
 class Unpacked:
     """One step's statistics as the engine takes them (host arrays), read from its vector."""
 
-    __slots__ = ("grad_norms", "weight_norms", "activations", "loss", "inputs", "facts")
+    __slots__ = ("activations", "facts", "grad_norms", "inputs", "loss", "weight_norms")
 
     def __init__(self, layout: Layout, flat: np.ndarray, no_grads: np.ndarray, n_probes: int) -> None:
         grad_norms = no_grads.copy()

@@ -13,9 +13,9 @@ import warnings
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Literal, Optional, Set, Tuple, Union
 
 from . import _native
-from .errors import ConfigError, ModelError, NeuralDbgError, NeuralDbgWarning, TrainingFailure
 from ._guard import check
 from ._results import Results, newly_confirmed
+from .errors import ConfigError, ModelError, NeuralDbgError, NeuralDbgWarning, TrainingFailure
 from .types import CausalHypothesis, Failure
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -122,21 +122,21 @@ class NeuralDbg(Results):
 
     def __init__(
         self,
-        model: "torch.nn.Module",
+        model: torch.nn.Module,
         *,
         threshold_vanishing: float = 1e-6,
         threshold_exploding: float = 1e3,
         threshold_saturated: float = 1.0,
-        criterion: "Optional[torch.nn.Module]" = None,
+        criterion: Optional[torch.nn.Module] = None,
         activation_every: int = 10,
         weight_every: int = 10,
         dense_steps: int = 10,
         forward_check: str = "auto",
         step_on: str = "optimizer",
-        trace: "Union[str, os.PathLike[str], None]" = None,
-        halt_on: "Union[bool, float, str, Iterable[str], None]" = None,
-        on_failure: "Optional[Callable[[List[CausalHypothesis]], Any]]" = None,
-        report: "Union[str, os.PathLike[str], None]" = None,
+        trace: Union[str, os.PathLike[str], None] = None,
+        halt_on: Union[bool, float, str, Iterable[str], None] = None,
+        on_failure: Optional[Callable[[List[CausalHypothesis]], Any]] = None,
+        report: Union[str, os.PathLike[str], None] = None,
         distributed: str = "auto",
         distributed_timeout: float = 60.0,
         trace_rank: Optional[int] = 0,
@@ -182,7 +182,9 @@ class NeuralDbg(Results):
         timeout = _number("distributed_timeout", distributed_timeout)
         if not timeout > 0 or not math.isfinite(timeout):
             raise ConfigError(f"distributed_timeout must be a positive number of seconds, got {distributed_timeout!r}")
-        if trace_rank is not None and (isinstance(trace_rank, bool) or not isinstance(trace_rank, int) or trace_rank < 0):
+        if trace_rank is not None and (
+            isinstance(trace_rank, bool) or not isinstance(trace_rank, int) or trace_rank < 0
+        ):
             raise ConfigError(f"trace_rank must be a rank (an integer >= 0) or None, got {trace_rank!r}")
         if trace is not None and not isinstance(trace, (str, os.PathLike)):
             raise ConfigError(f"trace must be a file path or None, got {type(trace).__qualname__}")
@@ -222,13 +224,11 @@ class NeuralDbg(Results):
 
     # ---------------------------------------------------------------- lifecycle
 
-    def __enter__(self) -> "NeuralDbg":
+    def __enter__(self) -> NeuralDbg:
         if self._active:
             raise NeuralDbgError("this NeuralDbg is already active; use one `with` block per debugger")
         if self._collector is not None:
-            raise NeuralDbgError(
-                "a NeuralDbg watches one training run; create a new NeuralDbg for another run"
-            )
+            raise NeuralDbgError("a NeuralDbg watches one training run; create a new NeuralDbg for another run")
         from . import _distributed
         from ._collect import Collector
 
@@ -265,13 +265,12 @@ class NeuralDbg(Results):
             if isinstance(e, NeuralDbgError) or not isinstance(e, Exception):
                 raise
             raise ModelError(
-                f"NeuralDbg could not install its hooks on {type(self.model).__name__}: "
-                f"{type(e).__name__}: {e}"
+                f"NeuralDbg could not install its hooks on {type(self.model).__name__}: {type(e).__name__}: {e}"
             ) from e
         self._active = True
         return self
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> "Literal[False]":
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
         collector = self._collector
         try:
             if collector is not None:
@@ -469,9 +468,7 @@ def _engine(vanishing: Any, exploding: Any, saturated: Any, engine_options: Dict
     (ConfigError for an unknown name; the engine validates the values, naming the offender)."""
     unknown = sorted(set(engine_options) - set(_DEFAULTS))
     if unknown:
-        raise ConfigError(
-            f"unknown option(s) {', '.join(unknown)}; engine options are: {', '.join(sorted(_DEFAULTS))}"
-        )
+        raise ConfigError(f"unknown option(s) {', '.join(unknown)}; engine options are: {', '.join(sorted(_DEFAULTS))}")
     config = _engine_config(
         dict(
             engine_options,
@@ -519,7 +516,7 @@ def _engine_config(options: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
-def _halt_rule(halt_on: Any) -> "Optional[Callable[[CausalHypothesis], bool]]":
+def _halt_rule(halt_on: Any) -> Optional[Callable[[CausalHypothesis], bool]]:
     """``halt_on`` as a test of one confirmed hypothesis (None: never halt)."""
     if halt_on is None or halt_on is False:
         return None

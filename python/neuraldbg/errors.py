@@ -10,15 +10,14 @@ from __future__ import annotations
 from typing import Any, List
 
 __all__ = [
-    "NeuralDbgError",
     "ConfigError",
-    "ModelError",
     "EngineError",
-    "UnknownNameError",
-    "TraceError",
-
-    "TrainingFailure",
+    "ModelError",
+    "NeuralDbgError",
     "NeuralDbgWarning",
+    "TraceError",
+    "TrainingFailure",
+    "UnknownNameError",
 ]
 
 
@@ -58,7 +57,7 @@ class TrainingFailure(NeuralDbgError):
         step: the step that confirmed it.
     """
 
-    def __init__(self, hypotheses: "List[Any]", step: int) -> None:
+    def __init__(self, hypotheses: List[Any], step: int) -> None:
         self.hypotheses = list(hypotheses)
         self.step = step
         top = str(self.hypotheses[0]) if self.hypotheses else "a failure"

@@ -38,8 +38,6 @@ import warnings
 import weakref
 from typing import Any, Callable, Dict, Iterable, List, Literal, Optional, Tuple, Union
 
-import numpy as np
-
 from ._spoke import (
     HAS_LOSS,
     HAS_LR,
@@ -81,7 +79,7 @@ def _as_i32(f: Any) -> Any:
 class _Ring(RingReader):
     """The host side of one wrapped transformation: the ring buffers of the states it meets."""
 
-    def __init__(self, dbg: "NeuralDbg", rows: int, width: int) -> None:
+    def __init__(self, dbg: NeuralDbg, rows: int, width: int) -> None:
         super().__init__(dbg, rows, width)
         # An nnx Variable that holds the state's buffer: its value is always the newest one.
         self.holder: Any = None
@@ -107,7 +105,7 @@ class _Ring(RingReader):
 
 
 # Rings by key: the key is the pytree node's static data, the ring lives as long as its debugger.
-_RINGS: "weakref.WeakValueDictionary[int, _Ring]" = weakref.WeakValueDictionary()
+_RINGS: weakref.WeakValueDictionary[int, _Ring] = weakref.WeakValueDictionary()
 _KEYS = itertools.count(1)
 
 
@@ -125,7 +123,7 @@ class WatchState:
     with: ``jit`` and ``nnx.jit`` do both at each call, which is how the host learns of a new
     state without a callback in the compiled step."""
 
-    __slots__ = ("inner", "ring", "key")
+    __slots__ = ("inner", "key", "ring")
 
     def __init__(self, inner: Any, ring: Any, key: int = 0) -> None:
         self.inner = inner
@@ -143,7 +141,7 @@ class WatchState:
         return (self.inner, self.ring), self.key
 
     @classmethod
-    def tree_unflatten(cls, key: int, children: Any) -> "WatchState":
+    def tree_unflatten(cls, key: int, children: Any) -> WatchState:
         return cls(children[0], children[1], key)
 
     @property
@@ -372,8 +370,8 @@ class NeuralDbg(Spoke):
         dense_steps: int = 10,
         trace: Any = None,
         report: Any = None,
-        halt_on: "Union[bool, float, str, Iterable[str], None]" = None,
-        on_failure: "Optional[Callable[[List[CausalHypothesis]], Any]]" = None,
+        halt_on: Union[bool, float, str, Iterable[str], None] = None,
+        on_failure: Optional[Callable[[List[CausalHypothesis]], Any]] = None,
         **engine_options: Any,
     ) -> None:
         super().__init__(
@@ -395,7 +393,7 @@ class NeuralDbg(Spoke):
 
     # ---------------------------------------------------------------- lifecycle
 
-    def __enter__(self) -> "NeuralDbg":
+    def __enter__(self) -> NeuralDbg:
         if self._active:
             raise NeuralDbgError("this NeuralDbg is already active; use one `with` block per debugger")
         meta: Dict[str, Any] = {
@@ -412,7 +410,7 @@ class NeuralDbg(Spoke):
         self._start(self._model.spec(self._optimizer), meta)
         return self
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> "Literal[False]":
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
         self._wait()
         self._finish()
         return False  # never swallow the user's exception
@@ -426,11 +424,11 @@ class NeuralDbg(Spoke):
 
     def wrap(
         self,
-        tx: "optax.GradientTransformation",
+        tx: optax.GradientTransformation,
         *,
-        learning_rate: "Union[float, Callable[[Any], Any], None]" = None,
+        learning_rate: Union[float, Callable[[Any], Any], None] = None,
         buffer: Optional[int] = None,
-    ) -> "optax.GradientTransformationExtraArgs":
+    ) -> optax.GradientTransformationExtraArgs:
         """``tx``, observing each update: the gradient norm of every watched parameter, the
         parameter norms on sampled steps, the loss (optax's ``value=`` extra argument, as
         ``reduce_on_plateau`` takes it) and the learning rate, written into a ring buffer in the
@@ -456,9 +454,12 @@ class NeuralDbg(Spoke):
             )
         if not (hasattr(tx, "init") and hasattr(tx, "update")):
             raise ConfigError(f"wrap() takes an optax GradientTransformation, got {type(tx).__qualname__}")
-        if learning_rate is not None and not callable(learning_rate):
-            if isinstance(learning_rate, bool) or not isinstance(learning_rate, (int, float)):
-                raise ConfigError(f"learning_rate must be a number or an optax schedule, got {learning_rate!r}")
+        if (
+            learning_rate is not None
+            and not callable(learning_rate)
+            and (isinstance(learning_rate, bool) or not isinstance(learning_rate, (int, float)))
+        ):
+            raise ConfigError(f"learning_rate must be a number or an optax schedule, got {learning_rate!r}")
         n = len(self._model.entries)
         width = RING_HEAD + 2 * n
         if buffer is None:

@@ -31,7 +31,19 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import numpy as np
 
-from ._spoke import HAS_LR, HAS_WEIGHTS, RING_BYTES, RING_HEAD, RING_MARKER, ParamEntry, Record, RingReader, Spoke, model_spec, spec_order
+from ._spoke import (
+    HAS_LR,
+    HAS_WEIGHTS,
+    RING_BYTES,
+    RING_HEAD,
+    RING_MARKER,
+    ParamEntry,
+    Record,
+    RingReader,
+    Spoke,
+    model_spec,
+    spec_order,
+)
 from .errors import ConfigError, ModelError, NeuralDbgError, NeuralDbgWarning
 from .types import CausalHypothesis
 
@@ -41,7 +53,7 @@ try:
 except ImportError as _e:  # pragma: no cover - depends on the environment
     raise ImportError("neuraldbg.keras needs Keras 3: pip install keras") from _e
 
-__all__ = ["NeuralDbgCallback", "KerasDbg"]
+__all__ = ["KerasDbg", "NeuralDbgCallback"]
 
 TRACE_NAME = "neuraldbg.ndbg"
 REPORT_NAME = "neuraldbg.html"
@@ -214,7 +226,10 @@ def _emitter(backend: str) -> Callable[..., Any]:
             # One packed vector in a pure callback: an effect (debug/io callback) would take the
             # whole train step, with every variable as an argument, off JAX's fast dispatch.
             flat = [jnp.ravel(jax.lax.stop_gradient(jnp.asarray(a))) for a in args]
-            flat = [jax.lax.bitcast_convert_type(f, jnp.float32) if f.dtype == jnp.int32 else f.astype(jnp.float32) for f in flat]
+            flat = [
+                jax.lax.bitcast_convert_type(f, jnp.float32) if f.dtype == jnp.int32 else f.astype(jnp.float32)
+                for f in flat
+            ]
             sizes = tuple(int(f.shape[0]) for f in flat)
             return jax.pure_callback(
                 functools.partial(host, fn, sizes), jax.ShapeDtypeStruct((), jnp.float32), jnp.concatenate(flat)
@@ -403,7 +418,9 @@ class KerasDbg(Spoke):
                     if collected and not _symbolic(out):
                         table = [collected.get(r) for r in range(n)]
                         blank = ops.full((5,), float("nan"), dtype="float32")
-                        ack = self._emit(self._receive_activations, ops.concatenate([blank if t is None else t for t in table]))
+                        ack = self._emit(
+                            self._receive_activations, ops.concatenate([blank if t is None else t for t in table])
+                        )
                         if ack is not None and hasattr(out, "dtype"):
                             # Adds exactly 0: the acknowledgement keeps the call in the step.
                             out = out + ops.cast(ack, out.dtype) * 0
@@ -556,7 +573,9 @@ class KerasDbg(Spoke):
         if r.mean is None:
             return None
         batch, m = r.mean
-        last_batch, last_mean = self._last_mean if self._last_mean is not None and self._last_mean[0] < batch else (-1, 0.0)
+        last_batch, last_mean = (
+            self._last_mean if self._last_mean is not None and self._last_mean[0] < batch else (-1, 0.0)
+        )
         self._last_mean = (batch, m)
         if not np.isfinite(m) or not np.isfinite(last_mean):
             return m
@@ -607,15 +626,17 @@ class NeuralDbgCallback(keras.callbacks.Callback):
     def __init__(
         self,
         *,
-        trace: "Union[str, os.PathLike[str], None]" = None,
-        report: "Union[str, os.PathLike[str], None]" = None,
-        halt_on: "Union[bool, float, str, Iterable[str], None]" = None,
-        on_failure: "Optional[Callable[[List[CausalHypothesis]], Any]]" = None,
+        trace: Union[str, os.PathLike[str], None] = None,
+        report: Union[str, os.PathLike[str], None] = None,
+        halt_on: Union[bool, float, str, Iterable[str], None] = None,
+        on_failure: Optional[Callable[[List[CausalHypothesis]], Any]] = None,
         verbose: bool = True,
         **options: Any,
     ) -> None:
         super().__init__()
-        self.options: Dict[str, Any] = dict(trace=trace, report=report, halt_on=halt_on, on_failure=on_failure, **options)
+        self.options: Dict[str, Any] = dict(
+            trace=trace, report=report, halt_on=halt_on, on_failure=on_failure, **options
+        )
         self.verbose = verbose
         self.dbg: Optional[KerasDbg] = None
         # Checked here, so that a bad option fails at construction rather than inside fit.

@@ -23,9 +23,8 @@ from __future__ import annotations
 import warnings
 from typing import Any, Optional
 
-from .errors import NeuralDbgWarning
-
 from ._integration import CallbackCore, guarded_callback, summary, verdict_text
+from .errors import NeuralDbgWarning
 
 try:
     from lightning.pytorch.callbacks import Callback

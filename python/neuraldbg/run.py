@@ -60,7 +60,7 @@ def _steps(n: int) -> str:
     return {0: "no step", 1: "1 step"}.get(n, f"{n} steps")
 
 
-def load(path: Union[str, "os.PathLike[str]"]) -> TraceRun:
+def load(path: Union[str, os.PathLike[str]]) -> TraceRun:
     """Opens a trace written by ``NeuralDbg(model, trace=path)``, to analyse a run that trained
     elsewhere (or was killed): the result has the members of a live ``dbg``.
 

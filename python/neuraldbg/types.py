@@ -12,18 +12,18 @@ from enum import Enum
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 __all__ = [
-    "EventType",
-    "GradientHealth",
     "ActivationHealth",
-    "LossHealth",
-    "DataHealth",
-    "ReplicaHealth",
-    "Failure",
-    "Cause",
-    "SemanticEvent",
     "CausalHypothesis",
-    "RootCause",
+    "Cause",
     "CoupledFailure",
+    "DataHealth",
+    "EventType",
+    "Failure",
+    "GradientHealth",
+    "LossHealth",
+    "ReplicaHealth",
+    "RootCause",
+    "SemanticEvent",
 ]
 
 
@@ -166,7 +166,7 @@ class SemanticEvent:
     metadata: Dict[str, Union[float, str]] = field(default_factory=dict)
 
     @classmethod
-    def _from_json(cls, d: Dict[str, Any]) -> "SemanticEvent":
+    def _from_json(cls, d: Dict[str, Any]) -> SemanticEvent:
         return cls(
             event_type=EventType(d["event_type"]),
             layer_name=d["layer_name"],
@@ -210,7 +210,7 @@ class CausalHypothesis:
     remedies: List[str]
 
     @classmethod
-    def _from_json(cls, d: Dict[str, Any]) -> "CausalHypothesis":
+    def _from_json(cls, d: Dict[str, Any]) -> CausalHypothesis:
         return cls(
             description=d["description"],
             confidence=_float(d["confidence"]),
@@ -247,7 +247,7 @@ class RootCause:
     consequences: List[Failure]
 
     @classmethod
-    def _from_json(cls, d: Dict[str, Any]) -> "RootCause":
+    def _from_json(cls, d: Dict[str, Any]) -> RootCause:
         return cls(
             failure=Failure(d["failure"]),
             layer=d["layer"],
@@ -280,7 +280,7 @@ class CoupledFailure:
         return (self.first.layer_name, self.second.layer_name)
 
     @classmethod
-    def _from_json(cls, d: Dict[str, Any]) -> "CoupledFailure":
+    def _from_json(cls, d: Dict[str, Any]) -> CoupledFailure:
         return cls(
             coupling=d["kind"],
             first=SemanticEvent._from_json(d["first"]),
