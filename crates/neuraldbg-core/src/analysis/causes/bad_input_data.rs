@@ -1,6 +1,7 @@
 //! `bad_input_data`: NaN/Inf or out-of-distribution batches, or inputs and targets far off
 //! scale.
 
+use super::super::remedy::Remedy;
 use super::super::vocab::{Cause, Failure};
 use super::{Case, CauseRule, RemedyCase, Votes, fmt_g};
 
@@ -18,7 +19,10 @@ impl CauseRule for BadInputData {
     fn explains(&self, failure: Failure) -> bool {
         !matches!(
             failure,
-            Failure::LossPlateau | Failure::SaturatedGradients | Failure::StalledLayer
+            Failure::LossPlateau
+                | Failure::SaturatedGradients
+                | Failure::StalledLayer
+                | Failure::LossScaleCollapse
         )
     }
 
@@ -88,13 +92,10 @@ impl CauseRule for BadInputData {
         }
     }
 
-    fn remedies(&self, c: &RemedyCase<'_>) -> Vec<String> {
+    fn remedies(&self, c: &RemedyCase<'_>) -> Vec<Remedy> {
         vec![
-            format!(
-                "inspect the batch of step {}: assert torch.isfinite(x).all() in the data pipeline",
-                c.e.onset
-            ),
-            "normalize inputs (zero mean, unit variance) and filter corrupt samples".into(),
+            Remedy::InspectBatch { step: c.e.onset },
+            Remedy::NormalizeInputs,
         ]
     }
 }

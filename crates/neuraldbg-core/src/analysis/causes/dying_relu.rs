@@ -1,6 +1,7 @@
 //! `dying_relu`: ReLU-family units that output zero for every sample, so nothing flows back
 //! through them.
 
+use super::super::remedy::Remedy;
 use super::super::vocab::{Cause, Failure};
 use super::{Case, CauseRule, RemedyCase, Votes};
 
@@ -66,15 +67,12 @@ impl CauseRule for DyingRelu {
         }
     }
 
-    fn remedies(&self, c: &RemedyCase<'_>) -> Vec<String> {
+    fn remedies(&self, c: &RemedyCase<'_>) -> Vec<Remedy> {
         vec![
-            format!(
-                "replace ReLU{} with LeakyReLU(0.01) or GELU",
-                c.layer().map(|l| format!(" ({l})")).unwrap_or_default()
-            ),
-            c.lower_lr(),
-            "check the bias initialization of the layer before it (negative biases switch units off)".into(),
-            "add BatchNorm before the ReLU".into(),
+            Remedy::ReplaceRelu { layer: c.layer() },
+            Remedy::LowerLr { lr: c.lr() },
+            Remedy::CheckBiasInit,
+            Remedy::BatchNormBeforeRelu,
         ]
     }
 }

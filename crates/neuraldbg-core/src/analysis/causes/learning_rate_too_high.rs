@@ -1,6 +1,7 @@
 //! `learning_rate_too_high`: updates so large they blow the weights (and with them gradients,
 //! activations or the loss) up after a healthy start.
 
+use super::super::remedy::Remedy;
 use super::super::vocab::{Cause, Failure};
 use super::{Case, CauseRule, RemedyCase, Votes, fmt_g};
 
@@ -16,7 +17,10 @@ impl CauseRule for LearningRateTooHigh {
     }
 
     fn explains(&self, failure: Failure) -> bool {
-        !matches!(failure, Failure::DataAnomaly | Failure::StalledLayer)
+        !matches!(
+            failure,
+            Failure::DataAnomaly | Failure::StalledLayer | Failure::LossScaleCollapse
+        )
     }
 
     fn evidence(&self, c: &Case<'_>, v: &mut Votes) {
@@ -160,11 +164,11 @@ impl CauseRule for LearningRateTooHigh {
         }
     }
 
-    fn remedies(&self, c: &RemedyCase<'_>) -> Vec<String> {
+    fn remedies(&self, c: &RemedyCase<'_>) -> Vec<Remedy> {
         vec![
-            c.lower_lr(),
-            "clip gradients: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0) before optimizer.step()".into(),
-            "add a learning-rate warmup over the first few hundred steps".into(),
+            Remedy::LowerLr { lr: c.lr() },
+            Remedy::ClipGradients,
+            Remedy::Warmup,
         ]
     }
 }

@@ -1,5 +1,6 @@
 //! `missing_normalization`: nothing rescales the signal between layers.
 
+use super::super::remedy::Remedy;
 use super::super::vocab::{Cause, Failure};
 use super::{Case, CauseRule, RemedyCase, Votes};
 
@@ -46,10 +47,7 @@ impl CauseRule for MissingNormalization {
         }
     }
 
-    fn remedies(&self, _: &RemedyCase<'_>) -> Vec<String> {
-        vec![
-            "add BatchNorm (CNNs) or LayerNorm (MLPs, transformers) between layers".into(),
-            "initialize weights for the activation so the signal keeps its scale".into(),
-        ]
+    fn remedies(&self, _: &RemedyCase<'_>) -> Vec<Remedy> {
+        vec![Remedy::AddNormalization, Remedy::InitKeepsScale]
     }
 }

@@ -5,8 +5,8 @@
 //! the failures it can explain, the evidence for it with the weight and the reason each piece
 //! counts, its phrase in the hypothesis sentence and its remedies. [`RULES`] lists them. What
 //! the rules look at is gathered once in `evidence` (run-wide [`Evidence`], per-episode
-//! [`Features`]); how likely an episode is to be a real failure, whatever its cause, is in
-//! `probability`.
+//! [`Features`]); how likely an episode is to be a real failure, whatever its cause, is its
+//! failure's rule (`failures`).
 //!
 //! Every cause gets a score: the sum of the evidence weights that support it (listed with the
 //! reason each one counts). Scores become probabilities by a softmax (temperature 1/1.5) over
@@ -19,7 +19,6 @@
 //! entry in [`RULES`] (a test checks every cause has exactly one rule).
 
 mod evidence;
-mod probability;
 
 mod bad_input_data;
 mod dying_relu;
@@ -40,10 +39,10 @@ mod unknown;
 use crate::engine::Run;
 
 use super::episodes::Episode;
+use super::remedy::Remedy;
 use super::vocab::{Cause, Failure};
 
 pub(crate) use evidence::{Evidence, Features, features, forward_growth};
-pub(crate) use probability::{base_probability, failure_probability};
 
 /// Everything a rule may look at when it weighs the evidence for its cause in one episode.
 pub(crate) struct Case<'a> {
@@ -64,24 +63,16 @@ pub(crate) struct RemedyCase<'a> {
 }
 
 impl RemedyCase<'_> {
-    /// The root-cause layer as shown in sentences.
+    /// The root-cause layer's qualified name.
     pub fn layer(&self) -> Option<String> {
         self.e
             .root
-            .map(|m| super::text::show(self.run.model.module_name(m)))
+            .map(|m| self.run.model.module_name(m).to_string())
     }
 
-    /// The first learning rate, formatted.
-    pub fn lr(&self) -> Option<String> {
-        self.run.lr_first.map(fmt_g)
-    }
-
-    /// "lower the learning rate 10x (it was 0.1)".
-    pub fn lower_lr(&self) -> String {
-        self.lr().map_or_else(
-            || "lower the learning rate 10x".to_string(),
-            |lr| format!("lower the learning rate 10x (it was {lr})"),
-        )
+    /// The first learning rate.
+    pub fn lr(&self) -> Option<f64> {
+        self.run.lr_first
     }
 }
 
@@ -102,7 +93,7 @@ pub(crate) trait CauseRule: Sync {
     /// `c.e.failure`). Reasons are listed in the order they are added.
     fn evidence(&self, c: &Case<'_>, v: &mut Votes);
     /// Concrete changes to the user's code.
-    fn remedies(&self, c: &RemedyCase<'_>) -> Vec<String>;
+    fn remedies(&self, c: &RemedyCase<'_>) -> Vec<Remedy>;
 }
 
 /// Every cause's rule. Candidates of one failure are ranked in this order when their

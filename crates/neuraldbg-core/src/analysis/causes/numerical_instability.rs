@@ -1,6 +1,7 @@
 //! `numerical_instability`: one operation (log, division, exp, ...) produced NaN/Inf from
 //! finite, stable inputs.
 
+use super::super::remedy::Remedy;
 use super::super::vocab::{Cause, Failure};
 use super::{Case, CauseRule, RemedyCase, Votes};
 
@@ -16,7 +17,10 @@ impl CauseRule for NumericalInstability {
     }
 
     fn explains(&self, failure: Failure) -> bool {
-        matches!(failure, Failure::NonFinite | Failure::LossDivergence)
+        matches!(
+            failure,
+            Failure::NonFinite | Failure::LossDivergence | Failure::LossScaleCollapse
+        )
     }
 
     fn evidence(&self, c: &Case<'_>, v: &mut Votes) {
@@ -53,6 +57,11 @@ impl CauseRule for NumericalInstability {
                     v.add(0.5, "values were non-finite from the first step");
                 }
             }
+            // Confirmed by the loop track: the scaler skipped step after step.
+            Failure::LossScaleCollapse => v.add(
+                6.0,
+                "gradients overflowed float16 at every loss scale the GradScaler tried",
+            ),
             Failure::LossDivergence if f.growth < 1.0 && f.prior_explosion.is_none() => {
                 v.add(0.5, "gradient norms did not grow with it");
             }
@@ -60,15 +69,11 @@ impl CauseRule for NumericalInstability {
         }
     }
 
-    fn remedies(&self, c: &RemedyCase<'_>) -> Vec<String> {
+    fn remedies(&self, c: &RemedyCase<'_>) -> Vec<Remedy> {
         vec![
-            format!(
-                "look for log, division, sqrt, exp or pow on unbounded values in the forward{}; add an eps or clamp",
-                c.layer().map(|l| format!(" of {l}")).unwrap_or_default()
-            ),
-            "compute that operation in float32 if it runs in half precision".into(),
-            "run that one step under torch.autograd.detect_anomaly() to get the exact operation"
-                .into(),
+            Remedy::GuardUnstableOp { layer: c.layer() },
+            Remedy::Float32ForOp,
+            Remedy::DetectAnomalyStep,
         ]
     }
 }

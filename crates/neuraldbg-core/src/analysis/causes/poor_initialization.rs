@@ -1,6 +1,7 @@
 //! `poor_initialization`: initial weights scaled far from what keeps the signal's scale, so the
 //! failure is there before any update.
 
+use super::super::remedy::Remedy;
 use super::super::vocab::{Cause, Failure};
 use super::evidence::Evidence;
 use super::{Case, CauseRule, RemedyCase, Votes, fmt_g};
@@ -19,7 +20,10 @@ impl CauseRule for PoorInitialization {
     fn explains(&self, failure: Failure) -> bool {
         !matches!(
             failure,
-            Failure::DataAnomaly | Failure::SaturatedGradients | Failure::StalledLayer
+            Failure::DataAnomaly
+                | Failure::SaturatedGradients
+                | Failure::StalledLayer
+                | Failure::LossScaleCollapse
         )
     }
 
@@ -113,24 +117,18 @@ impl CauseRule for PoorInitialization {
         }
     }
 
-    fn remedies(&self, c: &RemedyCase<'_>) -> Vec<String> {
+    fn remedies(&self, c: &RemedyCase<'_>) -> Vec<Remedy> {
         let root_kind = c.e.root.map(|m| c.run.model.spec.modules[m].kind.as_str());
         if root_kind.is_some_and(is_recurrent) {
             return vec![
-                format!(
-                    "initialize the recurrent weights of {} so they do not amplify the state: torch.nn.init.orthogonal_ on each weight_hh block (gain 1), or keep PyTorch's default",
-                    c.layer().unwrap_or_else(|| "the recurrent layer".into())
-                ),
-                "use a bounded recurrence (nonlinearity='tanh', or LSTM/GRU) instead of a ReLU RNN".into(),
-                "clip gradients: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0) before optimizer.step()".into(),
+                Remedy::OrthogonalRecurrentInit { layer: c.layer() },
+                Remedy::BoundedRecurrence,
+                Remedy::ClipGradients,
             ];
         }
         vec![
-            "initialize weights for the activation: kaiming_normal_ for ReLU, xavier_normal_ (gain 5/3 for tanh) otherwise".into(),
-            format!(
-                "check custom init code{} for weights scaled far from 1/sqrt(fan_in)",
-                c.layer().map(|l| format!(" of {l}")).unwrap_or_default()
-            ),
+            Remedy::InitForActivation,
+            Remedy::CheckCustomInit { layer: c.layer() },
         ]
     }
 }

@@ -1,6 +1,7 @@
 //! `saturating_activation`: bounded activations (tanh, sigmoid) pinned at their bounds, where
 //! their slope, and so the gradient they pass back, is ~0.
 
+use super::super::remedy::Remedy;
 use super::super::vocab::{Cause, Failure};
 use super::{Case, CauseRule, RemedyCase, Votes, fmt_g};
 
@@ -71,11 +72,11 @@ impl CauseRule for SaturatingActivation {
         }
     }
 
-    fn remedies(&self, _: &RemedyCase<'_>) -> Vec<String> {
+    fn remedies(&self, _: &RemedyCase<'_>) -> Vec<Remedy> {
         vec![
-            "replace tanh/sigmoid with ReLU, GELU or SiLU in hidden layers".into(),
-            "use xavier_normal_ initialization and normalize the inputs so pre-activations stay near zero".into(),
-            "add LayerNorm or BatchNorm before the saturating activations".into(),
+            Remedy::ReplaceSaturating,
+            Remedy::XavierAndNormalizeInputs,
+            Remedy::NormBeforeSaturating,
         ]
     }
 }
