@@ -170,7 +170,14 @@ impl<'a> Analysis<'a> {
             f.root_cause = self.episodes[k]
                 .explained_by
                 .and_then(|j| out[j].1.first().map(|(s, _)| (s.cause, j)));
-            let ranked = causes::rank_causes(self.run, &self.evidence, &self.episodes, k, &f);
+            let ranked = causes::rank_causes(
+                self.run,
+                &self.evidence,
+                &self.events,
+                &self.episodes,
+                k,
+                &f,
+            );
             out[k] = (f, ranked);
         }
         out
@@ -187,6 +194,16 @@ impl<'a> Analysis<'a> {
             .enumerate()
             .map(|(k, (f, ranked))| {
                 let e = &self.episodes[k];
+                let case = causes::Case::new(
+                    self.run,
+                    &self.evidence,
+                    &f,
+                    &self.events,
+                    &self.episodes,
+                    k,
+                );
+                let mut features = causes::facts_of(&f);
+                features.extend(case.own_facts());
                 let causes: Vec<serde_json::Value> = ranked
                     .into_iter()
                     .map(|(s, p)| {
@@ -208,12 +225,14 @@ impl<'a> Analysis<'a> {
                     "to_end": e.to_end,
                     "margin": e.margin,
                     "breadth": e.affected.len() as f64 / self.run.model.layers.len().max(1) as f64,
-                    "features": f,
+                    "features": features,
                     "causes": causes,
                 })
             })
             .collect();
-        serde_json::json!({ "run": self.evidence, "episodes": episodes })
+        let mut run = causes::facts_of(&self.evidence);
+        run.extend(causes::own_run_facts(self.run));
+        serde_json::json!({ "run": run, "episodes": episodes })
     }
 
     /// Ranked hypotheses, optionally for one failure only.

@@ -3,9 +3,18 @@
 
 use super::super::remedy::Remedy;
 use super::super::vocab::{Cause, Failure};
-use super::{Case, CauseRule, RemedyCase, Votes};
+use super::evidence::{activation_tolerance, earliest};
+use super::{Case, CauseRule, Facts, RemedyCase, Votes};
 
 pub(crate) struct DyingRelu;
+
+/// A (nearly) completely dead layer around the onset of episode `c.k`, if any.
+fn dead_layer(c: &Case<'_>) -> Option<usize> {
+    let reach = c.e.onset + activation_tolerance(c.ev);
+    earliest(c.episodes, c.k, Failure::DeadNeurons, &|o| {
+        o.onset <= reach && o.fraction >= 0.9
+    })
+}
 
 impl CauseRule for DyingRelu {
     fn cause(&self) -> Cause {
@@ -24,10 +33,10 @@ impl CauseRule for DyingRelu {
     }
 
     fn evidence(&self, c: &Case<'_>, v: &mut Votes) {
-        let (f, e) = (c.f, c.e);
+        let e = c.e;
         match e.failure {
             Failure::VanishingGradients => {
-                if let Some(j) = f.dead {
+                if let Some(j) = dead_layer(c) {
                     v.add(
                         4.0,
                         format!(
@@ -65,6 +74,12 @@ impl CauseRule for DyingRelu {
             }
             _ => {}
         }
+    }
+
+    fn episode_facts(&self, c: &Case<'_>) -> Facts {
+        let mut out = Facts::new();
+        out.insert("dead".into(), dead_layer(c).into());
+        out
     }
 
     fn remedies(&self, c: &RemedyCase<'_>) -> Vec<Remedy> {

@@ -2,7 +2,7 @@
 
 use super::super::remedy::Remedy;
 use super::super::vocab::{Cause, Failure};
-use super::{Case, CauseRule, RemedyCase, Votes};
+use super::{Case, CauseRule, Facts, RemedyCase, Votes};
 
 pub(crate) struct MissingNormalization;
 
@@ -26,7 +26,7 @@ impl CauseRule for MissingNormalization {
 
     fn evidence(&self, c: &Case<'_>, v: &mut Votes) {
         let ev = c.ev;
-        if ev.has_norm {
+        if c.run.model.has_normalization {
             return;
         }
         match c.e.failure {
@@ -45,6 +45,12 @@ impl CauseRule for MissingNormalization {
             }
             _ => {}
         }
+    }
+
+    fn run_facts(&self, run: &crate::engine::Run) -> Facts {
+        let mut out = Facts::new();
+        out.insert("has_norm".into(), run.model.has_normalization.into());
+        out
     }
 
     fn remedies(&self, _: &RemedyCase<'_>) -> Vec<Remedy> {

@@ -1,11 +1,40 @@
 //! `numerical_instability`: one operation (log, division, exp, ...) produced NaN/Inf from
 //! finite, stable inputs.
 
+use crate::event::EventType;
+
 use super::super::remedy::Remedy;
 use super::super::vocab::{Cause, Failure};
-use super::{Case, CauseRule, RemedyCase, Votes};
+use super::{Case, CauseRule, Facts, RemedyCase, Votes, facts_of};
 
 pub(crate) struct NumericalInstability;
+
+/// Where the first NaN/Inf of the episode was born, when that is known.
+#[derive(serde::Serialize)]
+#[allow(clippy::struct_field_names)]
+struct Origin {
+    /// In a module's forward output.
+    forward_origin: bool,
+    /// In the backward pass: the forward pass was checked finite, a gradient was not.
+    backward_origin: bool,
+    /// In the loss computation: the model's outputs were checked finite, the loss was not.
+    loss_origin: bool,
+}
+
+impl Origin {
+    fn of(c: &Case<'_>) -> Self {
+        let root = c.e.root_event.map(|i| c.events[i].event_type);
+        let forward_origin = root == Some(EventType::NonFiniteOutput);
+        let checked_finite = c.run.finite_forward.contains(&c.e.onset);
+        Self {
+            forward_origin,
+            backward_origin: !forward_origin
+                && checked_finite
+                && root == Some(EventType::GradientHealth),
+            loss_origin: checked_finite && root == Some(EventType::LossHealth),
+        }
+    }
+}
 
 impl CauseRule for NumericalInstability {
     fn cause(&self) -> Cause {
@@ -31,7 +60,8 @@ impl CauseRule for NumericalInstability {
                 if f.blew_up() && f.root_cause.is_none() {
                     return;
                 }
-                if f.forward_origin {
+                let origin = Origin::of(c);
+                if origin.forward_origin {
                     // Inputs are named only when they were observed (a batch that never passed
                     // through a watched module's call is not known to be finite).
                     v.add(
@@ -42,12 +72,12 @@ impl CauseRule for NumericalInstability {
                             "a module's forward output went non-finite while gradients were finite and stable (the inputs were not observed)"
                         },
                     );
-                } else if f.loss_origin {
+                } else if origin.loss_origin {
                     v.add(
                         2.5,
                         "the model's outputs were finite: the loss computation itself produced the first NaN/Inf (log of 0, a division by zero...)",
                     );
-                } else if f.backward_origin {
+                } else if origin.backward_origin {
                     v.add(
                         1.5,
                         "the forward pass was finite; the gradient went non-finite inside the backward pass",
@@ -67,6 +97,10 @@ impl CauseRule for NumericalInstability {
             }
             _ => {}
         }
+    }
+
+    fn episode_facts(&self, c: &Case<'_>) -> Facts {
+        facts_of(&Origin::of(c))
     }
 
     fn remedies(&self, c: &RemedyCase<'_>) -> Vec<Remedy> {
