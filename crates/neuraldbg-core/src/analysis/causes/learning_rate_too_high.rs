@@ -186,6 +186,16 @@ impl CauseRule for LearningRateTooHigh {
                         ),
                     );
                 }
+                if let Some((alternation, swing)) = c.run.loss.oscillation() {
+                    v.add(
+                        2.0,
+                        format!(
+                            "the loss reverses direction on {:.0}% of the steps, by ~{:.0}% of its level each time: the steps overshoot the minimum back and forth instead of descending",
+                            100.0 * alternation,
+                            100.0 * swing
+                        ),
+                    );
+                }
                 if let Some(r) = ev.update_ratio.filter(|r| *r > 0.5) {
                     v.add(
                         1.5,
@@ -212,6 +222,8 @@ impl CauseRule for LearningRateTooHigh {
     fn run_facts(&self, run: &Run) -> Facts {
         let mut out = Facts::new();
         out.insert("loss_peak_ratio".into(), loss_peak_ratio(run).into());
+        out.insert("loss_alternation".into(), run.loss.alternation().into());
+        out.insert("loss_swing".into(), run.loss.relative_swing().into());
         out
     }
 
