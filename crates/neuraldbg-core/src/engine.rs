@@ -7,12 +7,12 @@ use crate::detector::Transition;
 use crate::error::EngineError;
 use crate::event::{EventType, SemanticEvent, Subject, event_confidence};
 use crate::health::{
-    ActivationHealth, ActivationSample, DataHealth, GradientHealth, OutputHealth, ReplicaHealth,
-    State,
+    ActivationHealth, ActivationSample, DataHealth, GradientHealth, OutputHealth, State,
 };
 use crate::history::{History, Reduce};
 use crate::model::{ActivationProbe, Model, ModelSpec};
 use crate::observation::{ACTIVATION_STATS, Axis, Fact, INPUT_STATS, Measure, StepView};
+use crate::replica::ReplicaTrack;
 use crate::track::{ActTrack, DataTrack, Early, LayerTrack, LoopFacts, LossTrack};
 use crate::training_loop::LoopTrack;
 
@@ -24,42 +24,11 @@ pub const ACTIVATION_METRICS: [&str; 3] =
 /// Run-wide history metrics (`name` None).
 pub const RUN_METRICS: [&str; 4] = ["grad_norm", "loss", "lr", "input_scale"];
 
-/// Relative spread (`(max - min) / max` of a norm across ranks) above which data-parallel
-/// replicas no longer hold the same values. DDP's replicas are bitwise identical; float noise
-/// from a non-deterministic reduction stays orders of magnitude below this.
-pub const REPLICA_TOLERANCE: f64 = 1e-4;
-
 /// A rank number carried in an f32 array (NaN or negative: none).
 fn rank_of(r: f32) -> Option<u32> {
     // Ranks are small whole numbers carried exactly by f32.
     #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
     (0.0..1e9).contains(&r).then_some(r as u32)
-}
-
-/// The rank whose value stands apart from all the others (with three or more ranks: the one
-/// farthest from the median, if the others agree among themselves better than with it).
-fn odd_one_out(totals: &[f32]) -> Option<u32> {
-    if totals.len() < 3 || totals.iter().any(|v| !v.is_finite()) {
-        return None;
-    }
-    let mut sorted: Vec<f64> = totals.iter().map(|&v| f64::from(v)).collect();
-    sorted.sort_by(f64::total_cmp);
-    let median = sorted[sorted.len() / 2];
-    let dev = |v: f32| (f64::from(v) - median).abs();
-    let (odd, d) = totals
-        .iter()
-        .enumerate()
-        .map(|(r, &v)| (r, dev(v)))
-        .max_by(|a, b| a.1.total_cmp(&b.1))?;
-    let second = totals
-        .iter()
-        .enumerate()
-        .filter(|&(r, _)| r != odd)
-        .map(|(_, &v)| dev(v))
-        .fold(0.0f64, f64::max);
-    (d > 0.0 && d > 10.0 * second)
-        .then(|| u32::try_from(odd).ok())
-        .flatten()
 }
 
 /// Global series stored after the per-layer ones in the gradient history.
@@ -82,7 +51,7 @@ pub(crate) struct Run {
     pub data: DataTrack,
     pub output: OutputHealth,
     /// Whether a data-parallel job's replicas still match (distributed collectors only).
-    pub replica: ReplicaHealth,
+    pub replica: ReplicaTrack,
     /// Steps with NaN/Inf gradients or loss whose module outputs were all checked finite: the
     /// value was born in the loss computation or the backward pass (first few kept).
     pub finite_forward: Vec<u64>,
@@ -149,7 +118,7 @@ impl Engine {
             loss: LossTrack::default(),
             data: DataTrack::default(),
             output: OutputHealth::Finite,
-            replica: ReplicaHealth::Consistent,
+            replica: ReplicaTrack::default(),
             finite_forward: Vec::new(),
             events: Vec::new(),
             event_counts: vec![[0; 2]; model.spec.modules.len()],
@@ -650,7 +619,8 @@ impl Run {
                 self.finite_forward.push(step);
             }
         }
-        self.observe_replicas(
+        if let Some(e) = self.replica.observe(
+            &self.model,
             step,
             [
                 v.measure(Measure::ReplicaGradSpread),
@@ -660,8 +630,9 @@ impl Run {
                 v.measure(Measure::RankGradSumsq),
                 v.measure(Measure::RankWeightSumsq),
             ],
-            config,
-        );
+        ) {
+            self.push_event(e, config);
+        }
         if !skipped {
             self.observe_output(
                 step,
@@ -850,87 +821,6 @@ impl Run {
         }
     }
 
-    /// Data-parallel replicas (DDP): `spreads` holds, per parameter, how much its gradient
-    /// norm and its parameter norm differ across ranks (`(max - min) / max`; NaN: not a
-    /// replica or not measured), `totals` each rank's sum of squares over its replicated
-    /// gradients and parameters (to name the odd rank out). Replicas are identical by
-    /// construction; beyond [`REPLICA_TOLERANCE`] one of them went its own way.
-    fn observe_replicas(
-        &mut self,
-        step: u64,
-        spreads: [Option<&[f32]>; 2],
-        totals: [Option<&[f32]>; 2],
-        config: &Config,
-    ) {
-        let mut measured = false;
-        let mut worst = 0.0f64;
-        // (module, spread, which kind) of the first diverged parameter in forward order.
-        let mut first: Option<(usize, f64, usize)> = None;
-        for (kind, s) in spreads.iter().enumerate() {
-            let Some(s) = s else { continue };
-            for (p, &v) in s.iter().enumerate() {
-                let v = f64::from(v);
-                if v.is_nan() {
-                    continue;
-                }
-                measured = true;
-                let v = if v.is_finite() { v } else { f64::INFINITY };
-                worst = worst.max(v);
-                let module = self
-                    .model
-                    .spec
-                    .params
-                    .get(p)
-                    .map_or(usize::MAX, |q| q.module);
-                if v > REPLICA_TOLERANCE && first.is_none_or(|(m, _, _)| module < m) {
-                    first = Some((module, v, kind));
-                }
-            }
-        }
-        if !measured {
-            return;
-        }
-        let (from, to) = match (first, self.replica) {
-            (Some(_), ReplicaHealth::Consistent) => {
-                (ReplicaHealth::Consistent, ReplicaHealth::Diverged)
-            }
-            (None, ReplicaHealth::Diverged) => (ReplicaHealth::Diverged, ReplicaHealth::Consistent),
-            _ => return,
-        };
-        self.replica = to;
-        let (subject, value, rank) = match first {
-            Some((module, v, kind)) => {
-                let subject = if module < self.model.spec.modules.len() {
-                    Subject::Module(module)
-                } else {
-                    Subject::Input
-                };
-                (subject, v, totals[kind].and_then(odd_one_out))
-            }
-            None => (Subject::Module(0), worst, None),
-        };
-        let margin = if to == ReplicaHealth::Diverged {
-            crate::health::decades(value, REPLICA_TOLERANCE)
-        } else {
-            0.0
-        };
-        let e = SemanticEvent {
-            step,
-            event_type: EventType::ReplicaDivergence,
-            subject,
-            from_state: State::Replica(from),
-            to_state: State::Replica(to),
-            confidence: event_confidence(margin, 1),
-            value,
-            threshold: REPLICA_TOLERANCE,
-            confirmed_step: step,
-            persistence: 1,
-            margin,
-            rank,
-        };
-        self.push_event(e, config);
-    }
-
     /// Index in `grads` of a run-wide series (they follow the per-layer ones).
     pub(crate) fn global_series(&self, g: Global) -> usize {
         self.model.layers.len() + g as usize
@@ -1112,22 +1002,6 @@ mod tests {
             "{:?}",
             top.remedies
         );
-    }
-
-    #[test]
-    fn the_odd_rank_out_needs_agreeing_others() {
-        assert_eq!(odd_one_out(&[1.0, 1.0, 5.0, 1.0]), Some(2));
-        assert_eq!(
-            odd_one_out(&[1.0, 5.0]),
-            None,
-            "two ranks: either could be the odd one"
-        );
-        assert_eq!(
-            odd_one_out(&[1.0, 2.0, 3.0, 4.0]),
-            None,
-            "no agreement among the others"
-        );
-        assert_eq!(odd_one_out(&[1.0, 1.0, 1.0]), None);
     }
 
     #[test]

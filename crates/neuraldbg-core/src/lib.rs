@@ -123,6 +123,7 @@ mod model;
 mod named;
 mod observation;
 pub mod output;
+mod replica;
 pub mod report;
 pub mod table;
 pub mod trace;

@@ -269,6 +269,13 @@ const NOISE_MARGIN: f64 = 4.0;
 const NOISE_WARMUP: u64 = 10;
 /// Weight of each new step in the loss's noise estimate (about the last 20 steps).
 const NOISE_WEIGHT: f64 = 0.05;
+/// Share of the loss's changes that reverse the one before, above which the loss bounces
+/// rather than drifts with noise (which reverses 2 in 3).
+const OSCILLATING: f64 = 0.85;
+/// Swing of the loss, relative to its level, from which a bouncing loss counts.
+const LARGE_SWING: f64 = 0.1;
+/// Changes of the loss compared before their alternation is judged.
+pub(crate) const ALTERNATION_PAIRS: u64 = 50;
 
 /// The training loss: smoothed, with divergence and plateau detection.
 #[derive(Clone, Debug)]
@@ -303,6 +310,11 @@ pub struct LossTrack {
     noise: f64,
     diffs: u64,
     last_raw: f64,
+    /// Consecutive nonzero differences of the raw loss compared, and how many of them changed
+    /// sign (see [`LossTrack::alternation`]).
+    turn_pairs: u64,
+    turns: u64,
+    last_diff: f64,
 }
 
 impl Default for LossTrack {
@@ -325,6 +337,9 @@ impl Default for LossTrack {
             noise: 0.0,
             diffs: 0,
             last_raw: f64::NAN,
+            turn_pairs: 0,
+            turns: 0,
+            last_diff: 0.0,
         }
     }
 }
@@ -424,6 +439,7 @@ impl LossTrack {
                 self.diffs += 1;
                 let weight = (1.0 / self.diffs as f64).max(NOISE_WEIGHT);
                 self.noise += weight * ((loss - self.last_raw).abs() - self.noise);
+                self.count_turn(loss - self.last_raw);
             }
             self.last_raw = loss;
         } else {
@@ -451,6 +467,39 @@ impl LossTrack {
             self.last_event = Some(t.confirmed);
         }
         t
+    }
+
+    /// Counts whether the change `change` of the raw loss reverses the one before.
+    fn count_turn(&mut self, change: f64) {
+        if change == 0.0 {
+            return;
+        }
+        if self.last_diff != 0.0 {
+            self.turn_pairs += 1;
+            self.turns += u64::from((change > 0.0) != (self.last_diff > 0.0));
+        }
+        self.last_diff = change;
+    }
+
+    /// Share of the loss's step-to-step changes that reverse the one before (after at least
+    /// [`ALTERNATION_PAIRS`] of them). Independent noise around a trend reverses 2 changes in 3;
+    /// steps that overshoot the minimum back and forth reverse nearly every one.
+    pub fn alternation(&self) -> Option<f64> {
+        (self.turn_pairs >= ALTERNATION_PAIRS).then(|| self.turns as f64 / self.turn_pairs as f64)
+    }
+
+    /// A loss that bounces rather than drifts: how often it reverses (at least
+    /// [`OSCILLATING`]) and by how much of its level (at least [`LARGE_SWING`]).
+    pub fn oscillation(&self) -> Option<(f64, f64)> {
+        let alternation = self.alternation().filter(|a| *a >= OSCILLATING)?;
+        let swing = self.relative_swing().filter(|s| *s >= LARGE_SWING)?;
+        Some((alternation, swing))
+    }
+
+    /// The loss's typical step-to-step change relative to its current (smoothed) level.
+    pub fn relative_swing(&self) -> Option<f64> {
+        let level = self.last_smoothed.abs();
+        (self.diffs >= NOISE_WARMUP && level > 0.0 && level.is_finite()).then(|| self.noise / level)
     }
 
     /// Mean of the smoothed losses in the window after its first `skip` entries, and its
@@ -679,6 +728,39 @@ mod tests {
                 level * sum / 16.0
             })
             .collect()
+    }
+
+    #[test]
+    fn a_loss_that_overshoots_back_and_forth_alternates_more_than_noise() {
+        let config = Config::default();
+        // Independent noise around a flat level reverses about 2 changes in 3.
+        for seed in 1..20 {
+            let mut t = LossTrack::default();
+            for (step, loss) in noisy_losses(400, 1.0, seed).into_iter().enumerate() {
+                t.observe(step as u64, loss, &config);
+            }
+            let a = t.alternation().unwrap();
+            assert!((0.55..0.78).contains(&a), "seed {seed}: {a}");
+        }
+        // Steps that overshoot: the loss swings up and down around its level, with noise.
+        let noise = noisy_losses(400, 0.1, 3);
+        let mut t = LossTrack::default();
+        for (step, n) in noise.into_iter().enumerate() {
+            let swing = if step % 2 == 0 { 0.6 } else { -0.6 };
+            t.observe(step as u64, 1.5 + swing + n, &config);
+        }
+        assert!(t.alternation().unwrap() > 0.95, "{:?}", t.alternation());
+        assert!(
+            t.relative_swing().unwrap() > 0.5,
+            "{:?}",
+            t.relative_swing()
+        );
+        // Too few changes to judge.
+        let mut t = LossTrack::default();
+        for step in 0..ALTERNATION_PAIRS {
+            t.observe(step, 1.0 + 0.1 * (step % 2) as f64, &config);
+        }
+        assert_eq!(t.alternation(), None);
     }
 
     #[test]

@@ -692,3 +692,88 @@ proptest! {
         }
     }
 }
+
+/// A classifier over 10 classes (cross-entropy on raw logits).
+fn classifier(depth: usize) -> ModelSpec {
+    let mut spec = mlp(depth, "ReLU", "SGD");
+    spec.loss = Some(neuraldbg_core::LossSpec {
+        ops: vec!["NllLoss".into(), "LogSoftmax".into()],
+        output_op: Some("Addmm".into()),
+        output_units: Some(10),
+        ..Default::default()
+    });
+    spec
+}
+
+/// A small deterministic noise in [-1, 1).
+fn wobble(step: u64) -> f64 {
+    let x = step.wrapping_mul(2_654_435_761) % 1000;
+    x as f64 / 500.0 - 1.0
+}
+
+fn healthy_step(depth: usize, loss: f64) -> Step {
+    Step {
+        layer_norms: (0..layers(depth)).map(|_| 0.05).collect(),
+        acts: Some((0..depth).map(|_| relu_row(0.05)).collect()),
+        weight_gain: Some(0.6),
+        input: Some(healthy_input()),
+        loss: Some(loss),
+        lr: 0.01,
+        nonfinite_module: None,
+    }
+}
+
+#[test]
+fn a_classifier_whose_loss_stays_at_chance_is_not_learning() {
+    // The loss falls from a badly scaled start to ln 10 (the class prior) and stays there:
+    // below 90% of where it started, so no ordinary plateau, yet it learned nothing.
+    let depth = 3;
+    let chance = 10f64.ln();
+    let engine = run(classifier(depth), 300, |step| {
+        let start = 6.0 * (-(step as f64) / 5.0).exp();
+        healthy_step(depth, chance + start + 0.01 * wobble(step))
+    });
+    let h = explain(&engine);
+    let plateau = h
+        .iter()
+        .find(|h| h.failure == Failure::LossPlateau)
+        .unwrap_or_else(|| panic!("no plateau: {h:?}"));
+    assert!(
+        plateau.description.contains("chance level"),
+        "{}",
+        plateau.description
+    );
+    assert!(plateau.step.is_some_and(|s| s < 60), "{plateau}");
+    // The same run that keeps learning below chance is no plateau.
+    let engine = run(classifier(depth), 300, |step| {
+        let start = 6.0 * (-(step as f64) / 5.0).exp();
+        healthy_step(
+            depth,
+            chance * (-(step as f64) / 80.0).exp() + start + 0.01 * wobble(step),
+        )
+    });
+    let h = explain(&engine);
+    assert!(h.iter().all(|h| h.failure != Failure::LossPlateau), "{h:?}");
+    assert!(h.iter().all(|h| h.confidence < 0.5), "{h:?}");
+}
+
+#[test]
+fn a_loss_that_bounces_instead_of_descending_points_at_the_learning_rate() {
+    // Steps that overshoot: each step's loss swings to the other side of its level
+    // (negatively correlated changes), around a level that creeps up instead of falling.
+    let depth = 3;
+    let mut x = 0.0f64;
+    let engine = run(classifier(depth), 400, |step| {
+        x = -0.85 * x + 0.5 * wobble(step);
+        healthy_step(depth, 2.0 + 0.002 * step as f64 + x)
+    });
+    let a = Analysis::new(&engine).unwrap();
+    let h = a.hypotheses(Some(Failure::LossPlateau));
+    let top = h
+        .first()
+        .unwrap_or_else(|| panic!("no plateau: {:?} {:?}", explain(&engine), engine.events()));
+    assert_eq!(top.cause, Cause::LearningRateTooHigh, "{top}");
+    assert!(top.description.contains("reverses direction"), "{top}");
+    let run = &a.evidence_features()["run"];
+    assert!(run["loss_alternation"].as_f64().unwrap() > 0.85, "{run}");
+}

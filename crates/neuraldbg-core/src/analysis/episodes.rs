@@ -10,6 +10,7 @@ use crate::health::{
     ActivationHealth, DataHealth, GradientHealth, LossHealth, OutputHealth, ReplicaHealth, State,
 };
 
+use super::failures::{self, module_of};
 use super::vocab::Failure;
 
 /// Events further apart than this (in steps) belong to separate episodes of a failure.
@@ -47,6 +48,29 @@ pub(crate) struct Episode {
     /// For a stalled layer: it never received a gradient (rather than receiving gradients
     /// its weights never followed).
     pub no_gradient: bool,
+}
+
+impl Episode {
+    /// An episode of `failure` from `onset` that no event marks, lasting one step, not yet
+    /// weighed or linked.
+    pub fn new(failure: Failure, onset: u64) -> Self {
+        Self {
+            failure,
+            onset,
+            events: Vec::new(),
+            root: None,
+            root_event: None,
+            affected: Vec::new(),
+            margin: 0.0,
+            duration: 1,
+            to_end: false,
+            p_failure: 0.0,
+            explained_by: None,
+            fraction: f64::NAN,
+            exact_zero: false,
+            no_gradient: false,
+        }
+    }
 }
 
 /// The failure an event signals, if any (recoveries and warnings that are not failures map to
@@ -143,64 +167,17 @@ pub(crate) fn build(run: &Run, events: &[SemanticEvent], config: &Config) -> Vec
             episodes.push(episode(run, events, &timeline, failure, cluster));
         }
     }
-    // Gradients exploding from the first step while the forward signal itself blew up inside
-    // one module: every later layer's weight gradient is large because its input is, so the
-    // explosion begins where the forward growth does, not at the end of the network.
-    if let Some(g) = super::causes::forward_growth(run) {
-        for e in &mut episodes {
-            if e.failure == Failure::ExplodingGradients && e.onset <= g.step {
-                e.root = Some(g.module);
-                if !e.affected.contains(&g.module) {
-                    e.affected.push(g.module);
-                    e.affected.sort_unstable();
-                }
-            }
-        }
-    }
-    episodes.extend(super::stalled::episodes(run, config));
-    episodes.extend(super::functional::dead_units(run));
-    if !episodes.iter().any(|e| e.failure == Failure::LossPlateau) {
-        episodes.extend(floor_plateau(run));
+    for rule in failures::RULES {
+        let found = rule.episodes(run, config, &episodes);
+        episodes.extend(found);
     }
     for e in &mut episodes {
-        e.p_failure = super::causes::base_probability(run, e);
+        e.p_failure = failures::rule(e.failure)
+            .probability(run, e)
+            .clamp(0.0, 0.99);
     }
     link(run, events, &mut episodes, config);
     episodes
-}
-
-/// A loss that went flat below the plateau level (which otherwise tells a converged run from a
-/// stuck one) is a plateau too when the loss provably cannot reach its optimum: the output does
-/// not fit the loss, or the loss broadcasts the target (see `causes`).
-fn floor_plateau(run: &Run) -> Option<Episode> {
-    let since = run.loss.flat_since?;
-    if !super::causes::loss_bounded_by_mistake(run) {
-        return None;
-    }
-    let last = run.last_step?;
-    Some(Episode {
-        failure: Failure::LossPlateau,
-        onset: since,
-        events: Vec::new(),
-        root: None,
-        root_event: None,
-        affected: Vec::new(),
-        margin: 0.0,
-        duration: last.saturating_sub(since) + 1,
-        to_end: true,
-        p_failure: 0.0,
-        explained_by: None,
-        fraction: f64::NAN,
-        exact_zero: false,
-        no_gradient: false,
-    })
-}
-
-fn module_of(e: &SemanticEvent) -> Option<usize> {
-    match e.subject {
-        Subject::Module(m) => Some(m),
-        _ => None,
-    }
 }
 
 fn episode(
@@ -222,7 +199,8 @@ fn episode(
     affected.sort_unstable();
     affected.dedup();
 
-    let (root_event, root) = locate_root(run, events, failure, &cluster, onset);
+    let rule = failures::rule(failure);
+    let (root_event, root) = rule.locate(run, events, &cluster, onset);
     // An activation failure is dated where its root module's failure began.
     let onset = match (failure, root_event) {
         (Failure::SaturatedActivations | Failure::DeadNeurons, Some(i)) => events[i].step,
@@ -258,7 +236,7 @@ fn episode(
             .iter()
             .filter(|&&i| events[i].step == onset)
             .all(|&i| events[i].value == 0.0);
-    Episode {
+    let mut episode = Episode {
         failure,
         onset,
         events: cluster,
@@ -273,139 +251,9 @@ fn episode(
         fraction,
         exact_zero,
         no_gradient: false,
-    }
-}
-
-/// Root-cause search within one episode.
-///
-/// Gradient failures begin where they first appear along the backward pass: among the layers
-/// that failed at the onset step, take the longest run of adjacent layers (the structural
-/// coupling of layer N and N-1) and, within it, the layer latest in forward order: everything
-/// before it in forward order fails because the gradient reaching it already had. Non-finite
-/// values and activation failures begin at the first module in forward order that shows them.
-fn locate_root(
-    run: &Run,
-    events: &[SemanticEvent],
-    failure: Failure,
-    cluster: &[usize],
-    onset: u64,
-) -> (Option<usize>, Option<usize>) {
-    let at_onset: Vec<usize> = cluster
-        .iter()
-        .copied()
-        .filter(|&i| events[i].step == onset)
-        .collect();
-    match failure {
-        Failure::VanishingGradients | Failure::ExplodingGradients | Failure::SaturatedGradients => {
-            let model = &run.model;
-            let mut layers: Vec<(usize, usize)> = at_onset
-                .iter()
-                .filter_map(|&i| {
-                    module_of(&events[i]).and_then(|m| model.module_layer[m].map(|l| (l, i)))
-                })
-                .collect();
-            layers.sort_unstable();
-            // Runs of consecutive layer indices.
-            let mut best: Option<(usize, usize)> = None; // (len, index into layers of run end)
-            let mut start = 0;
-            for k in 0..layers.len() {
-                let end_of_run = k + 1 == layers.len() || layers[k + 1].0 != layers[k].0 + 1;
-                if end_of_run {
-                    let len = k + 1 - start;
-                    if best.is_none_or(|(bl, _)| len >= bl) {
-                        best = Some((len, k));
-                    }
-                    start = k + 1;
-                }
-            }
-            best.map_or((at_onset.first().copied(), None), |(_, k)| {
-                let (l, i) = layers[k];
-                (Some(i), Some(model.layers[l].module))
-            })
-        }
-        Failure::NonFinite => {
-            // A forward origin found on the onset step is the most precise location; then the
-            // backward pass (the latest layer in forward order whose gradient is non-finite);
-            // then any module.
-            let origin = at_onset
-                .iter()
-                .copied()
-                .find(|&i| events[i].event_type == EventType::NonFiniteOutput);
-            if let Some(i) = origin {
-                return (Some(i), module_of(&events[i]));
-            }
-            // Every module output was checked finite, yet the loss was not: the loss
-            // computation itself made it. No layer is to blame.
-            if run.finite_forward.contains(&onset) {
-                let loss = at_onset
-                    .iter()
-                    .copied()
-                    .find(|&i| events[i].to_state == State::Loss(LossHealth::NonFinite));
-                if let Some(i) = loss {
-                    return (Some(i), None);
-                }
-            }
-            let grad = at_onset
-                .iter()
-                .copied()
-                .filter(|&i| events[i].event_type == EventType::GradientHealth)
-                .max_by_key(|&i| module_of(&events[i]));
-            if let Some(i) = grad {
-                return (Some(i), module_of(&events[i]));
-            }
-            let act = at_onset
-                .iter()
-                .copied()
-                .filter(|&i| events[i].event_type == EventType::ActivationHealth)
-                .min_by_key(|&i| module_of(&events[i]));
-            if let Some(i) = act {
-                return (Some(i), module_of(&events[i]));
-            }
-            (at_onset.first().copied(), None)
-        }
-        Failure::SaturatedActivations | Failure::DeadNeurons => {
-            // The first module in forward order that shows the failure during the episode,
-            // preferring modules that went (nearly) all the way: a layer with >= 90% of its
-            // units dead blocks the gradient; one flickering around half does not.
-            let worst = |i: usize| {
-                module_of(&events[i])
-                    .and_then(|m| run.model.module_activation[m])
-                    .map_or(0.0, |a| {
-                        let t = &run.acts[a];
-                        if failure == Failure::DeadNeurons {
-                            t.max_dead
-                        } else {
-                            t.max_saturated
-                        }
-                    })
-            };
-            let severe: Vec<usize> = cluster
-                .iter()
-                .copied()
-                .filter(|&i| worst(i) >= 0.9)
-                .collect();
-            let pool = if severe.is_empty() {
-                cluster
-            } else {
-                &severe[..]
-            };
-            let i = pool
-                .iter()
-                .copied()
-                .min_by_key(|&i| (module_of(&events[i]), events[i].step));
-            (i, i.and_then(|i| module_of(&events[i])))
-        }
-        Failure::DataAnomaly
-        | Failure::LossDivergence
-        | Failure::LossPlateau
-        | Failure::LossScaleCollapse
-        | Failure::StalledLayer => (at_onset.first().copied(), None),
-        // The first parameter (forward order) found to differ across replicas.
-        Failure::ReplicaDivergence => {
-            let i = at_onset.first().copied();
-            (i, i.and_then(|i| module_of(&events[i])))
-        }
-    }
+    };
+    rule.settle(run, &mut episode);
+    episode
 }
 
 /// Steps between activation measurements (activation statistics may be sampled).
@@ -420,7 +268,11 @@ pub(crate) fn activation_gap(run: &Run) -> u64 {
 /// Decides which episodes are consequences of which, and moves a gradient failure's root to the
 /// dead layer that blocks it.
 fn link(run: &Run, events: &[SemanticEvent], episodes: &mut [Episode], config: &Config) {
-    let tol = config.coupling_window.max(activation_gap(run));
+    let ctx = failures::Link {
+        events,
+        tol: config.coupling_window.max(activation_gap(run)),
+        config,
+    };
     let n = episodes.len();
     for i in 0..n {
         let mut best: Option<usize> = None;
@@ -428,7 +280,7 @@ fn link(run: &Run, events: &[SemanticEvent], episodes: &mut [Episode], config: &
             if i == j {
                 continue;
             }
-            if explains(events, &episodes[j], &episodes[i], tol, config)
+            if failures::follows_from(&episodes[j], &episodes[i], &ctx)
                 && best.is_none_or(|b| episodes[j].onset < episodes[b].onset)
             {
                 best = Some(j);
@@ -454,83 +306,5 @@ fn link(run: &Run, events: &[SemanticEvent], episodes: &mut [Episode], config: &
             (Failure::DataAnomaly, Failure::NonFinite) => episodes[i].root = None,
             _ => {}
         }
-    }
-}
-
-/// Causal precedence for failures that begin together (lower explains higher).
-fn precedence(f: Failure) -> u8 {
-    match f {
-        Failure::DataAnomaly => 0,
-        Failure::DeadNeurons | Failure::StalledLayer => 1,
-        Failure::ExplodingGradients => 2,
-        Failure::VanishingGradients => 3,
-        Failure::SaturatedActivations => 4,
-        Failure::NonFinite => 5,
-        Failure::LossDivergence => 6,
-        Failure::SaturatedGradients => 7,
-        Failure::LossPlateau => 8,
-        Failure::LossScaleCollapse => 9,
-        Failure::ReplicaDivergence => 10,
-    }
-}
-
-/// Does episode `a` explain episode `b` (is `b` a consequence of `a`)?
-fn explains(events: &[SemanticEvent], a: &Episode, b: &Episode, tol: u64, config: &Config) -> bool {
-    use Failure as F;
-    let near = |x: u64, y: u64, w: u64| x <= y + w && y <= x + w;
-    let before_or_with =
-        a.onset < b.onset || (a.onset == b.onset && precedence(a.failure) < precedence(b.failure));
-    match (a.failure, b.failure) {
-        // Bad data at (or one step before) a failure explains it.
-        (F::DataAnomaly, _) => {
-            let nonfinite_batch = a
-                .events
-                .iter()
-                .any(|&i| events[i].to_state == State::Data(DataHealth::NonFinite));
-            (nonfinite_batch || b.failure != F::LossPlateau)
-                && a.onset <= b.onset
-                && b.onset <= a.onset + 1
-        }
-        // A (nearly) completely dead layer explains vanishing gradients in the layers before it.
-        (F::DeadNeurons, F::VanishingGradients) => {
-            let vanishing_root = b.root.unwrap_or(usize::MAX);
-            // (Dead units behind a functional activation are rooted at their own layer.)
-            a.fraction >= 0.9
-                && (a.affected.iter().any(|&m| m > vanishing_root)
-                    || (a.root.is_some() && a.root == b.root))
-                && a.onset <= b.onset + tol
-        }
-        // Saturation is the mechanism of the vanishing it precedes: the vanishing is the failure
-        // users see, so the saturation episode ranks under it.
-        (F::VanishingGradients, F::SaturatedActivations) => b.onset <= a.onset + tol,
-        (F::ExplodingGradients, F::NonFinite | F::SaturatedGradients) => {
-            before_or_with && near(a.onset, b.onset, 200)
-        }
-        // Exploding gradients and a diverging loss are one blow-up seen twice; the gradients
-        // locate it. A diverging loss also explains the large gradients that come with it.
-        (F::ExplodingGradients, F::LossDivergence) | (F::LossDivergence, F::SaturatedGradients) => {
-            near(a.onset, b.onset, 20)
-        }
-        (F::LossDivergence, F::NonFinite) => a.onset < b.onset,
-        // A failure that stops learning explains a flat loss, if it is itself a real failure.
-        // (The plateau's onset is back-dated to the start of its flat window.)
-        // A layer that does not learn can hold the loss flat too.
-        (
-            F::DeadNeurons | F::VanishingGradients | F::SaturatedActivations | F::StalledLayer,
-            F::LossPlateau,
-        ) => a.p_failure >= 0.5 && a.onset <= b.onset + u64::from(config.loss_plateau_window),
-        (F::NonFinite, F::LossDivergence | F::SaturatedGradients) => a.onset <= b.onset,
-        // One failure per failure: a later episode of the same failure, begun while an earlier
-        // real one was still going, is more of it (its evidence), not a rival finding.
-        (
-            F::VanishingGradients
-            | F::ExplodingGradients
-            | F::DeadNeurons
-            | F::SaturatedActivations,
-            _,
-        ) if a.failure == b.failure => {
-            a.p_failure >= 0.5 && a.onset < b.onset && (a.to_end || b.onset <= a.onset + a.duration)
-        }
-        _ => false,
     }
 }

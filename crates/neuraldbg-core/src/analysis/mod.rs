@@ -2,12 +2,15 @@
 //! causal hypotheses.
 //!
 //! The pipeline is one direction: events -> episodes (clusters of failure events, each with a
-//! root located by the rules of the `episodes` module) -> links (which episode is a consequence of which)
-//! -> evidence -> scored causes (the `causes` module) -> hypotheses sorted by confidence.
+//! root located by its failure's rule in `failures`) -> links (which episode is a consequence
+//! of which, also the failures' rules) -> evidence -> scored causes (one rule per cause in
+//! `causes`) -> hypotheses sorted by confidence, with their remedies (`remedy`).
 
 mod causes;
 mod episodes;
+mod failures;
 mod functional;
+mod remedy;
 mod stalled;
 mod text;
 mod vocab;
@@ -125,7 +128,7 @@ impl<'a> Analysis<'a> {
         let events = engine.events();
         let mut episodes = episodes::build(run, &events, engine.config());
         let p: Vec<f64> = (0..episodes.len())
-            .map(|k| causes::failure_probability(&episodes, k))
+            .map(|k| failures::corroborated(&episodes, k))
             .collect();
         for (e, p) in episodes.iter_mut().zip(p) {
             e.p_failure = p;
@@ -167,7 +170,14 @@ impl<'a> Analysis<'a> {
             f.root_cause = self.episodes[k]
                 .explained_by
                 .and_then(|j| out[j].1.first().map(|(s, _)| (s.cause, j)));
-            let ranked = causes::rank_causes(self.run, &self.evidence, &self.episodes, k, &f);
+            let ranked = causes::rank_causes(
+                self.run,
+                &self.evidence,
+                &self.events,
+                &self.episodes,
+                k,
+                &f,
+            );
             out[k] = (f, ranked);
         }
         out
@@ -184,6 +194,16 @@ impl<'a> Analysis<'a> {
             .enumerate()
             .map(|(k, (f, ranked))| {
                 let e = &self.episodes[k];
+                let case = causes::Case::new(
+                    self.run,
+                    &self.evidence,
+                    &f,
+                    &self.events,
+                    &self.episodes,
+                    k,
+                );
+                let mut features = causes::facts_of(&f);
+                features.extend(case.own_facts());
                 let causes: Vec<serde_json::Value> = ranked
                     .into_iter()
                     .map(|(s, p)| {
@@ -205,12 +225,14 @@ impl<'a> Analysis<'a> {
                     "to_end": e.to_end,
                     "margin": e.margin,
                     "breadth": e.affected.len() as f64 / self.run.model.layers.len().max(1) as f64,
-                    "features": f,
+                    "features": features,
                     "causes": causes,
                 })
             })
             .collect();
-        serde_json::json!({ "run": self.evidence, "episodes": episodes })
+        let mut run = causes::facts_of(&self.evidence);
+        run.extend(causes::own_run_facts(self.run));
+        serde_json::json!({ "run": run, "episodes": episodes })
     }
 
     /// Ranked hypotheses, optionally for one failure only.
@@ -251,6 +273,10 @@ impl<'a> Analysis<'a> {
                     scored.cause,
                     &scored.reasons,
                 );
+                let mut remedies = failures::rule(e.failure).remedies(
+                    scored.cause,
+                    causes::rule(scored.cause).remedies(&causes::RemedyCase { run: self.run, e }),
+                );
                 let mut h = CausalHypothesis {
                     failure: e.failure,
                     cause: scored.cause,
@@ -260,9 +286,13 @@ impl<'a> Analysis<'a> {
                     description,
                     evidence: evidence.clone(),
                     causal_chain: causal_chain.clone(),
-                    remedies: text::remedies(self.run, e, scored.cause),
+                    remedies: Vec::new(),
                 };
-                self.note_clipping(&mut h, e);
+                if self.note_clipping(&mut h, e) {
+                    // Clipping was on: advice to clip is moot.
+                    remedies.retain(|r| !r.clips());
+                }
+                h.remedies = remedies.iter().map(remedy::Remedy::text).collect();
                 out.push((h, k));
             }
         }
@@ -287,10 +317,6 @@ impl<'a> Analysis<'a> {
                 h.confidence = h.confidence.min(cap * 0.97);
             }
         }
-        // Not an episode (confirmed by the loop track): ranked with the others, never capped.
-        if let Some(h) = self.scale_collapse() {
-            out.push((h, self.episodes.len()));
-        }
         // Keep the best hypothesis per (failure, cause, layer).
         out.sort_by(|a, b| {
             b.0.confidence
@@ -306,14 +332,15 @@ impl<'a> Analysis<'a> {
     }
 
     /// Gradients were clipped during a gradient failure: the norms are those the backward pass
-    /// produced, so the explosion is real even though the update was bounded. Say so.
-    fn note_clipping(&self, h: &mut CausalHypothesis, e: &Episode) {
+    /// produced, so the explosion is real even though the update was bounded. Says so in the
+    /// hypothesis; returns whether clipping was on.
+    fn note_clipping(&self, h: &mut CausalHypothesis, e: &Episode) -> bool {
         if !e.failure.is_gradient() {
-            return;
+            return false;
         }
         let last = e.onset + e.duration.saturating_sub(1);
         let Some(clip) = self.run.loop_track.clipping_during(e.onset, last) else {
-            return;
+            return false;
         };
         let ratio = clip.ratio_min;
         let _ = write!(
@@ -327,59 +354,7 @@ impl<'a> Analysis<'a> {
             "gradient clipping rescaled gradients on {} step(s) around the failure (first at step {})",
             clip.steps, clip.first
         ));
-        h.remedies.retain(|r| !r.starts_with("clip gradients"));
-    }
-
-    /// The hypothesis for a collapsed mixed-precision loss scale, when one was confirmed.
-    fn scale_collapse(&self) -> Option<CausalHypothesis> {
-        let lt = &self.run.loop_track;
-        let c = lt.collapse?;
-        let layer = c.module.map(|m| self.name(m));
-        let place = layer.as_deref().map_or(String::new(), |l| {
-            format!(
-                " Values first overflowed in '{}'.",
-                crate::model::display_name(l)
-            )
-        });
-        // Confirmed below a scale of 1, or by a long enough run of skips whatever the scale
-        // (which may also be unknown: no loss_scale fact).
-        let why = if c.scale < 1.0 {
-            format!(
-                "shrank the loss scale to {}, below 1, so values overflow float16 even unamplified",
-                text::num(c.scale)
-            )
-        } else if c.scale.is_finite() {
-            format!(
-                "the loss scale is still {}: values overflow at every scale it tried",
-                text::num(c.scale)
-            )
-        } else {
-            "values overflow at every scale it tried".to_owned()
-        };
-        Some(CausalHypothesis {
-            failure: Failure::LossScaleCollapse,
-            cause: Cause::NumericalInstability,
-            layer,
-            step: Some(c.onset),
-            confidence: 0.9,
-            description: format!(
-                "The mixed-precision loss scale collapsed from step {}: the GradScaler skipped \
-                 {} consecutive optimizer steps for overflowing gradients and {why}, and the \
-                 model stops learning ({} skipped steps in all).{place}",
-                c.onset, c.skips, lt.skipped_steps
-            ),
-            evidence: Vec::new(),
-            causal_chain: vec![
-                format!("values overflow float16 from step {}", c.onset),
-                format!("GradScaler skips every step; loss scale at {}", text::num(c.scale)),
-                "no parameter update: training stalls".into(),
-            ],
-            remedies: vec![
-                "train in bfloat16 (torch.autocast(dtype=torch.bfloat16)): float32's range, no loss scaling needed".into(),
-                "keep the overflowing module in float32 (wrap it in torch.autocast(enabled=False))".into(),
-                "lower the learning rate, or normalize the activations that grow (LayerNorm)".into(),
-            ],
-        })
+        true
     }
 
     /// The episode at the start of `k`'s consequence chain.
@@ -432,6 +407,10 @@ impl<'a> Analysis<'a> {
         let mut lines = Vec::new();
         for j in self.chain_episodes(k) {
             let e = &self.episodes[j];
+            if let Some(told) = failures::rule(e.failure).chain(self.run, e) {
+                lines.extend(told);
+                continue;
+            }
             if let Some(i) = e.root_event {
                 lines.push(text::event_line(self.run, &self.events[i]));
             }

@@ -7,7 +7,7 @@ use crate::event::{EventType, SemanticEvent, Subject};
 use crate::health::State;
 
 use super::episodes::Episode;
-use super::vocab::{Cause, Failure};
+use super::vocab::Cause;
 
 /// A number in 3 significant digits, scientific outside [1e-3, 1e4).
 pub fn num(v: f64) -> String {
@@ -126,7 +126,8 @@ fn subject(run: &Run, s: Subject) -> String {
     }
 }
 
-/// The hypothesis sentence.
+/// The hypothesis sentence: what failed, where (its failure's rule says), from when, for how
+/// long, and why.
 pub fn describe(
     run: &Run,
     episodes: &[Episode],
@@ -136,64 +137,19 @@ pub fn describe(
     reasons: &[String],
 ) -> String {
     let e = &episodes[k];
+    let rule = super::failures::rule(e.failure);
+    let sentence = super::failures::Sentence {
+        run,
+        episodes,
+        k,
+        events,
+    };
+    if let Some(s) = rule.sentence(&sentence) {
+        return s;
+    }
     let mut s = String::from(e.failure.phrase());
     let _ = write!(s, " at step {}", e.onset);
-    let loss_origin = e.failure == Failure::NonFinite
-        && e.root.is_none()
-        && e.root_event
-            .is_some_and(|i| events[i].event_type == EventType::LossHealth);
-    if loss_origin {
-        s.push_str(", in the loss computation (the model's outputs were finite)");
-    }
-    if let Some(m) = e.root {
-        let name = show(run.model.module_name(m));
-        let extra = e.affected.len().saturating_sub(1);
-        match e.failure {
-            Failure::VanishingGradients
-            | Failure::ExplodingGradients
-            | Failure::SaturatedGradients => {
-                if let Some(j) = e
-                    .explained_by
-                    .filter(|&j| episodes[j].failure == Failure::DeadNeurons)
-                {
-                    let _ = write!(
-                        s,
-                        " in {} layer(s) behind the dead layer {name} (dead from step {})",
-                        e.affected.len(),
-                        episodes[j].onset
-                    );
-                } else {
-                    let _ = write!(s, ", beginning in {name}");
-                    if extra > 0 {
-                        let _ = write!(s, " and reaching {extra} more layer(s)");
-                    }
-                }
-            }
-            Failure::NonFinite => {
-                let how = e.root_event.map(|i| &events[i]);
-                match how.map(|ev| ev.event_type) {
-                    Some(EventType::NonFiniteOutput) => {
-                        let _ = write!(s, ", first in the forward output of {name}");
-                    }
-                    Some(EventType::GradientHealth) => {
-                        let _ = write!(s, ", entering the backward pass at {name}");
-                    }
-                    _ => {
-                        let _ = write!(s, " in {name}");
-                    }
-                }
-            }
-            _ => {
-                let _ = write!(s, " in {name}");
-                if e.fraction.is_finite() {
-                    let _ = write!(s, " ({:.0}%)", 100.0 * e.fraction);
-                }
-                if extra > 0 {
-                    let _ = write!(s, " and {extra} more module(s)");
-                }
-            }
-        }
-    }
+    s.push_str(&rule.place(&sentence));
     if let Some(r) = e.root_event.and_then(|i| events[i].rank) {
         let _ = write!(s, ", on rank {r}");
     }
@@ -209,24 +165,6 @@ pub fn describe(
     }
     s.push('.');
     s
-}
-
-/// Concrete remedies for a failure with a cause: the cause's own (see `causes`), and for an
-/// explosion not due to the learning rate, clipping while the cause is fixed.
-pub fn remedies(run: &Run, e: &Episode, cause: Cause) -> Vec<String> {
-    let mut r = super::causes::rule(cause).remedies(&super::causes::RemedyCase { run, e });
-    if e.failure == Failure::ReplicaDivergence {
-        // No cause of the vocabulary fits: the remedies say where such code usually is.
-        r = vec![
-            "look for code that changes parameters, gradients or buffers on some ranks only (under `if rank == ...`, outside the DDP-wrapped model, or between forward and optimizer.step())".into(),
-            "make sure every rank runs the same optimizer steps (a rank that skips or repeats optimizer.step() drifts apart)".into(),
-            "check that no part of the model is updated outside DDP (a submodule or parameter not registered in the wrapped module)".into(),
-        ];
-    }
-    if e.failure == Failure::ExplodingGradients && cause != Cause::LearningRateTooHigh {
-        r.push("clip gradients at 1.0 while you fix the cause".into());
-    }
-    r
 }
 
 #[cfg(test)]

@@ -71,16 +71,10 @@ impl Failure {
         }
     }
 
-    /// Whether the cause rules (`analysis/causes/`) rank this failure's causes. Two do not: a
-    /// diverged replica is a fault in the job's code that no cause of the vocabulary names (only
-    /// `unknown` is a candidate; its remedies say where to look), and a collapsed loss scale is
-    /// never an episode: its hypothesis, with its cause, is built from the loop tracker directly.
-    /// The rules therefore never need to mention either.
+    /// Whether the cause rules (`analysis/causes/`) rank this failure's causes (its rule in
+    /// `analysis/failures/` says).
     pub fn ranked_by_cause_rules(self) -> bool {
-        !matches!(
-            self,
-            Failure::ReplicaDivergence | Failure::LossScaleCollapse
-        )
+        super::failures::rule(self).ranked_by_cause_rules()
     }
 
     /// Gradient failures are located where they begin along the backward pass; the others at

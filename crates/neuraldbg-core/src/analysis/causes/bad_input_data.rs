@@ -1,10 +1,41 @@
 //! `bad_input_data`: NaN/Inf or out-of-distribution batches, or inputs and targets far off
 //! scale.
 
+use crate::health::{DataHealth, State};
+
+use super::super::remedy::Remedy;
 use super::super::vocab::{Cause, Failure};
-use super::{Case, CauseRule, RemedyCase, Votes, fmt_g};
+use super::evidence::earliest;
+use super::{Case, CauseRule, Facts, RemedyCase, Votes, facts_of, fmt_g};
 
 pub(crate) struct BadInputData;
+
+/// The input batch of the onset step (or the one before): the data anomaly there, and whether
+/// it held NaN/Inf.
+#[derive(serde::Serialize)]
+struct Batch {
+    data: Option<usize>,
+    nonfinite_input: bool,
+}
+
+impl Batch {
+    fn of(c: &Case<'_>) -> Self {
+        let onset = c.e.onset;
+        let data = earliest(c.episodes, c.k, Failure::DataAnomaly, &|o| {
+            o.onset <= onset && onset <= o.onset + 1
+        });
+        let nonfinite_input = data.is_some_and(|j| {
+            c.episodes[j]
+                .events
+                .iter()
+                .any(|&i| c.events[i].to_state == State::Data(DataHealth::NonFinite))
+        });
+        Self {
+            data,
+            nonfinite_input,
+        }
+    }
+}
 
 impl CauseRule for BadInputData {
     fn cause(&self) -> Cause {
@@ -18,7 +49,10 @@ impl CauseRule for BadInputData {
     fn explains(&self, failure: Failure) -> bool {
         !matches!(
             failure,
-            Failure::LossPlateau | Failure::SaturatedGradients | Failure::StalledLayer
+            Failure::LossPlateau
+                | Failure::SaturatedGradients
+                | Failure::StalledLayer
+                | Failure::LossScaleCollapse
         )
     }
 
@@ -53,7 +87,7 @@ impl CauseRule for BadInputData {
             }
             Failure::VanishingGradients | Failure::DeadNeurons => anomalous_batch(c, v, 3.0),
             Failure::NonFinite => {
-                if f.nonfinite_input {
+                if Batch::of(c).nonfinite_input {
                     v.add(
                         6.0,
                         format!("the input batch of step {} contained NaN/Inf", c.e.onset),
@@ -88,21 +122,23 @@ impl CauseRule for BadInputData {
         }
     }
 
-    fn remedies(&self, c: &RemedyCase<'_>) -> Vec<String> {
+    fn episode_facts(&self, c: &Case<'_>) -> Facts {
+        facts_of(&Batch::of(c))
+    }
+
+    fn remedies(&self, c: &RemedyCase<'_>) -> Vec<Remedy> {
         vec![
-            format!(
-                "inspect the batch of step {}: assert torch.isfinite(x).all() in the data pipeline",
-                c.e.onset
-            ),
-            "normalize inputs (zero mean, unit variance) and filter corrupt samples".into(),
+            Remedy::InspectBatch { step: c.e.onset },
+            Remedy::NormalizeInputs,
         ]
     }
 }
 
 /// The input batch of the onset step was itself anomalous.
 fn anomalous_batch(c: &Case<'_>, v: &mut Votes, weight: f64) {
-    if c.f.data.is_some() {
-        let what = if c.f.nonfinite_input {
+    let batch = Batch::of(c);
+    if batch.data.is_some() {
+        let what = if batch.nonfinite_input {
             "the input batch of that step contained NaN/Inf"
         } else {
             "the input batch of that step was far out of distribution"

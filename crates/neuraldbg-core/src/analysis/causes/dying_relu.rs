@@ -1,10 +1,20 @@
 //! `dying_relu`: ReLU-family units that output zero for every sample, so nothing flows back
 //! through them.
 
+use super::super::remedy::Remedy;
 use super::super::vocab::{Cause, Failure};
-use super::{Case, CauseRule, RemedyCase, Votes};
+use super::evidence::{activation_tolerance, earliest};
+use super::{Case, CauseRule, Facts, RemedyCase, Votes};
 
 pub(crate) struct DyingRelu;
+
+/// A (nearly) completely dead layer around the onset of episode `c.k`, if any.
+fn dead_layer(c: &Case<'_>) -> Option<usize> {
+    let reach = c.e.onset + activation_tolerance(c.ev);
+    earliest(c.episodes, c.k, Failure::DeadNeurons, &|o| {
+        o.onset <= reach && o.fraction >= 0.9
+    })
+}
 
 impl CauseRule for DyingRelu {
     fn cause(&self) -> Cause {
@@ -23,10 +33,10 @@ impl CauseRule for DyingRelu {
     }
 
     fn evidence(&self, c: &Case<'_>, v: &mut Votes) {
-        let (f, e) = (c.f, c.e);
+        let e = c.e;
         match e.failure {
             Failure::VanishingGradients => {
-                if let Some(j) = f.dead {
+                if let Some(j) = dead_layer(c) {
                     v.add(
                         4.0,
                         format!(
@@ -66,15 +76,18 @@ impl CauseRule for DyingRelu {
         }
     }
 
-    fn remedies(&self, c: &RemedyCase<'_>) -> Vec<String> {
+    fn episode_facts(&self, c: &Case<'_>) -> Facts {
+        let mut out = Facts::new();
+        out.insert("dead".into(), dead_layer(c).into());
+        out
+    }
+
+    fn remedies(&self, c: &RemedyCase<'_>) -> Vec<Remedy> {
         vec![
-            format!(
-                "replace ReLU{} with LeakyReLU(0.01) or GELU",
-                c.layer().map(|l| format!(" ({l})")).unwrap_or_default()
-            ),
-            c.lower_lr(),
-            "check the bias initialization of the layer before it (negative biases switch units off)".into(),
-            "add BatchNorm before the ReLU".into(),
+            Remedy::ReplaceRelu { layer: c.layer() },
+            Remedy::LowerLr { lr: c.lr() },
+            Remedy::CheckBiasInit,
+            Remedy::BatchNormBeforeRelu,
         ]
     }
 }

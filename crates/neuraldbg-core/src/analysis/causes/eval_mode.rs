@@ -4,6 +4,7 @@
 //! failures of an unnormalized network follow. Dropout in eval mode only removes
 //! regularization: no alarm.
 
+use super::super::remedy::Remedy;
 use super::super::vocab::{Cause, Failure};
 use super::{Case, CauseRule, RemedyCase, Votes};
 
@@ -27,7 +28,10 @@ impl CauseRule for EvalMode {
     fn explains(&self, failure: Failure) -> bool {
         !matches!(
             failure,
-            Failure::DataAnomaly | Failure::SaturatedGradients | Failure::StalledLayer
+            Failure::DataAnomaly
+                | Failure::SaturatedGradients
+                | Failure::StalledLayer
+                | Failure::LossScaleCollapse
         )
     }
 
@@ -65,10 +69,7 @@ impl CauseRule for EvalMode {
         );
     }
 
-    fn remedies(&self, _: &RemedyCase<'_>) -> Vec<String> {
-        vec![
-            "call model.train() before the training loop (and again after every evaluation that calls model.eval())".into(),
-            "wrap evaluation in a helper that restores the mode: was = model.training; model.eval(); ...; model.train(was)".into(),
-        ]
+    fn remedies(&self, _: &RemedyCase<'_>) -> Vec<Remedy> {
+        vec![Remedy::CallTrain, Remedy::RestoreModeAfterEval]
     }
 }

@@ -1,9 +1,10 @@
-//! What the causes look at: run-wide facts ([`Evidence`], gathered once per analysis) and
-//! per-episode facts ([`Features`]).
+//! What several causes look at: run-wide facts ([`Evidence`], gathered once per analysis) and
+//! per-episode facts ([`Features`]). A fact only one cause weighs is computed in that cause's
+//! own file.
 
 use crate::engine::Run;
-use crate::event::{EventType, SemanticEvent};
-use crate::health::{DataHealth, GradientHealth, State};
+use crate::event::SemanticEvent;
+use crate::health::GradientHealth;
 use crate::track::median;
 
 use super::super::episodes::{Episode, activation_gap};
@@ -14,7 +15,6 @@ use super::super::vocab::{Cause, Failure};
 pub(crate) struct Evidence {
     pub first_step: u64,
     pub depth: usize,
-    pub has_norm: bool,
     /// Median and largest weight gain at the first measurement (`std(W) * sqrt(fan_in)`;
     /// 0.58 for `PyTorch`'s default `Linear` init, 1.41 for He).
     pub gain_median: Option<f64>,
@@ -29,23 +29,12 @@ pub(crate) struct Evidence {
     /// Largest finite total gradient norm before anything went non-finite.
     pub total_peak: Option<(f64, u64)>,
     pub activation_gap: u64,
-    /// Median mean-slope of the bounded activations at their first measurement, and the median
-    /// of their lowest: the share of gradient a bounded activation passes back.
-    pub slope_first: Option<f64>,
-    pub slope_min: Option<f64>,
-    /// Class name of the bounded activations (for sentences).
-    pub bounded_kind: Option<String>,
-    /// The loss at the start (median of the first three), and its largest smoothed value
-    /// relative to the best before it.
+    /// The loss at the start (median of the first three).
     pub loss_initial: Option<f64>,
-    pub loss_peak_ratio: f64,
     /// Median, over weighted layers, of `log10(gain / reference)`: decades per layer by which
     /// the initial weights scale the signal away from what the activation after them needs to
     /// keep it (reference gain sqrt(2) before ReLU-family units, 1 otherwise).
     pub init_error: Option<f64>,
-    /// Median `log10(mean slope)` of the bounded activations at the start: decades per layer
-    /// the activations themselves take off the gradient (0 without bounded activations).
-    pub act_attenuation: f64,
     /// Where the forward signal blew up at the start, when module outputs were measured.
     pub forward: Option<ForwardGrowth>,
 }
@@ -208,15 +197,6 @@ impl Evidence {
             gains.clear();
         }
         let gain_values: Vec<f64> = gains.iter().map(|g| g.0).collect();
-        let slopes = |f: fn(&crate::track::ActTrack) -> f64| {
-            let v: Vec<f64> = run.acts.iter().map(f).filter(|s| s.is_finite()).collect();
-            median(&v)
-        };
-        let bounded_kind = model
-            .activations
-            .iter()
-            .find(|a| a.traits.bounded.is_some())
-            .map(|a| a.kind.clone());
         // Which activation follows each layer in forward order (before the next layer).
         let mut next_act: Vec<Option<usize>> = vec![None; model.layers.len()];
         let mut pending: Option<usize> = None;
@@ -243,25 +223,12 @@ impl Evidence {
                 Some((g / reference).log10())
             })
             .collect();
-        let attenuations: Vec<f64> = run
-            .acts
-            .iter()
-            .map(|a| a.first_slope)
-            .filter(|s| s.is_finite() && *s > 0.0)
-            .map(f64::log10)
-            .collect();
         Self {
             forward: forward_growth(run),
             init_error: median(&errors),
-            act_attenuation: median(&attenuations).unwrap_or(0.0),
             loss_initial: run.loss.initial,
-            loss_peak_ratio: run.loss.peak_at_plateau.unwrap_or(run.loss.peak_ratio),
-            slope_first: slopes(|a| a.first_slope),
-            slope_min: slopes(|a| a.min_slope),
-            bounded_kind,
             first_step: run.first_step.unwrap_or(0),
             depth: model.weighted_depth,
-            has_norm: model.has_normalization,
             gain_median: median(&gain_values),
             gain_max: gains.last().copied(),
             profile,
@@ -327,18 +294,7 @@ pub(crate) struct Features {
     pub root_growth: f64,
     pub prior_explosion: Option<usize>,
     pub prior_divergence: Option<usize>,
-    /// Learning rate around the onset relative to the first one.
-    pub lr_spike: f64,
     pub saturation: Option<usize>,
-    pub dead: Option<usize>,
-    pub data: Option<usize>,
-    pub nonfinite_input: bool,
-    pub forward_origin: bool,
-    pub backward_origin: bool,
-    /// The model's outputs were checked finite on the onset step; the loss was not.
-    pub loss_origin: bool,
-    /// Decades the root layer's weight norm grew from its first measurement.
-    pub weight_growth: f64,
     pub vanishing_or_dead: Option<usize>,
     /// The top cause of the failure this one is a consequence of, and that failure's episode.
     pub root_cause: Option<(Cause, usize)>,
@@ -352,12 +308,33 @@ impl Features {
     }
 }
 
-fn decades_ratio(a: f64, b: f64) -> f64 {
+pub(crate) fn decades_ratio(a: f64, b: f64) -> f64 {
     if a > 0.0 && b > 0.0 && a.is_finite() && b.is_finite() {
         (a / b).log10()
     } else {
         0.0
     }
+}
+
+/// The earliest episode of `failure` other than `k` that satisfies `pred`.
+pub(crate) fn earliest(
+    episodes: &[Episode],
+    k: usize,
+    failure: Failure,
+    pred: &dyn Fn(&Episode) -> bool,
+) -> Option<usize> {
+    episodes
+        .iter()
+        .enumerate()
+        .filter(|(j, o)| *j != k && o.failure == failure && pred(o))
+        .min_by_key(|(_, o)| o.onset)
+        .map(|(j, _)| j)
+}
+
+/// Steps within which an activation failure counts as there at the onset (activations may be
+/// sampled).
+pub(crate) fn activation_tolerance(ev: &Evidence) -> u64 {
+    ev.activation_gap.max(5)
 }
 
 pub(crate) fn features(
@@ -370,7 +347,7 @@ pub(crate) fn features(
     let e = &episodes[k];
     let model = &run.model;
     let onset = e.onset;
-    let tol = ev.activation_gap.max(5);
+    let tol = activation_tolerance(ev);
     let root_layer = e.root.and_then(|m| model.module_layer[m]);
     let root_act = e.root.and_then(|m| model.module_activation[m]);
     let healthy_start = match (root_layer, root_act) {
@@ -394,29 +371,10 @@ pub(crate) fn features(
         (Some((peak, step)), Some(early)) if step <= onset => decades_ratio(peak, early),
         _ => 0.0,
     };
-    let find = |f: Failure, pred: &dyn Fn(&Episode) -> bool| {
-        episodes
-            .iter()
-            .enumerate()
-            .filter(|(j, o)| *j != k && o.failure == f && pred(o))
-            .min_by_key(|(_, o)| o.onset)
-            .map(|(j, _)| j)
-    };
+    let find = |f: Failure, pred: &dyn Fn(&Episode) -> bool| earliest(episodes, k, f, pred);
     let prior_explosion = find(Failure::ExplodingGradients, &|o| o.onset <= onset);
     let prior_divergence = find(Failure::LossDivergence, &|o| o.onset <= onset);
     let saturation = find(Failure::SaturatedActivations, &|o| o.onset <= onset + tol);
-    let dead = find(Failure::DeadNeurons, &|o| {
-        o.onset <= onset + tol && o.fraction >= 0.9
-    });
-    let data = find(Failure::DataAnomaly, &|o| {
-        o.onset <= onset && onset <= o.onset + 1
-    });
-    let nonfinite_input = data.is_some_and(|j| {
-        episodes[j]
-            .events
-            .iter()
-            .any(|&i| events[i].to_state == State::Data(DataHealth::NonFinite))
-    });
     // A real failure that stops learning (for a plateau to inherit its cause).
     let vanishing_or_dead = find(Failure::VanishingGradients, &|o| {
         o.onset <= onset + 50 && o.p_failure >= 0.5
@@ -426,27 +384,6 @@ pub(crate) fn features(
             o.onset <= onset + 50 && o.p_failure >= 0.5
         })
     });
-    let forward_origin = e
-        .root_event
-        .is_some_and(|i| events[i].event_type == EventType::NonFiniteOutput);
-    let checked_finite = run.finite_forward.contains(&onset);
-    let backward_origin = !forward_origin
-        && checked_finite
-        && e.root_event
-            .is_some_and(|i| events[i].event_type == EventType::GradientHealth);
-    let loss_origin = checked_finite
-        && e.root_event
-            .is_some_and(|i| events[i].event_type == EventType::LossHealth);
-    let lr_spike = match (ev.lr_first, run.lr_between(onset.saturating_sub(5), onset)) {
-        (Some(first), Some(now)) if first > 0.0 && now.is_finite() => now / first,
-        _ => 1.0,
-    };
-    let weight_growth = root_layer
-        .and_then(|l| {
-            let t = &run.layers[l];
-            Some(decades_ratio(t.weight_last?, t.weight_first?))
-        })
-        .unwrap_or(0.0);
     Features {
         at_start: onset <= ev.first_step,
         healthy_start,
@@ -454,15 +391,7 @@ pub(crate) fn features(
         root_growth,
         prior_explosion,
         prior_divergence,
-        lr_spike,
         saturation,
-        dead,
-        data,
-        nonfinite_input,
-        forward_origin,
-        backward_origin,
-        loss_origin,
-        weight_growth,
         vanishing_or_dead,
         root_cause: None,
     }

@@ -1,10 +1,55 @@
 //! `learning_rate_too_high`: updates so large they blow the weights (and with them gradients,
 //! activations or the loss) up after a healthy start.
 
+use crate::engine::Run;
+
+use super::super::remedy::Remedy;
 use super::super::vocab::{Cause, Failure};
-use super::{Case, CauseRule, RemedyCase, Votes, fmt_g};
+use super::evidence::decades_ratio;
+use super::{Case, CauseRule, Facts, RemedyCase, Votes, facts_of, fmt_g};
 
 pub(crate) struct LearningRateTooHigh;
+
+/// What only the step size explains in one episode.
+#[derive(serde::Serialize)]
+struct Steps {
+    /// Learning rate around the onset relative to the first one.
+    lr_spike: f64,
+    /// Decades the root layer's weight norm grew from its first measurement.
+    weight_growth: f64,
+}
+
+impl Steps {
+    fn of(c: &Case<'_>) -> Self {
+        let run = c.run;
+        let onset = c.e.onset;
+        let lr_spike = match (
+            c.ev.lr_first,
+            run.lr_between(onset.saturating_sub(5), onset),
+        ) {
+            (Some(first), Some(now)) if first > 0.0 && now.is_finite() => now / first,
+            _ => 1.0,
+        };
+        let weight_growth =
+            c.e.root
+                .and_then(|m| run.model.module_layer[m])
+                .and_then(|l| {
+                    let t = &run.layers[l];
+                    Some(decades_ratio(t.weight_last?, t.weight_first?))
+                })
+                .unwrap_or(0.0);
+        Self {
+            lr_spike,
+            weight_growth,
+        }
+    }
+}
+
+/// The loss' largest smoothed value relative to the best before it (at the plateau, when
+/// there is one): how far the steps overshoot.
+fn loss_peak_ratio(run: &Run) -> f64 {
+    run.loss.peak_at_plateau.unwrap_or(run.loss.peak_ratio)
+}
 
 impl CauseRule for LearningRateTooHigh {
     fn cause(&self) -> Cause {
@@ -16,11 +61,15 @@ impl CauseRule for LearningRateTooHigh {
     }
 
     fn explains(&self, failure: Failure) -> bool {
-        !matches!(failure, Failure::DataAnomaly | Failure::StalledLayer)
+        !matches!(
+            failure,
+            Failure::DataAnomaly | Failure::StalledLayer | Failure::LossScaleCollapse
+        )
     }
 
     fn evidence(&self, c: &Case<'_>, v: &mut Votes) {
         let (ev, f) = (c.ev, c.f);
+        let own = Steps::of(c);
         match c.e.failure {
             Failure::ExplodingGradients => {
                 if f.at_start {
@@ -45,25 +94,25 @@ impl CauseRule for LearningRateTooHigh {
                 if f.prior_divergence.is_some() {
                     v.add(1.0, "the loss diverged with it");
                 }
-                step_size(c, v);
+                step_size(c, &own, v);
             }
             Failure::VanishingGradients => {
                 if f.at_start {
                     return;
                 }
-                if f.healthy_start && (f.prior_explosion.is_some() || f.weight_growth >= 0.5) {
+                if f.healthy_start && (f.prior_explosion.is_some() || own.weight_growth >= 0.5) {
                     v.add(
                         1.5,
                         format!(
                             "gradients were healthy at first and weights grew {:.1}x before they vanished",
-                            10f64.powf(f.weight_growth)
+                            10f64.powf(own.weight_growth)
                         ),
                     );
                 }
-                if f.lr_spike >= 3.0 {
+                if own.lr_spike >= 3.0 {
                     v.add(
                         1.0,
-                        format!("the learning rate rose {:.0}x just before", f.lr_spike),
+                        format!("the learning rate rose {:.0}x just before", own.lr_spike),
                     );
                 }
             }
@@ -86,7 +135,7 @@ impl CauseRule for LearningRateTooHigh {
                         )
                     };
                     v.add(2.5, why);
-                    step_size(c, v);
+                    step_size(c, &own, v);
                 }
                 if f.at_start {
                     v.against(1.5);
@@ -95,7 +144,7 @@ impl CauseRule for LearningRateTooHigh {
             Failure::DeadNeurons => {
                 if !f.at_start && f.healthy_start {
                     v.add(1.5, "the units were alive at first and died after updates");
-                    step_size(c, v);
+                    step_size(c, &own, v);
                 }
             }
             Failure::SaturatedActivations => {
@@ -104,12 +153,12 @@ impl CauseRule for LearningRateTooHigh {
                         1.5,
                         "the activations were in range at first and saturated after updates",
                     );
-                    if f.weight_growth >= 0.3 {
+                    if own.weight_growth >= 0.3 {
                         v.add(
                             1.0,
                             format!(
                                 "the weights before them grew {:.1}x",
-                                10f64.powf(f.weight_growth)
+                                10f64.powf(own.weight_growth)
                             ),
                         );
                     }
@@ -122,18 +171,28 @@ impl CauseRule for LearningRateTooHigh {
                         "the loss rose after a healthy start, i.e. after updates",
                     );
                 }
-                step_size(c, v);
+                step_size(c, &own, v);
                 if f.growth >= 1.0 || f.prior_explosion.is_some() {
                     v.add(1.0, "gradient norms grew with it");
                 }
             }
             Failure::LossPlateau => {
-                if ev.loss_peak_ratio >= 2.0 {
+                let peak = loss_peak_ratio(c.run);
+                if peak >= 2.0 {
                     v.add(
                         1.5,
                         format!(
-                            "the loss jumped to {:.1}x its best before it flattened: the steps overshoot",
-                            ev.loss_peak_ratio
+                            "the loss jumped to {peak:.1}x its best before it flattened: the steps overshoot"
+                        ),
+                    );
+                }
+                if let Some((alternation, swing)) = c.run.loss.oscillation() {
+                    v.add(
+                        2.0,
+                        format!(
+                            "the loss reverses direction on {:.0}% of the steps, by ~{:.0}% of its level each time: the steps overshoot the minimum back and forth instead of descending",
+                            100.0 * alternation,
+                            100.0 * swing
                         ),
                     );
                 }
@@ -160,23 +219,35 @@ impl CauseRule for LearningRateTooHigh {
         }
     }
 
-    fn remedies(&self, c: &RemedyCase<'_>) -> Vec<String> {
+    fn run_facts(&self, run: &Run) -> Facts {
+        let mut out = Facts::new();
+        out.insert("loss_peak_ratio".into(), loss_peak_ratio(run).into());
+        out.insert("loss_alternation".into(), run.loss.alternation().into());
+        out.insert("loss_swing".into(), run.loss.relative_swing().into());
+        out
+    }
+
+    fn episode_facts(&self, c: &Case<'_>) -> Facts {
+        facts_of(&Steps::of(c))
+    }
+
+    fn remedies(&self, c: &RemedyCase<'_>) -> Vec<Remedy> {
         vec![
-            c.lower_lr(),
-            "clip gradients: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0) before optimizer.step()".into(),
-            "add a learning-rate warmup over the first few hundred steps".into(),
+            Remedy::LowerLr { lr: c.lr() },
+            Remedy::ClipGradients,
+            Remedy::Warmup,
         ]
     }
 }
 
 /// A learning rate that rose, or steps large relative to the weights.
-fn step_size(c: &Case<'_>, v: &mut Votes) {
-    if c.f.lr_spike >= 3.0 {
+fn step_size(c: &Case<'_>, own: &Steps, v: &mut Votes) {
+    if own.lr_spike >= 3.0 {
         v.add(
             1.5,
             format!(
                 "the learning rate had risen {:.0}x from its first value",
-                c.f.lr_spike
+                own.lr_spike
             ),
         );
     }

@@ -1,5 +1,6 @@
 //! `learning_rate_too_low`: healthy gradients, yet steps too small to move the loss.
 
+use super::super::remedy::Remedy;
 use super::super::vocab::{Cause, Failure};
 use super::{Case, CauseRule, RemedyCase, Votes, fmt_g};
 
@@ -49,14 +50,11 @@ impl CauseRule for LearningRateTooLow {
         }
     }
 
-    fn remedies(&self, c: &RemedyCase<'_>) -> Vec<String> {
+    fn remedies(&self, c: &RemedyCase<'_>) -> Vec<Remedy> {
         vec![
-            c.lr().map_or_else(
-                || "raise the learning rate 10x".to_string(),
-                |lr| format!("raise the learning rate 10x (it was {lr})"),
-            ),
-            "run a learning-rate range test (increase lr each step and watch the loss)".into(),
-            "switch to an adaptive optimizer such as Adam".into(),
+            Remedy::RaiseLr { lr: c.lr() },
+            Remedy::LrRangeTest,
+            Remedy::AdaptiveOptimizer,
         ]
     }
 }

@@ -1,7 +1,8 @@
 //! `missing_normalization`: nothing rescales the signal between layers.
 
+use super::super::remedy::Remedy;
 use super::super::vocab::{Cause, Failure};
-use super::{Case, CauseRule, RemedyCase, Votes};
+use super::{Case, CauseRule, Facts, RemedyCase, Votes};
 
 pub(crate) struct MissingNormalization;
 
@@ -25,7 +26,7 @@ impl CauseRule for MissingNormalization {
 
     fn evidence(&self, c: &Case<'_>, v: &mut Votes) {
         let ev = c.ev;
-        if ev.has_norm {
+        if c.run.model.has_normalization {
             return;
         }
         match c.e.failure {
@@ -46,10 +47,13 @@ impl CauseRule for MissingNormalization {
         }
     }
 
-    fn remedies(&self, _: &RemedyCase<'_>) -> Vec<String> {
-        vec![
-            "add BatchNorm (CNNs) or LayerNorm (MLPs, transformers) between layers".into(),
-            "initialize weights for the activation so the signal keeps its scale".into(),
-        ]
+    fn run_facts(&self, run: &crate::engine::Run) -> Facts {
+        let mut out = Facts::new();
+        out.insert("has_norm".into(), run.model.has_normalization.into());
+        out
+    }
+
+    fn remedies(&self, _: &RemedyCase<'_>) -> Vec<Remedy> {
+        vec![Remedy::AddNormalization, Remedy::InitKeepsScale]
     }
 }

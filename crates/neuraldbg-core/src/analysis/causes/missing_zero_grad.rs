@@ -2,6 +2,7 @@
 //! each update applies the sum of every gradient so far: steps grow with time until training
 //! blows up or thrashes.
 
+use super::super::remedy::Remedy;
 use super::super::vocab::{Cause, Failure};
 use super::{Case, CauseRule, RemedyCase, Votes};
 
@@ -17,7 +18,10 @@ impl CauseRule for MissingZeroGrad {
     }
 
     fn explains(&self, failure: Failure) -> bool {
-        !matches!(failure, Failure::DataAnomaly | Failure::StalledLayer)
+        !matches!(
+            failure,
+            Failure::DataAnomaly | Failure::StalledLayer | Failure::LossScaleCollapse
+        )
     }
 
     fn always_candidate(&self) -> bool {
@@ -50,10 +54,7 @@ impl CauseRule for MissingZeroGrad {
         }
     }
 
-    fn remedies(&self, _: &RemedyCase<'_>) -> Vec<String> {
-        vec![
-            "call optimizer.zero_grad() once per step, before loss.backward() (or model.zero_grad() when parameters are stepped by hand)".into(),
-            "when accumulating on purpose over k micro-batches, zero after every optimizer.step() and divide the loss by k".into(),
-        ]
+    fn remedies(&self, _: &RemedyCase<'_>) -> Vec<Remedy> {
+        vec![Remedy::ZeroGradEachStep, Remedy::AccumulateOnPurpose]
     }
 }

@@ -5,8 +5,8 @@
 //! the failures it can explain, the evidence for it with the weight and the reason each piece
 //! counts, its phrase in the hypothesis sentence and its remedies. [`RULES`] lists them. What
 //! the rules look at is gathered once in `evidence` (run-wide [`Evidence`], per-episode
-//! [`Features`]); how likely an episode is to be a real failure, whatever its cause, is in
-//! `probability`.
+//! [`Features`]); how likely an episode is to be a real failure, whatever its cause, is its
+//! failure's rule (`failures`).
 //!
 //! Every cause gets a score: the sum of the evidence weights that support it (listed with the
 //! reason each one counts). Scores become probabilities by a softmax (temperature 1/1.5) over
@@ -19,7 +19,6 @@
 //! entry in [`RULES`] (a test checks every cause has exactly one rule).
 
 mod evidence;
-mod probability;
 
 mod bad_input_data;
 mod dying_relu;
@@ -38,12 +37,22 @@ mod target_shape_mismatch;
 mod unknown;
 
 use crate::engine::Run;
+use crate::event::SemanticEvent;
 
 use super::episodes::Episode;
+use super::remedy::Remedy;
 use super::vocab::{Cause, Failure};
 
 pub(crate) use evidence::{Evidence, Features, features, forward_growth};
-pub(crate) use probability::{base_probability, failure_probability};
+
+/// Every cause's own run-wide facts.
+pub(crate) fn own_run_facts(run: &Run) -> Facts {
+    let mut out = Facts::new();
+    for r in RULES {
+        out.extend(r.run_facts(run));
+    }
+    out
+}
 
 /// Everything a rule may look at when it weighs the evidence for its cause in one episode.
 pub(crate) struct Case<'a> {
@@ -53,6 +62,9 @@ pub(crate) struct Case<'a> {
     pub episodes: &'a [Episode],
     /// The episode being explained (`episodes[k]`).
     pub e: &'a Episode,
+    pub k: usize,
+    /// The analysis' events, which episodes index.
+    pub events: &'a [SemanticEvent],
     /// " (lr 0.1)" after a sentence about step sizes, or empty when the lr is not known.
     pub lr_txt: String,
 }
@@ -64,24 +76,16 @@ pub(crate) struct RemedyCase<'a> {
 }
 
 impl RemedyCase<'_> {
-    /// The root-cause layer as shown in sentences.
+    /// The root-cause layer's qualified name.
     pub fn layer(&self) -> Option<String> {
         self.e
             .root
-            .map(|m| super::text::show(self.run.model.module_name(m)))
+            .map(|m| self.run.model.module_name(m).to_string())
     }
 
-    /// The first learning rate, formatted.
-    pub fn lr(&self) -> Option<String> {
-        self.run.lr_first.map(fmt_g)
-    }
-
-    /// "lower the learning rate 10x (it was 0.1)".
-    pub fn lower_lr(&self) -> String {
-        self.lr().map_or_else(
-            || "lower the learning rate 10x".to_string(),
-            |lr| format!("lower the learning rate 10x (it was {lr})"),
-        )
+    /// The first learning rate.
+    pub fn lr(&self) -> Option<f64> {
+        self.run.lr_first
     }
 }
 
@@ -102,7 +106,27 @@ pub(crate) trait CauseRule: Sync {
     /// `c.e.failure`). Reasons are listed in the order they are added.
     fn evidence(&self, c: &Case<'_>, v: &mut Votes);
     /// Concrete changes to the user's code.
-    fn remedies(&self, c: &RemedyCase<'_>) -> Vec<String>;
+    fn remedies(&self, c: &RemedyCase<'_>) -> Vec<Remedy>;
+    /// The run-wide facts only this cause weighs, by name, as `evidence_features` lists them
+    /// (the default: none).
+    fn run_facts(&self, _run: &Run) -> Facts {
+        Facts::new()
+    }
+    /// The facts of one episode only this cause weighs (the default: none).
+    fn episode_facts(&self, _c: &Case<'_>) -> Facts {
+        Facts::new()
+    }
+}
+
+/// Named facts, for fitting and inspecting the cause weights.
+pub(crate) type Facts = serde_json::Map<String, serde_json::Value>;
+
+/// A cause's own facts as [`Facts`].
+pub(crate) fn facts_of(own: &impl serde::Serialize) -> Facts {
+    match serde_json::to_value(own) {
+        Ok(serde_json::Value::Object(m)) => m,
+        _ => Facts::new(),
+    }
 }
 
 /// Every cause's rule. Candidates of one failure are ranked in this order when their
@@ -177,7 +201,38 @@ const INHERITED: f64 = 3.0;
 /// [`Case::stalled_by`]).
 const STALLED: f64 = 3.0;
 
-impl Case<'_> {
+impl<'a> Case<'a> {
+    pub fn new(
+        run: &'a Run,
+        ev: &'a Evidence,
+        f: &'a Features,
+        events: &'a [SemanticEvent],
+        episodes: &'a [Episode],
+        k: usize,
+    ) -> Self {
+        Self {
+            run,
+            ev,
+            f,
+            episodes,
+            e: &episodes[k],
+            k,
+            events,
+            lr_txt: ev
+                .lr_first
+                .map_or(String::new(), |lr| format!(" (lr {})", fmt_g(lr))),
+        }
+    }
+
+    /// Every cause's own facts of this episode.
+    pub fn own_facts(&self) -> Facts {
+        let mut out = Facts::new();
+        for r in RULES {
+            out.extend(r.episode_facts(self));
+        }
+        out
+    }
+
     /// For a plateau that no other failure explains: the cause of a real failure that stops
     /// learning around it (vanishing gradients or dead units), with the sentence that says so.
     pub fn stalled_by(&self) -> Option<(Cause, String)> {
@@ -206,21 +261,13 @@ impl Case<'_> {
 pub(crate) fn rank_causes(
     run: &Run,
     ev: &Evidence,
+    events: &[SemanticEvent],
     episodes: &[Episode],
     k: usize,
     f: &Features,
 ) -> Vec<(Scored, f64)> {
-    let e = &episodes[k];
-    let case = Case {
-        run,
-        ev,
-        f,
-        episodes,
-        e,
-        lr_txt: ev
-            .lr_first
-            .map_or(String::new(), |lr| format!(" (lr {})", fmt_g(lr))),
-    };
+    let case = Case::new(run, ev, f, events, episodes, k);
+    let e = case.e;
     let mut scored: Vec<Scored> = RULES
         .iter()
         .filter(|r| {

@@ -1,5 +1,6 @@
 //! `network_depth`: a mild change of the gradient per layer, compounded over many layers.
 
+use super::super::remedy::Remedy;
 use super::super::vocab::{Cause, Failure};
 use super::{Case, CauseRule, RemedyCase, Votes};
 
@@ -63,11 +64,11 @@ impl CauseRule for NetworkDepth {
         }
     }
 
-    fn remedies(&self, _: &RemedyCase<'_>) -> Vec<String> {
+    fn remedies(&self, _: &RemedyCase<'_>) -> Vec<Remedy> {
         vec![
-            "add residual (skip) connections so gradients bypass the deep stack".into(),
-            "add normalization (LayerNorm/BatchNorm) between blocks".into(),
-            "reduce the depth, or initialize for depth (e.g. scaled or orthogonal init)".into(),
+            Remedy::ResidualConnections,
+            Remedy::NormBetweenBlocks,
+            Remedy::ReduceDepth,
         ]
     }
 }

@@ -17,6 +17,7 @@
 use crate::engine::Run;
 use crate::model::LossSpec;
 
+use super::super::remedy::Remedy;
 use super::super::vocab::{Cause, Failure};
 use super::{Case, CauseRule, RemedyCase, Votes, fmt_g};
 
@@ -166,39 +167,26 @@ impl CauseRule for OutputLossMismatch {
         }
     }
 
-    fn remedies(&self, c: &RemedyCase<'_>) -> Vec<String> {
+    fn remedies(&self, c: &RemedyCase<'_>) -> Vec<Remedy> {
         let Some((m, loss)) = found(c.run) else {
-            return vec![
-                "check that the model's last activation is the one the loss expects".into(),
-            ];
+            return vec![Remedy::CheckOutputActivation];
         };
+        let output = loss.output_op.clone();
         match m {
-            Mismatch::OneUnitSoftmax => vec![
-                "a softmax over one unit is always 1: for a binary target drop the softmax and use BCEWithLogitsLoss on the single logit, or output 2 units with CrossEntropyLoss".into(),
-            ],
+            Mismatch::OneUnitSoftmax => vec![Remedy::OneUnitSoftmax],
             Mismatch::SoftmaxIntoCrossEntropy => vec![
-                "remove the final Softmax (or .softmax()) from the model: CrossEntropyLoss takes raw logits; apply softmax only at inference".into(),
-                "or keep the model's output and switch to NLLLoss on torch.log_softmax(...) instead of softmax".into(),
+                Remedy::RemoveSoftmaxBeforeCrossEntropy,
+                Remedy::NllOnLogSoftmax,
             ],
-            Mismatch::SoftmaxIntoNll => vec![
-                "replace the final Softmax with LogSoftmax(dim=-1), or drop it and use CrossEntropyLoss on the logits".into(),
-            ],
+            Mismatch::SoftmaxIntoNll => vec![Remedy::LogSoftmaxForNll],
             Mismatch::SigmoidIntoLogitsLoss => vec![
-                "remove the final Sigmoid (or torch.sigmoid) from the model: BCEWithLogitsLoss applies it; apply sigmoid only at inference".into(),
-                "or keep the sigmoid and use BCELoss".into(),
+                Remedy::RemoveSigmoidBeforeLogitsLoss,
+                Remedy::KeepSigmoidUseBce,
             ],
-            Mismatch::BoundedLogits => vec![
-                format!(
-                    "remove the final {} from the model: CrossEntropyLoss and BCEWithLogitsLoss take raw, unbounded logits (a plain Linear output)",
-                    loss.output_op.as_deref().unwrap_or("activation")
-                ),
-            ],
+            Mismatch::BoundedLogits => vec![Remedy::RemoveBoundedLogits { output }],
             Mismatch::BoundedRegression { .. } => vec![
-                format!(
-                    "remove the final {} so the output is unbounded (a plain Linear) for regression",
-                    loss.output_op.as_deref().unwrap_or("activation")
-                ),
-                "or scale the targets into the output's range (e.g. min-max to [0, 1] for a sigmoid) and invert the scaling at inference".into(),
+                Remedy::RemoveBoundedRegression { output },
+                Remedy::ScaleTargetsIntoRange,
             ],
         }
     }

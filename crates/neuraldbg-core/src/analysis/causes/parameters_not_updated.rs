@@ -1,6 +1,7 @@
 //! `parameters_not_updated`: parameters the optimizer never changes: in no optimizer, in a
 //! param group with lr 0, or cut from the graph so they never receive a gradient.
 
+use super::super::remedy::Remedy;
 use super::super::stalled;
 use super::super::vocab::{Cause, Failure};
 use super::{Case, CauseRule, RemedyCase, Votes, fmt_g};
@@ -63,26 +64,22 @@ impl CauseRule for ParametersNotUpdated {
         }
     }
 
-    fn remedies(&self, c: &RemedyCase<'_>) -> Vec<String> {
-        let layer = c.layer().unwrap_or_else(|| "the layer".into());
+    fn remedies(&self, c: &RemedyCase<'_>) -> Vec<Remedy> {
+        let layer = c.layer();
         if c.e.failure == Failure::StalledLayer && c.e.no_gradient {
             return vec![
-                format!(
-                    "find where the output of {layer} leaves the graph on its way to the loss: a .detach(), a torch.no_grad() block, .data, .item() or a numpy round trip; remove it"
-                ),
-                format!(
-                    "if {layer} is meant to stay frozen, say so: call requires_grad_(False) on its parameters"
-                ),
+                Remedy::FindGraphCut {
+                    layer: layer.clone(),
+                },
+                Remedy::FreezeOnPurpose { layer, cut: true },
             ];
         }
         vec![
-            format!(
-                "pass the parameters of {layer} to the optimizer: build it from model.parameters() after every layer is created (an optimizer made before a layer was added or replaced does not hold it)"
-            ),
-            "check every param group's lr (print [g['lr'] for g in optimizer.param_groups]) and the scheduler: a group with lr 0 never moves".into(),
-            format!(
-                "if {layer} is meant to stay frozen, call requires_grad_(False) on its parameters so no gradient is computed for it"
-            ),
+            Remedy::PassToOptimizer {
+                layer: layer.clone(),
+            },
+            Remedy::CheckParamGroupLr,
+            Remedy::FreezeOnPurpose { layer, cut: false },
         ]
     }
 }

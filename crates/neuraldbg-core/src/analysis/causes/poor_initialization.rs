@@ -1,9 +1,13 @@
 //! `poor_initialization`: initial weights scaled far from what keeps the signal's scale, so the
 //! failure is there before any update.
 
+use crate::engine::Run;
+use crate::track::median;
+
+use super::super::remedy::Remedy;
 use super::super::vocab::{Cause, Failure};
 use super::evidence::Evidence;
-use super::{Case, CauseRule, RemedyCase, Votes, fmt_g};
+use super::{Case, CauseRule, Facts, RemedyCase, Votes, fmt_g};
 
 pub(crate) struct PoorInitialization;
 
@@ -19,7 +23,10 @@ impl CauseRule for PoorInitialization {
     fn explains(&self, failure: Failure) -> bool {
         !matches!(
             failure,
-            Failure::DataAnomaly | Failure::SaturatedGradients | Failure::StalledLayer
+            Failure::DataAnomaly
+                | Failure::SaturatedGradients
+                | Failure::StalledLayer
+                | Failure::LossScaleCollapse
         )
     }
 
@@ -35,7 +42,7 @@ impl CauseRule for PoorInitialization {
                     2.5,
                     "gradients were already exploding at the first step, before any update",
                 );
-                compounding(v, ev, false);
+                compounding(c, v, false);
                 // Ordinary weights that do not amplify the signal, yet a huge loss or huge
                 // inputs: the data is off scale (unnormalized inputs or regression targets).
                 let data_off_scale = ev.loss_initial.is_some_and(|l| l > 1e3)
@@ -58,7 +65,7 @@ impl CauseRule for PoorInitialization {
                 );
                 small_weights(v, ev, 2.0);
                 per_layer(v, ev, true);
-                compounding(v, ev, true);
+                compounding(c, v, true);
             }
             Failure::NonFinite => {
                 if f.at_start {
@@ -113,24 +120,24 @@ impl CauseRule for PoorInitialization {
         }
     }
 
-    fn remedies(&self, c: &RemedyCase<'_>) -> Vec<String> {
+    fn run_facts(&self, run: &Run) -> Facts {
+        let mut out = Facts::new();
+        out.insert("act_attenuation".into(), act_attenuation(run).into());
+        out
+    }
+
+    fn remedies(&self, c: &RemedyCase<'_>) -> Vec<Remedy> {
         let root_kind = c.e.root.map(|m| c.run.model.spec.modules[m].kind.as_str());
         if root_kind.is_some_and(is_recurrent) {
             return vec![
-                format!(
-                    "initialize the recurrent weights of {} so they do not amplify the state: torch.nn.init.orthogonal_ on each weight_hh block (gain 1), or keep PyTorch's default",
-                    c.layer().unwrap_or_else(|| "the recurrent layer".into())
-                ),
-                "use a bounded recurrence (nonlinearity='tanh', or LSTM/GRU) instead of a ReLU RNN".into(),
-                "clip gradients: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0) before optimizer.step()".into(),
+                Remedy::OrthogonalRecurrentInit { layer: c.layer() },
+                Remedy::BoundedRecurrence,
+                Remedy::ClipGradients,
             ];
         }
         vec![
-            "initialize weights for the activation: kaiming_normal_ for ReLU, xavier_normal_ (gain 5/3 for tanh) otherwise".into(),
-            format!(
-                "check custom init code{} for weights scaled far from 1/sqrt(fan_in)",
-                c.layer().map(|l| format!(" of {l}")).unwrap_or_default()
-            ),
+            Remedy::InitForActivation,
+            Remedy::CheckCustomInit { layer: c.layer() },
         ]
     }
 }
@@ -165,6 +172,19 @@ fn forward_blowup(c: &Case<'_>, v: &mut Votes) {
             ),
         );
     }
+}
+
+/// Median `log10(mean slope)` of the bounded activations at the start: decades per layer the
+/// activations themselves take off the gradient (0 without bounded activations).
+fn act_attenuation(run: &Run) -> f64 {
+    let attenuations: Vec<f64> = run
+        .acts
+        .iter()
+        .map(|a| a.first_slope)
+        .filter(|s| s.is_finite() && *s > 0.0)
+        .map(f64::log10)
+        .collect();
+    median(&attenuations).unwrap_or(0.0)
 }
 
 /// Recurrent layers, by class name.
@@ -222,13 +242,14 @@ fn per_layer(v: &mut Votes, ev: &Evidence, shrinking: bool) {
 /// Weights mis-scaled for their activation, compounded over the layers, explain a failure at
 /// the start in a network of moderate depth (in a very deep one, even a mild per-layer error is
 /// the depth's doing) when the weights, not the activations, carry most of the per-layer change.
-fn compounding(v: &mut Votes, ev: &Evidence, shrinking: bool) {
+fn compounding(c: &Case<'_>, v: &mut Votes, shrinking: bool) {
+    let ev = c.ev;
     let Some(w) = ev.init_error else { return };
     let right_way = if shrinking { w < 0.0 } else { w > 0.0 };
     let compounded = w * ev.depth as f64;
     if right_way
         && w.abs() >= 0.12
-        && w.abs() >= ev.act_attenuation.abs()
+        && w.abs() >= act_attenuation(c.run).abs()
         && compounded.abs() >= 1.5
         && ev.depth < 16
     {

@@ -1,10 +1,42 @@
 //! `saturating_activation`: bounded activations (tanh, sigmoid) pinned at their bounds, where
 //! their slope, and so the gradient they pass back, is ~0.
 
+use crate::engine::Run;
+use crate::track::median;
+
+use super::super::remedy::Remedy;
 use super::super::vocab::{Cause, Failure};
-use super::{Case, CauseRule, RemedyCase, Votes, fmt_g};
+use super::{Case, CauseRule, Facts, RemedyCase, Votes, facts_of, fmt_g};
 
 pub(crate) struct SaturatingActivation;
+
+/// How much gradient the bounded activations pass back: the median of their mean slopes at
+/// their first measurement and the median of their lowest, and their class name.
+#[derive(serde::Serialize)]
+struct Slopes {
+    slope_first: Option<f64>,
+    slope_min: Option<f64>,
+    bounded_kind: Option<String>,
+}
+
+impl Slopes {
+    fn of(run: &Run) -> Self {
+        let slopes = |f: fn(&crate::track::ActTrack) -> f64| {
+            let v: Vec<f64> = run.acts.iter().map(f).filter(|s| s.is_finite()).collect();
+            median(&v)
+        };
+        Self {
+            slope_first: slopes(|a| a.first_slope),
+            slope_min: slopes(|a| a.min_slope),
+            bounded_kind: run
+                .model
+                .activations
+                .iter()
+                .find(|a| a.traits.bounded.is_some())
+                .map(|a| a.kind.clone()),
+        }
+    }
+}
 
 impl CauseRule for SaturatingActivation {
     fn cause(&self) -> Cause {
@@ -23,9 +55,10 @@ impl CauseRule for SaturatingActivation {
     }
 
     fn evidence(&self, c: &Case<'_>, v: &mut Votes) {
-        let (ev, f) = (c.ev, c.f);
+        let f = c.f;
         match c.e.failure {
             Failure::VanishingGradients => {
+                let own = Slopes::of(c.run);
                 if let Some(j) = f.saturation {
                     v.add(
                         3.0,
@@ -37,12 +70,12 @@ impl CauseRule for SaturatingActivation {
                     );
                 }
                 let slope = if f.at_start {
-                    ev.slope_first
+                    own.slope_first
                 } else {
-                    ev.slope_min
+                    own.slope_min
                 };
                 if let Some(s) = slope.filter(|s| *s < 0.5) {
-                    let kind = ev.bounded_kind.as_deref().unwrap_or("bounded");
+                    let kind = own.bounded_kind.as_deref().unwrap_or("bounded");
                     v.add(
                         3.0 * ((0.5 - s) / 0.25).clamp(0.0, 1.0),
                         format!(
@@ -71,11 +104,15 @@ impl CauseRule for SaturatingActivation {
         }
     }
 
-    fn remedies(&self, _: &RemedyCase<'_>) -> Vec<String> {
+    fn run_facts(&self, run: &Run) -> Facts {
+        facts_of(&Slopes::of(run))
+    }
+
+    fn remedies(&self, _: &RemedyCase<'_>) -> Vec<Remedy> {
         vec![
-            "replace tanh/sigmoid with ReLU, GELU or SiLU in hidden layers".into(),
-            "use xavier_normal_ initialization and normalize the inputs so pre-activations stay near zero".into(),
-            "add LayerNorm or BatchNorm before the saturating activations".into(),
+            Remedy::ReplaceSaturating,
+            Remedy::XavierAndNormalizeInputs,
+            Remedy::NormBeforeSaturating,
         ]
     }
 }

@@ -2,6 +2,7 @@
 //! target (`(N, 1)` against `(N,)` gives `(N, N)`): every output is compared with every target,
 //! so the best it can do is predict their mean.
 
+use super::super::remedy::Remedy;
 use super::super::vocab::{Cause, Failure};
 use super::{Case, CauseRule, RemedyCase, Votes};
 
@@ -42,10 +43,7 @@ impl CauseRule for TargetShapeMismatch {
         }
     }
 
-    fn remedies(&self, _: &RemedyCase<'_>) -> Vec<String> {
-        vec![
-            "make the output and the target the same shape before the loss: criterion(output.squeeze(-1), y) or criterion(output, y.unsqueeze(-1)) (or y.view_as(output))".into(),
-            "PyTorch warns about this (\"Using a target size that is different to the input size\"): do not silence that warning".into(),
-        ]
+    fn remedies(&self, _: &RemedyCase<'_>) -> Vec<Remedy> {
+        vec![Remedy::MatchTargetShape, Remedy::KeepShapeWarning]
     }
 }

@@ -1,6 +1,7 @@
 //! `unknown`: the evidence points at no named cause. Always a candidate, at score 0, so a named
 //! cause wins only by out-explaining it.
 
+use super::super::remedy::Remedy;
 use super::super::vocab::{Cause, Failure};
 use super::{Case, CauseRule, RemedyCase, Votes};
 
@@ -21,10 +22,7 @@ impl CauseRule for Unknown {
 
     fn evidence(&self, _: &Case<'_>, _: &mut Votes) {}
 
-    fn remedies(&self, _: &RemedyCase<'_>) -> Vec<String> {
-        vec![
-            "inspect the gradient-norm history of the first failing layer (dbg.history)".into(),
-            "rerun the failing step under torch.autograd.detect_anomaly()".into(),
-        ]
+    fn remedies(&self, _: &RemedyCase<'_>) -> Vec<Remedy> {
+        vec![Remedy::InspectHistory, Remedy::DetectAnomaly]
     }
 }

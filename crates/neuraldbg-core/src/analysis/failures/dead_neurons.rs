@@ -1,0 +1,80 @@
+//! `dead_neurons`: ReLU-family units that output zero for every sample of the batch. Located
+//! at the first module in forward order that shows it; units behind a functional activation
+//! (no module of their own) are found from their layer's zero gradient rows.
+
+use crate::config::Config;
+use crate::engine::Run;
+use crate::event::SemanticEvent;
+use crate::track::ActTrack;
+
+use super::super::episodes::Episode;
+use super::super::vocab::Failure;
+use super::{FailureRule, Link, after_bad_data, module_of, more_of_the_same, persistence, sigmoid};
+
+pub(crate) struct DeadNeurons;
+
+impl FailureRule for DeadNeurons {
+    fn failure(&self) -> Failure {
+        Failure::DeadNeurons
+    }
+
+    fn precedence(&self) -> u8 {
+        1
+    }
+
+    fn episodes(&self, run: &Run, _: &Config, _: &[Episode]) -> Vec<Episode> {
+        super::super::functional::dead_units(run)
+    }
+
+    fn locate(
+        &self,
+        run: &Run,
+        events: &[SemanticEvent],
+        cluster: &[usize],
+        _onset: u64,
+    ) -> (Option<usize>, Option<usize>) {
+        forward_root(run, events, cluster, |t| t.max_dead)
+    }
+
+    fn probability(&self, _: &Run, e: &Episode) -> f64 {
+        let t = 0.5;
+        let base = ((e.fraction - t) / (1.0 - t)).clamp(0.0, 1.0);
+        sigmoid(6.0 * (base - 0.4)) * persistence(e)
+    }
+
+    fn follows_from(&self, a: &Episode, e: &Episode, l: &Link<'_>) -> bool {
+        after_bad_data(a, e, l) || more_of_the_same(a, e)
+    }
+}
+
+/// Root of an activation failure: the first module in forward order that shows it during the
+/// episode, preferring modules that went (nearly) all the way by `worst` (their largest dead
+/// or saturated share): a layer with >= 90% of its units dead blocks the gradient; one
+/// flickering around half does not.
+pub(crate) fn forward_root(
+    run: &Run,
+    events: &[SemanticEvent],
+    cluster: &[usize],
+    worst: fn(&ActTrack) -> f64,
+) -> (Option<usize>, Option<usize>) {
+    let share = |i: usize| {
+        module_of(&events[i])
+            .and_then(|m| run.model.module_activation[m])
+            .map_or(0.0, |a| worst(&run.acts[a]))
+    };
+    let severe: Vec<usize> = cluster
+        .iter()
+        .copied()
+        .filter(|&i| share(i) >= 0.9)
+        .collect();
+    let pool = if severe.is_empty() {
+        cluster
+    } else {
+        &severe[..]
+    };
+    let i = pool
+        .iter()
+        .copied()
+        .min_by_key(|&i| (module_of(&events[i]), events[i].step));
+    (i, i.and_then(|i| module_of(&events[i])))
+}

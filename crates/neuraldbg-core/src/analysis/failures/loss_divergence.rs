@@ -1,0 +1,54 @@
+//! `loss_divergence`: the loss rose far above its best.
+
+use crate::engine::Run;
+use crate::event::SemanticEvent;
+
+use super::super::episodes::Episode;
+use super::super::vocab::Failure;
+use super::{FailureRule, Link, after_bad_data, first_at_onset, near};
+
+pub(crate) struct LossDivergence;
+
+impl FailureRule for LossDivergence {
+    fn failure(&self) -> Failure {
+        Failure::LossDivergence
+    }
+
+    fn precedence(&self) -> u8 {
+        6
+    }
+
+    fn locate(
+        &self,
+        _: &Run,
+        events: &[SemanticEvent],
+        cluster: &[usize],
+        onset: u64,
+    ) -> (Option<usize>, Option<usize>) {
+        first_at_onset(events, cluster, onset)
+    }
+
+    fn probability(&self, _: &Run, e: &Episode) -> f64 {
+        let d = e.duration as f64;
+        let end = if e.to_end { 1.0 } else { 0.0 };
+        let x = 1.0 + 2.0 * e.margin.min(3.0) + d.min(20.0) / 10.0 + 0.5 * end;
+        let p = 1.0 - (-x).exp();
+        // A spike the run recovered from within a few steps is a warning more than a failure.
+        if !e.to_end && e.duration <= 5 {
+            p.min(0.6)
+        } else {
+            p
+        }
+    }
+
+    fn follows_from(&self, a: &Episode, e: &Episode, l: &Link<'_>) -> bool {
+        after_bad_data(a, e, l)
+            || match a.failure {
+                // Exploding gradients and a diverging loss are one blow-up seen twice; the
+                // gradients locate it.
+                Failure::ExplodingGradients => near(a.onset, e.onset, 20),
+                Failure::NonFinite => a.onset <= e.onset,
+                _ => false,
+            }
+    }
+}

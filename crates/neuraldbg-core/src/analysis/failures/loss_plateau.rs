@@ -1,0 +1,165 @@
+//! `loss_plateau`: the loss stopped improving above the level of a converged run, or at the
+//! floor of a loss that provably cannot reach its optimum.
+
+use crate::config::Config;
+use crate::engine::Run;
+use crate::event::SemanticEvent;
+
+use super::super::episodes::Episode;
+use super::super::text::num;
+use super::super::vocab::Failure;
+use super::{FailureRule, Link, Sentence, after_bad_data, first_at_onset};
+
+pub(crate) struct LossPlateau;
+
+impl FailureRule for LossPlateau {
+    fn failure(&self) -> Failure {
+        Failure::LossPlateau
+    }
+
+    fn precedence(&self) -> u8 {
+        8
+    }
+
+    /// A loss that went flat below the plateau level (which otherwise tells a converged run
+    /// from a stuck one) is a plateau too when the loss provably cannot reach its optimum: the
+    /// output does not fit the loss, or the loss broadcasts the target (see `causes`).
+    ///
+    /// A classifier's loss that stays at its chance level for most of the run is a plateau
+    /// whatever it started from: the model is not learning (see [`not_learning`]). So is a
+    /// loss that bounces up and down without getting lower (see [`bouncing`]), from the start.
+    fn episodes(&self, run: &Run, config: &Config, found: &[Episode]) -> Vec<Episode> {
+        if found.iter().any(|e| e.failure == Failure::LossPlateau) {
+            return Vec::new();
+        }
+        if let (true, Some(first), Some(last)) =
+            (bouncing(run, config), run.first_step, run.last_step)
+        {
+            return vec![Episode {
+                duration: last.saturating_sub(first) + 1,
+                to_end: true,
+                ..Episode::new(Failure::LossPlateau, first)
+            }];
+        }
+        let (Some(since), Some(last)) = (run.loss.flat_since, run.last_step) else {
+            return Vec::new();
+        };
+        if !super::super::causes::loss_bounded_by_mistake(run) && not_learning(run).is_none() {
+            return Vec::new();
+        }
+        vec![Episode {
+            duration: last.saturating_sub(since) + 1,
+            to_end: true,
+            ..Episode::new(Failure::LossPlateau, since)
+        }]
+    }
+
+    fn locate(
+        &self,
+        _: &Run,
+        events: &[SemanticEvent],
+        cluster: &[usize],
+        onset: u64,
+    ) -> (Option<usize>, Option<usize>) {
+        first_at_onset(events, cluster, onset)
+    }
+
+    fn probability(&self, run: &Run, e: &Episode) -> f64 {
+        let w = 100.0;
+        let stuck = run
+            .loss
+            .initial
+            .is_some_and(|i| run.loss.last_smoothed >= 0.95 * i);
+        let end = if e.to_end { 1.0 } else { 0.0 };
+        0.35 + 0.2 * (e.duration as f64 / w).min(1.0) + if stuck { 0.2 } else { 0.0 } + 0.1 * end
+    }
+
+    fn place(&self, s: &Sentence<'_>) -> String {
+        not_learning(s.run).map_or(String::new(), |c| {
+            format!(
+                ", at its chance level ({} = ln {} for {} classes{}): the model predicts no better than a constant guess",
+                num(c.level),
+                c.classes,
+                c.classes,
+                if c.binary { ", binary cross-entropy" } else { "" }
+            )
+        })
+    }
+
+    /// A failure that stops learning explains a flat loss, if it is itself a real failure (the
+    /// plateau's onset is back-dated to the start of its flat window); a layer that does not
+    /// learn can hold the loss flat too.
+    fn follows_from(&self, a: &Episode, e: &Episode, l: &Link<'_>) -> bool {
+        after_bad_data(a, e, l)
+            || matches!(
+                a.failure,
+                Failure::DeadNeurons
+                    | Failure::VanishingGradients
+                    | Failure::SaturatedActivations
+                    | Failure::StalledLayer
+            ) && a.p_failure >= 0.5
+                && a.onset <= e.onset + u64::from(l.config.loss_plateau_window)
+    }
+}
+
+/// The loss of a classifier that predicts a constant: the class prior's cross-entropy, at most
+/// ln C over C classes (ln 2 for binary cross-entropy, per output).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct Chance {
+    pub level: f64,
+    pub classes: u64,
+    pub binary: bool,
+}
+
+/// The chance level of the run's loss, when the loss is a classification loss the engine
+/// recognizes (cross-entropy or negative log-likelihood over the output's last dimension, or
+/// binary cross-entropy).
+pub(crate) fn chance_level(run: &Run) -> Option<Chance> {
+    let loss = run.model.spec.loss.as_ref()?;
+    let has = |op: &str| loss.ops.iter().any(|o| o == op);
+    if has("BinaryCrossEntropyWithLogits") || has("BinaryCrossEntropy") {
+        return Some(Chance {
+            level: std::f64::consts::LN_2,
+            classes: 2,
+            binary: true,
+        });
+    }
+    if has("NllLoss") {
+        let classes = loss.output_units.filter(|&c| c >= 2)?;
+        return Some(Chance {
+            level: (classes as f64).ln(),
+            classes,
+            binary: false,
+        });
+    }
+    None
+}
+
+/// Steps a run must have before it can be judged not to learn.
+const NOT_LEARNING_STEPS: u64 = 100;
+
+/// The chance level of a classifier whose loss stayed flat at it (never clearly below, and
+/// within 10% of it at the end) over at least half of a run of [`NOT_LEARNING_STEPS`] steps
+/// or more.
+pub(crate) fn not_learning(run: &Run) -> Option<Chance> {
+    let chance = chance_level(run)?;
+    let (first, last, since) = (run.first_step?, run.last_step?, run.loss.flat_since?);
+    let l = &run.loss;
+    let flat_most = 2 * (last.saturating_sub(since) + 1) > last.saturating_sub(first);
+    (l.observed >= NOT_LEARNING_STEPS
+        && flat_most
+        && l.best >= 0.8 * chance.level
+        && (0.9..=1.1).contains(&(l.last_smoothed / chance.level)))
+    .then_some(chance)
+}
+
+/// A loss that oscillates (see `LossTrack::oscillation`) over a run of at least
+/// [`NOT_LEARNING_STEPS`] steps and ends no lower than the plateau level of where it began:
+/// the steps bounce it around instead of descending.
+pub(crate) fn bouncing(run: &Run, config: &Config) -> bool {
+    let l = &run.loss;
+    l.observed >= NOT_LEARNING_STEPS
+        && l.oscillation().is_some()
+        && l.initial
+            .is_some_and(|i| i > 0.0 && l.last_smoothed >= config.loss_plateau_level * i)
+}

@@ -1,0 +1,58 @@
+//! `saturated_activations`: bounded activations (tanh, sigmoid) with most outputs at their
+//! bounds. Located at the first module in forward order that shows it.
+
+use crate::engine::Run;
+use crate::event::SemanticEvent;
+
+use super::super::episodes::Episode;
+use super::super::vocab::Failure;
+use super::{FailureRule, Link, after_bad_data, more_of_the_same, persistence, sigmoid};
+
+pub(crate) struct SaturatedActivations;
+
+impl FailureRule for SaturatedActivations {
+    fn failure(&self) -> Failure {
+        Failure::SaturatedActivations
+    }
+
+    fn precedence(&self) -> u8 {
+        4
+    }
+
+    fn locate(
+        &self,
+        run: &Run,
+        events: &[SemanticEvent],
+        cluster: &[usize],
+        _onset: u64,
+    ) -> (Option<usize>, Option<usize>) {
+        super::dead_neurons::forward_root(run, events, cluster, |t| t.max_saturated)
+    }
+
+    fn probability(&self, run: &Run, e: &Episode) -> f64 {
+        let t = 0.5;
+        // Severity: the share of saturated outputs, or how little gradient the activation
+        // still passes back (1 - 2 x mean slope), whichever is worse.
+        let slope = e
+            .root
+            .and_then(|m| run.model.module_activation[m])
+            .map_or(f64::NAN, |a| run.acts[a].min_slope);
+        let by_slope = if slope.is_finite() {
+            (1.0 - 2.0 * slope).clamp(0.0, 1.0)
+        } else {
+            0.0
+        };
+        let base = ((e.fraction - t) / (1.0 - t)).clamp(0.0, 1.0).max(by_slope);
+        sigmoid(6.0 * (base - 0.5)) * persistence(e)
+    }
+
+    fn follows_from(&self, a: &Episode, e: &Episode, l: &Link<'_>) -> bool {
+        after_bad_data(a, e, l)
+            || match a.failure {
+                // Saturation is the mechanism of the vanishing it precedes: the vanishing is the
+                // failure users see, so the saturation episode ranks under it.
+                Failure::VanishingGradients => e.onset <= a.onset + l.tol,
+                _ => more_of_the_same(a, e),
+            }
+    }
+}

@@ -1,0 +1,41 @@
+//! `stalled_layer`: a layer whose parameters never change, or never get a gradient, while the
+//! rest of the model trains. Found from the layers' tracks, not from events (see `stalled`).
+
+use crate::config::Config;
+use crate::engine::Run;
+use crate::event::SemanticEvent;
+
+use super::super::episodes::Episode;
+use super::super::vocab::Failure;
+use super::{FailureRule, first_at_onset};
+
+pub(crate) struct StalledLayer;
+
+impl FailureRule for StalledLayer {
+    fn failure(&self) -> Failure {
+        Failure::StalledLayer
+    }
+
+    fn precedence(&self) -> u8 {
+        1
+    }
+
+    fn episodes(&self, run: &Run, config: &Config, _: &[Episode]) -> Vec<Episode> {
+        super::super::stalled::episodes(run, config)
+    }
+
+    fn locate(
+        &self,
+        _: &Run,
+        events: &[SemanticEvent],
+        cluster: &[usize],
+        onset: u64,
+    ) -> (Option<usize>, Option<usize>) {
+        first_at_onset(events, cluster, onset)
+    }
+
+    /// Detected only over at least 20 steps (see `stalled`); surer the longer it lasts.
+    fn probability(&self, _: &Run, e: &Episode) -> f64 {
+        0.5 + 0.45 * (e.duration as f64 / 60.0).min(1.0)
+    }
+}

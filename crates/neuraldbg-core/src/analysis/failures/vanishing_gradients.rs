@@ -1,0 +1,90 @@
+//! `vanishing_gradients`: gradient norms below the vanishing threshold. Located where the
+//! failure begins along the backward pass.
+
+use crate::engine::Run;
+use crate::event::SemanticEvent;
+
+use super::super::episodes::Episode;
+use super::super::vocab::Failure;
+use super::{FailureRule, Link, Sentence, after_bad_data, breadth, more_of_the_same};
+
+pub(crate) struct VanishingGradients;
+
+/// Steps a gradient may stay tiny at the start of a run and still be a normal beginning.
+const BEGINNING_STEPS: u64 = 20;
+
+/// A gradient that is zero or tiny at the first steps and recovers within
+/// [`BEGINNING_STEPS`] while the loss falls is how some models start, not a failure: an
+/// adapter whose other half is zero-initialised (`LoRA`'s `lora_B`) passes no gradient to its
+/// first half until that half moves, and attention's query and key get almost none while the
+/// scores are near uniform at initialization.
+pub(crate) fn normal_beginning(run: &Run, e: &Episode) -> bool {
+    let first = run.first_step.unwrap_or(0);
+    let falls = run.loss.initial.is_some_and(|initial| {
+        initial.is_finite() && run.loss.best.is_finite() && run.loss.best < 0.9 * initial
+    });
+    e.failure == Failure::VanishingGradients
+        && e.onset <= first + 1
+        && !e.to_end
+        && e.duration <= BEGINNING_STEPS
+        && falls
+}
+
+impl FailureRule for VanishingGradients {
+    fn failure(&self) -> Failure {
+        Failure::VanishingGradients
+    }
+
+    fn precedence(&self) -> u8 {
+        3
+    }
+
+    fn locate(
+        &self,
+        run: &Run,
+        events: &[SemanticEvent],
+        cluster: &[usize],
+        onset: u64,
+    ) -> (Option<usize>, Option<usize>) {
+        super::exploding_gradients::backward_root(run, events, cluster, onset)
+    }
+
+    fn probability(&self, run: &Run, e: &Episode) -> f64 {
+        let d = e.duration as f64;
+        let end = if e.to_end { 1.0 } else { 0.0 };
+        let x = 0.5 * e.margin.min(2.0) + d.min(30.0) / 10.0 + 2.0 * breadth(run, e) + end;
+        let mut p = 1.0 - (-x).exp();
+        // Gradients that fade everywhere together long after a healthy start, while the
+        // loss approaches zero, are a converged run, not a failure.
+        if let (Some(initial), true) = (run.loss.initial, run.loss.observed > 0) {
+            if initial > 0.0 && run.loss.best < 1e-3 * initial && e.onset > 0 {
+                p *= 0.2;
+            }
+        }
+        if normal_beginning(run, e) {
+            p *= 0.1;
+        }
+        p
+    }
+
+    fn follows_from(&self, a: &Episode, e: &Episode, l: &Link<'_>) -> bool {
+        after_bad_data(a, e, l)
+            || match a.failure {
+                // A (nearly) completely dead layer explains vanishing gradients in the layers
+                // before it. (Dead units behind a functional activation are rooted at their own
+                // layer.)
+                Failure::DeadNeurons => {
+                    let vanishing_root = e.root.unwrap_or(usize::MAX);
+                    a.fraction >= 0.9
+                        && (a.affected.iter().any(|&m| m > vanishing_root)
+                            || (a.root.is_some() && a.root == e.root))
+                        && a.onset <= e.onset + l.tol
+                }
+                _ => more_of_the_same(a, e),
+            }
+    }
+
+    fn place(&self, s: &Sentence<'_>) -> String {
+        super::exploding_gradients::along_the_backward_pass(s)
+    }
+}

@@ -1,0 +1,224 @@
+//! What to do about a failure: each remedy is a value with its parameters (a layer, a learning
+//! rate, a step), chosen by the cause and failure rules and rendered to text here, in one place.
+
+use super::text::{num, show};
+
+/// One concrete change to the user's code. Layers are qualified module names; rates and steps
+/// are the run's own values.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) enum Remedy {
+    // Step size.
+    LowerLr {
+        lr: Option<f64>,
+    },
+    RaiseLr {
+        lr: Option<f64>,
+    },
+    /// Clip gradient norms before the optimizer step.
+    ClipGradients,
+    /// Clip while the cause of an explosion is fixed.
+    ClipWhileFixing,
+    Warmup,
+    LrRangeTest,
+    AdaptiveOptimizer,
+    // Activations.
+    ReplaceRelu {
+        layer: Option<String>,
+    },
+    CheckBiasInit,
+    BatchNormBeforeRelu,
+    ReplaceSaturating,
+    XavierAndNormalizeInputs,
+    NormBeforeSaturating,
+    // Normalization and depth.
+    AddNormalization,
+    InitKeepsScale,
+    ResidualConnections,
+    NormBetweenBlocks,
+    ReduceDepth,
+    // Initialization.
+    InitForActivation,
+    CheckCustomInit {
+        layer: Option<String>,
+    },
+    OrthogonalRecurrentInit {
+        layer: Option<String>,
+    },
+    BoundedRecurrence,
+    // Numerics.
+    GuardUnstableOp {
+        layer: Option<String>,
+    },
+    Float32ForOp,
+    DetectAnomalyStep,
+    TrainInBfloat16,
+    KeepModuleInFloat32,
+    LowerLrOrNormalize,
+    // Data.
+    InspectBatch {
+        step: u64,
+    },
+    NormalizeInputs,
+    // Loop mistakes.
+    ZeroGradEachStep,
+    AccumulateOnPurpose,
+    CallTrain,
+    RestoreModeAfterEval,
+    PassToOptimizer {
+        layer: Option<String>,
+    },
+    CheckParamGroupLr,
+    FindGraphCut {
+        layer: Option<String>,
+    },
+    /// `cut`: the layer gets no gradient (the graph is cut), rather than one it never follows.
+    FreezeOnPurpose {
+        layer: Option<String>,
+        cut: bool,
+    },
+    MatchTargetShape,
+    KeepShapeWarning,
+    // Output activation and loss.
+    CheckOutputActivation,
+    OneUnitSoftmax,
+    RemoveSoftmaxBeforeCrossEntropy,
+    NllOnLogSoftmax,
+    LogSoftmaxForNll,
+    RemoveSigmoidBeforeLogitsLoss,
+    KeepSigmoidUseBce,
+    /// `output`: the bounding operation, as the framework names it.
+    RemoveBoundedLogits {
+        output: Option<String>,
+    },
+    RemoveBoundedRegression {
+        output: Option<String>,
+    },
+    ScaleTargetsIntoRange,
+    // Data-parallel replicas.
+    FindRankOnlyCode,
+    SameStepsOnEveryRank,
+    NothingOutsideDdp,
+    // Nothing named.
+    InspectHistory,
+    DetectAnomaly,
+}
+
+impl Remedy {
+    /// Whether the remedy is to clip gradients (moot when clipping was already on).
+    pub fn clips(&self) -> bool {
+        matches!(self, Remedy::ClipGradients | Remedy::ClipWhileFixing)
+    }
+
+    /// The remedy as the user reads it.
+    #[allow(clippy::too_many_lines)]
+    pub fn text(&self) -> String {
+        let of = |layer: &Option<String>, before: &str| {
+            layer
+                .as_deref()
+                .map(|l| format!("{before}{}", show(l)))
+                .unwrap_or_default()
+        };
+        let the_layer = |layer: &Option<String>| {
+            layer
+                .as_deref()
+                .map_or_else(|| "the layer".to_string(), show)
+        };
+        let op = |o: &Option<String>| o.clone().unwrap_or_else(|| "activation".into());
+        match self {
+            Remedy::LowerLr { lr } => lr.map_or_else(
+                || "lower the learning rate 10x".to_string(),
+                |lr| format!("lower the learning rate 10x (it was {})", num(lr)),
+            ),
+            Remedy::RaiseLr { lr } => lr.map_or_else(
+                || "raise the learning rate 10x".to_string(),
+                |lr| format!("raise the learning rate 10x (it was {})", num(lr)),
+            ),
+            Remedy::ClipGradients => "clip gradients: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0) before optimizer.step()".into(),
+            Remedy::ClipWhileFixing => "clip gradients at 1.0 while you fix the cause".into(),
+            Remedy::Warmup => "add a learning-rate warmup over the first few hundred steps".into(),
+            Remedy::LrRangeTest => "run a learning-rate range test (increase lr each step and watch the loss)".into(),
+            Remedy::AdaptiveOptimizer => "switch to an adaptive optimizer such as Adam".into(),
+            Remedy::ReplaceRelu { layer } => {
+                let at = layer.as_deref().map(|l| format!(" ({})", show(l))).unwrap_or_default();
+                format!("replace ReLU{at} with LeakyReLU(0.01) or GELU")
+            }
+            Remedy::CheckBiasInit => "check the bias initialization of the layer before it (negative biases switch units off)".into(),
+            Remedy::BatchNormBeforeRelu => "add BatchNorm before the ReLU".into(),
+            Remedy::ReplaceSaturating => "replace tanh/sigmoid with ReLU, GELU or SiLU in hidden layers".into(),
+            Remedy::XavierAndNormalizeInputs => "use xavier_normal_ initialization and normalize the inputs so pre-activations stay near zero".into(),
+            Remedy::NormBeforeSaturating => "add LayerNorm or BatchNorm before the saturating activations".into(),
+            Remedy::AddNormalization => "add BatchNorm (CNNs) or LayerNorm (MLPs, transformers) between layers".into(),
+            Remedy::InitKeepsScale => "initialize weights for the activation so the signal keeps its scale".into(),
+            Remedy::ResidualConnections => "add residual (skip) connections so gradients bypass the deep stack".into(),
+            Remedy::NormBetweenBlocks => "add normalization (LayerNorm/BatchNorm) between blocks".into(),
+            Remedy::ReduceDepth => "reduce the depth, or initialize for depth (e.g. scaled or orthogonal init)".into(),
+            Remedy::InitForActivation => "initialize weights for the activation: kaiming_normal_ for ReLU, xavier_normal_ (gain 5/3 for tanh) otherwise".into(),
+            Remedy::CheckCustomInit { layer } => format!(
+                "check custom init code{} for weights scaled far from 1/sqrt(fan_in)",
+                of(layer, " of ")
+            ),
+            Remedy::OrthogonalRecurrentInit { layer } => format!(
+                "initialize the recurrent weights of {} so they do not amplify the state: torch.nn.init.orthogonal_ on each weight_hh block (gain 1), or keep PyTorch's default",
+                layer.as_deref().map_or_else(|| "the recurrent layer".into(), show)
+            ),
+            Remedy::BoundedRecurrence => "use a bounded recurrence (nonlinearity='tanh', or LSTM/GRU) instead of a ReLU RNN".into(),
+            Remedy::GuardUnstableOp { layer } => format!(
+                "look for log, division, sqrt, exp or pow on unbounded values in the forward{}; add an eps or clamp",
+                of(layer, " of ")
+            ),
+            Remedy::Float32ForOp => "compute that operation in float32 if it runs in half precision".into(),
+            Remedy::DetectAnomalyStep => "run that one step under torch.autograd.detect_anomaly() to get the exact operation".into(),
+            Remedy::TrainInBfloat16 => "train in bfloat16 (torch.autocast(dtype=torch.bfloat16)): float32's range, no loss scaling needed".into(),
+            Remedy::KeepModuleInFloat32 => "keep the overflowing module in float32 (wrap it in torch.autocast(enabled=False))".into(),
+            Remedy::LowerLrOrNormalize => "lower the learning rate, or normalize the activations that grow (LayerNorm)".into(),
+            Remedy::InspectBatch { step } => format!(
+                "inspect the batch of step {step}: assert torch.isfinite(x).all() in the data pipeline"
+            ),
+            Remedy::NormalizeInputs => "normalize inputs (zero mean, unit variance) and filter corrupt samples".into(),
+            Remedy::ZeroGradEachStep => "call optimizer.zero_grad() once per step, before loss.backward() (or model.zero_grad() when parameters are stepped by hand)".into(),
+            Remedy::AccumulateOnPurpose => "when accumulating on purpose over k micro-batches, zero after every optimizer.step() and divide the loss by k".into(),
+            Remedy::CallTrain => "call model.train() before the training loop (and again after every evaluation that calls model.eval())".into(),
+            Remedy::RestoreModeAfterEval => "wrap evaluation in a helper that restores the mode: was = model.training; model.eval(); ...; model.train(was)".into(),
+            Remedy::PassToOptimizer { layer } => format!(
+                "pass the parameters of {} to the optimizer: build it from model.parameters() after every layer is created (an optimizer made before a layer was added or replaced does not hold it)",
+                the_layer(layer)
+            ),
+            Remedy::CheckParamGroupLr => "check every param group's lr (print [g['lr'] for g in optimizer.param_groups]) and the scheduler: a group with lr 0 never moves".into(),
+            Remedy::FindGraphCut { layer } => format!(
+                "find where the output of {} leaves the graph on its way to the loss: a .detach(), a torch.no_grad() block, .data, .item() or a numpy round trip; remove it",
+                the_layer(layer)
+            ),
+            Remedy::FreezeOnPurpose { layer, cut: true } => format!(
+                "if {} is meant to stay frozen, say so: call requires_grad_(False) on its parameters",
+                the_layer(layer)
+            ),
+            Remedy::FreezeOnPurpose { layer, cut: false } => format!(
+                "if {} is meant to stay frozen, call requires_grad_(False) on its parameters so no gradient is computed for it",
+                the_layer(layer)
+            ),
+            Remedy::MatchTargetShape => "make the output and the target the same shape before the loss: criterion(output.squeeze(-1), y) or criterion(output, y.unsqueeze(-1)) (or y.view_as(output))".into(),
+            Remedy::KeepShapeWarning => "PyTorch warns about this (\"Using a target size that is different to the input size\"): do not silence that warning".into(),
+            Remedy::CheckOutputActivation => "check that the model's last activation is the one the loss expects".into(),
+            Remedy::OneUnitSoftmax => "a softmax over one unit is always 1: for a binary target drop the softmax and use BCEWithLogitsLoss on the single logit, or output 2 units with CrossEntropyLoss".into(),
+            Remedy::RemoveSoftmaxBeforeCrossEntropy => "remove the final Softmax (or .softmax()) from the model: CrossEntropyLoss takes raw logits; apply softmax only at inference".into(),
+            Remedy::NllOnLogSoftmax => "or keep the model's output and switch to NLLLoss on torch.log_softmax(...) instead of softmax".into(),
+            Remedy::LogSoftmaxForNll => "replace the final Softmax with LogSoftmax(dim=-1), or drop it and use CrossEntropyLoss on the logits".into(),
+            Remedy::RemoveSigmoidBeforeLogitsLoss => "remove the final Sigmoid (or torch.sigmoid) from the model: BCEWithLogitsLoss applies it; apply sigmoid only at inference".into(),
+            Remedy::KeepSigmoidUseBce => "or keep the sigmoid and use BCELoss".into(),
+            Remedy::RemoveBoundedLogits { output } => format!(
+                "remove the final {} from the model: CrossEntropyLoss and BCEWithLogitsLoss take raw, unbounded logits (a plain Linear output)",
+                op(output)
+            ),
+            Remedy::RemoveBoundedRegression { output } => format!(
+                "remove the final {} so the output is unbounded (a plain Linear) for regression",
+                op(output)
+            ),
+            Remedy::ScaleTargetsIntoRange => "or scale the targets into the output's range (e.g. min-max to [0, 1] for a sigmoid) and invert the scaling at inference".into(),
+            Remedy::FindRankOnlyCode => "look for code that changes parameters, gradients or buffers on some ranks only (under `if rank == ...`, outside the DDP-wrapped model, or between forward and optimizer.step())".into(),
+            Remedy::SameStepsOnEveryRank => "make sure every rank runs the same optimizer steps (a rank that skips or repeats optimizer.step() drifts apart)".into(),
+            Remedy::NothingOutsideDdp => "check that no part of the model is updated outside DDP (a submodule or parameter not registered in the wrapped module)".into(),
+            Remedy::InspectHistory => "inspect the gradient-norm history of the first failing layer (dbg.history)".into(),
+            Remedy::DetectAnomaly => "rerun the failing step under torch.autograd.detect_anomaly()".into(),
+        }
+    }
+}
