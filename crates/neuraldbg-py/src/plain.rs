@@ -77,7 +77,6 @@ struct ProbeMark {
     key: Option<Py<PyAny>>,
 }
 
-
 /// One plain host step at a time (see the module docs).
 #[pyclass(module = "neuraldbg._native", name = "PlainStep")]
 #[derive(Debug)]
