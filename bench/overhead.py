@@ -317,11 +317,12 @@ def unwrapped() -> Iterator[None]:
         torch.autograd.backward = tap.original
     from torch.optim import optimizer
 
-    # (A collector's hook, under NeuralDBG's guard: the guard's wrapper holds it as __wrapped__.)
+    # (A collector's hook, under NeuralDBG's guard: the guard's wrapper holds it as __wrapped__; its
+    # owner is the collector's StepBoundary.)
     ours = {
         k: h
         for k, h in optimizer._global_optimizer_post_hooks.items()
-        if type(getattr(getattr(h, "__wrapped__", h), "__self__", None)).__name__ == "Collector"
+        if type(getattr(getattr(h, "__wrapped__", h), "__self__", None)).__name__ in ("Collector", "StepBoundary")
     }
     for k in ours:
         del optimizer._global_optimizer_post_hooks[k]
