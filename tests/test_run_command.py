@@ -484,7 +484,9 @@ def test_ctrl_c_still_gives_the_diagnosis_trace_and_report(tmp_path: Path) -> No
     assert "stopped the script: interrupted" in err and "Sequential:" in err
     data = json.loads((tmp_path / "d.json").read_text())
     assert data["steps"] >= 4 and data["stopped"] == "interrupted"
-    assert neuraldbg.load(str(tmp_path / "o" / "Sequential.ndbg")).step == data["steps"]
+    # Ctrl-C between a step's backward and its optimizer step leaves that forward observed as
+    # the run's final (interrupted) step: the trace then holds one step more than completed.
+    assert neuraldbg.load(str(tmp_path / "o" / "Sequential.ndbg")).step in (data["steps"], data["steps"] + 1)
     assert (tmp_path / "o" / "Sequential.html").exists()
 
 
