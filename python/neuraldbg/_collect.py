@@ -34,7 +34,7 @@ import numpy as np
 from torch.compiler import is_compiling as _compiling
 
 from ._boundary import StepBoundary
-from ._distributed import PeerLeft, has_shards
+from ._distributed import PeerLeft, has_shards, local_tensors
 from ._guard import REPORT, guarded
 from ._hooks import Hooks
 from ._loop import LoopFacts, grad_changed, unscaled_loss
@@ -542,6 +542,10 @@ class Collector:
         self.cur.take_loss(self.tap_current, self.criterion is not None)
         self.reader.read_gradients()
         self.reader.check_after_backward()
+        if self.step_on != "backward" and self.params and self.boundary.sampled(self.weight_every):
+            self.cur.weights_before = self.measure.weights_before(
+                local_tensors(self.params) if self.sharded else self.params
+            )
         if self.step_on == "backward":
             if self.thread is not None and _thread_id() != self.thread:
                 # Autograd's device thread (CUDA): the engine is fed from the training thread,

@@ -7,7 +7,7 @@ Cost: per step, a bool read per forward pass and one tensor hook on one paramete
 the backward tap reads the gradients, the same look at that parameter's gradient as each
 backward starts and returns (a pointer and version-counter comparison, no device work).
 Once, at the first step: a walk of at most a few dozen autograd nodes from the loss to the
-model's output, and the output's and target's min/max (one host read).
+model's output, the output's and target's min/max and the target's variance (one host read).
 """
 
 from __future__ import annotations
@@ -233,13 +233,15 @@ class LoopFacts:
             try:
                 if event is not None and not event.query():
                     event.synchronize()  # (the first step only, once)
-                lo, hi, tlo, thi = (float(v) for v in host.tolist())
+                lo, hi, tlo, thi, tvar = (float(v) for v in host.tolist())
             except Exception:  # pragma: no cover - ranges are optional facts
-                lo = hi = tlo = thi = math.nan
+                lo = hi = tlo = thi = tvar = math.nan
             if math.isfinite(lo) and math.isfinite(hi):
                 d["output_range"] = [lo, hi]
             if math.isfinite(tlo) and math.isfinite(thi):
                 d["target_range"] = [tlo, thi]
+            if math.isfinite(tvar):
+                d["target_var"] = tvar
         return d
 
 
@@ -352,9 +354,15 @@ def _describe(loss: Any, output_fns: List[Any], output: Any) -> Optional[Dict[st
                 ranges.extend(torch.aminmax(t.detach().float()))
             else:  # (made on the device: a copy from the host would wait for its queue)
                 ranges.extend(torch.full((2,), float("nan"), device=device).unbind())
+        # The targets' variance: the loss of predicting their mean, for a regression loss.
+        t = bounded[1]
+        if t is not None and t.device == device and t.numel() > 1:
+            ranges.append(t.detach().float().var())
+        else:
+            ranges.append(torch.full((), float("nan"), device=device))
         values = torch.stack(ranges)
         if values.device.type == "cuda":
-            host = torch.empty(4, dtype=torch.float32, pin_memory=True)
+            host = torch.empty(5, dtype=torch.float32, pin_memory=True)
             host.copy_(values, non_blocking=True)
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(values.device))

@@ -8,6 +8,8 @@ as few kernel launches as possible. Nothing here hooks a module or talks to the 
   share of units that were zero for the whole batch and its mean slope (:class:`Probe`, decided
   by the engine; :class:`Measurer.activation_parts` stacks modules of one output shape);
 * ``min, max, mean, std`` of the model's first floating-point input (:func:`input_stats`);
+* how far an optimizer step moves each parameter relative to its size, on a fixed strided sample
+  of its elements taken before the step (:meth:`Measurer.weights_before`, :meth:`Measurer.update_ratios`);
 * whether tensors are finite, batched into one transfer (:func:`finite_flags`).
 
 On CPU (:class:`~._measure_host.HostMeasurer`) the same statistics are read straight from the tensors' memory
@@ -32,6 +34,9 @@ if TYPE_CHECKING:  # pragma: no cover
 # Tensors up to this many elements are stacked with others of their shape for one reduction
 # (CPU): below it, per-tensor launch overhead (~1.5 us) dominates the copy that stacking costs.
 STACK_LIMIT = 1 << 16
+# Elements of each parameter kept before a sampled optimizer step, to measure how far the
+# step moved it (a strided sample: an estimate of the whole tensor's relative change).
+UPDATE_SAMPLE = 4096
 # Input batches up to this many elements get min/max and std/mean in two reductions
 # (`std_mean`, ~6 ns per element on CPU); larger ones in four cheaper passes (~0.5 ns each).
 INPUT_FUSED_LIMIT = 1 << 13
@@ -310,6 +315,46 @@ class Measurer:
                 del parts[n_before:]
         self.generic_norms(list(weights), parts)
         return np.arange(len(weights), dtype=np.intp)
+
+    def weights_before(self, weights: Sequence[Any]) -> List[Optional[torch.Tensor]]:
+        """A copy of a strided sample of each floating-point parameter (at most
+        :data:`UPDATE_SAMPLE` elements), taken before an optimizer step (None for the others)."""
+        out: List[Optional[torch.Tensor]] = []
+        with self.torch.no_grad():
+            for w in weights:
+                if w is None or w.numel() == 0 or not w.is_floating_point() or w.is_sparse:
+                    out.append(None)
+                    continue
+                flat = w.detach().reshape(-1)
+                out.append(flat[:: max(1, flat.numel() // UPDATE_SAMPLE)].float().clone())
+        return out
+
+    def update_ratios(
+        self, weights: Sequence[Any], before: Sequence[Optional[torch.Tensor]]
+    ) -> Optional[Tuple[torch.Tensor, np.ndarray]]:
+        """How far the optimizer step moved each sampled parameter, ``|after - before| /
+        |before|`` on the sample :meth:`weights_before` took (inf where it was all zeros), as
+        (one device vector, the parameter index of each value)."""
+        torch = self.torch
+        index: List[int] = []
+        olds: List[torch.Tensor] = []
+        news: List[torch.Tensor] = []
+        with torch.no_grad():
+            for i, old in enumerate(before):
+                if old is None or i >= len(weights):
+                    continue
+                flat = weights[i].detach().reshape(-1)
+                new = flat[:: max(1, flat.numel() // UPDATE_SAMPLE)].float()
+                if new.shape == old.shape and new.device == old.device:
+                    index.append(i)
+                    olds.append(old)
+                    news.append(new)
+            if not index:
+                return None
+            moved = torch._foreach_norm(torch._foreach_sub(news, olds))
+            size = torch._foreach_norm(olds)
+            ratio = torch.stack(list(moved)) / torch.stack(list(size))
+        return ratio.float(), np.asarray(index, dtype=np.intp)
 
     def output_absmax(
         self, refs: Sequence[Tuple[int, Any, Any]], rank: Dict[int, int]

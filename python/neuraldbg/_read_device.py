@@ -20,7 +20,7 @@ import numpy as np
 
 from ._distributed import local_tensors
 from ._measure import input_stats, read_summaries
-from ._transfer import HostCopy, Layout, Pending, Unpacked, flatten
+from ._transfer import HostCopy, Layout, Pending, Unpacked, flatten, per_parameter
 
 if TYPE_CHECKING:  # pragma: no cover
     from ._collect import Collector
@@ -147,6 +147,10 @@ class DeviceReader:
                 parts: List[Any] = []
                 order = c.measure.weight_norms(weights, parts)
                 layout.add("weight", parts, order)
+                before = s.weights_before
+                moved = c.measure.update_ratios(weights, before) if before is not None else None
+                if moved is not None:
+                    layout.add("update_ratio", [moved[0]], moved[1])
             staged = s.act_staged
             if staged is None and c.boundary.probes_due(first):
                 staged = c.measure.activation_parts(c.probes, c.act_out)
@@ -292,14 +296,17 @@ class DeviceReader:
                     out["output_absmax"] = watched.module_table(
                         np.asarray([r for r, _ in known], dtype=np.intp), np.asarray([v for _, v in known], np.float32)
                     )
+        n = len(c.params)
         zeros = layout.read(flat, "grad_zero")
         index = layout.index("grad_zero")
         if zeros is not None and index is not None:
             k = index.size
-            for name, values in (("grad_zero_rows", zeros[:k]), ("grad_zero_cols", zeros[k:])):
-                table = np.full(len(c.params), np.nan, dtype=np.float32)
-                table[index] = values
-                out[name] = table
+            out["grad_zero_rows"] = per_parameter(n, index, zeros[:k])
+            out["grad_zero_cols"] = per_parameter(n, index, zeros[k:])
+        moved = layout.read(flat, "update_ratio")
+        index = layout.index("update_ratio")
+        if moved is not None and index is not None:
+            out["update_ratio"] = per_parameter(n, index, moved)
         ranks = layout.index("output_absmax")
         values = layout.read(flat, "output_absmax")
         if ranks is not None and ranks.size and values is not None:

@@ -24,7 +24,7 @@ from ._loop import unscaled_loss
 from ._measure import first_float_tensor
 from ._measure_host import HostMeasurer
 from ._step import NONFINITE, UNKNOWN, ZERO, Stage
-from ._transfer import HostStep, clip_ratio
+from ._transfer import HostStep, clip_ratio, per_parameter
 
 if TYPE_CHECKING:  # pragma: no cover
     from ._collect import Collector
@@ -461,13 +461,17 @@ class HostReader:
     def _sampled_measures(
         self, step: HostStep, first: bool, act_sampled: bool, weight_sampled: bool
     ) -> Optional[Dict[str, np.ndarray]]:
-        """A sampled step: parameter norms, the largest output of each kept module call, and
-        the shares of exactly-zero gradient rows and columns."""
+        """A sampled step: parameter norms and how far the step moved them, the largest output
+        of each kept module call, and the shares of exactly-zero gradient rows and columns."""
         c = self.c
         hm = self.hm
+        measures: Dict[str, np.ndarray] = {}
         if weight_sampled:
             step.weight_norms = hm.norms(c.params)
-        measures: Dict[str, np.ndarray] = {}
+            before = c.cur.weights_before
+            moved = c.measure.update_ratios(c.params, before) if before is not None else None
+            if moved is not None:
+                measures["update_ratio"] = per_parameter(len(c.params), moved[1], moved[0].numpy())
         outs = c.cur.out_staged
         if outs is None and first:
             outs = hm.absmax(c.refs, c.watched.rank)

@@ -27,7 +27,8 @@ class Layout:
     of the engine's activation table), ``loss``, ``input`` (4 statistics per forward pass),
     ``clip`` (the clipping check's gradient norm), ``loss_scale``, ``output_absmax``
     (indexed by engine module), ``grad_zero`` (zero-row then zero-column shares, indexed by
-    parameter), ``summary`` (the step's module-call summaries).
+    parameter), ``update_ratio`` (how far the optimizer step moved each sampled parameter,
+    indexed by parameter), ``summary`` (the step's module-call summaries).
     """
 
     __slots__ = (
@@ -266,3 +267,10 @@ class Unpacked:
             self.facts["loss_scale"] = float(layout.read(flat, "loss_scale")[0])
         if layout.skipped is not None:
             self.facts["optimizer_skipped"] = 1.0 if layout.skipped else 0.0
+
+
+def per_parameter(n: int, index: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """A per-parameter measure's table: ``values`` at ``index``, NaN (not measured) elsewhere."""
+    table = np.full(n, np.nan, dtype=np.float32)
+    table[index] = values
+    return table

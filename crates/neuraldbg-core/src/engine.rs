@@ -582,6 +582,10 @@ impl Run {
             let zero_rows = match measure {
                 Measure::GradZeroRows => true,
                 Measure::GradZeroCols => false,
+                Measure::UpdateRatio => {
+                    self.observe_updates(values);
+                    continue;
+                }
                 // Read where their analysis needs them (output scale, replicas, input ranks).
                 Measure::OutputAbsMax
                 | Measure::InputRank
@@ -656,6 +660,19 @@ impl Run {
             }
         }
         latest.map(|l| self.model.layers[l].module)
+    }
+
+    /// How far the optimizer moved each layer's weight (its largest parameter's ratio).
+    fn observe_updates(&mut self, ratios: &[f32]) {
+        for (l, layer) in self.model.layers.iter().enumerate() {
+            let Some((p, _)) = layer.weight else { continue };
+            let r = f64::from(ratios[p]);
+            if r.is_finite() {
+                let track = &mut self.layers[l];
+                track.update_early.push(r);
+                track.update_last = Some(r);
+            }
+        }
     }
 
     fn observe_weights(&mut self, step: u64, w: &[f32]) {

@@ -122,6 +122,10 @@ pub struct LossSpec {
     /// Smallest and largest target value of the first step (regression losses).
     #[serde(default)]
     pub target_range: Option<(f64, f64)>,
+    /// Variance of the first step's targets (regression losses): the loss of predicting their
+    /// mean, for a mean squared error.
+    #[serde(default)]
+    pub target_var: Option<f64>,
     /// Smallest and largest value of the model's output on the first step.
     #[serde(default)]
     pub output_range: Option<(f64, f64)>,

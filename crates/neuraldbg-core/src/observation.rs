@@ -67,6 +67,12 @@ named_enum! {
         /// exactly zero in this step (NaN: not measured, or fewer than 2 dimensions).
         GradZeroCols => "grad_zero_cols",
 
+        // --- Step sizes.
+        /// Per parameter, on steps whose parameter norms are measured: how far this step's
+        /// optimizer update moved it relative to its size, `|W_after - W_before| / |W_before|`
+        /// (NaN: not measured; infinite: the parameter was all zeros before the step).
+        UpdateRatio => "update_ratio",
+
         // --- Distributed training.
         /// The rank each row of [`StepView::inputs`] came from.
         InputRank => "input_rank",
@@ -101,6 +107,7 @@ impl Measure {
             Measure::OutputAbsMax => Axis::Modules,
             Measure::GradZeroRows
             | Measure::GradZeroCols
+            | Measure::UpdateRatio
             | Measure::ReplicaGradSpread
             | Measure::ReplicaWeightSpread => Axis::Params,
             Measure::InputRank | Measure::RankGradSumsq | Measure::RankWeightSumsq => Axis::Free,

@@ -88,6 +88,10 @@ pub struct LayerTrack {
     /// the latest shares measured, and the first step of the current stretch at >= 90%.
     pub zero_rows: ZeroShare,
     pub zero_cols: ZeroShare,
+    /// How far the optimizer moved the weight relative to its size, where measured: the first
+    /// finite measurements, and the latest.
+    pub update_early: Early,
+    pub update_last: Option<f64>,
 }
 
 /// The share of a weight gradient's rows or columns that are exactly zero, over the steps it
@@ -133,6 +137,8 @@ impl Default for LayerTrack {
             grad_last: f64::NAN,
             zero_rows: ZeroShare::default(),
             zero_cols: ZeroShare::default(),
+            update_early: Early::default(),
+            update_last: None,
         }
     }
 }

@@ -21,8 +21,11 @@ pub(crate) struct Evidence {
     pub gain_max: Option<(f64, usize)>,
     /// How the first gradient norms change along the layers (see [`Profile`]).
     pub profile: Option<Profile>,
-    /// Median estimated update-to-weight ratio at the first step.
+    /// Median update-to-weight ratio over the weighted layers at the first steps: measured
+    /// where the collector measured it (`update_measured`), else estimated from the learning
+    /// rate and the first gradient and weight norms.
     pub update_ratio: Option<f64>,
+    pub update_measured: bool,
     pub lr_first: Option<f64>,
     pub input_scale_first: Option<f64>,
     pub total_early: Option<f64>,
@@ -189,10 +192,19 @@ impl Evidence {
                 Some(step / w)
             })
             .collect();
+        let measured: Vec<f64> = model
+            .layers
+            .iter()
+            .enumerate()
+            .filter(|(_, l)| l.weight.is_some())
+            .filter_map(|(l, _)| run.layers[l].update_early.median())
+            .collect();
+        let update_measured = !measured.is_empty();
+        let update_ratio = median(if update_measured { &measured } else { &ratios });
         // Weight norms are first read at the end of the first step: when that step moved the
         // weights by more than their own size, they describe the update, not the
         // initialization, and the initial gains are unknown.
-        let init_known = median(&ratios).is_none_or(|r| r <= 1.0);
+        let init_known = update_ratio.is_none_or(|r| r <= 1.0);
         if !init_known {
             gains.clear();
         }
@@ -232,7 +244,8 @@ impl Evidence {
             gain_median: median(&gain_values),
             gain_max: gains.last().copied(),
             profile,
-            update_ratio: median(&ratios),
+            update_ratio,
+            update_measured,
             lr_first,
             input_scale_first: run.data.first_scale,
             total_early: run.total_early.median(),

@@ -6,6 +6,9 @@ use super::{Case, CauseRule, RemedyCase, Votes, fmt_g};
 
 pub(crate) struct LearningRateTooLow;
 
+/// An update-to-weight ratio typical of a learning rate that trains (about 1e-3 per step).
+const TRAINING_UPDATE: f64 = 1e-3;
+
 impl CauseRule for LearningRateTooLow {
     fn cause(&self) -> Cause {
         Cause::LearningRateTooLow
@@ -28,25 +31,29 @@ impl CauseRule for LearningRateTooLow {
             v.add(1.0, "gradients are healthy, yet the loss does not move");
         }
         if let Some(r) = ev.update_ratio {
-            if r < 1e-5 {
-                v.add(
-                    2.5,
-                    format!(
-                        "each step moves the weights by only ~{} of their size{}",
-                        fmt_g(r),
-                        c.lr_txt
-                    ),
-                );
+            let weight = if r < 1e-5 {
+                2.5
             } else if r < 1e-4 {
-                v.add(
-                    1.0,
-                    format!(
-                        "each step moves the weights by ~{} of their size{}",
-                        fmt_g(r),
-                        c.lr_txt
-                    ),
-                );
-            }
+                1.0
+            } else {
+                return;
+            };
+            let how = if ev.update_measured {
+                "measured"
+            } else {
+                "estimated"
+            };
+            let lr = ev
+                .lr_first
+                .map_or(String::new(), |lr| format!(", lr {}", fmt_g(lr)));
+            v.add(
+                weight,
+                format!(
+                    "each step moves the weights by ~{} of their size ({how}{lr}): about {}x less than the ~1e-3 of a learning rate that trains",
+                    fmt_g(r),
+                    times(TRAINING_UPDATE / r)
+                ),
+            );
         }
     }
 
@@ -56,5 +63,23 @@ impl CauseRule for LearningRateTooLow {
             Remedy::LrRangeTest,
             Remedy::AdaptiveOptimizer,
         ]
+    }
+}
+
+/// A large factor as a reader would say it: "26,500" up to a million, "3.2e7" beyond.
+fn times(x: f64) -> String {
+    if x < 1e6 {
+        let n = (x / 100.0).round() as u64 * 100;
+        let s = n.to_string();
+        let mut out = String::new();
+        for (i, ch) in s.chars().enumerate() {
+            if i > 0 && (s.len() - i) % 3 == 0 {
+                out.push(',');
+            }
+            out.push(ch);
+        }
+        if n == 0 { fmt_g(x) } else { out }
+    } else {
+        fmt_g(x)
     }
 }

@@ -76,6 +76,12 @@ impl FailureRule for LossPlateau {
 
     fn place(&self, s: &Sentence<'_>) -> String {
         not_learning(s.run).map_or(String::new(), |c| {
+            if c.regression {
+                return format!(
+                    ", at the variance of its targets ({}): the model predicts no better than their mean",
+                    num(c.level)
+                );
+            }
             format!(
                 ", at its chance level ({} = ln {} for {} classes{}): the model predicts no better than a constant guess",
                 num(c.level),
@@ -102,18 +108,20 @@ impl FailureRule for LossPlateau {
     }
 }
 
-/// The loss of a classifier that predicts a constant: the class prior's cross-entropy, at most
-/// ln C over C classes (ln 2 for binary cross-entropy, per output).
+/// The loss of a model that predicts a constant: for a classifier the class prior's
+/// cross-entropy, at most ln C over C classes (ln 2 for binary cross-entropy, per output); for
+/// a mean squared error the targets' variance (predicting their mean).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(crate) struct Chance {
     pub level: f64,
     pub classes: u64,
     pub binary: bool,
+    pub regression: bool,
 }
 
-/// The chance level of the run's loss, when the loss is a classification loss the engine
-/// recognizes (cross-entropy or negative log-likelihood over the output's last dimension, or
-/// binary cross-entropy).
+/// The chance level of the run's loss, when the engine recognizes the loss: cross-entropy or
+/// negative log-likelihood over the output's last dimension, binary cross-entropy, or a mean
+/// squared error whose targets' variance is known.
 pub(crate) fn chance_level(run: &Run) -> Option<Chance> {
     let loss = run.model.spec.loss.as_ref()?;
     let has = |op: &str| loss.ops.iter().any(|o| o == op);
@@ -122,6 +130,7 @@ pub(crate) fn chance_level(run: &Run) -> Option<Chance> {
             level: std::f64::consts::LN_2,
             classes: 2,
             binary: true,
+            regression: false,
         });
     }
     if has("NllLoss") {
@@ -130,6 +139,16 @@ pub(crate) fn chance_level(run: &Run) -> Option<Chance> {
             level: (classes as f64).ln(),
             classes,
             binary: false,
+            regression: false,
+        });
+    }
+    if has("MseLoss") {
+        let level = loss.target_var.filter(|v| v.is_finite() && *v > 0.0)?;
+        return Some(Chance {
+            level,
+            classes: 0,
+            binary: false,
+            regression: true,
         });
     }
     None
@@ -138,7 +157,7 @@ pub(crate) fn chance_level(run: &Run) -> Option<Chance> {
 /// Steps a run must have before it can be judged not to learn.
 const NOT_LEARNING_STEPS: u64 = 100;
 
-/// The chance level of a classifier whose loss stayed flat at it (never clearly below, and
+/// The chance level of a model whose loss stayed flat at it (never clearly below, and
 /// within 10% of it at the end) over at least half of a run of [`NOT_LEARNING_STEPS`] steps
 /// or more.
 pub(crate) fn not_learning(run: &Run) -> Option<Chance> {
