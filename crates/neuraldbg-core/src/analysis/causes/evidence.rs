@@ -56,6 +56,20 @@ pub(crate) struct ForwardGrowth {
     pub step: u64,
 }
 
+/// Median over the weighted layers of how far the first optimizer steps moved their weights
+/// relative to their size, where the collector measured it.
+pub(crate) fn measured_update_ratio(run: &Run) -> Option<f64> {
+    let measured: Vec<f64> = run
+        .model
+        .layers
+        .iter()
+        .enumerate()
+        .filter(|(_, l)| l.weight.is_some())
+        .filter_map(|(l, _)| run.layers[l].update_early.median())
+        .collect();
+    median(&measured)
+}
+
 /// Decades a single module must grow the signal to be where a forward blow-up starts.
 pub(crate) const FORWARD_JUMP: f64 = 2.0;
 
@@ -192,15 +206,9 @@ impl Evidence {
                 Some(step / w)
             })
             .collect();
-        let measured: Vec<f64> = model
-            .layers
-            .iter()
-            .enumerate()
-            .filter(|(_, l)| l.weight.is_some())
-            .filter_map(|(l, _)| run.layers[l].update_early.median())
-            .collect();
-        let update_measured = !measured.is_empty();
-        let update_ratio = median(if update_measured { &measured } else { &ratios });
+        let measured = measured_update_ratio(run);
+        let update_measured = measured.is_some();
+        let update_ratio = measured.or_else(|| median(&ratios));
         // Weight norms are first read at the end of the first step: when that step moved the
         // weights by more than their own size, they describe the update, not the
         // initialization, and the initial gains are unknown.

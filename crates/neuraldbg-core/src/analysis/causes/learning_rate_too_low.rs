@@ -31,12 +31,14 @@ impl CauseRule for LearningRateTooLow {
             v.add(1.0, "gradients are healthy, yet the loss does not move");
         }
         if let Some(r) = ev.update_ratio {
-            let weight = if r < 1e-5 {
-                2.5
-            } else if r < 1e-4 {
-                1.0
-            } else {
-                return;
+            // Measured, the step size is the learning rate's own signature; estimated (from the
+            // lr and the first norms), it can be off by the optimizer's scaling.
+            let weight = match (r, ev.update_measured) {
+                (r, true) if r < 1e-5 => 3.0,
+                (r, true) if r < 1e-4 => 2.5,
+                (r, false) if r < 1e-5 => 2.5,
+                (r, false) if r < 1e-4 => 1.0,
+                _ => return,
             };
             let how = if ev.update_measured {
                 "measured"

@@ -43,7 +43,7 @@ use super::episodes::Episode;
 use super::remedy::Remedy;
 use super::vocab::{Cause, Failure};
 
-pub(crate) use evidence::{Evidence, Features, features, forward_growth};
+pub(crate) use evidence::{Evidence, Features, features, forward_growth, measured_update_ratio};
 
 /// Every cause's own run-wide facts.
 pub(crate) fn own_run_facts(run: &Run) -> Facts {

@@ -41,17 +41,26 @@ impl FailureRule for LossPlateau {
                 ..Episode::new(Failure::LossPlateau, first)
             }];
         }
-        let (Some(since), Some(last)) = (run.loss.flat_since, run.last_step) else {
+        let Some(last) = run.last_step else {
             return Vec::new();
         };
-        if !super::super::causes::loss_bounded_by_mistake(run) && not_learning(run).is_none() {
-            return Vec::new();
+        if let Some(since) = run.loss.flat_since.filter(|_| {
+            super::super::causes::loss_bounded_by_mistake(run) || not_learning(run).is_some()
+        }) {
+            return vec![Episode {
+                duration: last.saturating_sub(since) + 1,
+                to_end: true,
+                ..Episode::new(Failure::LossPlateau, since)
+            }];
         }
-        vec![Episode {
-            duration: last.saturating_sub(since) + 1,
-            to_end: true,
-            ..Episode::new(Failure::LossPlateau, since)
-        }]
+        match (creeping(run), run.first_step) {
+            (Some(_), Some(first)) => vec![Episode {
+                duration: last.saturating_sub(first) + 1,
+                to_end: true,
+                ..Episode::new(Failure::LossPlateau, first)
+            }],
+            _ => Vec::new(),
+        }
     }
 
     fn locate(
@@ -75,6 +84,16 @@ impl FailureRule for LossPlateau {
     }
 
     fn place(&self, s: &Sentence<'_>) -> String {
+        if not_learning(s.run).is_none() {
+            if let Some(c) = creeping(s.run) {
+                return format!(
+                    ", creeping: {:.0}% lower after {} steps, each moving the weights by ~{} of their size",
+                    100.0 * (1.0 - c.fell_to),
+                    c.steps,
+                    num(c.update_ratio)
+                );
+            }
+        }
         not_learning(s.run).map_or(String::new(), |c| {
             if c.regression {
                 return format!(
@@ -170,6 +189,34 @@ pub(crate) fn not_learning(run: &Run) -> Option<Chance> {
         && l.best >= 0.8 * chance.level
         && (0.9..=1.1).contains(&(l.last_smoothed / chance.level)))
     .then_some(chance)
+}
+
+/// A loss that creeps: every optimizer step moves the weights by less than a tenth of what a
+/// learning rate that trains moves them (an update-to-weight ratio of ~1e-3, measured), and
+/// over a run of at least [`NOT_LEARNING_STEPS`] steps the loss never got below a third of
+/// where it began.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct Creeping {
+    pub update_ratio: f64,
+    /// The loss's best over its initial level.
+    pub fell_to: f64,
+    pub steps: u64,
+}
+
+/// Update-to-weight ratio below which steps are too small to train (a tenth of ~1e-3).
+const CREEPING_UPDATE: f64 = 1e-4;
+
+pub(crate) fn creeping(run: &Run) -> Option<Creeping> {
+    let l = &run.loss;
+    let update_ratio =
+        super::super::causes::measured_update_ratio(run).filter(|r| *r < CREEPING_UPDATE)?;
+    let initial = l.initial.filter(|i| *i > 0.0 && i.is_finite())?;
+    let fell_to = l.best / initial;
+    (l.observed >= NOT_LEARNING_STEPS && fell_to >= 1.0 / 3.0).then_some(Creeping {
+        update_ratio,
+        fell_to,
+        steps: l.observed,
+    })
 }
 
 /// A loss that oscillates (see `LossTrack::oscillation`) over a run of at least
