@@ -10,6 +10,10 @@
 //!   live in [0.5, 0.73], the loss has a floor of ~0.31 per sample;
 //! - a bounded activation (tanh, sigmoid) making the logits of such a loss: the logit gaps,
 //!   and with them how confident the loss can get, are capped;
+//! - a rectifier (`ReLU`) making the logits of such a loss: a logit pushed below zero is cut to 0
+//!   with no gradient, so the loss can only lower a class by killing its unit;
+//! - a log taken of outputs that are not probabilities (a hand-written cross-entropy on raw
+//!   logits): outputs at or below zero are clipped or undefined, and carry no gradient;
 //! - a softmax over one unit: the output is the constant 1, every gradient is exactly zero;
 //! - a bounded output (sigmoid, tanh, `ReLU`...) regressing targets outside its range: the
 //!   error on those targets can never go below the distance to the bound.
@@ -32,6 +36,11 @@ pub(crate) enum Mismatch {
     /// A bounded activation (tanh, sigmoid...) producing the logits of a loss that applies its
     /// own softmax or sigmoid: the logit gaps are capped, so the loss has a floor above zero.
     BoundedLogits,
+    /// A rectifier producing the logits of such a loss.
+    RectifiedLogits,
+    /// The loss takes the log of the model's output, which no softmax, sigmoid or exponential
+    /// made positive.
+    LogOfRawOutput,
     OneUnitSoftmax,
     BoundedRegression {
         lo: f64,
@@ -66,7 +75,13 @@ pub(crate) fn mismatch(loss: &LossSpec) -> Option<Mismatch> {
     if out == "Softmax" && loss.output_units == Some(1) {
         return Some(Mismatch::OneUnitSoftmax);
     }
-    if out == "Softmax" && has("LogSoftmax") {
+    // (The softmax may be the model's last operation, or the loss's own, applied to the
+    // logits before its log-softmax: `ops` run from the loss back to the output.)
+    let softmax_inside = ops
+        .iter()
+        .position(|o| *o == "LogSoftmax")
+        .is_some_and(|k| ops[k + 1..].contains(&"Softmax"));
+    if (out == "Softmax" && has("LogSoftmax")) || softmax_inside {
         return Some(Mismatch::SoftmaxIntoCrossEntropy);
     }
     if out == "Softmax" && has("NllLoss") && !has("Log") {
@@ -78,6 +93,16 @@ pub(crate) fn mismatch(loss: &LossSpec) -> Option<Mismatch> {
     let logits_loss = has("LogSoftmax") || has("BinaryCrossEntropyWithLogits");
     if logits_loss && bounds(out).is_some_and(|(lo, hi)| hi - lo <= 2.0) {
         return Some(Mismatch::BoundedLogits);
+    }
+    if logits_loss && matches!(out, "Relu" | "Relu6") {
+        return Some(Mismatch::RectifiedLogits);
+    }
+    let positive = matches!(
+        out,
+        "Softmax" | "Sigmoid" | "Exp" | "Softplus" | "LogSoftmax" | "Abs" | "Pow"
+    );
+    if has("Log") && !logits_loss && !has("NllLoss") && !positive && !is_regression(&ops) {
+        return Some(Mismatch::LogOfRawOutput);
     }
     if is_regression(&ops) {
         let (lo, hi) = bounds(out)?;
@@ -130,7 +155,7 @@ impl CauseRule for OutputLossMismatch {
                 "the model's output is a softmax over 1 unit: it is the constant 1, so every gradient is exactly zero".to_string()
             }
             Mismatch::SoftmaxIntoCrossEntropy => {
-                "the model outputs softmax probabilities and the loss applies log-softmax again (CrossEntropyLoss expects raw logits): its gradient shrinks to almost nothing".to_string()
+                "softmax probabilities reach a loss that applies log-softmax again (CrossEntropyLoss expects raw logits): its gradient shrinks to almost nothing".to_string()
             }
             Mismatch::SoftmaxIntoNll => {
                 "the model outputs softmax probabilities into NLLLoss, which expects log-probabilities".to_string()
@@ -140,6 +165,12 @@ impl CauseRule for OutputLossMismatch {
             }
             Mismatch::BoundedLogits => format!(
                 "the model's logits come out of {out}, bounded to a range of at most 2, and the loss applies its own softmax/sigmoid: the logit gaps are capped, so the loss cannot approach zero"
+            ),
+            Mismatch::RectifiedLogits => format!(
+                "the model's logits come out of {out} and the loss applies its own softmax/sigmoid: a logit pushed below zero is cut to 0 with no gradient, so a wrong class can only be lowered by killing its unit"
+            ),
+            Mismatch::LogOfRawOutput => format!(
+                "the loss takes the log of the model's output, which comes out of {out} with no softmax or sigmoid: outputs at or below zero are clipped or undefined and carry no gradient"
             ),
             Mismatch::BoundedRegression { lo, hi } => {
                 let (tmin, tmax) = loss.target_range.unwrap_or((f64::NAN, f64::NAN));
@@ -183,7 +214,10 @@ impl CauseRule for OutputLossMismatch {
                 Remedy::RemoveSigmoidBeforeLogitsLoss,
                 Remedy::KeepSigmoidUseBce,
             ],
-            Mismatch::BoundedLogits => vec![Remedy::RemoveBoundedLogits { output }],
+            Mismatch::BoundedLogits | Mismatch::RectifiedLogits => {
+                vec![Remedy::RemoveBoundedLogits { output }]
+            }
+            Mismatch::LogOfRawOutput => vec![Remedy::LogSoftmaxForNll],
             Mismatch::BoundedRegression { .. } => vec![
                 Remedy::RemoveBoundedRegression { output },
                 Remedy::ScaleTargetsIntoRange,

@@ -44,13 +44,25 @@ impl FailureRule for LossPlateau {
         let Some(last) = run.last_step else {
             return Vec::new();
         };
-        if let Some(since) = run.loss.flat_since.filter(|_| {
-            super::super::causes::loss_bounded_by_mistake(run) || not_learning(run).is_some()
-        }) {
+        let bounded = super::super::causes::loss_bounded_by_mistake(run);
+        if let Some(since) = run
+            .loss
+            .flat_since
+            .filter(|_| bounded || not_learning(run).is_some())
+        {
             return vec![Episode {
                 duration: last.saturating_sub(since) + 1,
                 to_end: true,
                 ..Episode::new(Failure::LossPlateau, since)
+            }];
+        }
+        // A loss that provably cannot reach its optimum is held above it from the first step,
+        // even while it still falls.
+        if let (true, Some(first)) = (bounded, run.first_step) {
+            return vec![Episode {
+                duration: last.saturating_sub(first) + 1,
+                to_end: true,
+                ..Episode::new(Failure::LossPlateau, first)
             }];
         }
         match (creeping(run), run.first_step) {
@@ -84,6 +96,9 @@ impl FailureRule for LossPlateau {
     }
 
     fn place(&self, s: &Sentence<'_>) -> String {
+        if s.run.loss.flat_since.is_none() && super::super::causes::loss_bounded_by_mistake(s.run) {
+            return ", held above its optimum from the first step (it may still fall, but not to where it should)".into();
+        }
         if not_learning(s.run).is_none() {
             if let Some(c) = creeping(s.run) {
                 return format!(

@@ -1,0 +1,181 @@
+#![allow(clippy::unwrap_used)] // a test crate: a failed unwrap is a failed test
+//! Runs that train badly without blowing up (issue 22), on synthetic observations: steps too
+//! small to train (the measured update-to-weight ratio), a loss held at the level of a constant
+//! prediction, and an output that does not fit the loss while the loss still falls.
+
+use neuraldbg_core::analysis::explain;
+use neuraldbg_core::{
+    CausalHypothesis, Cause, Config, Engine, Failure, LossSpec, Measure, ModelSpec, Observation,
+};
+
+/// fc0 -> relu0 -> fc1 -> relu1 -> fc2 -> root, each Linear with weight and bias.
+fn spec(loss: Option<LossSpec>) -> ModelSpec {
+    let mut spec = ModelSpec::default();
+    for i in 0..3 {
+        let m = spec.module(format!("fc{i}"), "Linear");
+        spec.param(m, format!("fc{i}.weight"), &[16, 16]);
+        spec.param(m, format!("fc{i}.bias"), &[16]);
+        if i < 2 {
+            spec.module(format!("relu{i}"), "ReLU");
+        }
+    }
+    spec.module("", "Net");
+    spec.optimizer = Some("SGD".into());
+    spec.loss = loss;
+    spec
+}
+
+/// Healthy gradients and weights; `update`: the measured update-to-weight ratio of every
+/// parameter on the sampled steps (the first five, then every tenth), or none measured.
+fn run(
+    spec: ModelSpec,
+    steps: u64,
+    update: Option<f32>,
+    loss: impl Fn(u64) -> f64,
+) -> Vec<CausalHypothesis> {
+    let mut engine = Engine::new(Config::default()).unwrap();
+    engine.register_model(spec).unwrap();
+    for step in 0..steps {
+        let sampled = step < 5 || step % 10 == 0;
+        let obs = Observation {
+            step,
+            grad_norms: vec![0.05, 0.01, 0.04, 0.01, 0.03, 0.01],
+            weight_norms: sampled.then(|| vec![2.3, 0.2, 2.3, 0.2, 2.3, 0.2]),
+            loss: Some(loss(step)),
+            lr: Some(1e-4),
+            measures: match (sampled, update) {
+                (true, Some(r)) => vec![(Measure::UpdateRatio, vec![r; 6])],
+                _ => Vec::new(),
+            },
+            ..Observation::default()
+        };
+        engine.observe(&obs.view()).unwrap();
+    }
+    explain(&engine, None)
+}
+
+/// A loss that falls by about 40% over 200 steps, slowly, with a little noise.
+fn creeping(step: u64) -> f64 {
+    2.3 * (1.0 - 0.4 * (step as f64 / 200.0)) + 0.01 * ((step % 3) as f64)
+}
+
+fn shown(h: &[CausalHypothesis]) -> Vec<String> {
+    h.iter().map(ToString::to_string).collect()
+}
+
+#[test]
+fn a_creeping_loss_under_measured_tiny_steps_is_a_learning_rate_too_low() {
+    let h = run(spec(None), 200, Some(3e-5), creeping);
+    let top = &h[0];
+    assert_eq!(top.failure, Failure::LossPlateau, "{:?}", shown(&h));
+    assert_eq!(top.cause, Cause::LearningRateTooLow, "{top}");
+    assert!(top.confidence >= 0.5, "{top}");
+    assert_eq!(top.step, Some(0), "{top}");
+    assert!(top.description.contains("creeping"), "{}", top.description);
+    assert!(top.description.contains("(measured"), "{}", top.description);
+}
+
+#[test]
+fn the_same_loss_under_steps_of_a_training_size_is_no_failure() {
+    // The loss curve alone does not make the finding: steps of ~1e-3 of the weights train.
+    let h = run(spec(None), 200, Some(2e-3), creeping);
+    assert!(h.iter().all(|h| h.confidence < 0.5), "{:?}", shown(&h));
+    // Nor do tiny steps under a loss that fell by more than two thirds (a converged run).
+    let h = run(spec(None), 200, Some(3e-5), |s| {
+        2.3 * (-0.02 * s as f64).exp() + 0.01
+    });
+    assert!(
+        h.iter()
+            .all(|h| h.confidence < 0.5 || h.cause != Cause::LearningRateTooLow),
+        "{:?}",
+        shown(&h)
+    );
+}
+
+#[test]
+fn a_regression_loss_held_at_the_targets_variance_is_not_learning() {
+    let loss = LossSpec {
+        ops: vec!["MseLoss".into()],
+        output_op: Some("Addmm".into()),
+        output_units: Some(1),
+        target_var: Some(4.0),
+        ..LossSpec::default()
+    };
+    let h = run(spec(Some(loss)), 200, None, |s| {
+        4.0 + 0.02 * ((s % 5) as f64)
+    });
+    let top = &h[0];
+    assert_eq!(top.failure, Failure::LossPlateau, "{:?}", shown(&h));
+    assert!(
+        top.description.contains("variance of its targets"),
+        "{}",
+        top.description
+    );
+}
+
+fn mismatched(ops: &[&str], output: &str) -> ModelSpec {
+    spec(Some(LossSpec {
+        ops: ops.iter().map(|s| (*s).to_string()).collect(),
+        output_op: Some(output.into()),
+        output_units: Some(10),
+        ..LossSpec::default()
+    }))
+}
+
+#[test]
+fn an_output_that_does_not_fit_the_loss_is_a_finding_from_the_first_step_while_the_loss_falls() {
+    for (ops, output, says) in [
+        (
+            &["NllLoss", "LogSoftmax"][..],
+            "Softmax",
+            "log-softmax again",
+        ),
+        (&["NllLoss", "LogSoftmax"][..], "Relu", "cut to 0"),
+        (
+            &["Mean", "Neg", "Sum", "Mul", "LogSoftmax", "Softmax"][..],
+            "Addmm",
+            "log-softmax again",
+        ),
+        (
+            &["Mean", "Neg", "Sum", "Mul", "Log", "Clamp"][..],
+            "Addmm",
+            "takes the log",
+        ),
+    ] {
+        // Falling all along: no plateau of its own, and nothing else wrong.
+        let h = run(mismatched(ops, output), 200, Some(2e-3), |s| {
+            2.3 * (-0.005 * s as f64).exp()
+        });
+        let top = &h[0];
+        assert_eq!(
+            top.cause,
+            Cause::OutputLossMismatch,
+            "{output}: {:?}",
+            shown(&h)
+        );
+        assert_eq!(top.step, Some(0), "{top}");
+        assert!(top.confidence >= 0.5, "{top}");
+        assert!(top.description.contains(says), "{}", top.description);
+    }
+}
+
+#[test]
+fn a_log_of_probabilities_or_a_regression_is_no_mismatch() {
+    for (ops, output) in [
+        (
+            &["Mean", "Neg", "Sum", "Mul", "Log", "Clamp"][..],
+            "Softmax",
+        ),
+        (&["Mean", "Neg", "Sum", "Mul", "Log"][..], "Sigmoid"),
+        (&["NllLoss", "LogSoftmax"][..], "Addmm"),
+    ] {
+        let h = run(mismatched(ops, output), 200, Some(2e-3), |s| {
+            2.3 * (-0.005 * s as f64).exp()
+        });
+        assert!(
+            h.iter().all(|h| h.cause != Cause::OutputLossMismatch),
+            "{output}: {:?}",
+            shown(&h)
+        );
+    }
+}
