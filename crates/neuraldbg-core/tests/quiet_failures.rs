@@ -179,3 +179,26 @@ fn a_log_of_probabilities_or_a_regression_is_no_mismatch() {
         );
     }
 }
+
+#[test]
+fn a_noisy_regression_loss_that_never_gets_below_its_targets_variance_is_not_learning() {
+    // The variance of the first batch's targets overestimates the data's (5.97 vs ~5.1), and
+    // the loss is too noisy to count as flat: it still never gets clearly below the level.
+    let loss = LossSpec {
+        ops: vec!["MseLoss".into()],
+        output_op: Some("Addmm".into()),
+        output_units: Some(1),
+        target_var: Some(5.97),
+        ..LossSpec::default()
+    };
+    let h = run(spec(Some(loss)), 200, None, |s| {
+        5.1 + 0.8 * (((s * 7919) % 11) as f64 / 5.0 - 1.0)
+    });
+    let top = &h[0];
+    assert_eq!(top.failure, Failure::LossPlateau, "{:?}", shown(&h));
+    assert!(
+        top.description.contains("variance of its targets"),
+        "{}",
+        top.description
+    );
+}
