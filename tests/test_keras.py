@@ -114,6 +114,58 @@ def test_healthy_run_no_alarm_and_loss_matches_keras() -> None:
     assert "call" not in again.layers[0].__dict__
 
 
+@pytest.mark.parametrize("every_step", [False, True])
+def test_activations_in_the_ring_match_keras_own_outputs(every_step: bool, monkeypatch: Any) -> None:
+    """On JAX the activation statistics travel in a ring the forward pass writes (no host
+    callback): every sampled step arrives, and its numbers are those of the layers' outputs
+    Keras itself computes on the same batch (a sub-model; the learning rate is 0, so the
+    weights of every step are the initial ones)."""
+    from neuraldbg.keras import KerasDbg
+
+    monkeypatch.setattr(KerasDbg, "_act_every_step", every_step)
+    keras.utils.set_random_seed(6)
+    model = keras.Sequential(
+        [
+            keras.Input((16,)),
+            keras.layers.Dense(32, activation="sigmoid", name="sig"),
+            keras.layers.Dense(16, activation="relu", name="rel"),
+            keras.layers.Dense(8, name="lin"),
+            keras.layers.Activation("tanh", name="th"),
+            keras.layers.Dense(1, name="head"),
+        ]
+    )
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    x, y = data()
+    x *= 4.0  # some sigmoid and tanh units saturate, some ReLU units die in a batch
+    cb = NeuralDbgCallback(verbose=False, dense_steps=3, weight_every=4)
+    model.fit(x, y, batch_size=32, epochs=2, shuffle=False, callbacks=[cb], verbose=0)
+    dbg = cb.dbg
+    assert dbg.step == 40
+    assert dbg._act_ring is not None and dbg._act_ring.missed == 0  # the ring path, not a callback
+    assert "neuraldbg_activations" not in [v.name for v in model.non_trainable_variables]
+    sampled = [s for s in range(40) if s < 3 or s % 4 == 0]
+    probe = keras.Model(model.inputs, [model.get_layer(n).output for n in ("sig", "rel", "th")])
+    seen = {"sat": 0.0, "dead": 0.0}
+    for module, k, sat in (("sig.activation", 0, (0.5, 0.49)), ("rel.activation", 1, None), ("th", 2, (0.0, 0.98))):
+        steps, absmax = dbg.history(module, "activation_absmax")
+        assert list(steps) == sampled
+        _, saturated = dbg.history(module, "saturated_fraction")
+        _, dead = dbg.history(module, "dead_fraction")
+        for i, s in enumerate(sampled):
+            batch = x[(s % 20) * 32 : (s % 20 + 1) * 32]
+            out = np.asarray(probe([batch])[k], np.float64)
+            np.testing.assert_allclose(absmax[i], np.abs(out).max(), rtol=1e-5)
+            if sat is None:
+                truth = float(np.mean(out.max(axis=0) == 0.0))
+                np.testing.assert_allclose(dead[i], truth, atol=1e-6)
+                seen["dead"] = max(seen["dead"], truth)
+            else:
+                truth = float(np.mean(np.abs(out - sat[0]) > sat[1]))
+                np.testing.assert_allclose(saturated[i], truth, atol=1e-6)
+                seen["sat"] = max(seen["sat"], truth)
+    assert seen["sat"] > 0 and seen["dead"] > 0  # the shares were not trivially zero
+
+
 def test_functional_validation_and_user_callbacks(tmp_path: Any) -> None:
     keras.utils.set_random_seed(2)
     inp = keras.Input((16,))

@@ -161,10 +161,14 @@ class RingReader:
     once the device has computed them (any thread; never raises). A buffer is ``[rows + 1,
     width]`` float32: row ``step % rows`` holds that step's numbers (``[step, flags, loss, lr,
     grad norms, parameter norms]``, the step and flags as int32 bits), the last row the number
-    of steps made and :data:`RING_MARKER`."""
+    of steps made and :data:`RING_MARKER`. ``post(step, flags, row)`` takes each row read (by
+    default the spoke's :meth:`Spoke._post_row`)."""
 
-    def __init__(self, dbg: Spoke, rows: int, width: int) -> None:
+    def __init__(
+        self, dbg: Spoke, rows: int, width: int, post: Optional[Callable[[int, int, np.ndarray], None]] = None
+    ) -> None:
         self.dbg = dbg
+        self.post = post if post is not None else dbg._post_row
         self.rows = rows
         self.width = width
         # The next step to read; steps below it have been posted.
@@ -223,7 +227,7 @@ class RingReader:
             row = v[step % self.rows]
             if int(row[:2].view(np.int32)[0]) != step:
                 continue
-            self.dbg._post_row(step, int(row[:2].view(np.int32)[1]), row)
+            self.post(step, int(row[:2].view(np.int32)[1]), row)
         self.next = max(self.next, count)
 
 

@@ -50,6 +50,7 @@ from .types import CausalHypothesis
 try:
     import keras
     from keras import ops
+    from keras.src.backend import in_stateless_scope
 except ImportError as _e:  # pragma: no cover - depends on the environment
     raise ImportError("neuraldbg.keras needs Keras 3: pip install keras") from _e
 
@@ -262,6 +263,9 @@ class KerasDbg(Spoke):
     ``NeuralDbg`` (``events``, ``explain_failure()``, ``history()``, ``save_report()``, ...)."""
 
     _loss_apart = True
+    # JAX: measure the activations of every training pass rather than of sampled steps only
+    # (under ``lax.cond``); the host keeps sampled steps either way (an arm of the benchmark).
+    _act_every_step = False
 
     def __init__(self, model: Any, *, activations: bool = True, **options: Any) -> None:
         super().__init__(**options)
@@ -289,6 +293,12 @@ class KerasDbg(Spoke):
         self._ring_var: Any = None
         self._ring_index = -1
         self._ring: Optional[RingReader] = None
+        # JAX: the activation ring (a non-trainable model variable for the run) and its reader;
+        # the probes measured, by row.
+        self._act_var: Any = None
+        self._act_index = -1
+        self._act_ring: Optional[RingReader] = None
+        self._act_probes: Dict[int, Dict[str, Any]] = {}
 
     def start(self) -> None:
         opt = self._optimizer
@@ -330,8 +340,7 @@ class KerasDbg(Spoke):
             opt.__dict__.pop(name, None)
         n = len(self._model.entries)
         width = RING_HEAD + 2 * n
-        # At least two executions of steps_per_execution steps between two reads.
-        rows = max(16, 2 * self._per_call, min(256, 2 ** int(np.log2(max(RING_BYTES // (4 * width), 1)))))
+        rows = self._ring_rows(width)
         init = np.zeros((rows + 1, width), np.float32)
         init[:rows, 0] = np.array([-1], np.int32).view(np.float32)[0]
         init[rows, :2] = np.array([0, RING_MARKER], np.int32).view(np.float32)
@@ -365,31 +374,54 @@ class KerasDbg(Spoke):
             opt._untrack_variable(var)
             for name in ("save_own_variables", "load_own_variables"):
                 opt.__dict__.pop(name, None)
+        act, self._act_var = self._act_var, None
+        if act is not None:
+            model = self.model
+            model._non_trainable_variables[:] = [v for v in model._non_trainable_variables if v is not act]
+            for name in ("save_own_variables", "load_own_variables"):
+                model.__dict__.pop(name, None)
 
     def _read_ring(self, wait: bool) -> None:
-        """The ring of the newest state: the fit loop's (JAX keeps the state out of the variables
-        during an epoch), else the variable's own value."""
+        """The rings of the newest state: the fit loop's (JAX keeps the state out of the variables
+        during an epoch), else the variables' own values. The activation ring goes first: an
+        update's gradients are taken in only once its forward pass's activations are, so that
+        a step never reaches the engine without them."""
         ring = self._ring
         if ring is None:
             return
-        buf = None
         state = getattr(self.model, "_jax_state", None)
-        if isinstance(state, dict) and not getattr(self.model, "_jax_state_synced", True):
-            opt_vars = state.get("optimizer_variables")
-            if opt_vars is not None and len(opt_vars) > self._ring_index:
-                buf = opt_vars[self._ring_index]
-        if buf is None and self._ring_var is not None:
-            buf = self._ring_var.value
-        if buf is not None and hasattr(buf, "is_ready"):
+        if not isinstance(state, dict) or getattr(self.model, "_jax_state_synced", True):
+            state = None
+        act = self._act_ring
+        if act is not None:
+            buf = self._newest(state, "non_trainable_variables", self._act_index, self._act_var)
+            if buf is not None:
+                act.add(buf)
+            act.pump(wait=len(act.pending) if wait else 0)
+        buf = self._newest(state, "optimizer_variables", self._ring_index, self._ring_var)
+        if buf is not None and (act is None or not act.pending):
             ring.add(buf)
         ring.pump(wait=len(ring.pending) if wait else 0)
+
+    @staticmethod
+    def _newest(state: Optional[Dict[str, Any]], key: str, index: int, var: Any) -> Any:
+        buf = None
+        if state is not None:
+            values = state.get(key)
+            if values is not None and len(values) > index:
+                buf = values[index]
+        if buf is None and var is not None:
+            buf = var.value
+        return buf if buf is not None and hasattr(buf, "is_ready") else None
 
     def _wait(self) -> None:
         self._read_ring(wait=True)
 
     def _watch_activations(self) -> None:
         """Activation statistics of each training forward pass (``training=True``), computed in
-        the compiled step and handed over in one callback with the pass's other activations.
+        the compiled step. On JAX they go into a second ring buffer, a non-trainable variable of
+        the model for the run (Keras returns those from the forward pass, out of the gradient's
+        trace), measured on sampled steps only (``lax.cond``); elsewhere one callback per pass.
         Layers are wrapped for the run; a model whose ``call`` takes no ``training`` argument
         is not measured (its training passes cannot be told from evaluation)."""
         names = [m["name"] for m in self._spec_modules]
@@ -400,10 +432,12 @@ class KerasDbg(Spoke):
                 rows.append((row, probe, layer))
         if not rows:
             return
-        n = len(self._probes)
-        for row, probe, layer in rows:
-            _wrap_call(layer, functools.partial(self._layer_call, row=row, probe=probe))
+        self._act_probes = {row: probe for row, probe, _ in rows}
+        for row, _, layer in rows:
+            _wrap_call(layer, functools.partial(self._layer_call, row=row))
             self._wrapped_layers.append(layer)
+        if keras.backend.backend() == "jax":
+            self._add_activation_ring()
 
         def model_call(inner: Any) -> Callable[..., Any]:
             def call(*args: Any, **kwargs: Any) -> Any:
@@ -416,14 +450,14 @@ class KerasDbg(Spoke):
                     collected, self._collecting = self._collecting, None
                 try:
                     if collected and not _symbolic(out):
-                        table = [collected.get(r) for r in range(n)]
-                        blank = ops.full((5,), float("nan"), dtype="float32")
-                        ack = self._emit(
-                            self._receive_activations, ops.concatenate([blank if t is None else t for t in table])
-                        )
-                        if ack is not None and hasattr(out, "dtype"):
-                            # Adds exactly 0: the acknowledgement keeps the call in the step.
-                            out = out + ops.cast(ack, out.dtype) * 0
+                        if self._act_var is not None:
+                            if in_stateless_scope():  # the fit loop's step: its state carries the ring
+                                self._write_activations(collected)
+                        else:
+                            ack = self._emit(self._receive_activations, self._activation_table(collected))
+                            if ack is not None and hasattr(out, "dtype"):
+                                # Adds exactly 0: the acknowledgement keeps the call in the step.
+                                out = out + ops.cast(ack, out.dtype) * 0
                 except Exception as e:  # our statistics failed to build: train on, unmeasured
                     warnings.warn(f"NeuralDBG cannot measure activations: {e}", NeuralDbgWarning, stacklevel=2)
                 return out
@@ -433,18 +467,109 @@ class KerasDbg(Spoke):
         _wrap_call(self.model, model_call)
         self._wrapped_layers.append(self.model)
 
-    def _layer_call(self, inner: Any, *, row: int, probe: Dict[str, Any]) -> Callable[..., Any]:
+    def _layer_call(self, inner: Any, *, row: int) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
             out = inner(*args, **kwargs)
             collecting = self._collecting
             if collecting is not None and hasattr(out, "shape") and not _symbolic(out):
-                try:
-                    collecting[row] = _activation_stats(out, probe)
-                except Exception:  # an output we cannot measure (a tuple, a sparse tensor)
-                    pass
+                collecting[row] = out
             return out
 
         return call
+
+    def _activation_table(self, outputs: Dict[int, Any]) -> Any:
+        """The engine's activation rows of one forward pass, one per probe (NaN where a probe's
+        layer gave no output we can measure: a tuple, a sparse tensor)."""
+        blank = ops.full((5,), float("nan"), dtype="float32")
+        table = []
+        for r in range(len(self._probes)):
+            out, probe = outputs.get(r), self._act_probes.get(r)
+            stats = None
+            if out is not None and probe is not None:
+                try:
+                    stats = _activation_stats(out, probe)
+                except Exception:
+                    stats = None
+            table.append(blank if stats is None else stats)
+        return ops.concatenate(table)
+
+    def _add_activation_ring(self) -> None:
+        """JAX: the ring the forward pass writes its activation statistics into, a non-trainable
+        variable of the model for the run (rows ``[forward, 0, 5 per probe]``, the last row the
+        number of training forward passes and :data:`RING_MARKER`). A checkpoint saved during the
+        run holds the model's own variables only."""
+        model = self.model
+        for v in list(model._non_trainable_variables):  # left by a run that raised out of fit
+            if getattr(v, "_neuraldbg_ring", False):
+                model._non_trainable_variables.remove(v)
+        for name in ("save_own_variables", "load_own_variables"):
+            model.__dict__.pop(name, None)
+        width = 2 + 5 * len(self._probes)
+        rows = self._ring_rows(width)
+        init = np.zeros((rows + 1, width), np.float32)
+        init[:rows, 0] = np.array([-1], np.int32).view(np.float32)[0]
+        init[rows, :2] = np.array([0, RING_MARKER], np.int32).view(np.float32)
+        var = keras.Variable(init, trainable=False, dtype="float32", name="neuraldbg_activations")
+        var._neuraldbg_ring = True
+        model._non_trainable_variables.append(var)
+        self._act_var = var
+
+        def own() -> List[Any]:
+            return [v for v in model._trainable_variables + model._non_trainable_variables if v is not var]
+
+        def save_own_variables(store: Any) -> None:
+            for i, v in enumerate(own()):
+                store[str(i)] = v
+
+        def load_own_variables(store: Any) -> None:
+            for i, v in enumerate(own()):
+                if str(i) in store:
+                    v.assign(store[str(i)])
+
+        object.__setattr__(model, "save_own_variables", save_own_variables)
+        object.__setattr__(model, "load_own_variables", load_own_variables)
+        self._act_index = next(i for i, v in enumerate(model.non_trainable_variables) if v is var)
+        self._act_ring = RingReader(self, rows, width, post=self._post_activations)
+
+    def _ring_rows(self, width: int) -> int:
+        # At least two executions of steps_per_execution steps between two reads.
+        return max(16, 2 * self._per_call, min(256, 2 ** int(np.log2(max(RING_BYTES // (4 * width), 1)))))
+
+    def _write_activations(self, outputs: Dict[int, Any]) -> None:
+        """JAX, traced in the training forward pass: the pass's row of the activation ring,
+        measured on sampled passes only (other passes write their count and NaN)."""
+        import jax
+        import jax.numpy as jnp
+
+        var = self._act_var
+        rows = self._act_ring.rows if self._act_ring is not None else 1
+        buf = jnp.asarray(var.value)
+        count = jax.lax.bitcast_convert_type(buf[rows, 0], jnp.int32)
+        outs = {r: jax.lax.stop_gradient(o) for r, o in outputs.items()}
+        size = 5 * len(self._probes)
+        if self._act_every_step:
+            table = jnp.asarray(self._activation_table(outs), jnp.float32)
+        else:
+            sampled = jnp.logical_or(count < self._dense_steps, count % self._weight_every == 0)
+            table = jax.lax.cond(
+                sampled,
+                lambda o: jnp.asarray(self._activation_table(o), jnp.float32),
+                lambda o: jnp.full((size,), jnp.nan, jnp.float32),
+                outs,
+            )
+
+        def bits(i: Any) -> Any:
+            return jax.lax.bitcast_convert_type(jnp.asarray(i, jnp.int32), jnp.float32)
+
+        row = jnp.concatenate([jnp.stack([bits(count), bits(0)]), table])
+        buf = jax.lax.dynamic_update_index_in_dim(buf, row, count % rows, 0)
+        var.assign(buf.at[rows, 0].set(bits(count + 1)))
+
+    def _post_activations(self, step: int, flags: int, row: np.ndarray) -> None:
+        """One training forward pass's row of the activation ring: paired with the optimizer
+        update that follows it, by count."""
+        if self._sampled(step):
+            self._post(Record(step, activations=row[2:].copy()))
 
     def _receive_activations(self, table: Any) -> None:
         """The host side of a training forward pass's activations (any thread): paired with the
