@@ -177,6 +177,15 @@ class RingReader:
         self.last: Any = None
         self.lock = threading.RLock()
         self.missed = 0
+        # Lazy reading: buffers met since the last read, how many to let pass, the newest unread.
+        self.added = 0
+        self.every = 1
+        self.unread: Any = None
+
+    # Lazy reading: a buffer is read at most once in this many new ones (a read then waits for
+    # the device), fewer when a buffer brings many updates (a ``lax.scan``), so that a read
+    # always comes before half the ring is overwritten; 1: every buffer, as soon as it is done.
+    max_every = 1
 
     def add(self, buf: Any) -> None:
         """A device buffer of a newer state (an array with ``is_ready``/``is_deleted``, read
@@ -185,14 +194,23 @@ class RingReader:
             return
         with self.lock:
             self.last = buf
+            self.added += 1
+            if self.added < self.every:
+                self.unread = buf  # a newer buffer holds its rows
+                return
+            self.unread = None
             self.pending.append(buf)
             # Never more than half a ring behind: wait for the oldest buffer rather than lose steps.
-            self.pump(wait=len(self.pending) - self.rows // 2)
+            self.pump(wait=len(self.pending) - self.rows // 2 if self.max_every == 1 else len(self.pending))
 
     def pump(self, wait: int = 0) -> None:
         """Reads the buffers whose computation is done, oldest first, waiting for the first
-        ``wait`` of them if they are not."""
+        ``wait`` of them if they are not (the newest buffer left unread by lazy reading first
+        joins them)."""
         with self.lock:
+            if self.unread is not None:
+                self.pending.append(self.unread)
+                self.unread = None
             while self.pending:
                 buf = self.pending[0]
                 try:
@@ -228,6 +246,10 @@ class RingReader:
             if int(row[:2].view(np.int32)[0]) != step:
                 continue
             self.post(step, int(row[:2].view(np.int32)[1]), row)
+        if self.max_every > 1 and self.added > 0:
+            per_buffer = max(1, -(-(count - self.next) // self.added))
+            self.every = max(1, min(self.max_every, (self.rows // 2) // per_buffer))
+        self.added = 0
         self.next = max(self.next, count)
 
 

@@ -77,7 +77,10 @@ def _as_i32(f: Any) -> Any:
 
 
 class _Ring(RingReader):
-    """The host side of one wrapped transformation: the ring buffers of the states it meets."""
+    """The host side of one wrapped transformation: the ring buffers of the states it meets,
+    read lazily (at most one in 16 states, waiting for the device then)."""
+
+    max_every = 16
 
     def __init__(self, dbg: NeuralDbg, rows: int, width: int) -> None:
         super().__init__(dbg, rows, width)
