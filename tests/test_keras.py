@@ -294,10 +294,56 @@ def test_nan_batch_and_halt_on_stops_fit() -> None:
     h = dbg.explain_failure("non_finite")[0]
     assert h.confidence >= 0.5 and h.step == 5
     assert dbg.halted is not None
-    # Stopped within the first epoch, a few batches after the NaN (Keras hands the logs over
-    # asynchronously), not after 60 batches.
+    # Stopped after the next batch: the step of batch 5 is read (waiting for the device and for
+    # its loss) before batch 6 starts, and Keras looks at stop_training after each batch.
     assert len(hist.history["loss"]) == 1
-    assert 6 <= dbg.step <= 12
+    assert dbg.step == 7 == int(model.optimizer.iterations.numpy())
+
+
+def test_gradient_accumulation_one_step_per_update() -> None:
+    """Keras's ``gradient_accumulation_steps=4``: one step per optimizer update (what
+    ``optimizer.iterations`` counts), observed with the gradient the update applies, the mean of
+    its four micro-batches' (here: the gradient of the loss over those 128 samples); the step's
+    loss is the mean of its micro-batches' losses."""
+    model = sigmoid_mlp(3)
+    x, y = data()
+    truth = grad_norms(model, x[:128], y[:128])  # the first update's four batches of 32
+    model.compile(optimizer=keras.optimizers.SGD(0.01, gradient_accumulation_steps=4), loss="mse")
+    cb = NeuralDbgCallback(verbose=False)
+    hist = model.fit(x, y, batch_size=32, epochs=2, shuffle=False, callbacks=[cb], verbose=0)
+    dbg = cb.dbg
+    assert dbg.step == 10 == int(np.asarray(model.optimizer.iterations))  # 40 batches
+    for name in dbg.layers:
+        steps, norms = dbg.history(name, "grad_norm")
+        assert list(steps) == list(range(10))
+        np.testing.assert_allclose(norms[0], truth[name], rtol=1e-3)
+    _, loss = dbg.history(None, "loss")
+    np.testing.assert_allclose(loss.reshape(2, 5).mean(axis=1), hist.history["loss"], rtol=1e-5)
+    # The activations of each step arrive too (those of its last micro-batch).
+    assert list(dbg.history(dbg.layers[0] + ".activation", "activation_absmax")[0]) == list(range(10))
+
+
+def test_loss_scale_optimizer_watches_the_inner_updates_unscaled() -> None:
+    """``LossScaleOptimizer``: the inner optimizer's updates are watched, with the gradients
+    unscaled (the loss is scaled by 2**15 in the step)."""
+    model = sigmoid_mlp(2)
+    x, y = data()
+    truth = grad_norms(model, x[:32], y[:32])
+    opt = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.01))
+    model.compile(optimizer=opt, loss="mse")
+    cb = NeuralDbgCallback(verbose=False)
+    model.fit(x, y, batch_size=32, epochs=1, shuffle=False, callbacks=[cb], verbose=0)
+    dbg = cb.dbg
+    assert float(opt.dynamic_scale.numpy()) > 1000.0  # the loss was scaled
+    assert dbg.step == 20 == int(opt.iterations.numpy())
+    for name in dbg.layers:
+        np.testing.assert_allclose(dbg.history(name, "grad_norm")[1][0], truth[name], rtol=1e-3)
+    _, lr = dbg.history(None, "lr")
+    np.testing.assert_allclose(lr, 0.01, rtol=1e-6)
+    assert not {"apply", "save_own_variables", "load_own_variables"} & (
+        set(opt.__dict__) | set(opt.inner_optimizer.__dict__)
+    )
+    assert not [v for v in opt.variables if "neuraldbg" in v.name]
 
 
 def test_bad_options_are_clear_errors() -> None:

@@ -202,6 +202,13 @@ def _unwrap_call(obj: Any) -> None:
         object.__setattr__(obj, "call", kept)
 
 
+def _watched_optimizer(opt: Any) -> Any:
+    """The optimizer that applies the updates: ``LossScaleOptimizer`` unwrapped."""
+    while opt is not None and hasattr(opt, "inner_optimizer") and hasattr(opt, "dynamic_scale"):
+        opt = opt.inner_optimizer
+    return opt
+
+
 def _symbolic(x: Any) -> bool:
     return isinstance(x, keras.KerasTensor)
 
@@ -274,7 +281,12 @@ class KerasDbg(Spoke):
         self._measure_activations = activations
         self.model = model
         self._model = _Model(model)
-        self._optimizer = model.optimizer
+        # The optimizer whose updates are watched: a LossScaleOptimizer's inner one (it gets the
+        # unscaled gradients, and only on the steps it applies).
+        self._optimizer = _watched_optimizer(model.optimizer)
+        # Keras's gradient accumulation: one step per this many batches (micro-batches).
+        accumulate = getattr(self._optimizer, "gradient_accumulation_steps", None)
+        self._accumulate = accumulate if isinstance(accumulate, int) and accumulate > 1 else 1
         self._original: Any = None
         self._base = 0
         self._emit = _emitter(keras.backend.backend())
@@ -295,6 +307,12 @@ class KerasDbg(Spoke):
         self._ring: Optional[RingReader] = None
         # JAX: the activation ring (a non-trainable model variable for the run) and its reader;
         # the probes measured, by row.
+        # JAX: the rings are read every this many batches (batches met so far); the steps
+        # whose loss the fit loop has handed over.
+        self._read_every = 1
+        self._batches = 0
+        self._losses = 0
+        self._loss_seen = threading.Condition()
         self._act_var: Any = None
         self._act_index = -1
         self._act_ring: Optional[RingReader] = None
@@ -306,7 +324,7 @@ class KerasDbg(Spoke):
         spec = self._model.spec(type(opt).__name__ if opt is not None else None)
         self._spec_modules = spec["modules"]
         self._start(spec, meta)
-        self._base = int(ops.convert_to_numpy(opt.iterations.value)) if opt is not None else 0
+        self._base = int(ops.convert_to_numpy(opt.iterations)) if opt is not None else 0
         if opt is not None:
             current = opt.__dict__.get("apply")
             # A wrapper left by a run that raised out of fit is replaced, not stacked.
@@ -328,16 +346,22 @@ class KerasDbg(Spoke):
                 self._add_ring(opt)
         if self._measure_activations:
             self._watch_activations()
+        if self._ring is not None:
+            # Each read covers the batches since the last one: at most half the ring's rows.
+            self._read_every = max(1, min(16, self._ring.rows // (2 * self._per_call)))
 
     def _add_ring(self, opt: Any) -> None:
         """On JAX, the update's numbers go into a ring buffer that the train step carries as an
         optimizer variable, read by the host from the fit loop's state after each batch: no host
         callback in the compiled step (one takes every call off JAX's fast dispatch path)."""
+        outer = self.model.optimizer
+        owners = [opt] if outer is opt else [opt, outer]
         for v in opt.variables:  # left by a run that raised out of fit
             if getattr(v, "_neuraldbg_ring", False):
                 opt._untrack_variable(v)
-        for name in ("save_own_variables", "load_own_variables"):
-            opt.__dict__.pop(name, None)
+        for o in owners:
+            for name in ("save_own_variables", "load_own_variables"):
+                o.__dict__.pop(name, None)
         n = len(self._model.entries)
         width = RING_HEAD + 2 * n
         rows = self._ring_rows(width)
@@ -349,7 +373,15 @@ class KerasDbg(Spoke):
         var._neuraldbg_ring = True
         self._ring_var = var
 
-        # A checkpoint saved during the run holds the optimizer's own variables, not the ring.
+        # A checkpoint saved during the run holds the optimizers' own variables, not the ring
+        # (a LossScaleOptimizer lists its inner optimizer's variables with its own).
+        for o in owners:
+            self._hide_from_checkpoints(o, var)
+        self._ring_index = next(i for i, v in enumerate(outer.variables) if v is var)
+        self._ring = RingReader(self, rows, width)
+
+    @staticmethod
+    def _hide_from_checkpoints(opt: Any, var: Any) -> None:
         def others() -> List[Any]:
             return [v for v in opt.variables if v is not var]
 
@@ -364,16 +396,15 @@ class KerasDbg(Spoke):
 
         object.__setattr__(opt, "save_own_variables", save_own_variables)
         object.__setattr__(opt, "load_own_variables", load_own_variables)
-        self._ring_index = next(i for i, v in enumerate(opt.variables) if v is var)
-        self._ring = RingReader(self, rows, width)
 
     def _remove_ring(self) -> None:
         var, self._ring_var = self._ring_var, None
         opt = self._optimizer
         if var is not None and opt is not None:
             opt._untrack_variable(var)
-            for name in ("save_own_variables", "load_own_variables"):
-                opt.__dict__.pop(name, None)
+            for o in {id(opt): opt, id(self.model.optimizer): self.model.optimizer}.values():
+                for name in ("save_own_variables", "load_own_variables"):
+                    o.__dict__.pop(name, None)
         act, self._act_var = self._act_var, None
         if act is not None:
             model = self.model
@@ -508,7 +539,7 @@ class KerasDbg(Spoke):
         rows = self._ring_rows(width)
         init = np.zeros((rows + 1, width), np.float32)
         init[:rows, 0] = np.array([-1], np.int32).view(np.float32)[0]
-        init[rows, :2] = np.array([0, RING_MARKER], np.int32).view(np.float32)
+        init[rows, :3] = np.array([0, RING_MARKER, 0], np.int32).view(np.float32)
         var = keras.Variable(init, trainable=False, dtype="float32", name="neuraldbg_activations")
         var._neuraldbg_ring = True
         model._non_trainable_variables.append(var)
@@ -544,7 +575,9 @@ class KerasDbg(Spoke):
         var = self._act_var
         rows = self._act_ring.rows if self._act_ring is not None else 1
         buf = jnp.asarray(var.value)
-        count = jax.lax.bitcast_convert_type(buf[rows, 0], jnp.int32)
+        # Training forward passes so far (one per micro-batch with accumulation) and their step.
+        passes = jax.lax.bitcast_convert_type(buf[rows, 2], jnp.int32)
+        count = passes // self._accumulate
         outs = {r: jax.lax.stop_gradient(o) for r, o in outputs.items()}
         size = 5 * len(self._probes)
         if self._act_every_step:
@@ -563,7 +596,9 @@ class KerasDbg(Spoke):
 
         row = jnp.concatenate([jnp.stack([bits(count), bits(0)]), table])
         buf = jax.lax.dynamic_update_index_in_dim(buf, row, count % rows, 0)
-        var.assign(buf.at[rows, 0].set(bits(count + 1)))
+        # A step's row is complete on its last micro-batch (the activations are that pass's).
+        buf = buf.at[rows, 0].set(bits((passes + 1) // self._accumulate))
+        var.assign(buf.at[rows, 2].set(bits(passes + 1)))
 
     def _post_activations(self, step: int, flags: int, row: np.ndarray) -> None:
         """One training forward pass's row of the activation ring: paired with the optimizer
@@ -612,6 +647,13 @@ class KerasDbg(Spoke):
             if j is not None and k < len(grads) and grads[k] is not None:
                 where[j] = k
         scale = getattr(opt, "loss_scale_factor", None)
+        k = self._accumulate
+        if k > 1:
+            # The gradient the update will apply: this micro-batch's and the accumulated ones, averaged.
+            acc = [opt._accumulated_gradients[opt._get_variable_index(v)] for v in variables]
+            grads = [
+                None if g is None else (ops.cast(g, "float32") + ops.cast(a, "float32")) / k for g, a in zip(grads, acc)
+            ]
         sq = [ops.sum(ops.square(ops.cast(g, "float32"))) if g is not None else None for g in grads]
         missing = ops.convert_to_tensor(-1.0, dtype="float32")
         gn = ops.stack([ops.sqrt(sq[k]) if k >= 0 else missing for k in where])
@@ -631,14 +673,16 @@ class KerasDbg(Spoke):
         lr = ops.cast(opt.learning_rate, "float32")
         step32 = ops.cast(step, "int32")
         if self._ring_var is not None:
-            self._write_ring(step32 - self._base, gn, wn, lr)
+            # Updates made once this one is: with accumulation, a row is complete on the last micro-batch.
+            done = ops.cast(ops.floor_divide(opt._iterations + 1, k), "int32") if k > 1 else step32 + 1
+            self._write_ring(step32 - self._base, done - self._base, gn, wn, lr)
             return
         ack = self._emit(self._receive, step32, gn, wn, lr)
         if ack is not None:
             # Adds exactly 0 (the host answers 0): keeps the call in the step.
             opt.iterations.assign_add(ops.cast(ack, opt.iterations.dtype))
 
-    def _write_ring(self, step: Any, gn: Any, wn: Any, lr: Any) -> None:
+    def _write_ring(self, step: Any, done: Any, gn: Any, wn: Any, lr: Any) -> None:
         """JAX, traced in the train step: this update's row into the ring variable."""
         import jax
         import jax.numpy as jnp
@@ -652,7 +696,7 @@ class KerasDbg(Spoke):
         row = jnp.concatenate([head, jnp.asarray(gn, jnp.float32), jnp.asarray(wn, jnp.float32)])
         buf = jnp.asarray(self._ring_var.value)
         buf = jax.lax.dynamic_update_index_in_dim(buf, jax.lax.stop_gradient(row), step % rows, 0)
-        self._ring_var.assign(buf.at[rows, 0].set(bits(step + 1)))
+        self._ring_var.assign(buf.at[rows, 0].set(bits(done)))
 
     def _receive(self, step: Any, gn: Any, wn: Any, lr: Any) -> None:
         """The host side (any thread). Never raises."""
@@ -680,14 +724,22 @@ class KerasDbg(Spoke):
         with self._lock:
             self._epoch_batches = max(self._epoch_batches, batch + 1)
         mean = None if not logs else logs.get("loss")
-        step = self._epoch_base + batch
-        # With steps_per_execution, one call per execution: its earlier steps get no loss.
-        for s in range(max(step - self._per_call + 1, self._epoch_base), step):
+        k = self._accumulate
+        last = self._epoch_base + batch  # the last batch (micro-batch) of this call
+        first = max(last - self._per_call + 1, self._epoch_base)
+        # The steps whose last micro-batch is among this call's batches; with steps_per_execution
+        # the earlier ones get no loss value, the last one the mean of the batches since the last.
+        ends = [s for s in range(first // k, last // k + 1) if first <= (s + 1) * k - 1 <= last]
+        for s in ends[:-1]:
             self._post(Record(s, has_loss=True))
-        r = Record(step, has_loss=True)
-        if isinstance(mean, (int, float, np.floating)):
-            r.mean = (batch, float(mean))
-        self._post(r)
+        if ends:
+            r = Record(ends[-1], has_loss=True)
+            if isinstance(mean, (int, float, np.floating)):
+                r.mean = (batch, float(mean))
+            self._post(r)
+            with self._loss_seen:
+                self._losses = max(self._losses, ends[-1] + 1)
+                self._loss_seen.notify_all()
 
     def _loss_of(self, r: Record) -> Optional[float]:
         """The batch's loss from the epoch's running mean ``m_k`` after batch ``k``:
@@ -706,10 +758,26 @@ class KerasDbg(Spoke):
             return m
         return ((batch + 1) * m - (last_batch + 1) * last_mean) / (batch - last_batch)
 
-    def batch_begin(self) -> None:
+    def batch_begin(self, batch: int) -> None:
         """Before a batch (the main thread): the steps delivered so far go to the engine (and a
-        confirmed ``halt_on`` failure stops fit); on JAX, those of the ring the device is done with."""
-        self._read_ring(wait=False)
+        confirmed ``halt_on`` failure stops fit). On JAX the rings are read every
+        ``_read_every`` batches, waiting for the device; with ``halt_on`` or ``on_failure``
+        every batch, and the previous batch's loss is waited for too, so that a failure stops
+        fit after the next batch at most."""
+        if self._ring is None:
+            self._drain()
+            return
+        self._batches += 1
+        urgent = self._halt is not None or self._on_failure is not None
+        if not urgent and self._batches % self._read_every:
+            return
+        self._read_ring(wait=True)
+        if urgent:
+            # Keras hands the logs to the callback on a worker thread: the loss of the batch
+            # just trained comes from there (a bound on the wait, should that thread be stuck).
+            want = (self._epoch_base + int(batch)) // self._accumulate
+            with self._loss_seen:
+                self._loss_seen.wait_for(lambda: self._losses >= want, timeout=10.0)
         self._drain()
 
     def epoch_end(self) -> None:
@@ -789,7 +857,7 @@ class NeuralDbgCallback(keras.callbacks.Callback):
 
     def on_train_batch_begin(self, batch: int, logs: Optional[Dict[str, Any]] = None) -> None:
         if self.dbg is not None:
-            self.dbg.batch_begin()
+            self.dbg.batch_begin(batch)
 
     def on_train_batch_end(self, batch: int, logs: Optional[Dict[str, Any]] = None) -> None:
         if self.dbg is not None:
