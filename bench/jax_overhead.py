@@ -2,8 +2,8 @@
 a Keras 3 ``fit`` on the JAX backend (``NeuralDbgCallback``), each against the same thing
 unwatched, in the same process.
 
-JAX: two copies of one model, one optimizer plain and one wrapped (its debugger open for the
-whole run), compiled before timing; rounds of ``--steps`` steps alternate between the arms in
+JAX: copies of one model, one optimizer plain and others wrapped (their debuggers open for the
+whole run; ``read-each`` reads the ring at every state rather than lazily), compiled before timing; rounds of ``--steps`` steps alternate between the arms in
 a shuffled order, each round ending with ``block_until_ready``. Keras: copies of one compiled
 model, each fit for ``--epochs`` epochs per round (shuffled order; ``A/A`` is a second plain
 model, ``no-act`` the callback with ``activations=False``, ``every-act`` measures activations on
@@ -133,16 +133,30 @@ def bench_jax(width: int, depth: int, batch: int, steps: int, rounds: int) -> No
 
     floor_model = MLP(nnx.Rngs(0))
     floor_opt = nnx.Optimizer(floor_model, floor(optax.adam(1e-3)), wrt=nnx.Param)
-    for m, o in ((plain_model, plain_opt), (watched_model, watched_opt), (floor_model, floor_opt)):
+    # read-each: the ring read at every state, as soon as the device is done with it (no lazy reading).
+    eager_model = MLP(nnx.Rngs(0))
+    eager_dbg = NeuralDbg(eager_model)
+    eager_dbg.__enter__()
+    eager_opt = nnx.Optimizer(eager_model, eager_dbg.wrap(optax.adam(1e-3), learning_rate=1e-3), wrt=nnx.Param)
+    eager_dbg._rings[0].max_every = 1
+    models = (
+        (plain_model, plain_opt),
+        (watched_model, watched_opt),
+        (floor_model, floor_opt),
+        (eager_model, eager_opt),
+    )
+    for m, o in models:
         jax.block_until_ready(step(m, o, x, y))  # compile
     arms = {
         "plain": arm(plain_model, plain_opt),
         "A/A": arm(plain_model, plain_opt),
         "callback": arm(floor_model, floor_opt),
         "neuraldbg": arm(watched_model, watched_opt),
+        "read-each": arm(eager_model, eager_opt),
     }
     times, cpu = paired(arms, rounds)
     dbg.__exit__(None, None, None)
+    eager_dbg.__exit__(None, None, None)
     report(f"jax nnx MLP {depth + 2}x{width}, batch {batch}", times, steps)
     # The Python side of a step (flax's graph handling, dispatch, a synchronous step's callback,
     # our reading) runs on this thread: its CPU time is what other processes disturb least.
