@@ -21,9 +21,10 @@ The wrapped transformation computes each parameter's gradient norm inside the co
 (and the parameter norms on sampled steps) and writes them, with the loss and the learning rate,
 into a ring buffer that it keeps in its own optimizer state, on the device: the compiled step
 holds no host callback (one would take every call off JAX's fast dispatch path and make it
-synchronous). The host reads the buffer of the newest state it sees, without waiting for the
-device: pytrees of the state are flattened and rebuilt by ``jit`` and ``nnx`` at every call, and
-the wrapper's state is a pytree node that notes its buffer there. It works under ``jit``,
+synchronous). The host reads the buffer of one state in up to 16 it sees (waiting for the
+device then; the read buffer holds the rows of the states skipped): pytrees of the state are
+flattened and rebuilt by ``jit`` and ``nnx`` at every call, and the wrapper's state is a pytree
+node that notes its buffer there. It works under ``jit``,
 ``lax.scan`` (up to the buffer's rows of updates per call) and inside ``optax.MultiSteps``
 (``optax.MultiSteps(dbg.wrap(tx), k)``: one step per accumulated update, with the accumulated
 gradient). Needs jax and optax (and flax for nnx models); none of them is a dependency of
@@ -435,7 +436,7 @@ class NeuralDbg(Spoke):
         """``tx``, observing each update: the gradient norm of every watched parameter, the
         parameter norms on sampled steps, the loss (optax's ``value=`` extra argument, as
         ``reduce_on_plateau`` takes it) and the learning rate, written into a ring buffer in the
-        transformation's state that the host reads without stopping the device. The updates
+        transformation's state that the host reads once in up to 16 updates. The updates
         are ``tx``'s own, unchanged.
 
         ``learning_rate``: the rate or schedule ``tx`` was built with (a float or an optax

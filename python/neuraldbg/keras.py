@@ -12,11 +12,13 @@
 Gradients are read where the optimizer receives them: the callback wraps ``model.optimizer``'s
 ``apply`` for the run, and each call computes every trainable variable's gradient norm (and the
 variables' norms on sampled steps) with ``keras.ops`` inside the compiled train step. On JAX they
-go into a ring buffer the step carries as an optimizer variable, read from the fit loop's state
-before the next batch (no host callback: one takes every call off JAX's fast dispatch path); on
-TensorFlow through ``tf.numpy_function``, on the eager PyTorch backend directly. That is also
-where a custom ``train_step`` that calls ``self.optimizer.apply(grads, ...)`` (or
-``stateless_apply``, or ``apply_gradients``) is seen. Variables are named by their layer: ``dense_2.kernel`` belongs to layer ``dense_2``.
+go into a ring buffer the step carries as an optimizer variable, and the activation statistics of
+the forward pass into a second one, a non-trainable variable of the model; the host reads both
+from the fit loop's state every few batches (no host callback: one takes every call off JAX's
+fast dispatch path). On TensorFlow through ``tf.numpy_function``, on the eager PyTorch backend
+directly. That is also where a custom ``train_step`` that calls ``self.optimizer.apply(grads,
+...)`` (or ``stateless_apply``, or ``apply_gradients``) is seen. Variables are named by their
+layer: ``dense_2.kernel`` belongs to layer ``dense_2``.
 The loss is the fit loop's: the per-batch value is recovered from the running mean Keras logs.
 Keras is not a dependency of neuraldbg.
 """
@@ -806,7 +808,9 @@ class NeuralDbgCallback(keras.callbacks.Callback):
         trace: a path for the trace, or None (default): none is written.
         report: a path for the HTML report, or None (default).
         halt_on: stop training when a failure is confirmed (``True``, a confidence, failure
-            names): sets ``model.stop_training``, so ``fit`` ends after the current batch.
+            names): sets ``model.stop_training``, so ``fit`` ends after the batch that follows
+            the failing one (each step is then read before the next batch, waiting for the
+            device: a synchronisation per step).
         on_failure: called with newly confirmed hypotheses.
         verbose: print the diagnosis when ``fit`` ends.
         activations: measure the activations of ``Dense(activation=...)``/``Activation``
