@@ -182,22 +182,26 @@ class RingReader:
         self.every = 1
         self.unread: Any = None
 
-    # Lazy reading: a buffer is read at most once in this many new ones (a read then waits for
-    # the device), fewer when a buffer brings many updates (a ``lax.scan``), so that a read
-    # always comes before half the ring is overwritten; 1: every buffer, as soon as it is done.
+    # Lazy reading (the caller asks :meth:`due` at each state it meets): a state is read at most
+    # once in this many (a read then waits for the device), fewer when a state brings many
+    # updates (a ``lax.scan``), so that a read always comes before half the ring is overwritten;
+    # 1: every buffer is read as soon as the device is done with it.
     max_every = 1
+
+    def due(self) -> bool:
+        """Counts a state met: whether lazy reading reads this one (else it is left in
+        :attr:`unread`, read by the next :meth:`pump` if no newer one comes)."""
+        self.added += 1
+        return self.added >= self.every
 
     def add(self, buf: Any) -> None:
         """A device buffer of a newer state (an array with ``is_ready``/``is_deleted``, read
-        with ``np.asarray``): read now if the device is done with it, else later."""
+        with ``np.asarray``): read now if the device is done with it (lazy reading: now,
+        waiting for it), else later."""
         if buf is self.last or tuple(buf.shape) != (self.rows + 1, self.width):
             return
         with self.lock:
             self.last = buf
-            self.added += 1
-            if self.added < self.every:
-                self.unread = buf  # a newer buffer holds its rows
-                return
             self.unread = None
             self.pending.append(buf)
             # Never more than half a ring behind: wait for the oldest buffer rather than lose steps.
@@ -208,9 +212,10 @@ class RingReader:
         ``wait`` of them if they are not (the newest buffer left unread by lazy reading first
         joins them)."""
         with self.lock:
-            if self.unread is not None:
-                self.pending.append(self.unread)
-                self.unread = None
+            unread, self.unread = self.unread, None
+            if unread is not None and unread is not self.last and hasattr(unread, "is_ready"):
+                self.last = unread
+                self.pending.append(unread)
             while self.pending:
                 buf = self.pending[0]
                 try:
@@ -247,8 +252,10 @@ class RingReader:
                 continue
             self.post(step, int(row[:2].view(np.int32)[1]), row)
         if self.max_every > 1 and self.added > 0:
-            per_buffer = max(1, -(-(count - self.next) // self.added))
-            self.every = max(1, min(self.max_every, (self.rows // 2) // per_buffer))
+            # Updates per state met since the last read; at most doubling the interval at a time,
+            # since the first estimate counts the states met while the step was being traced.
+            per_state = max(1, -(-(count - self.next) // self.added))
+            self.every = max(1, min(self.max_every, 2 * self.every, (self.rows // 2) // per_state))
         self.added = 0
         self.next = max(self.next, count)
 

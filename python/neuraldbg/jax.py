@@ -89,23 +89,38 @@ class _Ring(RingReader):
         self.holder: Any = None
 
     def see(self, leaf: Any) -> None:
-        """A buffer (or the nnx Variable holding one) met in a state pytree."""
+        """A buffer (or the nnx Variable holding one) met in a state pytree: read if lazy
+        reading reads this state, else left for later (a Variable's value is only taken then)."""
         try:
-            if not isinstance(leaf, jax.Array) and hasattr(leaf, "get_value"):
+            holder = not isinstance(leaf, jax.Array) and hasattr(leaf, "get_value")
+            if holder:
                 self.holder = leaf
+            elif not isinstance(leaf, jax.Array) or leaf is self.last or isinstance(leaf, jax.core.Tracer):
+                return
+            if not self.due():
+                self.unread = leaf
+                return
+            if holder:
                 leaf = leaf.get_value()
             if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
                 self.add(leaf)
         except Exception as e:  # pragma: no cover - defensive
             warnings.warn(f"NeuralDBG could not read an update: {e}", NeuralDbgWarning, stacklevel=2)
 
+    def pump(self, wait: int = 0) -> None:
+        unread = self.unread
+        if unread is not None and not isinstance(unread, jax.Array):  # an nnx Variable: its value now
+            value = unread.get_value()
+            self.unread = value if isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer) else None
+        super().pump(wait)
+
     def newest(self, wait: bool = True) -> None:
         """Reads everything up to the newest state known (an nnx Variable's value changes after
         each step without a flatten), waiting for the device or not."""
         holder = self.holder
         if holder is not None:
-            self.see(holder)
-        self.pump(wait=len(self.pending) if wait else 0)
+            self.unread = holder
+        self.pump(wait=len(self.pending) + 1 if wait else 0)
 
 
 # Rings by key: the key is the pytree node's static data, the ring lives as long as its debugger.
