@@ -115,11 +115,12 @@ def test_healthy_run_no_alarm_and_loss_matches_keras() -> None:
 
 
 @pytest.mark.parametrize("every_step", [False, True])
-def test_activations_in_the_ring_match_keras_own_outputs(every_step: bool, monkeypatch: Any) -> None:
+def test_activations_in_the_ring_match_keras_own_outputs(every_step: bool, monkeypatch: Any, tmp_path: Any) -> None:
     """On JAX the activation statistics travel in a ring the forward pass writes (no host
     callback): every sampled step arrives, and its numbers are those of the layers' outputs
     Keras itself computes on the same batch (a sub-model; the learning rate is 0, so the
-    weights of every step are the initial ones)."""
+    weights of every step are the initial ones). A checkpoint saved during fit holds the
+    model's own variables, not the ring."""
     from neuraldbg.keras import KerasDbg
 
     monkeypatch.setattr(KerasDbg, "_act_every_step", every_step)
@@ -138,9 +139,15 @@ def test_activations_in_the_ring_match_keras_own_outputs(every_step: bool, monke
     x, y = data()
     x *= 4.0  # some sigmoid and tanh units saturate, some ReLU units die in a batch
     cb = NeuralDbgCallback(verbose=False, dense_steps=3, weight_every=4)
-    model.fit(x, y, batch_size=32, epochs=2, shuffle=False, callbacks=[cb], verbose=0)
+    path = tmp_path / "ckpt.keras"
+    ckpt = keras.callbacks.ModelCheckpoint(path)
+    model.fit(x, y, batch_size=32, epochs=2, shuffle=False, callbacks=[cb, ckpt], verbose=0)
     dbg = cb.dbg
     assert dbg.step == 40
+    loaded = keras.saving.load_model(path)
+    assert len(loaded.weights) == len(model.weights)  # the ring was neither saved nor left behind
+    for a, b in zip(loaded.weights, model.weights):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
     assert dbg._act_ring is not None and dbg._act_ring.missed == 0  # the ring path, not a callback
     assert "neuraldbg_activations" not in [v.name for v in model.non_trainable_variables]
     sampled = [s for s in range(40) if s < 3 or s % 4 == 0]
