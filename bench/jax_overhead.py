@@ -2,17 +2,19 @@
 a Keras 3 ``fit`` on the JAX backend (``NeuralDbgCallback``), each against the same thing
 unwatched, in the same process.
 
-JAX: two copies of one model, one optimizer plain and one wrapped (its debugger open for the
-whole run), compiled before timing; rounds of ``--steps`` steps alternate between the arms in
-a shuffled order, each round ending with ``block_until_ready``. Keras: two copies of one
-compiled model, each fit for ``--epochs`` epochs per round (alternating, shuffled; ``no-act`` is the callback with
-``activations=False``); the time of
-every epoch after the first (compilation excluded) is taken from a timing callback, and the
-whole fit (compilation and the end-of-run report included) is given too. Each figure is the
+JAX: copies of one model, one optimizer plain and others wrapped (their debuggers open for the
+whole run; ``read-each`` reads the ring at every state rather than lazily), compiled before timing; rounds of ``--steps`` steps alternate between the arms in
+a shuffled order, each round ending with ``block_until_ready``. Keras: copies of one compiled
+model, each fit for ``--epochs`` epochs per round (shuffled order; ``A/A`` is a second plain
+model, ``no-act`` the callback with ``activations=False``, ``every-act`` measures activations on
+every step rather than on sampled ones, ``before`` is the callback of ``--before REV``); the
+time of every epoch after the first (compilation excluded) is taken from a timing callback, with
+the calling thread's CPU time over the same epochs, and the whole fit (compilation and the end-of-run report included) is given too. Each figure is the
 median of the per-round ratios watched/unwatched, with a 95% bootstrap interval, and the
 ratio of the fastest rounds.
 
-    .venv/bin/python bench/jax_overhead.py [--rounds 15] [--steps 200] [--epochs 3]
+    .venv/bin/python bench/jax_overhead.py [--rounds 15] [--steps 200] [--epochs 3] [--small]
+        [--only jax|keras] [--before REV] [--keras-rounds N]
 """
 
 from __future__ import annotations
@@ -131,26 +133,61 @@ def bench_jax(width: int, depth: int, batch: int, steps: int, rounds: int) -> No
 
     floor_model = MLP(nnx.Rngs(0))
     floor_opt = nnx.Optimizer(floor_model, floor(optax.adam(1e-3)), wrt=nnx.Param)
-    for m, o in ((plain_model, plain_opt), (watched_model, watched_opt), (floor_model, floor_opt)):
+    # read-each: the ring read at every state, as soon as the device is done with it (no lazy reading).
+    eager_model = MLP(nnx.Rngs(0))
+    eager_dbg = NeuralDbg(eager_model)
+    eager_dbg.__enter__()
+    eager_opt = nnx.Optimizer(eager_model, eager_dbg.wrap(optax.adam(1e-3), learning_rate=1e-3), wrt=nnx.Param)
+    eager_dbg._rings[0].max_every = 1
+    models = (
+        (plain_model, plain_opt),
+        (watched_model, watched_opt),
+        (floor_model, floor_opt),
+        (eager_model, eager_opt),
+    )
+    for m, o in models:
         jax.block_until_ready(step(m, o, x, y))  # compile
     arms = {
         "plain": arm(plain_model, plain_opt),
         "A/A": arm(plain_model, plain_opt),
         "callback": arm(floor_model, floor_opt),
         "neuraldbg": arm(watched_model, watched_opt),
+        "read-each": arm(eager_model, eager_opt),
     }
     times, cpu = paired(arms, rounds)
     dbg.__exit__(None, None, None)
+    eager_dbg.__exit__(None, None, None)
     report(f"jax nnx MLP {depth + 2}x{width}, batch {batch}", times, steps)
     # The Python side of a step (flax's graph handling, dispatch, a synchronous step's callback,
     # our reading) runs on this thread: its CPU time is what other processes disturb least.
     report("  the same, calling thread's CPU time", cpu, steps)
 
 
-def bench_keras(width: int, depth: int, batch: int, epochs: int, rounds: int, n: int) -> None:
+def load_before(rev: str) -> Any:
+    """``neuraldbg.keras`` as it was at git revision ``rev``, loaded beside the current one (as
+    ``neuraldbg._keras_before``, sharing the rest of the package): the before arm of a change."""
+    import importlib.util
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    source = subprocess.run(
+        ["git", "-C", root, "show", f"{rev}:python/neuraldbg/keras.py"], capture_output=True, text=True, check=True
+    ).stdout
+    import neuraldbg
+
+    spec = importlib.util.spec_from_loader("neuraldbg._keras_before", loader=None)
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    module.__package__ = "neuraldbg"
+    exec(compile(source, f"{rev}:keras.py", "exec"), module.__dict__)
+    neuraldbg._keras_before = module  # type: ignore[attr-defined]
+    return module
+
+
+def bench_keras(width: int, depth: int, batch: int, epochs: int, rounds: int, n: int, before: Any = None) -> None:
     import keras
 
-    from neuraldbg.keras import NeuralDbgCallback
+    from neuraldbg.keras import KerasDbg, NeuralDbgCallback
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=(n, 64)).astype("float32")
@@ -172,15 +209,22 @@ def bench_keras(width: int, depth: int, batch: int, epochs: int, rounds: int, n:
         def __init__(self) -> None:
             super().__init__()
             self.times: List[float] = []
+            self.cpu: List[float] = []
 
         def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
             self.t = time.perf_counter()
+            self.c = time.thread_time()
 
         def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
             self.times.append(time.perf_counter() - self.t)
+            self.cpu.append(time.thread_time() - self.c)
 
-    models = {"plain": make(), "neuraldbg": make(), "no-act": make()}
+    # neuraldbg: activations on sampled steps (lax.cond); every-act: activations measured on
+    # every step; no-act: activations=False; before: the callback of the --before revision.
+    kinds = ["plain", "A/A", "neuraldbg", "every-act", "no-act"] + (["before"] if before is not None else [])
+    models = {k: make() for k in kinds}
     steady: Dict[str, List[float]] = {k: [] for k in models}
+    cpu: Dict[str, List[float]] = {k: [] for k in models}
     whole: Dict[str, List[float]] = {k: [] for k in models}
     names = list(models)
     for _ in range(rounds):
@@ -188,14 +232,20 @@ def bench_keras(width: int, depth: int, batch: int, epochs: int, rounds: int, n:
         for k in names:
             timer = EpochTimes()
             cbs: List[Any] = [timer]
-            if k != "plain":  # no-act: NeuralDbgCallback(activations=False), gradients only
-                cbs.append(NeuralDbgCallback(verbose=False, activations=k == "neuraldbg"))
+            KerasDbg._act_every_step = k == "every-act"
+            if k == "before":
+                cbs.append(before.NeuralDbgCallback(verbose=False))
+            elif k not in ("plain", "A/A"):
+                cbs.append(NeuralDbgCallback(verbose=False, activations=k != "no-act"))
             t = time.perf_counter()
             models[k].fit(x, y, batch_size=batch, epochs=epochs, callbacks=cbs, verbose=0)
             whole[k].append(time.perf_counter() - t)
             steady[k].append(float(np.sum(timer.times[1:])))
+            cpu[k].append(float(np.sum(timer.cpu[1:])))
+    KerasDbg._act_every_step = False
     per = n // batch
     report(f"keras fit {depth + 2}x{width}, batch {batch}, epochs 2+", steady, per * (epochs - 1))
+    report("  the same, calling thread's CPU time", cpu, per * (epochs - 1))
     report("keras fit, whole fit (compile incl.)", whole, per * epochs)
 
 
@@ -206,6 +256,8 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--only", choices=("jax", "keras"), default=None)
     ap.add_argument("--small", action="store_true", help="only the models with small steps (where the cost shows)")
+    ap.add_argument("--before", default=None, help="a git revision: adds its neuraldbg.keras as the Keras arm `before`")
+    ap.add_argument("--keras-rounds", type=int, default=None, help="Keras rounds (default: half of --rounds)")
     args = ap.parse_args()
     random.seed(0)
     import jax
@@ -217,9 +269,11 @@ def main() -> None:
         if not args.small:
             bench_jax(1024, 4, 256, max(args.steps // 10, 5), args.rounds)
     if args.only in (None, "keras"):
-        bench_keras(256, 4, 128, args.epochs, max(args.rounds // 2, 3), 128 * 100)
+        before = load_before(args.before) if args.before else None
+        rounds = args.keras_rounds or max(args.rounds // 2, 3)
+        bench_keras(256, 4, 128, args.epochs, rounds, 128 * 100, before)
         if not args.small:
-            bench_keras(1024, 4, 256, args.epochs, max(args.rounds // 2, 3), 256 * 20)
+            bench_keras(1024, 4, 256, args.epochs, rounds, 256 * 20, before)
 
 
 if __name__ == "__main__":

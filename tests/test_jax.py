@@ -163,7 +163,10 @@ def test_no_step_lost_when_the_loop_never_waits() -> None:
         for i in range(steps):
             j = (i * 32) % len(x)
             out.append(step(model, optimizer, x[j : j + 32], y[j : j + 32])[0])
+        ring = dbg._rings[0]
+        assert ring.every > 1 and ring.next < steps  # read lazily: not every state, not yet the last
         assert dbg.step == steps  # read while the run is open: waits for the device
+        assert ring.missed == 0
         losses = [float(v) for v in out]
     assert dbg.step == steps
     got, loss = dbg.history(None, "loss")
@@ -281,11 +284,13 @@ def test_gradient_accumulation_is_one_step_per_update() -> None:
 
 
 def test_scan_over_batches_one_step_each() -> None:
+    """A scan of 8 updates per call and a ring of 16 rows: lazy reading reads often enough (one
+    state in 16 would lose steps) and every update arrives."""
     model = MLP(2, 16, nnx.Rngs(2))
     x, y = data(256)
     xs, ys = x.reshape(8, 32, 8), y.reshape(8, 32, 1)
     with NeuralDbg(model) as dbg:
-        optimizer = nnx.Optimizer(model, dbg.wrap(optax.sgd(0.01)), wrt=nnx.Param)
+        optimizer = nnx.Optimizer(model, dbg.wrap(optax.sgd(0.01), buffer=16), wrt=nnx.Param)
 
         @nnx.jit
         def epoch(model: Any, optimizer: Any, xs: Any, ys: Any) -> Any:
@@ -299,8 +304,9 @@ def test_scan_over_batches_one_step_each() -> None:
             _, losses = body((model, optimizer), xs, ys)
             return losses
 
-        losses = np.concatenate([np.asarray(epoch(model, optimizer, xs, ys)) for _ in range(3)])
-    assert dbg.step == 24
+        losses = np.concatenate([np.asarray(epoch(model, optimizer, xs, ys)) for _ in range(6)])
+    assert dbg._rings[0].missed == 0
+    assert dbg.step == 48
     _, loss = dbg.history(None, "loss")
     np.testing.assert_allclose(loss, losses, rtol=1e-6)
 

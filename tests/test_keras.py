@@ -114,6 +114,65 @@ def test_healthy_run_no_alarm_and_loss_matches_keras() -> None:
     assert "call" not in again.layers[0].__dict__
 
 
+@pytest.mark.parametrize("every_step", [False, True])
+def test_activations_in_the_ring_match_keras_own_outputs(every_step: bool, monkeypatch: Any, tmp_path: Any) -> None:
+    """On JAX the activation statistics travel in a ring the forward pass writes (no host
+    callback): every sampled step arrives, and its numbers are those of the layers' outputs
+    Keras itself computes on the same batch (a sub-model; the learning rate is 0, so the
+    weights of every step are the initial ones). A checkpoint saved during fit holds the
+    model's own variables, not the ring."""
+    from neuraldbg.keras import KerasDbg
+
+    monkeypatch.setattr(KerasDbg, "_act_every_step", every_step)
+    keras.utils.set_random_seed(6)
+    model = keras.Sequential(
+        [
+            keras.Input((16,)),
+            keras.layers.Dense(32, activation="sigmoid", name="sig"),
+            keras.layers.Dense(16, activation="relu", name="rel"),
+            keras.layers.Dense(8, name="lin"),
+            keras.layers.Activation("tanh", name="th"),
+            keras.layers.Dense(1, name="head"),
+        ]
+    )
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    x, y = data()
+    x *= 4.0  # some sigmoid and tanh units saturate, some ReLU units die in a batch
+    cb = NeuralDbgCallback(verbose=False, dense_steps=3, weight_every=4)
+    path = tmp_path / "ckpt.keras"
+    ckpt = keras.callbacks.ModelCheckpoint(path)
+    model.fit(x, y, batch_size=32, epochs=2, shuffle=False, callbacks=[cb, ckpt], verbose=0)
+    dbg = cb.dbg
+    assert dbg.step == 40
+    loaded = keras.saving.load_model(path)
+    assert len(loaded.weights) == len(model.weights)  # the ring was neither saved nor left behind
+    for a, b in zip(loaded.weights, model.weights):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    assert dbg._act_ring is not None and dbg._act_ring.missed == 0  # the ring path, not a callback
+    assert "neuraldbg_activations" not in [v.name for v in model.non_trainable_variables]
+    sampled = [s for s in range(40) if s < 3 or s % 4 == 0]
+    probe = keras.Model(model.inputs, [model.get_layer(n).output for n in ("sig", "rel", "th")])
+    seen = {"sat": 0.0, "dead": 0.0}
+    for module, k, sat in (("sig.activation", 0, (0.5, 0.49)), ("rel.activation", 1, None), ("th", 2, (0.0, 0.98))):
+        steps, absmax = dbg.history(module, "activation_absmax")
+        assert list(steps) == sampled
+        _, saturated = dbg.history(module, "saturated_fraction")
+        _, dead = dbg.history(module, "dead_fraction")
+        for i, s in enumerate(sampled):
+            batch = x[(s % 20) * 32 : (s % 20 + 1) * 32]
+            out = np.asarray(probe([batch])[k], np.float64)
+            np.testing.assert_allclose(absmax[i], np.abs(out).max(), rtol=1e-5)
+            if sat is None:
+                truth = float(np.mean(out.max(axis=0) == 0.0))
+                np.testing.assert_allclose(dead[i], truth, atol=1e-6)
+                seen["dead"] = max(seen["dead"], truth)
+            else:
+                truth = float(np.mean(np.abs(out - sat[0]) > sat[1]))
+                np.testing.assert_allclose(saturated[i], truth, atol=1e-6)
+                seen["sat"] = max(seen["sat"], truth)
+    assert seen["sat"] > 0 and seen["dead"] > 0  # the shares were not trivially zero
+
+
 def test_functional_validation_and_user_callbacks(tmp_path: Any) -> None:
     keras.utils.set_random_seed(2)
     inp = keras.Input((16,))
@@ -242,10 +301,56 @@ def test_nan_batch_and_halt_on_stops_fit() -> None:
     h = dbg.explain_failure("non_finite")[0]
     assert h.confidence >= 0.5 and h.step == 5
     assert dbg.halted is not None
-    # Stopped within the first epoch, a few batches after the NaN (Keras hands the logs over
-    # asynchronously), not after 60 batches.
+    # Stopped after the next batch: the step of batch 5 is read (waiting for the device and for
+    # its loss) before batch 6 starts, and Keras looks at stop_training after each batch.
     assert len(hist.history["loss"]) == 1
-    assert 6 <= dbg.step <= 12
+    assert dbg.step == 7 == int(model.optimizer.iterations.numpy())
+
+
+def test_gradient_accumulation_one_step_per_update() -> None:
+    """Keras's ``gradient_accumulation_steps=4``: one step per optimizer update (what
+    ``optimizer.iterations`` counts), observed with the gradient the update applies, the mean of
+    its four micro-batches' (here: the gradient of the loss over those 128 samples); the step's
+    loss is the mean of its micro-batches' losses."""
+    model = sigmoid_mlp(3)
+    x, y = data()
+    truth = grad_norms(model, x[:128], y[:128])  # the first update's four batches of 32
+    model.compile(optimizer=keras.optimizers.SGD(0.01, gradient_accumulation_steps=4), loss="mse")
+    cb = NeuralDbgCallback(verbose=False)
+    hist = model.fit(x, y, batch_size=32, epochs=2, shuffle=False, callbacks=[cb], verbose=0)
+    dbg = cb.dbg
+    assert dbg.step == 10 == int(np.asarray(model.optimizer.iterations))  # 40 batches
+    for name in dbg.layers:
+        steps, norms = dbg.history(name, "grad_norm")
+        assert list(steps) == list(range(10))
+        np.testing.assert_allclose(norms[0], truth[name], rtol=1e-3)
+    _, loss = dbg.history(None, "loss")
+    np.testing.assert_allclose(loss.reshape(2, 5).mean(axis=1), hist.history["loss"], rtol=1e-5)
+    # The activations of each step arrive too (those of its last micro-batch).
+    assert list(dbg.history(dbg.layers[0] + ".activation", "activation_absmax")[0]) == list(range(10))
+
+
+def test_loss_scale_optimizer_watches_the_inner_updates_unscaled() -> None:
+    """``LossScaleOptimizer``: the inner optimizer's updates are watched, with the gradients
+    unscaled (the loss is scaled by 2**15 in the step)."""
+    model = sigmoid_mlp(2)
+    x, y = data()
+    truth = grad_norms(model, x[:32], y[:32])
+    opt = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.01))
+    model.compile(optimizer=opt, loss="mse")
+    cb = NeuralDbgCallback(verbose=False)
+    model.fit(x, y, batch_size=32, epochs=1, shuffle=False, callbacks=[cb], verbose=0)
+    dbg = cb.dbg
+    assert float(opt.dynamic_scale.numpy()) > 1000.0  # the loss was scaled
+    assert dbg.step == 20 == int(opt.iterations.numpy())
+    for name in dbg.layers:
+        np.testing.assert_allclose(dbg.history(name, "grad_norm")[1][0], truth[name], rtol=1e-3)
+    _, lr = dbg.history(None, "lr")
+    np.testing.assert_allclose(lr, 0.01, rtol=1e-6)
+    assert not {"apply", "save_own_variables", "load_own_variables"} & (
+        set(opt.__dict__) | set(opt.inner_optimizer.__dict__)
+    )
+    assert not [v for v in opt.variables if "neuraldbg" in v.name]
 
 
 def test_bad_options_are_clear_errors() -> None:

@@ -161,10 +161,14 @@ class RingReader:
     once the device has computed them (any thread; never raises). A buffer is ``[rows + 1,
     width]`` float32: row ``step % rows`` holds that step's numbers (``[step, flags, loss, lr,
     grad norms, parameter norms]``, the step and flags as int32 bits), the last row the number
-    of steps made and :data:`RING_MARKER`."""
+    of steps made and :data:`RING_MARKER`. ``post(step, flags, row)`` takes each row read (by
+    default the spoke's :meth:`Spoke._post_row`)."""
 
-    def __init__(self, dbg: Spoke, rows: int, width: int) -> None:
+    def __init__(
+        self, dbg: Spoke, rows: int, width: int, post: Optional[Callable[[int, int, np.ndarray], None]] = None
+    ) -> None:
         self.dbg = dbg
+        self.post = post if post is not None else dbg._post_row
         self.rows = rows
         self.width = width
         # The next step to read; steps below it have been posted.
@@ -173,22 +177,45 @@ class RingReader:
         self.last: Any = None
         self.lock = threading.RLock()
         self.missed = 0
+        # Lazy reading: buffers met since the last read, how many to let pass, the newest unread.
+        self.added = 0
+        self.every = 1
+        self.unread: Any = None
+
+    # Lazy reading (the caller asks :meth:`due` at each state it meets): a state is read at most
+    # once in this many (a read then waits for the device), fewer when a state brings many
+    # updates (a ``lax.scan``), so that a read always comes before half the ring is overwritten;
+    # 1: every buffer is read as soon as the device is done with it.
+    max_every = 1
+
+    def due(self) -> bool:
+        """Counts a state met: whether lazy reading reads this one (else it is left in
+        :attr:`unread`, read by the next :meth:`pump` if no newer one comes)."""
+        self.added += 1
+        return self.added >= self.every
 
     def add(self, buf: Any) -> None:
         """A device buffer of a newer state (an array with ``is_ready``/``is_deleted``, read
-        with ``np.asarray``): read now if the device is done with it, else later."""
+        with ``np.asarray``): read now if the device is done with it (lazy reading: now,
+        waiting for it), else later."""
         if buf is self.last or tuple(buf.shape) != (self.rows + 1, self.width):
             return
         with self.lock:
             self.last = buf
+            self.unread = None
             self.pending.append(buf)
             # Never more than half a ring behind: wait for the oldest buffer rather than lose steps.
-            self.pump(wait=len(self.pending) - self.rows // 2)
+            self.pump(wait=len(self.pending) - self.rows // 2 if self.max_every == 1 else len(self.pending))
 
     def pump(self, wait: int = 0) -> None:
         """Reads the buffers whose computation is done, oldest first, waiting for the first
-        ``wait`` of them if they are not."""
+        ``wait`` of them if they are not (the newest buffer left unread by lazy reading first
+        joins them)."""
         with self.lock:
+            unread, self.unread = self.unread, None
+            if unread is not None and unread is not self.last and hasattr(unread, "is_ready"):
+                self.last = unread
+                self.pending.append(unread)
             while self.pending:
                 buf = self.pending[0]
                 try:
@@ -223,7 +250,13 @@ class RingReader:
             row = v[step % self.rows]
             if int(row[:2].view(np.int32)[0]) != step:
                 continue
-            self.dbg._post_row(step, int(row[:2].view(np.int32)[1]), row)
+            self.post(step, int(row[:2].view(np.int32)[1]), row)
+        if self.max_every > 1 and self.added > 0:
+            # Updates per state met since the last read; at most doubling the interval at a time,
+            # since the first estimate counts the states met while the step was being traced.
+            per_state = max(1, -(-(count - self.next) // self.added))
+            self.every = max(1, min(self.max_every, 2 * self.every, (self.rows // 2) // per_state))
+        self.added = 0
         self.next = max(self.next, count)
 
 

@@ -21,9 +21,10 @@ The wrapped transformation computes each parameter's gradient norm inside the co
 (and the parameter norms on sampled steps) and writes them, with the loss and the learning rate,
 into a ring buffer that it keeps in its own optimizer state, on the device: the compiled step
 holds no host callback (one would take every call off JAX's fast dispatch path and make it
-synchronous). The host reads the buffer of the newest state it sees, without waiting for the
-device: pytrees of the state are flattened and rebuilt by ``jit`` and ``nnx`` at every call, and
-the wrapper's state is a pytree node that notes its buffer there. It works under ``jit``,
+synchronous). The host reads the buffer of one state in up to 16 it sees (waiting for the
+device then; the read buffer holds the rows of the states skipped): pytrees of the state are
+flattened and rebuilt by ``jit`` and ``nnx`` at every call, and the wrapper's state is a pytree
+node that notes its buffer there. It works under ``jit``,
 ``lax.scan`` (up to the buffer's rows of updates per call) and inside ``optax.MultiSteps``
 (``optax.MultiSteps(dbg.wrap(tx), k)``: one step per accumulated update, with the accumulated
 gradient). Needs jax and optax (and flax for nnx models); none of them is a dependency of
@@ -77,7 +78,10 @@ def _as_i32(f: Any) -> Any:
 
 
 class _Ring(RingReader):
-    """The host side of one wrapped transformation: the ring buffers of the states it meets."""
+    """The host side of one wrapped transformation: the ring buffers of the states it meets,
+    read lazily (at most one in 16 states, waiting for the device then)."""
+
+    max_every = 16
 
     def __init__(self, dbg: NeuralDbg, rows: int, width: int) -> None:
         super().__init__(dbg, rows, width)
@@ -85,23 +89,38 @@ class _Ring(RingReader):
         self.holder: Any = None
 
     def see(self, leaf: Any) -> None:
-        """A buffer (or the nnx Variable holding one) met in a state pytree."""
+        """A buffer (or the nnx Variable holding one) met in a state pytree: read if lazy
+        reading reads this state, else left for later (a Variable's value is only taken then)."""
         try:
-            if not isinstance(leaf, jax.Array) and hasattr(leaf, "get_value"):
+            holder = not isinstance(leaf, jax.Array) and hasattr(leaf, "get_value")
+            if holder:
                 self.holder = leaf
+            elif not isinstance(leaf, jax.Array) or leaf is self.last or isinstance(leaf, jax.core.Tracer):
+                return
+            if not self.due():
+                self.unread = leaf
+                return
+            if holder:
                 leaf = leaf.get_value()
             if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
                 self.add(leaf)
         except Exception as e:  # pragma: no cover - defensive
             warnings.warn(f"NeuralDBG could not read an update: {e}", NeuralDbgWarning, stacklevel=2)
 
+    def pump(self, wait: int = 0) -> None:
+        unread = self.unread
+        if unread is not None and not isinstance(unread, jax.Array):  # an nnx Variable: its value now
+            value = unread.get_value()
+            self.unread = value if isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer) else None
+        super().pump(wait)
+
     def newest(self, wait: bool = True) -> None:
         """Reads everything up to the newest state known (an nnx Variable's value changes after
         each step without a flatten), waiting for the device or not."""
         holder = self.holder
         if holder is not None:
-            self.see(holder)
-        self.pump(wait=len(self.pending) if wait else 0)
+            self.unread = holder
+        self.pump(wait=len(self.pending) + 1 if wait else 0)
 
 
 # Rings by key: the key is the pytree node's static data, the ring lives as long as its debugger.
@@ -432,7 +451,7 @@ class NeuralDbg(Spoke):
         """``tx``, observing each update: the gradient norm of every watched parameter, the
         parameter norms on sampled steps, the loss (optax's ``value=`` extra argument, as
         ``reduce_on_plateau`` takes it) and the learning rate, written into a ring buffer in the
-        transformation's state that the host reads without stopping the device. The updates
+        transformation's state that the host reads once in up to 16 updates. The updates
         are ``tx``'s own, unchanged.
 
         ``learning_rate``: the rate or schedule ``tx`` was built with (a float or an optax

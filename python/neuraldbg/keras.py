@@ -12,11 +12,13 @@
 Gradients are read where the optimizer receives them: the callback wraps ``model.optimizer``'s
 ``apply`` for the run, and each call computes every trainable variable's gradient norm (and the
 variables' norms on sampled steps) with ``keras.ops`` inside the compiled train step. On JAX they
-go into a ring buffer the step carries as an optimizer variable, read from the fit loop's state
-before the next batch (no host callback: one takes every call off JAX's fast dispatch path); on
-TensorFlow through ``tf.numpy_function``, on the eager PyTorch backend directly. That is also
-where a custom ``train_step`` that calls ``self.optimizer.apply(grads, ...)`` (or
-``stateless_apply``, or ``apply_gradients``) is seen. Variables are named by their layer: ``dense_2.kernel`` belongs to layer ``dense_2``.
+go into a ring buffer the step carries as an optimizer variable, and the activation statistics of
+the forward pass into a second one, a non-trainable variable of the model; the host reads both
+from the fit loop's state every few batches (no host callback: one takes every call off JAX's
+fast dispatch path). On TensorFlow through ``tf.numpy_function``, on the eager PyTorch backend
+directly. That is also where a custom ``train_step`` that calls ``self.optimizer.apply(grads,
+...)`` (or ``stateless_apply``, or ``apply_gradients``) is seen. Variables are named by their
+layer: ``dense_2.kernel`` belongs to layer ``dense_2``.
 The loss is the fit loop's: the per-batch value is recovered from the running mean Keras logs.
 Keras is not a dependency of neuraldbg.
 """
@@ -50,6 +52,7 @@ from .types import CausalHypothesis
 try:
     import keras
     from keras import ops
+    from keras.src.backend import in_stateless_scope
 except ImportError as _e:  # pragma: no cover - depends on the environment
     raise ImportError("neuraldbg.keras needs Keras 3: pip install keras") from _e
 
@@ -201,6 +204,13 @@ def _unwrap_call(obj: Any) -> None:
         object.__setattr__(obj, "call", kept)
 
 
+def _watched_optimizer(opt: Any) -> Any:
+    """The optimizer that applies the updates: ``LossScaleOptimizer`` unwrapped."""
+    while opt is not None and hasattr(opt, "inner_optimizer") and hasattr(opt, "dynamic_scale"):
+        opt = opt.inner_optimizer
+    return opt
+
+
 def _symbolic(x: Any) -> bool:
     return isinstance(x, keras.KerasTensor)
 
@@ -262,6 +272,9 @@ class KerasDbg(Spoke):
     ``NeuralDbg`` (``events``, ``explain_failure()``, ``history()``, ``save_report()``, ...)."""
 
     _loss_apart = True
+    # JAX: measure the activations of every training pass rather than of sampled steps only
+    # (under ``lax.cond``); the host keeps sampled steps either way (an arm of the benchmark).
+    _act_every_step = False
 
     def __init__(self, model: Any, *, activations: bool = True, **options: Any) -> None:
         super().__init__(**options)
@@ -270,7 +283,12 @@ class KerasDbg(Spoke):
         self._measure_activations = activations
         self.model = model
         self._model = _Model(model)
-        self._optimizer = model.optimizer
+        # The optimizer whose updates are watched: a LossScaleOptimizer's inner one (it gets the
+        # unscaled gradients, and only on the steps it applies).
+        self._optimizer = _watched_optimizer(model.optimizer)
+        # Keras's gradient accumulation: one step per this many batches (micro-batches).
+        accumulate = getattr(self._optimizer, "gradient_accumulation_steps", None)
+        self._accumulate = accumulate if isinstance(accumulate, int) and accumulate > 1 else 1
         self._original: Any = None
         self._base = 0
         self._emit = _emitter(keras.backend.backend())
@@ -289,6 +307,18 @@ class KerasDbg(Spoke):
         self._ring_var: Any = None
         self._ring_index = -1
         self._ring: Optional[RingReader] = None
+        # JAX: the activation ring (a non-trainable model variable for the run) and its reader;
+        # the probes measured, by row.
+        # JAX: the rings are read every this many batches (batches met so far); the steps
+        # whose loss the fit loop has handed over.
+        self._read_every = 1
+        self._batches = 0
+        self._losses = 0
+        self._loss_seen = threading.Condition()
+        self._act_var: Any = None
+        self._act_index = -1
+        self._act_ring: Optional[RingReader] = None
+        self._act_probes: Dict[int, Dict[str, Any]] = {}
 
     def start(self) -> None:
         opt = self._optimizer
@@ -296,7 +326,7 @@ class KerasDbg(Spoke):
         spec = self._model.spec(type(opt).__name__ if opt is not None else None)
         self._spec_modules = spec["modules"]
         self._start(spec, meta)
-        self._base = int(ops.convert_to_numpy(opt.iterations.value)) if opt is not None else 0
+        self._base = int(ops.convert_to_numpy(opt.iterations)) if opt is not None else 0
         if opt is not None:
             current = opt.__dict__.get("apply")
             # A wrapper left by a run that raised out of fit is replaced, not stacked.
@@ -318,20 +348,25 @@ class KerasDbg(Spoke):
                 self._add_ring(opt)
         if self._measure_activations:
             self._watch_activations()
+        if self._ring is not None:
+            # Each read covers the batches since the last one: at most half the ring's rows.
+            self._read_every = max(1, min(16, self._ring.rows // (2 * self._per_call)))
 
     def _add_ring(self, opt: Any) -> None:
         """On JAX, the update's numbers go into a ring buffer that the train step carries as an
         optimizer variable, read by the host from the fit loop's state after each batch: no host
         callback in the compiled step (one takes every call off JAX's fast dispatch path)."""
+        outer = self.model.optimizer
+        owners = [opt] if outer is opt else [opt, outer]
         for v in opt.variables:  # left by a run that raised out of fit
             if getattr(v, "_neuraldbg_ring", False):
                 opt._untrack_variable(v)
-        for name in ("save_own_variables", "load_own_variables"):
-            opt.__dict__.pop(name, None)
+        for o in owners:
+            for name in ("save_own_variables", "load_own_variables"):
+                o.__dict__.pop(name, None)
         n = len(self._model.entries)
         width = RING_HEAD + 2 * n
-        # At least two executions of steps_per_execution steps between two reads.
-        rows = max(16, 2 * self._per_call, min(256, 2 ** int(np.log2(max(RING_BYTES // (4 * width), 1)))))
+        rows = self._ring_rows(width)
         init = np.zeros((rows + 1, width), np.float32)
         init[:rows, 0] = np.array([-1], np.int32).view(np.float32)[0]
         init[rows, :2] = np.array([0, RING_MARKER], np.int32).view(np.float32)
@@ -340,7 +375,15 @@ class KerasDbg(Spoke):
         var._neuraldbg_ring = True
         self._ring_var = var
 
-        # A checkpoint saved during the run holds the optimizer's own variables, not the ring.
+        # A checkpoint saved during the run holds the optimizers' own variables, not the ring
+        # (a LossScaleOptimizer lists its inner optimizer's variables with its own).
+        for o in owners:
+            self._hide_from_checkpoints(o, var)
+        self._ring_index = next(i for i, v in enumerate(outer.variables) if v is var)
+        self._ring = RingReader(self, rows, width)
+
+    @staticmethod
+    def _hide_from_checkpoints(opt: Any, var: Any) -> None:
         def others() -> List[Any]:
             return [v for v in opt.variables if v is not var]
 
@@ -355,41 +398,63 @@ class KerasDbg(Spoke):
 
         object.__setattr__(opt, "save_own_variables", save_own_variables)
         object.__setattr__(opt, "load_own_variables", load_own_variables)
-        self._ring_index = next(i for i, v in enumerate(opt.variables) if v is var)
-        self._ring = RingReader(self, rows, width)
 
     def _remove_ring(self) -> None:
         var, self._ring_var = self._ring_var, None
         opt = self._optimizer
         if var is not None and opt is not None:
             opt._untrack_variable(var)
+            for o in {id(opt): opt, id(self.model.optimizer): self.model.optimizer}.values():
+                for name in ("save_own_variables", "load_own_variables"):
+                    o.__dict__.pop(name, None)
+        act, self._act_var = self._act_var, None
+        if act is not None:
+            model = self.model
+            model._non_trainable_variables[:] = [v for v in model._non_trainable_variables if v is not act]
             for name in ("save_own_variables", "load_own_variables"):
-                opt.__dict__.pop(name, None)
+                model.__dict__.pop(name, None)
 
     def _read_ring(self, wait: bool) -> None:
-        """The ring of the newest state: the fit loop's (JAX keeps the state out of the variables
-        during an epoch), else the variable's own value."""
+        """The rings of the newest state: the fit loop's (JAX keeps the state out of the variables
+        during an epoch), else the variables' own values. The activation ring goes first: an
+        update's gradients are taken in only once its forward pass's activations are, so that
+        a step never reaches the engine without them."""
         ring = self._ring
         if ring is None:
             return
-        buf = None
         state = getattr(self.model, "_jax_state", None)
-        if isinstance(state, dict) and not getattr(self.model, "_jax_state_synced", True):
-            opt_vars = state.get("optimizer_variables")
-            if opt_vars is not None and len(opt_vars) > self._ring_index:
-                buf = opt_vars[self._ring_index]
-        if buf is None and self._ring_var is not None:
-            buf = self._ring_var.value
-        if buf is not None and hasattr(buf, "is_ready"):
+        if not isinstance(state, dict) or getattr(self.model, "_jax_state_synced", True):
+            state = None
+        act = self._act_ring
+        if act is not None:
+            buf = self._newest(state, "non_trainable_variables", self._act_index, self._act_var)
+            if buf is not None:
+                act.add(buf)
+            act.pump(wait=len(act.pending) if wait else 0)
+        buf = self._newest(state, "optimizer_variables", self._ring_index, self._ring_var)
+        if buf is not None and (act is None or not act.pending):
             ring.add(buf)
         ring.pump(wait=len(ring.pending) if wait else 0)
+
+    @staticmethod
+    def _newest(state: Optional[Dict[str, Any]], key: str, index: int, var: Any) -> Any:
+        buf = None
+        if state is not None:
+            values = state.get(key)
+            if values is not None and len(values) > index:
+                buf = values[index]
+        if buf is None and var is not None:
+            buf = var.value
+        return buf if buf is not None and hasattr(buf, "is_ready") else None
 
     def _wait(self) -> None:
         self._read_ring(wait=True)
 
     def _watch_activations(self) -> None:
         """Activation statistics of each training forward pass (``training=True``), computed in
-        the compiled step and handed over in one callback with the pass's other activations.
+        the compiled step. On JAX they go into a second ring buffer, a non-trainable variable of
+        the model for the run (Keras returns those from the forward pass, out of the gradient's
+        trace), measured on sampled steps only (``lax.cond``); elsewhere one callback per pass.
         Layers are wrapped for the run; a model whose ``call`` takes no ``training`` argument
         is not measured (its training passes cannot be told from evaluation)."""
         names = [m["name"] for m in self._spec_modules]
@@ -400,10 +465,12 @@ class KerasDbg(Spoke):
                 rows.append((row, probe, layer))
         if not rows:
             return
-        n = len(self._probes)
-        for row, probe, layer in rows:
-            _wrap_call(layer, functools.partial(self._layer_call, row=row, probe=probe))
+        self._act_probes = {row: probe for row, probe, _ in rows}
+        for row, _, layer in rows:
+            _wrap_call(layer, functools.partial(self._layer_call, row=row))
             self._wrapped_layers.append(layer)
+        if keras.backend.backend() == "jax":
+            self._add_activation_ring()
 
         def model_call(inner: Any) -> Callable[..., Any]:
             def call(*args: Any, **kwargs: Any) -> Any:
@@ -416,14 +483,14 @@ class KerasDbg(Spoke):
                     collected, self._collecting = self._collecting, None
                 try:
                     if collected and not _symbolic(out):
-                        table = [collected.get(r) for r in range(n)]
-                        blank = ops.full((5,), float("nan"), dtype="float32")
-                        ack = self._emit(
-                            self._receive_activations, ops.concatenate([blank if t is None else t for t in table])
-                        )
-                        if ack is not None and hasattr(out, "dtype"):
-                            # Adds exactly 0: the acknowledgement keeps the call in the step.
-                            out = out + ops.cast(ack, out.dtype) * 0
+                        if self._act_var is not None:
+                            if in_stateless_scope():  # the fit loop's step: its state carries the ring
+                                self._write_activations(collected)
+                        else:
+                            ack = self._emit(self._receive_activations, self._activation_table(collected))
+                            if ack is not None and hasattr(out, "dtype"):
+                                # Adds exactly 0: the acknowledgement keeps the call in the step.
+                                out = out + ops.cast(ack, out.dtype) * 0
                 except Exception as e:  # our statistics failed to build: train on, unmeasured
                     warnings.warn(f"NeuralDBG cannot measure activations: {e}", NeuralDbgWarning, stacklevel=2)
                 return out
@@ -433,18 +500,113 @@ class KerasDbg(Spoke):
         _wrap_call(self.model, model_call)
         self._wrapped_layers.append(self.model)
 
-    def _layer_call(self, inner: Any, *, row: int, probe: Dict[str, Any]) -> Callable[..., Any]:
+    def _layer_call(self, inner: Any, *, row: int) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
             out = inner(*args, **kwargs)
             collecting = self._collecting
             if collecting is not None and hasattr(out, "shape") and not _symbolic(out):
-                try:
-                    collecting[row] = _activation_stats(out, probe)
-                except Exception:  # an output we cannot measure (a tuple, a sparse tensor)
-                    pass
+                collecting[row] = out
             return out
 
         return call
+
+    def _activation_table(self, outputs: Dict[int, Any]) -> Any:
+        """The engine's activation rows of one forward pass, one per probe (NaN where a probe's
+        layer gave no output we can measure: a tuple, a sparse tensor)."""
+        blank = ops.full((5,), float("nan"), dtype="float32")
+        table = []
+        for r in range(len(self._probes)):
+            out, probe = outputs.get(r), self._act_probes.get(r)
+            stats = None
+            if out is not None and probe is not None:
+                try:
+                    stats = _activation_stats(out, probe)
+                except Exception:
+                    stats = None
+            table.append(blank if stats is None else stats)
+        return ops.concatenate(table)
+
+    def _add_activation_ring(self) -> None:
+        """JAX: the ring the forward pass writes its activation statistics into, a non-trainable
+        variable of the model for the run (rows ``[forward, 0, 5 per probe]``, the last row the
+        number of training forward passes and :data:`RING_MARKER`). A checkpoint saved during the
+        run holds the model's own variables only."""
+        model = self.model
+        for v in list(model._non_trainable_variables):  # left by a run that raised out of fit
+            if getattr(v, "_neuraldbg_ring", False):
+                model._non_trainable_variables.remove(v)
+        for name in ("save_own_variables", "load_own_variables"):
+            model.__dict__.pop(name, None)
+        width = 2 + 5 * len(self._probes)
+        rows = self._ring_rows(width)
+        init = np.zeros((rows + 1, width), np.float32)
+        init[:rows, 0] = np.array([-1], np.int32).view(np.float32)[0]
+        init[rows, :3] = np.array([0, RING_MARKER, 0], np.int32).view(np.float32)
+        var = keras.Variable(init, trainable=False, dtype="float32", name="neuraldbg_activations")
+        var._neuraldbg_ring = True
+        model._non_trainable_variables.append(var)
+        self._act_var = var
+
+        def own() -> List[Any]:
+            return [v for v in model._trainable_variables + model._non_trainable_variables if v is not var]
+
+        def save_own_variables(store: Any) -> None:
+            for i, v in enumerate(own()):
+                store[str(i)] = v
+
+        def load_own_variables(store: Any) -> None:
+            for i, v in enumerate(own()):
+                if str(i) in store:
+                    v.assign(store[str(i)])
+
+        object.__setattr__(model, "save_own_variables", save_own_variables)
+        object.__setattr__(model, "load_own_variables", load_own_variables)
+        self._act_index = next(i for i, v in enumerate(model.non_trainable_variables) if v is var)
+        self._act_ring = RingReader(self, rows, width, post=self._post_activations)
+
+    def _ring_rows(self, width: int) -> int:
+        # At least two executions of steps_per_execution steps between two reads.
+        return max(16, 2 * self._per_call, min(256, 2 ** int(np.log2(max(RING_BYTES // (4 * width), 1)))))
+
+    def _write_activations(self, outputs: Dict[int, Any]) -> None:
+        """JAX, traced in the training forward pass: the pass's row of the activation ring,
+        measured on sampled passes only (other passes write their count and NaN)."""
+        import jax
+        import jax.numpy as jnp
+
+        var = self._act_var
+        rows = self._act_ring.rows if self._act_ring is not None else 1
+        buf = jnp.asarray(var.value)
+        # Training forward passes so far (one per micro-batch with accumulation) and their step.
+        passes = jax.lax.bitcast_convert_type(buf[rows, 2], jnp.int32)
+        count = passes // self._accumulate
+        outs = {r: jax.lax.stop_gradient(o) for r, o in outputs.items()}
+        size = 5 * len(self._probes)
+        if self._act_every_step:
+            table = jnp.asarray(self._activation_table(outs), jnp.float32)
+        else:
+            sampled = jnp.logical_or(count < self._dense_steps, count % self._weight_every == 0)
+            table = jax.lax.cond(
+                sampled,
+                lambda o: jnp.asarray(self._activation_table(o), jnp.float32),
+                lambda o: jnp.full((size,), jnp.nan, jnp.float32),
+                outs,
+            )
+
+        def bits(i: Any) -> Any:
+            return jax.lax.bitcast_convert_type(jnp.asarray(i, jnp.int32), jnp.float32)
+
+        row = jnp.concatenate([jnp.stack([bits(count), bits(0)]), table])
+        buf = jax.lax.dynamic_update_index_in_dim(buf, row, count % rows, 0)
+        # A step's row is complete on its last micro-batch (the activations are that pass's).
+        buf = buf.at[rows, 0].set(bits((passes + 1) // self._accumulate))
+        var.assign(buf.at[rows, 2].set(bits(passes + 1)))
+
+    def _post_activations(self, step: int, flags: int, row: np.ndarray) -> None:
+        """One training forward pass's row of the activation ring: paired with the optimizer
+        update that follows it, by count."""
+        if self._sampled(step):
+            self._post(Record(step, activations=row[2:].copy()))
 
     def _receive_activations(self, table: Any) -> None:
         """The host side of a training forward pass's activations (any thread): paired with the
@@ -487,6 +649,13 @@ class KerasDbg(Spoke):
             if j is not None and k < len(grads) and grads[k] is not None:
                 where[j] = k
         scale = getattr(opt, "loss_scale_factor", None)
+        k = self._accumulate
+        if k > 1:
+            # The gradient the update will apply: this micro-batch's and the accumulated ones, averaged.
+            acc = [opt._accumulated_gradients[opt._get_variable_index(v)] for v in variables]
+            grads = [
+                None if g is None else (ops.cast(g, "float32") + ops.cast(a, "float32")) / k for g, a in zip(grads, acc)
+            ]
         sq = [ops.sum(ops.square(ops.cast(g, "float32"))) if g is not None else None for g in grads]
         missing = ops.convert_to_tensor(-1.0, dtype="float32")
         gn = ops.stack([ops.sqrt(sq[k]) if k >= 0 else missing for k in where])
@@ -506,14 +675,16 @@ class KerasDbg(Spoke):
         lr = ops.cast(opt.learning_rate, "float32")
         step32 = ops.cast(step, "int32")
         if self._ring_var is not None:
-            self._write_ring(step32 - self._base, gn, wn, lr)
+            # Updates made once this one is: with accumulation, a row is complete on the last micro-batch.
+            done = ops.cast(ops.floor_divide(opt._iterations + 1, k), "int32") if k > 1 else step32 + 1
+            self._write_ring(step32 - self._base, done - self._base, gn, wn, lr)
             return
         ack = self._emit(self._receive, step32, gn, wn, lr)
         if ack is not None:
             # Adds exactly 0 (the host answers 0): keeps the call in the step.
             opt.iterations.assign_add(ops.cast(ack, opt.iterations.dtype))
 
-    def _write_ring(self, step: Any, gn: Any, wn: Any, lr: Any) -> None:
+    def _write_ring(self, step: Any, done: Any, gn: Any, wn: Any, lr: Any) -> None:
         """JAX, traced in the train step: this update's row into the ring variable."""
         import jax
         import jax.numpy as jnp
@@ -527,7 +698,7 @@ class KerasDbg(Spoke):
         row = jnp.concatenate([head, jnp.asarray(gn, jnp.float32), jnp.asarray(wn, jnp.float32)])
         buf = jnp.asarray(self._ring_var.value)
         buf = jax.lax.dynamic_update_index_in_dim(buf, jax.lax.stop_gradient(row), step % rows, 0)
-        self._ring_var.assign(buf.at[rows, 0].set(bits(step + 1)))
+        self._ring_var.assign(buf.at[rows, 0].set(bits(done)))
 
     def _receive(self, step: Any, gn: Any, wn: Any, lr: Any) -> None:
         """The host side (any thread). Never raises."""
@@ -555,14 +726,22 @@ class KerasDbg(Spoke):
         with self._lock:
             self._epoch_batches = max(self._epoch_batches, batch + 1)
         mean = None if not logs else logs.get("loss")
-        step = self._epoch_base + batch
-        # With steps_per_execution, one call per execution: its earlier steps get no loss.
-        for s in range(max(step - self._per_call + 1, self._epoch_base), step):
+        k = self._accumulate
+        last = self._epoch_base + batch  # the last batch (micro-batch) of this call
+        first = max(last - self._per_call + 1, self._epoch_base)
+        # The steps whose last micro-batch is among this call's batches; with steps_per_execution
+        # the earlier ones get no loss value, the last one the mean of the batches since the last.
+        ends = [s for s in range(first // k, last // k + 1) if first <= (s + 1) * k - 1 <= last]
+        for s in ends[:-1]:
             self._post(Record(s, has_loss=True))
-        r = Record(step, has_loss=True)
-        if isinstance(mean, (int, float, np.floating)):
-            r.mean = (batch, float(mean))
-        self._post(r)
+        if ends:
+            r = Record(ends[-1], has_loss=True)
+            if isinstance(mean, (int, float, np.floating)):
+                r.mean = (batch, float(mean))
+            self._post(r)
+            with self._loss_seen:
+                self._losses = max(self._losses, ends[-1] + 1)
+                self._loss_seen.notify_all()
 
     def _loss_of(self, r: Record) -> Optional[float]:
         """The batch's loss from the epoch's running mean ``m_k`` after batch ``k``:
@@ -581,10 +760,26 @@ class KerasDbg(Spoke):
             return m
         return ((batch + 1) * m - (last_batch + 1) * last_mean) / (batch - last_batch)
 
-    def batch_begin(self) -> None:
+    def batch_begin(self, batch: int) -> None:
         """Before a batch (the main thread): the steps delivered so far go to the engine (and a
-        confirmed ``halt_on`` failure stops fit); on JAX, those of the ring the device is done with."""
-        self._read_ring(wait=False)
+        confirmed ``halt_on`` failure stops fit). On JAX the rings are read every
+        ``_read_every`` batches, waiting for the device; with ``halt_on`` or ``on_failure``
+        every batch, and the previous batch's loss is waited for too, so that a failure stops
+        fit after the next batch at most."""
+        if self._ring is None:
+            self._drain()
+            return
+        self._batches += 1
+        urgent = self._halt is not None or self._on_failure is not None
+        if not urgent and self._batches % self._read_every:
+            return
+        self._read_ring(wait=True)
+        if urgent:
+            # Keras hands the logs to the callback on a worker thread: the loss of the batch
+            # just trained comes from there (a bound on the wait, should that thread be stuck).
+            want = (self._epoch_base + int(batch)) // self._accumulate
+            with self._loss_seen:
+                self._loss_seen.wait_for(lambda: self._losses >= want, timeout=10.0)
         self._drain()
 
     def epoch_end(self) -> None:
@@ -613,7 +808,9 @@ class NeuralDbgCallback(keras.callbacks.Callback):
         trace: a path for the trace, or None (default): none is written.
         report: a path for the HTML report, or None (default).
         halt_on: stop training when a failure is confirmed (``True``, a confidence, failure
-            names): sets ``model.stop_training``, so ``fit`` ends after the current batch.
+            names): sets ``model.stop_training``, so ``fit`` ends after the batch that follows
+            the failing one (each step is then read before the next batch, waiting for the
+            device: a synchronisation per step).
         on_failure: called with newly confirmed hypotheses.
         verbose: print the diagnosis when ``fit`` ends.
         activations: measure the activations of ``Dense(activation=...)``/``Activation``
@@ -664,7 +861,7 @@ class NeuralDbgCallback(keras.callbacks.Callback):
 
     def on_train_batch_begin(self, batch: int, logs: Optional[Dict[str, Any]] = None) -> None:
         if self.dbg is not None:
-            self.dbg.batch_begin()
+            self.dbg.batch_begin(batch)
 
     def on_train_batch_end(self, batch: int, logs: Optional[Dict[str, Any]] = None) -> None:
         if self.dbg is not None:
