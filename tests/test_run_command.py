@@ -386,6 +386,47 @@ def test_confirm_a_planted_learning_rate(tmp_path: Path) -> None:
     assert "CONFIRMED" in r.stderr
 
 
+DEAD_AT_START = """
+    import torch, torch.nn as nn
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    with torch.no_grad():
+        model[0].bias.fill_(-20.0)  # planted: a bias that leaves every ReLU unit dead from the start
+    opt = torch.optim.SGD(model.parameters(), lr=0.02)
+    x = torch.randn(64, 8); y = x.sum(1, keepdim=True)
+    for step in range(40):
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        print(f"step {step} loss {loss.item():.9g}", flush=True)
+"""
+
+
+def test_confirm_a_planted_initialization_and_not_the_dying_relu_it_looks_like(tmp_path: Path) -> None:
+    r = run(tmp_path, DEAD_AT_START, "--confirm", "--jobs", "2", "--json", "d.json", "--out", "o", "SCRIPT")
+    assert r.returncode == 0, r.stderr
+    data = json.loads((tmp_path / "d.json").read_text())
+    top = data["hypotheses"][0]
+    assert (top["failure"], top["cause"], top["verdict"]) == ("dead_neurons", "poor_initialization", "confirmed"), (
+        _verdicts(data)
+    )
+    # The dead ReLU has no weights: the layer feeding it is the one re-initialized.
+    assert top["evidence"]["applied"] == ["0 (the layer before 1) re-initialized (1 module(s) reset)"]
+    # LeakyReLU keeps the units from being dead but does not make this regression learn.
+    relu = [h for h in data["hypotheses"] if h["cause"] == "dying_relu"]
+    assert relu and all(h["verdict"] in ("inconclusive", "refuted") for h in relu), _verdicts(data)
+    assert [h for h in data["hypotheses"] if h.get("verdict") == "confirmed"] == [
+        h for h in data["hypotheses"] if h["cause"] == "poor_initialization" and h.get("verdict") == "confirmed"
+    ]
+    # The script's own printed losses: the re-initialized re-run learns, the unchanged one does not.
+    runs = {Path(run["folder"]).name: run for run in data["confirm"]["runs"]}
+    (reinit,) = [name for name in runs if name.endswith("-reinit")]
+    own = {name: losses((tmp_path / "o" / "confirm" / f"{name}.log").read_text()) for name in ("unchanged", reinit)}
+    assert own["unchanged"][-1][1] > 0.9 * own["unchanged"][0][1]
+    assert own[reinit][-1][1] < 0.2 * own["unchanged"][-1][1]
+
+
 def test_confirm_on_a_healthy_program_confirms_nothing(tmp_path: Path) -> None:
     r = run(tmp_path, PLAIN, "--confirm", "--jobs", "2", "--json", "d.json", "--out", "o", "SCRIPT", "--steps", "15")
     assert r.returncode == 0, r.stderr
@@ -544,6 +585,13 @@ def test_each_remedy_does_what_it_says() -> None:
         planted[2].weight.fill_(5.0)
     Remedy({"kind": "reinit", "layer": "2"}, notes := []).model_found("Sequential", planted)
     assert planted[2].weight.abs().max() <= 1 / 8**0.5 and notes == ["2 re-initialized (1 module(s) reset)"]
+    # A layer without weights (a dead ReLU): the layer before it is re-initialized.
+    with torch.no_grad():
+        planted[0].bias.fill_(-20.0)
+    Remedy({"kind": "reinit", "layer": "1"}, notes := []).model_found("Sequential", planted)
+    assert planted[0].bias.abs().max() <= 1 / 4**0.5 and notes == [
+        "0 (the layer before 1) re-initialized (1 module(s) reset)"
+    ]
 
     # Training mode before each forward; inputs standardized with the first batch's statistics.
     model, remedy, _ = setup("train_mode")
