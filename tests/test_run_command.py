@@ -425,6 +425,25 @@ def test_confirm_a_planted_initialization_and_not_the_dying_relu_it_looks_like(t
     own = {name: losses((tmp_path / "o" / "confirm" / f"{name}.log").read_text()) for name in ("unchanged", reinit)}
     assert own["unchanged"][-1][1] > 0.9 * own["unchanged"][0][1]
     assert own[reinit][-1][1] < 0.2 * own["unchanged"][-1][1]
+    # `explain` and the report of the trace show the verdicts, confirmed first, and the curves.
+    trace = str(tmp_path / "o" / "Sequential.ndbg")
+    explained = subprocess.run(
+        [sys.executable, "-m", "neuraldbg", "explain", trace, "--json"], env=_env(), capture_output=True, text=True
+    )
+    assert explained.returncode == 0, explained.stderr
+    listed = json.loads(explained.stdout)
+    assert (listed[0]["cause"], listed[0]["verdict"]) == ("poor_initialization", "confirmed")
+    assert listed[0]["evidence"]["loss"] == pytest.approx(top["evidence"]["loss"])
+    assert {h["verdict"] for h in listed if h["cause"] == "dying_relu"} <= {"inconclusive", "refuted"}
+    text = subprocess.run(
+        [sys.executable, "-m", "neuraldbg", "explain", trace], env=_env(), capture_output=True, text=True
+    ).stdout
+    assert text.splitlines()[1].startswith("    CONFIRMED: the weights of 1")
+    page = (tmp_path / "o" / "Sequential.html").read_text()
+    assert '<div class="tried confirmed">' in page and '<div class="tried inconclusive">' in page
+    shown = json.loads(re.search(r'id="ndbg-data">(.*?)</script>', page, re.S).group(1))["confirm"]
+    assert [c["name"] for c in shown["curves"]][:2] == ["first run", "unchanged re-run"]
+    assert len(shown["curves"]) == 2 + len(data["confirm"]["runs"]) - 1
 
 
 def test_confirm_on_a_healthy_program_confirms_nothing(tmp_path: Path) -> None:

@@ -398,6 +398,8 @@ class Confirm:
             else:
                 h.update(_verdict(h, spec, data, unchanged, results[json.dumps(spec, sort_keys=True)], steps))
         hyps.sort(key=lambda h: 0 if h.get("verdict") == "confirmed" else 1)
+        for m in data["models"]:
+            _write_confirmation(m, hyps, steps, [(j[1], r) for j, r in zip(jobs, runs)])
         data["confirm"] = {
             "steps": steps,
             "runs": [
@@ -410,6 +412,51 @@ class Confirm:
             ],
         }
         _print_verdicts(hyps[: max(top, 1)] if hyps else [])
+
+
+def confirmation_path(trace: str) -> str:
+    """The file of verdicts and curves ``--confirm`` writes next to a model's trace (the CLI's
+    ``explain`` and ``report`` read it: ``Confirmation::path_for`` in the Rust report)."""
+    return os.path.splitext(trace)[0] + ".confirm.json"
+
+
+def _write_confirmation(
+    model: Dict[str, Any],
+    hyps: List[Dict[str, Any]],
+    steps: int,
+    runs: List[Tuple[Optional[Dict[str, Any]], Dict[str, Any]]],
+) -> None:
+    """The verdicts of ``model``'s hypotheses and the loss curves of the runs that bear on it
+    (the first run, the unchanged re-run, each remedy applied to it), as docs/trace-format.md
+    describes."""
+    name = model["name"]
+    curves = [{"name": "first run", "intervention": None, "steps": model["loss_steps"], "loss": model["loss"]}]
+    for spec, run in runs:
+        if spec is not None and spec.get("model") not in (None, name):
+            continue
+        seen = next((m for m in run.get("models", []) if m["name"] == name), None)
+        if seen is None:
+            continue
+        label = "unchanged re-run" if spec is None else _describe(spec)
+        curves.append(
+            {
+                "name": label,
+                "intervention": None if spec is None else label,
+                "steps": seen["loss_steps"],
+                "loss": seen["loss"],
+            }
+        )
+    keys = ("failure", "cause", "layer", "step", "verdict", "intervention", "evidence")
+    page = {
+        "format": "neuraldbg-confirm",
+        "version": 1,
+        "model": name,
+        "steps": steps,
+        "verdicts": [{k: h.get(k) for k in keys} for h in hyps if h.get("model") == name and "verdict" in h],
+        "runs": curves,
+    }
+    with open(confirmation_path(model["trace"]), "w", encoding="utf-8") as f:
+        json.dump(page, f, indent=1)
 
 
 def _verdict(

@@ -436,6 +436,25 @@ def _print_diagnosis(watch: Watch, quiet: bool) -> None:
     sys.stderr.flush()
 
 
+def _same_package_env() -> Dict[str, str]:
+    """The environment for a child process that imports this very neuraldbg package."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
+    return dict(os.environ, PYTHONPATH=path)
+
+
+def _report_verdicts(data: Dict[str, Any]) -> None:
+    """Each model's report made again by ``neuraldbg report``, which adds the verdicts and the
+    curves ``--confirm`` wrote next to the trace."""
+    import subprocess
+
+    for m in data["models"]:
+        cmd = [sys.executable, "-m", "neuraldbg", "report", m["trace"], "-o", m["report"]]
+        done = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, env=_same_package_env())
+        if done.returncode != 0:
+            _say(f"could not add the verdicts to the report of {m['name']}: {done.stderr.strip()}")
+
+
 def _write_reports(watch: Watch) -> None:
     for name, _, dbg in watch.models:
         try:
@@ -550,6 +569,7 @@ def _conclude(
     elif confirm is not None and data is not None and watch.models:
         try:
             confirm.run(data, watch.out)
+            _report_verdicts(data)
         except Exception as e:  # the run's own diagnosis and outputs still stand
             _say(f"--confirm failed ({type(e).__name__}: {e}); the diagnosis above is the run's own")
     if json_path and rank == 0 and data is not None:
