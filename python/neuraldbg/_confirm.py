@@ -397,6 +397,16 @@ class Confirm:
                 )
             else:
                 h.update(_verdict(h, spec, data, unchanged, results[json.dumps(spec, sort_keys=True)], steps))
+        parted: Dict[Tuple[str, Any], Optional[Dict[str, Any]]] = {}
+        for h in hyps:
+            spec = remedy_for(h)
+            if h.get("verdict") in (None, "untested") or spec is None:
+                continue
+            key = (json.dumps(spec, sort_keys=True), h.get("model"))
+            if key not in parted:
+                parted[key] = _parting(unchanged, results[key[0]], h.get("model"))
+            if parted[key] is not None:
+                h["evidence"]["parts_from_unchanged"] = parted[key]
         hyps.sort(key=lambda h: 0 if h.get("verdict") == "confirmed" else 1)
         for m in data["models"]:
             _write_confirmation(m, hyps, steps, [(j[1], r) for j, r in zip(jobs, runs)])
@@ -412,6 +422,30 @@ class Confirm:
             ],
         }
         _print_verdicts(hyps[: max(top, 1)] if hyps else [])
+
+
+def _parting(unchanged: Dict[str, Any], tried: Dict[str, Any], model: Optional[str]) -> Optional[Dict[str, Any]]:
+    """Where the run with the remedy parts from the unchanged re-run, by ``neuraldbg diff``:
+    the first step their losses differ (``loss_step``) and the first step and layer whose
+    health differs (``health``); None when a trace is missing or the diff fails."""
+    from ._run import _same_package_env
+
+    def trace(run: Dict[str, Any]) -> Optional[str]:
+        found = [m["trace"] for m in run.get("models", []) if model is None or m["name"] == model]
+        return found[0] if found and os.path.exists(found[0]) else None
+
+    a, b = trace(unchanged), trace(tried)
+    if a is None or b is None:
+        return None
+    cmd = [sys.executable, "-m", "neuraldbg", "diff", "--json", a, b]
+    done = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, env=_same_package_env())
+    try:
+        d = json.loads(done.stdout) if done.returncode == 0 else None
+    except ValueError:
+        d = None
+    if d is None:
+        return None
+    return {"loss_step": d["loss_parting_step"], "health": d["parting"]}
 
 
 def confirmation_path(trace: str) -> str:

@@ -74,6 +74,10 @@ pub struct Diff {
     /// Print the comparison as a JSON object
     #[arg(long)]
     pub json: bool,
+    /// Also write the comparison as a self-contained HTML page (both loss curves, where the
+    /// runs part, the events only one run has)
+    #[arg(long, value_name = "FILE")]
+    pub html: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]

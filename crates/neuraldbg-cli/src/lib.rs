@@ -214,7 +214,7 @@ fn dispatch(cli: &Cli, io: &mut Io<'_>) -> Result<i32, Stop> {
         Command::Diff(a) => {
             let first = load(&a.a, io)?;
             let second = load(&a.b, io)?;
-            diff::print(&first, &second, a.json, io)?;
+            diff::print(&first, &second, a.json, a.html.as_deref(), io)?;
             return Ok(EXIT_OK);
         }
         Command::Run(_) => {

@@ -69,6 +69,52 @@ pub struct Evidence {
     pub loss_unchanged: Option<f64>,
     pub loss_first_run: Option<f64>,
     pub spread: Option<f64>,
+    /// Where the run with the remedy parts from the unchanged re-run (`neuraldbg diff`).
+    #[serde(default)]
+    pub parts_from_unchanged: Option<Parted>,
+}
+
+/// Where two runs part, as `neuraldbg diff` says: the first step their losses differ, and the
+/// first step and layer whose health differs.
+#[derive(Clone, Debug, Default, Deserialize, Serialize)]
+pub struct Parted {
+    pub loss_step: Option<u64>,
+    pub health: Option<HealthParting>,
+}
+
+/// The first health difference between two runs.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+pub struct HealthParting {
+    pub step: u64,
+    pub kind: String,
+    pub layer: String,
+    /// The state in the unchanged re-run, and with the remedy.
+    pub a: String,
+    pub b: String,
+}
+
+impl Parted {
+    /// In words, for the report.
+    pub fn text(&self) -> String {
+        let loss = self.loss_step.map_or_else(
+            || "the losses never differ".to_string(),
+            |s| format!("the losses part at step {s}"),
+        );
+        let health = self.health.as_ref().map_or_else(
+            || "health never differs".to_string(),
+            |h| {
+                format!(
+                    "health parts at step {}: {} {} is {} unchanged, {} with the remedy",
+                    h.step,
+                    crate::model::display_name(&h.layer),
+                    h.kind,
+                    h.a,
+                    h.b
+                )
+            },
+        );
+        format!("{loss}; {health}")
+    }
 }
 
 /// One run's loss curve; a None loss is a non-finite one.

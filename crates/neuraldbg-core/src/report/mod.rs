@@ -40,7 +40,7 @@ use crate::model::{Model, display_name};
 
 mod confirmation;
 mod strip;
-pub use confirmation::{ConfirmRun, Confirmation, Evidence, Verdict};
+pub use confirmation::{ConfirmRun, Confirmation, Evidence, HealthParting, Parted, Verdict};
 pub use strip::{HealthStrip, StripRow, health_strip};
 
 /// Step columns at most (history buckets beyond are merged in groups).
@@ -996,6 +996,13 @@ fn verdict_block(v: &Verdict) -> String {
             e.spread
                 .map_or_else(|| "—".into(), crate::analysis::format_number),
         );
+        if let Some(p) = &e.parts_from_unchanged {
+            let _ = write!(
+                s,
+                "<p class=\"parted\">Against the unchanged re-run: {}.</p>",
+                escape(&p.text())
+            );
+        }
     }
     s.push_str("</div>");
     s

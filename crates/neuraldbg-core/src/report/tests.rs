@@ -327,7 +327,9 @@ fn confirmed_run() -> (Engine, Vec<CausalHypothesis>, Confirmation) {
         serde_json::json!({"failure": h.failure.as_str(), "cause": h.cause.as_str(),
             "layer": h.layer, "step": h.step, "verdict": verdict, "intervention": format!("fix {verdict}"),
             "evidence": {"why": format!("because {verdict}"), "failure_recurred": verdict != "confirmed",
-                "failure_in_unchanged": true, "loss": loss, "loss_unchanged": null, "spread": 0.0}})
+                "failure_in_unchanged": true, "loss": loss, "loss_unchanged": null, "spread": 0.0,
+                "parts_from_unchanged": {"loss_step": 3, "health": {"step": 10, "kind": "gradient_health",
+                    "layer": "fc0", "a": "EXPLODING", "b": "HEALTHY"}}}})
     };
     let steps: Vec<u64> = (0..30).collect();
     let unchanged: Vec<Value> = steps
@@ -362,6 +364,10 @@ fn confirm_verdicts_lead_the_verdict_with_their_numbers() {
     ));
     assert!(html.contains("<div class=\"tried refuted\">"));
     assert!(html.contains("0.25 with it, non-finite unchanged"));
+    assert!(html.contains(
+        "Against the unchanged re-run: the losses part at step 3; health parts at step 10: fc0 \
+         gradient_health is EXPLODING unchanged, HEALTHY with the remedy."
+    ));
     assert_eq!(c.rank(&hyps)[0].description, hyps[1].description);
     // Without the file the page is the plain report.
     let plain = render_html(&e, "plain");
