@@ -7,7 +7,7 @@ PY      := $(VENV)/bin/python
 STAMPS  := .stamps
 SOURCES := $(shell find crates python -type f \( -name '*.rs' -o -name '*.py' -o -name '*.pyi' -o -name 'Cargo.toml' -o -name '*.js' -o -name '*.css' -o -name '*.html' \) 2>/dev/null) Cargo.toml pyproject.toml
 
-.PHONY: all demo demo-burn jax test test-rust test-python lint bench bench-overhead bench-jax bench-models bench-frameworks bench-distributed bench-engine bench-burn bench-memory bench-diagnosis bench-corpus bench-report bench-trace gpu-check bench-kept-memory build browser terminal report-screenshot watch-screenshot clean
+.PHONY: all demo demo-burn jax test test-rust test-python lint bench bench-overhead bench-jax bench-models bench-frameworks bench-run bench-distributed bench-engine bench-burn bench-memory bench-diagnosis bench-corpus bench-report bench-trace gpu-check bench-kept-memory build browser terminal report-screenshot watch-screenshot clean
 
 all: test
 
@@ -117,7 +117,7 @@ $(STAMPS)/bench-venv: $(STAMPS)/deps
 # `make bench`: the overhead table (plain vs monitored, interleaved; minutes), third-party models
 # and Lightning, a 2-process DDP and FSDP2 job, the engine's ingest throughput and the burn
 # adapter's overhead. `make bench-memory`: 10,000 layers x 1,000,000 steps (minutes).
-bench: bench-overhead bench-models bench-frameworks bench-distributed bench-engine bench-burn bench-jax
+bench: bench-overhead bench-models bench-frameworks bench-run bench-distributed bench-engine bench-burn bench-jax
 
 bench-overhead: build $(STAMPS)/bench-venv
 	$(PY) bench/overhead.py --legacy-python $(BENCH_VENV)/bin/python
@@ -139,6 +139,10 @@ bench-models: build
 # Trainer.fit under PyTorch Lightning with and without neuraldbg.lightning.NeuralDbgCallback.
 bench-frameworks: build
 	$(PY) bench/frameworks.py
+
+# `neuraldbg run train.py` against the same script with `with NeuralDbg(model)` in its loop.
+bench-run: build
+	$(PY) bench/run_overhead.py
 
 bench-engine:
 	cargo bench -p neuraldbg-core --bench observe

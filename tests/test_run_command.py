@@ -386,6 +386,71 @@ def test_confirm_a_planted_learning_rate(tmp_path: Path) -> None:
     assert "CONFIRMED" in r.stderr
 
 
+DEAD_AT_START = """
+    import torch, torch.nn as nn
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    with torch.no_grad():
+        model[0].bias.fill_(-20.0)  # planted: a bias that leaves every ReLU unit dead from the start
+    opt = torch.optim.SGD(model.parameters(), lr=0.02)
+    x = torch.randn(64, 8); y = x.sum(1, keepdim=True)
+    for step in range(40):
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        print(f"step {step} loss {loss.item():.9g}", flush=True)
+"""
+
+
+def test_confirm_a_planted_initialization_and_not_the_dying_relu_it_looks_like(tmp_path: Path) -> None:
+    r = run(tmp_path, DEAD_AT_START, "--confirm", "--jobs", "2", "--json", "d.json", "--out", "o", "SCRIPT")
+    assert r.returncode == 0, r.stderr
+    data = json.loads((tmp_path / "d.json").read_text())
+    top = data["hypotheses"][0]
+    assert (top["failure"], top["cause"], top["verdict"]) == ("dead_neurons", "poor_initialization", "confirmed"), (
+        _verdicts(data)
+    )
+    # The dead ReLU has no weights: the layer feeding it is the one re-initialized.
+    assert top["evidence"]["applied"] == ["0 (the layer before 1) re-initialized (1 module(s) reset)"]
+    # LeakyReLU keeps the units from being dead but does not make this regression learn.
+    relu = [h for h in data["hypotheses"] if h["cause"] == "dying_relu"]
+    assert relu and all(h["verdict"] in ("inconclusive", "refuted") for h in relu), _verdicts(data)
+    assert [h for h in data["hypotheses"] if h.get("verdict") == "confirmed"] == [
+        h for h in data["hypotheses"] if h["cause"] == "poor_initialization" and h.get("verdict") == "confirmed"
+    ]
+    # The script's own printed losses: the re-initialized re-run learns, the unchanged one does not.
+    runs = {Path(run["folder"]).name: run for run in data["confirm"]["runs"]}
+    (reinit,) = [name for name in runs if name.endswith("-reinit")]
+    own = {name: losses((tmp_path / "o" / "confirm" / f"{name}.log").read_text()) for name in ("unchanged", reinit)}
+    assert own["unchanged"][-1][1] > 0.9 * own["unchanged"][0][1]
+    assert own[reinit][-1][1] < 0.2 * own["unchanged"][-1][1]
+    # `explain` and the report of the trace show the verdicts, confirmed first, and the curves.
+    trace = str(tmp_path / "o" / "Sequential.ndbg")
+    explained = subprocess.run(
+        [sys.executable, "-m", "neuraldbg", "explain", trace, "--json"], env=_env(), capture_output=True, text=True
+    )
+    assert explained.returncode == 0, explained.stderr
+    listed = json.loads(explained.stdout)
+    assert (listed[0]["cause"], listed[0]["verdict"]) == ("poor_initialization", "confirmed")
+    assert listed[0]["evidence"]["loss"] == pytest.approx(top["evidence"]["loss"])
+    assert {h["verdict"] for h in listed if h["cause"] == "dying_relu"} <= {"inconclusive", "refuted"}
+    text = subprocess.run(
+        [sys.executable, "-m", "neuraldbg", "explain", trace], env=_env(), capture_output=True, text=True
+    ).stdout
+    assert text.splitlines()[1].startswith("    CONFIRMED: the weights of 1")
+    page = (tmp_path / "o" / "Sequential.html").read_text()
+    assert '<div class="tried confirmed">' in page and '<div class="tried inconclusive">' in page
+    shown = json.loads(re.search(r'id="ndbg-data">(.*?)</script>', page, re.S).group(1))["confirm"]
+    assert [c["name"] for c in shown["curves"]][:2] == ["first run", "unchanged re-run"]
+    assert len(shown["curves"]) == 2 + len(data["confirm"]["runs"]) - 1
+    # Each tried remedy says where its run parted from the unchanged one (neuraldbg diff).
+    parts = next(
+        s for (s, x), (_, y) in zip(own["unchanged"], own[reinit]) if not abs(x - y) <= 0.01 * max(abs(x), abs(y))
+    )
+    assert top["evidence"]["parts_from_unchanged"]["loss_step"] == parts
+
+
 def test_confirm_on_a_healthy_program_confirms_nothing(tmp_path: Path) -> None:
     r = run(tmp_path, PLAIN, "--confirm", "--jobs", "2", "--json", "d.json", "--out", "o", "SCRIPT", "--steps", "15")
     assert r.returncode == 0, r.stderr
@@ -442,6 +507,16 @@ def test_diff_says_where_two_runs_part(tmp_path: Path) -> None:
         timeout=120,
     ).stdout
     assert f"The runs part at step {d['parting']['step']}" in text and "Events only in B:" in text
+    # The same comparison as a page: both loss curves, where they part, the events only B has.
+    page_cmd = [sys.executable, "-m", "neuraldbg", "diff", str(tmp_path / "good.ndbg"), str(tmp_path / "bad.ndbg")]
+    done = subprocess.run([*page_cmd, "--html", str(tmp_path / "d.html")], env=_env(), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    page = (tmp_path / "d.html").read_text()
+    assert page.startswith("<!DOCTYPE html>") and "<script" not in page
+    assert f"The runs part at step {d['parting']['step']}:" in page
+    assert f"The loss curves part at step {apart}" in page
+    assert page.count('stroke-width="1.6"') == 2  # one curve per run
+    assert f'Events only in <span class="b">B</span> ({len(d["only_b"])})' in page
 
 
 def test_halt_on_stops_training_at_a_confirmed_failure(tmp_path: Path) -> None:
@@ -484,10 +559,33 @@ def test_ctrl_c_still_gives_the_diagnosis_trace_and_report(tmp_path: Path) -> No
     assert "stopped the script: interrupted" in err and "Sequential:" in err
     data = json.loads((tmp_path / "d.json").read_text())
     assert data["steps"] >= 4 and data["stopped"] == "interrupted"
-    # Ctrl-C between a step's backward and its optimizer step leaves that forward observed as
-    # the run's final (interrupted) step: the trace then holds one step more than completed.
-    assert neuraldbg.load(str(tmp_path / "o" / "Sequential.ndbg")).step in (data["steps"], data["steps"] + 1)
+    # However Ctrl-C lands (between a backward and its optimizer step too), a forward it cut
+    # short is no step: the trace holds the completed optimizer steps.
+    assert neuraldbg.load(str(tmp_path / "o" / "Sequential.ndbg")).step == data["steps"]
     assert (tmp_path / "o" / "Sequential.html").exists()
+
+
+def test_ctrl_c_between_backward_and_step_is_not_a_step(tmp_path: Path) -> None:
+    """The in-code API, with Ctrl-C placed exactly between a backward and its optimizer step."""
+    import torch
+    import torch.nn as nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    x = torch.randn(64, 8)
+    y = x.sum(1, keepdim=True)
+    completed = 0
+    with pytest.raises(KeyboardInterrupt), neuraldbg.NeuralDbg(model, trace=str(tmp_path / "t.ndbg")) as dbg:
+        for step in range(10):
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            if step == 6:
+                raise KeyboardInterrupt
+            opt.step()
+            completed += 1
+    assert completed == 6 and dbg.step == 6
+    assert neuraldbg.load(str(tmp_path / "t.ndbg")).step == 6
 
 
 def test_each_remedy_does_what_it_says() -> None:
@@ -544,6 +642,13 @@ def test_each_remedy_does_what_it_says() -> None:
         planted[2].weight.fill_(5.0)
     Remedy({"kind": "reinit", "layer": "2"}, notes := []).model_found("Sequential", planted)
     assert planted[2].weight.abs().max() <= 1 / 8**0.5 and notes == ["2 re-initialized (1 module(s) reset)"]
+    # A layer without weights (a dead ReLU): the layer before it is re-initialized.
+    with torch.no_grad():
+        planted[0].bias.fill_(-20.0)
+    Remedy({"kind": "reinit", "layer": "1"}, notes := []).model_found("Sequential", planted)
+    assert planted[0].bias.abs().max() <= 1 / 4**0.5 and notes == [
+        "0 (the layer before 1) re-initialized (1 module(s) reset)"
+    ]
 
     # Training mode before each forward; inputs standardized with the first batch's statistics.
     model, remedy, _ = setup("train_mode")

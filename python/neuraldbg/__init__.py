@@ -6,6 +6,8 @@ change. Statistics are collected by PyTorch hooks and analysed by a Rust engine.
 """
 
 from . import _native
+from ._function import RunResult, run
+from ._load import TraceRun, load
 from ._results import Hypotheses
 from .debugger import NeuralDbg
 from .errors import (
@@ -18,7 +20,6 @@ from .errors import (
     TrainingFailure,
     UnknownNameError,
 )
-from .run import TraceRun, load
 from .types import (
     ActivationHealth,
     CausalHypothesis,
@@ -55,6 +56,7 @@ __all__ = [
     "NeuralDbgWarning",
     "ReplicaHealth",
     "RootCause",
+    "RunResult",
     "SemanticEvent",
     "TraceError",
     "TraceRun",
@@ -62,4 +64,5 @@ __all__ = [
     "UnknownNameError",
     "__version__",
     "load",
+    "run",
 ]

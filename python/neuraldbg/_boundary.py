@@ -300,7 +300,8 @@ class StepBoundary:
         inputs, loss, and the forward outputs scanned for NaN/Inf) when the loop raised, or when
         it stopped on its own after that forward went non-finite (``if not
         torch.isfinite(loss): break``), so a run that ended in a failure still leaves its
-        diagnosis. A final healthy forward (an evaluation pass) is not a step."""
+        diagnosis. A final healthy forward (an evaluation pass, or one cut short by Ctrl-C,
+        which the debugger does not count as a crash) is not a step."""
         self.c.reader.drop_plain()
         if self.c.disabled:
             return

@@ -22,7 +22,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["REMEDIES", "Remedy", "confirm"]
+__all__ = ["REMEDIES", "Confirm", "Remedy"]
 
 # The mechanical remedy of each cause: (kind, value). Causes not here are left untested.
 REMEDIES: Dict[str, Tuple[str, Any]] = {
@@ -60,7 +60,9 @@ def _describe(spec: Dict[str, Any]) -> str:
             "zero_grad": "optimizer.zero_grad() after each step",
             "train_mode": "model.train() before each forward",
             "add_parameters": "parameters missing from the optimizer added to it",
-            "reinit": f"{layer or 'every layer'} re-initialized (reset_parameters)",
+            "reinit": f"the weights of {layer} (or of the layer before it) re-initialized"
+            if layer
+            else "every layer re-initialized",
             "leaky_relu": "ReLU replaced by LeakyReLU(0.01)",
             "standardize": "inputs standardized (first batch's mean and std)",
             "remove_output_activation": f"output activation {layer} removed" if layer else "output activation removed",
@@ -192,20 +194,35 @@ class _Standardize:
         return ((x - mean) / std, *args[1:])
 
 
+def _resettable(m: Any) -> bool:
+    return callable(getattr(m, "reset_parameters", None))
+
+
 def _reinit(module: Any, layer: Optional[str]) -> str:
     try:
         target = module.get_submodule(layer) if layer else module
     except AttributeError:
         return f"not applicable: no layer {layer!r} in {type(module).__name__}"
-    count = 0
-    for m in target.modules():
-        reset = getattr(m, "reset_parameters", None)
-        if callable(reset):
-            reset()
-            count += 1
-    if not count:
-        return f"not applicable: {layer or type(module).__name__} has no reset_parameters()"
-    return f"{layer or type(module).__name__} re-initialized ({count} module(s) reset)"
+    name = layer or type(module).__name__
+    resets = [m for m in target.modules() if _resettable(m)]
+    if not resets and layer:
+        # A parameterless layer (a ReLU whose units are dead) is set by the weights before it:
+        # the nearest earlier layer, in the order the model registers them, that can be reset.
+        before = []
+        for n, m in module.named_modules():
+            if n == layer:
+                break
+            if _resettable(m) and not any(_resettable(c) for c in m.children()):
+                before.append((n, m))
+        if before:
+            name, last = before[-1]
+            name = f"{name} (the layer before {layer})"
+            resets = [last]
+    for m in resets:
+        m.reset_parameters()
+    if not resets:
+        return f"not applicable: {name} has no reset_parameters()"
+    return f"{name} re-initialized ({len(resets)} module(s) reset)"
 
 
 def _leaky(module: Any) -> str:
@@ -273,99 +290,207 @@ def _recurs(run: Dict[str, Any], h: Dict[str, Any]) -> bool:
     )
 
 
-def _child_argv(
-    target: Tuple[str, str],
-    script_args: Sequence[str],
-    args: Any,
-    folder: str,
-    steps: int,
-    spec: Optional[Dict[str, Any]],
-) -> List[str]:
-    cmd = [sys.executable, "-m", "neuraldbg", "run", "--quiet", "--out", folder, "--json", folder + ".json"]
-    cmd += ["--steps", str(steps), "--seed", "0"]
-    for o in args.option:
-        cmd += ["-o", o]
-    if spec is not None:
-        cmd += ["--apply", json.dumps(spec)]
-    cmd += ["-m", target[1]] if target[0] == "module" else ["--", target[1]]
-    return cmd + list(script_args)
+class Confirm:
+    """How ``--confirm`` runs the script again: ``target`` and ``script_args`` as ``neuraldbg
+    run`` was given them, the ``-o`` option words, the budget (``steps``, None for the run's
+    own; ``top`` hypotheses; ``jobs`` at once), the ``seed`` of every re-run (None: none set)
+    and ``env``, variables added to the children's environment."""
+
+    def __init__(
+        self,
+        target: Tuple[str, str],
+        script_args: Sequence[str],
+        options: Sequence[str],
+        steps: Optional[int],
+        top: int,
+        jobs: int,
+        seed: Optional[int],
+        env: Dict[str, str],
+    ) -> None:
+        self.target = target
+        self.script_args = list(script_args)
+        self.options = list(options)
+        self.steps = steps
+        self.top = max(0, int(top))
+        self.jobs = max(1, int(jobs))
+        self.seed = seed
+        self.env = env
+
+    def child_argv(self, folder: str, steps: int, spec: Optional[Dict[str, Any]]) -> List[str]:
+        cmd = [sys.executable, "-m", "neuraldbg", "run", "--quiet", "--out", folder, "--json", folder + ".json"]
+        cmd += ["--steps", str(steps)]
+        if self.seed is not None:
+            cmd += ["--seed", str(self.seed)]
+        for o in self.options:
+            cmd += ["-o", o]
+        if spec is not None:
+            cmd += ["--apply", json.dumps(spec)]
+        cmd += ["-m", self.target[1]] if self.target[0] == "module" else ["--", self.target[1]]
+        return cmd + self.script_args
+
+    def _run_child(self, cmd: List[str], folder: str) -> Dict[str, Any]:
+        env = dict(os.environ, PYTHONHASHSEED="0")
+        for key, value in self.env.items():
+            env[key] = os.pathsep.join(v for v in (value, env.get(key)) if v) if key == "PYTHONPATH" else value
+        os.makedirs(os.path.dirname(folder) or ".", exist_ok=True)
+        with open(folder + ".log", "w", encoding="utf-8") as log:
+            proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env)
+        try:
+            with open(folder + ".json", encoding="utf-8") as f:
+                out: Dict[str, Any] = json.load(f)
+        except (OSError, ValueError):
+            out = {"models": [], "hypotheses": [], "applied": []}
+        out["process_exit"] = proc.returncode
+        out["log"] = folder + ".log"
+        return out
+
+    def run(self, data: Dict[str, Any], out: str) -> None:
+        """Adds ``verdict``, ``intervention`` and ``evidence`` to the top hypotheses of ``data``
+        (the run's ``--json`` object), ranks the confirmed first, records the runs under
+        ``data["confirm"]`` and prints the verdicts."""
+        steps = int(self.steps or data["steps"])
+        top = self.top
+        hyps: List[Dict[str, Any]] = data["hypotheses"]
+        if steps < 1:
+            print("neuraldbg: --confirm: no optimizer step was observed; nothing to confirm", file=sys.stderr)
+            return
+        specs: List[Dict[str, Any]] = []
+        for h in hyps[:top]:
+            spec = remedy_for(h)
+            if spec is not None and spec not in specs:
+                specs.append(spec)
+        folder = os.path.join(out, "confirm")
+        jobs: List[Tuple[str, Optional[Dict[str, Any]]]] = [(os.path.join(folder, "unchanged"), None)]
+        jobs += [(os.path.join(folder, f"remedy{i + 1}-{s['kind']}"), s) for i, s in enumerate(specs)]
+        done = [0]
+        lock = threading.Lock()
+
+        def one(job: Tuple[str, Optional[Dict[str, Any]]]) -> Dict[str, Any]:
+            result = self._run_child(self.child_argv(job[0], steps, job[1]), job[0])
+            with lock:
+                done[0] += 1
+                print(
+                    f"\rneuraldbg: --confirm: {done[0]}/{len(jobs)} runs of {steps} steps done",
+                    end="",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            return result
+
+        print(
+            f"neuraldbg: --confirm: {len(jobs)} runs of {steps} steps ({self.jobs} at once)",
+            file=sys.stderr,
+            flush=True,
+        )
+        with ThreadPoolExecutor(max_workers=self.jobs) as pool:
+            runs = list(pool.map(one, jobs))
+        print(file=sys.stderr)
+        unchanged = runs[0]
+        results = dict(zip((json.dumps(s, sort_keys=True) for s in specs), runs[1:]))
+        for rank, h in enumerate(hyps):
+            spec = remedy_for(h)
+            if rank >= top:
+                h.update(verdict="untested", intervention=None, evidence={"why": f"not among the top {top}"})
+            elif spec is None:
+                h.update(
+                    verdict="untested", intervention=None, evidence={"why": f"no mechanical remedy for {h['cause']}"}
+                )
+            else:
+                h.update(_verdict(h, spec, data, unchanged, results[json.dumps(spec, sort_keys=True)], steps))
+        parted: Dict[Tuple[str, Any], Optional[Dict[str, Any]]] = {}
+        for h in hyps:
+            spec = remedy_for(h)
+            if h.get("verdict") in (None, "untested") or spec is None:
+                continue
+            key = (json.dumps(spec, sort_keys=True), h.get("model"))
+            if key not in parted:
+                parted[key] = _parting(unchanged, results[key[0]], h.get("model"))
+            if parted[key] is not None:
+                h["evidence"]["parts_from_unchanged"] = parted[key]
+        hyps.sort(key=lambda h: 0 if h.get("verdict") == "confirmed" else 1)
+        for m in data["models"]:
+            _write_confirmation(m, hyps, steps, [(j[1], r) for j, r in zip(jobs, runs)])
+        data["confirm"] = {
+            "steps": steps,
+            "runs": [
+                {
+                    "folder": j[0],
+                    "intervention": None if j[1] is None else _describe(j[1]),
+                    "exit_code": r["process_exit"],
+                }
+                for j, r in zip(jobs, runs)
+            ],
+        }
+        _print_verdicts(hyps[: max(top, 1)] if hyps else [])
 
 
-def _run_child(cmd: List[str], folder: str) -> Dict[str, Any]:
-    env = dict(os.environ, PYTHONHASHSEED="0")
-    os.makedirs(os.path.dirname(folder) or ".", exist_ok=True)
-    with open(folder + ".log", "w", encoding="utf-8") as log:
-        proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env)
+def _parting(unchanged: Dict[str, Any], tried: Dict[str, Any], model: Optional[str]) -> Optional[Dict[str, Any]]:
+    """Where the run with the remedy parts from the unchanged re-run, by ``neuraldbg diff``:
+    the first step their losses differ (``loss_step``) and the first step and layer whose
+    health differs (``health``); None when a trace is missing or the diff fails."""
+    from ._run import _same_package_env
+
+    def trace(run: Dict[str, Any]) -> Optional[str]:
+        found = [m["trace"] for m in run.get("models", []) if model is None or m["name"] == model]
+        return found[0] if found and os.path.exists(found[0]) else None
+
+    a, b = trace(unchanged), trace(tried)
+    if a is None or b is None:
+        return None
+    cmd = [sys.executable, "-m", "neuraldbg", "diff", "--json", a, b]
+    done = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, env=_same_package_env())
     try:
-        with open(folder + ".json", encoding="utf-8") as f:
-            out: Dict[str, Any] = json.load(f)
-    except (OSError, ValueError):
-        out = {"models": [], "hypotheses": [], "applied": []}
-    out["process_exit"] = proc.returncode
-    out["log"] = folder + ".log"
-    return out
+        d = json.loads(done.stdout) if done.returncode == 0 else None
+    except ValueError:
+        d = None
+    if d is None:
+        return None
+    return {"loss_step": d["loss_parting_step"], "health": d["parting"]}
 
 
-def confirm(data: Dict[str, Any], target: Tuple[str, str], script_args: Sequence[str], args: Any, out: str) -> None:
-    """Adds ``verdict``, ``intervention`` and ``evidence`` to the top hypotheses of ``data`` (the
-    run's ``--json`` object), ranks the confirmed first, records the runs under
-    ``data["confirm"]`` and prints the verdicts."""
-    steps = int(args.confirm_steps or data["steps"])
-    top = max(0, int(args.confirm_top))
-    hyps: List[Dict[str, Any]] = data["hypotheses"]
-    if steps < 1:
-        print("neuraldbg: --confirm: no optimizer step was observed; nothing to confirm", file=sys.stderr)
-        return
-    specs: List[Dict[str, Any]] = []
-    for h in hyps[:top]:
-        spec = remedy_for(h)
-        if spec is not None and spec not in specs:
-            specs.append(spec)
-    folder = os.path.join(out, "confirm")
-    jobs: List[Tuple[str, Optional[Dict[str, Any]]]] = [(os.path.join(folder, "unchanged"), None)]
-    jobs += [(os.path.join(folder, f"remedy{i + 1}-{s['kind']}"), s) for i, s in enumerate(specs)]
-    done = [0]
-    lock = threading.Lock()
+def confirmation_path(trace: str) -> str:
+    """The file of verdicts and curves ``--confirm`` writes next to a model's trace (the CLI's
+    ``explain`` and ``report`` read it: ``Confirmation::path_for`` in the Rust report)."""
+    return os.path.splitext(trace)[0] + ".confirm.json"
 
-    def one(job: Tuple[str, Optional[Dict[str, Any]]]) -> Dict[str, Any]:
-        result = _run_child(_child_argv(target, script_args, args, job[0], steps, job[1]), job[0])
-        with lock:
-            done[0] += 1
-            print(
-                f"\rneuraldbg: --confirm: {done[0]}/{len(jobs)} runs of {steps} steps done",
-                end="",
-                file=sys.stderr,
-                flush=True,
-            )
-        return result
 
-    print(
-        f"neuraldbg: --confirm: {len(jobs)} runs of {steps} steps ({max(1, args.jobs)} at once)",
-        file=sys.stderr,
-        flush=True,
-    )
-    with ThreadPoolExecutor(max_workers=max(1, int(args.jobs))) as pool:
-        runs = list(pool.map(one, jobs))
-    print(file=sys.stderr)
-    unchanged = runs[0]
-    results = dict(zip((json.dumps(s, sort_keys=True) for s in specs), runs[1:]))
-    for rank, h in enumerate(hyps):
-        spec = remedy_for(h)
-        if rank >= top:
-            h.update(verdict="untested", intervention=None, evidence={"why": f"not among the top {top}"})
-        elif spec is None:
-            h.update(verdict="untested", intervention=None, evidence={"why": f"no mechanical remedy for {h['cause']}"})
-        else:
-            h.update(_verdict(h, spec, data, unchanged, results[json.dumps(spec, sort_keys=True)], steps))
-    hyps.sort(key=lambda h: 0 if h.get("verdict") == "confirmed" else 1)
-    data["confirm"] = {
+def _write_confirmation(
+    model: Dict[str, Any],
+    hyps: List[Dict[str, Any]],
+    steps: int,
+    runs: List[Tuple[Optional[Dict[str, Any]], Dict[str, Any]]],
+) -> None:
+    """The verdicts of ``model``'s hypotheses and the loss curves of the runs that bear on it
+    (the first run, the unchanged re-run, each remedy applied to it), as docs/trace-format.md
+    describes."""
+    name = model["name"]
+    curves = [{"name": "first run", "intervention": None, "steps": model["loss_steps"], "loss": model["loss"]}]
+    for spec, run in runs:
+        if spec is not None and spec.get("model") not in (None, name):
+            continue
+        seen = next((m for m in run.get("models", []) if m["name"] == name), None)
+        if seen is None:
+            continue
+        label = "unchanged re-run" if spec is None else _describe(spec)
+        curves.append(
+            {
+                "name": label,
+                "intervention": None if spec is None else label,
+                "steps": seen["loss_steps"],
+                "loss": seen["loss"],
+            }
+        )
+    keys = ("failure", "cause", "layer", "step", "verdict", "intervention", "evidence")
+    page = {
+        "format": "neuraldbg-confirm",
+        "version": 1,
+        "model": name,
         "steps": steps,
-        "runs": [
-            {"folder": j[0], "intervention": None if j[1] is None else _describe(j[1]), "exit_code": r["process_exit"]}
-            for j, r in zip(jobs, runs)
-        ],
+        "verdicts": [{k: h.get(k) for k in keys} for h in hyps if h.get("model") == name and "verdict" in h],
+        "runs": curves,
     }
-    _print_verdicts(hyps[: max(top, 1)] if hyps else [])
+    with open(confirmation_path(model["trace"]), "w", encoding="utf-8") as f:
+        json.dump(page, f, indent=1)
 
 
 def _verdict(

@@ -436,6 +436,25 @@ def _print_diagnosis(watch: Watch, quiet: bool) -> None:
     sys.stderr.flush()
 
 
+def _same_package_env() -> Dict[str, str]:
+    """The environment for a child process that imports this very neuraldbg package."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
+    return dict(os.environ, PYTHONPATH=path)
+
+
+def _report_verdicts(data: Dict[str, Any]) -> None:
+    """Each model's report made again by ``neuraldbg report``, which adds the verdicts and the
+    curves ``--confirm`` wrote next to the trace."""
+    import subprocess
+
+    for m in data["models"]:
+        cmd = [sys.executable, "-m", "neuraldbg", "report", m["trace"], "-o", m["report"]]
+        done = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, env=_same_package_env())
+        if done.returncode != 0:
+            _say(f"could not add the verdicts to the report of {m['name']}: {done.stderr.strip()}")
+
+
 def _write_reports(watch: Watch) -> None:
     for name, _, dbg in watch.models:
         try:
@@ -516,29 +535,50 @@ def main(argv: Sequence[str]) -> int:
     if args.seed is not None:
         _seed(args.seed)
     watch = Watch(out, options, halt_on, args.steps, apply)
-    code, stopped = _execute(watch, target, script_args)
+    code, stopped, _ = _execute(
+        watch, lambda: _run_target(target, script_args), target[1] if target[0] == "path" else None
+    )
+    confirm = None
+    if args.confirm:
+        from ._confirm import Confirm
+
+        confirm = Confirm(target, script_args, args.option, args.confirm_steps, args.confirm_top, args.jobs, 0, {})
+    _conclude(watch, code, stopped, args.quiet, confirm, args.json)
+    return code
+
+
+def _conclude(
+    watch: Watch,
+    code: int,
+    stopped: Optional[str],
+    quiet: bool,
+    confirm: Any,
+    json_path: Optional[str],
+) -> Optional[Dict[str, Any]]:
+    """After the run: reports written and the diagnosis printed (rank 0), the remedies tried
+    when ``confirm`` is given, ``--json`` written; returns what ``--json`` holds (None on the
+    other ranks of a job when nothing was watched)."""
     rank = _rank()
     if rank == 0:
         _write_reports(watch)
-        _print_diagnosis(watch, args.quiet)
-    data = results(watch, code, stopped) if watch.models or args.json else None
-    if args.confirm and _world() > 1:
+        _print_diagnosis(watch, quiet)
+    data = results(watch, code, stopped) if watch.models or json_path else None
+    if confirm is not None and _world() > 1:
         if rank == 0:
             _say("--confirm re-runs the script in single processes: run it without torchrun")
-    elif args.confirm and data is not None and watch.models:
-        from ._confirm import confirm
-
+    elif confirm is not None and data is not None and watch.models:
         try:
-            confirm(data, target, script_args, args, out)
+            confirm.run(data, watch.out)
+            _report_verdicts(data)
         except Exception as e:  # the run's own diagnosis and outputs still stand
             _say(f"--confirm failed ({type(e).__name__}: {e}); the diagnosis above is the run's own")
-    if args.json and rank == 0 and data is not None:
-        folder = os.path.dirname(args.json)
+    if json_path and rank == 0 and data is not None:
+        folder = os.path.dirname(json_path)
         if folder:
             os.makedirs(folder, exist_ok=True)
-        with open(args.json, "w", encoding="utf-8") as f:
+        with open(json_path, "w", encoding="utf-8") as f:
             json.dump(data, f, indent=1)
-    return code
+    return data
 
 
 def _check_options(options: Dict[str, Any], halt_on: Any) -> None:
@@ -550,15 +590,19 @@ def _check_options(options: Dict[str, Any], halt_on: Any) -> None:
     NeuralDbg(torch.nn.Linear(1, 1), halt_on=halt_on, **options)
 
 
-def _execute(watch: Watch, target: Tuple[str, str], script_args: List[str]) -> Tuple[int, Optional[str]]:
-    """Runs the script under ``watch``: its exit status (130 after Ctrl-C, :data:`HALTED` after
-    ``--halt-on``), and why we stopped it (``--steps``, ``--halt-on``, Ctrl-C) or None."""
+def _execute(
+    watch: Watch, body: Callable[[], Any], path: Optional[str]
+) -> Tuple[int, Optional[str], Optional[BaseException]]:
+    """Runs ``body`` (the script, or a function) under ``watch``: its exit status (130 after
+    Ctrl-C, :data:`HALTED` after ``--halt-on``), why we stopped it (``--steps``, ``--halt-on``,
+    Ctrl-C) or None, and the exception it ended with (its traceback printed, our frames above
+    ``path``'s left out)."""
     saved_argv, saved_path = list(sys.argv), list(sys.path)
     exc: Optional[BaseException] = None
     code, stopped = 0, None
     watch.start()
     try:
-        _run_target(target, script_args)
+        body()
     except _StopRun:
         stopped = f"--steps {watch.steps}"
     except SystemExit as e:
@@ -569,14 +613,14 @@ def _execute(watch: Watch, target: Tuple[str, str], script_args: List[str]) -> T
         exc, code, stopped = e, HALTED, f"halted: {e}"
     except BaseException as e:
         exc, code = e, 1
-        _script_traceback(e, target[1] if target[0] == "path" else None)
+        _script_traceback(e, path)
     finally:
         sys.argv = saved_argv
         sys.path[:] = saved_path
         watch.finish(exc)
     if stopped is not None:
         _say(f"stopped the script: {stopped}")
-    return code, stopped
+    return code, stopped, exc
 
 
 def _exit_code(code: Any) -> int:

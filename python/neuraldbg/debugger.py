@@ -278,7 +278,10 @@ class NeuralDbg(Results):
                 roster = getattr(collector.dist, "roster", None)
                 if roster is not None:  # the other ranks stop waiting for this one
                     roster.leave(int(collector.step), None if exc is None else repr(exc))
-                collector.boundary.finish(crashed=exc_type is not None)
+                # Ctrl-C is the user stopping the run, not the run failing: a forward it cut
+                # short is no step (dbg.step and the trace's step count agree).
+                crashed = exc_type is not None and not issubclass(exc_type, KeyboardInterrupt)
+                collector.boundary.finish(crashed=crashed)
                 self._record_unobserved(collector)
         except Exception as e:  # never raise from the exit of the user's block
             if collector is not None:

@@ -74,6 +74,10 @@ pub struct Diff {
     /// Print the comparison as a JSON object
     #[arg(long)]
     pub json: bool,
+    /// Also write the comparison as a self-contained HTML page (both loss curves, where the
+    /// runs part, the events only one run has)
+    #[arg(long, value_name = "FILE")]
+    pub html: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]
@@ -85,9 +89,11 @@ pub struct RunScript {
 
 #[derive(Debug, Args)]
 pub struct Explain {
-    /// The trace file (.ndbg)
+    /// The trace file (.ndbg). When `neuraldbg run --confirm` wrote NAME.confirm.json next to
+    /// it, each hypothesis also shows its verdict and the numbers behind it, confirmed first
     pub trace: PathBuf,
-    /// Print a JSON list of hypotheses (the CausalHypothesis fields)
+    /// Print a JSON list of hypotheses (the CausalHypothesis fields, and `verdict`,
+    /// `intervention` and `evidence` after `neuraldbg run --confirm`)
     #[arg(long)]
     pub json: bool,
     /// Only hypotheses about this failure (as `dbg.explain_failure(failure)`)
@@ -144,7 +150,8 @@ pub struct Export {
 
 #[derive(Debug, Args)]
 pub struct Report {
-    /// The trace file (.ndbg)
+    /// The trace file (.ndbg); the verdicts and loss curves of `neuraldbg run --confirm` are
+    /// added when NAME.confirm.json is next to it
     pub trace: PathBuf,
     /// The HTML file to write (it loads nothing from the network; open it in any browser)
     #[arg(long, short, value_name = "OUT")]

@@ -6,6 +6,8 @@
 //! where some state differs is where the runs part.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::fmt::Write as _;
+use std::path::Path;
 
 use neuraldbg_core::trace::Replay;
 use neuraldbg_core::{Reduce, display_name};
@@ -161,13 +163,34 @@ fn change_json(c: &Change) -> Value {
     json!({"step": c.step, "kind": c.key.0, "layer": c.key.1, "from_state": c.from, "to_state": c.to})
 }
 
-/// Prints where runs `a` and `b` part, as text or JSON.
-pub(crate) fn print(a: &Replay, b: &Replay, as_json: bool, io: &mut Io<'_>) -> Result<(), Stop> {
+/// Prints where runs `a` and `b` part, as text or JSON; with `html`, also writes the
+/// comparison as a self-contained page there.
+pub(crate) fn print(
+    a: &Replay,
+    b: &Replay,
+    as_json: bool,
+    html: Option<&Path>,
+    io: &mut Io<'_>,
+) -> Result<(), Stop> {
     let (ca, cb) = (changes(a), changes(b));
     let part = parting(&ca, &cb);
     let (only_a, only_b) = (only(&ca, &cb), only(&cb, &ca));
     let (la, lb) = (loss(a), loss(b));
     let loss_part = loss_parting(&la, &lb);
+    if let Some(path) = html {
+        let page = page(&Compared {
+            a,
+            b,
+            part: part.as_ref(),
+            only_a: &only_a,
+            only_b: &only_b,
+            la: &la,
+            lb: &lb,
+            loss_part,
+        });
+        crate::write_file(path, page.as_bytes())?;
+        io.note(&format!("neuraldbg: wrote {}", path.display()));
+    }
     if as_json {
         let curve = |l: &BTreeMap<u64, f64>| json!({"steps": l.keys().collect::<Vec<_>>(), "values": l.values().collect::<Vec<_>>()});
         let value = json!({
@@ -241,4 +264,233 @@ pub(crate) fn print(a: &Replay, b: &Replay, as_json: bool, io: &mut Io<'_>) -> R
         }
     }
     Ok(())
+}
+
+// ------------------------------------------------------------------ the page (`--html`)
+
+/// Events listed at most per run on the page.
+const PAGE_EVENTS: usize = 300;
+/// The loss chart's size and margin, in pixels.
+const CHART_W: f64 = 860.0;
+const CHART_H: f64 = 260.0;
+const MARGIN: f64 = 48.0;
+const COLOUR_A: &str = "#34495e";
+const COLOUR_B: &str = "#e67e22";
+
+/// What the page shows: the same comparison as the text.
+struct Compared<'a> {
+    a: &'a Replay,
+    b: &'a Replay,
+    part: Option<&'a Parting>,
+    only_a: &'a [&'a Change],
+    only_b: &'a [&'a Change],
+    la: &'a BTreeMap<u64, f64>,
+    lb: &'a BTreeMap<u64, f64>,
+    loss_part: Option<u64>,
+}
+
+fn escape(text: &str) -> String {
+    text.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+        .replace('"', "&quot;")
+}
+
+/// The comparison as one self-contained HTML page: no script, nothing loaded.
+fn page(c: &Compared<'_>) -> String {
+    let title = format!("NeuralDBG diff: {} vs {}", c.a.origin, c.b.origin);
+    let mut s = String::new();
+    let _ = write!(
+        s,
+        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><meta name=\"generator\" \
+         content=\"NeuralDBG\"><title>{t}</title><style>\
+         body{{font:14px/1.45 system-ui,sans-serif;color:#1d2330;background:#f4f5f7;margin:0}}\
+         main{{max-width:960px;margin:0 auto;padding:16px}}section{{background:#fff;border:1px solid #dde1e8;\
+         border-radius:8px;padding:12px 16px;margin-bottom:14px}}h1{{font-size:20px}}h2{{font-size:16px;margin:0 0 8px}}\
+         .a{{color:{COLOUR_A}}}.b{{color:{COLOUR_B}}}table{{border-collapse:collapse;font-size:13px}}\
+         td,th{{padding:2px 10px;text-align:left;border-bottom:1px solid #eceff3}}code{{background:#f0f2f5;padding:0 3px}}\
+         .parting{{font-size:16px;font-weight:600}}.note{{color:#5b6375;font-size:12px}}</style></head>\
+         <body><main><h1>{t}</h1>",
+        t = escape(&title)
+    );
+    let _ = write!(
+        s,
+        "<section><p><b class=\"a\">A</b> {} ({} steps)<br><b class=\"b\">B</b> {} ({} steps)</p>",
+        escape(&c.a.origin),
+        c.a.steps,
+        escape(&c.b.origin),
+        c.b.steps
+    );
+    match c.part {
+        Some(p) => {
+            let _ = write!(
+                s,
+                "<p class=\"parting\">The runs part at step {}: {} {} is {} in A, {} in B.</p>",
+                p.step,
+                escape(&subject(&p.key.1)),
+                escape(&p.key.0),
+                escape(&p.a),
+                escape(&p.b)
+            );
+        }
+        None => s.push_str(
+            "<p class=\"parting\">Health never differs: both runs have the same events.</p>",
+        ),
+    }
+    let _ = write!(
+        s,
+        "<p>{}</p></section>",
+        match c.loss_part {
+            Some(step) => format!(
+                "The loss curves part at step {step} (more than {:.0}% apart).",
+                LOSS_TOLERANCE * 100.0
+            ),
+            None if c.la.is_empty() && c.lb.is_empty() => "Neither run recorded a loss.".into(),
+            None => "The loss curves agree at every step both have.".into(),
+        }
+    );
+    s.push_str("<section><h2>Loss</h2>");
+    s.push_str(&chart(c));
+    s.push_str(
+        "<p class=\"note\">A mark at the top is a non-finite loss. Dashed: where the losses part; \
+         dotted: where health parts.</p></section>",
+    );
+    for (name, class, list) in [("A", "a", c.only_a), ("B", "b", c.only_b)] {
+        let _ = write!(
+            s,
+            "<section><h2>Events only in <span class=\"{class}\">{name}</span> ({})</h2>",
+            list.len()
+        );
+        if list.is_empty() {
+            s.push_str("<p>None.</p>");
+        } else {
+            s.push_str(
+                "<table><tr><th>step</th><th>subject</th><th>event</th><th>transition</th></tr>",
+            );
+            for ch in list.iter().take(PAGE_EVENTS) {
+                let _ = write!(
+                    s,
+                    "<tr><td>{}</td><td>{}</td><td>{}</td><td>{} &rarr; {}</td></tr>",
+                    ch.step,
+                    escape(&subject(&ch.key.1)),
+                    escape(&ch.key.0),
+                    escape(&ch.from),
+                    escape(&ch.to)
+                );
+            }
+            s.push_str("</table>");
+            if list.len() > PAGE_EVENTS {
+                let _ = write!(
+                    s,
+                    "<p class=\"note\">and {} more (neuraldbg diff --json lists them all)</p>",
+                    list.len() - PAGE_EVENTS
+                );
+            }
+        }
+        s.push_str("</section>");
+    }
+    s.push_str("<p class=\"note\">Generated by NeuralDBG (neuraldbg diff --html). Self-contained: it loads nothing.</p></main></body></html>\n");
+    s
+}
+
+/// Both loss curves on one SVG chart (log scale when every loss is positive and they span
+/// more than 100x).
+fn chart(c: &Compared<'_>) -> String {
+    let finite: Vec<f64> =
+        c.la.values()
+            .chain(c.lb.values())
+            .copied()
+            .filter(|v| v.is_finite())
+            .collect();
+    let steps: Vec<u64> = c.la.keys().chain(c.lb.keys()).copied().collect();
+    let (Some(&s0), Some(&s1)) = (steps.iter().min(), steps.iter().max()) else {
+        return "<p>No loss was recorded.</p>".into();
+    };
+    let lo = finite.iter().copied().fold(f64::INFINITY, f64::min);
+    let hi = finite.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let log = !finite.is_empty() && lo > 0.0 && hi / lo > 100.0;
+    let scale = |v: f64| if log { v.log10() } else { v };
+    let (mut y0, mut y1) = if finite.is_empty() {
+        (0.0, 1.0)
+    } else {
+        (scale(lo), scale(hi))
+    };
+    if y1 <= y0 {
+        y0 -= 0.5;
+        y1 += 0.5;
+    }
+    let x_of = |step: u64| {
+        MARGIN + (step - s0) as f64 / ((s1 - s0).max(1) as f64) * (CHART_W - 2.0 * MARGIN)
+    };
+    let y_of =
+        |v: f64| CHART_H - MARGIN + (scale(v) - y0) / (y1 - y0) * (2.0 * MARGIN - CHART_H + 12.0);
+    let mut s = format!(
+        "<svg width=\"{CHART_W}\" height=\"{CHART_H}\" viewBox=\"0 0 {CHART_W} {CHART_H}\" role=\"img\" \
+         aria-label=\"loss of both runs\"><rect x=\"{MARGIN}\" y=\"12\" width=\"{}\" height=\"{}\" fill=\"none\" \
+         stroke=\"#c3c8d2\"/>",
+        CHART_W - 2.0 * MARGIN,
+        CHART_H - MARGIN - 12.0
+    );
+    let label = |v: f64| {
+        let shown = if log { 10f64.powf(v) } else { v };
+        number(Some(&shown))
+    };
+    for (v, anchor) in [(y0, CHART_H - MARGIN), (y1, 16.0)] {
+        let _ = write!(
+            s,
+            "<text x=\"{}\" y=\"{anchor}\" font-size=\"11\" text-anchor=\"end\">{}</text>",
+            MARGIN - 4.0,
+            label(v)
+        );
+    }
+    for (step, anchor) in [(s0, "start"), (s1, "end")] {
+        let _ = write!(
+            s,
+            "<text x=\"{}\" y=\"{}\" font-size=\"11\" text-anchor=\"{anchor}\">step {step}</text>",
+            x_of(step),
+            CHART_H - MARGIN + 16.0
+        );
+    }
+    let marks = [(c.loss_part, "6 4"), (c.part.map(|p| p.step), "2 3")];
+    for (step, dash) in marks {
+        if let Some(step) = step.filter(|st| (s0..=s1).contains(st)) {
+            let _ = write!(
+                s,
+                "<line x1=\"{0:.1}\" x2=\"{0:.1}\" y1=\"12\" y2=\"{1}\" stroke=\"#111\" stroke-dasharray=\"{dash}\"/>",
+                x_of(step),
+                CHART_H - MARGIN
+            );
+        }
+    }
+    for (curve, colour) in [(c.la, COLOUR_A), (c.lb, COLOUR_B)] {
+        let mut path = String::new();
+        let mut pen = false;
+        for (&step, &v) in curve {
+            if v.is_finite() {
+                let _ = write!(
+                    path,
+                    "{}{:.1},{:.1}",
+                    if pen { "L" } else { "M" },
+                    x_of(step),
+                    y_of(v)
+                );
+                pen = true;
+            } else {
+                pen = false;
+                let _ = write!(
+                    s,
+                    "<path d=\"M{0:.1},13L{1:.1},13L{2:.1},20Z\" fill=\"{colour}\"/>",
+                    x_of(step) - 3.0,
+                    x_of(step) + 3.0,
+                    x_of(step)
+                );
+            }
+        }
+        let _ = write!(
+            s,
+            "<path d=\"{path}\" fill=\"none\" stroke=\"{colour}\" stroke-width=\"1.6\"/>"
+        );
+    }
+    s.push_str("</svg>");
+    s
 }

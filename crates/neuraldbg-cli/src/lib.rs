@@ -31,6 +31,7 @@ use std::path::Path;
 use clap::Parser;
 use neuraldbg_core::analysis::{explain as ranked, parse_failure};
 use neuraldbg_core::output::{events_json, hypotheses_json};
+use neuraldbg_core::report::Confirmation;
 use neuraldbg_core::trace::{Replay, TraceError, TraceReader};
 use neuraldbg_core::{Engine, EventType, SemanticEvent, Subject, display_name};
 use serde_json::Value;
@@ -213,7 +214,7 @@ fn dispatch(cli: &Cli, io: &mut Io<'_>) -> Result<i32, Stop> {
         Command::Diff(a) => {
             let first = load(&a.a, io)?;
             let second = load(&a.b, io)?;
-            diff::print(&first, &second, a.json, io)?;
+            diff::print(&first, &second, a.json, a.html.as_deref(), io)?;
             return Ok(EXIT_OK);
         }
         Command::Run(_) => {
@@ -316,9 +317,26 @@ fn explain(replay: &Replay, a: &cli::Explain, io: &mut Io<'_>) -> Result<(), Sto
         .map(parse_failure)
         .transpose()
         .map_err(|e| Stop::new(EXIT_USAGE, e.to_string()))?;
-    let hypotheses = ranked(engine, only);
+    let confirmation = confirmation(&a.trace, io);
+    let mut hypotheses = ranked(engine, only);
+    if let Some(c) = &confirmation {
+        hypotheses = c.rank(&hypotheses).into_iter().cloned().collect();
+    }
     if a.json {
-        return io.print(&to_json(&hypotheses_json(engine, &hypotheses)));
+        let mut out = hypotheses_json(engine, &hypotheses);
+        if let (Some(c), Value::Array(items)) = (&confirmation, &mut out) {
+            for (item, h) in items.iter_mut().zip(&hypotheses) {
+                if let (Some(v), Value::Object(o)) = (c.verdict_for(h), item) {
+                    o.insert("verdict".into(), Value::from(v.verdict.clone()));
+                    o.insert("intervention".into(), Value::from(v.intervention.clone()));
+                    o.insert(
+                        "evidence".into(),
+                        serde_json::to_value(&v.evidence).unwrap_or(Value::Null),
+                    );
+                }
+            }
+        }
+        return io.print(&to_json(&out));
     }
     if hypotheses.is_empty() {
         let unseen = if replay.unobserved.is_empty() {
@@ -351,8 +369,32 @@ fn explain(replay: &Replay, a: &cli::Explain, io: &mut Io<'_>) -> Result<(), Sto
     }
     for h in &hypotheses {
         io.print(&text::hypothesis_line(h))?;
+        if let Some(v) = confirmation.as_ref().and_then(|c| c.verdict_for(h)) {
+            io.print(&format!("    {}", v.line()))?;
+        }
     }
     Ok(())
+}
+
+/// The verdicts `neuraldbg run --confirm` wrote next to `trace`, when it did (a file that
+/// cannot be read is reported and left out).
+fn confirmation(trace: &Path, io: &mut Io<'_>) -> Option<Confirmation> {
+    match Confirmation::next_to(trace) {
+        Ok(Some(c)) => {
+            io.note(&format!(
+                "neuraldbg: verdicts of neuraldbg run --confirm from {}",
+                Confirmation::path_for(trace).display()
+            ));
+            Some(c)
+        }
+        Ok(None) => None,
+        Err(e) => {
+            io.note(&format!(
+                "neuraldbg: warning: the --confirm verdicts are left out: {e}"
+            ));
+            None
+        }
+    }
 }
 
 /// Whether an event matches `--kind`: its type, or the state it enters (in any case).
@@ -443,7 +485,10 @@ fn report(replay: &Replay, a: &cli::Report, io: &mut Io<'_>) -> Result<(), Stop>
             |n| n.to_string_lossy().into_owned(),
         )
     });
-    let html = neuraldbg_core::report::render_html(&replay.engine, &title);
+    let html = match confirmation(&a.trace, io) {
+        Some(c) => neuraldbg_core::report::render_html_confirmed(&replay.engine, &title, &c),
+        None => neuraldbg_core::report::render_html(&replay.engine, &title),
+    };
     write_file(&a.output, html.as_bytes())?;
     io.note(&format!("neuraldbg: wrote {}", a.output.display()));
     Ok(())

@@ -38,7 +38,9 @@ use crate::event::{EventType, SemanticEvent, Subject};
 use crate::history::Bucket;
 use crate::model::{Model, display_name};
 
+mod confirmation;
 mod strip;
+pub use confirmation::{ConfirmRun, Confirmation, Evidence, HealthParting, Parted, Verdict};
 pub use strip::{HealthStrip, StripRow, health_strip};
 
 /// Step columns at most (history buckets beyond are merged in groups).
@@ -99,17 +101,38 @@ pub fn render_html(engine: &Engine, title: &str) -> String {
 /// [`render_html`] showing only some sections (same page, same data, same script: the others
 /// are hidden), for notebooks.
 pub fn render_html_with(engine: &Engine, title: &str, options: &Options) -> String {
+    render(engine, title, *options, None)
+}
+
+/// [`render_html`] with what `neuraldbg run --confirm` found: each hypothesis's verdict and
+/// the numbers behind it in the verdict (the confirmed first), and the loss curves of the
+/// re-runs side by side.
+pub fn render_html_confirmed(engine: &Engine, title: &str, confirmation: &Confirmation) -> String {
+    render(engine, title, Options::default(), Some(confirmation))
+}
+
+fn render(
+    engine: &Engine,
+    title: &str,
+    options: Options,
+    confirmation: Option<&Confirmation>,
+) -> String {
     let analysis = Analysis::new(engine);
-    let hypotheses = analysis
+    let mut hypotheses = analysis
         .as_ref()
         .map(|a| a.hypotheses(options.only))
         .unwrap_or_default();
+    if let Some(c) = confirmation {
+        hypotheses = c.rank(&hypotheses).into_iter().cloned().collect();
+    }
     let data = engine.run().map(|run| {
         let mut d = collect(engine, run, analysis.as_ref(), &hypotheses, title);
+        d.confirm = confirmation.map(|c| confirm_chart(c, &d.columns));
         if options.sections != Sections::All {
             // Hidden sections need no data: a notebook's copy stays smaller than the report.
             d.curves.clear();
             d.loss = None;
+            d.confirm = None;
             d.events.clear();
             d.graph.clear();
         }
@@ -130,7 +153,7 @@ pub fn render_html_with(engine: &Engine, title: &str, options: &Options) -> Stri
             ("TITLE", &escape(title)),
             ("VIEW", view),
             ("SUMMARY", &summary(engine)),
-            ("VERDICT", &verdict(engine, &hypotheses)),
+            ("VERDICT", &verdict(engine, &hypotheses, confirmation)),
             ("STYLE", STYLE),
             ("SCRIPT", &script_safe(SCRIPT)),
             // `<` only occurs inside JSON strings, where \u003c means the same: the data can
@@ -188,6 +211,15 @@ struct Data<'a> {
     events_suppressed: u64,
     graph: Vec<GraphRoot>,
     mermaid: String,
+    /// The loss curves of `neuraldbg run --confirm`'s runs, in the report's columns.
+    confirm: Option<ConfirmChart>,
+}
+
+#[derive(Serialize)]
+struct ConfirmChart {
+    /// Steps of each re-run.
+    steps: u64,
+    curves: Vec<Curve>,
 }
 
 #[derive(Serialize)]
@@ -352,7 +384,70 @@ fn collect<'a>(
         events_suppressed: run.suppressed_events,
         graph: analysis.map(|a| graph(a, hypotheses)).unwrap_or_default(),
         mermaid: analysis.map(Analysis::mermaid).unwrap_or_default(),
+        confirm: None,
     }
+}
+
+/// Each `--confirm` run's loss in the report's step columns: per column the smallest and
+/// largest value and the last (NaN when the loss was non-finite there), like the run's loss.
+fn confirm_chart(c: &Confirmation, columns: &[(u64, u64)]) -> ConfirmChart {
+    let curves = c
+        .runs
+        .iter()
+        .map(|r| {
+            let (mut min, mut max, mut last) = (Vec::new(), Vec::new(), Vec::new());
+            for &(a, b) in columns {
+                let cell: Vec<f64> = r
+                    .steps
+                    .iter()
+                    .zip(&r.loss)
+                    .filter(|(s, _)| (a..=b).contains(*s))
+                    .map(|(_, v)| v.unwrap_or(f64::NAN))
+                    .collect();
+                let finite = cell.iter().copied().filter(|v| v.is_finite());
+                let pick = |v: Option<f64>| v.map_or(Num::None, Num::F64);
+                min.push(pick(finite.clone().reduce(f64::min)));
+                max.push(if cell.iter().any(|v| v.is_nan()) {
+                    Num::F64(f64::NAN)
+                } else {
+                    pick(finite.reduce(f64::max))
+                });
+                last.push(pick(cell.last().copied()));
+            }
+            Curve {
+                name: r.name.clone(),
+                role: run_role(c, r),
+                min,
+                max,
+                last,
+            }
+        })
+        .collect();
+    ConfirmChart {
+        steps: c.steps,
+        curves,
+    }
+}
+
+/// A run's role in the chart: the verdict its remedy earned, or what it compares against.
+fn run_role(c: &Confirmation, r: &ConfirmRun) -> &'static str {
+    let Some(i) = &r.intervention else {
+        return "";
+    };
+    let verdicts = c
+        .verdicts
+        .iter()
+        .filter(|v| v.intervention.as_ref() == Some(i));
+    let mut role = "";
+    for v in verdicts {
+        role = match (role, v.verdict.as_str()) {
+            (_, "confirmed") | ("confirmed", _) => "confirmed",
+            (_, "inconclusive") | ("inconclusive", _) => "inconclusive",
+            (_, "refuted") | ("refuted", _) => "refuted",
+            _ => "untested",
+        };
+    }
+    role
 }
 
 /// Groups history buckets into at most [`MAX_COLUMNS`] columns; returns each column's step
@@ -769,7 +864,7 @@ fn loop_summary(run: &crate::engine::Run) -> String {
     out
 }
 
-fn hypothesis_card(h: &CausalHypothesis, top: bool) -> String {
+fn hypothesis_card(h: &CausalHypothesis, top: bool, judged: Option<&Verdict>) -> String {
     let mut s = String::new();
     let pct = (h.confidence * 100.0).round();
     let _ = write!(
@@ -790,6 +885,9 @@ fn hypothesis_card(h: &CausalHypothesis, top: bool) -> String {
         ),
         h.step.map_or_else(|| "—".to_string(), |s| s.to_string()),
     );
+    if let Some(v) = judged {
+        s.push_str(&verdict_block(v));
+    }
     if !h.remedies.is_empty() {
         s.push_str("<div class=\"remedies\"><h4>What to do</h4><ul>");
         for r in &h.remedies {
@@ -801,16 +899,34 @@ fn hypothesis_card(h: &CausalHypothesis, top: bool) -> String {
     s
 }
 
-fn verdict(engine: &Engine, hypotheses: &[CausalHypothesis]) -> String {
+fn verdict(
+    engine: &Engine,
+    hypotheses: &[CausalHypothesis],
+    confirmation: Option<&Confirmation>,
+) -> String {
     let mut s = String::new();
     if engine.model().is_none() || engine.steps_observed() == 0 {
         s.push_str("<p class=\"healthy\">Nothing to judge: no training step was observed.</p>");
         return s;
     }
+    let judged = |h: &CausalHypothesis| confirmation.and_then(|c| c.verdict_for(h));
+    let confirmed = |h: &CausalHypothesis| judged(h).is_some_and(|v| v.verdict == "confirmed");
     let failing = hypotheses
         .iter()
-        .take_while(|h| h.confidence >= FAILURE_CONFIDENCE)
+        .take_while(|h| h.confidence >= FAILURE_CONFIDENCE || confirmed(h))
         .count();
+    if let Some(c) = confirmation {
+        let tried = c.runs.iter().filter(|r| r.intervention.is_some()).count();
+        let _ = write!(
+            s,
+            "<p class=\"confirm-note\">The remedies were tried by <code>neuraldbg run --confirm</code>: \
+             {tried} remed{} in fresh runs of {} steps, against an unchanged re-run. \
+             <i>Confirmed</i>: the failure did not recur and the loss beat the unchanged re-run by \
+             more than two identical runs differ.</p>",
+            if tried == 1 { "y" } else { "ies" },
+            c.steps
+        );
+    }
     if failing == 0 {
         let _ = write!(
             s,
@@ -825,7 +941,7 @@ fn verdict(engine: &Engine, hypotheses: &[CausalHypothesis]) -> String {
         failing.min(VERDICT_HYPOTHESES)
     };
     for (i, h) in hypotheses.iter().take(shown).enumerate() {
-        s.push_str(&hypothesis_card(h, i == 0));
+        s.push_str(&hypothesis_card(h, i == 0, judged(h)));
     }
     let rest = &hypotheses[shown..hypotheses.len().min(shown + 10)];
     if !rest.is_empty() {
@@ -835,14 +951,60 @@ fn verdict(engine: &Engine, hypotheses: &[CausalHypothesis]) -> String {
             if shown == 0 { "Weak" } else { "Other" },
             rest.len(),
             if rest.len() == 1 { "is" } else { "es" },
-            rest.last().map_or(0.0, |h| h.confidence),
-            rest[0].confidence,
+            rest.iter()
+                .map(|h| h.confidence)
+                .fold(f64::INFINITY, f64::min),
+            rest.iter().map(|h| h.confidence).fold(0.0, f64::max),
         );
         for h in rest {
-            s.push_str(&hypothesis_card(h, false));
+            s.push_str(&hypothesis_card(h, false, judged(h)));
         }
         s.push_str("</details>");
     }
+    s
+}
+
+/// A hypothesis's `--confirm` verdict: what was tried, and the numbers behind the verdict.
+fn verdict_block(v: &Verdict) -> String {
+    let class = match v.verdict.as_str() {
+        "confirmed" | "refuted" | "inconclusive" => v.verdict.as_str(),
+        _ => "untested",
+    };
+    let mut s = format!(
+        "<div class=\"tried {class}\"><p><b class=\"badge\">{}</b> {}</p>",
+        escape(&v.verdict.to_uppercase()),
+        escape(&v.evidence.why)
+    );
+    if let (true, Some(i)) = (v.tried(), &v.intervention) {
+        let e = &v.evidence;
+        let yes_no = |b: Option<bool>| match b {
+            Some(true) => "yes",
+            Some(false) => "no",
+            None => "—",
+        };
+        let _ = write!(
+            s,
+            "<dl><dt>tried</dt><dd>{}</dd><dt>failure recurred</dt><dd>{}</dd>\
+             <dt>in the unchanged re-run</dt><dd>{}</dd><dt>final loss</dt><dd>{} with it, {} \
+             unchanged, {} first run</dd><dt>spread of identical runs</dt><dd>{}</dd></dl>",
+            escape(i),
+            yes_no(e.failure_recurred),
+            yes_no(e.failure_in_unchanged),
+            confirmation::loss_text(e.loss),
+            confirmation::loss_text(e.loss_unchanged),
+            confirmation::loss_text(e.loss_first_run),
+            e.spread
+                .map_or_else(|| "—".into(), crate::analysis::format_number),
+        );
+        if let Some(p) = &e.parts_from_unchanged {
+            let _ = write!(
+                s,
+                "<p class=\"parted\">Against the unchanged re-run: {}.</p>",
+                escape(&p.text())
+            );
+        }
+    }
+    s.push_str("</div>");
     s
 }
 

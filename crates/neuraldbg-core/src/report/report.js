@@ -488,6 +488,14 @@
     } else {
       $('loss-wrap').style.display = 'none';
     }
+    if (D.confirm && D.confirm.curves.length) {
+      const pos = [].concat(...D.confirm.curves.map((c) => c.min.map(num))).filter((v) => v !== null && Number.isFinite(v));
+      const logLoss = pos.length > 0 && pos.every((v) => v > 0) && Math.max(...pos) / Math.min(...pos) > 100;
+      lineChart($('confirm'), D.confirm.curves, { height: 220, log: logLoss, thresholds: false,
+        colours: ['#34495e', '#8a91a0', '#1f9e89', '#e67e22', '#8e44ad', '#c0392b', '#2980b9'], chips: true });
+    } else {
+      $('confirm-section').style.display = 'none';
+    }
 
     // ---------------------------------------------------------------- timeline
     (function timeline() {

@@ -312,3 +312,104 @@ fn scale_1000_layers_100k_steps() {
     assert_eq!(cell(&d, 640, column_of(&d, 77_777)).1, CODE_NON_FINITE);
     assert!(d["events"].as_array().unwrap().len() <= MAX_EVENTS);
 }
+
+/// An exploding run and the `--confirm` file of its first two hypotheses: the second
+/// confirmed, the first refuted; two runs' losses, the unchanged one non-finite from step 12.
+fn confirmed_run() -> (Engine, Vec<CausalHypothesis>, Confirmation) {
+    let mut e = engine(4, Config::default());
+    for step in 0..30u64 {
+        let norm = if step < 10 { 0.05 } else { 5e4 * step as f32 };
+        observe(&mut e, step, vec![norm; 4], 1.0 + step as f64);
+    }
+    let hyps = Analysis::new(&e).unwrap().hypotheses(None);
+    assert!(hyps.len() >= 2, "{hyps:?}");
+    let verdict = |h: &CausalHypothesis, verdict: &str, loss: f64| {
+        serde_json::json!({"failure": h.failure.as_str(), "cause": h.cause.as_str(),
+            "layer": h.layer, "step": h.step, "verdict": verdict, "intervention": format!("fix {verdict}"),
+            "evidence": {"why": format!("because {verdict}"), "failure_recurred": verdict != "confirmed",
+                "failure_in_unchanged": true, "loss": loss, "loss_unchanged": null, "spread": 0.0,
+                "parts_from_unchanged": {"loss_step": 3, "health": {"step": 10, "kind": "gradient_health",
+                    "layer": "fc0", "a": "EXPLODING", "b": "HEALTHY"}}}})
+    };
+    let steps: Vec<u64> = (0..30).collect();
+    let unchanged: Vec<Value> = steps
+        .iter()
+        .map(|&s| {
+            if s < 12 {
+                Value::from(2.0)
+            } else {
+                Value::Null
+            }
+        })
+        .collect();
+    let fixed: Vec<f64> = steps.iter().map(|&s| 1.0 / (1.0 + s as f64)).collect();
+    let text = serde_json::json!({"format": "neuraldbg-confirm", "version": 1, "model": "Sequential",
+        "steps": 30, "verdicts": [verdict(&hyps[0], "refuted", 9.0), verdict(&hyps[1], "confirmed", 0.25)],
+        "runs": [{"name": "unchanged re-run", "intervention": null, "steps": steps, "loss": unchanged},
+                 {"name": "fix confirmed", "intervention": "fix confirmed", "steps": steps, "loss": fixed}]})
+    .to_string();
+    let c = Confirmation::from_json(&text).unwrap();
+    (e, hyps, c)
+}
+
+#[test]
+fn confirm_verdicts_lead_the_verdict_with_their_numbers() {
+    let (e, hyps, c) = confirmed_run();
+    let html = render_html_confirmed(&e, "confirmed", &c);
+    let first = html.find(&rich(&hyps[1].description)).unwrap();
+    let second = html.find(&rich(&hyps[0].description)).unwrap();
+    assert!(first < second, "the confirmed hypothesis is shown first");
+    assert!(html.contains(
+        "<div class=\"tried confirmed\"><p><b class=\"badge\">CONFIRMED</b> because confirmed</p>"
+    ));
+    assert!(html.contains("<div class=\"tried refuted\">"));
+    assert!(html.contains("0.25 with it, non-finite unchanged"));
+    assert!(html.contains(
+        "Against the unchanged re-run: the losses part at step 3; health parts at step 10: fc0 \
+         gradient_health is EXPLODING unchanged, HEALTHY with the remedy."
+    ));
+    assert_eq!(c.rank(&hyps)[0].description, hyps[1].description);
+    // Without the file the page is the plain report.
+    let plain = render_html(&e, "plain");
+    assert!(!plain.contains("class=\"tried") && data(&plain)["confirm"].is_null());
+}
+
+#[test]
+fn confirm_curves_share_the_report_columns_and_keep_non_finite_losses() {
+    let (e, _, c) = confirmed_run();
+    let d = data(&render_html_confirmed(&e, "confirmed", &c));
+    let curves = d["confirm"]["curves"].as_array().unwrap();
+    let cols = d["columns"].as_array().unwrap().len();
+    assert_eq!(curves.len(), 2);
+    assert_eq!(curves[1]["role"], "confirmed");
+    assert_eq!(curves[0]["role"], "");
+    for curve in curves {
+        assert_eq!(curve["last"].as_array().unwrap().len(), cols);
+    }
+    let at = |curve: &Value, key: &str, step: u64| curve[key][column_of(&d, step)].clone();
+    assert_eq!(at(&curves[0], "last", 11), 2.0);
+    assert_eq!(at(&curves[0], "max", 12), "NaN");
+    assert!(at(&curves[0], "last", 29) == "NaN");
+    assert_eq!(at(&curves[1], "last", 3), 0.25);
+    // The compact notebook views carry no curves.
+    let options = Options {
+        sections: Sections::Verdict,
+        only: None,
+    };
+    assert!(data(&render_html_with(&e, "v", &options))["confirm"].is_null());
+}
+
+#[test]
+fn confirm_files_of_another_kind_or_a_newer_version_are_refused() {
+    assert!(Confirmation::from_json("{\"format\": \"other\", \"version\": 1}").is_err());
+    let newer = "{\"format\": \"neuraldbg-confirm\", \"version\": 99, \"steps\": 1, \"verdicts\": [], \"runs\": []}";
+    assert!(
+        Confirmation::from_json(newer)
+            .unwrap_err()
+            .contains("newer")
+    );
+    assert_eq!(
+        Confirmation::path_for(std::path::Path::new("o/Net.ndbg")),
+        std::path::Path::new("o/Net.confirm.json")
+    );
+}
