@@ -32,11 +32,11 @@ class Measures:
 
 @pytest.mark.parametrize("path", ["host", "device"])
 @pytest.mark.parametrize("optimizer", ["sgd_momentum", "adam"])
-def test_update_ratio_is_how_far_each_optimizer_step_moved_each_parameter(path, optimizer):
-    """On the steps whose parameter norms are measured, ``update_ratio`` is |W_after - W_before|
-    / |W_before| of each parameter, as the loop itself sees it around ``opt.step()``: exact for
-    parameters of up to 4,096 elements, a strided-sample estimate for larger ones; not sent on
-    other steps."""
+def test_update_ratio_is_how_far_each_optimizer_step_moved_each_weight(path, optimizer):
+    """On the dense first steps and every tenth step whose parameter norms are measured,
+    ``update_ratio`` is |W_after - W_before| / |W_before| of each weight (biases are not
+    measured), as the loop itself sees it around ``opt.step()``: exact for weights of up to
+    4,096 elements, a strided-sample estimate for larger ones; not sent on other steps."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(100, 64), nn.ReLU(), nn.Linear(64, 16), nn.ReLU(), nn.Linear(16, 4))
     if optimizer == "adam":
@@ -44,12 +44,12 @@ def test_update_ratio_is_how_far_each_optimizer_step_moved_each_parameter(path, 
     else:
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     truth: Dict[int, List[float]] = {}
-    with NeuralDbg(model, weight_every=5, dense_steps=2) as dbg:
+    with NeuralDbg(model, weight_every=2, dense_steps=2) as dbg:
         if path == "device":
             device_path(dbg, deferred=False)
         c = dbg._collector
         spy_engine(dbg, Measures(c.engine))
-        for step in range(12):
+        for step in range(24):
             x, y = torch.randn(32, 100), torch.randn(32, 4)
             opt.zero_grad()
             nn.functional.mse_loss(model(x), y).backward()
@@ -58,16 +58,20 @@ def test_update_ratio_is_how_far_each_optimizer_step_moved_each_parameter(path, 
             truth[step] = [float((p.detach() - b).norm() / b.norm()) for p, b in zip(c.params, before)]
         seen = c.engine.seen
         sizes = [p.numel() for p in c.params]
-    for step in range(12):
+        weights = [p.dim() >= 2 for p in c.params]
+    for step in range(24):
         measured = (seen.get(step) or {}).get("update_ratio")
-        if step < 2 or step % 5 == 0:
-            assert measured is not None, f"step {step}: no update ratio on a sampled step"
+        if step in (0, 1, 20):
+            assert measured is not None, f"step {step}: no update ratio on a measured step"
             for k, (got, want) in enumerate(zip(measured, truth[step])):
+                if not weights[k]:
+                    assert np.isnan(got), f"param {k}: a bias is not measured"
+                    continue
                 assert want > 0
-                # Small parameters are sampled whole; the 6,400-element weight by a stride.
+                # Small weights are sampled whole; the 6,400-element one by a stride.
                 np.testing.assert_allclose(got, want, rtol=1e-5 if sizes[k] <= 4096 else 0.25, err_msg=f"param {k}")
         else:
-            assert measured is None, f"step {step}: update ratio on an unsampled step"
+            assert measured is None, f"step {step}: update ratio on an unmeasured step"
 
 
 def test_a_learning_rate_far_too_low_is_said_with_the_measured_step_size():

@@ -250,6 +250,12 @@ class StepBoundary:
     def sampled(self, every: int) -> bool:
         return self.c.step < self.c.dense_steps or (every > 0 and self.c.step % every == 0)
 
+    def update_due(self) -> bool:
+        """Measure how far this step's optimizer update moves the weights: on the dense first
+        steps, then on every tenth step whose weights are measured."""
+        c = self.c
+        return c.step < c.dense_steps or (c.weight_every > 0 and c.step % (10 * c.weight_every) == 0)
+
     def unsampled(self) -> bool:
         """The current step is past the dense ones and measures neither activations nor
         weights (by its number; an unconfirmed activation change is ``act_pending``)."""

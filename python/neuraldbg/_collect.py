@@ -542,7 +542,7 @@ class Collector:
         self.cur.take_loss(self.tap_current, self.criterion is not None)
         self.reader.read_gradients()
         self.reader.check_after_backward()
-        if self.step_on != "backward" and self.params and self.boundary.sampled(self.weight_every):
+        if self.step_on != "backward" and self.params and self.boundary.update_due():
             self.cur.weights_before = self.measure.weights_before(
                 local_tensors(self.params) if self.sharded else self.params
             )

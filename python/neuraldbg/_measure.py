@@ -8,8 +8,8 @@ as few kernel launches as possible. Nothing here hooks a module or talks to the 
   share of units that were zero for the whole batch and its mean slope (:class:`Probe`, decided
   by the engine; :class:`Measurer.activation_parts` stacks modules of one output shape);
 * ``min, max, mean, std`` of the model's first floating-point input (:func:`input_stats`);
-* how far an optimizer step moves each parameter relative to its size, on a fixed strided sample
-  of its elements taken before the step (:meth:`Measurer.weights_before`, :meth:`Measurer.update_ratios`);
+* how far an optimizer step moves the weights relative to their size, on a fixed strided sample
+  of up to 64 weights' elements taken before the step (:meth:`Measurer.weights_before`, :meth:`Measurer.update_ratios`);
 * whether tensors are finite, batched into one transfer (:func:`finite_flags`).
 
 On CPU (:class:`~._measure_host.HostMeasurer`) the same statistics are read straight from the tensors' memory
@@ -37,6 +37,8 @@ STACK_LIMIT = 1 << 16
 # Elements of each parameter kept before a sampled optimizer step, to measure how far the
 # step moved it (a strided sample: an estimate of the whole tensor's relative change).
 UPDATE_SAMPLE = 4096
+# Weights whose step size is measured, at most (the engine reads the median over layers).
+UPDATE_WEIGHTS = 64
 # Input batches up to this many elements get min/max and std/mean in two reductions
 # (`std_mean`, ~6 ns per element on CPU); larger ones in four cheaper passes (~0.5 ns each).
 INPUT_FUSED_LIMIT = 1 << 13
@@ -316,23 +318,27 @@ class Measurer:
         self.generic_norms(list(weights), parts)
         return np.arange(len(weights), dtype=np.intp)
 
-    def weights_before(self, weights: Sequence[Any]) -> List[Optional[torch.Tensor]]:
-        """A copy of a strided sample of each floating-point parameter (at most
-        :data:`UPDATE_SAMPLE` elements), taken before an optimizer step (None for the others)."""
-        out: List[Optional[torch.Tensor]] = []
+    def weights_before(self, weights: Sequence[Any]) -> List[Tuple[int, torch.Tensor]]:
+        """A copy of a strided sample (at most :data:`UPDATE_SAMPLE` elements) of up to
+        :data:`UPDATE_WEIGHTS` weights (parameters of 2 or more dimensions, evenly spread over
+        the model), taken before an optimizer step, each with its parameter index."""
+        chosen = [i for i, w in enumerate(weights) if w is not None and w.dim() >= 2 and w.is_floating_point()]
+        if len(chosen) > UPDATE_WEIGHTS:
+            chosen = [chosen[round(k * (len(chosen) - 1) / (UPDATE_WEIGHTS - 1))] for k in range(UPDATE_WEIGHTS)]
+        out: List[Tuple[int, torch.Tensor]] = []
         with self.torch.no_grad():
-            for w in weights:
-                if w is None or w.numel() == 0 or not w.is_floating_point() or w.is_sparse:
-                    out.append(None)
+            for i in chosen:
+                w = weights[i]
+                if w.numel() == 0 or w.is_sparse:
                     continue
                 flat = w.detach().reshape(-1)
-                out.append(flat[:: max(1, flat.numel() // UPDATE_SAMPLE)].float().clone())
+                out.append((i, flat[:: max(1, flat.numel() // UPDATE_SAMPLE)].float().clone()))
         return out
 
     def update_ratios(
-        self, weights: Sequence[Any], before: Sequence[Optional[torch.Tensor]]
+        self, weights: Sequence[Any], before: Sequence[Tuple[int, torch.Tensor]]
     ) -> Optional[Tuple[torch.Tensor, np.ndarray]]:
-        """How far the optimizer step moved each sampled parameter, ``|after - before| /
+        """How far the optimizer step moved each sampled weight, ``|after - before| /
         |before|`` on the sample :meth:`weights_before` took (inf where it was all zeros), as
         (one device vector, the parameter index of each value)."""
         torch = self.torch
@@ -340,8 +346,8 @@ class Measurer:
         olds: List[torch.Tensor] = []
         news: List[torch.Tensor] = []
         with torch.no_grad():
-            for i, old in enumerate(before):
-                if old is None or i >= len(weights):
+            for i, old in before:
+                if i >= len(weights):
                     continue
                 flat = weights[i].detach().reshape(-1)
                 new = flat[:: max(1, flat.numel() // UPDATE_SAMPLE)].float()

@@ -81,8 +81,8 @@ class StepState:
         self.zeros_read: Optional[Tuple[np.ndarray, np.ndarray]] = None
         self.grad_parts: List[Any] = []
         self.grad_order: Optional[np.ndarray] = None
-        # A sampled step: a sample of each parameter as the backward left it, before the
-        # optimizer moved it (how far the step moved the weights; see Measurer.update_ratios).
+        # A step whose update is measured: samples of weights as the backward left them, before
+        # the optimizer moved them (how far it moved them; see Measurer.update_ratios).
         self.weights_before: Optional[List[Any]] = None
         # Inputs: host statistics (4 floats per forward, in a row), device statistics (one
         # tensor per forward), and compiled forwards' inputs (references, measured at the end).

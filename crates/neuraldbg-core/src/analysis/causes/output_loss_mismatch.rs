@@ -209,7 +209,7 @@ impl CauseRule for OutputLossMismatch {
                 Remedy::RemoveSoftmaxBeforeCrossEntropy,
                 Remedy::NllOnLogSoftmax,
             ],
-            Mismatch::SoftmaxIntoNll => vec![Remedy::LogSoftmaxForNll],
+            Mismatch::SoftmaxIntoNll | Mismatch::LogOfRawOutput => vec![Remedy::LogSoftmaxForNll],
             Mismatch::SigmoidIntoLogitsLoss => vec![
                 Remedy::RemoveSigmoidBeforeLogitsLoss,
                 Remedy::KeepSigmoidUseBce,
@@ -217,7 +217,6 @@ impl CauseRule for OutputLossMismatch {
             Mismatch::BoundedLogits | Mismatch::RectifiedLogits => {
                 vec![Remedy::RemoveBoundedLogits { output }]
             }
-            Mismatch::LogOfRawOutput => vec![Remedy::LogSoftmaxForNll],
             Mismatch::BoundedRegression { .. } => vec![
                 Remedy::RemoveBoundedRegression { output },
                 Remedy::ScaleTargetsIntoRange,
