@@ -167,6 +167,11 @@ fn a_log_of_probabilities_or_a_regression_is_no_mismatch() {
             "Softmax",
         ),
         (&["Mean", "Neg", "Sum", "Mul", "Log"][..], "Sigmoid"),
+        // The softmax written into the loss, between the log and the logits.
+        (
+            &["Sum", "Mean", "Neg", "Mul", "Log", "Clamp", "Softmax"][..],
+            "Addmm",
+        ),
         (&["NllLoss", "LogSoftmax"][..], "Addmm"),
     ] {
         let h = run(mismatched(ops, output), 200, Some(2e-3), |s| {

@@ -97,11 +97,19 @@ pub(crate) fn mismatch(loss: &LossSpec) -> Option<Mismatch> {
     if logits_loss && matches!(out, "Relu" | "Relu6") {
         return Some(Mismatch::RectifiedLogits);
     }
-    let positive = matches!(
-        out,
-        "Softmax" | "Sigmoid" | "Exp" | "Softplus" | "LogSoftmax" | "Abs" | "Pow"
-    );
-    if has("Log") && !logits_loss && !has("NllLoss") && !positive && !is_regression(&ops) {
+    // What the log is taken of: the output, through the operations between them (a softmax
+    // written into the loss makes probabilities of logits).
+    let positive = |op: &str| {
+        matches!(
+            op,
+            "Softmax" | "Sigmoid" | "Exp" | "Softplus" | "LogSoftmax" | "Abs" | "Pow"
+        )
+    };
+    let log_of_raw = ops
+        .iter()
+        .position(|o| *o == "Log")
+        .is_some_and(|k| !positive(out) && !ops[k + 1..].iter().any(|o| positive(o)));
+    if log_of_raw && !logits_loss && !has("NllLoss") && !is_regression(&ops) {
         return Some(Mismatch::LogOfRawOutput);
     }
     if is_regression(&ops) {
