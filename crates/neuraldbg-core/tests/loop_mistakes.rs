@@ -7,21 +7,9 @@ use neuraldbg_core::{
     CausalHypothesis, Cause, Config, Engine, Fact, Failure, LossSpec, ModelSpec, Observation,
 };
 
-/// fc0 -> relu0 -> fc1 -> relu1 -> fc2 -> root, each Linear with weight and bias.
-fn spec() -> ModelSpec {
-    let mut spec = ModelSpec::default();
-    for i in 0..3 {
-        let m = spec.module(format!("fc{i}"), "Linear");
-        spec.param(m, format!("fc{i}.weight"), &[16, 16]);
-        spec.param(m, format!("fc{i}.bias"), &[16]);
-        if i < 2 {
-            spec.module(format!("relu{i}"), "ReLU");
-        }
-    }
-    spec.module("", "Net");
-    spec.optimizer = Some("SGD".into());
-    spec
-}
+#[path = "support/mlp.rs"]
+mod mlp;
+use mlp::spec;
 
 /// `grad(layer, step)`: the layer's gradient norm (None: no gradient); `moves(layer)`: whether
 /// its weights change from step to step. Weight norms measured every step; loss falls slowly.

@@ -8,21 +8,25 @@ use neuraldbg_core::{
     CausalHypothesis, Cause, Config, Engine, Failure, LossSpec, Measure, ModelSpec, Observation,
 };
 
-/// fc0 -> relu0 -> fc1 -> relu1 -> fc2 -> root, each Linear with weight and bias.
+#[path = "support/mlp.rs"]
+mod mlp;
+
+/// The small MLP of the loop-mistake tests, with this loss description.
 fn spec(loss: Option<LossSpec>) -> ModelSpec {
-    let mut spec = ModelSpec::default();
-    for i in 0..3 {
-        let m = spec.module(format!("fc{i}"), "Linear");
-        spec.param(m, format!("fc{i}.weight"), &[16, 16]);
-        spec.param(m, format!("fc{i}.bias"), &[16]);
-        if i < 2 {
-            spec.module(format!("relu{i}"), "ReLU");
-        }
-    }
-    spec.module("", "Net");
-    spec.optimizer = Some("SGD".into());
+    let mut spec = mlp::spec();
     spec.loss = loss;
     spec
+}
+
+/// A mean squared error on an unbounded output whose first targets have this variance.
+fn mse(target_var: f64) -> LossSpec {
+    LossSpec {
+        ops: vec!["MseLoss".into()],
+        output_op: Some("Addmm".into()),
+        output_units: Some(1),
+        target_var: Some(target_var),
+        ..LossSpec::default()
+    }
 }
 
 /// Healthy gradients and weights; `update`: the measured update-to-weight ratio of every
@@ -94,13 +98,7 @@ fn the_same_loss_under_steps_of_a_training_size_is_no_failure() {
 
 #[test]
 fn a_regression_loss_held_at_the_targets_variance_is_not_learning() {
-    let loss = LossSpec {
-        ops: vec!["MseLoss".into()],
-        output_op: Some("Addmm".into()),
-        output_units: Some(1),
-        target_var: Some(4.0),
-        ..LossSpec::default()
-    };
+    let loss = mse(4.0);
     let h = run(spec(Some(loss)), 200, None, |s| {
         4.0 + 0.02 * ((s % 5) as f64)
     });
@@ -189,13 +187,7 @@ fn a_log_of_probabilities_or_a_regression_is_no_mismatch() {
 fn a_noisy_regression_loss_that_never_gets_below_its_targets_variance_is_not_learning() {
     // The variance of the first batch's targets overestimates the data's (5.97 vs ~5.1), and
     // the loss is too noisy to count as flat: it still never gets clearly below the level.
-    let loss = LossSpec {
-        ops: vec!["MseLoss".into()],
-        output_op: Some("Addmm".into()),
-        output_units: Some(1),
-        target_var: Some(5.97),
-        ..LossSpec::default()
-    };
+    let loss = mse(5.97);
     let h = run(spec(Some(loss)), 200, None, |s| {
         5.1 + 0.8 * (((s * 7919) % 11) as f64 / 5.0 - 1.0)
     });
