@@ -343,8 +343,8 @@ class Measurer:
         (one device vector, the parameter index of each value)."""
         torch = self.torch
         index: List[int] = []
-        olds: List[torch.Tensor] = []
-        news: List[torch.Tensor] = []
+        olds: List[Any] = []
+        news: List[Any] = []
         with torch.no_grad():
             for i, old in before:
                 if i >= len(weights):
