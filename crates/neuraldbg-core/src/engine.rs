@@ -662,15 +662,13 @@ impl Run {
         latest.map(|l| self.model.layers[l].module)
     }
 
-    /// How far the optimizer moved each layer's weight (its largest parameter's ratio).
+    /// How far the optimizer moved each layer's weight (its `weight` parameter's ratio).
     fn observe_updates(&mut self, ratios: &[f32]) {
         for (l, layer) in self.model.layers.iter().enumerate() {
             let Some((p, _)) = layer.weight else { continue };
             let r = f64::from(ratios[p]);
             if r.is_finite() {
-                let track = &mut self.layers[l];
-                track.update_early.push(r);
-                track.update_last = Some(r);
+                self.layers[l].update_early.push(r);
             }
         }
     }

@@ -88,10 +88,9 @@ pub struct LayerTrack {
     /// the latest shares measured, and the first step of the current stretch at >= 90%.
     pub zero_rows: ZeroShare,
     pub zero_cols: ZeroShare,
-    /// How far the optimizer moved the weight relative to its size, where measured: the first
-    /// finite measurements, and the latest.
+    /// How far the optimizer moved the weight relative to its size: the first finite
+    /// measurements.
     pub update_early: Early,
-    pub update_last: Option<f64>,
 }
 
 /// The share of a weight gradient's rows or columns that are exactly zero, over the steps it
@@ -138,7 +137,6 @@ impl Default for LayerTrack {
             zero_rows: ZeroShare::default(),
             zero_cols: ZeroShare::default(),
             update_early: Early::default(),
-            update_last: None,
         }
     }
 }
