@@ -164,3 +164,115 @@ def test_a_softmax_inside_the_loss_is_named_from_the_first_step_while_the_loss_f
         assert hyps[0] is named[0] and hyps[0].step == 0 and hyps[0].confidence >= 0.5, hyps
     else:
         assert not named and all(h.confidence < 0.5 for h in hyps), hyps
+
+
+def _squared_error(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((out - y) ** 2).mean()
+
+
+def _absolute_error_flipped(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return (y - out).abs().mean()
+
+
+@pytest.mark.parametrize("loss_fn", [_squared_error, _absolute_error_flipped], ids=["(out-y)**2", "|y-out|"])
+def test_a_regression_loss_written_out_gives_its_targets_range_and_variance(loss_fn):
+    """A regression loss written by hand (``((out - y) ** 2).mean()``, ``(y - out).abs()``)
+    saves no target: it is recovered from the difference and the output. The range and the
+    variance that reach the engine are torch's own of the first targets, and a sigmoid output
+    regressing targets in [-1, 1] is named as an output that cannot reach them."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Linear(32, 1), nn.Sigmoid())
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x = torch.randn(1024, 6)
+    y = torch.tanh(x[:, :1] - x[:, 1:2])  # in (-1, 1), about half of it below 0
+    first = None
+    with NeuralDbg(model) as dbg:
+        spy = SpecSpy(dbg._collector.engine)
+        spy_engine(dbg, spy)
+        for _ in range(120):
+            i = torch.randint(0, 1024, (64,))
+            if first is None:
+                first = y[i]
+            opt.zero_grad()
+            loss_fn(model(x[i]), y[i]).backward()
+            opt.step()
+    assert first is not None
+    lo, hi = spy.spec["loss"]["target_range"]
+    np.testing.assert_allclose([lo, hi], [float(first.min()), float(first.max())], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(spy.spec["loss"]["target_var"], float(first.var()), rtol=1e-4)
+    top = dbg.explain_failure()[0]
+    assert str(top.cause) == "output_loss_mismatch" and top.confidence >= 0.5, top
+    assert "regression targets span" in top.description, top.description
+
+
+def test_a_scaled_or_broadcast_difference_gives_no_target():
+    """Only a plain difference of the output and a same-sized target is read back as a target:
+    a scaled difference, or a target the output was broadcast against (an 8x8 difference of
+    an 8x1 output), gives none rather than a guess."""
+    from neuraldbg._loop import _describe
+
+    out = torch.randn(8, 1, requires_grad=True) * 1.0
+    scaled = ((out - 2.0 * torch.ones(8, 1)) * 3.0).pow(2).mean()
+    broadcast = (out - torch.randn(8)).pow(2).mean()
+    for loss in (scaled, broadcast):
+        d = _describe(loss, [out.grad_fn], out)
+        assert d is not None
+        _, _, tlo, thi, tvar = (float(v) for v in d["_ranges"][0])
+        assert np.isnan([tlo, thi, tvar]).all(), d
+
+
+def _softmax_over(dim: int):
+    def loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        p = torch.softmax(logits, dim=dim)
+        return -(nn.functional.one_hot(y, 10) * torch.log(p.clamp_min(1e-12))).sum(1).mean()
+
+    return loss
+
+
+@pytest.mark.parametrize("dim", [0, 1, -1])
+def test_a_softmax_over_the_batch_is_named_and_one_over_the_classes_is_not(dim):
+    """A softmax taken over the batch (dim 0) before a hand-written cross-entropy is a loss
+    that cannot fit the labels, named from the first step; over the classes (1 or -1) it is
+    an ordinary cross-entropy."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 10))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x = torch.randn(2048, 20)
+    y = x[:, :10].argmax(1)
+    loss_fn = _softmax_over(dim)
+    with NeuralDbg(model) as dbg:
+        spy = SpecSpy(dbg._collector.engine)
+        spy_engine(dbg, spy)
+        for _ in range(100):
+            i = torch.randint(0, 2048, (64,))
+            opt.zero_grad()
+            loss_fn(model(x[i]), y[i]).backward()
+            opt.step()
+    hyps = dbg.explain_failure()
+    named = [h for h in hyps if str(h.cause) == "output_loss_mismatch"]
+    if dim == 0:
+        assert spy.spec["loss"]["softmax_over_batch"] is True
+        assert hyps[0] is named[0] and hyps[0].step == 0 and hyps[0].confidence >= 0.5, hyps
+        assert "over the batch" in hyps[0].description, hyps[0].description
+    else:
+        assert "softmax_over_batch" not in spy.spec["loss"]
+        assert not named, hyps
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_the_losss_reduction_reaches_the_engine(reduction):
+    """How a loss module reduced over the batch is read from autograd: a summed
+    cross-entropy's chance level is the batch's, not ln C, so the engine must know."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with NeuralDbg(model) as dbg:
+        spy = SpecSpy(dbg._collector.engine)
+        spy_engine(dbg, spy)
+        for _ in range(3):
+            opt.zero_grad()
+            nn.functional.cross_entropy(
+                model(torch.randn(8, 4)), torch.randint(0, 3, (8,)), reduction=reduction
+            ).backward()
+            opt.step()
+    assert spy.spec["loss"]["reduction"] == reduction

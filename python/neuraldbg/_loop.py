@@ -343,6 +343,13 @@ def _describe(loss: Any, output_fns: List[Any], output: Any) -> Optional[Dict[st
         (t for t in (getattr(n, "_saved_target", None) for n in path[:-1]) if isinstance(t, torch.Tensor)),
         None,
     )
+    if target is None and isinstance(output, torch.Tensor):
+        target = _written_out_target(path, output)
+    reduction = next((r for r in (getattr(n, "_saved_reduction", None) for n in path[:-1]) if r is not None), None)
+    if reduction in _REDUCTIONS:
+        d["reduction"] = _REDUCTIONS[reduction]
+    if any(_normalizes_dim0(n) for n in path[:-1]):
+        d["softmax_over_batch"] = True
     bounded.append(
         target if isinstance(target, torch.Tensor) and target.is_floating_point() and target.numel() else None
     )
@@ -370,6 +377,50 @@ def _describe(loss: Any, output_fns: List[Any], output: Any) -> Optional[Dict[st
         else:
             d["_ranges"] = (values, None)
     return d
+
+
+# torch's reduction codes, as autograd saves them (``_saved_reduction``).
+_REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
+
+
+def _normalizes_dim0(node: Any) -> bool:
+    """Whether ``node`` is a softmax or log-softmax taken over the first (batch) dimension of a
+    tensor of two or more: every class's probability then depends on the other samples."""
+    if op_name(node) not in ("Softmax", "LogSoftmax"):
+        return False
+    dim, result = getattr(node, "_saved_dim", None), getattr(node, "_saved_result", None)
+    if not isinstance(dim, int) or result is None or result.dim() < 2:
+        return False
+    if dim >= 2**63:  # (a negative dim, as autograd saves it: unsigned)
+        dim -= 2**64
+    return dim % result.dim() == 0
+
+
+def _written_out_target(path: List[Any], output: Any) -> Any:
+    """The target of a regression loss written out as ``(output - target)`` squared or absolute
+    (``torch.mean((y - out) ** 2)``): recovered from the difference the square or the absolute
+    value saved, and the output. None for anything else (a target the output was broadcast
+    against, a scaled difference, views that change the values)."""
+    import torch
+
+    for k in range(1, len(path) - 1):
+        node, consumer = path[k], path[k - 1]
+        if op_name(node) != "Sub" or op_name(consumer) not in ("Pow", "Abs"):
+            continue
+        if any(op_name(n) not in _VIEWS for n in path[k + 1 : -1]):
+            return None
+        diff = getattr(consumer, "_saved_self", None)
+        alpha = getattr(node, "_saved_alpha", 1)
+        if not isinstance(diff, torch.Tensor) or diff.numel() != output.numel() or alpha != 1:
+            return None
+        side = [i for i, (f, _) in enumerate(node.next_functions) if f is path[k + 1]]
+        out = output.detach().reshape(diff.shape)
+        if side == [0]:  # output - target
+            return out - diff.detach()
+        if side == [1]:  # target - output
+            return diff.detach() + out
+        return None
+    return None
 
 
 def unscaled_loss(tensors: Any) -> Any:

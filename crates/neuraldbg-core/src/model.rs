@@ -129,6 +129,13 @@ pub struct LossSpec {
     /// Smallest and largest value of the model's output on the first step.
     #[serde(default)]
     pub output_range: Option<(f64, f64)>,
+    /// How the loss reduced over the batch, where the framework says: `mean`, `sum`, `none`.
+    #[serde(default)]
+    pub reduction: Option<String>,
+    /// A softmax (or log-softmax) on the way from the output to the loss was taken over the
+    /// first dimension of the output, the batch, not over the classes.
+    #[serde(default)]
+    pub softmax_over_batch: bool,
 }
 
 impl ModelSpec {
