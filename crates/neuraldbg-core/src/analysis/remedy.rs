@@ -81,6 +81,7 @@ pub(crate) enum Remedy {
     // Output activation and loss.
     CheckOutputActivation,
     OneUnitSoftmax,
+    SoftmaxOverClasses,
     RemoveSoftmaxBeforeCrossEntropy,
     NllOnLogSoftmax,
     LogSoftmaxForNll,
@@ -200,6 +201,7 @@ impl Remedy {
             Remedy::KeepShapeWarning => "PyTorch warns about this (\"Using a target size that is different to the input size\"): do not silence that warning".into(),
             Remedy::CheckOutputActivation => "check that the model's last activation is the one the loss expects".into(),
             Remedy::OneUnitSoftmax => "a softmax over one unit is always 1: for a binary target drop the softmax and use BCEWithLogitsLoss on the single logit, or output 2 units with CrossEntropyLoss".into(),
+            Remedy::SoftmaxOverClasses => "take the softmax over the classes, the last dimension (softmax(logits, dim=-1) or dim=1), not over the batch (dim=0)".into(),
             Remedy::RemoveSoftmaxBeforeCrossEntropy => "remove the final Softmax (or .softmax()) from the model: CrossEntropyLoss takes raw logits; apply softmax only at inference".into(),
             Remedy::NllOnLogSoftmax => "or keep the model's output and switch to NLLLoss on torch.log_softmax(...) instead of softmax".into(),
             Remedy::LogSoftmaxForNll => "replace the final Softmax with LogSoftmax(dim=-1), or drop it and use CrossEntropyLoss on the logits".into(),

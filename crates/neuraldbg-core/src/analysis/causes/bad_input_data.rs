@@ -49,11 +49,13 @@ impl CauseRule for BadInputData {
     fn explains(&self, failure: Failure) -> bool {
         !matches!(
             failure,
-            Failure::LossPlateau
-                | Failure::SaturatedGradients
-                | Failure::StalledLayer
-                | Failure::LossScaleCollapse
+            Failure::SaturatedGradients | Failure::StalledLayer | Failure::LossScaleCollapse
         )
+    }
+
+    /// A plateau is data's doing only with the inputs' scale to show for it.
+    fn always_candidate(&self, failure: Failure) -> bool {
+        failure != Failure::LossPlateau
     }
 
     fn evidence(&self, c: &Case<'_>, v: &mut Votes) {
@@ -114,8 +116,24 @@ impl CauseRule for BadInputData {
             }
             Failure::DataAnomaly => v.add(4.0, "the input batch itself was anomalous"),
             Failure::LossDivergence => anomalous_batch(c, v, 4.0),
-            Failure::LossPlateau
-            | Failure::SaturatedGradients
+            Failure::LossPlateau => {
+                // Inputs far below a normalized range (scaled twice, e.g. /255 then /255
+                // again): with ordinary weights every layer's signal and its gradient are as
+                // small, and each step moves the weights as little.
+                if let Some(x) = ev.tiny_inputs() {
+                    if ev.gain_not_off_scale() {
+                        v.add(
+                            3.5,
+                            format!(
+                                "inputs reach only {} ({}x below the ~1 of normalized data) while the weights are ordinarily scaled: the signal, its gradients and each step are that much smaller",
+                                fmt_g(x),
+                                fmt_g((1.0 / x).round())
+                            ),
+                        );
+                    }
+                }
+            }
+            Failure::SaturatedGradients
             | Failure::LossScaleCollapse
             | Failure::StalledLayer
             | Failure::ReplicaDivergence => {}

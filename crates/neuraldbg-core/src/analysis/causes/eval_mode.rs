@@ -35,7 +35,7 @@ impl CauseRule for EvalMode {
         )
     }
 
-    fn always_candidate(&self) -> bool {
+    fn always_candidate(&self, _: Failure) -> bool {
         false
     }
 

@@ -56,6 +56,29 @@ pub(crate) struct ForwardGrowth {
     pub step: u64,
 }
 
+/// Largest input magnitude below which inputs are far off a normalized scale (~1).
+const TINY_INPUTS: f64 = 0.05;
+
+/// An update-to-weight ratio typical of a learning rate that trains (about 1e-3 per step).
+pub(crate) const TRAINING_UPDATE: f64 = 1e-3;
+
+/// A factor as a reader would say it: "50" below a thousand, "26,500" up to a million, "3.2e7"
+/// beyond.
+pub(crate) fn times(x: f64) -> String {
+    if !(1e3..1e6).contains(&x) {
+        return super::fmt_g(if x < 1e3 { x.round() } else { x });
+    }
+    let s = ((x / 100.0).round() as u64 * 100).to_string();
+    let mut out = String::new();
+    for (i, ch) in s.chars().enumerate() {
+        if i > 0 && (s.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(ch);
+    }
+    out
+}
+
 /// Median over the weighted layers of how far the first optimizer steps moved their weights
 /// relative to their size, where the collector measured it.
 pub(crate) fn measured_update_ratio(run: &Run) -> Option<f64> {
@@ -274,6 +297,13 @@ impl Evidence {
 
     /// No measured weight scale is far from variance-preserving (also when the initial scale
     /// is unknown).
+    /// The largest input magnitude of the first step, when it is far below a normalized
+    /// scale (~1): inputs scaled down twice, or left in a tiny unit.
+    pub fn tiny_inputs(&self) -> Option<f64> {
+        self.input_scale_first
+            .filter(|x| *x > 0.0 && *x < TINY_INPUTS)
+    }
+
     pub fn gain_not_off_scale(&self) -> bool {
         !self.gain_too_small() && !self.gain_too_large()
     }

@@ -5,7 +5,7 @@ use crate::engine::Run;
 
 use super::super::remedy::Remedy;
 use super::super::vocab::{Cause, Failure};
-use super::evidence::decades_ratio;
+use super::evidence::{TRAINING_UPDATE, decades_ratio, times};
 use super::{Case, CauseRule, Facts, RemedyCase, Votes, facts_of, fmt_g};
 
 pub(crate) struct LearningRateTooHigh;
@@ -240,6 +240,10 @@ impl CauseRule for LearningRateTooHigh {
     }
 }
 
+/// A measured update-to-weight ratio this many times a training one's (~1e-3) is a step too
+/// large for the weights it moves, whatever the loss does.
+const MEASURED_TOO_LARGE: f64 = 10.0 * TRAINING_UPDATE;
+
 /// A learning rate that rose, or steps large relative to the weights.
 fn step_size(c: &Case<'_>, own: &Steps, v: &mut Votes) {
     if own.lr_spike >= 3.0 {
@@ -252,7 +256,22 @@ fn step_size(c: &Case<'_>, own: &Steps, v: &mut Votes) {
         );
     }
     if let Some(r) = c.ev.update_ratio {
-        if r > 1.0 {
+        if c.ev.update_measured && r >= MEASURED_TOO_LARGE {
+            let size = if r > 1.0 {
+                format!("~{}x their size", fmt_g(r))
+            } else {
+                format!("~{} of their size", fmt_g(r))
+            };
+            v.add(
+                2.0,
+                format!(
+                    "each step moves the weights by {size} (measured{}): about {}x the ~1e-3 of a learning rate that trains",
+                    c.ev.lr_first
+                        .map_or(String::new(), |lr| format!(", lr {}", fmt_g(lr))),
+                    times(r / TRAINING_UPDATE)
+                ),
+            );
+        } else if r > 1.0 {
             v.add(
                 1.0,
                 format!(

@@ -2,12 +2,10 @@
 
 use super::super::remedy::Remedy;
 use super::super::vocab::{Cause, Failure};
+use super::evidence::{TRAINING_UPDATE, times};
 use super::{Case, CauseRule, RemedyCase, Votes, fmt_g};
 
 pub(crate) struct LearningRateTooLow;
-
-/// An update-to-weight ratio typical of a learning rate that trains (about 1e-3 per step).
-const TRAINING_UPDATE: f64 = 1e-3;
 
 impl CauseRule for LearningRateTooLow {
     fn cause(&self) -> Cause {
@@ -29,6 +27,10 @@ impl CauseRule for LearningRateTooLow {
             v.against(2.0);
         } else if ev.update_ratio.is_none_or(|r| r < 1e-3) {
             v.add(1.0, "gradients are healthy, yet the loss does not move");
+        }
+        if ev.tiny_inputs().is_some() {
+            // The steps are small because the gradients are: the inputs are.
+            v.against(1.5);
         }
         if let Some(r) = ev.update_ratio {
             // Measured, the step size is the learning rate's own signature; estimated (from the
@@ -65,23 +67,5 @@ impl CauseRule for LearningRateTooLow {
             Remedy::LrRangeTest,
             Remedy::AdaptiveOptimizer,
         ]
-    }
-}
-
-/// A large factor as a reader would say it: "26,500" up to a million, "3.2e7" beyond.
-fn times(x: f64) -> String {
-    if x < 1e6 {
-        let n = (x / 100.0).round() as u64 * 100;
-        let s = n.to_string();
-        let mut out = String::new();
-        for (i, ch) in s.chars().enumerate() {
-            if i > 0 && (s.len() - i) % 3 == 0 {
-                out.push(',');
-            }
-            out.push(ch);
-        }
-        if n == 0 { fmt_g(x) } else { out }
-    } else {
-        fmt_g(x)
     }
 }

@@ -24,7 +24,7 @@ impl CauseRule for MissingZeroGrad {
         )
     }
 
-    fn always_candidate(&self) -> bool {
+    fn always_candidate(&self, _: Failure) -> bool {
         false
     }
 

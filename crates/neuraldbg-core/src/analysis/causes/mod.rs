@@ -96,10 +96,10 @@ pub(crate) trait CauseRule: Sync {
     fn phrase(&self) -> &'static str;
     /// Whether the cause is a candidate explanation of `failure`.
     fn explains(&self, failure: Failure) -> bool;
-    /// Whether the cause competes even without evidence (the default). A cause observed
-    /// directly (a loop mistake the collector reports) is a candidate only when its evidence
-    /// is there, so it never dilutes the others.
-    fn always_candidate(&self) -> bool {
+    /// Whether the cause competes for `failure` even without evidence (the default). A cause
+    /// observed directly (a loop mistake the collector reports) is a candidate only when its
+    /// evidence is there, so it never dilutes the others.
+    fn always_candidate(&self, _failure: Failure) -> bool {
         true
     }
     /// Adds the weighted evidence for this cause in `c` (called only when it explains
@@ -292,7 +292,7 @@ pub(crate) fn rank_causes(
                     ),
                 );
             }
-            if v.reasons.is_empty() && !r.always_candidate() {
+            if v.reasons.is_empty() && !r.always_candidate(e.failure) {
                 return None;
             }
             Some(Scored {

@@ -15,6 +15,8 @@
 //! - a log taken of outputs that are not probabilities (a hand-written cross-entropy on raw
 //!   logits): outputs at or below zero are clipped or undefined, and carry no gradient;
 //! - a softmax over one unit: the output is the constant 1, every gradient is exactly zero;
+//! - a softmax taken over the batch rather than the classes: each sample's "probabilities"
+//!   depend on the other samples of the batch and do not sum to one over its classes;
 //! - a bounded output (sigmoid, tanh, `ReLU`...) regressing targets outside its range: the
 //!   error on those targets can never go below the distance to the bound.
 
@@ -42,6 +44,7 @@ pub(crate) enum Mismatch {
     /// made positive.
     LogOfRawOutput,
     OneUnitSoftmax,
+    SoftmaxOverBatch,
     BoundedRegression {
         lo: f64,
         hi: f64,
@@ -74,6 +77,9 @@ pub(crate) fn mismatch(loss: &LossSpec) -> Option<Mismatch> {
     let has = |name: &str| ops.contains(&name);
     if out == "Softmax" && loss.output_units == Some(1) {
         return Some(Mismatch::OneUnitSoftmax);
+    }
+    if loss.softmax_over_batch {
+        return Some(Mismatch::SoftmaxOverBatch);
     }
     // (The softmax may be the model's last operation, or the loss's own, applied to the
     // logits before its log-softmax: `ops` run from the loss back to the output.)
@@ -149,7 +155,7 @@ impl CauseRule for OutputLossMismatch {
         )
     }
 
-    fn always_candidate(&self) -> bool {
+    fn always_candidate(&self, _: Failure) -> bool {
         false
     }
 
@@ -161,6 +167,9 @@ impl CauseRule for OutputLossMismatch {
         let why = match m {
             Mismatch::OneUnitSoftmax => {
                 "the model's output is a softmax over 1 unit: it is the constant 1, so every gradient is exactly zero".to_string()
+            }
+            Mismatch::SoftmaxOverBatch => {
+                "the softmax on the way to the loss is taken over the batch (dim 0), not over the classes: each sample's probabilities depend on the other samples and do not sum to one over its classes".to_string()
             }
             Mismatch::SoftmaxIntoCrossEntropy => {
                 "softmax probabilities reach a loss that applies log-softmax again (CrossEntropyLoss expects raw logits): its gradient shrinks to almost nothing".to_string()
@@ -213,6 +222,7 @@ impl CauseRule for OutputLossMismatch {
         let output = loss.output_op.clone();
         match m {
             Mismatch::OneUnitSoftmax => vec![Remedy::OneUnitSoftmax],
+            Mismatch::SoftmaxOverBatch => vec![Remedy::SoftmaxOverClasses],
             Mismatch::SoftmaxIntoCrossEntropy => vec![
                 Remedy::RemoveSoftmaxBeforeCrossEntropy,
                 Remedy::NllOnLogSoftmax,

@@ -22,7 +22,7 @@ impl CauseRule for ParametersNotUpdated {
         matches!(failure, Failure::StalledLayer | Failure::LossPlateau)
     }
 
-    fn always_candidate(&self) -> bool {
+    fn always_candidate(&self, _: Failure) -> bool {
         false
     }
 

@@ -111,6 +111,7 @@ impl CauseRule for PoorInitialization {
                         "the initial weight scale is far from variance-preserving",
                     );
                 }
+                confidently_wrong_start(c, v);
             }
             Failure::DataAnomaly
             | Failure::SaturatedGradients
@@ -139,6 +140,30 @@ impl CauseRule for PoorInitialization {
             Remedy::InitForActivation,
             Remedy::CheckCustomInit { layer: c.layer() },
         ]
+    }
+}
+
+/// A classifier whose loss starts far above its chance level, on inputs of an ordinary scale:
+/// before any update, the initial weights already make confident wrong predictions (an
+/// initialized classifier should start near ln C).
+fn confidently_wrong_start(c: &Case<'_>, v: &mut Votes) {
+    let Some(chance) = super::super::failures::chance_level(c.run).filter(|c| !c.regression) else {
+        return;
+    };
+    let ordinary_inputs = c.ev.input_scale_first.is_some_and(|x| x <= 20.0);
+    if let Some(l) = c.ev.loss_initial.filter(|l| *l >= 2.0 * chance.level) {
+        if ordinary_inputs {
+            v.add(
+                2.0,
+                format!(
+                    "the loss starts at {}, {:.1}x its chance level (ln {} = {}), before any update: the initial weights make confident wrong predictions",
+                    fmt_g(l),
+                    l / chance.level,
+                    chance.classes,
+                    fmt_g(chance.level)
+                ),
+            );
+        }
     }
 }
 

@@ -28,7 +28,7 @@ impl CauseRule for TargetShapeMismatch {
         matches!(failure, Failure::LossPlateau | Failure::LossDivergence)
     }
 
-    fn always_candidate(&self) -> bool {
+    fn always_candidate(&self, _: Failure) -> bool {
         false
     }
 

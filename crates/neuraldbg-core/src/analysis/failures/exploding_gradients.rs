@@ -15,6 +15,24 @@ use super::{
 
 pub(crate) struct ExplodingGradients;
 
+/// Steps within which an explosion at the start must end by itself to count as absorbed.
+const ABSORBED_STEPS: u64 = 10;
+
+/// Gradients large from the first step that came down by themselves within a few steps, with
+/// nothing non-finite ever and a loss that then fell below a tenth of where it began: they were
+/// large because the loss was (summed over the batch, targets on their own scale), and the
+/// first updates absorbed it. Not a failure of training, whatever the threshold says.
+pub(crate) fn absorbed(run: &Run, e: &Episode) -> bool {
+    let l = &run.loss;
+    e.onset <= run.first_step.unwrap_or(0) + 1
+        && !e.to_end
+        && e.duration <= ABSORBED_STEPS
+        && run.nonfinite_steps == 0
+        && l.initial.is_some_and(|i| {
+            i > 0.0 && i.is_finite() && l.last_smoothed.is_finite() && l.last_smoothed < 0.1 * i
+        })
+}
+
 impl FailureRule for ExplodingGradients {
     fn failure(&self) -> Failure {
         Failure::ExplodingGradients
@@ -58,7 +76,8 @@ impl FailureRule for ExplodingGradients {
             } else {
                 0.0
             };
-        1.0 - (-x.max(0.0)).exp()
+        let p = 1.0 - (-x.max(0.0)).exp();
+        if absorbed(run, e) { 0.3 * p } else { p }
     }
 
     fn follows_from(&self, a: &Episode, e: &Episode, l: &Link<'_>) -> bool {

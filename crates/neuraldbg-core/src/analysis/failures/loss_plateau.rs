@@ -116,8 +116,16 @@ impl FailureRule for LossPlateau {
                     num(c.level)
                 );
             }
+            let (at, worse) = if s.run.loss.last_smoothed > 1.1 * c.level {
+                (
+                    "above",
+                    "is confidently wrong, worse than a constant guess",
+                )
+            } else {
+                ("at", "predicts no better than a constant guess")
+            };
             format!(
-                ", at its chance level ({} = ln {} for {} classes{}): the model predicts no better than a constant guess",
+                ", {at} its chance level ({} = ln {} for {} classes{}): the model {worse}",
                 num(c.level),
                 c.classes,
                 c.classes,
@@ -158,6 +166,10 @@ pub(crate) struct Chance {
 /// squared error whose targets' variance is known.
 pub(crate) fn chance_level(run: &Run) -> Option<Chance> {
     let loss = run.model.spec.loss.as_ref()?;
+    // (A loss summed over the batch sits at the batch size times the level.)
+    if loss.reduction.as_deref() == Some("sum") {
+        return None;
+    }
     let has = |op: &str| loss.ops.iter().any(|o| o == op);
     if has("BinaryCrossEntropyWithLogits") || has("BinaryCrossEntropy") {
         return Some(Chance {
@@ -189,11 +201,11 @@ pub(crate) fn chance_level(run: &Run) -> Option<Chance> {
 }
 
 /// Steps a run must have before it can be judged not to learn.
-const NOT_LEARNING_STEPS: u64 = 100;
+const NOT_LEARNING_STEPS: u64 = 50;
 
-/// The chance level of a model whose loss stayed flat at it (never clearly below, and
-/// within 10% of it at the end; a regression's anywhere above 70% of it) over at least half of a run of [`NOT_LEARNING_STEPS`] steps
-/// or more.
+/// The chance level of a model whose loss stayed flat at or above it (never clearly below,
+/// and at least 90% of it at the end; a regression's 70%) over at least half of a run of
+/// [`NOT_LEARNING_STEPS`] steps or more.
 pub(crate) fn not_learning(run: &Run) -> Option<Chance> {
     let chance = chance_level(run)?;
     let (first, last) = (run.first_step?, run.last_step?);
@@ -203,15 +215,17 @@ pub(crate) fn not_learning(run: &Run) -> Option<Chance> {
     let flat_most = l
         .flat_since
         .is_none_or(|since| 2 * (last.saturating_sub(since) + 1) > last.saturating_sub(first));
-    // A classifier's loss above its chance level is confidently wrong, something else; a
-    // regression loss above the targets' variance is still no better than their mean.
-    // (The variance comes from one batch of targets, off by ~10-20% for batches of 64-256,
-    // and a regression loss is noisy: both bounds are looser.)
+    // A loss above its chance level is no better: a classifier's is confidently wrong, a
+    // regression's no better than the targets' mean. (The variance comes from one batch of
+    // targets, off by ~10-20% for batches of 64-256, and a regression loss is noisy: both
+    // bounds are looser.) A loss that rose above where it began did not fail to learn: it
+    // diverged, another failure.
     let at_level = l.last_smoothed / chance.level;
+    let risen = l.initial.is_none_or(|i| l.last_smoothed > i);
     let (at_chance, best) = if chance.regression {
         (at_level >= 0.7, 0.5)
     } else {
-        ((0.9..=1.1).contains(&at_level), 0.8)
+        (at_level >= 0.9 && (at_level <= 1.1 || !risen), 0.8)
     };
     (l.observed >= NOT_LEARNING_STEPS && flat_most && l.best >= best * chance.level && at_chance)
         .then_some(chance)

@@ -20,6 +20,8 @@ mod saturated_gradients;
 mod stalled_layer;
 mod vanishing_gradients;
 
+pub(crate) use loss_plateau::chance_level;
+
 use std::fmt::Write as _;
 
 use crate::config::Config;

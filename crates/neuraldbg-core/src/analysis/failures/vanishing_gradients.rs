@@ -30,6 +30,14 @@ pub(crate) fn normal_beginning(run: &Run, e: &Episode) -> bool {
         && falls
 }
 
+/// A loss that was exactly zero from its first step to its last: the model sat at the loss's
+/// floor, where every gradient is zero because nothing is left to learn (a run that starts
+/// converged), not because the gradients vanished on their way back.
+fn at_zero_loss(run: &Run) -> bool {
+    let l = &run.loss;
+    l.observed > 0 && l.initial == Some(0.0) && l.best == 0.0 && l.last_smoothed == 0.0
+}
+
 impl FailureRule for VanishingGradients {
     fn failure(&self) -> Failure {
         Failure::VanishingGradients
@@ -61,7 +69,7 @@ impl FailureRule for VanishingGradients {
                 p *= 0.2;
             }
         }
-        if normal_beginning(run, e) {
+        if normal_beginning(run, e) || at_zero_loss(run) {
             p *= 0.1;
         }
         p

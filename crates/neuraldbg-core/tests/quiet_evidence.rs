@@ -1,0 +1,196 @@
+#![allow(clippy::unwrap_used)] // a test crate: a failed unwrap is a failed test
+//! The evidence that tells quiet causes apart (issue 22), on synthetic observations: an
+//! explosion at the start that training absorbs, a classifier confidently wrong from its first
+//! step, units that die under steps far too large, and inputs far below a normalized scale.
+
+use neuraldbg_core::analysis::explain;
+use neuraldbg_core::{
+    CausalHypothesis, Cause, Config, Engine, Failure, LossSpec, Measure, ModelSpec, Observation,
+};
+
+#[path = "support/mlp.rs"]
+mod mlp;
+
+/// The small MLP of the loop-mistake tests (three 16x16 Linear layers, two `ReLU`s, SGD) with a
+/// cross-entropy over ten classes.
+fn classifier() -> ModelSpec {
+    let mut spec = mlp::spec();
+    spec.loss = Some(LossSpec {
+        ops: vec!["NllLoss".into(), "LogSoftmax".into()],
+        output_op: Some("Addmm".into()),
+        output_units: Some(10),
+        ..LossSpec::default()
+    });
+    spec
+}
+
+/// One step of healthy statistics: gradient norms, weight norms giving `PyTorch`'s default
+/// Linear gain (`std(W) * sqrt(fan_in)` = 2.3 / 16 * 4 ~ 0.58), inputs in [-1, 1], live
+/// `ReLU` units, an lr of 0.01; every step measured.
+fn healthy(step: u64, loss: f64) -> Observation {
+    Observation {
+        step,
+        grad_norms: vec![0.05, 0.01, 0.04, 0.01, 0.03, 0.01],
+        weight_norms: Some(vec![2.3, 0.2, 2.3, 0.2, 2.3, 0.2]),
+        activations: Some(vec![1.5, 0.0, 0.1, 0.9, 64.0, 1.5, 0.0, 0.1, 0.9, 64.0]),
+        inputs: vec![-1.0, 1.0, 0.0, 0.5],
+        loss: Some(loss),
+        lr: Some(0.01),
+        ..Observation::default()
+    }
+}
+
+fn diagnose(
+    spec: ModelSpec,
+    steps: u64,
+    obs: impl Fn(u64) -> Observation,
+) -> Vec<CausalHypothesis> {
+    let mut engine = Engine::new(Config::default()).unwrap();
+    engine.register_model(spec).unwrap();
+    for step in 0..steps {
+        engine.observe(&obs(step).view()).unwrap();
+    }
+    explain(&engine, None)
+}
+
+fn shown(h: &[CausalHypothesis]) -> Vec<String> {
+    h.iter().map(ToString::to_string).collect()
+}
+
+/// Gradients 10x past the exploding threshold for the first four steps, then ordinary; the
+/// loss starts at 2,000 (summed over the batch) and falls 200x.
+fn large_start(step: u64) -> Observation {
+    let mut o = healthy(step, 2000.0 * (-0.05 * step as f64).exp() + 10.0);
+    if step < 4 {
+        o.grad_norms = vec![1e4; 6];
+    }
+    o
+}
+
+#[test]
+fn an_explosion_at_the_start_that_training_absorbs_is_no_failure() {
+    let h = diagnose(classifier(), 200, large_start);
+    assert!(
+        h.iter()
+            .all(|h| h.failure != Failure::ExplodingGradients || h.confidence < 0.5),
+        "{:?}",
+        shown(&h)
+    );
+    // The same start, but the run goes non-finite later: the explosion was the beginning.
+    let h = diagnose(classifier(), 200, |s| {
+        let mut o = large_start(s);
+        if s >= 6 {
+            o.grad_norms = vec![f32::NAN; 6];
+            o.loss = Some(f64::NAN);
+        }
+        o
+    });
+    assert!(h[0].confidence >= 0.5, "{:?}", shown(&h));
+    assert!(
+        h.iter()
+            .any(|h| h.failure == Failure::ExplodingGradients && h.confidence >= 0.5),
+        "{:?}",
+        shown(&h)
+    );
+}
+
+#[test]
+fn a_classifier_confidently_wrong_from_its_first_step_is_not_learning_from_poor_initialization() {
+    // ln 10 = 2.30; the loss sits at ~5.8 from the first step; the weights are 8x PyTorch's
+    // default scale (gain ~4.6).
+    let h = diagnose(classifier(), 200, |s| {
+        let mut o = healthy(s, 5.8 + 0.02 * ((s % 3) as f64));
+        o.weight_norms = Some(vec![18.4, 0.2, 18.4, 0.2, 18.4, 0.2]);
+        o
+    });
+    let top = &h[0];
+    assert_eq!(top.failure, Failure::LossPlateau, "{:?}", shown(&h));
+    assert_eq!(top.cause, Cause::PoorInitialization, "{:?}", shown(&h));
+    assert!(top.confidence >= 0.5, "{top}");
+    assert!(
+        top.description.contains("above its chance level"),
+        "{}",
+        top.description
+    );
+    assert!(
+        top.description.contains("2.5x its chance level"),
+        "{}",
+        top.description
+    );
+    // A loss at the chance level itself reads as "at", not "above".
+    let h = diagnose(classifier(), 200, |s| {
+        healthy(s, 2.31 + 0.01 * ((s % 3) as f64))
+    });
+    assert!(
+        h[0].description.contains(", at its chance level"),
+        "{}",
+        h[0].description
+    );
+}
+
+/// Units alive for three steps, then the first `ReLU` layer dead for the rest of the run, with
+/// this measured update-to-weight ratio on every step.
+fn dying(update: f32) -> Vec<CausalHypothesis> {
+    diagnose(classifier(), 100, |s| {
+        let mut o = healthy(s, 2.3 * (-0.001 * s as f64).exp());
+        if s >= 3 {
+            o.activations = Some(vec![0.0, 0.0, 1.0, 0.0, 64.0, 1.5, 0.0, 0.1, 0.9, 64.0]);
+        }
+        o.measures = vec![(Measure::UpdateRatio, vec![update; 6])];
+        o
+    })
+}
+
+#[test]
+fn units_that_die_under_steps_far_too_large_are_the_learning_rates_doing() {
+    let h = dying(0.05);
+    let dead = h
+        .iter()
+        .find(|h| h.failure == Failure::DeadNeurons)
+        .unwrap_or_else(|| panic!("{:?}", shown(&h)));
+    assert_eq!(dead.cause, Cause::LearningRateTooHigh, "{:?}", shown(&h));
+    assert!(
+        dead.description.contains("(measured, lr 0.01): about 50x"),
+        "{}",
+        dead.description
+    );
+    // Under steps of an ordinary size the units died of something else.
+    let h = dying(3e-3);
+    let dead = h
+        .iter()
+        .find(|h| h.failure == Failure::DeadNeurons)
+        .unwrap_or_else(|| panic!("{:?}", shown(&h)));
+    assert_eq!(dead.cause, Cause::DyingRelu, "{:?}", shown(&h));
+}
+
+/// A classifier's loss held at its chance level under measured tiny steps, with inputs whose
+/// largest magnitude is `scale`.
+fn flat_with_inputs(scale: f32) -> Vec<CausalHypothesis> {
+    diagnose(classifier(), 200, |s| {
+        let mut o = healthy(s, 2.3 + 0.01 * ((s % 3) as f64));
+        o.inputs = vec![0.0, scale, scale / 2.0, scale / 4.0];
+        o.measures = vec![(Measure::UpdateRatio, vec![3e-5; 6])];
+        o
+    })
+}
+
+#[test]
+fn a_plateau_on_inputs_far_below_a_normalized_scale_is_the_datas() {
+    let h = flat_with_inputs(0.0039);
+    let top = &h[0];
+    assert_eq!(top.failure, Failure::LossPlateau, "{:?}", shown(&h));
+    assert_eq!(top.cause, Cause::BadInputData, "{:?}", shown(&h));
+    assert!(
+        top.description.contains("inputs reach only 0.0039"),
+        "{}",
+        top.description
+    );
+    // The same plateau on inputs of an ordinary scale: the steps are the learning rate's.
+    let h = flat_with_inputs(1.0);
+    assert_eq!(h[0].cause, Cause::LearningRateTooLow, "{:?}", shown(&h));
+    assert!(
+        h.iter().all(|h| h.cause != Cause::BadInputData),
+        "{:?}",
+        shown(&h)
+    );
+}
