@@ -194,3 +194,31 @@ fn a_plateau_on_inputs_far_below_a_normalized_scale_is_the_datas() {
         shown(&h)
     );
 }
+
+/// Every gradient exactly zero from the first step, under this constant loss.
+fn zero_gradients(loss: f64) -> Vec<CausalHypothesis> {
+    diagnose(classifier(), 20, |s| {
+        let mut o = healthy(s, loss);
+        o.grad_norms = vec![0.0; 6];
+        o
+    })
+}
+
+#[test]
+fn zero_gradients_at_a_loss_of_exactly_zero_are_a_run_that_starts_converged() {
+    let h = zero_gradients(0.0);
+    assert!(
+        h.iter()
+            .all(|h| h.failure != Failure::VanishingGradients || h.confidence < 0.5),
+        "{:?}",
+        shown(&h)
+    );
+    // The same gradients under a loss with something left to learn: they vanished.
+    let h = zero_gradients(2.3);
+    assert!(
+        h.iter()
+            .any(|h| h.failure == Failure::VanishingGradients && h.confidence >= 0.5),
+        "{:?}",
+        shown(&h)
+    );
+}
