@@ -222,3 +222,35 @@ fn zero_gradients_at_a_loss_of_exactly_zero_are_a_run_that_starts_converged() {
         shown(&h)
     );
 }
+
+/// A classifier whose cross-entropy is written out with these operations, its loss held at
+/// ln 10 for 60 steps.
+fn written_out(ops: &[&str]) -> Vec<CausalHypothesis> {
+    let mut spec = classifier();
+    spec.loss = Some(LossSpec {
+        ops: ops.iter().map(|s| (*s).to_string()).collect(),
+        output_op: Some("Addmm".into()),
+        output_units: Some(10),
+        ..LossSpec::default()
+    });
+    diagnose(spec, 60, |s| healthy(s, 2.3 + 0.01 * ((s % 3) as f64)))
+}
+
+#[test]
+fn a_cross_entropy_written_out_has_a_chance_level_unless_summed_over_the_batch() {
+    let h = written_out(&["Neg", "Mean", "Sum", "Mul", "LogSoftmax"]);
+    assert_eq!(h[0].failure, Failure::LossPlateau, "{:?}", shown(&h));
+    assert!(
+        h[0].description
+            .contains("at its chance level (2.303 = ln 10"),
+        "{}",
+        h[0].description
+    );
+    // Summed over the batch (no mean): its level is the batch size times ln 10, not known.
+    let h = written_out(&["Neg", "Sum", "Mul", "LogSoftmax"]);
+    assert!(
+        h.iter().all(|h| !h.description.contains("chance level")),
+        "{:?}",
+        shown(&h)
+    );
+}

@@ -86,8 +86,14 @@ impl FailureRule for LossPlateau {
         first_at_onset(events, cluster, onset)
     }
 
+    /// Longer is likelier, up to 100 steps or the whole run, when the run is shorter (down
+    /// to the 50 steps a judgment of not learning needs).
     fn probability(&self, run: &Run, e: &Episode) -> f64 {
-        let w = 100.0;
+        let run_len = match (run.first_step, run.last_step) {
+            (Some(first), Some(last)) => (last.saturating_sub(first) + 1) as f64,
+            _ => 100.0,
+        };
+        let w = run_len.clamp(NOT_LEARNING_STEPS as f64, 100.0);
         let stuck = run
             .loss
             .initial
@@ -162,8 +168,8 @@ pub(crate) struct Chance {
 }
 
 /// The chance level of the run's loss, when the engine recognizes the loss: cross-entropy or
-/// negative log-likelihood over the output's last dimension, binary cross-entropy, or a mean
-/// squared error whose targets' variance is known.
+/// negative log-likelihood over the output's last dimension (also written out as the log of a
+/// softmax), binary cross-entropy, or a mean squared error whose targets' variance is known.
 pub(crate) fn chance_level(run: &Run) -> Option<Chance> {
     let loss = run.model.spec.loss.as_ref()?;
     // (A loss summed over the batch sits at the batch size times the level.)
@@ -179,7 +185,12 @@ pub(crate) fn chance_level(run: &Run) -> Option<Chance> {
             regression: false,
         });
     }
-    if has("NllLoss") {
+    // A cross-entropy written out (`-(onehot * log_softmax(z)).sum(1)`, or the log of a
+    // softmax), averaged over the batch somewhere (without a mean it is summed over it).
+    let logs_probabilities = has("LogSoftmax")
+        || has("Log") && (loss.output_op.as_deref() == Some("Softmax") || has("Softmax"));
+    let written_out = logs_probabilities && has("Mean");
+    if has("NllLoss") || written_out {
         let classes = loss.output_units.filter(|&c| c >= 2)?;
         return Some(Chance {
             level: (classes as f64).ln(),
