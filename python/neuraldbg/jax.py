@@ -21,8 +21,8 @@ The wrapped transformation computes each parameter's gradient norm inside the co
 (and the parameter norms on sampled steps) and writes them, with the loss and the learning rate,
 into a ring buffer that it keeps in its own optimizer state, on the device: the compiled step
 holds no host callback (one would take every call off JAX's fast dispatch path and make it
-synchronous). The host reads the buffer of one state in up to 16 it sees (waiting for the
-device then; the read buffer holds the rows of the states skipped): pytrees of the state are
+synchronous). The host reads the buffer of one state in up to 16 it sees, once the device is
+done with it (the read buffer holds the rows of the states skipped): pytrees of the state are
 flattened and rebuilt by ``jit`` and ``nnx`` at every call, and the wrapper's state is a pytree
 node that notes its buffer there. It works under ``jit``,
 ``lax.scan`` (up to the buffer's rows of updates per call) and inside ``optax.MultiSteps``
@@ -79,7 +79,7 @@ def _as_i32(f: Any) -> Any:
 
 class _Ring(RingReader):
     """The host side of one wrapped transformation: the ring buffers of the states it meets,
-    read lazily (at most one in 16 states, waiting for the device then)."""
+    read lazily (at most one in 16 states, once the device is done with it)."""
 
     max_every = 16
 
