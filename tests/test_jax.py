@@ -238,6 +238,20 @@ def test_donating_loop_loses_no_step() -> None:
     np.testing.assert_allclose(loss, [float(v) for v in out], rtol=1e-6)
 
 
+def test_norms_by_size_class_match_numpy() -> None:
+    """The compiled step's norms (small leaves reduced together per size class, large ones
+    alone, an absent parameter -1), against numpy in float64."""
+    from neuraldbg.jax import _SMALL_LEAF, _norms
+
+    rng = np.random.default_rng(4)
+    shapes = [(64, 64), (64,), (3, 5, 7), (64, 10), (10,), (1,), (_SMALL_LEAF + 3,), (17, 64), (0,)]
+    leaves = [rng.normal(size=s).astype(np.float32) * 10.0 ** rng.integers(-8, 3) for s in shapes]
+    where = [3, -1, 0, 8, 6, 1, 2, 5, 4, 7]
+    got = np.asarray(jax.jit(lambda ls: _norms(ls, where))([jnp.asarray(v) for v in leaves]))
+    want = [np.sqrt(np.sum(np.asarray(leaves[i], np.float64) ** 2)) if i >= 0 else -1.0 for i in where]
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
 class _Buffer:
     """A stand-in for a device buffer: ready or not, deleted or not; reading one that is not
     ready is what waiting for the device would be, and is recorded."""
