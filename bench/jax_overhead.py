@@ -3,13 +3,16 @@ a Keras 3 ``fit`` on the JAX backend (``NeuralDbgCallback``), each against the s
 unwatched, in the same process.
 
 JAX: copies of one model, one optimizer plain and others wrapped (their debuggers open for the
-whole run; ``read-each`` reads the ring at every state rather than lazily), compiled before timing; rounds of ``--steps`` steps alternate between the arms in
+whole run; ``read-each`` reads the ring at every state rather than lazily; ``wait-read`` reads
+lazily but waits for the device at each read, as the spoke does for a loop that donates its
+state and as it did for every loop up to commit 3bcfa1a), compiled before timing; rounds of ``--steps`` steps alternate between the arms in
 a shuffled order, each round ending with ``block_until_ready``. Keras: copies of one compiled
 model, each fit for ``--epochs`` epochs per round (shuffled order; ``A/A`` is a second plain
 model, ``no-act`` the callback with ``activations=False``, ``every-act`` measures activations on
 every step rather than on sampled ones, ``before`` is the callback of ``--before REV``); the
 time of every epoch after the first (compilation excluded) is taken from a timing callback, with
-the calling thread's CPU time over the same epochs, and the whole fit (compilation and the end-of-run report included) is given too. Each figure is the
+the calling thread's CPU time over the same epochs, and the whole fit (compilation and the end-of-run report included) is given too, over all
+rounds and for the first fit of each model alone (one sample each: every arm compiles there). Each figure is the
 median of the per-round ratios watched/unwatched, with a 95% bootstrap interval, and the
 ratio of the fastest rounds.
 
@@ -139,11 +142,18 @@ def bench_jax(width: int, depth: int, batch: int, steps: int, rounds: int) -> No
     eager_dbg.__enter__()
     eager_opt = nnx.Optimizer(eager_model, eager_dbg.wrap(optax.adam(1e-3), learning_rate=1e-3), wrt=nnx.Param)
     eager_dbg._rings[0].max_every = 1
+    # wait-read: lazy reading that waits for the device at each read (what a donating loop gets).
+    waiting_model = MLP(nnx.Rngs(0))
+    waiting_dbg = NeuralDbg(waiting_model)
+    waiting_dbg.__enter__()
+    waiting_opt = nnx.Optimizer(waiting_model, waiting_dbg.wrap(optax.adam(1e-3), learning_rate=1e-3), wrt=nnx.Param)
+    waiting_dbg._rings[0].donated = True
     models = (
         (plain_model, plain_opt),
         (watched_model, watched_opt),
         (floor_model, floor_opt),
         (eager_model, eager_opt),
+        (waiting_model, waiting_opt),
     )
     for m, o in models:
         jax.block_until_ready(step(m, o, x, y))  # compile
@@ -153,10 +163,11 @@ def bench_jax(width: int, depth: int, batch: int, steps: int, rounds: int) -> No
         "callback": arm(floor_model, floor_opt),
         "neuraldbg": arm(watched_model, watched_opt),
         "read-each": arm(eager_model, eager_opt),
+        "wait-read": arm(waiting_model, waiting_opt),
     }
     times, cpu = paired(arms, rounds)
-    dbg.__exit__(None, None, None)
-    eager_dbg.__exit__(None, None, None)
+    for d in (dbg, eager_dbg, waiting_dbg):
+        d.__exit__(None, None, None)
     report(f"jax nnx MLP {depth + 2}x{width}, batch {batch}", times, steps)
     # The Python side of a step (flax's graph handling, dispatch, a synchronous step's callback,
     # our reading) runs on this thread: its CPU time is what other processes disturb least.
@@ -247,6 +258,12 @@ def bench_keras(width: int, depth: int, batch: int, epochs: int, rounds: int, n:
     report(f"keras fit {depth + 2}x{width}, batch {batch}, epochs 2+", steady, per * (epochs - 1))
     report("  the same, calling thread's CPU time", cpu, per * (epochs - 1))
     report("keras fit, whole fit (compile incl.)", whole, per * epochs)
+    first = {k: v[0] for k, v in whole.items()}
+    print(
+        "keras fit, first fit of each model (compiles, one sample): "
+        + "  ".join(f"{k} {first[k] / first['plain']:.3f}x" for k in first if k != "plain")
+        + f"  (plain {first['plain']:.2f} s)"
+    )
 
 
 def main() -> None:

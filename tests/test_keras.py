@@ -251,6 +251,53 @@ def test_ring_buffer_leaves_no_trace_in_the_optimizer_or_a_checkpoint(tmp_path: 
     np.testing.assert_allclose(loaded.optimizer.variables[-1].numpy(), model.optimizer.variables[-1].numpy(), rtol=1e-6)
 
 
+def test_watched_fits_compile_the_train_step_once() -> None:
+    """On JAX the rings change the train step's state, so the first watched fit traces the step
+    once (as Keras does for any new state) and later watched fits with the same options run
+    that compiled step again, each with its own steps (the update count at its start is in the
+    ring, not in the step); a plain fit in between runs the plain step it had, and other options
+    trace anew. Traces are counted by Keras's own call of ``train_step``."""
+    traces = [0]
+
+    class Counted(keras.Sequential):
+        def train_step(self, *args: Any) -> Any:
+            traces[0] += 1
+            return super().train_step(*args)
+
+    keras.utils.set_random_seed(7)
+    model = Counted([keras.Input((16,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    x, y = data(320)
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    assert traces[0] == 1
+
+    def watched(weight_every: int) -> Any:
+        truth = grad_norms(model, x[:32], y[:32])  # the first batch of this fit
+        cb = NeuralDbgCallback(verbose=False, dense_steps=2, weight_every=weight_every)
+        model.fit(x, y, batch_size=32, epochs=1, shuffle=False, callbacks=[cb], verbose=0)
+        dbg = cb.dbg
+        assert dbg.step == 10
+        for name in dbg.layers:
+            steps, norms = dbg.history(name, "grad_norm")
+            assert list(steps) == list(range(10))
+            np.testing.assert_allclose(norms[0], truth[name], rtol=1e-3)
+        sampled = [s for s in range(10) if s < 2 or s % weight_every == 0]
+        assert list(dbg.history(dbg.layers[0], "weight_norm")[0]) == sampled
+        return dbg
+
+    watched(3)
+    assert traces[0] == 2
+    watched(3)
+    assert traces[0] == 2
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    assert traces[0] == 2
+    watched(3)
+    assert traces[0] == 2
+    watched(4)  # another constant in the step: traced anew
+    assert traces[0] == 3
+    assert int(model.optimizer.iterations.numpy()) == 60
+
+
 def test_custom_train_step_subclassed_model() -> None:
     class Net(keras.Model):
         def __init__(self) -> None:

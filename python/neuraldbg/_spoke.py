@@ -181,6 +181,9 @@ class RingReader:
         self.added = 0
         self.every = 1
         self.unread: Any = None
+        # Whether the loop donates its state (a buffer was deleted before it was read): lazy
+        # reading then waits for the device at each read, before the next step takes the buffer.
+        self.donated = False
 
     # Lazy reading (the caller asks :meth:`due` at each state it meets): a state is read at most
     # once in this many (a read then waits for the device), fewer when a state brings many
@@ -196,16 +199,23 @@ class RingReader:
 
     def add(self, buf: Any) -> None:
         """A device buffer of a newer state (an array with ``is_ready``/``is_deleted``, read
-        with ``np.asarray``): read now if the device is done with it (lazy reading: now,
-        waiting for it), else later."""
+        with ``np.asarray``): read now if the device is done with it, else later. Lazy reading
+        waits for the older buffers (the device is done with them by then, a read apart) and
+        leaves this one to the next read if the device is still computing it, so that the
+        host never waits for the step it just dispatched; once the loop is seen to donate its
+        state, it waits for this one too (the next step would delete it unread)."""
         if buf is self.last or tuple(buf.shape) != (self.rows + 1, self.width):
             return
         with self.lock:
             self.last = buf
             self.unread = None
             self.pending.append(buf)
-            # Never more than half a ring behind: wait for the oldest buffer rather than lose steps.
-            self.pump(wait=len(self.pending) - self.rows // 2 if self.max_every == 1 else len(self.pending))
+            if self.max_every == 1:
+                # Never more than half a ring behind: wait for the oldest buffer rather than lose steps.
+                wait = len(self.pending) - self.rows // 2
+            else:
+                wait = len(self.pending) - (0 if self.donated else 1)
+            self.pump(wait=wait)
 
     def pump(self, wait: int = 0) -> None:
         """Reads the buffers whose computation is done, oldest first, waiting for the first
@@ -221,6 +231,9 @@ class RingReader:
                 try:
                     if buf.is_deleted():  # donated to a later step, whose buffer holds these rows
                         self.pending.popleft()
+                        if self.max_every > 1 and not self.donated:
+                            self.donated = True
+                            wait = len(self.pending)
                         continue
                     if wait <= 0 and not buf.is_ready():
                         return

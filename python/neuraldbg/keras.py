@@ -369,7 +369,10 @@ class KerasDbg(Spoke):
         rows = self._ring_rows(width)
         init = np.zeros((rows + 1, width), np.float32)
         init[:rows, 0] = np.array([-1], np.int32).view(np.float32)[0]
-        init[rows, :2] = np.array([0, RING_MARKER], np.int32).view(np.float32)
+        # The last row: updates made, the marker, and the optimizer's update count when fit
+        # began: the step reads it from its state rather than as a constant, so that the next
+        # watched fit of this model runs the same compiled step.
+        init[rows, :3] = np.array([0, RING_MARKER, self._base], np.int32).view(np.float32)
         var = opt.add_variable((rows + 1, width), initializer="zeros", dtype="float32", name="neuraldbg_ring")
         var.assign(init)
         var._neuraldbg_ring = True
@@ -568,6 +571,25 @@ class KerasDbg(Spoke):
         # At least two executions of steps_per_execution steps between two reads.
         return max(16, 2 * self._per_call, min(256, 2 ** int(np.log2(max(RING_BYTES // (4 * width), 1)))))
 
+    def _trace_key(self) -> Optional[Tuple[Any, ...]]:
+        """JAX: what the train step traced for this run holds as constants (the options and the
+        probes it measures, the rings' shapes); two runs with the same key can run the same
+        compiled step, since everything else they differ in is in its state. None on other
+        backends, where the step is traced for each run."""
+        if self._ring is None:
+            return None
+        act = self._act_ring
+        return (
+            self._ring.rows,
+            self._ring.width,
+            None if act is None else (act.rows, act.width),
+            self._dense_steps,
+            self._weight_every,
+            self._accumulate,
+            self._act_every_step,
+            tuple(sorted((row, repr(sorted(probe.items()))) for row, probe in self._act_probes.items())),
+        )
+
     def _write_activations(self, outputs: Dict[int, Any]) -> None:
         """JAX, traced in the training forward pass: the pass's row of the activation ring,
         measured on sampled passes only (other passes write their count and NaN)."""
@@ -662,7 +684,8 @@ class KerasDbg(Spoke):
         if scale is not None:
             gn = ops.where(gn >= 0, gn / scale, gn)
         step = ops.convert_to_tensor(opt.iterations)
-        sampled = ops.logical_or(step - self._base < self._dense_steps, (step - self._base) % self._weight_every == 0)
+        base = self._ring_base() if self._ring_var is not None else self._base
+        sampled = ops.logical_or(step - base < self._dense_steps, (step - base) % self._weight_every == 0)
         values = self._model.variables
 
         def norms() -> Any:
@@ -677,12 +700,21 @@ class KerasDbg(Spoke):
         if self._ring_var is not None:
             # Updates made once this one is: with accumulation, a row is complete on the last micro-batch.
             done = ops.cast(ops.floor_divide(opt._iterations + 1, k), "int32") if k > 1 else step32 + 1
-            self._write_ring(step32 - self._base, done - self._base, gn, wn, lr)
+            self._write_ring(step32 - base, done - base, gn, wn, lr)
             return
         ack = self._emit(self._receive, step32, gn, wn, lr)
         if ack is not None:
             # Adds exactly 0 (the host answers 0): keeps the call in the step.
             opt.iterations.assign_add(ops.cast(ack, opt.iterations.dtype))
+
+    def _ring_base(self) -> Any:
+        """JAX, traced in the train step: the optimizer's update count when fit began, from the
+        ring's last row (int32)."""
+        import jax
+        import jax.numpy as jnp
+
+        rows = self._ring.rows if self._ring is not None else 1
+        return jax.lax.bitcast_convert_type(jnp.asarray(self._ring_var.value)[rows, 2], jnp.int32)
 
     def _write_ring(self, step: Any, done: Any, gn: Any, wn: Any, lr: Any) -> None:
         """JAX, traced in the train step: this update's row into the ring variable."""
@@ -851,9 +883,18 @@ class NeuralDbgCallback(keras.callbacks.Callback):
         dbg._on_halt = lambda hyps: setattr(model, "stop_training", True)
         dbg.start()
         self.dbg = dbg
-        # fit made its train function before this hook: made again, it traces the wrapped
-        # optimizer (a compiled function is otherwise reused as it was).
-        model.make_train_function(force=True)
+        # fit made its train function before this hook. On JAX the rings added for the run change
+        # the step's state, so the function traces the wrapped optimizer at its first call, or
+        # reuses what it compiled for an earlier watched fit of the same key (the next fit
+        # compiles nothing new); made again, it would compile once more for every fit. Elsewhere
+        # (and for a step traced with other constants) it is made again.
+        key = dbg._trace_key()
+        function = model.train_function
+        if key is None or function is None or getattr(function, "_neuraldbg_key", key) != key:
+            model.make_train_function(force=True)
+            function = model.train_function
+        if key is not None and function is not None:
+            function._neuraldbg_key = key
 
     # Keras then runs on_train_batch_end on a worker thread and keeps dispatching steps
     # asynchronously; the engine is fed from on_train_batch_begin, on the main thread.
@@ -876,8 +917,10 @@ class NeuralDbgCallback(keras.callbacks.Callback):
         if dbg is None:
             return
         dbg.stop()
-        # The next fit traces a train function without the wrapper.
-        self.model.train_function = None
+        if dbg._trace_key() is None:
+            # The next fit traces a train function without the wrapper (on JAX the step's
+            # state, without the rings, tells the two apart).
+            self.model.train_function = None
         if self.verbose:
             confirmed = [h for h in dbg.explain_failure() if h.confidence >= 0.5]
             lines = [f"NeuralDBG: {dbg.step} steps observed"]
