@@ -94,3 +94,26 @@ def test_one_re_run_gives_one_verdict_on_its_cause(tmp_path: Any) -> None:
     verdicts = {(h["failure"], h["cause"]): h["verdict"] for h in first["hypotheses"]}
     assert verdicts[("exploding_gradients", "learning_rate_too_high")] == "confirmed"
     assert verdicts[("loss_divergence", "learning_rate_too_high")] == "confirmed"
+
+
+def test_a_remedy_that_changed_nothing_refutes_nothing(tmp_path: Any) -> None:
+    # A layer re-initialized to the values it already had: the re-run's loss curve is the
+    # unchanged re-run's, step for step, and its failure recurs; that tested nothing.
+    first = _run(
+        2.2, [_h("vanishing_gradients", "poor_initialization", 0.95, "norm")], trace=str(tmp_path / "Net.ndbg")
+    )
+    first["steps"] = 20
+    unchanged = _run(2.2, [_h("vanishing_gradients", "poor_initialization", 0.95, "norm")])
+    same = _run(2.2, [_h("vanishing_gradients", "poor_initialization", 0.95, "norm")], ["norm re-initialized"])
+    _Replayed({None: unchanged, "reinit": same}).run(first, str(tmp_path))
+    h = first["hypotheses"][0]
+    assert h["evidence"]["failure_recurred"] and h["verdict"] == "untested", h
+    assert "exactly as in the unchanged re-run" in h["evidence"]["why"]
+    # One step different and the recurrence counts again.
+    for h in first["hypotheses"]:
+        for k in ("verdict", "intervention", "evidence"):
+            h.pop(k, None)
+    other = _run(2.2, [_h("vanishing_gradients", "poor_initialization", 0.95, "norm")], ["norm re-initialized"])
+    other["models"][0]["loss"][7] = 2.3
+    _Replayed({None: unchanged, "reinit": other}).run(first, str(tmp_path))
+    assert first["hypotheses"][0]["verdict"] == "refuted"

@@ -293,6 +293,13 @@ def _final_loss(run: Dict[str, Any], model: Optional[str], steps: int) -> Option
     return None
 
 
+def _curve(run: Dict[str, Any], model: Optional[str], steps: int) -> List[Tuple[int, Any]]:
+    for m in run.get("models", []):
+        if model is None or m["name"] == model:
+            return [(s, v) for s, v in zip(m["loss_steps"], m["loss"]) if s < steps]
+    return []
+
+
 def _recurs(run: Dict[str, Any], h: Dict[str, Any], failure: Optional[str] = None) -> bool:
     """Whether ``run`` has ``h``'s failure (or ``failure``) in ``h``'s model, confidently."""
     failure = h["failure"] if failure is None else failure
@@ -563,6 +570,9 @@ def _verdict(
         verdict, why = "untested", skipped[0] if skipped else "the remedy found nothing to change in this script"
     elif not tried.get("models"):
         why = f"the run with the remedy did not complete (exit {tried.get('process_exit')}; see {tried.get('log')})"
+    elif _curve(tried, model, steps) and _curve(tried, model, steps) == _curve(unchanged, model, steps):
+        # Applied, but the training did not change: a test that tested nothing refutes nothing.
+        verdict, why = "untested", "the remedy left the loss curve exactly as in the unchanged re-run"
     elif not evidence["failure_in_unchanged"]:
         why = "the failure did not recur in the unchanged re-run"
     elif evidence["failure_recurred"]:
