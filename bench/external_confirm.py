@@ -268,16 +268,24 @@ def main() -> int:
     ap.add_argument("--json", default=None, metavar="FILE", help="every run's hypotheses, verdicts and evidence")
     ap.add_argument("--out", default="runs/external-confirm", help="where the runs' traces go")
     ap.add_argument(
-        "--score", nargs="+", default=None, metavar="FILE", help="print the table of --json files, run nothing"
+        "--score",
+        nargs="+",
+        default=None,
+        metavar="FILE",
+        help="print the table of --json files (a later file's row replaces an earlier one), run nothing",
     )
     ap.add_argument("-v", "--verbose", action="store_true", help="print every tested hypothesis's verdict and numbers")
     args = ap.parse_args()
 
     if args.score:
-        rows: List[Dict[str, Any]] = []
+        # A later file's row replaces an earlier one of the same program and variant.
+        merged: Dict[Tuple[str, str], Dict[str, Any]] = {}
         for path in args.score:
             with open(path, encoding="utf-8") as f:
-                rows += json.load(f)["rows"]
+                for row in json.load(f)["rows"]:
+                    merged.pop((row["program"], row["variant"]), None)
+                    merged[(row["program"], row["variant"])] = row
+        rows: List[Dict[str, Any]] = list(merged.values())
         print_table(rows, args.verbose)
         print_totals(totals(r for r in rows if not r.get("shared")))
         return 0
