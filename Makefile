@@ -7,7 +7,7 @@ PY      := $(VENV)/bin/python
 STAMPS  := .stamps
 SOURCES := $(shell find crates python -type f \( -name '*.rs' -o -name '*.py' -o -name '*.pyi' -o -name 'Cargo.toml' -o -name '*.js' -o -name '*.css' -o -name '*.html' \) 2>/dev/null) Cargo.toml pyproject.toml
 
-.PHONY: all demo demo-burn jax test test-rust test-python lint bench bench-overhead bench-jax bench-models bench-frameworks bench-run bench-distributed bench-engine bench-burn bench-memory bench-diagnosis bench-corpus bench-report bench-trace gpu-check bench-kept-memory build browser terminal report-screenshot watch-screenshot clean
+.PHONY: all demo demo-burn jax test test-rust test-python lint bench bench-overhead bench-jax bench-models bench-frameworks bench-run bench-confirm bench-distributed bench-engine bench-burn bench-memory bench-diagnosis bench-corpus bench-report bench-trace gpu-check bench-kept-memory build browser terminal report-screenshot watch-screenshot clean
 
 all: test
 
@@ -143,6 +143,13 @@ bench-frameworks: build
 # `neuraldbg run train.py` against the same script with `with NeuralDbg(model)` in its loop.
 bench-run: build
 	$(PY) bench/run_overhead.py
+
+# The external suite under `--confirm`: each program, buggy and fixed, through
+# `neuraldbg.run(..., confirm=True)`; the remedies' verdicts against the labels (an hour or more;
+# not part of `make bench`). CONFIRM_ARGS narrows it (e.g. `IPS-5 -v`).
+CONFIRM_ARGS ?=
+bench-confirm: build
+	$(PY) bench/external_confirm.py --json runs/external-confirm.json $(CONFIRM_ARGS)
 
 bench-engine:
 	cargo bench -p neuraldbg-core --bench observe

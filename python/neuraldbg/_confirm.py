@@ -3,9 +3,10 @@
 The script runs again from its start, in a fresh process (``neuraldbg run`` itself, with the
 same seed and step count): once unchanged, and once per mechanical remedy, which the child
 applies at the optimizer and model level (:class:`Remedy`, given by the hidden ``--apply``).
-A hypothesis is ``confirmed`` only when its failure did not recur with the remedy *and* the
-loss ended better than the unchanged re-run's by more than two identical runs differ (the
-first run against the unchanged re-run, and never less than :data:`MIN_GAIN` of the loss).
+A hypothesis is ``confirmed`` only when its failure did not recur with the remedy (nor any other
+failure the run confidently blamed on the same cause: one re-run, one verdict on its cause)
+*and* the loss ended better than the unchanged re-run's by more than two identical runs differ
+(the first run against the unchanged re-run, and never less than :data:`MIN_GAIN` of the loss).
 
 Which remedy a cause calls for is an intervention chosen here, not a diagnosis: the cause
 comes from the engine's hypothesis.
@@ -37,6 +38,10 @@ REMEDIES: Dict[str, Tuple[str, Any]] = {
     "output_loss_mismatch": ("remove_output_activation", None),
     "numerical_instability": ("clip", 1.0),
 }
+
+# The remedies that act on the hypothesis's layer; the others act on the whole model or its
+# optimizers, so hypotheses of one cause at different layers share one re-run.
+_BY_LAYER = ("reinit", "remove_output_activation")
 
 # Two runs' losses differing by less than this fraction of the loss are not told apart.
 MIN_GAIN = 0.01
@@ -265,7 +270,12 @@ def remedy_for(h: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     if found is None:
         return None
     kind, value = found
-    return {"model": h.get("model"), "kind": kind, "value": value, "layer": h.get("layer")}
+    return {
+        "model": h.get("model"),
+        "kind": kind,
+        "value": value,
+        "layer": h.get("layer") if kind in _BY_LAYER else None,
+    }
 
 
 def _final_loss(run: Dict[str, Any], model: Optional[str], steps: int) -> Optional[float]:
@@ -283,11 +293,38 @@ def _final_loss(run: Dict[str, Any], model: Optional[str], steps: int) -> Option
     return None
 
 
-def _recurs(run: Dict[str, Any], h: Dict[str, Any]) -> bool:
+def _curve(run: Dict[str, Any], model: Optional[str], steps: int) -> List[Tuple[int, Any]]:
+    for m in run.get("models", []):
+        if model is None or m["name"] == model:
+            return [(s, v) for s, v in zip(m["loss_steps"], m["loss"]) if s < steps]
+    return []
+
+
+def _recurs(run: Dict[str, Any], h: Dict[str, Any], failure: Optional[str] = None) -> bool:
+    """Whether ``run`` has ``h``'s failure (or ``failure``) in ``h``'s model, confidently."""
+    failure = h["failure"] if failure is None else failure
     return any(
-        o["failure"] == h["failure"] and o.get("model") == h.get("model") and o["confidence"] >= CONFIDENT
+        o["failure"] == failure and o.get("model") == h.get("model") and o["confidence"] >= CONFIDENT
         for o in run.get("hypotheses", [])
     )
+
+
+def _key(spec: Dict[str, Any]) -> str:
+    return json.dumps(spec, sort_keys=True)
+
+
+def blamed(hyps: Sequence[Dict[str, Any]]) -> Dict[str, List[str]]:
+    """For each remedy (by :func:`_key`), the failures the run confidently blamed on its cause:
+    a re-run with that remedy is one test of the cause, and it passes only if none of them
+    recurs (two hypotheses of one cause cannot be confirmed and refuted by the same run)."""
+    out: Dict[str, List[str]] = {}
+    for h in hyps:
+        spec = remedy_for(h)
+        if spec is not None and h["confidence"] >= CONFIDENT:
+            failures = out.setdefault(_key(spec), [])
+            if h["failure"] not in failures:
+                failures.append(h["failure"])
+    return out
 
 
 class Confirm:
@@ -386,7 +423,8 @@ class Confirm:
             runs = list(pool.map(one, jobs))
         print(file=sys.stderr)
         unchanged = runs[0]
-        results = dict(zip((json.dumps(s, sort_keys=True) for s in specs), runs[1:]))
+        results = dict(zip((_key(s) for s in specs), runs[1:]))
+        causes = blamed(hyps)
         for rank, h in enumerate(hyps):
             spec = remedy_for(h)
             if rank >= top:
@@ -396,13 +434,14 @@ class Confirm:
                     verdict="untested", intervention=None, evidence={"why": f"no mechanical remedy for {h['cause']}"}
                 )
             else:
-                h.update(_verdict(h, spec, data, unchanged, results[json.dumps(spec, sort_keys=True)], steps))
+                tried = results[_key(spec)]
+                h.update(_verdict(h, spec, data, unchanged, tried, steps, causes.get(_key(spec), [])))
         parted: Dict[Tuple[str, Any], Optional[Dict[str, Any]]] = {}
         for h in hyps:
             spec = remedy_for(h)
             if h.get("verdict") in (None, "untested") or spec is None:
                 continue
-            key = (json.dumps(spec, sort_keys=True), h.get("model"))
+            key = (_key(spec), h.get("model"))
             if key not in parted:
                 parted[key] = _parting(unchanged, results[key[0]], h.get("model"))
             if parted[key] is not None:
@@ -500,7 +539,10 @@ def _verdict(
     unchanged: Dict[str, Any],
     tried: Dict[str, Any],
     steps: int,
+    also: Sequence[str] = (),
 ) -> Dict[str, Any]:
+    """The verdict on ``h`` from the run with its remedy (``tried``); ``also``: the other
+    failures the first run blamed on the same remedy's cause, which must not recur either."""
     model = h.get("model")
     base = _final_loss(unchanged, model, steps)
     again = _final_loss(first, model, steps)
@@ -510,8 +552,10 @@ def _verdict(
         if base is not None and again is not None and math.isfinite(base) and math.isfinite(again)
         else 0.0
     )
+    others = [f for f in also if f != h["failure"] and _recurs(tried, h, f)]
     evidence: Dict[str, Any] = {
         "failure_recurred": _recurs(tried, h),
+        "also_recurred": others,
         "failure_in_unchanged": _recurs(unchanged, h),
         "loss": _json_number(loss),
         "loss_unchanged": _json_number(base),
@@ -526,10 +570,18 @@ def _verdict(
         verdict, why = "untested", skipped[0] if skipped else "the remedy found nothing to change in this script"
     elif not tried.get("models"):
         why = f"the run with the remedy did not complete (exit {tried.get('process_exit')}; see {tried.get('log')})"
+    elif _curve(tried, model, steps) and _curve(tried, model, steps) == _curve(unchanged, model, steps):
+        # Applied, but the training did not change: a test that tested nothing refutes nothing.
+        verdict, why = "untested", "the remedy left the loss curve exactly as in the unchanged re-run"
     elif not evidence["failure_in_unchanged"]:
         why = "the failure did not recur in the unchanged re-run"
     elif evidence["failure_recurred"]:
         verdict, why = "refuted", "the failure recurred with the remedy"
+    elif others:
+        verdict, why = (
+            "refuted",
+            f"{', '.join(others)}, also blamed on {h['cause']}, recurred with the remedy",
+        )
     elif base is None or loss is None:
         why = "no loss was observed to compare"
     else:
