@@ -379,9 +379,8 @@ def test_confirm_a_planted_learning_rate(tmp_path: Path) -> None:
     assert ev["failure_in_unchanged"] and not ev["failure_recurred"]
     assert ev["loss_unchanged"] is None and ev["loss"] is not None  # non-finite unchanged, finite remedied
     assert top["intervention"].startswith("learning rate x0.1")
-    others = [
-        h for h in data["hypotheses"][:5] if h["cause"] not in ("learning_rate_too_high", "numerical_instability")
-    ]
+    # Every other hypothesis listed, tested or not, is never confirmed by the learning-rate re-runs.
+    others = [h for h in data["hypotheses"] if h["cause"] not in ("learning_rate_too_high", "numerical_instability")]
     assert others and all(h["verdict"] in ("untested", "refuted", "inconclusive") for h in others), _verdicts(data)
     assert "CONFIRMED" in r.stderr
 
