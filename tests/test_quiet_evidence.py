@@ -276,3 +276,62 @@ def test_the_losss_reduction_reaches_the_engine(reduction):
             ).backward()
             opt.step()
     assert spy.spec["loss"]["reduction"] == reduction
+
+
+def _mlp_regression(init: str) -> tuple:
+    """A 3-layer ReLU MLP regressing a sum of inputs, its weights set by ``init``: ``constant``
+    (every weight 0.01), ``zero_out`` (default hidden layers, a zero output layer, as LoRA's B
+    and zero-initialized heads are), or ``default``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
+    with torch.no_grad():
+        for k, m in enumerate(m for m in model if isinstance(m, nn.Linear)):
+            if init == "constant":
+                nn.init.constant_(m.weight, 0.01)
+                nn.init.zeros_(m.bias)
+            elif init == "zero_out" and k == 2:
+                nn.init.zeros_(m.weight)
+    x = torch.randn(1024, 8)
+    return model, x, x[:, :4].sum(1, keepdim=True)
+
+
+@pytest.mark.parametrize("init", ["constant", "zero_out", "default"])
+def test_units_with_identical_weights_are_named_while_the_loss_still_falls(init):
+    """A constant initialization leaves every unit of a layer with the same weights: they get
+    the same gradient and stay the same, so each layer trains as one unit. That is a fact read
+    from the weights at registration (checked here on the trained weights themselves: the rows
+    are still identical at the end), named from the first step as poor initialization while
+    the loss still falls. A zero output layer (its units get different gradients at once) and
+    the default initialization are not flagged."""
+    model, x, y = _mlp_regression(init)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses = []
+    with NeuralDbg(model) as dbg:
+        spy = SpecSpy(dbg._collector.engine)
+        spy_engine(dbg, spy)
+        for _ in range(150):
+            i = torch.randint(0, 1024, (64,))
+            opt.zero_grad()
+            loss = nn.functional.mse_loss(model(x[i]), y[i])
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+    flagged = [p["name"] for p in spy.spec["params"] if p.get("identical_units")]
+    # Ground truth from the weights: a layer whose rows all equal its first row.
+    same = [
+        f"{n}.weight"
+        for n, m in model.named_children()
+        if isinstance(m, nn.Linear) and m.weight.shape[0] > 1 and bool((m.weight == m.weight[:1]).all())
+    ]
+    hyps = dbg.explain_failure()
+    if init == "constant":
+        assert same == ["0.weight", "2.weight"] and flagged == same
+        # It still learns something (a default initialization ends about 1,000x lower).
+        assert np.mean(losses[-10:]) < 0.6 * np.mean(losses[:10])
+        top = hyps[0]
+        assert str(top.cause) == "poor_initialization" and top.confidence >= 0.5, hyps
+        assert "all 64 units of `0` have the same weights" in top.description, top.description
+        assert any("randomly" in r and "`0`" in r for r in top.remedies), top.remedies
+    else:
+        assert same == [] and flagged == []
+        assert not any("same weights" in h.description for h in hyps), hyps

@@ -629,3 +629,19 @@ def finite_flags(objs: Sequence[Any]) -> List[bool]:
         out.append(all(ok[k : k + len(ts)]))
         k += len(ts)
     return out
+
+
+def identical_rows(weights: Sequence[Any]) -> List[bool]:
+    """Per weight (output units along dim 0): whether every unit's weights are the same,
+    not all zero. One transfer for all of them; per-column min/max, so no full-size copy."""
+    torch = torch_module()
+    if not weights:
+        return []
+    device = weights[0].device
+    with torch.no_grad():
+        rows = []
+        for w in weights:
+            lo, hi = (v.float() for v in torch.aminmax(w.detach().reshape(w.shape[0], -1), dim=0))
+            rows.append(torch.stack(((hi - lo).amax(), torch.maximum(hi.abs(), lo.abs()).amax())).to(device))
+        spread_scale = torch.stack(rows).tolist()
+    return [scale > 0.0 and spread <= 1e-6 * scale for spread, scale in spread_scale]

@@ -1,7 +1,8 @@
 """The watched model as the engine sees it: its modules and trainable parameters, the model
 description registered with the engine (forward order, kinds, fan-in), and the search for the
 module whose own computation first produced a NaN/Inf. Host-side bookkeeping; the only tensor
-work is the finiteness check of kept outputs (:func:`~neuraldbg._measure.finite_flags`)."""
+work is the finiteness check of kept outputs (:func:`~neuraldbg._measure.finite_flags`) and,
+once at registration, which weights have identical units (:func:`~neuraldbg._measure.identical_rows`)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,16 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from ._hooks import is_passive
-from ._measure import finite_flags
+from ._measure import finite_flags, identical_rows
 from ._record import CALL_RECORDER
 
 # Modules that hold a lookup table rather than a transform: their weight scale says nothing
 # about signal propagation.
 TABLE_MODULES = {"Embedding", "EmbeddingBag"}
+
+# Transforms whose output units are the rows of their weight (dim 0): units that start with
+# identical weights compute the same, get the same gradient and never become different.
+UNIT_TRANSFORMS = ("Linear", "Conv", "ConvTranspose", "RNN", "LSTM", "GRU", "Bilinear")
 
 # Normalization layers: they keep the layout of the transform before them.
 NORMS = ("BatchNorm", "GroupNorm", "InstanceNorm", "LayerNorm", "LocalResponseNorm", "RMSNorm")
@@ -130,7 +135,37 @@ class WatchedModel:
             if not p.requires_grad:
                 spec["frozen"] = True
             params.append(spec)
+        for k in self._identical_units():
+            params[k]["identical_units"] = True
         return {"modules": modules, "params": params, "optimizer": optimizer}
+
+    def _identical_units(self) -> List[int]:
+        """The trainable weights of transforms (Linear, Conv, recurrent) whose units all have
+        the same weights, not all zero (a constant initialization): read once, one transfer."""
+        import torch
+
+        picked: List[int] = []
+        for k, (p, pname, owner) in enumerate(zip(self.params, self.param_names, self.param_owner)):
+            kind = type(self.modules[owner]).__name__
+            if (
+                type(p) is torch.nn.Parameter  # (not a lazy, sharded or meta parameter)
+                and type(p.data) is torch.Tensor
+                and p.requires_grad
+                and not p.is_meta
+                and pname.rsplit(".", 1)[-1].startswith("weight")
+                and kind.startswith(UNIT_TRANSFORMS)
+                and p.dim() >= 2
+                and p.shape[0] >= 2
+                and p[0].numel() >= 2
+            ):
+                picked.append(k)
+        # (One device's weights: a model spread over several is read on its first.)
+        picked = [k for k in picked if self.params[k].device == self.params[picked[0]].device]
+        try:
+            flags = identical_rows([self.params[k] for k in picked])
+        except Exception:  # pragma: no cover - a weight we cannot read: no fact
+            return []
+        return [k for k, same in zip(picked, flags) if same]
 
     def unit_axes(self, executed: List[int]) -> Dict[int, int]:
         """Per executed module: 1 (channels) when the nearest transform with parameters before

@@ -60,6 +60,11 @@ pub struct ParamSpec {
     /// it is unfrozen, and a layer of frozen parameters is not a stalled layer.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub frozen: bool,
+    /// Every output unit of the layer had the same weights, not all zero, when the model was
+    /// registered (a constant initialization): the units compute the same, get the same
+    /// gradient and never become different.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub identical_units: bool,
 }
 
 /// The model as the engine sees it.
@@ -174,6 +179,7 @@ impl ModelSpec {
             fan_in,
             tied: Vec::new(),
             frozen: false,
+            identical_units: false,
         });
         self.params.len() - 1
     }

@@ -254,3 +254,50 @@ fn a_cross_entropy_written_out_has_a_chance_level_unless_summed_over_the_batch()
         shown(&h)
     );
 }
+
+/// A regression whose loss falls from 3 to 1.2 over 150 steps, healthy otherwise, with `fc0`
+/// and `fc1` flagged (or not) as having identical units.
+fn symmetric(flagged: bool) -> Vec<CausalHypothesis> {
+    let mut spec = mlp::spec();
+    spec.loss = Some(LossSpec {
+        ops: vec!["MseLoss".into()],
+        output_op: Some("Addmm".into()),
+        output_units: Some(1),
+        target_var: Some(4.0),
+        ..LossSpec::default()
+    });
+    for p in [0, 2] {
+        spec.params[p].identical_units = flagged;
+    }
+    diagnose(spec, 150, |s| {
+        healthy(s, 1.2 + 1.8 * (-0.03 * s as f64).exp())
+    })
+}
+
+#[test]
+fn units_with_identical_weights_hold_the_loss_above_its_optimum_from_the_first_step() {
+    let h = symmetric(true);
+    let top = &h[0];
+    assert_eq!(
+        (top.failure, top.cause, top.step),
+        (Failure::LossPlateau, Cause::PoorInitialization, Some(0)),
+        "{:?}",
+        shown(&h)
+    );
+    assert!(top.confidence >= 0.5, "{:?}", shown(&h));
+    assert!(
+        top.description.contains(
+            "all 16 units of `fc0` have the same weights (and so do those of one more layer)"
+        ),
+        "{}",
+        top.description
+    );
+    assert!(
+        top.remedies[0].starts_with("initialize the weights of `fc0` randomly"),
+        "{:?}",
+        top.remedies
+    );
+    // The same run without the fact: a loss that falls and settles is no failure.
+    let h = symmetric(false);
+    assert!(h.iter().all(|h| h.confidence < 0.5), "{:?}", shown(&h));
+}

@@ -38,6 +38,10 @@ pub(crate) enum Remedy {
     ReduceDepth,
     // Initialization.
     InitForActivation,
+    /// Random weights instead of a constant: units that start identical stay identical.
+    RandomInit {
+        layer: Option<String>,
+    },
     CheckCustomInit {
         layer: Option<String>,
     },
@@ -154,6 +158,10 @@ impl Remedy {
             Remedy::NormBetweenBlocks => "add normalization (LayerNorm/BatchNorm) between blocks".into(),
             Remedy::ReduceDepth => "reduce the depth, or initialize for depth (e.g. scaled or orthogonal init)".into(),
             Remedy::InitForActivation => "initialize weights for the activation: kaiming_normal_ for ReLU, xavier_normal_ (gain 5/3 for tanh) otherwise".into(),
+            Remedy::RandomInit { layer } => format!(
+                "initialize {} randomly (kaiming_normal_ for ReLU, xavier_normal_ otherwise), not with a constant: units that start with the same weights get the same gradient and stay the same",
+                layer.as_deref().map_or_else(|| "the weights".into(), |l| format!("the weights of {}", show(l)))
+            ),
             Remedy::CheckCustomInit { layer } => format!(
                 "check custom init code{} for weights scaled far from 1/sqrt(fan_in)",
                 of(layer, " of ")

@@ -322,9 +322,12 @@ pub(crate) fn rank_causes(
 }
 
 /// The loss cannot reach its optimum because of a proven mistake in how it is computed (the
-/// output does not fit the loss, or the loss broadcasts the target).
+/// output does not fit the loss, or the loss broadcasts the target), or in the model (layers
+/// whose units all have the same weights train like a single unit).
 pub(crate) fn loss_bounded_by_mistake(run: &Run) -> bool {
-    output_loss_mismatch::found(run).is_some() || target_shape_mismatch::broadcast(run).is_some()
+    output_loss_mismatch::found(run).is_some()
+        || target_shape_mismatch::broadcast(run).is_some()
+        || poor_initialization::identical_units(run).is_some()
 }
 
 pub(crate) fn fmt_g(v: f64) -> String {

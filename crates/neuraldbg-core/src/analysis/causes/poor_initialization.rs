@@ -32,6 +32,9 @@ impl CauseRule for PoorInitialization {
 
     fn evidence(&self, c: &Case<'_>, v: &mut Votes) {
         let (ev, f) = (c.ev, c.f);
+        if let Some(s) = identical_units(c.run) {
+            v.add(4.0, s.sentence(c.run));
+        }
         match c.e.failure {
             Failure::ExplodingGradients => {
                 if !f.at_start {
@@ -128,6 +131,15 @@ impl CauseRule for PoorInitialization {
     }
 
     fn remedies(&self, c: &RemedyCase<'_>) -> Vec<Remedy> {
+        if let Some(s) = identical_units(c.run) {
+            let layer = Some(
+                c.run
+                    .model
+                    .module_name(c.run.model.layers[s.layer].module)
+                    .to_string(),
+            );
+            return vec![Remedy::RandomInit { layer }, Remedy::InitForActivation];
+        }
         let root_kind = c.e.root.map(|m| c.run.model.spec.modules[m].kind.as_str());
         if root_kind.is_some_and(is_recurrent) {
             return vec![
@@ -141,6 +153,53 @@ impl CauseRule for PoorInitialization {
             Remedy::CheckCustomInit { layer: c.layer() },
         ]
     }
+}
+
+/// Layers whose output units all had the same weights when the model was registered
+/// (`ParamSpec::identical_units`): the first in forward order, and how many there are.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct IdenticalUnits {
+    pub layer: usize,
+    pub units: u64,
+    pub layers: usize,
+}
+
+impl IdenticalUnits {
+    fn sentence(&self, run: &Run) -> String {
+        let name =
+            super::super::text::show(run.model.module_name(run.model.layers[self.layer].module));
+        let more = match self.layers {
+            1 => String::new(),
+            2 => " (and so do those of one more layer)".into(),
+            n => format!(" (and so do those of {} more layers)", n - 1),
+        };
+        format!(
+            "all {} units of {name} have the same weights{more}, as a constant initialization leaves them: they compute the same output, get the same gradient and stay identical, so {name} trains like a single unit",
+            self.units
+        )
+    }
+}
+
+pub(crate) fn identical_units(run: &Run) -> Option<IdenticalUnits> {
+    let spec = &run.model.spec;
+    let mut found = run
+        .model
+        .layers
+        .iter()
+        .enumerate()
+        .filter_map(|(l, layer)| {
+            layer.params.iter().find_map(|&p| {
+                let ps = &spec.params[p];
+                let fan_in = ps.fan_in.filter(|f| *f > 0)?;
+                ps.identical_units.then_some((l, ps.numel / fan_in))
+            })
+        });
+    let (layer, units) = found.next()?;
+    Some(IdenticalUnits {
+        layer,
+        units,
+        layers: 1 + found.count(),
+    })
 }
 
 /// A classifier whose loss starts far above its chance level, on inputs of an ordinary scale:
