@@ -301,3 +301,61 @@ fn units_with_identical_weights_hold_the_loss_above_its_optimum_from_the_first_s
     let h = symmetric(false);
     assert!(h.iter().all(|h| h.confidence < 0.5), "{:?}", shown(&h));
 }
+
+/// Eight 16x16 Linear layers with `ReLU`s between them (and a parameter-free `LayerNorm` after
+/// the first when `norm`), Adam, cross-entropy over ten classes; the loss at its chance level
+/// for 60 steps, inputs in [-1, 1], weights at He scale (`std(W) * sqrt(16)` = 1.41), each
+/// step moving them by the measured `update` of their size.
+fn deep_at_chance(norm: bool, update: f32) -> Vec<CausalHypothesis> {
+    let mut spec = ModelSpec::default();
+    for i in 0..8 {
+        let m = spec.module(format!("fc{i}"), "Linear");
+        spec.param(m, format!("fc{i}.weight"), &[16, 16]);
+        spec.param(m, format!("fc{i}.bias"), &[16]);
+        if i == 0 && norm {
+            spec.module("norm", "LayerNorm");
+        }
+        if i < 7 {
+            spec.module(format!("relu{i}"), "ReLU");
+        }
+    }
+    spec.module("", "Net");
+    spec.optimizer = Some("Adam".into());
+    spec.loss = classifier().loss;
+    diagnose(spec, 60, |s| {
+        let mut o = healthy(s, 2.3 + 0.01 * ((s % 3) as f64));
+        o.grad_norms = [0.03, 0.01].repeat(8);
+        o.weight_norms = Some([5.66, 0.2].repeat(8));
+        o.activations = Some([1.5, 0.0, 0.1, 0.9, 64.0].repeat(7));
+        o.lr = Some(1e-3);
+        o.measures = vec![(Measure::UpdateRatio, vec![update; 16])];
+        o
+    })
+}
+
+#[test]
+fn a_deep_stack_without_normalization_that_does_not_learn_for_no_other_reason() {
+    let h = deep_at_chance(false, 1.2e-3);
+    let top = &h[0];
+    assert_eq!(
+        (top.failure, top.cause),
+        (Failure::LossPlateau, Cause::MissingNormalization),
+        "{:?}",
+        shown(&h)
+    );
+    assert!(top.confidence >= 0.5, "{top}");
+    assert!(
+        top.description
+            .contains("8 weighted layers with no normalization layer between them do not learn"),
+        "{}",
+        top.description
+    );
+    // With a normalization layer, or with steps far too small to train, it is not the cause.
+    for h in [deep_at_chance(true, 1.2e-3), deep_at_chance(false, 1e-5)] {
+        assert!(
+            h.iter().all(|h| h.cause != Cause::MissingNormalization),
+            "{:?}",
+            shown(&h)
+        );
+    }
+}
