@@ -335,3 +335,32 @@ def test_units_with_identical_weights_are_named_while_the_loss_still_falls(init)
     else:
         assert same == [] and flagged == []
         assert not any("same weights" in h.description for h in hyps), hyps
+
+
+def test_a_failure_that_appears_again_later_in_the_stack_is_one_finding():
+    """Twelve sigmoid layers (issue 22, item 5): gradients vanish from the first step in the
+    middle of the stack and to the end; later, another layer's gradients vanish for a while,
+    an episode the engine itself says follows from the first. That later episode is evidence
+    of the first finding (told in its sentence), not a rival hypothesis."""
+    torch.manual_seed(0)
+    net = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.Sigmoid()) for _ in range(12)], nn.Linear(32, 2))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    x = torch.randn(512, 32)
+    y = (x[:, 0] > 0).long()
+    with NeuralDbg(net) as dbg:
+        for _ in range(200):
+            i = torch.randint(0, 512, (32,))
+            opt.zero_grad()
+            nn.functional.cross_entropy(net(x[i]), y[i]).backward()
+            opt.step()
+        episodes = json.loads(dbg._collector.engine.evidence_json())["episodes"]
+    vanished = [e for e in episodes if e["failure"] == "vanishing_gradients"]
+    first = vanished[0]
+    later = [e for e in vanished[1:] if e["explained_by"] == episodes.index(first)]
+    assert first["onset"] == 0 and first["to_end"] and later, vanished
+    ranked = dbg.explain_failure()
+    hyps = [h for h in ranked if str(h.failure) == "vanishing_gradients"]
+    assert hyps[0] is ranked[0]
+    assert {(h.step, h.layer) for h in hyps} == {(0, first["layer"])}, hyps
+    told = ", ".join(f"at step {e['onset']} in `{e['layer']}`" for e in later)
+    assert f"It appeared again later, part of the same failure: {told}" in hyps[0].description, hyps[0].description

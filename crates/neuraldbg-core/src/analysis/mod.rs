@@ -244,6 +244,14 @@ impl<'a> Analysis<'a> {
         // same confidence whether or not the failure that explains it is asked for.
         for (k, ranked) in rankings.into_iter().enumerate() {
             let e = &self.episodes[k];
+            if e.explained_by
+                .is_some_and(|j| self.episodes[j].failure == e.failure)
+            {
+                // A later episode of the failure that explains it: one failure, one finding;
+                // the recurrence is told in the first episode's sentence.
+                continue;
+            }
+            let recurred = self.recurrences(k);
             let discount = if e.explained_by.is_some() { 0.9 } else { 1.0 };
             // The same evidence and chain for each cause of one episode.
             let evidence = self.evidence_of(k);
@@ -272,7 +280,7 @@ impl<'a> Analysis<'a> {
                     &self.events,
                     scored.cause,
                     &scored.reasons,
-                );
+                ) + &recurred;
                 let mut remedies = failures::rule(e.failure).remedies(
                     scored.cause,
                     causes::rule(scored.cause).remedies(&causes::RemedyCase { run: self.run, e }),
@@ -358,6 +366,38 @@ impl<'a> Analysis<'a> {
     }
 
     /// The episode at the start of `k`'s consequence chain.
+    /// " It appeared again later, part of the same failure: at step 61 in `6.0`, for 11 steps." for the later
+    /// episodes of episode `k`'s failure that it explains (empty when there are none).
+    fn recurrences(&self, k: usize) -> String {
+        let failure = self.episodes[k].failure;
+        let again: Vec<String> = self
+            .episodes
+            .iter()
+            .filter(|o| o.explained_by == Some(k) && o.failure == failure)
+            .map(|o| {
+                let place = o
+                    .root
+                    .map(|m| format!(" in {}", text::show(&self.name(m))))
+                    .unwrap_or_default();
+                let length = if o.to_end {
+                    ", to the end".to_string()
+                } else if o.duration > 1 {
+                    format!(", for {} steps", o.duration)
+                } else {
+                    String::new()
+                };
+                format!("at step {}{place}{length}", o.onset)
+            })
+            .collect();
+        if again.is_empty() {
+            return String::new();
+        }
+        format!(
+            " It appeared again later, part of the same failure: {}.",
+            again.join("; ")
+        )
+    }
+
     fn root_of(&self, mut k: usize) -> Option<usize> {
         let mut guard = 0;
         while let Some(j) = self.episodes[k].explained_by {
