@@ -632,19 +632,18 @@ def finite_flags(objs: Sequence[Any]) -> List[bool]:
 
 
 def identical_rows(weights: Sequence[Any]) -> List[bool]:
-    """Per weight (output units along dim 0): whether every unit's weights are the same,
-    not all zero. One transfer for all of them; per-column min/max over at most 64 evenly
+    """Per weight (output units along dim 0, all on one device): whether every unit's weights
+    are the same, not all zero. One transfer for all of them; per-column min/max over at most 64 evenly
     spaced units (a constant initialization leaves all of them alike), so no full-size pass."""
     torch = torch_module()
     if not weights:
         return []
-    device = weights[0].device
     with torch.no_grad():
         rows = []
         for w in weights:
             units = w.detach().reshape(w.shape[0], -1)
             units = units[:: max(1, units.shape[0] // 64)][:64]
             lo, hi = (v.float() for v in torch.aminmax(units, dim=0))
-            rows.append(torch.stack(((hi - lo).amax(), torch.maximum(hi.abs(), lo.abs()).amax())).to(device))
+            rows.append(torch.stack(((hi - lo).amax(), torch.maximum(hi.abs(), lo.abs()).amax())))
         spread_scale = torch.stack(rows).tolist()
     return [scale > 0.0 and spread <= 1e-6 * scale for spread, scale in spread_scale]

@@ -379,14 +379,11 @@ impl<'a> Analysis<'a> {
                     .root
                     .map(|m| format!(" in {}", text::show(&self.name(m))))
                     .unwrap_or_default();
-                let length = if o.to_end {
-                    ", to the end".to_string()
-                } else if o.duration > 1 {
-                    format!(", for {} steps", o.duration)
-                } else {
-                    String::new()
-                };
-                format!("at step {}{place}{length}", o.onset)
+                format!(
+                    "at step {}{place}{}",
+                    o.onset,
+                    text::lasted(o, ", to the end")
+                )
             })
             .collect();
         if again.is_empty() {

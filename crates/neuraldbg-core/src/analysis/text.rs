@@ -153,11 +153,7 @@ pub fn describe(
     if let Some(r) = e.root_event.and_then(|i| events[i].rank) {
         let _ = write!(s, ", on rank {r}");
     }
-    if e.to_end {
-        s.push_str(", and it persisted to the end");
-    } else if e.duration > 1 {
-        let _ = write!(s, ", for {} steps", e.duration);
-    }
+    s.push_str(&lasted(e, ", and it persisted to the end"));
     let _ = write!(s, ". Likely cause: {}", cause.phrase());
     if !reasons.is_empty() {
         s.push_str(" — ");
@@ -165,6 +161,18 @@ pub fn describe(
     }
     s.push('.');
     s
+}
+
+/// How long episode `e` lasted: `to_end` when it lasted to the end of the run, ", for N
+/// steps" when it lasted more than one, else nothing.
+pub(crate) fn lasted(e: &Episode, to_end: &str) -> String {
+    if e.to_end {
+        to_end.to_string()
+    } else if e.duration > 1 {
+        format!(", for {} steps", e.duration)
+    } else {
+        String::new()
+    }
 }
 
 #[cfg(test)]
