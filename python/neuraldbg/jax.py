@@ -330,36 +330,38 @@ class _Model:
         return leaves, where
 
 
-# Leaves of up to this many elements are reduced together with the others of their size class.
+# Leaves of up to this many elements are reduced together; larger ones alone (copying them
+# together would cost more than their own reductions' launches).
 _SMALL_LEAF = 1 << 16
+# The most entries of the constant 0/1 matrix that adds the small leaves' rows up per leaf.
+_SEGMENT_ENTRIES = 1 << 16
 
 
 def _norms(leaves: List[Any], where: List[int]) -> Any:
-    """The L2 norm of each spec parameter's leaf (f32 sums of squares), -1 where absent. Small
-    leaves are padded with zeros to the next power of two and stacked, one reduction per size
-    class instead of one per leaf: on a small step each reduction costs its launch more than its
-    arithmetic (one per leaf made 32 kernels more than a 62-kernel 4x64 step). The padding at
-    most doubles what is read, and only for leaves of up to 64Ki elements."""
-    if not where:
-        return jnp.zeros((0,), jnp.float32)
+    """The L2 norm of each spec parameter's leaf (f32 sums of squares), -1 where absent. The
+    small leaves are laid end to end as the rows of one matrix (each padded with zeros to whole
+    rows); the rows' sums of squares are added up per leaf by one product with a constant 0/1
+    matrix: three kernels for all of them, where a reduction per leaf (or per size class) costs
+    its launch, more than its arithmetic on a small step. Rows are 64 wide, wider when the 0/1
+    matrix would otherwise pass :data:`_SEGMENT_ENTRIES` (many small leaves, many rows)."""
     flat = [jnp.ravel(jnp.asarray(leaf)).astype(jnp.float32) for leaf in leaves]
-    sq: List[Any] = [None] * len(flat)
-    classes: Dict[int, List[int]] = {}
-    for i, v in enumerate(flat):
-        size = int(v.shape[0])
-        if 0 < size <= _SMALL_LEAF:
-            classes.setdefault(1 << (size - 1).bit_length(), []).append(i)
-        else:
-            sq[i] = jnp.sum(jnp.square(v))
-    for width, members in classes.items():
-        block = jnp.stack([jnp.pad(flat[i], (0, width - flat[i].shape[0])) for i in members])
-        sums = jnp.sum(jnp.square(block), axis=1)
-        for k, i in enumerate(members):
+    sizes = [int(v.shape[0]) for v in flat]
+    small = [i for i, size in enumerate(sizes) if size <= _SMALL_LEAF]
+    sq: List[Any] = [None if size <= _SMALL_LEAF else jnp.sum(jnp.square(v)) for v, size in zip(flat, sizes)]
+    if small:
+        width = 64
+        while width < _SMALL_LEAF and len(small) * sum(-(-sizes[i] // width) for i in small) > _SEGMENT_ENTRIES:
+            width *= 2
+        spans = [-(-sizes[i] // width) for i in small]
+        block = jnp.concatenate([jnp.pad(flat[i], (0, n * width - sizes[i])) for i, n in zip(small, spans)])
+        rows = jnp.sum(jnp.square(block.reshape(-1, width)), axis=1)
+        # segment[k, r] = 1: row r holds part of the k-th small leaf.
+        segment = np.repeat(np.eye(len(small), dtype=np.float32), spans, axis=1)
+        sums = jnp.asarray(segment) @ rows
+        for k, i in enumerate(small):
             sq[i] = sums[k]
     # The norms, then -1 (an absent parameter's), picked in spec order.
-    norms = (
-        jnp.concatenate([jnp.sqrt(jnp.stack(sq)), jnp.full((1,), -1.0, jnp.float32)]) if sq else jnp.full((1,), -1.0)
-    )
+    norms = jnp.concatenate([jnp.sqrt(jnp.stack(sq)) if sq else jnp.zeros((0,), jnp.float32), jnp.full((1,), -1.0)])
     return norms[np.asarray([i if i >= 0 else len(sq) for i in where], np.int32)]
 
 
