@@ -491,7 +491,7 @@ class NeuralDbg(Spoke):
 
         ``buffer``: the ring's rows, the most updates one compiled call may make (a
         ``lax.scan`` over batches) without losing any; by default as many as fit in 256 KiB,
-        at least 16 and at most 256. Each update copies the ring once (the state is not donated).
+        at least 16 and at most 256. Each update rewrites the whole ring once (the copy that a state not donated needs anyway).
 
         For gradient accumulation wrap the inner transformation:
         ``optax.MultiSteps(dbg.wrap(tx), every_k_schedule=k)``.
@@ -567,8 +567,13 @@ class NeuralDbg(Spoke):
                 weights = jnp.full((n,), -1.0, jnp.float32)
             head = jnp.stack([_as_f32(count), _as_f32(flags), loss, lr if lr is not None else jnp.float32(0)])
             row = jnp.concatenate([head, grads, weights])
-            buf = jax.lax.dynamic_update_index_in_dim(buf, row, count % rows, 0)
-            return buf.at[rows, 0].set(_as_f32(count + 1))
+            # The row and the new count go in by one select over the whole buffer rather than two
+            # in-place updates: a state that is not donated (nnx.jit's) is copied anyway, and
+            # the select is that copy, with the row and the count in it (one kernel, not three).
+            at_row = jax.lax.broadcasted_iota(jnp.int32, buf.shape, 0)
+            at_col = jax.lax.broadcasted_iota(jnp.int32, buf.shape, 1)
+            buf = jnp.where(at_row == count % rows, row[None, :], buf)
+            return jnp.where((at_row == rows) & (at_col == 0), _as_f32(count + 1), buf)
 
         return optax.GradientTransformationExtraArgs(init, update)
 
