@@ -17,8 +17,8 @@
     for h in dbg.explain_failure():
         print(h)
 
-The wrapped transformation computes each parameter's gradient norm inside the compiled step
-(and the parameter norms on sampled steps) and writes them, with the loss and the learning rate,
+The wrapped transformation computes each parameter's gradient sum of squares inside the
+compiled step (and the parameters' on sampled steps; the host takes the square roots) and writes them, with the loss and the learning rate,
 into a ring buffer that it keeps in its own optimizer state, on the device: the compiled step
 holds no host callback (one would take every call off JAX's fast dispatch path and make it
 synchronous). The host reads the buffer of one state in up to 16 it sees, once the device is
@@ -86,9 +86,18 @@ class _Ring(RingReader):
     max_every = 16
 
     def __init__(self, dbg: NeuralDbg, rows: int, width: int) -> None:
-        super().__init__(dbg, rows, width)
+        super().__init__(dbg, rows, width, post=self.post_squares)
         # An nnx Variable that holds the state's buffer: its value is always the newest one.
         self.holder: Any = None
+
+    def post_squares(self, step: int, flags: int, row: np.ndarray) -> None:
+        """A row as the compiled step writes it, with sums of squares where the spoke posts
+        norms: their square roots are taken here (in the step they would be one more kernel);
+        -1 (absent) and NaN stay as they are."""
+        row = row.copy()
+        sq = row[RING_HEAD:]
+        np.sqrt(sq, out=sq, where=sq >= 0)
+        self.dbg._post_row(step, flags, row)
 
     def see(self, leaf: Any) -> None:
         """A buffer (or the nnx Variable holding one) met in a state pytree: read if lazy
@@ -139,7 +148,8 @@ def _seen(key: int, leaf: Any) -> None:
 @jax.tree_util.register_pytree_with_keys_class
 class WatchState:
     """The wrapped transformation's state: the inner state and the ring buffer of the last
-    updates' statistics (``[rows + 1, columns]`` float32; its last row holds the update count).
+    updates' statistics (``[rows + 1, columns]`` float32, the gradients' and parameters' sums
+    of squares where :class:`RingReader` says norms; its last row holds the update count).
     A pytree node that tells the debugger about every concrete buffer it is built or flattened
     with: ``jit`` and ``nnx.jit`` do both at each call, which is how the host learns of a new
     state without a callback in the compiled step."""
@@ -337,32 +347,40 @@ _SMALL_LEAF = 1 << 16
 _SEGMENT_ENTRIES = 1 << 16
 
 
-def _norms(leaves: List[Any], where: List[int]) -> Any:
-    """The L2 norm of each spec parameter's leaf (f32 sums of squares), -1 where absent. The
-    small leaves are laid end to end as the rows of one matrix (each padded with zeros to whole
-    rows); the rows' sums of squares are added up per leaf by one product with a constant 0/1
-    matrix: three kernels for all of them, where a reduction per leaf (or per size class) costs
-    its launch, more than its arithmetic on a small step. Rows are 64 wide, wider when the 0/1
-    matrix would otherwise pass :data:`_SEGMENT_ENTRIES` (many small leaves, many rows)."""
+def _squares(leaves: List[Any], where: List[int]) -> Any:
+    """Each spec parameter's sum of squares (f32), in spec order, -1 where absent: the host
+    takes the square roots, which would be one more kernel in the step. The small leaves are
+    laid end to end as the rows of one matrix (each padded with zeros to whole rows), and the
+    rows' sums of squares are added up per parameter by one product with a constant 0/1 matrix:
+    three kernels for all of them, where a reduction per leaf costs its launch, more than its
+    arithmetic, on a small step. Rows are 64 wide, wider when the 0/1 matrix would otherwise
+    pass :data:`_SEGMENT_ENTRIES` (many small leaves, many rows)."""
     flat = [jnp.ravel(jnp.asarray(leaf)).astype(jnp.float32) for leaf in leaves]
     sizes = [int(v.shape[0]) for v in flat]
     small = [i for i, size in enumerate(sizes) if size <= _SMALL_LEAF]
-    sq: List[Any] = [None if size <= _SMALL_LEAF else jnp.sum(jnp.square(v)) for v, size in zip(flat, sizes)]
+    # In each parameter's place: a large leaf's own sum, -1 for an absent one, else 0 (plus
+    # the small leaves' sums below).
+    out = jnp.stack(
+        [
+            jnp.sum(jnp.square(flat[i])) if i >= 0 and sizes[i] > _SMALL_LEAF else jnp.float32(0.0 if i >= 0 else -1.0)
+            for i in where
+        ]
+    )
     if small:
         width = 64
-        while width < _SMALL_LEAF and len(small) * sum(-(-sizes[i] // width) for i in small) > _SEGMENT_ENTRIES:
+        while width < _SMALL_LEAF and len(where) * sum(-(-sizes[i] // width) for i in small) > _SEGMENT_ENTRIES:
             width *= 2
-        spans = [-(-sizes[i] // width) for i in small]
-        block = jnp.concatenate([jnp.pad(flat[i], (0, n * width - sizes[i])) for i, n in zip(small, spans)])
+        spans = {i: -(-sizes[i] // width) for i in small}
+        block = jnp.concatenate([jnp.pad(flat[i], (0, spans[i] * width - sizes[i])) for i in small])
         rows = jnp.sum(jnp.square(block.reshape(-1, width)), axis=1)
-        # segment[k, r] = 1: row r holds part of the k-th small leaf.
-        segment = np.repeat(np.eye(len(small), dtype=np.float32), spans, axis=1)
-        sums = jnp.asarray(segment) @ rows
-        for k, i in enumerate(small):
-            sq[i] = sums[k]
-    # The norms, then -1 (an absent parameter's), picked in spec order.
-    norms = jnp.concatenate([jnp.sqrt(jnp.stack(sq)) if sq else jnp.zeros((0,), jnp.float32), jnp.full((1,), -1.0)])
-    return norms[np.asarray([i if i >= 0 else len(sq) for i in where], np.int32)]
+        # segment[j, r] = 1: row r holds part of spec parameter j's leaf.
+        first = dict(zip(small, np.cumsum([0] + [spans[i] for i in small])))
+        segment = np.zeros((len(where), int(rows.shape[0])), np.float32)
+        for j, i in enumerate(where):
+            if i in spans:
+                segment[j, first[i] : first[i] + spans[i]] = 1.0
+        out = out + jnp.asarray(segment) @ rows
+    return out
 
 
 def _inner_lr(state: Any) -> Any:
@@ -552,14 +570,14 @@ class NeuralDbg(Spoke):
             else:
                 lr = jnp.float32(learning_rate)
             flags = (HAS_LOSS if value is not None else 0) | (HAS_LR if lr is not None else 0)
-            grads = _norms(leaves, where)
+            grads = _squares(leaves, where)
             if params is not None:
                 flags |= HAS_WEIGHTS
                 sampled = jnp.logical_or(count < dense, count % every == 0)
                 p_leaves, p_where = model.gather(params)
                 weights = jax.lax.cond(
                     sampled,
-                    lambda ls: _norms(ls, p_where),
+                    lambda ls: _squares(ls, p_where),
                     lambda ls: jnp.full((len(p_where),), -1.0, jnp.float32),
                     p_leaves,
                 )
