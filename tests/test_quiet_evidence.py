@@ -364,3 +364,40 @@ def test_a_failure_that_appears_again_later_in_the_stack_is_one_finding():
     assert {(h.step, h.layer) for h in hyps} == {(0, first["layer"])}, hyps
     told = ", ".join(f"at step {e['onset']} in `{e['layer']}`" for e in later)
     assert f"It appeared again later, part of the same failure: {told}" in hyps[0].description, hyps[0].description
+
+
+def test_a_rectified_output_cut_to_zero_is_why_the_gradients_vanished():
+    """A ReLU on the output of a regression whose targets are mostly negative: the output unit
+    is cut to 0 on almost every sample, so (torch's own gradients say) nothing flows back. The
+    vanishing gradients are explained by the output that does not fit the loss, not by the
+    initialization."""
+
+    class Regressor(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.relu(self.net(x))  # the rectified output is no module of its own
+
+    torch.manual_seed(0)
+    model = Regressor()
+    with torch.no_grad():
+        model.net[2].bias.fill_(-3.0)  # the output unit starts below zero for every input
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x = torch.randn(2048, 8)
+    y = x[:, :1] - 2.0  # targets in about [-5, 1]: a ReLU reaches few of them
+    zero_grads = []
+    with NeuralDbg(model) as dbg:
+        for _ in range(120):
+            i = torch.randint(0, 2048, (128,))
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x[i]), y[i]).backward()
+            zero_grads.append(all(float(p.grad.abs().max()) == 0.0 for p in model.parameters()))
+            opt.step()
+    assert all(zero_grads)  # torch's own gradients: exactly zero throughout
+    hyps = dbg.explain_failure()
+    top = hyps[0]
+    assert str(top.failure) == "vanishing_gradients", hyps
+    assert str(top.cause) == "output_loss_mismatch", hyps
+    assert "Relu" in top.description, top.description

@@ -199,3 +199,22 @@ fn a_noisy_regression_loss_that_never_gets_below_its_targets_variance_is_not_lea
         top.description
     );
 }
+
+#[test]
+fn a_loss_at_its_targets_variance_under_steps_a_few_times_too_small_is_a_learning_rate_too_low() {
+    // Steps of 2.5e-4 of the weights: four times less than a training step, not ten. With the
+    // model not learning, that leans on the learning rate; steps of a training size do not.
+    let flat = |s: u64| 4.0 + 0.02 * ((s % 5) as f64);
+    let h = run(spec(Some(mse(4.0))), 200, Some(2.5e-4), flat);
+    let top = &h[0];
+    assert_eq!(top.failure, Failure::LossPlateau, "{:?}", shown(&h));
+    assert_eq!(top.cause, Cause::LearningRateTooLow, "{:?}", shown(&h));
+    assert!(top.description.contains("about 4x less"), "{}", top.description);
+    let h = run(spec(Some(mse(4.0))), 200, Some(2e-3), flat);
+    assert_eq!(h[0].failure, Failure::LossPlateau, "{:?}", shown(&h));
+    assert!(
+        h.iter().all(|h| h.cause != Cause::LearningRateTooLow || h.confidence < 0.2),
+        "{:?}",
+        shown(&h)
+    );
+}

@@ -35,9 +35,13 @@ impl CauseRule for LearningRateTooLow {
         if let Some(r) = ev.update_ratio {
             // Measured, the step size is the learning rate's own signature; estimated (from the
             // lr and the first norms), it can be off by the optimizer's scaling.
+            // Measured, each decade below a training step weighs 2.5 (capped at 3): a tenth
+            // of one is the learning rate's signature, a third of one leans on it (from half
+            // of one, where the difference starts to say something).
             let weight = match (r, ev.update_measured) {
-                (r, true) if r < 1e-5 => 3.0,
-                (r, true) if r < 1e-4 => 2.5,
+                (r, true) if r < 0.5 * TRAINING_UPDATE => {
+                    (2.5 * (TRAINING_UPDATE / r).log10()).min(3.0)
+                }
                 (r, false) if r < 1e-5 => 2.5,
                 (r, false) if r < 1e-4 => 1.0,
                 _ => return,

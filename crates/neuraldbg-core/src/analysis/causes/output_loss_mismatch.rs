@@ -200,11 +200,13 @@ impl CauseRule for OutputLossMismatch {
                 )
             }
         };
-        // The one-unit softmax makes every gradient zero: it explains vanishing gradients.
-        // The others make learning slow or impossible: a plateau, or saturated/dead outputs.
+        // The one-unit softmax makes every gradient zero, and so does a rectified output once
+        // its units are cut to 0: they explain vanishing gradients. The others make learning
+        // slow or impossible: a plateau, or saturated/dead outputs.
+        let rectified = matches!(out, "Relu" | "Relu6");
         let fits = match c.e.failure {
             Failure::LossPlateau => true,
-            Failure::VanishingGradients => m == Mismatch::OneUnitSoftmax,
+            Failure::VanishingGradients => m == Mismatch::OneUnitSoftmax || rectified,
             Failure::SaturatedActivations | Failure::DeadNeurons | Failure::LossDivergence => {
                 m != Mismatch::OneUnitSoftmax
             }
