@@ -82,6 +82,25 @@ def test_grad_accumulated_says_whether_grads_were_zeroed(zeroing):
     assert got[1:] == [1.0 if zeroing == "none" else 0.0] * 4
 
 
+@pytest.mark.parametrize("zeroing", ["none", "set_to_none"])
+def test_grad_accumulated_is_read_on_a_trained_parameter_when_the_optimizer_also_holds_frozen_ones(zeroing):
+    # As in LoRA or a frozen backbone: every parameter goes to the optimizer, the first layer's
+    # need no gradient (they never get one, so they cannot show accumulation).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    model[0].requires_grad_(False)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    with watch(model) as spy:
+        for step in range(5):
+            if zeroing == "set_to_none":
+                opt.zero_grad(set_to_none=True)
+            x, y = data(step)
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+    assert model[0].weight.grad is None
+    assert [f.get("grad_accumulated") for f in spy.facts][1:] == [1.0 if zeroing == "none" else 0.0] * 4
+
+
 def test_accumulation_over_micro_batches_within_a_step_is_not_a_missing_zero_grad():
     model = nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)

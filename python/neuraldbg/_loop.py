@@ -94,7 +94,8 @@ class LoopFacts:
             return
         held = {id(p) for g in opt.param_groups for p in g["params"]}
         for p in self.params:
-            if id(p) in held and getattr(p, "is_leaf", False):
+            # (An optimizer may hold frozen parameters too: they never get a gradient.)
+            if id(p) in held and getattr(p, "is_leaf", False) and getattr(p, "requires_grad", False):
                 self.probe = p
                 if hook:
                     self.hook_probe()
