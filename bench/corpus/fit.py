@@ -24,10 +24,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+
+from bench.corpus.labels import relabel
 
 CAUSES = [
     "dying_relu",
@@ -268,9 +273,16 @@ def main() -> int:
     ap.add_argument("--table", default=None, help="write the fitted table (JSON) here")
     ap.add_argument("--l2", type=float, default=1e-2)
     ap.add_argument("--cv", action="store_true", help="also report leave-one-base-out over every base")
+    ap.add_argument(
+        "--manifest",
+        choices=("quality", "quality+loss"),
+        default="quality",
+        help="what makes a mutant manifest (bench/corpus/labels.py): held-out quality, or quality or training loss",
+    )
     args = ap.parse_args()
 
     records = load(args.corpus)
+    relabel(records, args.manifest)
     held = set(args.held_out.split(","))
     train = [r for r in records if r["base"] not in held]
     test = [r for r in records if r["base"] in held]

@@ -6,8 +6,8 @@ mutant: every single operator that applies to the base, and ``--pairs`` pairs dr
 the compatible ones. A mutant is labelled with its planted cause(s) when it *manifests*: its
 held-out quality (accuracy or R^2) falls short of its base's by more than a quarter of what the
 base gained over chance, or its loss went non-finite. A mutant that trains as well as its base
-is labelled healthy. Every line carries the engine's top hypotheses and the evidence the cause
-ranking weighed (``evidence``), which ``bench/corpus/fit.py`` fits on.
+is labelled healthy (``bench/corpus/labels.py``, which has a second criterion). Every line carries the engine's top hypotheses and
+the evidence the cause ranking weighed (``evidence``), which ``bench/corpus/fit.py`` fits on.
 
     .venv/bin/python bench/corpus/run.py --out runs/corpus/corpus.jsonl [--seeds 1] [--pairs 120] [--jobs 1]
 """
@@ -28,10 +28,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch
 
 from bench.corpus.bases import BASES, Knobs, Program, base
+from bench.corpus.labels import relabel
 from bench.corpus.mutations import MUTATIONS, pairs, singles
-
-# A mutant manifests when it loses more than this share of its base's gain over chance.
-MANIFEST_SHARE = 0.25
 
 
 def train(p: Program, k: Knobs) -> Tuple[List[float], Optional[str]]:
@@ -79,6 +77,7 @@ def one(base_name: str, ops: Tuple[str, ...], seed: int) -> Dict:
         "steps": p.steps,
         "loss_first": losses[0] if losses else None,
         "loss_last": losses[-1] if losses else None,
+        "loss_tail": sum(losses[-max(1, len(losses) // 10) :]) / max(1, len(losses) // 10) if losses else None,
         "finite": finite,
         "error": error,
         "score": score,
@@ -96,17 +95,6 @@ def one(base_name: str, ops: Tuple[str, ...], seed: int) -> Dict:
         ],
         "evidence": evidence,
     }
-
-
-def label(rec: Dict, base_score: float) -> None:
-    """Sets `manifests` and `label` ('healthy' or the planted causes) against the base's score."""
-    if not rec["ops"]:
-        rec["manifests"], rec["label"] = False, ["healthy"]
-        return
-    gain = max(base_score - rec["chance"], 1e-6)
-    bad = (not rec["finite"]) or rec["error"] is not None or rec["score"] < base_score - MANIFEST_SHARE * gain
-    rec["manifests"] = bool(bad)
-    rec["label"] = rec["causes"] if bad else ["healthy"]
 
 
 def _work(args: Tuple[str, Tuple[str, ...], int]) -> Dict:
@@ -145,9 +133,7 @@ def main() -> int:
             records.append(_work(j))
             if (i + 1) % 25 == 0:
                 print(f"  {i + 1}/{len(jobs)} runs, {time.perf_counter() - t0:.0f}s", flush=True)
-    base_score = {(r["base"], r["seed"]): r["score"] for r in records if not r["ops"]}
-    for r in records:
-        label(r, base_score[(r["base"], r["seed"])])
+    relabel(records)
     with open(args.out, "w") as f:
         for r in records:
             f.write(json.dumps(r) + "\n")
