@@ -205,6 +205,16 @@ impl Follow {
                     }
                     self.steps += 1;
                 }
+                Record::ParamLr(lrs) => {
+                    let Some(engine) = self.engine.as_mut() else {
+                        break;
+                    };
+                    if let Err(e) = engine.amend_param_lr(lrs.as_deref()) {
+                        reader.reject_last(e.to_string());
+                        self.damage = reader.damage().cloned();
+                        break;
+                    }
+                }
                 Record::End { .. } | Record::Unobserved(_) | Record::Clock(_) => {}
             }
             if start.elapsed() > READ_BUDGET {
