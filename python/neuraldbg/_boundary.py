@@ -71,9 +71,30 @@ class StepBoundary:
         if hit is None:
             hit = any(id(p) in self.c.param_ids for g in optimizer.param_groups for p in g["params"])
             self.c.relevant[key] = hit
-            if hit and self.c.optimizer_name is None:
-                self.c.optimizer_name = type(optimizer).__name__
+            if hit:
+                if self.c.optimizer_name is None:
+                    self.c.optimizer_name = type(optimizer).__name__
+                self._new_optimizer(optimizer)
         return hit
+
+    def _new_optimizer(self, optimizer: Any) -> None:
+        """An optimizer of the model's parameters steps for the first time (its id was not
+        seen): which parameters it holds, at its groups' lrs, reach the engine, once. Before
+        registration, at registration (see :meth:`_register`)."""
+        loop = self.c.loop
+        if self.c.disabled:
+            return
+        if not self.c.registered:
+            loop.waiting.append(optimizer)
+        elif loop.lrs_known:
+            self._amend_lrs(optimizer)
+
+    def _amend_lrs(self, optimizer: Any) -> None:
+        """Merges ``optimizer``'s lrs into the engine's (None: they cannot be read, and the
+        engine stops taking the parameters it does not know of for held by none)."""
+        lrs = self.c.loop.param_lrs(optimizer)
+        self.c.engine.amend_param_lr(lrs)
+        self.c.loop.lrs_known = lrs is not None
 
     def on_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """The step boundary: the optimizer step of the model's parameters ran (a closure's
@@ -185,7 +206,7 @@ class StepBoundary:
             pool = small or list(range(len(sizes)))
             self.c.clip_index = max(pool, key=lambda k: sizes[k])
         spec = self.c.watched.spec(executed, self.c.optimizer_name)
-        spec["param_lr"] = self.c.loop.param_lrs()
+        spec["param_lr"] = self.c.loop.param_lrs(self.c.loop.optimizer)
         spec["loss"] = self.c.loop.loss_facts()
         # A CPU model whose loss is taken at the backward tap has its gradients read there
         # too, when the backward returns, instead of by hooks that fire inside it.
@@ -193,8 +214,15 @@ class StepBoundary:
         self.c.hooks.read_at_tap(self.c, self.c.params, tap)
         self.c.loop.install_probe(hook=not tap)
         self.c.reader.make_plain()
+        registering = self.c.loop.optimizer
         self.c.loop.optimizer = None
         probes = json.loads(self.c.engine.register_model(json.dumps(spec)))
+        # The other optimizers seen stepping so far add the parameters they hold.
+        self.c.loop.lrs_known = spec["param_lr"] is not None
+        waiting, self.c.loop.waiting = self.c.loop.waiting, []
+        for opt in waiting:
+            if opt is not registering and self.c.loop.lrs_known:
+                self._amend_lrs(opt)
         axes = self.c.watched.unit_axes(executed)
         self.c.probes = []
         for row, d in enumerate(probes):

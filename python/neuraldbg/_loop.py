@@ -1,6 +1,6 @@
 """Facts about the training loop that only the framework knows, for the engine's loop-mistake
 causes. Facts, never judgements: which mode the model ran in, whether a step's gradients were
-added onto the previous step's, which parameters the optimizer holds and at what learning
+added onto the previous step's, which parameters each optimizer holds and at what learning
 rate, and what the loss did with the model's output. The engine decides what they mean.
 
 Cost: per step, a bool read per forward pass and one tensor hook on one parameter, or, where
@@ -81,6 +81,12 @@ class LoopFacts:
         self.loss_tried = False
         self.first_output: Any = None
         self.optimizer: Any = None
+        # Every optimizer of the model's parameters tells the engine which it holds and at
+        # what lr, once (a model trained by several: an encoder's and a decoder's, a head's, one
+        # that starts stepping later). Those seen before registration wait for it here.
+        self.waiting: List[Any] = []
+        # Whether the engine knows the lrs (set at registration; unknown stays unknown).
+        self.lrs_known = False
 
     # ------------------------------------------------------------------ per step
 
@@ -116,6 +122,7 @@ class LoopFacts:
             self.probe_handle = None
         self.first_output = None
         self.optimizer = None
+        self.waiting = []
 
     def on_forward(self, training: bool, grad_enabled: bool) -> None:
         if grad_enabled:
@@ -181,10 +188,10 @@ class LoopFacts:
 
     # ------------------------------------------------------------------ run level
 
-    def param_lrs(self) -> Optional[List[Optional[float]]]:
-        """Per watched parameter: the lr of the param group of the stepping optimizer that
-        holds it, None where it holds none (None overall when no optimizer is known)."""
-        opt = self.optimizer
+    def param_lrs(self, opt: Any) -> Optional[List[Optional[float]]]:
+        """Per watched parameter: the lr of the param group of optimizer ``opt`` that holds it,
+        None where it holds none (None overall when ``opt`` is None or its lrs cannot be
+        read)."""
         if opt is None:
             return None
         group_lr: Dict[int, Optional[float]] = {}

@@ -205,6 +205,16 @@ impl Follow {
                     }
                     self.steps += 1;
                 }
+                Record::ParamLr(lrs) => {
+                    let Some(engine) = self.engine.as_mut() else {
+                        break;
+                    };
+                    if let Err(e) = engine.amend_param_lr(lrs.as_deref()) {
+                        reader.reject_last(e.to_string());
+                        self.damage = reader.damage().cloned();
+                        break;
+                    }
+                }
                 Record::End { .. } | Record::Unobserved(_) | Record::Clock(_) => {}
             }
             if start.elapsed() > READ_BUDGET {
@@ -738,6 +748,53 @@ mod tests {
     use neuraldbg_core::{Config, ModelSpec, Observation};
     use ratatui::Terminal;
     use ratatui::backend::TestBackend;
+
+    #[test]
+    fn a_followed_trace_applies_another_optimizers_lrs_where_they_were_recorded() {
+        let dir = std::env::temp_dir().join(format!("ndbg-watch-lr-{}", std::process::id()));
+        let path = dir.join("split.ndbg");
+        let mut spec = ModelSpec::default();
+        for i in 0..2 {
+            let fc = spec.module(format!("fc{i}"), "Linear");
+            spec.param(fc, format!("fc{i}.weight"), &[4, 4]);
+        }
+        spec.module("", "Net");
+        spec.param_lr = Some(vec![Some(0.1), None]);
+        let mut w =
+            TraceWriter::create(&path, serde_json::Map::new(), WriterOptions::default()).unwrap();
+        w.write_header(&Config::default(), &spec).unwrap();
+        let obs = |step| Observation {
+            step,
+            grad_norms: vec![0.1, 0.1],
+            ..Observation::default()
+        };
+        w.write_step(&obs(0).view()).unwrap();
+        let mut follow = Follow::new(&path);
+        while !follow.caught_up {
+            follow.poll().unwrap();
+        }
+        let lrs = |f: &Follow| {
+            f.engine
+                .as_ref()
+                .unwrap()
+                .model()
+                .unwrap()
+                .spec
+                .param_lr
+                .clone()
+        };
+        assert_eq!(lrs(&follow), Some(vec![Some(0.1), None]));
+        // The second optimizer's lrs arrive while the follower is reading along.
+        w.write_param_lr(Some(&[None, Some(0.01)])).unwrap();
+        w.write_step(&obs(1).view()).unwrap();
+        w.close().unwrap();
+        while !follow.finished() {
+            follow.poll().unwrap();
+        }
+        assert_eq!(follow.steps, 2);
+        assert_eq!(lrs(&follow), Some(vec![Some(0.1), Some(0.01)]));
+        std::fs::remove_dir_all(dir).unwrap();
+    }
 
     #[test]
     fn wrap_breaks_at_spaces_and_marks_what_it_leaves_out() {

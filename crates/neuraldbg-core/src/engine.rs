@@ -144,6 +144,15 @@ impl Engine {
         Ok(probes)
     }
 
+    /// Another optimizer was seen stepping the model after it was registered: merges its
+    /// per-parameter lrs into the model's ([`ModelSpec::merge_param_lr`]; `lrs` None: its lrs
+    /// cannot be read). Returns whether the model's facts changed. A trace records the call
+    /// ([`crate::trace::TraceWriter::write_param_lr`]) and its replay makes it again.
+    pub fn amend_param_lr(&mut self, lrs: Option<&[Option<f64>]>) -> Result<bool, EngineError> {
+        let run = self.run.as_mut().ok_or(EngineError::NoModel)?;
+        run.model.spec.merge_param_lr(lrs)
+    }
+
     /// The registered model, if any.
     pub fn model(&self) -> Option<&Model> {
         self.run.as_ref().map(|r| &r.model)

@@ -95,8 +95,10 @@ pub struct ModelSpec {
     #[serde(default)]
     pub optimizer: Option<String>,
     /// Learning rate of the optimizer param group that holds each parameter (same order as
-    /// `params`), `None` for a parameter no optimizer holds. Absent when the collector did not
-    /// look (or saw no optimizer).
+    /// `params`; the largest where several optimizers hold it), `None` for a parameter no
+    /// optimizer holds. Absent when the collector did not look (or saw no optimizer). An
+    /// optimizer first seen after registration adds its parameters through
+    /// [`crate::Engine::amend_param_lr`].
     #[serde(default)]
     pub param_lr: Option<Vec<Option<f64>>>,
     /// What the loss does with the model's output, when the collector could see it.
@@ -182,6 +184,41 @@ impl ModelSpec {
             identical_units: false,
         });
         self.params.len() - 1
+    }
+
+    /// Merges what another optimizer says about the parameters into [`Self::param_lr`]: per
+    /// parameter, the lr of its param group that holds it, None where it holds none (`lrs`
+    /// None: an optimizer whose lrs cannot be read steps the model). A model trained by several
+    /// optimizers (an encoder and a decoder, a separate head) has each parameter held by some of
+    /// them: a parameter any optimizer holds is held, at the largest lr of the groups holding
+    /// it (as [`crate::Engine`]'s stalled-layer analysis reads a layer's lr). Unknown lrs stay
+    /// unknown, and an unreadable optimizer makes them unknown. Returns whether anything
+    /// changed.
+    pub fn merge_param_lr(&mut self, lrs: Option<&[Option<f64>]>) -> Result<bool, EngineError> {
+        let Some(lrs) = lrs else {
+            return Ok(self.param_lr.take().is_some());
+        };
+        if lrs.len() != self.params.len() {
+            return Err(EngineError::Length {
+                what: "param_lr",
+                got: lrs.len(),
+                expected: self.params.len(),
+            });
+        }
+        let Some(known) = self.param_lr.as_mut() else {
+            return Ok(false);
+        };
+        let mut changed = false;
+        for (old, new) in known.iter_mut().zip(lrs) {
+            let merged = match (*old, *new) {
+                (Some(a), Some(b)) => Some(a.max(b)),
+                (a, b) => a.or(b),
+            };
+            // (Bits, so that a NaN left as it was is not a change.)
+            changed |= merged.map(f64::to_bits) != old.map(f64::to_bits);
+            *old = merged;
+        }
+        Ok(changed)
     }
 }
 
@@ -582,5 +619,39 @@ pub(crate) mod tests {
         spec.params[0].module = 99;
         let err = Model::new(spec).unwrap_err().to_string();
         assert!(err.contains("fc0.weight"), "{err}");
+    }
+
+    #[test]
+    fn param_lrs_of_several_optimizers_merge_to_held_by_any_at_the_largest_lr() {
+        // Four parameters. The first optimizer holds p0 at 0.1 and p2 in a group at lr 0; the
+        // second holds p1 at 0.01 and p2 at 0.05; none holds p3.
+        let mut spec = mlp_spec(2, "Tanh");
+        spec.param_lr = Some(vec![Some(0.1), None, Some(0.0), None]);
+        let second = [None, Some(0.01), Some(0.05), None];
+        assert_eq!(spec.merge_param_lr(Some(&second)), Ok(true));
+        assert_eq!(
+            spec.param_lr,
+            Some(vec![Some(0.1), Some(0.01), Some(0.05), None])
+        );
+        // Told again (or in the other order): the same facts, no change.
+        assert_eq!(spec.merge_param_lr(Some(&second)), Ok(false));
+        let first = [Some(0.1), None, Some(0.0), None];
+        assert_eq!(spec.merge_param_lr(Some(&first)), Ok(false));
+        // A smaller lr elsewhere does not lower a parameter's lr.
+        let third = [Some(1e-4), Some(1e-4), None, None];
+        assert_eq!(spec.merge_param_lr(Some(&third)), Ok(false));
+        assert_eq!(
+            spec.param_lr,
+            Some(vec![Some(0.1), Some(0.01), Some(0.05), None])
+        );
+        // One lr per parameter, or the call is refused and nothing changes.
+        let err = spec.merge_param_lr(Some(&[Some(1.0)])).unwrap_err();
+        assert_eq!(err.to_string(), "param_lr has 1 values, expected 4");
+        assert_eq!(spec.param_lr.as_ref().map(Vec::len), Some(4));
+        // An optimizer whose lrs cannot be read: the lrs are not known any more, and stay so.
+        assert_eq!(spec.merge_param_lr(None), Ok(true));
+        assert_eq!(spec.param_lr, None);
+        assert_eq!(spec.merge_param_lr(Some(&second)), Ok(false));
+        assert_eq!(spec.param_lr, None);
     }
 }

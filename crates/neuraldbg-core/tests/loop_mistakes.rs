@@ -20,9 +20,25 @@ fn run(
     moves: impl Fn(usize) -> bool,
     loss: impl Fn(u64) -> f64,
 ) -> Vec<CausalHypothesis> {
+    run_amended(spec, &[], steps, grad, moves, loss)
+}
+
+/// [`run`], with `(step, lrs)`: before that step, another optimizer's per-parameter lrs reach
+/// the engine ([`Engine::amend_param_lr`]).
+fn run_amended(
+    spec: ModelSpec,
+    amend: &[(u64, Vec<Option<f64>>)],
+    steps: u64,
+    grad: impl Fn(usize, u64) -> Option<f32>,
+    moves: impl Fn(usize) -> bool,
+    loss: impl Fn(u64) -> f64,
+) -> Vec<CausalHypothesis> {
     let mut engine = Engine::new(Config::default()).unwrap();
     engine.register_model(spec).unwrap();
     for step in 0..steps {
+        for (_, lrs) in amend.iter().filter(|(at, _)| *at == step) {
+            engine.amend_param_lr(Some(lrs)).unwrap();
+        }
         let mut grads = Vec::new();
         let mut weights = Vec::new();
         for l in 0..3 {
@@ -93,6 +109,61 @@ fn a_layer_no_optimizer_holds_is_stalled_with_that_reason() {
         top.description
     );
     assert!(top.remedies[0].contains("optimizer"), "{:?}", top.remedies);
+}
+
+#[test]
+fn a_layer_a_second_optimizer_holds_is_not_said_to_be_held_by_none() {
+    // fc1 is trained by a second optimizer at lr 0.05 (fc0 and fc2 by the first); its
+    // gradient (1e-5) is real but so small that lr * grad / |W| is far below what the weight
+    // norm can show, so its weights look still while fc0 and fc2 move.
+    let mut s = spec();
+    let first: Vec<Option<f64>> = (0..6)
+        .map(|p| if p / 2 == 1 { None } else { Some(0.05) })
+        .collect();
+    s.param_lr = Some(first.clone());
+    let second: Vec<Option<f64>> = first
+        .iter()
+        .map(|lr| if lr.is_some() { None } else { Some(0.05) })
+        .collect();
+    let grad = |l: usize, _| Some(if l == 1 { 1e-5 } else { 0.1 });
+    let names = |h: &[CausalHypothesis]| h.iter().map(ToString::to_string).collect::<Vec<_>>();
+    // Told only of the first optimizer, the engine takes fc1 for held by none: a stall.
+    let h = run(s.clone(), 60, grad, |l| l != 1, falling);
+    assert!(
+        h.iter().any(|h| h.cause == Cause::ParametersNotUpdated
+            && h.layer.as_deref() == Some("fc1")
+            && h.description.contains("no optimizer holds")),
+        "{:?}",
+        names(&h)
+    );
+    // Told of the second, at the first step or only from step 5 on: held, and an update
+    // too small to show is no stall.
+    for at in [0, 5] {
+        let h = run_amended(
+            s.clone(),
+            &[(at, second.clone())],
+            60,
+            grad,
+            |l| l != 1,
+            falling,
+        );
+        assert!(
+            h.iter()
+                .all(|h| h.failure != Failure::StalledLayer
+                    && h.cause != Cause::ParametersNotUpdated),
+            "amended at {at}: {:?}",
+            names(&h)
+        );
+    }
+    // The first optimizer built without fc0: a layer neither holds is still named, with that
+    // reason.
+    s.param_lr.as_mut().unwrap()[..2].fill(None);
+    let h = run_amended(s, &[(5, second)], 60, grad, |l| l == 2, falling);
+    let top = &h[0];
+    assert_eq!(top.failure, Failure::StalledLayer, "{top}");
+    assert_eq!(top.cause, Cause::ParametersNotUpdated, "{top}");
+    assert_eq!(top.layer.as_deref(), Some("fc0"), "{top}");
+    assert!(top.description.contains("no optimizer holds"), "{top}");
 }
 
 #[test]

@@ -514,3 +514,163 @@ fn a_step_the_engine_refuses_ends_the_replay_there() {
     assert!(d.to_string().contains("activations has 3 values"), "{d}");
     std::fs::remove_dir_all(path.parent().unwrap()).unwrap();
 }
+
+/// Steps of a 3-layer net whose fc1 gets a real but tiny gradient and whose weight norm never
+/// changes while fc0's and fc2's move.
+fn quiet_fc1_run(steps: u64) -> Vec<Observation> {
+    (0..steps)
+        .map(|step| {
+            let w = 2.0 + 0.001 * step as f32;
+            Observation {
+                step,
+                grad_norms: vec![0.1, 0.02, 1e-5, 1e-6, 0.1, 0.02],
+                weight_norms: Some(vec![w, 0.1, 2.0, 0.1, w, 0.1]),
+                loss: Some(2.0 * (-0.01 * step as f64).exp()),
+                lr: Some(0.05),
+                ..Observation::default()
+            }
+        })
+        .collect()
+}
+
+#[test]
+fn a_second_optimizers_lrs_survive_writing_and_replay() {
+    // The header says what the first optimizer holds (fc0, fc2); from step 5 on a second one
+    // steps fc1 at lr 0.05.
+    let path = temp_path("amended.ndbg");
+    let mut spec = mlp(3, "ReLU");
+    spec.param_lr = Some(vec![
+        Some(0.05),
+        Some(0.05),
+        None,
+        None,
+        Some(0.01),
+        Some(0.01),
+    ]);
+    let second = [None, None, Some(0.05), Some(0.05), Some(0.1), None];
+    let merged = vec![
+        Some(0.05),
+        Some(0.05),
+        Some(0.05),
+        Some(0.05),
+        Some(0.1),
+        Some(0.01),
+    ];
+    let mut live = Engine::new(Config::default()).unwrap();
+    live.register_model(spec.clone()).unwrap();
+    let mut w = TraceWriter::create(&path, Map::new(), WriterOptions::default()).unwrap();
+    w.write_header(live.config(), &spec).unwrap();
+    for o in quiet_fc1_run(60) {
+        if o.step == 5 {
+            assert!(live.amend_param_lr(Some(&second)).unwrap());
+            w.write_param_lr(Some(&second)).unwrap();
+        }
+        live.observe(&o.view()).unwrap();
+        w.write_step(&o.view()).unwrap();
+    }
+    w.close().unwrap();
+    assert_eq!(live.model().unwrap().spec.param_lr.as_ref(), Some(&merged));
+    let live_diag = diagnosis(&live);
+
+    // The record sits between steps 4 and 5, and replay amends the model there.
+    let bytes = std::fs::read(&path).unwrap();
+    let records: Vec<Record> = TraceReader::new(&bytes[..], "amended").unwrap().collect();
+    let at = records
+        .iter()
+        .position(|r| matches!(r, Record::ParamLr(_)))
+        .unwrap();
+    assert_eq!(records[at], Record::ParamLr(Some(second.to_vec())));
+    assert!(matches!(&records[at - 1], Record::Step(o) if o.step == 4));
+    assert!(matches!(&records[at + 1], Record::Step(o) if o.step == 5));
+    let replay = Replay::read(TraceReader::open(&path).unwrap(), |_| {}).unwrap();
+    assert!(replay.damage.is_none() && replay.closed);
+    assert_eq!(
+        replay.header.model, spec,
+        "the header keeps what registration said"
+    );
+    let model = &replay.engine.model().unwrap().spec;
+    assert_eq!(model.param_lr.as_ref(), Some(&merged));
+    assert_eq!(diagnosis(&replay.engine), live_diag);
+    // fc1 is held: no hypothesis says that no optimizer holds it.
+    let text = live_diag["hypotheses"].to_string();
+    assert!(!text.contains("no optimizer holds"), "{text}");
+
+    // A reader that skips the record (one that predates it) reads the header's lrs: fc1 held
+    // by none. The trace stays readable, and the record is what makes the difference.
+    let start = usize::try_from(record_start(&bytes, at)).unwrap();
+    let end = usize::try_from(record_start(&bytes, at + 1)).unwrap();
+    let mut without = bytes[..start].to_vec();
+    without.extend_from_slice(&bytes[end..]);
+    let old = Replay::read(TraceReader::new(&without[..], "old").unwrap(), |_| {}).unwrap();
+    assert!(old.damage.is_none() && old.closed);
+    assert_eq!(old.steps, 60);
+    assert_eq!(old.engine.model().unwrap().spec.param_lr, spec.param_lr);
+    let text = diagnosis(&old.engine)["hypotheses"].to_string();
+    assert!(text.contains("no optimizer holds"), "{text}");
+    std::fs::remove_dir_all(path.parent().unwrap()).unwrap();
+}
+
+/// Where record `index` (the header is 0) starts in a trace's bytes.
+fn record_start(bytes: &[u8], index: usize) -> u64 {
+    let mut reader = TraceReader::new(bytes, "trace").unwrap();
+    for _ in 0..index {
+        reader.next_record().unwrap();
+    }
+    reader.offset()
+}
+
+#[test]
+fn param_lr_records_the_engine_refuses_or_cannot_read_end_the_replay_there() {
+    let path = temp_path("bad-amend.ndbg");
+    let spec = mlp(2, "Tanh");
+    let mut w = TraceWriter::create(&path, Map::new(), WriterOptions::default()).unwrap();
+    assert!(
+        w.write_param_lr(Some(&[None; 4])).is_err(),
+        "before the header"
+    );
+    w.write_header(&Config::default(), &spec).unwrap();
+    let obs = |step| Observation {
+        step,
+        grad_norms: vec![0.1; 4],
+        ..Observation::default()
+    };
+    w.write_step(&obs(0).view()).unwrap();
+    // An lr that JSON cannot carry is refused by the writer, not written wrong.
+    let err = w.write_param_lr(Some(&[Some(f64::NAN), None, None, None]));
+    assert!(err.unwrap_err().to_string().contains("round trip"));
+    w.write_param_lr(None).unwrap(); // (lrs unknown: a valid record)
+    w.write_step(&obs(1).view()).unwrap();
+    w.write_param_lr(Some(&[Some(0.1)])).unwrap(); // one lr for four parameters
+    w.write_step(&obs(2).view()).unwrap();
+    w.close().unwrap();
+    let replay = Replay::read(TraceReader::open(&path).unwrap(), |_| {}).unwrap();
+    assert_eq!(replay.steps, 2);
+    let d = replay.damage.unwrap();
+    assert!(matches!(d.kind, DamageKind::Rejected(_)), "{d}");
+    assert!(
+        d.to_string().contains("param_lr has 1 values, expected 4"),
+        "{d}"
+    );
+
+    // A param-lr record without its key is malformed, not read as "lrs unknown".
+    let bytes = std::fs::read(&path).unwrap();
+    let mut frame = Vec::new();
+    let payload = b"{}";
+    let mut head = [0u8; 12];
+    head[..4].copy_from_slice(&u32::try_from(payload.len()).unwrap().to_le_bytes());
+    head[4] = 0x83;
+    let crc = crc32c::crc32c(&head[..8]);
+    head[8..].copy_from_slice(&crc.to_le_bytes());
+    frame.extend_from_slice(&head);
+    frame.extend_from_slice(payload);
+    frame.extend_from_slice(&crc32c::crc32c(payload).to_le_bytes());
+    let at = usize::try_from(record_start(&bytes, 2)).unwrap(); // after step 0
+    let mut broken = bytes[..at].to_vec();
+    broken.extend_from_slice(&frame);
+    broken.extend_from_slice(&bytes[at..]);
+    let replay = Replay::read(TraceReader::new(&broken[..], "broken").unwrap(), |_| {}).unwrap();
+    assert_eq!(replay.steps, 1);
+    let d = replay.damage.unwrap();
+    assert!(d.to_string().contains("missing field `param_lr`"), "{d}");
+    std::fs::remove_dir_all(path.parent().unwrap()).unwrap();
+}

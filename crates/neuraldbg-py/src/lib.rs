@@ -295,6 +295,22 @@ impl PyEngine {
         serde_json::to_string(&probes).map_err(|e| raise(py, "EngineError", &e.to_string()))
     }
 
+    /// Another optimizer was seen stepping the model: merges its per-parameter lrs (None where
+    /// it holds the parameter in no group; `lrs` None: its lrs cannot be read) into the
+    /// registered model's and records them in the trace. Returns whether the facts changed.
+    fn amend_param_lr(&mut self, py: Python<'_>, lrs: Option<Vec<Option<f64>>>) -> PyResult<bool> {
+        let changed = self
+            .inner
+            .amend_param_lr(lrs.as_deref())
+            .map_err(|e| to_py_err(py, &e))?;
+        self.traced(
+            py,
+            "recording another optimizer's learning rates",
+            |_, w| w.write_param_lr(lrs.as_deref()),
+        );
+        Ok(changed)
+    }
+
     /// Whether a model has been registered.
     #[getter]
     fn registered(&self) -> bool {

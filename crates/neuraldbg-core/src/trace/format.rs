@@ -38,6 +38,10 @@ pub enum Kind {
     /// JSON: the wall-clock time a step was written ([`super::Clock`]), at most about once a
     /// second. Optional.
     Clock = 0x82,
+    /// JSON: the per-parameter lrs of an optimizer first seen stepping after the header was
+    /// written ([`crate::Engine::amend_param_lr`]). Optional: a reader that predates it skips
+    /// it and reads the parameters as the header's lrs say.
+    ParamLr = 0x83,
 }
 
 pub const OPTIONAL_KINDS: u8 = 0x80;
@@ -50,6 +54,7 @@ impl Kind {
             3 => Some(Kind::End),
             0x81 => Some(Kind::Unobserved),
             0x82 => Some(Kind::Clock),
+            0x83 => Some(Kind::ParamLr),
             _ => None,
         }
     }
@@ -397,6 +402,15 @@ pub fn decode_step(payload: &[u8]) -> Result<Observation, String> {
         facts,
         measures,
     })
+}
+
+/// The payload of a param-lr record: `{"param_lr": [0.1, null, ...]}`, or `{"param_lr": null}`
+/// for an optimizer whose lrs cannot be read. The key is required (a missing one is not read as
+/// null).
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+pub struct ParamLrPayload {
+    #[serde(deserialize_with = "Option::deserialize")]
+    pub param_lr: Option<Vec<Option<f64>>>,
 }
 
 /// The end record: the number of step records written.

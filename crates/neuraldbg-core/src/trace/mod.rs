@@ -167,7 +167,8 @@ pub enum DamageKind {
     PayloadChecksum,
     /// The checksums hold but the content makes no sense (a writer bug, or a checksum collision).
     Malformed(String),
-    /// The step is well-formed but the engine refused it on replay.
+    /// The record (a step, a param-lr amendment) is well-formed but the engine refused it on
+    /// replay.
     Rejected(String),
     /// The preamble is cut short or fails its checksum.
     Preamble,
@@ -186,7 +187,7 @@ impl std::fmt::Display for Damage {
             DamageKind::HeaderChecksum => f.write_str("record header checksum mismatch"),
             DamageKind::PayloadChecksum => f.write_str("record payload checksum mismatch"),
             DamageKind::Malformed(why) => write!(f, "malformed record: {why}"),
-            DamageKind::Rejected(why) => write!(f, "the engine refused this step: {why}"),
+            DamageKind::Rejected(why) => write!(f, "the engine refused this record: {why}"),
             DamageKind::Preamble => f.write_str("the trace preamble is cut short or corrupted"),
             DamageKind::Unreadable(why) => write!(f, "cannot read: {why}"),
         }

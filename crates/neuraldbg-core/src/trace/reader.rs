@@ -38,6 +38,9 @@ pub enum Record {
     Unobserved(super::Unobserved),
     /// When a step was written.
     Clock(super::Clock),
+    /// The per-parameter lrs of an optimizer first seen after the header was written (None:
+    /// its lrs cannot be read), for [`crate::Engine::amend_param_lr`].
+    ParamLr(Option<Vec<Option<f64>>>),
 }
 
 /// Reads records in order. Iteration ends at the end of the file or at the first damaged
@@ -338,6 +341,11 @@ impl<R: Read> TraceReader<R> {
                 .map_err(|e| format!("unreadable clock record: {e}"))?;
             return Ok(Some(Record::Clock(clock)));
         }
+        if kind == Kind::ParamLr && self.header_seen {
+            let record: format::ParamLrPayload = serde_json::from_slice(payload)
+                .map_err(|e| format!("unreadable param-lr record: {e}"))?;
+            return Ok(Some(Record::ParamLr(record.param_lr)));
+        }
         if kind == Kind::End && !self.header_seen && format::decode_end(payload)? == 0 {
             // Closed before any step: the writer ends a header-less trace so that readers
             // following it know no model will come.
@@ -378,7 +386,7 @@ impl<R: Read> TraceReader<R> {
                 self.ended = true;
                 Record::End { steps }
             }
-            Kind::Unobserved | Kind::Clock => unreachable!("handled above"),
+            Kind::Unobserved | Kind::Clock | Kind::ParamLr => unreachable!("handled above"),
         }))
     }
 }
@@ -431,6 +439,7 @@ mod tests {
                 Record::End { .. } => "end",
                 Record::Unobserved(_) => "unobserved",
                 Record::Clock(_) => "clock",
+                Record::ParamLr(_) => "param_lr",
             })
             .collect()
     }

@@ -84,6 +84,11 @@ impl Replay {
                 unobserved.push(gap);
             } else if let Record::Clock(clock) = record {
                 clocks.push(clock);
+            } else if let Record::ParamLr(lrs) = record {
+                if let Err(e) = engine.amend_param_lr(lrs.as_deref()) {
+                    reader.reject_last(e.to_string());
+                    break;
+                }
             } else if let Record::Step(obs) = record {
                 if let Err(e) = engine.observe(&obs.view()) {
                     reader.reject_last(e.to_string());

@@ -239,6 +239,29 @@ impl TraceWriter {
         self.write_record(Kind::Unobserved)
     }
 
+    /// Records [`crate::Engine::amend_param_lr`]'s input, so that replay amends the model at
+    /// the same point between steps. Like the header, checked to read back as the same bits.
+    pub fn write_param_lr(&mut self, lrs: Option<&[Option<f64>]>) -> Result<(), TraceError> {
+        if !self.header {
+            return Err(self.usage("write the header before amending it"));
+        }
+        let record = format::ParamLrPayload {
+            param_lr: lrs.map(<[Option<f64>]>::to_vec),
+        };
+        let text = serde_json::to_vec(&record).map_err(|e| self.usage(&e.to_string()))?;
+        let back: format::ParamLrPayload =
+            serde_json::from_slice(&text).map_err(|e| self.usage(&e.to_string()))?;
+        let bits = |v: &Option<Vec<Option<f64>>>| {
+            v.as_ref()
+                .map(|v| v.iter().map(|x| x.map(f64::to_bits)).collect::<Vec<_>>())
+        };
+        if bits(&back.param_lr) != bits(&record.param_lr) {
+            return Err(self.usage("a learning rate does not survive a JSON round trip"));
+        }
+        self.payload = text;
+        self.write_record(Kind::ParamLr)
+    }
+
     /// Writes the end record and syncs; later calls do nothing and later writes fail. A trace
     /// without an end record is still readable; the reader then reports that the run did not
     /// close it (it was killed or crashed).
