@@ -209,11 +209,16 @@ fn a_loss_at_its_targets_variance_under_steps_a_few_times_too_small_is_a_learnin
     let top = &h[0];
     assert_eq!(top.failure, Failure::LossPlateau, "{:?}", shown(&h));
     assert_eq!(top.cause, Cause::LearningRateTooLow, "{:?}", shown(&h));
-    assert!(top.description.contains("about 4x less"), "{}", top.description);
+    assert!(
+        top.description.contains("about 4x less"),
+        "{}",
+        top.description
+    );
     let h = run(spec(Some(mse(4.0))), 200, Some(2e-3), flat);
     assert_eq!(h[0].failure, Failure::LossPlateau, "{:?}", shown(&h));
     assert!(
-        h.iter().all(|h| h.cause != Cause::LearningRateTooLow || h.confidence < 0.2),
+        h.iter()
+            .all(|h| h.cause != Cause::LearningRateTooLow || h.confidence < 0.2),
         "{:?}",
         shown(&h)
     );
