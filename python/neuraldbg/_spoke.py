@@ -156,6 +156,13 @@ RING_HEAD = 4
 RING_BYTES = 1 << 18
 
 
+def roots(squares: np.ndarray) -> np.ndarray:
+    """Norms from sums of squares, in place: the square roots, with -1 (an absent parameter)
+    and NaN left as they are."""
+    np.sqrt(squares, out=squares, where=squares >= 0)
+    return squares
+
+
 class RingReader:
     """Reads the ring buffers a compiled step keeps in its state, on the device, in step order
     once the device has computed them (any thread; never raises). A buffer is ``[rows + 1,
@@ -463,6 +470,14 @@ class Spoke(Results):
         loss = float(row[2]) if flags & HAS_LOSS else None
         lr = float(row[3]) if flags & HAS_LR else None
         self._post(Record(step, grads=grads, weights=weights, loss=loss, lr=lr, has_loss=not self._loss_apart))
+
+    def _post_squares(self, step: int, flags: int, row: np.ndarray) -> None:
+        """A row as a compiled JAX step writes it, with sums of squares where :meth:`_post_row`
+        takes norms: their square roots are taken here (in the step they would be one more
+        kernel); -1 (absent) and NaN stay as they are."""
+        row = row.copy()
+        roots(row[RING_HEAD:])
+        self._post_row(step, flags, row)
 
     def _loss_of(self, r: Record) -> Optional[float]:
         """A step's loss as the engine takes it, in step order (spokes that post something else
