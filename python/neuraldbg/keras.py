@@ -10,13 +10,13 @@
         print(h)
 
 Gradients are read where the optimizer receives them: the callback wraps ``model.optimizer``'s
-``apply`` for the run, and each call computes every trainable variable's gradient norm (and the
-variables' norms on sampled steps) with ``keras.ops`` inside the compiled train step. On JAX they
-go into a ring buffer the step carries as an optimizer variable, and the activation statistics of
-the forward pass into a second one, a non-trainable variable of the model; the host reads both
-from the fit loop's state every few batches (no host callback: one takes every call off JAX's
-fast dispatch path). On TensorFlow through ``tf.numpy_function``, on the eager PyTorch backend
-directly. That is also where a custom ``train_step`` that calls ``self.optimizer.apply(grads,
+``apply`` for the run, and each call computes every trainable variable's gradient sum of squares
+(and the variables' on sampled steps) inside the compiled train step; the host takes the square
+roots. On JAX they go into a ring buffer the step carries as an optimizer variable, and the
+activation statistics of the forward pass into a second one, a non-trainable variable of the
+model; the host reads both from the fit loop's state every few batches (no host callback: one
+takes every call off JAX's fast dispatch path). On TensorFlow through ``tf.numpy_function``, on
+the eager PyTorch backend directly. That is also where a custom ``train_step`` that calls ``self.optimizer.apply(grads,
 ...)`` (or ``stateless_apply``, or ``apply_gradients``) is seen. Variables are named by their
 layer: ``dense_2.kernel`` belongs to layer ``dense_2``.
 The loss is the fit loop's: the per-batch value is recovered from the running mean Keras logs.
@@ -44,6 +44,7 @@ from ._spoke import (
     RingReader,
     Spoke,
     model_spec,
+    roots,
     spec_order,
 )
 from .errors import ConfigError, ModelError, NeuralDbgError, NeuralDbgWarning
@@ -267,6 +268,19 @@ def _emitter(backend: str) -> Callable[..., Any]:
     return emit_eager
 
 
+def _squares(tensors: List[Any], where: List[int]) -> Any:
+    """Traced in the train step: each spec parameter's sum of squares (float32; ``where[j]``:
+    the index of parameter ``j``'s tensor, -1 where absent, which gets -1); the host takes the
+    square roots. On JAX all of them by a few kernels (:func:`._jax_stats.squares`); elsewhere
+    one reduction each."""
+    if keras.backend.backend() == "jax":
+        from ._jax_stats import squares
+
+        return squares(tensors, where)
+    missing = ops.convert_to_tensor(-1.0, dtype="float32")
+    return ops.stack([ops.sum(ops.square(ops.cast(tensors[i], "float32"))) if i >= 0 else missing for i in where])
+
+
 class KerasDbg(Spoke):
     """The debugger of one ``fit`` run (``NeuralDbgCallback.dbg``): the members of the PyTorch
     ``NeuralDbg`` (``events``, ``explain_failure()``, ``history()``, ``save_report()``, ...)."""
@@ -383,7 +397,7 @@ class KerasDbg(Spoke):
         for o in owners:
             self._hide_from_checkpoints(o, var)
         self._ring_index = next(i for i, v in enumerate(outer.variables) if v is var)
-        self._ring = RingReader(self, rows, width)
+        self._ring = RingReader(self, rows, width, post=self._post_squares)
 
     @staticmethod
     def _hide_from_checkpoints(opt: Any, var: Any) -> None:
@@ -665,11 +679,6 @@ class KerasDbg(Spoke):
             variables = list(opt._trainable_variables)
         else:
             variables = list(variables)
-        where = [-1] * len(self._model.entries)
-        for k, v in enumerate(variables):
-            j = self._model.index.get(id(v))
-            if j is not None and k < len(grads) and grads[k] is not None:
-                where[j] = k
         scale = getattr(opt, "loss_scale_factor", None)
         k = self._accumulate
         if k > 1:
@@ -678,18 +687,24 @@ class KerasDbg(Spoke):
             grads = [
                 None if g is None else (ops.cast(g, "float32") + ops.cast(a, "float32")) / k for g, a in zip(grads, acc)
             ]
-        sq = [ops.sum(ops.square(ops.cast(g, "float32"))) if g is not None else None for g in grads]
-        missing = ops.convert_to_tensor(-1.0, dtype="float32")
-        gn = ops.stack([ops.sqrt(sq[k]) if k >= 0 else missing for k in where])
+        # The spec parameters' gradients, and where each parameter's is among them (-1: none).
+        given = {id(v): g for v, g in zip(variables, grads) if g is not None}
+        leaves: List[Any] = []
+        where: List[int] = []
+        for v in self._model.variables:
+            where.append(len(leaves) if id(v) in given else -1)
+            if id(v) in given:
+                leaves.append(given[id(v)])
+        gn = _squares(leaves, where)
         if scale is not None:
-            gn = ops.where(gn >= 0, gn / scale, gn)
+            gn = ops.where(gn >= 0, gn / (scale * scale), gn)
         step = ops.convert_to_tensor(opt.iterations)
         base = self._ring_base() if self._ring_var is not None else self._base
         sampled = ops.logical_or(step - base < self._dense_steps, (step - base) % self._weight_every == 0)
         values = self._model.variables
 
         def norms() -> Any:
-            return ops.stack([ops.sqrt(ops.sum(ops.square(ops.cast(v, "float32")))) for v in values])
+            return _squares([v.value for v in values], list(range(len(values))))
 
         def skip() -> Any:
             return ops.full((len(values),), -1.0, dtype="float32")
@@ -740,8 +755,8 @@ class KerasDbg(Spoke):
             self._post(
                 Record(
                     s,
-                    grads=np.array(gn, dtype=np.float32),
-                    weights=np.array(wn, dtype=np.float32) if self._sampled(s) else None,
+                    grads=roots(np.array(gn, dtype=np.float32)),
+                    weights=roots(np.array(wn, dtype=np.float32)) if self._sampled(s) else None,
                     lr=float(np.asarray(lr).reshape(-1)[0]),
                 )
             )
