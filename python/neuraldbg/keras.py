@@ -348,12 +348,19 @@ class KerasDbg(Spoke):
             self._original = current if current is not None and not hasattr(current, "_neuraldbg_inner") else None
 
             def apply(grads: Any, trainable_variables: Any = None) -> Any:
+                before = None
                 if self._active:
                     try:
-                        self._observe(grads, trainable_variables)
+                        before = self._observe(grads, trainable_variables)
                     except Exception as e:  # our statistics failed to build: train on, unobserved
                         warnings.warn(f"NeuralDBG cannot observe this update: {e}", NeuralDbgWarning, stacklevel=2)
-                return original(grads, trainable_variables)
+                result = original(grads, trainable_variables)
+                if before is not None:
+                    try:
+                        self._record(*before)
+                    except Exception as e:  # as above
+                        warnings.warn(f"NeuralDBG cannot observe this update: {e}", NeuralDbgWarning, stacklevel=2)
+                return result
 
             apply._neuraldbg_inner = original  # type: ignore[attr-defined]
             # An instance attribute: `stateless_apply` and `apply_gradients` call `self.apply`.
@@ -671,8 +678,9 @@ class KerasDbg(Spoke):
                 object.__setattr__(opt, "apply", self._original)
         self._finish()
 
-    def _observe(self, grads: Any, variables: Any) -> None:
-        """Traced inside the train step: the statistics of this update, sent to the host."""
+    def _observe(self, grads: Any, variables: Any) -> Tuple[Any, Any, Any, Any]:
+        """Traced inside the train step, before the update: its step and the number of updates
+        made once it is (int32), the gradients' sums of squares and the learning rate."""
         opt = self._optimizer
         grads = list(grads)
         if variables is None:
@@ -698,7 +706,20 @@ class KerasDbg(Spoke):
         gn = _squares(leaves, where)
         if scale is not None:
             gn = ops.where(gn >= 0, gn / (scale * scale), gn)
-        step = ops.convert_to_tensor(opt.iterations)
+        # Copies of the variables' values as they are now: on an eager backend (PyTorch) a value
+        # is the variable's own tensor, which the update then changes in place.
+        step = ops.copy(ops.cast(opt.iterations, "int32"))
+        lr = ops.copy(ops.cast(opt.learning_rate, "float32"))
+        # With accumulation, a step is complete on its last micro-batch.
+        done = ops.cast(ops.floor_divide(opt._iterations + 1, k), "int32") if k > 1 else step + 1
+        return step, done, gn, lr
+
+    def _record(self, step: Any, done: Any, gn: Any, lr: Any) -> None:
+        """Traced inside the train step, after the update: on sampled steps the parameters' sums
+        of squares, of their new values (read before the update, the old values would have to
+        stay alive next to the new ones: on JAX, which donates the state, a copy of each), and
+        the update's numbers sent to the host."""
+        opt = self._optimizer
         base = self._ring_base() if self._ring_var is not None else self._base
         sampled = ops.logical_or(step - base < self._dense_steps, (step - base) % self._weight_every == 0)
         values = self._model.variables
@@ -710,14 +731,10 @@ class KerasDbg(Spoke):
             return ops.full((len(values),), -1.0, dtype="float32")
 
         wn = ops.cond(sampled, norms, skip)
-        lr = ops.cast(opt.learning_rate, "float32")
-        step32 = ops.cast(step, "int32")
         if self._ring_var is not None:
-            # Updates made once this one is: with accumulation, a row is complete on the last micro-batch.
-            done = ops.cast(ops.floor_divide(opt._iterations + 1, k), "int32") if k > 1 else step32 + 1
-            self._write_ring(step32 - base, done - base, gn, wn, lr)
+            self._write_ring(step - base, done - base, gn, wn, lr)
             return
-        ack = self._emit(self._receive, step32, gn, wn, lr)
+        ack = self._emit(self._receive, step, gn, wn, lr)
         if ack is not None:
             # Adds exactly 0 (the host answers 0): keeps the call in the step.
             opt.iterations.assign_add(ops.cast(ack, opt.iterations.dtype))
