@@ -390,10 +390,12 @@ class KerasDbg(Spoke):
         rows = self._ring_rows(width)
         init = np.zeros((rows + 1, width), np.float32)
         init[:rows, 0] = np.array([-1], np.int32).view(np.float32)[0]
-        # The last row: updates made, the marker, and the optimizer's update count when fit
-        # began: the step reads it from its state rather than as a constant, so that the next
-        # watched fit of this model runs the same compiled step.
-        init[rows, :3] = np.array([0, RING_MARKER, self._base], np.int32).view(np.float32)
+        # Steps are the optimizer's update counts, not counted from fit's start: the step writes
+        # its row and the count without reading the buffer, so that one select writes the
+        # (donated) buffer in place. The last row: the updates made, the marker, and the count
+        # when fit began, which the step reads for its sampling from its state rather than as a
+        # constant, so that the next watched fit of this model runs the same compiled step.
+        init[rows, :3] = np.array([self._base, RING_MARKER, self._base], np.int32).view(np.float32)
         var = opt.add_variable((rows + 1, width), initializer="zeros", dtype="float32", name="neuraldbg_ring")
         var.assign(init)
         var._neuraldbg_ring = True
@@ -404,7 +406,7 @@ class KerasDbg(Spoke):
         for o in owners:
             self._hide_from_checkpoints(o, var)
         self._ring_index = next(i for i, v in enumerate(outer.variables) if v is var)
-        self._ring = RingReader(self, rows, width, post=self._post_squares)
+        self._ring = RingReader(self, rows, width, post=self._post_update, first=self._base)
 
     @staticmethod
     def _hide_from_checkpoints(opt: Any, var: Any) -> None:
@@ -732,7 +734,7 @@ class KerasDbg(Spoke):
 
         wn = ops.cond(sampled, norms, skip)
         if self._ring_var is not None:
-            self._write_ring(step - base, done - base, gn, wn, lr)
+            self._write_ring(step, done, gn, wn, lr)
             return
         ack = self._emit(self._receive, step, gn, wn, lr)
         if ack is not None:
@@ -749,20 +751,21 @@ class KerasDbg(Spoke):
         return jax.lax.bitcast_convert_type(jnp.asarray(self._ring_var.value)[rows, 2], jnp.int32)
 
     def _write_ring(self, step: Any, done: Any, gn: Any, wn: Any, lr: Any) -> None:
-        """JAX, traced in the train step: this update's row into the ring variable."""
+        """JAX, traced in the train step: this update's row (at its step, the optimizer's update
+        count) and the updates made into the ring variable."""
         import jax
         import jax.numpy as jnp
 
+        from ._jax_stats import as_f32, write_row
+
         rows = self._ring.rows if self._ring is not None else 1
+        head = jnp.stack([as_f32(step), as_f32(HAS_LR | HAS_WEIGHTS), jnp.float32(0), jnp.asarray(lr, jnp.float32)])
+        row = jax.lax.stop_gradient(jnp.concatenate([head, jnp.asarray(gn, jnp.float32), jnp.asarray(wn, jnp.float32)]))
+        self._ring_var.assign(write_row(jnp.asarray(self._ring_var.value), step % rows, row, {0: as_f32(done)}))
 
-        def bits(i: Any) -> Any:
-            return jax.lax.bitcast_convert_type(jnp.asarray(i, jnp.int32), jnp.float32)
-
-        head = jnp.stack([bits(step), bits(HAS_LR | HAS_WEIGHTS), jnp.float32(0), jnp.asarray(lr, jnp.float32)])
-        row = jnp.concatenate([head, jnp.asarray(gn, jnp.float32), jnp.asarray(wn, jnp.float32)])
-        buf = jnp.asarray(self._ring_var.value)
-        buf = jax.lax.dynamic_update_index_in_dim(buf, jax.lax.stop_gradient(row), step % rows, 0)
-        self._ring_var.assign(buf.at[rows, 0].set(bits(done)))
+    def _post_update(self, step: int, flags: int, row: np.ndarray) -> None:
+        """A row of the update ring: its step counted from fit's start."""
+        self._post_squares(step - self._base, flags, row)
 
     def _receive(self, step: Any, gn: Any, wn: Any, lr: Any) -> None:
         """The host side (any thread). Never raises."""
