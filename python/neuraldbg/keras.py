@@ -619,11 +619,13 @@ class KerasDbg(Spoke):
         import jax
         import jax.numpy as jnp
 
+        from ._jax_stats import as_f32, as_i32, write_row
+
         var = self._act_var
         rows = self._act_ring.rows if self._act_ring is not None else 1
         buf = jnp.asarray(var.value)
         # Training forward passes so far (one per micro-batch with accumulation) and their step.
-        passes = jax.lax.bitcast_convert_type(buf[rows, 2], jnp.int32)
+        passes = as_i32(buf[rows, 2])
         count = passes // self._accumulate
         outs = {r: jax.lax.stop_gradient(o) for r, o in outputs.items()}
         size = 5 * len(self._probes)
@@ -637,15 +639,11 @@ class KerasDbg(Spoke):
                 lambda o: jnp.full((size,), jnp.nan, jnp.float32),
                 outs,
             )
-
-        def bits(i: Any) -> Any:
-            return jax.lax.bitcast_convert_type(jnp.asarray(i, jnp.int32), jnp.float32)
-
-        row = jnp.concatenate([jnp.stack([bits(count), bits(0)]), table])
-        buf = jax.lax.dynamic_update_index_in_dim(buf, row, count % rows, 0)
-        # A step's row is complete on its last micro-batch (the activations are that pass's).
-        buf = buf.at[rows, 0].set(bits((passes + 1) // self._accumulate))
-        var.assign(buf.at[rows, 2].set(bits(passes + 1)))
+        row = jnp.concatenate([jnp.stack([as_f32(count), as_f32(0)]), table])
+        # One select writes the row and the counts (a step's row is complete on its last
+        # micro-batch: the activations are that pass's).
+        done = (passes + 1) // self._accumulate
+        var.assign(write_row(buf, count % rows, row, {0: as_f32(done), 2: as_f32(passes + 1)}))
 
     def _post_activations(self, step: int, flags: int, row: np.ndarray) -> None:
         """One training forward pass's row of the activation ring: paired with the optimizer
