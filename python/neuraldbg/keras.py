@@ -16,9 +16,9 @@ roots. On JAX they go into a ring buffer the step carries as an optimizer variab
 activation statistics of the forward pass into a second one, a non-trainable variable of the
 model; the host reads both from the fit loop's state every few batches (no host callback: one
 takes every call off JAX's fast dispatch path). On TensorFlow through ``tf.numpy_function``, on
-the eager PyTorch backend directly. That is also where a custom ``train_step`` that calls ``self.optimizer.apply(grads,
-...)`` (or ``stateless_apply``, or ``apply_gradients``) is seen. Variables are named by their
-layer: ``dense_2.kernel`` belongs to layer ``dense_2``.
+the eager PyTorch backend directly. That is also where a custom ``train_step`` that calls
+``self.optimizer.apply(grads, ...)`` (or ``stateless_apply``, or ``apply_gradients``) is seen.
+Variables are named by their layer: ``dense_2.kernel`` belongs to layer ``dense_2``.
 The loss is the fit loop's: the per-batch value is recovered from the running mean Keras logs.
 Keras is not a dependency of neuraldbg.
 """
@@ -742,11 +742,12 @@ class KerasDbg(Spoke):
     def _ring_base(self) -> Any:
         """JAX, traced in the train step: the optimizer's update count when fit began, from the
         ring's last row (int32)."""
-        import jax
         import jax.numpy as jnp
 
+        from ._jax_stats import as_i32
+
         rows = self._ring.rows if self._ring is not None else 1
-        return jax.lax.bitcast_convert_type(jnp.asarray(self._ring_var.value)[rows, 2], jnp.int32)
+        return as_i32(jnp.asarray(self._ring_var.value)[rows, 2])
 
     def _write_ring(self, step: Any, done: Any, gn: Any, wn: Any, lr: Any) -> None:
         """JAX, traced in the train step: this update's row (at its step, the optimizer's update
