@@ -243,15 +243,15 @@ def test_squares_of_small_leaves_together_match_numpy(many: bool) -> None:
     """The compiled step's sums of squares (small leaves as the rows of one matrix, summed per
     leaf by one product; large ones alone; an absent parameter -1), against numpy in float64;
     with many small leaves the rows widen."""
-    from neuraldbg.jax import _SMALL_LEAF, _squares
+    from neuraldbg._jax_stats import SMALL_LEAF, squares
 
     rng = np.random.default_rng(4)
-    shapes = [(64, 64), (64,), (3, 5, 7), (64, 10), (10,), (1,), (_SMALL_LEAF + 3,), (17, 64), (0,)]
+    shapes = [(64, 64), (64,), (3, 5, 7), (64, 10), (10,), (1,), (SMALL_LEAF + 3,), (17, 64), (0,)]
     if many:
         shapes += [(4096 + k,) for k in range(40)]
     leaves = [rng.normal(size=s).astype(np.float32) * 10.0 ** rng.integers(-8, 3) for s in shapes]
     where = [3, -1, 0, 8, 6, 1, 2, 5, 4, 7] + list(range(9, len(shapes)))
-    got = np.asarray(jax.jit(lambda ls: _squares(ls, where))([jnp.asarray(v) for v in leaves]))
+    got = np.asarray(jax.jit(lambda ls: squares(ls, where))([jnp.asarray(v) for v in leaves]))
     want = [np.sum(np.asarray(leaves[i], np.float64) ** 2) if i >= 0 else -1.0 for i in where]
     np.testing.assert_allclose(got, want, rtol=1e-5)
 

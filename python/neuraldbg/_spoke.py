@@ -156,23 +156,35 @@ RING_HEAD = 4
 RING_BYTES = 1 << 18
 
 
+def roots(squares: np.ndarray) -> np.ndarray:
+    """Norms from sums of squares, in place: the square roots, with -1 (an absent parameter)
+    and NaN left as they are."""
+    np.sqrt(squares, out=squares, where=squares >= 0)
+    return squares
+
+
 class RingReader:
     """Reads the ring buffers a compiled step keeps in its state, on the device, in step order
     once the device has computed them (any thread; never raises). A buffer is ``[rows + 1,
     width]`` float32: row ``step % rows`` holds that step's numbers (``[step, flags, loss, lr,
     grad norms, parameter norms]``, the step and flags as int32 bits), the last row the number
     of steps made and :data:`RING_MARKER`. ``post(step, flags, row)`` takes each row read (by
-    default the spoke's :meth:`Spoke._post_row`)."""
+    default the spoke's :meth:`Spoke._post_row`); ``first``: the first step the buffer holds."""
 
     def __init__(
-        self, dbg: Spoke, rows: int, width: int, post: Optional[Callable[[int, int, np.ndarray], None]] = None
+        self,
+        dbg: Spoke,
+        rows: int,
+        width: int,
+        post: Optional[Callable[[int, int, np.ndarray], None]] = None,
+        first: int = 0,
     ) -> None:
         self.dbg = dbg
         self.post = post if post is not None else dbg._post_row
         self.rows = rows
         self.width = width
         # The next step to read; steps below it have been posted.
-        self.next = 0
+        self.next = first
         self.pending: Deque[Any] = collections.deque()
         self.last: Any = None
         self.lock = threading.RLock()
@@ -463,6 +475,14 @@ class Spoke(Results):
         loss = float(row[2]) if flags & HAS_LOSS else None
         lr = float(row[3]) if flags & HAS_LR else None
         self._post(Record(step, grads=grads, weights=weights, loss=loss, lr=lr, has_loss=not self._loss_apart))
+
+    def _post_squares(self, step: int, flags: int, row: np.ndarray) -> None:
+        """A row as a compiled JAX step writes it, with sums of squares where :meth:`_post_row`
+        takes norms: their square roots are taken here (in the step they would be one more
+        kernel); -1 (absent) and NaN stay as they are."""
+        row = row.copy()
+        roots(row[RING_HEAD:])
+        self._post_row(step, flags, row)
 
     def _loss_of(self, r: Record) -> Optional[float]:
         """A step's loss as the engine takes it, in step order (spokes that post something else

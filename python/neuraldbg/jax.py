@@ -18,16 +18,16 @@
         print(h)
 
 The wrapped transformation computes each parameter's gradient sum of squares inside the
-compiled step (and the parameters' on sampled steps; the host takes the square roots) and writes them, with the loss and the learning rate,
-into a ring buffer that it keeps in its own optimizer state, on the device: the compiled step
-holds no host callback (one would take every call off JAX's fast dispatch path and make it
-synchronous). The host reads the buffer of one state in up to 16 it sees, once the device is
-done with it (the read buffer holds the rows of the states skipped): pytrees of the state are
-flattened and rebuilt by ``jit`` and ``nnx`` at every call, and the wrapper's state is a pytree
-node that notes its buffer there. It works under ``jit``,
-``lax.scan`` (up to the buffer's rows of updates per call) and inside ``optax.MultiSteps``
-(``optax.MultiSteps(dbg.wrap(tx), k)``: one step per accumulated update, with the accumulated
-gradient). Needs jax and optax (and flax for nnx models); none of them is a dependency of
+compiled step (and the parameters' on sampled steps; the host takes the square roots) and
+writes them, with the loss and the learning rate, into a ring buffer that it keeps in its own
+optimizer state, on the device: the compiled step holds no host callback (one would take every
+call off JAX's fast dispatch path and make it synchronous). The host reads the buffer of one
+state in up to 16 it sees, once the device is done with it (the read buffer holds the rows of
+the states skipped): pytrees of the state are flattened and rebuilt by ``jit`` and ``nnx`` at
+every call, and the wrapper's state is a pytree node that notes its buffer there. It works
+under ``jit``, ``lax.scan`` (up to the buffer's rows of updates per call) and inside
+``optax.MultiSteps`` (``optax.MultiSteps(dbg.wrap(tx), k)``: one step per accumulated update,
+with the accumulated gradient). Needs jax and optax (and flax for nnx models); none of them is a dependency of
 neuraldbg, and torch is not needed.
 """
 
@@ -38,8 +38,6 @@ import math
 import warnings
 import weakref
 from typing import Any, Callable, Dict, Iterable, List, Literal, Optional, Tuple, Union
-
-import numpy as np
 
 from ._spoke import (
     HAS_LOSS,
@@ -65,18 +63,12 @@ try:
 except ImportError as _e:  # pragma: no cover - depends on the environment
     raise ImportError("neuraldbg.jax needs jax and optax: pip install jax optax (flax for nnx models)") from _e
 
+from ._jax_stats import as_f32, as_i32, squares, write_row
+
 __all__ = ["NeuralDbg", "WatchState"]
 
 # Path components of a Variable's own value, not of the model.
 _VALUE_KEYS = ("value", "raw_value", "_value")
-
-
-def _as_f32(i: Any) -> Any:
-    return jax.lax.bitcast_convert_type(jnp.asarray(i, jnp.int32), jnp.float32)
-
-
-def _as_i32(f: Any) -> Any:
-    return jax.lax.bitcast_convert_type(f, jnp.int32)
 
 
 class _Ring(RingReader):
@@ -86,18 +78,9 @@ class _Ring(RingReader):
     max_every = 16
 
     def __init__(self, dbg: NeuralDbg, rows: int, width: int) -> None:
-        super().__init__(dbg, rows, width, post=self.post_squares)
+        super().__init__(dbg, rows, width, post=dbg._post_squares)
         # An nnx Variable that holds the state's buffer: its value is always the newest one.
         self.holder: Any = None
-
-    def post_squares(self, step: int, flags: int, row: np.ndarray) -> None:
-        """A row as the compiled step writes it, with sums of squares where the spoke posts
-        norms: their square roots are taken here (in the step they would be one more kernel);
-        -1 (absent) and NaN stay as they are."""
-        row = row.copy()
-        sq = row[RING_HEAD:]
-        np.sqrt(sq, out=sq, where=sq >= 0)
-        self.dbg._post_row(step, flags, row)
 
     def see(self, leaf: Any) -> None:
         """A buffer (or the nnx Variable holding one) met in a state pytree: read if lazy
@@ -178,7 +161,7 @@ class WatchState:
     @property
     def count(self) -> Any:
         """The number of updates made (a scalar array)."""
-        return _as_i32(jnp.asarray(self.ring)[-1, 0])
+        return as_i32(jnp.asarray(self.ring)[-1, 0])
 
     def __repr__(self) -> str:
         return f"WatchState(inner={self.inner!r}, ring={getattr(self.ring, 'shape', self.ring)})"
@@ -340,49 +323,6 @@ class _Model:
         return leaves, where
 
 
-# Leaves of up to this many elements are reduced together; larger ones alone (copying them
-# together would cost more than their own reductions' launches).
-_SMALL_LEAF = 1 << 16
-# The most entries of the constant 0/1 matrix that adds the small leaves' rows up per leaf.
-_SEGMENT_ENTRIES = 1 << 16
-
-
-def _squares(leaves: List[Any], where: List[int]) -> Any:
-    """Each spec parameter's sum of squares (f32), in spec order, -1 where absent: the host
-    takes the square roots, which would be one more kernel in the step. The small leaves are
-    laid end to end as the rows of one matrix (each padded with zeros to whole rows), and the
-    rows' sums of squares are added up per parameter by one product with a constant 0/1 matrix:
-    three kernels for all of them, where a reduction per leaf costs its launch, more than its
-    arithmetic, on a small step. Rows are 64 wide, wider when the 0/1 matrix would otherwise
-    pass :data:`_SEGMENT_ENTRIES` (many small leaves, many rows)."""
-    flat = [jnp.ravel(jnp.asarray(leaf)).astype(jnp.float32) for leaf in leaves]
-    sizes = [int(v.shape[0]) for v in flat]
-    small = [i for i, size in enumerate(sizes) if size <= _SMALL_LEAF]
-    # In each parameter's place: a large leaf's own sum, -1 for an absent one, else 0 (plus
-    # the small leaves' sums below).
-    out = jnp.stack(
-        [
-            jnp.sum(jnp.square(flat[i])) if i >= 0 and sizes[i] > _SMALL_LEAF else jnp.float32(0.0 if i >= 0 else -1.0)
-            for i in where
-        ]
-    )
-    if small:
-        width = 64
-        while width < _SMALL_LEAF and len(where) * sum(-(-sizes[i] // width) for i in small) > _SEGMENT_ENTRIES:
-            width *= 2
-        spans = {i: -(-sizes[i] // width) for i in small}
-        block = jnp.concatenate([jnp.pad(flat[i], (0, spans[i] * width - sizes[i])) for i in small])
-        rows = jnp.sum(jnp.square(block.reshape(-1, width)), axis=1)
-        # segment[j, r] = 1: row r holds part of spec parameter j's leaf.
-        first = dict(zip(small, np.cumsum([0] + [spans[i] for i in small])))
-        segment = np.zeros((len(where), int(rows.shape[0])), np.float32)
-        for j, i in enumerate(where):
-            if i in spans:
-                segment[j, first[i] : first[i] + spans[i]] = 1.0
-        out = out + jnp.asarray(segment) @ rows
-    return out
-
-
 def _inner_lr(state: Any) -> Any:
     """The learning rate an ``optax.inject_hyperparams`` transformation holds in its state (the
     first one met, outermost first), or None."""
@@ -509,7 +449,8 @@ class NeuralDbg(Spoke):
 
         ``buffer``: the ring's rows, the most updates one compiled call may make (a
         ``lax.scan`` over batches) without losing any; by default as many as fit in 256 KiB,
-        at least 16 and at most 256. Each update rewrites the whole ring once (the copy that a state not donated needs anyway).
+        at least 16 and at most 256. Each update rewrites the whole ring once (the copy that a
+        state not donated needs anyway).
 
         For gradient accumulation wrap the inner transformation:
         ``optax.MultiSteps(dbg.wrap(tx), every_k_schedule=k)``.
@@ -543,8 +484,8 @@ class NeuralDbg(Spoke):
 
         def init(params: Any) -> WatchState:
             buf = jnp.zeros((rows + 1, width), jnp.float32)
-            buf = buf.at[:rows, 0].set(_as_f32(-1))  # no step yet in any row
-            buf = buf.at[rows, :2].set(_as_f32(jnp.asarray([0, RING_MARKER])))
+            buf = buf.at[:rows, 0].set(as_f32(-1))  # no step yet in any row
+            buf = buf.at[rows, :2].set(as_f32(jnp.asarray([0, RING_MARKER])))
             return WatchState(inner.init(params), buf, key)
 
         def update(updates: Any, state: WatchState, params: Any = None, **extra: Any) -> Tuple[Any, WatchState]:
@@ -558,7 +499,7 @@ class NeuralDbg(Spoke):
 
         def observe(updates: Any, buf: Any, params: Any, extra: Dict[str, Any], after: Any) -> Any:
             buf = jnp.asarray(buf)
-            count = _as_i32(buf[rows, 0])
+            count = as_i32(buf[rows, 0])
             leaves, where = model.gather(updates)
             value = extra.get("value")
             loss = jnp.mean(jnp.asarray(value).astype(jnp.float32)) if value is not None else jnp.float32(0)
@@ -570,28 +511,24 @@ class NeuralDbg(Spoke):
             else:
                 lr = jnp.float32(learning_rate)
             flags = (HAS_LOSS if value is not None else 0) | (HAS_LR if lr is not None else 0)
-            grads = _squares(leaves, where)
+            grads = squares(leaves, where)
             if params is not None:
                 flags |= HAS_WEIGHTS
                 sampled = jnp.logical_or(count < dense, count % every == 0)
                 p_leaves, p_where = model.gather(params)
                 weights = jax.lax.cond(
                     sampled,
-                    lambda ls: _squares(ls, p_where),
+                    lambda ls: squares(ls, p_where),
                     lambda ls: jnp.full((len(p_where),), -1.0, jnp.float32),
                     p_leaves,
                 )
             else:
                 weights = jnp.full((n,), -1.0, jnp.float32)
-            head = jnp.stack([_as_f32(count), _as_f32(flags), loss, lr if lr is not None else jnp.float32(0)])
+            head = jnp.stack([as_f32(count), as_f32(flags), loss, lr if lr is not None else jnp.float32(0)])
             row = jnp.concatenate([head, grads, weights])
-            # The row and the new count go in by one select over the whole buffer rather than two
-            # in-place updates: a state that is not donated (nnx.jit's) is copied anyway, and
-            # the select is that copy, with the row and the count in it (one kernel, not three).
-            at_row = jax.lax.broadcasted_iota(jnp.int32, buf.shape, 0)
-            at_col = jax.lax.broadcasted_iota(jnp.int32, buf.shape, 1)
-            buf = jnp.where(at_row == count % rows, row[None, :], buf)
-            return jnp.where((at_row == rows) & (at_col == 0), _as_f32(count + 1), buf)
+            # One select writes the row and the new count: nnx.jit does not donate the state, so
+            # the buffer is copied anyway, and the select is that copy.
+            return write_row(buf, count % rows, row, {0: as_f32(count + 1)})
 
         return optax.GradientTransformationExtraArgs(init, update)
 
