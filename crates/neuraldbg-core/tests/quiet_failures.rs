@@ -37,6 +37,17 @@ fn run(
     update: Option<f32>,
     loss: impl Fn(u64) -> f64,
 ) -> Vec<CausalHypothesis> {
+    run_scaled(spec, steps, update, 1.0, loss)
+}
+
+/// [`run`] with the weights' norms `scale` times theirs.
+fn run_scaled(
+    spec: ModelSpec,
+    steps: u64,
+    update: Option<f32>,
+    scale: f32,
+    loss: impl Fn(u64) -> f64,
+) -> Vec<CausalHypothesis> {
     let mut engine = Engine::new(Config::default()).unwrap();
     engine.register_model(spec).unwrap();
     for step in 0..steps {
@@ -44,7 +55,8 @@ fn run(
         let obs = Observation {
             step,
             grad_norms: vec![0.05, 0.01, 0.04, 0.01, 0.03, 0.01],
-            weight_norms: sampled.then(|| vec![2.3, 0.2, 2.3, 0.2, 2.3, 0.2]),
+            weight_norms: sampled
+                .then(|| [2.3, 0.2, 2.3, 0.2, 2.3, 0.2].map(|w| w * scale).to_vec()),
             loss: Some(loss(step)),
             lr: Some(1e-4),
             measures: match (sampled, update) {
@@ -222,4 +234,19 @@ fn a_loss_at_its_targets_variance_under_steps_a_few_times_too_small_is_a_learnin
         "{:?}",
         shown(&h)
     );
+}
+
+#[test]
+fn small_steps_beside_weights_far_too_large_do_not_say_the_learning_rate_is_too_low() {
+    // The same flat loss and ratio, with weights 20x a variance-preserving scale: the steps
+    // are small because the weights are large, so the ratio is no evidence about the rate.
+    let flat = |s: u64| 4.0 + 0.02 * ((s % 5) as f64);
+    let h = run_scaled(spec(Some(mse(4.0))), 200, Some(2.5e-4), 20.0, flat);
+    assert!(
+        h.iter()
+            .all(|h| !h.description.contains("of their size (measured")),
+        "{:?}",
+        shown(&h)
+    );
+    assert_ne!(h[0].cause, Cause::LearningRateTooLow, "{:?}", shown(&h));
 }

@@ -32,7 +32,9 @@ impl CauseRule for LearningRateTooLow {
             // The steps are small because the gradients are: the inputs are.
             v.against(1.5);
         }
-        if let Some(r) = ev.update_ratio {
+        // Weights far above a variance-preserving scale make every step small beside them:
+        // then the ratio measures the weights, not the learning rate.
+        if let Some(r) = ev.update_ratio.filter(|_| !ev.gain_too_large()) {
             // Measured, the step size is the learning rate's own signature; estimated (from the
             // lr and the first norms), it can be off by the optimizer's scaling.
             // Measured, each decade below a training step weighs 2.5 (capped at 3): a tenth
