@@ -9,7 +9,8 @@ state and as it did for every loop up to commit 3bcfa1a), compiled before timing
 a shuffled order, each round ending with ``block_until_ready``. Keras: copies of one compiled
 model, each fit for ``--epochs`` epochs per round (shuffled order; ``A/A`` is a second plain
 model, ``no-act`` the callback with ``activations=False``, ``every-act`` measures activations on
-every step rather than on sampled ones, ``before`` is the callback of ``--before REV``); the
+every step rather than on sampled ones, ``before`` is the callback of ``--before REV``, as
+``before`` in JAX is its ``dbg.wrap``); the
 time of every epoch after the first (compilation excluded) is taken from a timing callback, with
 the calling thread's CPU time over the same epochs, and the whole fit (compilation and the end-of-run report included) is given too, over all
 rounds and for the first fit of each model alone (one sample each: every arm compiles there). Each figure is the
@@ -69,7 +70,7 @@ def report(label: str, times: Dict[str, List[float]], per: int) -> None:
         )
 
 
-def bench_jax(width: int, depth: int, batch: int, steps: int, rounds: int) -> None:
+def bench_jax(width: int, depth: int, batch: int, steps: int, rounds: int, before: Any = None) -> None:
     import jax
     import jax.numpy as jnp
     import optax
@@ -148,13 +149,20 @@ def bench_jax(width: int, depth: int, batch: int, steps: int, rounds: int) -> No
     waiting_dbg.__enter__()
     waiting_opt = nnx.Optimizer(waiting_model, waiting_dbg.wrap(optax.adam(1e-3), learning_rate=1e-3), wrt=nnx.Param)
     waiting_dbg._rings[0].donated = True
-    models = (
+    models = [
         (plain_model, plain_opt),
         (watched_model, watched_opt),
         (floor_model, floor_opt),
         (eager_model, eager_opt),
         (waiting_model, waiting_opt),
-    )
+    ]
+    dbgs = [dbg, eager_dbg, waiting_dbg]
+    if before is not None:  # the spoke of the --before revision
+        before_model = MLP(nnx.Rngs(0))
+        dbgs.append(before.NeuralDbg(before_model))
+        dbgs[-1].__enter__()
+        before_opt = nnx.Optimizer(before_model, dbgs[-1].wrap(optax.adam(1e-3), learning_rate=1e-3), wrt=nnx.Param)
+        models.append((before_model, before_opt))
     for m, o in models:
         jax.block_until_ready(step(m, o, x, y))  # compile
     arms = {
@@ -165,8 +173,10 @@ def bench_jax(width: int, depth: int, batch: int, steps: int, rounds: int) -> No
         "read-each": arm(eager_model, eager_opt),
         "wait-read": arm(waiting_model, waiting_opt),
     }
+    if before is not None:
+        arms["before"] = arm(*models[-1])
     times, cpu = paired(arms, rounds)
-    for d in (dbg, eager_dbg, waiting_dbg):
+    for d in dbgs:
         d.__exit__(None, None, None)
     report(f"jax nnx MLP {depth + 2}x{width}, batch {batch}", times, steps)
     # The Python side of a step (flax's graph handling, dispatch, a synchronous step's callback,
@@ -174,24 +184,25 @@ def bench_jax(width: int, depth: int, batch: int, steps: int, rounds: int) -> No
     report("  the same, calling thread's CPU time", cpu, steps)
 
 
-def load_before(rev: str) -> Any:
-    """``neuraldbg.keras`` as it was at git revision ``rev``, loaded beside the current one (as
-    ``neuraldbg._keras_before``, sharing the rest of the package): the before arm of a change."""
+def load_before(rev: str, name: str) -> Any:
+    """``neuraldbg.<name>`` (``jax`` or ``keras``) as it was at git revision ``rev``, loaded
+    beside the current one (as ``neuraldbg._<name>_before``, sharing the rest of the package):
+    the before arm of a change."""
     import importlib.util
     import subprocess
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     source = subprocess.run(
-        ["git", "-C", root, "show", f"{rev}:python/neuraldbg/keras.py"], capture_output=True, text=True, check=True
+        ["git", "-C", root, "show", f"{rev}:python/neuraldbg/{name}.py"], capture_output=True, text=True, check=True
     ).stdout
     import neuraldbg
 
-    spec = importlib.util.spec_from_loader("neuraldbg._keras_before", loader=None)
+    spec = importlib.util.spec_from_loader(f"neuraldbg._{name}_before", loader=None)
     assert spec is not None
     module = importlib.util.module_from_spec(spec)
     module.__package__ = "neuraldbg"
-    exec(compile(source, f"{rev}:keras.py", "exec"), module.__dict__)
-    neuraldbg._keras_before = module  # type: ignore[attr-defined]
+    exec(compile(source, f"{rev}:{name}.py", "exec"), module.__dict__)
+    setattr(neuraldbg, f"_{name}_before", module)
     return module
 
 
@@ -273,7 +284,7 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--only", choices=("jax", "keras"), default=None)
     ap.add_argument("--small", action="store_true", help="only the models with small steps (where the cost shows)")
-    ap.add_argument("--before", default=None, help="a git revision: adds its neuraldbg.keras as the Keras arm `before`")
+    ap.add_argument("--before", default=None, help="a git revision: adds its spokes as the arms `before`")
     ap.add_argument("--keras-rounds", type=int, default=None, help="Keras rounds (default: half of --rounds)")
     args = ap.parse_args()
     random.seed(0)
@@ -281,12 +292,13 @@ def main() -> None:
 
     print(f"jax {jax.__version__} on {jax.default_backend()}, {os.cpu_count()} CPUs")
     if args.only in (None, "jax"):
-        bench_jax(64, 2, 32, args.steps, args.rounds)
-        bench_jax(256, 4, 128, args.steps, args.rounds)
+        before = load_before(args.before, "jax") if args.before else None
+        bench_jax(64, 2, 32, args.steps, args.rounds, before)
+        bench_jax(256, 4, 128, args.steps, args.rounds, before)
         if not args.small:
-            bench_jax(1024, 4, 256, max(args.steps // 10, 5), args.rounds)
+            bench_jax(1024, 4, 256, max(args.steps // 10, 5), args.rounds, before)
     if args.only in (None, "keras"):
-        before = load_before(args.before) if args.before else None
+        before = load_before(args.before, "keras") if args.before else None
         rounds = args.keras_rounds or max(args.rounds // 2, 3)
         bench_keras(256, 4, 128, args.epochs, rounds, 128 * 100, before)
         if not args.small:

@@ -283,12 +283,6 @@ def test_watched_fits_compile_the_train_step_once() -> None:
             np.testing.assert_allclose(norms[0], truth[name], rtol=1e-3)
         sampled = [s for s in range(10) if s < 2 or s % weight_every == 0]
         assert list(dbg.history(dbg.layers[0], "weight_norm")[0]) == sampled
-        if sampled[-1] == 9:
-            # The parameter norms are read after the update: the last step's are those of the
-            # weights fit leaves.
-            for layer in model.layers:
-                after = sum(float(np.sum(np.asarray(v.numpy(), np.float64) ** 2)) for v in layer.trainable_variables)
-                np.testing.assert_allclose(dbg.history(layer.name, "weight_norm")[1][-1], np.sqrt(after), rtol=2e-6)
         return dbg
 
     watched(3)

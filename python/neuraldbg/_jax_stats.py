@@ -1,6 +1,7 @@
-"""What the JAX spokes (``neuraldbg.jax``, and ``neuraldbg.keras`` on the JAX backend) trace into
-a compiled train step: the parameters' sums of squares and the ring buffer's update. Needs jax
-only (not optax, not Keras), so that both spokes can import it.
+"""What the JAX spoke (``neuraldbg.jax``) traces into a compiled train step: the parameters'
+sums of squares and the ring buffer's update. Needs jax only (not optax, not Keras), so that a
+Keras spoke on the JAX backend can import it too (``neuraldbg.keras`` does not yet: its version
+with these measured slower, see BENCHMARKS.md).
 """
 
 from __future__ import annotations

@@ -169,7 +169,7 @@ class RingReader:
     width]`` float32: row ``step % rows`` holds that step's numbers (``[step, flags, loss, lr,
     grad norms, parameter norms]``, the step and flags as int32 bits), the last row the number
     of steps made and :data:`RING_MARKER`. ``post(step, flags, row)`` takes each row read (by
-    default the spoke's :meth:`Spoke._post_row`); ``first``: the first step the buffer holds."""
+    default the spoke's :meth:`Spoke._post_row`)."""
 
     def __init__(
         self,
@@ -177,14 +177,13 @@ class RingReader:
         rows: int,
         width: int,
         post: Optional[Callable[[int, int, np.ndarray], None]] = None,
-        first: int = 0,
     ) -> None:
         self.dbg = dbg
         self.post = post if post is not None else dbg._post_row
         self.rows = rows
         self.width = width
         # The next step to read; steps below it have been posted.
-        self.next = first
+        self.next = 0
         self.pending: Deque[Any] = collections.deque()
         self.last: Any = None
         self.lock = threading.RLock()

@@ -10,15 +10,15 @@
         print(h)
 
 Gradients are read where the optimizer receives them: the callback wraps ``model.optimizer``'s
-``apply`` for the run, and each call computes every trainable variable's gradient sum of squares
-(and the variables' on sampled steps) inside the compiled train step; the host takes the square
-roots. On JAX they go into a ring buffer the step carries as an optimizer variable, and the
-activation statistics of the forward pass into a second one, a non-trainable variable of the
-model; the host reads both from the fit loop's state every few batches (no host callback: one
-takes every call off JAX's fast dispatch path). On TensorFlow through ``tf.numpy_function``, on
-the eager PyTorch backend directly. That is also where a custom ``train_step`` that calls
-``self.optimizer.apply(grads, ...)`` (or ``stateless_apply``, or ``apply_gradients``) is seen.
-Variables are named by their layer: ``dense_2.kernel`` belongs to layer ``dense_2``.
+``apply`` for the run, and each call computes every trainable variable's gradient norm (and the
+variables' norms on sampled steps) with ``keras.ops`` inside the compiled train step. On JAX they
+go into a ring buffer the step carries as an optimizer variable, and the activation statistics of
+the forward pass into a second one, a non-trainable variable of the model; the host reads both
+from the fit loop's state every few batches (no host callback: one takes every call off JAX's
+fast dispatch path). On TensorFlow through ``tf.numpy_function``, on the eager PyTorch backend
+directly. That is also where a custom ``train_step`` that calls ``self.optimizer.apply(grads,
+...)`` (or ``stateless_apply``, or ``apply_gradients``) is seen. Variables are named by their
+layer: ``dense_2.kernel`` belongs to layer ``dense_2``.
 The loss is the fit loop's: the per-batch value is recovered from the running mean Keras logs.
 Keras is not a dependency of neuraldbg.
 """
@@ -44,7 +44,6 @@ from ._spoke import (
     RingReader,
     Spoke,
     model_spec,
-    roots,
     spec_order,
 )
 from .errors import ConfigError, ModelError, NeuralDbgError, NeuralDbgWarning
@@ -268,19 +267,6 @@ def _emitter(backend: str) -> Callable[..., Any]:
     return emit_eager
 
 
-def _squares(tensors: List[Any], where: List[int]) -> Any:
-    """Traced in the train step: each spec parameter's sum of squares (float32; ``where[j]``:
-    the index of parameter ``j``'s tensor, -1 where absent, which gets -1); the host takes the
-    square roots. On JAX all of them by a few kernels (:func:`._jax_stats.squares`); elsewhere
-    one reduction each."""
-    if keras.backend.backend() == "jax":
-        from ._jax_stats import squares
-
-        return squares(tensors, where)
-    missing = ops.convert_to_tensor(-1.0, dtype="float32")
-    return ops.stack([ops.sum(ops.square(ops.cast(tensors[i], "float32"))) if i >= 0 else missing for i in where])
-
-
 class KerasDbg(Spoke):
     """The debugger of one ``fit`` run (``NeuralDbgCallback.dbg``): the members of the PyTorch
     ``NeuralDbg`` (``events``, ``explain_failure()``, ``history()``, ``save_report()``, ...)."""
@@ -348,19 +334,12 @@ class KerasDbg(Spoke):
             self._original = current if current is not None and not hasattr(current, "_neuraldbg_inner") else None
 
             def apply(grads: Any, trainable_variables: Any = None) -> Any:
-                before = None
                 if self._active:
                     try:
-                        before = self._observe(grads, trainable_variables)
+                        self._observe(grads, trainable_variables)
                     except Exception as e:  # our statistics failed to build: train on, unobserved
                         warnings.warn(f"NeuralDBG cannot observe this update: {e}", NeuralDbgWarning, stacklevel=2)
-                result = original(grads, trainable_variables)
-                if before is not None:
-                    try:
-                        self._record(*before)
-                    except Exception as e:  # as above
-                        warnings.warn(f"NeuralDBG cannot observe this update: {e}", NeuralDbgWarning, stacklevel=2)
-                return result
+                return original(grads, trainable_variables)
 
             apply._neuraldbg_inner = original  # type: ignore[attr-defined]
             # An instance attribute: `stateless_apply` and `apply_gradients` call `self.apply`.
@@ -390,12 +369,10 @@ class KerasDbg(Spoke):
         rows = self._ring_rows(width)
         init = np.zeros((rows + 1, width), np.float32)
         init[:rows, 0] = np.array([-1], np.int32).view(np.float32)[0]
-        # Steps are the optimizer's update counts, not counted from fit's start: the step writes
-        # its row and the count without reading the buffer, so that one select writes the
-        # (donated) buffer in place. The last row: the updates made, the marker, and the count
-        # when fit began, which the step reads for its sampling from its state rather than as a
-        # constant, so that the next watched fit of this model runs the same compiled step.
-        init[rows, :3] = np.array([self._base, RING_MARKER, self._base], np.int32).view(np.float32)
+        # The last row: updates made, the marker, and the optimizer's update count when fit
+        # began: the step reads it from its state rather than as a constant, so that the next
+        # watched fit of this model runs the same compiled step.
+        init[rows, :3] = np.array([0, RING_MARKER, self._base], np.int32).view(np.float32)
         var = opt.add_variable((rows + 1, width), initializer="zeros", dtype="float32", name="neuraldbg_ring")
         var.assign(init)
         var._neuraldbg_ring = True
@@ -406,7 +383,7 @@ class KerasDbg(Spoke):
         for o in owners:
             self._hide_from_checkpoints(o, var)
         self._ring_index = next(i for i, v in enumerate(outer.variables) if v is var)
-        self._ring = RingReader(self, rows, width, post=self._post_update, first=self._base)
+        self._ring = RingReader(self, rows, width)
 
     @staticmethod
     def _hide_from_checkpoints(opt: Any, var: Any) -> None:
@@ -619,13 +596,11 @@ class KerasDbg(Spoke):
         import jax
         import jax.numpy as jnp
 
-        from ._jax_stats import as_f32, as_i32, write_row
-
         var = self._act_var
         rows = self._act_ring.rows if self._act_ring is not None else 1
         buf = jnp.asarray(var.value)
         # Training forward passes so far (one per micro-batch with accumulation) and their step.
-        passes = as_i32(buf[rows, 2])
+        passes = jax.lax.bitcast_convert_type(buf[rows, 2], jnp.int32)
         count = passes // self._accumulate
         outs = {r: jax.lax.stop_gradient(o) for r, o in outputs.items()}
         size = 5 * len(self._probes)
@@ -639,11 +614,15 @@ class KerasDbg(Spoke):
                 lambda o: jnp.full((size,), jnp.nan, jnp.float32),
                 outs,
             )
-        row = jnp.concatenate([jnp.stack([as_f32(count), as_f32(0)]), table])
-        # One select writes the row and the counts (a step's row is complete on its last
-        # micro-batch: the activations are that pass's).
-        done = (passes + 1) // self._accumulate
-        var.assign(write_row(buf, count % rows, row, {0: as_f32(done), 2: as_f32(passes + 1)}))
+
+        def bits(i: Any) -> Any:
+            return jax.lax.bitcast_convert_type(jnp.asarray(i, jnp.int32), jnp.float32)
+
+        row = jnp.concatenate([jnp.stack([bits(count), bits(0)]), table])
+        buf = jax.lax.dynamic_update_index_in_dim(buf, row, count % rows, 0)
+        # A step's row is complete on its last micro-batch (the activations are that pass's).
+        buf = buf.at[rows, 0].set(bits((passes + 1) // self._accumulate))
+        var.assign(buf.at[rows, 2].set(bits(passes + 1)))
 
     def _post_activations(self, step: int, flags: int, row: np.ndarray) -> None:
         """One training forward pass's row of the activation ring: paired with the optimizer
@@ -678,15 +657,19 @@ class KerasDbg(Spoke):
                 object.__setattr__(opt, "apply", self._original)
         self._finish()
 
-    def _observe(self, grads: Any, variables: Any) -> Tuple[Any, Any, Any, Any]:
-        """Traced inside the train step, before the update: its step and the number of updates
-        made once it is (int32), the gradients' sums of squares and the learning rate."""
+    def _observe(self, grads: Any, variables: Any) -> None:
+        """Traced inside the train step: the statistics of this update, sent to the host."""
         opt = self._optimizer
         grads = list(grads)
         if variables is None:
             variables = list(opt._trainable_variables)
         else:
             variables = list(variables)
+        where = [-1] * len(self._model.entries)
+        for k, v in enumerate(variables):
+            j = self._model.index.get(id(v))
+            if j is not None and k < len(grads) and grads[k] is not None:
+                where[j] = k
         scale = getattr(opt, "loss_scale_factor", None)
         k = self._accumulate
         if k > 1:
@@ -695,46 +678,31 @@ class KerasDbg(Spoke):
             grads = [
                 None if g is None else (ops.cast(g, "float32") + ops.cast(a, "float32")) / k for g, a in zip(grads, acc)
             ]
-        # The spec parameters' gradients, and where each parameter's is among them (-1: none).
-        given = {id(v): g for v, g in zip(variables, grads) if g is not None}
-        leaves: List[Any] = []
-        where: List[int] = []
-        for v in self._model.variables:
-            where.append(len(leaves) if id(v) in given else -1)
-            if id(v) in given:
-                leaves.append(given[id(v)])
-        gn = _squares(leaves, where)
+        sq = [ops.sum(ops.square(ops.cast(g, "float32"))) if g is not None else None for g in grads]
+        missing = ops.convert_to_tensor(-1.0, dtype="float32")
+        gn = ops.stack([ops.sqrt(sq[k]) if k >= 0 else missing for k in where])
         if scale is not None:
-            gn = ops.where(gn >= 0, gn / (scale * scale), gn)
-        # Copies of the variables' values as they are now: on an eager backend (PyTorch) a value
-        # is the variable's own tensor, which the update then changes in place.
-        step = ops.copy(ops.cast(opt.iterations, "int32"))
-        lr = ops.copy(ops.cast(opt.learning_rate, "float32"))
-        # With accumulation, a step is complete on its last micro-batch.
-        done = ops.cast(ops.floor_divide(opt._iterations + 1, k), "int32") if k > 1 else step + 1
-        return step, done, gn, lr
-
-    def _record(self, step: Any, done: Any, gn: Any, lr: Any) -> None:
-        """Traced inside the train step, after the update: on sampled steps the parameters' sums
-        of squares, of their new values (read before the update, the old values would have to
-        stay alive next to the new ones: on JAX, which donates the state, a copy of each), and
-        the update's numbers sent to the host."""
-        opt = self._optimizer
+            gn = ops.where(gn >= 0, gn / scale, gn)
+        step = ops.convert_to_tensor(opt.iterations)
         base = self._ring_base() if self._ring_var is not None else self._base
         sampled = ops.logical_or(step - base < self._dense_steps, (step - base) % self._weight_every == 0)
         values = self._model.variables
 
         def norms() -> Any:
-            return _squares([v.value for v in values], list(range(len(values))))
+            return ops.stack([ops.sqrt(ops.sum(ops.square(ops.cast(v, "float32")))) for v in values])
 
         def skip() -> Any:
             return ops.full((len(values),), -1.0, dtype="float32")
 
         wn = ops.cond(sampled, norms, skip)
+        lr = ops.cast(opt.learning_rate, "float32")
+        step32 = ops.cast(step, "int32")
         if self._ring_var is not None:
-            self._write_ring(step, done, gn, wn, lr)
+            # Updates made once this one is: with accumulation, a row is complete on the last micro-batch.
+            done = ops.cast(ops.floor_divide(opt._iterations + 1, k), "int32") if k > 1 else step32 + 1
+            self._write_ring(step32 - base, done - base, gn, wn, lr)
             return
-        ack = self._emit(self._receive, step, gn, wn, lr)
+        ack = self._emit(self._receive, step32, gn, wn, lr)
         if ack is not None:
             # Adds exactly 0 (the host answers 0): keeps the call in the step.
             opt.iterations.assign_add(ops.cast(ack, opt.iterations.dtype))
@@ -742,29 +710,27 @@ class KerasDbg(Spoke):
     def _ring_base(self) -> Any:
         """JAX, traced in the train step: the optimizer's update count when fit began, from the
         ring's last row (int32)."""
-        import jax.numpy as jnp
-
-        from ._jax_stats import as_i32
-
-        rows = self._ring.rows if self._ring is not None else 1
-        return as_i32(jnp.asarray(self._ring_var.value)[rows, 2])
-
-    def _write_ring(self, step: Any, done: Any, gn: Any, wn: Any, lr: Any) -> None:
-        """JAX, traced in the train step: this update's row (at its step, the optimizer's update
-        count) and the updates made into the ring variable."""
         import jax
         import jax.numpy as jnp
 
-        from ._jax_stats import as_f32, write_row
+        rows = self._ring.rows if self._ring is not None else 1
+        return jax.lax.bitcast_convert_type(jnp.asarray(self._ring_var.value)[rows, 2], jnp.int32)
+
+    def _write_ring(self, step: Any, done: Any, gn: Any, wn: Any, lr: Any) -> None:
+        """JAX, traced in the train step: this update's row into the ring variable."""
+        import jax
+        import jax.numpy as jnp
 
         rows = self._ring.rows if self._ring is not None else 1
-        head = jnp.stack([as_f32(step), as_f32(HAS_LR | HAS_WEIGHTS), jnp.float32(0), jnp.asarray(lr, jnp.float32)])
-        row = jax.lax.stop_gradient(jnp.concatenate([head, jnp.asarray(gn, jnp.float32), jnp.asarray(wn, jnp.float32)]))
-        self._ring_var.assign(write_row(jnp.asarray(self._ring_var.value), step % rows, row, {0: as_f32(done)}))
 
-    def _post_update(self, step: int, flags: int, row: np.ndarray) -> None:
-        """A row of the update ring: its step counted from fit's start."""
-        self._post_squares(step - self._base, flags, row)
+        def bits(i: Any) -> Any:
+            return jax.lax.bitcast_convert_type(jnp.asarray(i, jnp.int32), jnp.float32)
+
+        head = jnp.stack([bits(step), bits(HAS_LR | HAS_WEIGHTS), jnp.float32(0), jnp.asarray(lr, jnp.float32)])
+        row = jnp.concatenate([head, jnp.asarray(gn, jnp.float32), jnp.asarray(wn, jnp.float32)])
+        buf = jnp.asarray(self._ring_var.value)
+        buf = jax.lax.dynamic_update_index_in_dim(buf, jax.lax.stop_gradient(row), step % rows, 0)
+        self._ring_var.assign(buf.at[rows, 0].set(bits(done)))
 
     def _receive(self, step: Any, gn: Any, wn: Any, lr: Any) -> None:
         """The host side (any thread). Never raises."""
@@ -774,8 +740,8 @@ class KerasDbg(Spoke):
             self._post(
                 Record(
                     s,
-                    grads=roots(np.array(gn, dtype=np.float32)),
-                    weights=roots(np.array(wn, dtype=np.float32)) if self._sampled(s) else None,
+                    grads=np.array(gn, dtype=np.float32),
+                    weights=np.array(wn, dtype=np.float32) if self._sampled(s) else None,
                     lr=float(np.asarray(lr).reshape(-1)[0]),
                 )
             )
