@@ -14,8 +14,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from bench.corpus import fit
 from bench.corpus.bases import BASES, Knobs, base
+from bench.corpus.labels import label
 from bench.corpus.mutations import MUTATIONS, pairs, singles
-from bench.corpus.run import label, one
+from bench.corpus.run import one
 
 from neuraldbg.types import Cause
 
@@ -33,14 +34,27 @@ def test_every_operator_plants_a_cause_of_the_vocabulary_and_applies_somewhere()
 
 def test_a_mutant_is_labelled_by_what_it_did_to_the_run() -> None:
     rec = {"ops": ["lr_x10"], "causes": ["learning_rate_too_high"], "chance": 0.1, "finite": True, "error": None}
-    label(r := dict(rec, score=0.30), base_score=0.9)  # lost 0.6 of the base's 0.8 gain
+    base = {"score": 0.9, "loss_first": 2.0, "loss_tail": 0.02}
+    label(r := dict(rec, score=0.30), base)  # lost 0.6 of the base's 0.8 gain
     assert r["manifests"] and r["label"] == ["learning_rate_too_high"]
-    label(r := dict(rec, score=0.85), base_score=0.9)  # trains as well as its base
+    label(r := dict(rec, score=0.85), base)  # trains as well as its base
     assert not r["manifests"] and r["label"] == ["healthy"]
-    label(r := dict(rec, score=0.85, finite=False), base_score=0.9)  # the loss went NaN
+    label(r := dict(rec, score=0.85, finite=False), base)  # the loss went NaN
     assert r["manifests"]
-    label(r := dict(rec, ops=[], causes=[], score=0.9), base_score=0.9)
+    label(r := dict(rec, ops=[], causes=[], score=0.9), base)
     assert r["label"] == ["healthy"]
+    # The second criterion: the accuracy held, but the training loss kept only half of its
+    # base's gain (log scale: 2.0 -> 0.2 against 2.0 -> 0.02).
+    held_above = dict(rec, score=0.85, loss_tail=0.2)
+    label(r := dict(held_above), base)
+    assert not r["manifests"]
+    label(r := dict(held_above), base, "quality+loss")
+    assert r["manifests"] and r["label"] == ["learning_rate_too_high"]
+    label(r := dict(held_above, loss_tail=0.03), base, "quality+loss")  # kept 91% of it
+    assert not r["manifests"]
+    # Not compared where the mutation changes the loss's floor.
+    label(r := dict(held_above, ops=["label_noise"], causes=["bad_input_data"]), base, "quality+loss")
+    assert not r["manifests"]
 
 
 def test_a_run_carries_the_engines_evidence_and_the_features_are_read_from_it() -> None:
@@ -48,7 +62,7 @@ def test_a_run_carries_the_engines_evidence_and_the_features_are_read_from_it() 
     torch.set_num_threads(1)
     healthy = one("mlp_regression", (), 0)
     broken = one("mlp_regression", ("lr_x1000",), 0)
-    label(broken, healthy["score"])
+    label(broken, healthy)
     # Adam at lr 3 destroys the regression: it manifests, and the engine confirms a failure.
     assert broken["manifests"], (broken["score"], healthy["score"])
     assert broken["hypotheses"] and broken["hypotheses"][0]["confidence"] >= 0.5
