@@ -86,15 +86,14 @@ class StepBoundary:
             return
         if not self.c.registered:
             loop.waiting.append(optimizer)
-        elif loop.lrs_known:
+        else:
             self._amend_lrs(optimizer)
 
     def _amend_lrs(self, optimizer: Any) -> None:
         """Merges ``optimizer``'s lrs into the engine's (None: they cannot be read, and the
-        engine stops taking the parameters it does not know of for held by none)."""
-        lrs = self.c.loop.param_lrs(optimizer)
-        self.c.engine.amend_param_lr(lrs)
-        self.c.loop.lrs_known = lrs is not None
+        engine stops taking the parameters it does not know of for held by none; lrs it does
+        not know stay unknown)."""
+        self.c.engine.amend_param_lr(self.c.loop.param_lrs(optimizer))
 
     def on_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """The step boundary: the optimizer step of the model's parameters ran (a closure's
@@ -218,10 +217,9 @@ class StepBoundary:
         self.c.loop.optimizer = None
         probes = json.loads(self.c.engine.register_model(json.dumps(spec)))
         # The other optimizers seen stepping so far add the parameters they hold.
-        self.c.loop.lrs_known = spec["param_lr"] is not None
         waiting, self.c.loop.waiting = self.c.loop.waiting, []
         for opt in waiting:
-            if opt is not registering and self.c.loop.lrs_known:
+            if opt is not registering:
                 self._amend_lrs(opt)
         axes = self.c.watched.unit_axes(executed)
         self.c.probes = []

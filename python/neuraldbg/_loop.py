@@ -85,8 +85,6 @@ class LoopFacts:
         # what lr, once (a model trained by several: an encoder's and a decoder's, a head's, one
         # that starts stepping later). Those seen before registration wait for it here.
         self.waiting: List[Any] = []
-        # Whether the engine knows the lrs (set at registration; unknown stays unknown).
-        self.lrs_known = False
 
     # ------------------------------------------------------------------ per step
 

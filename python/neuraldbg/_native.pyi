@@ -64,8 +64,9 @@ class Engine:
     def amend_param_lr(self, lrs: Optional[Sequence[Optional[float]]]) -> bool:
         """Another optimizer was seen stepping the model: merges its per-parameter lrs (None
         where it holds the parameter in no group; ``lrs`` None: its lrs cannot be read) into the
-        registered model's and records them in the open trace (if any). Returns whether the
-        facts changed (EngineError if no model is registered or the length is wrong)."""
+        registered model's and, when they changed it, records them in the open trace (if any).
+        Returns whether the facts changed (EngineError if no model is registered or the length
+        is wrong)."""
     @property
     def registered(self) -> bool: ...
     @property

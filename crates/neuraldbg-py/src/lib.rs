@@ -297,17 +297,20 @@ impl PyEngine {
 
     /// Another optimizer was seen stepping the model: merges its per-parameter lrs (None where
     /// it holds the parameter in no group; `lrs` None: its lrs cannot be read) into the
-    /// registered model's and records them in the trace. Returns whether the facts changed.
+    /// registered model's and, when they changed them, records them in the trace. Returns
+    /// whether the facts changed.
     fn amend_param_lr(&mut self, py: Python<'_>, lrs: Option<Vec<Option<f64>>>) -> PyResult<bool> {
         let changed = self
             .inner
             .amend_param_lr(lrs.as_deref())
             .map_err(|e| to_py_err(py, &e))?;
-        self.traced(
-            py,
-            "recording another optimizer's learning rates",
-            |_, w| w.write_param_lr(lrs.as_deref()),
-        );
+        if changed {
+            self.traced(
+                py,
+                "recording another optimizer's learning rates",
+                |_, w| w.write_param_lr(lrs.as_deref()),
+            );
+        }
         Ok(changed)
     }
 
