@@ -401,3 +401,53 @@ def test_a_rectified_output_cut_to_zero_is_why_the_gradients_vanished():
     assert str(top.failure) == "vanishing_gradients", hyps
     assert str(top.cause) == "output_loss_mismatch", hyps
     assert "Relu" in top.description, top.description
+
+
+def test_units_dead_before_any_update_under_raw_scale_inputs_are_the_datas_fault():
+    """A GRU regression fed inputs on a raw scale (around 2000): its gates saturate, every
+    sample reaches the head as nearly the same vector, and with default weights more than half
+    of the head's ReLU units are zero for the whole batch from the first step, 90% by the end
+    (a forward hook counts them). The dead units are blamed on the data, not on dying ReLUs; the
+    same program on the unscaled signal keeps its units (under 70% zero for a whole batch
+    throughout, as a default-initialized ReLU layer behind a GRU has) and raises no alarm."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rnn = nn.GRU(1, 32, batch_first=True)
+            self.head = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h, _ = self.rnn(x)
+            return self.head(h[:, -1])
+
+    def train(raw: bool) -> tuple:
+        torch.manual_seed(0)
+        model = Net()
+        freq, phase = 0.2 + 0.6 * torch.rand(512, 1), 6.28 * torch.rand(512, 1)
+        wave = torch.sin(freq * torch.arange(17.0) + phase)  # sine windows; the target is the next value
+        x, y = wave[:, :16].unsqueeze(-1), wave[:, 16:]
+        if raw:
+            x = x * 500.0 + 2000.0  # a raw-scale signal: offset 2000, spread 500
+        opt = torch.optim.Adam(model.parameters(), lr=5e-3)
+        dead = []  # per step: the share of the head's units that are zero for the whole batch
+        hook = model.head[1].register_forward_hook(
+            lambda _m, _i, out: dead.append(float((out.amax(0) <= 0).float().mean()))
+        )
+        with NeuralDbg(model) as dbg:
+            for _ in range(120):
+                i = torch.randint(0, 512, (64,))
+                opt.zero_grad()
+                nn.functional.mse_loss(model(x[i]), y[i]).backward()
+                opt.step()
+        hook.remove()
+        return dead, dbg.explain_failure()
+
+    dead, hyps = train(raw=True)
+    assert dead[0] > 0.5 and dead[-1] > 0.8
+    top = hyps[0]
+    assert str(top.failure) == "dead_neurons" and str(top.cause) == "bad_input_data", hyps
+    assert top.confidence >= 0.5 and "not normalized" in top.description, top
+    dead, hyps = train(raw=False)
+    assert max(dead) < 0.7
+    assert all(h.confidence < 0.5 for h in hyps), hyps

@@ -395,3 +395,73 @@ fn eval_mode_explains_a_failure_only_with_batch_statistics() {
     let h = growing(with_module("BatchNorm1d"), &[(Fact::Training, 1.0)], 60);
     assert!(h.iter().all(|h| h.cause != Cause::EvalMode), "{}", h[0]);
 }
+
+/// Every layer's gradient norm `g`, weights moving a little each step, the loss of `loss(step)`
+/// and the loop facts of each step.
+fn steady(
+    spec: ModelSpec,
+    facts: &[(Fact, f64)],
+    g: f32,
+    loss: impl Fn(u64) -> f64,
+) -> Vec<CausalHypothesis> {
+    let mut engine = Engine::new(Config::default()).unwrap();
+    engine.register_model(spec).unwrap();
+    for step in 0..200 {
+        let w = 2.0 + 0.001 * step as f32;
+        let obs = Observation {
+            step,
+            grad_norms: (0..3).flat_map(|_| [g, g / 4.0]).collect(),
+            weight_norms: Some((0..3).flat_map(|_| [w, 0.1]).collect()),
+            loss: Some(loss(step)),
+            lr: Some(0.05),
+            facts: facts.to_vec(),
+            ..Observation::default()
+        };
+        engine.observe(&obs.view()).unwrap();
+    }
+    explain(&engine, None)
+}
+
+#[test]
+fn two_mistakes_found_in_the_program_are_two_causes_not_rivals() {
+    let s = with_loss(LossSpec {
+        ops: ops(&["NllLoss", "LogSoftmax"]),
+        output_op: Some("Softmax".into()),
+        output_units: Some(10),
+        ..LossSpec::default()
+    });
+    let confidence = |h: &[CausalHypothesis], cause: Cause| {
+        h.iter()
+            .filter(|h| h.failure == Failure::LossPlateau && h.cause == cause)
+            .map(|h| h.confidence)
+            .fold(0.0, f64::max)
+    };
+    let alone = steady(s.clone(), &[], 0.01, plateau);
+    let both = steady(s, &[(Fact::GradAccumulated, 1.0)], 0.01, plateau);
+    let text = |h: &[CausalHypothesis]| h.iter().map(ToString::to_string).collect::<Vec<_>>();
+    // Each is named at 0.5 or above, and the second takes nothing from the first.
+    let mismatch = confidence(&alone, Cause::OutputLossMismatch);
+    assert!(mismatch >= 0.5, "{:?}", text(&alone));
+    assert!(
+        (confidence(&both, Cause::OutputLossMismatch) - mismatch).abs() < 0.02,
+        "{:?}",
+        text(&both)
+    );
+    assert!(
+        confidence(&both, Cause::MissingZeroGrad) >= 0.5,
+        "{:?}",
+        text(&both)
+    );
+}
+
+#[test]
+fn gradients_high_to_the_end_because_they_are_never_zeroed_are_a_failure() {
+    let summed = steady(spec(), &[(Fact::GradAccumulated, 1.0)], 3.0, falling);
+    let top = &summed[0];
+    assert_eq!(top.failure, Failure::SaturatedGradients, "{top}");
+    assert_eq!(top.cause, Cause::MissingZeroGrad, "{top}");
+    assert!(top.confidence >= 0.5, "{top}");
+    // The same norms in a loop that zeroes its gradients stay a warning.
+    let zeroed = steady(spec(), &[(Fact::GradAccumulated, 0.0)], 3.0, falling);
+    assert!(zeroed.iter().all(|h| h.confidence < 0.5), "{}", zeroed[0]);
+}

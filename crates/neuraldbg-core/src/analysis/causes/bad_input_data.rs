@@ -87,7 +87,25 @@ impl CauseRule for BadInputData {
                 }
                 anomalous_batch(c, v, 4.0);
             }
-            Failure::VanishingGradients | Failure::DeadNeurons => anomalous_batch(c, v, 3.0),
+            Failure::VanishingGradients => anomalous_batch(c, v, 3.0),
+            Failure::DeadNeurons => {
+                // Units dead before any update, behind ordinarily scaled weights, under inputs
+                // far beyond a normalized range: inputs that large saturate what comes before
+                // the units (a recurrent cell's gates, a bounded activation) or swamp their
+                // bias, so each unit sees nearly the same signal for every sample.
+                if let Some(x) = ev.input_scale_first.filter(|x| *x > 20.0) {
+                    if f.at_start && ev.gain_normal() {
+                        v.add(
+                            3.5,
+                            format!(
+                                "the units were dead at the first step, before any update, with ordinarily scaled weights and inputs reaching magnitude {} (not normalized)",
+                                fmt_g(x)
+                            ),
+                        );
+                    }
+                }
+                anomalous_batch(c, v, 3.0);
+            }
             Failure::NonFinite => {
                 if Batch::of(c).nonfinite_input {
                     v.add(
@@ -117,6 +135,22 @@ impl CauseRule for BadInputData {
             Failure::DataAnomaly => v.add(4.0, "the input batch itself was anomalous"),
             Failure::LossDivergence => anomalous_batch(c, v, 4.0),
             Failure::LossPlateau => {
+                // Inputs far beyond a normalized range, ordinarily scaled weights, and a loss
+                // that stays at its chance level: inputs that large saturate the first bounded
+                // units (a recurrent cell's gates, a sigmoid or tanh), so what reaches the rest
+                // of the network hardly depends on the sample.
+                if let Some(x) = ev.input_scale_first.filter(|x| *x > 20.0) {
+                    let chance = super::super::failures::not_learning(c.run).is_some();
+                    if chance && ev.gain_normal() {
+                        v.add(
+                            3.0,
+                            format!(
+                                "the loss stays at its chance level while the inputs reach magnitude {} (not normalized) and the weights are ordinarily scaled",
+                                fmt_g(x)
+                            ),
+                        );
+                    }
+                }
                 // Inputs far below a normalized range (scaled twice, e.g. /255 then /255
                 // again): with ordinary weights every layer's signal and its gradient are as
                 // small, and each step moves the weights as little.

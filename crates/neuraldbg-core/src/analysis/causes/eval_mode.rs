@@ -59,7 +59,7 @@ impl CauseRule for EvalMode {
         if norms.is_empty() {
             return;
         }
-        v.add(
+        v.proof(
             4.0,
             format!(
                 "the model was in eval() mode on {:.0}% of the training steps, so its {} BatchNorm layer(s) normalized with frozen running statistics instead of the batch's",

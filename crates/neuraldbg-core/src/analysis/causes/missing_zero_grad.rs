@@ -36,7 +36,7 @@ impl CauseRule for MissingZeroGrad {
         if share < 0.5 {
             return;
         }
-        v.add(
+        v.proof(
             5.0,
             format!(
                 "on {:.0}% of the steps the new gradients were added onto the previous step's instead of replacing them (.grad was not zeroed)",

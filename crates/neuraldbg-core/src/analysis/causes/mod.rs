@@ -164,6 +164,7 @@ pub(crate) fn rule(cause: Cause) -> &'static dyn CauseRule {
 pub(crate) struct Votes {
     score: f64,
     reasons: Vec<String>,
+    proven: bool,
 }
 
 impl Votes {
@@ -174,6 +175,15 @@ impl Votes {
         if weight > 0.0 {
             self.reasons.push(reason.into());
         }
+    }
+
+    /// Evidence that is a fact of the program, not an inference from the statistics (the
+    /// output does not fit the loss, `.grad` was never zeroed): the mistake is there whatever
+    /// else is wrong, so another proven mistake is a second cause, not a rival (see
+    /// [`rank_causes`]).
+    pub fn proof(&mut self, weight: f64, reason: impl Into<String>) {
+        self.add(weight, reason);
+        self.proven = true;
     }
 
     /// Evidence against the cause.
@@ -188,6 +198,8 @@ pub(crate) struct Scored {
     pub cause: Cause,
     pub score: f64,
     pub reasons: Vec<String>,
+    /// Its evidence includes a fact of the program (see [`Votes::proof`]).
+    pub proven: bool,
 }
 
 /// How far below `unknown` every named cause starts: it must bring evidence just to tie with
@@ -299,10 +311,13 @@ pub(crate) fn rank_causes(
                 cause: r.cause(),
                 score: v.score,
                 reasons: v.reasons,
+                proven: v.proven,
             })
         })
         .collect();
-    // Probabilities by softmax with temperature 1/1.5, sorted descending.
+    // Probabilities by softmax with temperature 1/1.5, sorted descending. A proven cause does
+    // not compete with the other proven ones: a run can hold several mistakes at once, and
+    // each one found in the program is a cause of its own.
     let max = scored
         .iter()
         .map(|s| s.score)
@@ -312,10 +327,19 @@ pub(crate) fn rank_causes(
         .map(|s| (1.5 * (s.score - max)).exp())
         .collect();
     let total: f64 = weights.iter().sum();
+    let proven: f64 = scored
+        .iter()
+        .zip(&weights)
+        .filter(|(s, _)| s.proven)
+        .map(|(_, w)| w)
+        .sum();
     let mut out: Vec<(Scored, f64)> = scored
         .drain(..)
         .zip(weights)
-        .map(|(s, w)| (s, w / total))
+        .map(|(s, w)| {
+            let rivals = if s.proven { total - proven + w } else { total };
+            (s, w / rivals)
+        })
         .collect();
     out.sort_by(|a, b| b.1.total_cmp(&a.1));
     out

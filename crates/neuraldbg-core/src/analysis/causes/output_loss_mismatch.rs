@@ -213,7 +213,7 @@ impl CauseRule for OutputLossMismatch {
             _ => false,
         };
         if fits {
-            v.add(5.0, why);
+            v.proof(5.0, why);
         }
     }
 

@@ -34,7 +34,7 @@ impl CauseRule for TargetShapeMismatch {
 
     fn evidence(&self, c: &Case<'_>, v: &mut Votes) {
         if let Some((out, compared)) = broadcast(c.run) {
-            v.add(
+            v.proof(
                 5.0,
                 format!(
                     "the loss compared {compared} pairs from an output of {out} elements: it broadcast the output against a target of another shape, so every output is fitted to every target and only their mean can be learned"

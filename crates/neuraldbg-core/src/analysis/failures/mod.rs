@@ -20,7 +20,7 @@ mod saturated_gradients;
 mod stalled_layer;
 mod vanishing_gradients;
 
-pub(crate) use loss_plateau::chance_level;
+pub(crate) use loss_plateau::{chance_level, not_learning};
 
 use std::fmt::Write as _;
 

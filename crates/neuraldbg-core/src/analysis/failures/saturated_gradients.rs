@@ -1,5 +1,6 @@
 //! `saturated_gradients`: gradient norms above 1 and below the exploding threshold. A warning
-//! more than a failure: its probability stays low.
+//! more than a failure: its probability stays low, unless the norms are the running sums of a
+//! loop that never zeroes `.grad`.
 
 use crate::engine::Run;
 use crate::event::SemanticEvent;
@@ -9,6 +10,9 @@ use super::super::vocab::Failure;
 use super::{FailureRule, Link, Sentence, after_bad_data, before_or_with, breadth, near};
 
 pub(crate) struct SaturatedGradients;
+
+/// Probability of high norms to the end of a run whose `.grad` was never zeroed.
+const SUMMED: f64 = 0.7;
 
 impl FailureRule for SaturatedGradients {
     fn failure(&self) -> Failure {
@@ -29,7 +33,14 @@ impl FailureRule for SaturatedGradients {
         super::exploding_gradients::backward_root(run, events, cluster, onset)
     }
 
+    /// High norms alone are weak evidence, except where the loop never zeroed `.grad` (a fact
+    /// of the loop, on at least half of the steps): the norms are then those of the running
+    /// sums the optimizer applies, and norms high to the end are the failure itself.
     fn probability(&self, run: &Run, e: &Episode) -> f64 {
+        let summed = run.loop_facts.accumulated_share().is_some_and(|s| s >= 0.5);
+        if summed && e.to_end {
+            return SUMMED;
+        }
         let end = if e.to_end { 1.0 } else { 0.0 };
         (0.1 + 0.25 * breadth(run, e) * end).min(0.35)
     }
