@@ -55,6 +55,15 @@ def test_a_mutant_is_labelled_by_what_it_did_to_the_run() -> None:
     # Not compared where the mutation changes the loss's floor.
     label(r := dict(held_above, ops=["label_noise"], causes=["bad_input_data"]), base, "quality+loss")
     assert not r["manifests"]
+    # A mistake written in the program is labelled whatever the outcome; alone in a pair that
+    # kept its quality, it is the label.
+    pair = dict(rec, ops=["lr_x10", "out_softmax"], causes=["learning_rate_too_high", "output_loss_mismatch"])
+    label(r := dict(pair, score=0.85), base)
+    assert r["manifests"] and r["label"] == ["output_loss_mismatch"]
+    label(r := dict(pair, score=0.30), base)
+    assert r["label"] == ["learning_rate_too_high", "output_loss_mismatch"]
+    label(r := dict(pair, score=0.85), base, "quality-only")
+    assert not r["manifests"] and r["label"] == ["healthy"]
 
 
 def test_a_run_carries_the_engines_evidence_and_the_features_are_read_from_it() -> None:

@@ -32,7 +32,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
-from bench.corpus.labels import relabel
+from bench.corpus.labels import CRITERIA, relabel
 
 CAUSES = [
     "dying_relu",
@@ -275,9 +275,10 @@ def main() -> int:
     ap.add_argument("--cv", action="store_true", help="also report leave-one-base-out over every base")
     ap.add_argument(
         "--manifest",
-        choices=("quality", "quality+loss"),
+        choices=CRITERIA,
         default="quality",
-        help="what makes a mutant manifest (bench/corpus/labels.py): held-out quality, or quality or training loss",
+        help="what makes a mutant manifest (bench/corpus/labels.py): held-out quality or a mistake written in the "
+        "program; also the training loss; or held-out quality alone",
     )
     args = ap.parse_args()
 

@@ -2,6 +2,14 @@
 quarter of what its base gained in held-out quality (accuracy or R^2, over chance), or when its
 loss went non-finite or it crashed; it is then labelled with its planted causes, else healthy.
 
+A mistake written in the program itself (an output that does not fit the loss, `.grad` never
+zeroed, a layer that gets gradients but no optimizer step) is labelled with its cause whatever
+the outcome: the issue asks for these to be named "even while the loss still falls", so a run
+that hides them behind a good accuracy is not a healthy run to stay quiet on. Mutants whose
+fault is a matter of degree (learning rate, initialization, activations, data scale) and
+`eval()` mode (frozen BatchNorm statistics are also a fine-tuning practice) are labelled by their
+outcome. ``quality-only`` labels every mutant by its outcome (the labelling before 2026-12-03).
+
 ``quality+loss`` also counts a mutant that loses more than a quarter of its base's gain in training
 loss (on a log scale, from where the base's loss began, over the last tenth of the run): an
 output that does not fit the loss can hold the loss far above its base's while the accuracy
@@ -18,6 +26,9 @@ MANIFEST_SHARE = 0.25
 # Operators that change the training loss's scale (raw targets) or its floor (noisy labels): their
 # loss says nothing against the base's.
 LOSS_INCOMPARABLE = {"raw_targets", "label_noise"}
+# Operators that write a mistake into the program: labelled with their cause whatever the outcome.
+PROGRAM_FAULTS = {"out_softmax", "out_relu", "out_sigmoid", "no_zero_grad", "frozen_first"}
+CRITERIA = ("quality", "quality+loss", "quality-only")
 
 
 def _tail(rec: Dict) -> Optional[float]:
@@ -42,11 +53,16 @@ def label(rec: Dict, base: Dict, criterion: str = "quality") -> None:
         return
     gain = max(base["score"] - rec["chance"], 1e-6)
     bad = (not rec["finite"]) or rec["error"] is not None or rec["score"] < base["score"] - MANIFEST_SHARE * gain
+    if criterion not in CRITERIA:
+        raise ValueError(f"unknown criterion {criterion!r}: one of {', '.join(CRITERIA)}")
     if criterion == "quality+loss":
         share = loss_share(rec, base)
         bad = bad or (share is not None and share < 1.0 - MANIFEST_SHARE)
-    rec["manifests"] = bool(bad)
-    rec["label"] = rec["causes"] if bad else ["healthy"]
+    written = [c for op, c in zip(rec["ops"], rec["causes"]) if op in PROGRAM_FAULTS]
+    if criterion == "quality-only":
+        written = []
+    rec["manifests"] = bool(bad or written)
+    rec["label"] = rec["causes"] if bad else (written or ["healthy"])
 
 
 def relabel(records: List[Dict], criterion: str = "quality") -> None:
