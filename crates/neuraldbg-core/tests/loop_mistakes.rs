@@ -327,19 +327,25 @@ fn a_broadcasting_regression_loss_is_a_target_shape_mismatch() {
     assert!(h[0].remedies[0].contains("squeeze"), "{:?}", h[0].remedies);
 }
 
-/// Gradients that grow linearly from a healthy start until they explode (what summing every
-/// step's gradient does), with the loop facts of each step.
-fn growing(spec: ModelSpec, facts: &[(Fact, f64)], steps: u64) -> Vec<CausalHypothesis> {
+/// Every layer's gradient norm `grad(step)`, weights growing by `drift` a step, the loss of
+/// `loss(step)` and the loop facts of each step.
+fn uniform(
+    spec: ModelSpec,
+    facts: &[(Fact, f64)],
+    steps: u64,
+    grad: impl Fn(u64) -> f32,
+    drift: f32,
+    loss: impl Fn(u64) -> f64,
+) -> Vec<CausalHypothesis> {
     let mut engine = Engine::new(Config::default()).unwrap();
     engine.register_model(spec).unwrap();
     for step in 0..steps {
-        let g = 0.5 * (step + 1) as f32 * (step + 1) as f32;
-        let w = 2.0 + 0.01 * step as f32;
+        let (g, w) = (grad(step), 2.0 + drift * step as f32);
         let obs = Observation {
             step,
             grad_norms: (0..3).flat_map(|_| [g, g / 4.0]).collect(),
             weight_norms: Some((0..3).flat_map(|_| [w, 0.1]).collect()),
-            loss: Some(1.0 + 0.001 * (step * step) as f64),
+            loss: Some(loss(step)),
             lr: Some(0.05),
             facts: facts.to_vec(),
             ..Observation::default()
@@ -347,6 +353,15 @@ fn growing(spec: ModelSpec, facts: &[(Fact, f64)], steps: u64) -> Vec<CausalHypo
         engine.observe(&obs.view()).unwrap();
     }
     explain(&engine, None)
+}
+
+/// Gradients that grow quadratically from a healthy start until they explode (what summing
+/// every step's gradient does), with the loop facts of each step.
+fn growing(spec: ModelSpec, facts: &[(Fact, f64)], steps: u64) -> Vec<CausalHypothesis> {
+    let grad = |step: u64| 0.5 * (step + 1) as f32 * (step + 1) as f32;
+    uniform(spec, facts, steps, grad, 0.01, |step| {
+        1.0 + 0.001 * (step * step) as f64
+    })
 }
 
 #[test]
@@ -396,30 +411,14 @@ fn eval_mode_explains_a_failure_only_with_batch_statistics() {
     assert!(h.iter().all(|h| h.cause != Cause::EvalMode), "{}", h[0]);
 }
 
-/// Every layer's gradient norm `g`, weights moving a little each step, the loss of `loss(step)`
-/// and the loop facts of each step.
+/// Every layer's gradient norm `g` over 200 steps, weights moving a little each step.
 fn steady(
     spec: ModelSpec,
     facts: &[(Fact, f64)],
     g: f32,
     loss: impl Fn(u64) -> f64,
 ) -> Vec<CausalHypothesis> {
-    let mut engine = Engine::new(Config::default()).unwrap();
-    engine.register_model(spec).unwrap();
-    for step in 0..200 {
-        let w = 2.0 + 0.001 * step as f32;
-        let obs = Observation {
-            step,
-            grad_norms: (0..3).flat_map(|_| [g, g / 4.0]).collect(),
-            weight_norms: Some((0..3).flat_map(|_| [w, 0.1]).collect()),
-            loss: Some(loss(step)),
-            lr: Some(0.05),
-            facts: facts.to_vec(),
-            ..Observation::default()
-        };
-        engine.observe(&obs.view()).unwrap();
-    }
-    explain(&engine, None)
+    uniform(spec, facts, 200, |_| g, 0.001, loss)
 }
 
 #[test]
