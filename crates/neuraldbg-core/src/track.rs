@@ -188,6 +188,8 @@ pub struct ActTrack {
     pub first_raw: Option<ActivationHealth>,
     pub max_saturated: f64,
     pub max_dead: f64,
+    /// The dead share at the latest measurement.
+    pub last_dead: f64,
     /// Mean slope at the first measurement and the smallest seen (bounded activations).
     pub first_slope: f64,
     pub min_slope: f64,
@@ -204,6 +206,7 @@ impl Default for ActTrack {
             first_raw: None,
             max_saturated: f64::NAN,
             max_dead: f64::NAN,
+            last_dead: f64::NAN,
             first_slope: f64::NAN,
             min_slope: f64::NAN,
             absmax_ring: [0.0; 16],
@@ -249,6 +252,9 @@ impl ActTrack {
         self.observed += 1;
         self.max_saturated = nan_max(self.max_saturated, sample.saturated_fraction);
         self.max_dead = nan_max(self.max_dead, sample.dead_fraction);
+        if !sample.dead_fraction.is_nan() {
+            self.last_dead = sample.dead_fraction;
+        }
         // Only ordinary samples feed the baseline, so an anomaly cannot become the new normal.
         if c.state == ActivationHealth::Normal && sample.absmax.is_finite() {
             self.absmax_ring[self.ring_pos] = sample.absmax;

@@ -786,3 +786,60 @@ fn a_loss_that_bounces_instead_of_descending_points_at_the_learning_rate() {
     let run = &a.evidence_features()["run"];
     assert!(run["loss_alternation"].as_f64().unwrap() > 0.85, "{run}");
 }
+
+#[test]
+fn a_layer_that_settles_where_default_relus_sit_is_judged_by_its_end_not_its_peak() {
+    // act1 is 80% dead over steps 5-14, then `end` dead to the end; gradients healthy.
+    let depth = 3;
+    let run_with = |end: f32| {
+        run(mlp(depth, "ReLU", "Adam"), 120, |step| Step {
+            layer_norms: vec![0.05; layers(depth)],
+            acts: Some(
+                (0..depth)
+                    .map(|a| {
+                        relu_row(match (a, step) {
+                            (1, 5..15) => 0.8,
+                            (1, 15..) => end,
+                            _ => 0.05,
+                        })
+                    })
+                    .collect(),
+            ),
+            weight_gain: Some(0.6),
+            input: Some(healthy_input()),
+            loss: Some(1.0 - 0.005 * step as f64),
+            lr: 1e-3,
+            nonfinite_module: None,
+        })
+    };
+    let dead = |h: &[CausalHypothesis]| {
+        h.iter()
+            .filter(|h| h.failure == Failure::DeadNeurons)
+            .map(|h| h.confidence)
+            .fold(0.0, f64::max)
+    };
+    // Settled at 60% (about where a default-initialized ReLU layer can sit): no alarm, and
+    // the sentence gives both shares.
+    let h = explain(&run_with(0.6));
+    assert!(
+        dead(&h) < 0.5,
+        "{:?}",
+        h.iter().map(ToString::to_string).collect::<Vec<_>>()
+    );
+    let d = h
+        .iter()
+        .find(|h| h.failure == Failure::DeadNeurons)
+        .expect("still listed");
+    assert!(
+        d.description.contains("(80% at worst, 60% at the end)"),
+        "{}",
+        d.description
+    );
+    // Still 95% dead at the end: a dead layer.
+    let h = explain(&run_with(0.95));
+    assert!(
+        dead(&h) >= 0.5,
+        "{:?}",
+        h.iter().map(ToString::to_string).collect::<Vec<_>>()
+    );
+}

@@ -249,8 +249,19 @@ pub(crate) fn in_modules(s: &Sentence<'_>) -> String {
     if let Some(name) = s.root_name() {
         let extra = e.affected.len().saturating_sub(1);
         let _ = write!(out, " in {name}");
-        if e.fraction.is_finite() {
-            let _ = write!(out, " ({:.0}%)", 100.0 * e.fraction);
+        match dead_neurons::share_at_end(s.run, e) {
+            Some(end) if e.fraction.is_finite() && end < e.fraction - 0.05 => {
+                let _ = write!(
+                    out,
+                    " ({:.0}% at worst, {:.0}% at the end)",
+                    100.0 * e.fraction,
+                    100.0 * end
+                );
+            }
+            _ if e.fraction.is_finite() => {
+                let _ = write!(out, " ({:.0}%)", 100.0 * e.fraction);
+            }
+            _ => {}
         }
         if extra > 0 {
             let _ = write!(out, " and {extra} more module(s)");
