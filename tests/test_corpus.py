@@ -111,3 +111,18 @@ def test_every_base_builds_with_default_knobs() -> None:
         out = p.model(x)
         assert torch.isfinite(p.loss(out, y)), b.name
     assert base("lora").kind == "lora-fine-tuning"
+
+
+def test_a_recurrent_regression_that_learned_nothing_under_a_tiny_lr_is_a_confirmed_plateau() -> None:
+    """The GRU regression of the corpus at 1/100 of its learning rate: its held-out R^2 stays
+    near 0 (its base reaches 0.97), its noisy loss ends a little below its first value but at
+    the variance of its targets. A loss at its chance level is as stuck as one that never
+    moved: the plateau is confirmed and the learning rate named at 0.5 or more."""
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+    base = one("gru_regression", (), 0)
+    slow = one("gru_regression", ("lr_div100",), 0)
+    assert base["score"] > 0.9 and slow["score"] < 0.2, (base["score"], slow["score"])
+    top = slow["hypotheses"][0]
+    assert top["failure"] == "loss_plateau" and top["cause"] == "learning_rate_too_low", slow["hypotheses"]
+    assert top["confidence"] >= 0.5, top

@@ -87,7 +87,9 @@ impl FailureRule for LossPlateau {
     }
 
     /// Longer is likelier, up to 100 steps or the whole run, when the run is shorter (down
-    /// to the 50 steps a judgment of not learning needs).
+    /// to the 50 steps a judgment of not learning needs); likelier still when the loss ends
+    /// where it began, or at its chance level (a noisy loss can end a little below its first
+    /// value and still be no better than a constant guess).
     fn probability(&self, run: &Run, e: &Episode) -> f64 {
         let run_len = match (run.first_step, run.last_step) {
             (Some(first), Some(last)) => (last.saturating_sub(first) + 1) as f64,
@@ -97,7 +99,8 @@ impl FailureRule for LossPlateau {
         let stuck = run
             .loss
             .initial
-            .is_some_and(|i| run.loss.last_smoothed >= 0.95 * i);
+            .is_some_and(|i| run.loss.last_smoothed >= 0.95 * i)
+            || not_learning(run).is_some();
         let end = if e.to_end { 1.0 } else { 0.0 };
         0.35 + 0.2 * (e.duration as f64 / w).min(1.0) + if stuck { 0.2 } else { 0.0 } + 0.1 * end
     }
