@@ -20,6 +20,11 @@ os.environ.setdefault("KERAS_BACKEND", "jax")
 
 import numpy as np
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from bench.jax_overhead import jax_mlp as nnx_mlp
+from bench.jax_overhead import keras_mlp
+
 FREE = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast"}
 INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.+?)\s+([\w\-]+)\((.*)$")
 
@@ -96,20 +101,7 @@ def jax_mlp(width: int, depth: int, batch: int, dump: str = "") -> None:
 
     from neuraldbg.jax import NeuralDbg
 
-    class MLP(nnx.Module):
-        def __init__(self, rngs):
-            self.inp = nnx.Linear(64, width, rngs=rngs)
-            self.hidden = nnx.List([nnx.Linear(width, width, rngs=rngs) for _ in range(depth)])
-            self.out = nnx.Linear(width, 10, rngs=rngs)
-
-        def __call__(self, x):
-            x = jax.nn.gelu(self.inp(x))
-            for layer in self.hidden:
-                x = jax.nn.gelu(layer(x))
-            return self.out(x)
-
-    def loss_fn(model, x, y):
-        return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
+    MLP, loss_fn = nnx_mlp(width, depth)
 
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.normal(size=(batch, 64)), jnp.float32)
@@ -149,18 +141,6 @@ def keras_fit(width: int = 256, depth: int = 4, batch: int = 128, dump: str = ""
 
     from neuraldbg.keras import NeuralDbgCallback
 
-    def make():
-        keras.utils.set_random_seed(0)
-        model = keras.Sequential(
-            [keras.Input((64,))]
-            + [keras.layers.Dense(width, activation="relu") for _ in range(depth + 1)]
-            + [keras.layers.Dense(10)]
-        )
-        model.compile(
-            optimizer=keras.optimizers.Adam(1e-3), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-        )
-        return model
-
     rng = np.random.default_rng(0)
     x = rng.normal(size=(batch, 64)).astype("float32")
     y = rng.integers(0, 10, size=batch)
@@ -185,7 +165,7 @@ def keras_fit(width: int = 256, depth: int = 4, batch: int = 128, dump: str = ""
     res = {}
     for kind in ("plain", "watched"):
         out.clear()
-        model = make()
+        model = keras_mlp(width, depth)
         cbs = [Grab()] if kind == "plain" else [NeuralDbgCallback(verbose=False, activations=activations), Grab()]
         model.fit(x, y, batch_size=batch, epochs=1, callbacks=cbs, verbose=0)
         res[kind] = show(f"keras {depth + 2}x{width} {kind}", out["text"], out["state"])

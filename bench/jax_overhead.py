@@ -70,13 +70,11 @@ def report(label: str, times: Dict[str, List[float]], per: int) -> None:
         )
 
 
-def bench_jax(width: int, depth: int, batch: int, steps: int, rounds: int, before: Any = None) -> None:
+def jax_mlp(width: int, depth: int) -> Tuple[Any, Callable[..., Any]]:
+    """The flax nnx MLP both JAX benchmarks watch (gelu, 64 inputs, 10 classes) and its loss."""
     import jax
-    import jax.numpy as jnp
     import optax
     from flax import nnx
-
-    from neuraldbg.jax import NeuralDbg
 
     class MLP(nnx.Module):
         def __init__(self, rngs: Any) -> None:
@@ -92,6 +90,35 @@ def bench_jax(width: int, depth: int, batch: int, steps: int, rounds: int, befor
 
     def loss_fn(model: Any, x: Any, y: Any) -> Any:
         return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
+
+    return MLP, loss_fn
+
+
+def keras_mlp(width: int, depth: int) -> Any:
+    """The compiled Keras MLP both Keras benchmarks fit (ReLU, 64 inputs, 10 classes, Adam)."""
+    import keras
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [keras.Input((64,))]
+        + [keras.layers.Dense(width, activation="relu") for _ in range(depth + 1)]
+        + [keras.layers.Dense(10)]
+    )
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-3), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
+    return model
+
+
+def bench_jax(width: int, depth: int, batch: int, steps: int, rounds: int, before: Any = None) -> None:
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    from neuraldbg.jax import NeuralDbg
+
+    MLP, loss_fn = jax_mlp(width, depth)
 
     @nnx.jit
     def step(model: Any, optimizer: Any, x: Any, y: Any) -> Any:
@@ -215,18 +242,6 @@ def bench_keras(width: int, depth: int, batch: int, epochs: int, rounds: int, n:
     x = rng.normal(size=(n, 64)).astype("float32")
     y = rng.integers(0, 10, size=n)
 
-    def make() -> Any:
-        keras.utils.set_random_seed(0)
-        model = keras.Sequential(
-            [keras.Input((64,))]
-            + [keras.layers.Dense(width, activation="relu") for _ in range(depth + 1)]
-            + [keras.layers.Dense(10)]
-        )
-        model.compile(
-            optimizer=keras.optimizers.Adam(1e-3), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-        )
-        return model
-
     class EpochTimes(keras.callbacks.Callback):
         def __init__(self) -> None:
             super().__init__()
@@ -244,7 +259,7 @@ def bench_keras(width: int, depth: int, batch: int, epochs: int, rounds: int, n:
     # neuraldbg: activations on sampled steps (lax.cond); every-act: activations measured on
     # every step; no-act: activations=False; before: the callback of the --before revision.
     kinds = ["plain", "A/A", "neuraldbg", "every-act", "no-act"] + (["before"] if before is not None else [])
-    models = {k: make() for k in kinds}
+    models = {k: keras_mlp(width, depth) for k in kinds}
     steady: Dict[str, List[float]] = {k: [] for k in models}
     cpu: Dict[str, List[float]] = {k: [] for k in models}
     whole: Dict[str, List[float]] = {k: [] for k in models}
