@@ -78,7 +78,7 @@ impl CauseRule for BadInputData {
                             ),
                         );
                     }
-                    if let Some(x) = ev.input_scale_first.filter(|x| *x > 20.0) {
+                    if let Some(x) = ev.huge_inputs() {
                         v.add(
                             1.5,
                             format!("inputs reach magnitude {} (not normalized)", fmt_g(x)),
@@ -93,7 +93,7 @@ impl CauseRule for BadInputData {
                 // far beyond a normalized range: inputs that large saturate what comes before
                 // the units (a recurrent cell's gates, a bounded activation) or swamp their
                 // bias, so each unit sees nearly the same signal for every sample.
-                if let Some(x) = ev.input_scale_first.filter(|x| *x > 20.0) {
+                if let Some(x) = ev.huge_inputs() {
                     if f.at_start && ev.gain_normal() {
                         v.add(
                             3.5,
@@ -119,8 +119,8 @@ impl CauseRule for BadInputData {
                 // however well the weights are scaled.
                 if f.at_start {
                     let first_act = c.run.model.activations.first().map(|a| a.module);
-                    let scale = ev.input_scale_first.unwrap_or(0.0);
-                    if scale > 20.0 && c.e.root == first_act {
+                    let huge = ev.huge_inputs().filter(|_| c.e.root == first_act);
+                    if let Some(scale) = huge {
                         v.add(
                             3.0,
                             format!("inputs reach magnitude {} (not normalized)", fmt_g(scale)),
@@ -139,7 +139,7 @@ impl CauseRule for BadInputData {
                 // that stays at its chance level: inputs that large saturate the first bounded
                 // units (a recurrent cell's gates, a sigmoid or tanh), so what reaches the rest
                 // of the network hardly depends on the sample.
-                if let Some(x) = ev.input_scale_first.filter(|x| *x > 20.0) {
+                if let Some(x) = ev.huge_inputs() {
                     let chance = super::super::failures::not_learning(c.run).is_some();
                     if chance && ev.gain_normal() {
                         v.add(

@@ -59,6 +59,9 @@ pub(crate) struct ForwardGrowth {
 /// Largest input magnitude below which inputs are far off a normalized scale (~1).
 const TINY_INPUTS: f64 = 0.05;
 
+/// Largest input magnitude above which inputs are far off a normalized scale (not normalized).
+pub(crate) const HUGE_INPUTS: f64 = 20.0;
+
 /// An update-to-weight ratio typical of a learning rate that trains (about 1e-3 per step).
 pub(crate) const TRAINING_UPDATE: f64 = 1e-3;
 
@@ -302,6 +305,18 @@ impl Evidence {
     pub fn tiny_inputs(&self) -> Option<f64> {
         self.input_scale_first
             .filter(|x| *x > 0.0 && *x < TINY_INPUTS)
+    }
+
+    /// The largest input magnitude of the first step, when it is far above a normalized scale:
+    /// inputs left on a raw scale (pixels 0-255, a sensor's units).
+    pub fn huge_inputs(&self) -> Option<f64> {
+        self.input_scale_first.filter(|x| *x > HUGE_INPUTS)
+    }
+
+    /// Inputs measured on the first step, within a normalized scale's reach.
+    pub fn ordinary_inputs(&self) -> bool {
+        self.input_scale_first
+            .is_some_and(|x| (TINY_INPUTS..=HUGE_INPUTS).contains(&x))
     }
 
     pub fn gain_not_off_scale(&self) -> bool {

@@ -74,9 +74,7 @@ const DEEP_STACK: usize = 8;
 /// variance-preserving one, steps of a size that trains, and no other failure stopping it.
 fn plateau_of_a_deep_stack(c: &Case<'_>, v: &mut Votes) {
     let (ev, f) = (c.ev, c.f);
-    let ordinary_inputs = ev
-        .input_scale_first
-        .is_some_and(|x| (0.05..=20.0).contains(&x));
+    let ordinary_inputs = ev.ordinary_inputs();
     let ordinary_steps =
         ev.update_measured && ev.update_ratio.is_some_and(|r| (1e-4..=1e-2).contains(&r));
     if ev.depth < DEEP_STACK

@@ -48,8 +48,8 @@ impl CauseRule for PoorInitialization {
                 compounding(c, v, false);
                 // Ordinary weights that do not amplify the signal, yet a huge loss or huge
                 // inputs: the data is off scale (unnormalized inputs or regression targets).
-                let data_off_scale = ev.loss_initial.is_some_and(|l| l > 1e3)
-                    || ev.input_scale_first.is_some_and(|x| x > 20.0);
+                let data_off_scale =
+                    ev.loss_initial.is_some_and(|l| l > 1e3) || ev.huge_inputs().is_some();
                 if ev.gain_not_off_scale() && ev.network_gain() < 1.0 && data_off_scale {
                     v.against(1.0);
                 }
@@ -209,7 +209,9 @@ fn confidently_wrong_start(c: &Case<'_>, v: &mut Votes) {
     let Some(chance) = super::super::failures::chance_level(c.run).filter(|c| !c.regression) else {
         return;
     };
-    let ordinary_inputs = c.ev.input_scale_first.is_some_and(|x| x <= 20.0);
+    let ordinary_inputs =
+        c.ev.input_scale_first
+            .is_some_and(|x| x <= super::evidence::HUGE_INPUTS);
     if let Some(l) = c.ev.loss_initial.filter(|l| *l >= 2.0 * chance.level) {
         if ordinary_inputs {
             v.add(
