@@ -1,0 +1,163 @@
+"""The compiled Keras train step alone, plain vs watched: timed on one XLA thread, or profiled by kernel.
+
+``bench/jax_overhead.py`` times whole ``fit`` epochs, where the fit loop, the callbacks and the
+VM's noise move a 4 ms step by more than watching costs (BENCHMARKS.md: +-8% intervals after 40
+rounds). This script takes the step ``fit`` compiles (``model.train_step`` under ``jax.jit``
+with the state donated, traced with the callback's wrapping in place), and calls it directly on
+one batch, so that only the compiled step is compared. XLA runs on one thread
+(``--xla_cpu_multi_thread_eigen=false``); rounds of ``--steps`` calls alternate between the
+arms (reversed every other round), each ending with ``block_until_ready``, timed by the
+process's CPU time. Arms: ``plain``, ``A/A`` (a second plain model), ``watched``
+(``NeuralDbgCallback()``), ``no-act`` (``activations=False``: gradient and parameter norms only).
+
+``--profile`` instead records ``--steps`` calls of each arm with ``jax.profiler`` and prints the
+time per step of each kind of kernel (numbered names merged: ``wrapped_multiply.8`` counts as
+``wrapped_multiply``), to show where the watched step's extra time goes.
+
+    .venv/bin/python bench/keras_step.py [--rounds 30] [--steps 100] [--profile] [--width 256 --depth 4 --batch 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+from typing import Any, Dict, List
+
+os.environ.setdefault("KERAS_BACKEND", "jax")
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+).strip()
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from bench.jax_overhead import interval, keras_mlp
+
+
+class Arm:
+    """One model's compiled train step, its state and one batch."""
+
+    def __init__(self, width: int, depth: int, batch: int, callback: Any = None) -> None:
+        import jax
+        import keras
+
+        rng = np.random.default_rng(0)
+        x = rng.normal(size=(batch * 2, 64)).astype("float32")
+        y = rng.integers(0, 10, size=batch * 2)
+        self.data = (jax.numpy.asarray(x[:batch]), jax.numpy.asarray(y[:batch]))
+        arm = self
+
+        class Grab(keras.callbacks.Callback):
+            """Compiles the step as fit traces it (after the callbacks' on_train_begin)."""
+
+            def on_train_batch_begin(self, b: int, logs: Any = None) -> None:
+                if hasattr(arm, "step"):
+                    return
+                m = self.model
+                state = (
+                    [v.value for v in m.trainable_variables],
+                    [v.value for v in m.non_trainable_variables],
+                    [v.value for v in m.optimizer.variables],
+                    [v.value for v in m.metrics_variables],
+                )
+                # fit donates the state at its first step: keep a copy to run on.
+                arm.state = jax.tree.map(lambda a: jax.numpy.array(a, copy=True), state)
+                arm.step = jax.jit(m.train_step, donate_argnums=0).lower(state, arm.data).compile()
+
+        self.model = keras_mlp(width, depth)
+        callbacks = [Grab()] if callback is None else [callback, Grab()]
+        self.model.fit(x, y, batch_size=batch, epochs=1, callbacks=callbacks, verbose=0)
+        self.run(5)
+
+    def run(self, steps: int) -> None:
+        import jax
+
+        state = self.state
+        for _ in range(steps):
+            _, state = self.step(state, self.data)
+        jax.block_until_ready(state)
+        self.state = state
+
+
+def arms(width: int, depth: int, batch: int) -> Dict[str, Arm]:
+    from neuraldbg.keras import NeuralDbgCallback
+
+    return {
+        "plain": Arm(width, depth, batch),
+        "A/A": Arm(width, depth, batch),
+        "watched": Arm(width, depth, batch, NeuralDbgCallback(verbose=False)),
+        "no-act": Arm(width, depth, batch, NeuralDbgCallback(verbose=False, activations=False)),
+    }
+
+
+def timed(all_arms: Dict[str, Arm], rounds: int, steps: int) -> None:
+    names = list(all_arms)
+    per: Dict[str, List[float]] = {k: [] for k in names}
+    for r in range(rounds):
+        for k in names if r % 2 == 0 else names[::-1]:
+            t = time.process_time()
+            all_arms[k].run(steps)
+            per[k].append((time.process_time() - t) / steps)
+    base = np.asarray(per["plain"])
+    print(f"{'arm':10} {'step (CPU)':>11}  ratio to plain [95% interval]")
+    for k in names:
+        med, lo, hi = interval(list(np.asarray(per[k]) / base))
+        print(f"{k:10} {np.median(per[k]) * 1e3:8.3f} ms  {med:.3f}x [{lo:.3f}, {hi:.3f}]")
+
+
+def profiled(all_arms: Dict[str, Arm], steps: int) -> None:
+    import jax
+
+    by_arm: Dict[str, collections.Counter] = {}
+    for k, arm in all_arms.items():
+        arm.run(20)
+        with tempfile.TemporaryDirectory() as d:
+            jax.profiler.start_trace(d, create_perfetto_trace=True)
+            arm.run(steps)
+            jax.profiler.stop_trace()
+            path = sorted(glob.glob(os.path.join(d, "**", "*.trace.json.gz"), recursive=True))[-1]
+            with gzip.open(path) as f:
+                events = json.load(f)["traceEvents"]
+        kinds: collections.Counter = collections.Counter()
+        for e in events:
+            name = e.get("name", "")
+            # Kernels only: the runtime's own spans have spaces, colons or parentheses.
+            if e.get("ph") == "X" and not re.search(r"[ :()$]", name):
+                kinds[re.sub(r"\.\d+$", "", name)] += e.get("dur", 0) / steps
+        by_arm[k] = kinds
+    names = list(all_arms)
+    kinds = sorted(set().union(*by_arm.values()), key=lambda p: -max(c[p] for c in by_arm.values()))
+    print(f"{'kernel kind (us per step)':34}" + "".join(f"{k:>10}" for k in names))
+    print(f"{'all kernels':34}" + "".join(f"{sum(by_arm[k].values()):10.0f}" for k in names))
+    for p in kinds[:25]:
+        print(f"{p[:34]:34}" + "".join(f"{by_arm[k][p]:10.0f}" for k in names))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--width", type=int, default=256)
+    ap.add_argument("--depth", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--profile", action="store_true", help="kernel time by kind instead of timing")
+    a = ap.parse_args()
+    all_arms = arms(a.width, a.depth, a.batch)
+    print(f"Keras {a.depth + 2}x{a.width}, batch {a.batch}, the compiled step on one XLA thread")
+    if a.profile:
+        profiled(all_arms, a.steps)
+    else:
+        timed(all_arms, a.rounds, a.steps)
+
+
+if __name__ == "__main__":
+    main()
