@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import sys
 import warnings
-from typing import List
+from typing import List, Tuple
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
@@ -30,12 +30,9 @@ def dead_share(out: torch.Tensor) -> float:
     return float((~alive).float().mean())
 
 
-def main() -> int:
-    if len(sys.argv) != 4:
-        print(__doc__, file=sys.stderr)
-        return 2
-    name, ops, module = sys.argv[1:]
-    warnings.simplefilter("ignore")
+def dead_shares(name: str, ops: str, module: str) -> Tuple[List[float], float, str]:
+    """The share of `module`'s dead units at every step of the program `name` with the
+    operators `ops` ('+'-joined, '-' for none), its held-out score, and its training error."""
     k = Knobs()
     for op in [o for o in ops.split("+") if o != "-"]:
         k = next(m for m in MUTATIONS if m.name == op).apply(k)
@@ -44,8 +41,18 @@ def main() -> int:
     shares: List[float] = []
     dict(p.model.named_modules())[module].register_forward_hook(lambda _m, _i, out: shares.append(dead_share(out)))
     _, error = train(p, k)
+    return shares, p.score(p.model), error or ""
+
+
+def main() -> int:
+    if len(sys.argv) != 4:
+        print(__doc__, file=sys.stderr)
+        return 2
+    name, ops, module = sys.argv[1:]
+    warnings.simplefilter("ignore")
+    shares, score, error = dead_shares(name, ops, module)
     print(f"{name} {ops} {module}: dead share every 10th step {[round(s, 2) for s in shares[::10]]}")
-    print(f"  at the end {shares[-1]:.2f}, held-out score {p.score(p.model):.3f}" + (f", {error}" if error else ""))
+    print(f"  at the end {shares[-1]:.2f}, held-out score {score:.3f}" + (f", {error}" if error else ""))
     return 0
 
 

@@ -188,6 +188,8 @@ pub struct ActTrack {
     pub first_raw: Option<ActivationHealth>,
     pub max_saturated: f64,
     pub max_dead: f64,
+    /// The dead share at the first measurement that had one.
+    pub first_dead: f64,
     /// The dead share at the latest measurement.
     pub last_dead: f64,
     /// Mean slope at the first measurement and the smallest seen (bounded activations).
@@ -206,6 +208,7 @@ impl Default for ActTrack {
             first_raw: None,
             max_saturated: f64::NAN,
             max_dead: f64::NAN,
+            first_dead: f64::NAN,
             last_dead: f64::NAN,
             first_slope: f64::NAN,
             min_slope: f64::NAN,
@@ -253,6 +256,9 @@ impl ActTrack {
         self.max_saturated = nan_max(self.max_saturated, sample.saturated_fraction);
         self.max_dead = nan_max(self.max_dead, sample.dead_fraction);
         if !sample.dead_fraction.is_nan() {
+            if self.first_dead.is_nan() {
+                self.first_dead = sample.dead_fraction;
+            }
             self.last_dead = sample.dead_fraction;
         }
         // Only ordinary samples feed the baseline, so an anomaly cannot become the new normal.

@@ -7,7 +7,7 @@ use neuraldbg_core::CouplingKind::{Structural, Temporal};
 use neuraldbg_core::analysis::Analysis;
 use neuraldbg_core::{
     ACTIVATION_STATS, CausalHypothesis, Cause, Config, Engine, EventType, Failure, GradientHealth,
-    INPUT_STATS, ModelSpec, Observation, State,
+    INPUT_STATS, Measure, ModelSpec, Observation, State,
 };
 use proptest::prelude::*;
 
@@ -841,5 +841,233 @@ fn a_layer_that_settles_where_default_relus_sit_is_judged_by_its_end_not_its_pea
         dead(&h) >= 0.5,
         "{:?}",
         h.iter().map(ToString::to_string).collect::<Vec<_>>()
+    );
+}
+
+/// [`run`], with the measured update-to-weight ratio of every parameter (`update`) on the
+/// sampled steps (the first five, then every tenth).
+fn run_measured(
+    spec: ModelSpec,
+    steps: u64,
+    update: f32,
+    mut f: impl FnMut(u64) -> Step,
+) -> Engine {
+    let params = spec.params.len();
+    let mut engine = Engine::new(Config::default()).unwrap();
+    engine.register_model(spec).unwrap();
+    for step in 0..steps {
+        let mut obs = observation(step, &f(step));
+        if step < 5 || step % 10 == 0 {
+            obs.measures = vec![(Measure::UpdateRatio, vec![update; params])];
+        }
+        engine.observe(&obs.view()).unwrap();
+    }
+    engine
+}
+
+fn shown(h: &[CausalHypothesis]) -> Vec<String> {
+    h.iter().map(ToString::to_string).collect()
+}
+
+#[test]
+fn units_half_dead_from_initialization_that_all_die_under_huge_steps_blame_the_learning_rate() {
+    // act1 is half dead from the first step (a ReLU behind a bounded layer can sit there: the
+    // first measurement counts as dead) and 100% dead from step 3; the weights move by
+    // `update` of their size per step.
+    let depth = 3;
+    let run_with = |update: f32| {
+        let engine = run_measured(mlp(depth, "ReLU", "SGD"), 120, update, |step| Step {
+            layer_norms: vec![0.05; layers(depth)],
+            acts: Some(
+                (0..depth)
+                    .map(|a| {
+                        relu_row(match (a, step) {
+                            (1, 0) => 0.5,
+                            (1, 1..3) => 0.45,
+                            (1, _) => 1.0,
+                            _ => 0.05,
+                        })
+                    })
+                    .collect(),
+            ),
+            weight_gain: Some(0.6),
+            input: Some(healthy_input()),
+            loss: Some(1.0 - 0.002 * step as f64),
+            lr: 0.5,
+            nonfinite_module: None,
+        });
+        explain(&engine)
+    };
+    let dead = |h: &[CausalHypothesis]| {
+        h.iter()
+            .find(|h| h.failure == Failure::DeadNeurons)
+            .cloned()
+            .unwrap_or_else(|| panic!("no dead units: {:?}", shown(h)))
+    };
+    // Steps of 0.3 of the weights' size: the learning rate, with both shares in the sentence.
+    let h = run_with(0.3);
+    let top = dead(&h);
+    assert_eq!(top.cause, Cause::LearningRateTooHigh, "{:?}", shown(&h));
+    assert!(
+        top.description
+            .contains("50% of the units were dead at first and 100% after updates"),
+        "{top}"
+    );
+    // The same deaths under steps of a training size: the units died, nothing says why.
+    let h = run_with(1e-3);
+    assert_eq!(dead(&h).cause, Cause::DyingRelu, "{:?}", shown(&h));
+}
+
+#[test]
+fn gradients_that_vanish_after_a_healthy_start_under_huge_steps_blame_the_learning_rate() {
+    // Healthy gradients until step 4, then vanished in every layer to the end; the loss stays
+    // where it got to.
+    let depth = 3;
+    let run_with = |update: f32| {
+        let engine = run_measured(mlp(depth, "ReLU", "SGD"), 120, update, |step| Step {
+            layer_norms: vec![if step < 4 { 0.05 } else { 1e-9 }; layers(depth)],
+            acts: None,
+            weight_gain: Some(0.6),
+            input: Some(healthy_input()),
+            loss: Some(if step < 4 {
+                1.0 - 0.01 * step as f64
+            } else {
+                0.96
+            }),
+            lr: 0.3,
+            nonfinite_module: None,
+        });
+        explain(&engine)
+    };
+    let vanishing = |h: &[CausalHypothesis]| {
+        h.iter()
+            .find(|h| h.failure == Failure::VanishingGradients)
+            .cloned()
+            .unwrap_or_else(|| panic!("no vanishing: {:?}", shown(h)))
+    };
+    let h = run_with(0.3);
+    let v = vanishing(&h);
+    assert_eq!(v.cause, Cause::LearningRateTooHigh, "{:?}", shown(&h));
+    assert!(v.confidence >= 0.5, "{v}");
+    assert!(v.description.contains("300x the ~1e-3"), "{v}");
+    // Steps of a training size: nothing says the learning rate.
+    let h = run_with(1e-3);
+    assert_ne!(
+        vanishing(&h).cause,
+        Cause::LearningRateTooHigh,
+        "{:?}",
+        shown(&h)
+    );
+}
+
+#[test]
+fn gradients_that_vanish_while_the_loss_diverges_are_its_consequence() {
+    // The loss diverges from step 10 to the end; the gradients vanish from step 60.
+    let depth = 3;
+    let engine = run_measured(mlp(depth, "ReLU", "SGD"), 150, 1e-3, |step| Step {
+        layer_norms: vec![if step < 60 { 0.05 } else { 1e-9 }; layers(depth)],
+        acts: None,
+        weight_gain: Some(0.6),
+        input: Some(healthy_input()),
+        loss: Some(if step < 10 {
+            1.0 - 0.01 * step as f64
+        } else {
+            0.9 * 1.08f64.powi((step - 10).min(40) as i32)
+        }),
+        lr: 0.3,
+        nonfinite_module: None,
+    });
+    let h = explain(&engine);
+    let top = &h[0];
+    assert_eq!(top.failure, Failure::LossDivergence, "{:?}", shown(&h));
+    let v = h
+        .iter()
+        .find(|h| h.failure == Failure::VanishingGradients)
+        .unwrap_or_else(|| panic!("no vanishing: {:?}", shown(&h)));
+    assert!(v.confidence < top.confidence, "{:?}", shown(&h));
+    assert!(
+        v.description
+            .contains("it follows from the loss divergence at step"),
+        "{v}"
+    );
+}
+
+/// A loss that falls for 20 steps, then stays flat (a little noise) to step 150.
+fn flattened(step: u64) -> f64 {
+    if step < 20 {
+        2.0 - 0.02 * step as f64
+    } else {
+        1.6 + 0.002 * (step % 3) as f64
+    }
+}
+
+#[test]
+fn a_plateau_behind_hidden_sigmoids_that_pass_back_a_quarter_blames_the_activation() {
+    // Three bounded hidden layers whose mean slope is `slope` from the first step.
+    let depth = 3;
+    let run_with = |act: &str, slope: f32| {
+        let engine = run(mlp(depth, act, "Adam"), 150, |step| Step {
+            layer_norms: vec![0.05; layers(depth)],
+            acts: Some(vec![[0.9, 0.0, f32::NAN, slope, 64.0]; depth]),
+            weight_gain: Some(0.6),
+            input: Some(healthy_input()),
+            loss: Some(flattened(step)),
+            lr: 1e-3,
+            nonfinite_module: None,
+        });
+        Analysis::new(&engine)
+            .unwrap()
+            .hypotheses(Some(Failure::LossPlateau))
+    };
+    let h = run_with("Sigmoid", 0.245);
+    let top = h
+        .first()
+        .unwrap_or_else(|| panic!("no plateau: {:?}", shown(&h)));
+    assert_eq!(top.cause, Cause::SaturatingActivation, "{:?}", shown(&h));
+    assert!(
+        top.description
+            .contains("behind 3 hidden Sigmoid layer(s) that each pass back at most 25%"),
+        "{top}"
+    );
+    // Tanh layers that pass back most of the gradient say nothing about the plateau.
+    let h = run_with("Tanh", 0.9);
+    assert!(
+        h.iter()
+            .all(|h| h.cause != Cause::SaturatingActivation || h.confidence < 0.1),
+        "{:?}",
+        shown(&h)
+    );
+}
+
+#[test]
+fn a_plateau_under_steps_measured_a_hundred_times_too_large_blames_the_learning_rate() {
+    let depth = 3;
+    let run_with = |update: f32| {
+        let engine = run_measured(mlp(depth, "ReLU", "SGD"), 150, update, |step| Step {
+            layer_norms: vec![0.05; layers(depth)],
+            acts: None,
+            weight_gain: Some(0.6),
+            input: Some(healthy_input()),
+            loss: Some(flattened(step)),
+            lr: 0.5,
+            nonfinite_module: None,
+        });
+        Analysis::new(&engine)
+            .unwrap()
+            .hypotheses(Some(Failure::LossPlateau))
+    };
+    let h = run_with(0.1);
+    let top = h
+        .first()
+        .unwrap_or_else(|| panic!("no plateau: {:?}", shown(&h)));
+    assert_eq!(top.cause, Cause::LearningRateTooHigh, "{:?}", shown(&h));
+    assert!(top.description.contains("about 100x the ~1e-3"), "{top}");
+    // Steps of a training size: the learning rate is not named.
+    let h = run_with(2e-3);
+    assert!(
+        h.iter()
+            .all(|h| h.cause != Cause::LearningRateTooHigh || h.confidence < 0.1),
+        "{:?}",
+        shown(&h)
     );
 }

@@ -65,6 +65,10 @@ pub(crate) const HUGE_INPUTS: f64 = 20.0;
 /// An update-to-weight ratio typical of a learning rate that trains (about 1e-3 per step).
 pub(crate) const TRAINING_UPDATE: f64 = 1e-3;
 
+/// How much more of a layer must be dead than at its first measurement for the deaths to be
+/// the updates' doing rather than the initialization's.
+pub(crate) const DIED_AFTER_UPDATES: f64 = 0.3;
+
 /// A factor as a reader would say it: "50" below a thousand, "26,500" up to a million, "3.2e7"
 /// beyond.
 pub(crate) fn times(x: f64) -> String {

@@ -3,9 +3,10 @@
 
 use crate::engine::Run;
 
+use super::super::failures::dead_share_at_start;
 use super::super::remedy::Remedy;
 use super::super::vocab::{Cause, Failure};
-use super::evidence::{TRAINING_UPDATE, decades_ratio, times};
+use super::evidence::{DIED_AFTER_UPDATES, TRAINING_UPDATE, decades_ratio, times};
 use super::{Case, CauseRule, Facts, RemedyCase, Votes, facts_of, fmt_g};
 
 pub(crate) struct LearningRateTooHigh;
@@ -114,6 +115,10 @@ impl CauseRule for LearningRateTooHigh {
                         1.0,
                         format!("the learning rate rose {:.0}x just before", own.lr_spike),
                     );
+                } else if f.healthy_start && f.prior_divergence.is_none() {
+                    // Gradients that were healthy vanish after steps too large for the weights
+                    // (after a divergence, the step size is the divergence's evidence).
+                    step_size(c, &own, v);
                 }
             }
             Failure::NonFinite => {
@@ -142,8 +147,29 @@ impl CauseRule for LearningRateTooHigh {
                 }
             }
             Failure::DeadNeurons => {
-                if !f.at_start && f.healthy_start {
+                // Dead at the first measurement: nothing says the updates killed them (a
+                // GRU's head on raw inputs is half dead before any update and loses more
+                // under a learning rate its base trains well with).
+                if f.at_start {
+                    return;
+                }
+                if f.healthy_start {
                     v.add(1.5, "the units were alive at first and died after updates");
+                    step_size(c, &own, v);
+                } else if let Some(first) = dead_share_at_start(c.run, c.e)
+                    .filter(|first| c.e.fraction - first >= DIED_AFTER_UPDATES)
+                {
+                    // Some units of a layer can be dead from initialization (a ReLU behind a
+                    // recurrent layer's bounded output): the rest dying after updates is the
+                    // same evidence.
+                    v.add(
+                        1.5,
+                        format!(
+                            "{:.0}% of the units were dead at first and {:.0}% after updates",
+                            100.0 * first,
+                            100.0 * c.e.fraction
+                        ),
+                    );
                     step_size(c, &own, v);
                 }
             }
@@ -196,7 +222,10 @@ impl CauseRule for LearningRateTooHigh {
                         ),
                     );
                 }
-                if let Some(r) = ev.update_ratio.filter(|r| *r > 0.5) {
+                if ev.update_measured && ev.update_ratio.is_some_and(|r| r >= MEASURED_TOO_LARGE) {
+                    // Steps measured far larger than a training one keep the loss from settling.
+                    step_size(c, &own, v);
+                } else if let Some(r) = ev.update_ratio.filter(|r| *r > 0.5) {
                     v.add(
                         1.5,
                         format!(

@@ -4,9 +4,10 @@
 use crate::engine::Run;
 use crate::track::median;
 
+use super::super::failures::dead_share_at_start;
 use super::super::remedy::Remedy;
 use super::super::vocab::{Cause, Failure};
-use super::evidence::Evidence;
+use super::evidence::{DIED_AFTER_UPDATES, Evidence};
 use super::{Case, CauseRule, Facts, RemedyCase, Votes, fmt_g};
 
 pub(crate) struct PoorInitialization;
@@ -86,10 +87,22 @@ impl CauseRule for PoorInitialization {
             }
             Failure::DeadNeurons => {
                 if f.at_start {
-                    v.add(
-                        2.0,
-                        "the units were dead at the first step, before any update",
-                    );
+                    // Only some of them when most died after updates.
+                    match dead_share_at_start(c.run, c.e)
+                        .filter(|first| c.e.fraction - first >= DIED_AFTER_UPDATES)
+                    {
+                        Some(first) => v.add(
+                            1.0,
+                            format!(
+                                "{:.0}% of the units were dead at the first step, before any update",
+                                100.0 * first
+                            ),
+                        ),
+                        None => v.add(
+                            2.0,
+                            "the units were dead at the first step, before any update",
+                        ),
+                    }
                     small_weights(v, ev, 2.0);
                 }
             }

@@ -38,6 +38,43 @@ impl Slopes {
     }
 }
 
+/// Bounded activations between weighted layers whose slope is low from the first step (a
+/// sigmoid's is at most 1/4): each one scales the gradient that crosses it down by that much.
+struct FlatSlopes {
+    layers: usize,
+    kind: String,
+    /// The median of their first mean slopes.
+    slope: f64,
+}
+
+/// A mean slope at or below this from the first step (a sigmoid's, at most 0.25; a tanh at
+/// initialization passes back most of the gradient).
+const FLAT_SLOPE: f64 = 0.3;
+
+fn hidden_flat_slopes(run: &Run) -> Option<FlatSlopes> {
+    let model = &run.model;
+    let last_weighted = model
+        .layers
+        .iter()
+        .filter(|l| l.weight.is_some())
+        .map(|l| l.module)
+        .max()?;
+    let flat: Vec<(&str, f64)> = model
+        .activations
+        .iter()
+        .zip(&run.acts)
+        .filter(|(a, _)| a.traits.bounded.is_some() && a.module < last_weighted)
+        .map(|(a, t)| (a.kind.as_str(), t.first_slope))
+        .filter(|(_, s)| s.is_finite() && *s <= FLAT_SLOPE)
+        .collect();
+    let slopes: Vec<f64> = flat.iter().map(|(_, s)| *s).collect();
+    Some(FlatSlopes {
+        layers: flat.len(),
+        kind: flat.first()?.0.to_string(),
+        slope: median(&slopes)?,
+    })
+}
+
 impl CauseRule for SaturatingActivation {
     fn cause(&self) -> Cause {
         Cause::SaturatingActivation
@@ -98,6 +135,23 @@ impl CauseRule for SaturatingActivation {
             Failure::LossPlateau => {
                 if let Some((Cause::SaturatingActivation, why)) = c.stalled_by() {
                     v.add(super::STALLED, why);
+                } else if let Some(h) = hidden_flat_slopes(c.run) {
+                    // Surer when the model learned nothing at all.
+                    let (weight, what) = if super::super::failures::not_learning(c.run).is_some() {
+                        (2.5, "the loss stays at its chance level")
+                    } else {
+                        (2.0, "the loss flattened")
+                    };
+                    v.add(
+                        weight,
+                        format!(
+                            "{what} behind {} hidden {} layer(s) that each pass back at most {:.0}% of the gradient from the start (mean slope {})",
+                            h.layers,
+                            h.kind,
+                            100.0 * h.slope,
+                            fmt_g(h.slope)
+                        ),
+                    );
                 }
             }
             _ => {}

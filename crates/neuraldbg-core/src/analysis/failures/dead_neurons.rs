@@ -93,3 +93,13 @@ pub(crate) fn share_at_end(run: &Run, e: &Episode) -> Option<f64> {
     let a = run.model.module_activation[e.root?]?;
     Some(run.acts[a].last_dead).filter(|d| !d.is_nan())
 }
+
+/// For dead units in a module of their own: the share of its units dead at its first
+/// measurement (before any update has had an effect when that is step 0).
+pub(crate) fn share_at_start(run: &Run, e: &Episode) -> Option<f64> {
+    if e.failure != Failure::DeadNeurons {
+        return None;
+    }
+    let a = run.model.module_activation[e.root?]?;
+    Some(run.acts[a].first_dead).filter(|d| !d.is_nan())
+}

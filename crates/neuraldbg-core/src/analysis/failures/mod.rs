@@ -20,6 +20,7 @@ mod saturated_gradients;
 mod stalled_layer;
 mod vanishing_gradients;
 
+pub(crate) use dead_neurons::share_at_start as dead_share_at_start;
 pub(crate) use loss_plateau::{chance_level, not_learning};
 
 use std::fmt::Write as _;

@@ -88,6 +88,14 @@ impl FailureRule for VanishingGradients {
                             || (a.root.is_some() && a.root == e.root))
                         && a.onset <= e.onset + l.tol
                 }
+                // A loss that diverged first moved the weights to where the gradients vanish
+                // (saturated or dead units): the blow-up is the finding, the vanishing that
+                // began while it lasted is its consequence.
+                Failure::LossDivergence => {
+                    a.p_failure >= 0.5
+                        && a.onset < e.onset
+                        && (a.to_end || e.onset <= a.onset + a.duration)
+                }
                 _ => more_of_the_same(a, e),
             }
     }
