@@ -678,7 +678,12 @@ class KerasDbg(Spoke):
             grads = [
                 None if g is None else (ops.cast(g, "float32") + ops.cast(a, "float32")) / k for g, a in zip(grads, acc)
             ]
-        sq = [ops.sum(ops.square(ops.cast(g, "float32"))) if g is not None else None for g in grads]
+        # |g| * |g|, not square(g): XLA would merge that with the optimizer's own square of the
+        # gradient and then write it to memory instead of fusing it into the update.
+        sq = [
+            None if g is None else ops.sum(ops.abs(ops.cast(g, "float32")) * ops.abs(ops.cast(g, "float32")))
+            for g in grads
+        ]
         missing = ops.convert_to_tensor(-1.0, dtype="float32")
         gn = ops.stack([ops.sqrt(sq[k]) if k >= 0 else missing for k in where])
         if scale is not None:
