@@ -1071,3 +1071,55 @@ fn a_plateau_under_steps_measured_a_hundred_times_too_large_blames_the_learning_
         shown(&h)
     );
 }
+
+#[test]
+fn units_partly_dead_before_any_update_are_said_with_their_share() {
+    // act1 is half dead at the first step and entirely from the second: the initialization
+    // explains the half, not the whole layer.
+    let depth = 3;
+    let run_with = |first: f32| {
+        let engine = run(mlp(depth, "ReLU", "SGD"), 120, |step| Step {
+            layer_norms: vec![0.05; layers(depth)],
+            acts: Some(
+                (0..depth)
+                    .map(|a| {
+                        relu_row(match (a, step) {
+                            (1, 0) => first,
+                            (1, _) => 1.0,
+                            _ => 0.05,
+                        })
+                    })
+                    .collect(),
+            ),
+            weight_gain: Some(0.6),
+            input: Some(healthy_input()),
+            loss: Some(1.0 - 0.002 * step as f64),
+            lr: 1e-3,
+            nonfinite_module: None,
+        });
+        Analysis::new(&engine)
+            .unwrap()
+            .hypotheses(Some(Failure::DeadNeurons))
+    };
+    let init = |h: &[CausalHypothesis]| {
+        h.iter()
+            .find(|h| h.cause == Cause::PoorInitialization)
+            .cloned()
+            .unwrap_or_else(|| panic!("no initialization: {:?}", shown(h)))
+    };
+    let half = init(&run_with(0.5));
+    assert!(
+        half.description
+            .contains("50% of the units were dead at the first step, before any update"),
+        "{half}"
+    );
+    // Dead from the first step: the whole layer, and a surer initialization.
+    let whole = init(&run_with(1.0));
+    assert!(
+        whole
+            .description
+            .contains("the units were dead at the first step, before any update"),
+        "{whole}"
+    );
+    assert!(whole.confidence > half.confidence, "{whole} / {half}");
+}
