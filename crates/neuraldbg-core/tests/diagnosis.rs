@@ -869,6 +869,14 @@ fn shown(h: &[CausalHypothesis]) -> Vec<String> {
     h.iter().map(ToString::to_string).collect()
 }
 
+/// The most confident hypothesis of `failure`; the test fails when there is none.
+fn first_of(h: &[CausalHypothesis], failure: Failure) -> CausalHypothesis {
+    h.iter()
+        .find(|h| h.failure == failure)
+        .cloned()
+        .unwrap_or_else(|| panic!("no {failure}: {:?}", shown(h)))
+}
+
 #[test]
 fn units_half_dead_from_initialization_that_all_die_under_huge_steps_blame_the_learning_rate() {
     // act1 is half dead from the first step (a ReLU behind a bounded layer can sit there: the
@@ -898,15 +906,9 @@ fn units_half_dead_from_initialization_that_all_die_under_huge_steps_blame_the_l
         });
         explain(&engine)
     };
-    let dead = |h: &[CausalHypothesis]| {
-        h.iter()
-            .find(|h| h.failure == Failure::DeadNeurons)
-            .cloned()
-            .unwrap_or_else(|| panic!("no dead units: {:?}", shown(h)))
-    };
     // Steps of 0.3 of the weights' size: the learning rate, with both shares in the sentence.
     let h = run_with(0.3);
-    let top = dead(&h);
+    let top = first_of(&h, Failure::DeadNeurons);
     assert_eq!(top.cause, Cause::LearningRateTooHigh, "{:?}", shown(&h));
     assert!(
         top.description
@@ -915,7 +917,12 @@ fn units_half_dead_from_initialization_that_all_die_under_huge_steps_blame_the_l
     );
     // The same deaths under steps of a training size: the units died, nothing says why.
     let h = run_with(1e-3);
-    assert_eq!(dead(&h).cause, Cause::DyingRelu, "{:?}", shown(&h));
+    assert_eq!(
+        first_of(&h, Failure::DeadNeurons).cause,
+        Cause::DyingRelu,
+        "{:?}",
+        shown(&h)
+    );
 }
 
 #[test]
@@ -939,21 +946,15 @@ fn gradients_that_vanish_after_a_healthy_start_under_huge_steps_blame_the_learni
         });
         explain(&engine)
     };
-    let vanishing = |h: &[CausalHypothesis]| {
-        h.iter()
-            .find(|h| h.failure == Failure::VanishingGradients)
-            .cloned()
-            .unwrap_or_else(|| panic!("no vanishing: {:?}", shown(h)))
-    };
     let h = run_with(0.3);
-    let v = vanishing(&h);
+    let v = first_of(&h, Failure::VanishingGradients);
     assert_eq!(v.cause, Cause::LearningRateTooHigh, "{:?}", shown(&h));
     assert!(v.confidence >= 0.5, "{v}");
     assert!(v.description.contains("300x the ~1e-3"), "{v}");
     // Steps of a training size: nothing says the learning rate.
     let h = run_with(1e-3);
     assert_ne!(
-        vanishing(&h).cause,
+        first_of(&h, Failure::VanishingGradients).cause,
         Cause::LearningRateTooHigh,
         "{:?}",
         shown(&h)
@@ -980,10 +981,7 @@ fn gradients_that_vanish_while_the_loss_diverges_are_its_consequence() {
     let h = explain(&engine);
     let top = &h[0];
     assert_eq!(top.failure, Failure::LossDivergence, "{:?}", shown(&h));
-    let v = h
-        .iter()
-        .find(|h| h.failure == Failure::VanishingGradients)
-        .unwrap_or_else(|| panic!("no vanishing: {:?}", shown(&h)));
+    let v = first_of(&h, Failure::VanishingGradients);
     assert!(v.confidence < top.confidence, "{:?}", shown(&h));
     assert!(
         v.description
