@@ -8,13 +8,17 @@ one batch, so that only the compiled step is compared. XLA runs on one thread
 (``--xla_cpu_multi_thread_eigen=false``); rounds of ``--steps`` calls alternate between the
 arms (reversed every other round), each ending with ``block_until_ready``, timed by the
 process's CPU time. Arms: ``plain``, ``A/A`` (a second plain model), ``watched``
-(``NeuralDbgCallback()``), ``no-act`` (``activations=False``: gradient and parameter norms only).
+(``NeuralDbgCallback()``), ``no-act`` (``activations=False``: gradient and parameter norms only),
+and the ``--ablations`` asked for, each the callback with its statistics cut down (``rings``:
+the rings written with nothing measured; ``squares``: the gradients' sums of squares as
+``sum(g * g)`` and nothing else; ``abs-squares``: the same as ``sum(|g| * |g|)``).
 
 ``--profile`` instead records ``--steps`` calls of each arm with ``jax.profiler`` and prints the
 time per step of each kind of kernel (numbered names merged: ``wrapped_multiply.8`` counts as
 ``wrapped_multiply``), to show where the watched step's extra time goes.
 
-    .venv/bin/python bench/keras_step.py [--rounds 30] [--steps 100] [--profile] [--width 256 --depth 4 --batch 128]
+    .venv/bin/python bench/keras_step.py [--rounds 30] [--steps 100] [--profile] [--ablations rings,squares,abs-squares]
+        [--width 256 --depth 4 --batch 128]
 """
 
 from __future__ import annotations
@@ -88,15 +92,46 @@ class Arm:
         self.state = state
 
 
-def arms(width: int, depth: int, batch: int) -> Dict[str, Arm]:
-    from neuraldbg.keras import NeuralDbgCallback
+def _ablation(square: Any) -> Any:
+    """A stand-in for ``KerasDbg._observe`` that writes the ring row with the gradients' sums of
+    squares only (``square(g)``, or nothing when None): no parameter norms, no ``cond``."""
+    from keras import ops
 
-    return {
+    def observe(self: Any, grads: Any, variables: Any) -> None:
+        step = ops.cast(ops.convert_to_tensor(self._optimizer.iterations), "int32")
+        n = len(self._model.entries)
+        none = ops.full((n,), -1.0, dtype="float32")
+        gn = none if square is None else ops.sqrt(ops.stack([ops.sum(square(g)) for g in list(grads)[:n]]))
+        self._write_ring(step, step + 1, gn, none, ops.cast(self._optimizer.learning_rate, "float32"))
+
+    return observe
+
+
+# What ``--ablations`` can add, each traced with the callback's `_observe` replaced (activations off).
+ABLATIONS = {
+    "rings": lambda: _ablation(None),
+    "squares": lambda: _ablation(lambda g: g * g),
+    "abs-squares": lambda: _ablation(lambda g: abs(g) * abs(g)),
+}
+
+
+def arms(width: int, depth: int, batch: int, ablations: List[str]) -> Dict[str, Arm]:
+    from neuraldbg.keras import KerasDbg, NeuralDbgCallback
+
+    out = {
         "plain": Arm(width, depth, batch),
         "A/A": Arm(width, depth, batch),
         "watched": Arm(width, depth, batch, NeuralDbgCallback(verbose=False)),
         "no-act": Arm(width, depth, batch, NeuralDbgCallback(verbose=False, activations=False)),
     }
+    observe = KerasDbg._observe
+    for name in ablations:
+        KerasDbg._observe = ABLATIONS[name]()  # type: ignore[method-assign]
+        try:
+            out[name] = Arm(width, depth, batch, NeuralDbgCallback(verbose=False, activations=False))
+        finally:
+            KerasDbg._observe = observe  # type: ignore[method-assign]
+    return out
 
 
 def timed(all_arms: Dict[str, Arm], rounds: int, steps: int) -> None:
@@ -150,8 +185,9 @@ def main() -> None:
     ap.add_argument("--depth", type=int, default=4)
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--profile", action="store_true", help="kernel time by kind instead of timing")
+    ap.add_argument("--ablations", default="", help=f"comma-separated, of: {', '.join(ABLATIONS)}")
     a = ap.parse_args()
-    all_arms = arms(a.width, a.depth, a.batch)
+    all_arms = arms(a.width, a.depth, a.batch, [x for x in a.ablations.split(",") if x])
     print(f"Keras {a.depth + 2}x{a.width}, batch {a.batch}, the compiled step on one XLA thread")
     if a.profile:
         profiled(all_arms, a.steps)
