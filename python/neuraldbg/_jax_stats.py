@@ -13,8 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 
 # Leaves of up to this many elements are reduced together; larger ones alone (copying them
-# together would cost more than their own reductions' launches).
-SMALL_LEAF = 1 << 16
+# together would cost more than their own reductions' launches: a 256x256 kernel already does,
+# BENCHMARKS.md "JAX and Keras").
+SMALL_LEAF = 1 << 14
 # The most entries of the constant 0/1 matrix that adds the small leaves' rows up per leaf.
 SEGMENT_ENTRIES = 1 << 16
 

@@ -1,4 +1,5 @@
-"""The compiled Keras train step alone, plain vs watched: timed on one XLA thread, or profiled by kernel.
+"""A compiled train step alone, plain vs watched: timed on one XLA thread, or profiled by kernel.
+Keras (``keras``, default) or a flax nnx step (``jax``).
 
 ``bench/jax_overhead.py`` times whole ``fit`` epochs, where the fit loop, the callbacks and the
 VM's noise move a 4 ms step by more than watching costs (BENCHMARKS.md: +-8% intervals after 40
@@ -13,12 +14,17 @@ and the ``--ablations`` asked for, each the callback with its statistics cut dow
 the rings written with nothing measured; ``squares``: the gradients' sums of squares as
 ``sum(g * g)`` and nothing else; ``abs-squares``: the same as ``sum(|g| * |g|)``).
 
+``jax``: the bench's nnx MLP and Adam under ``jax.jit`` with the state donated (as ``nnx.jit``
+with ``donate_argnums``), plain, ``A/A``, ``watched`` (``dbg.wrap``), and one watched arm per
+``--small-leaf N`` (``_jax_stats.SMALL_LEAF`` set to N while it traces: leaves up to N elements
+have their squares reduced together, larger ones alone).
+
 ``--profile`` instead records ``--steps`` calls of each arm with ``jax.profiler`` and prints the
 time per step of each kind of kernel (numbered names merged: ``wrapped_multiply.8`` counts as
 ``wrapped_multiply``), to show where the watched step's extra time goes.
 
-    .venv/bin/python bench/keras_step.py [--rounds 30] [--steps 100] [--profile] [--ablations rings,squares,abs-squares]
-        [--width 256 --depth 4 --batch 128]
+    .venv/bin/python bench/compiled_step.py [keras|jax] [--rounds 30] [--steps 100] [--profile]
+        [--ablations rings,squares,abs-squares] [--small-leaf 16384,65536] [--width 256 --depth 4 --batch 128]
 """
 
 from __future__ import annotations
@@ -134,7 +140,68 @@ def arms(width: int, depth: int, batch: int, ablations: List[str]) -> Dict[str, 
     return out
 
 
-def timed(all_arms: Dict[str, Arm], rounds: int, steps: int) -> None:
+class JaxArm:
+    """One nnx model's compiled step (``dbg.wrap`` around Adam when watched), its state, one batch."""
+
+    def __init__(self, width: int, depth: int, batch: int, watched: bool, small_leaf: int = 0) -> None:
+        import jax
+        import optax
+        from flax import nnx
+
+        import neuraldbg._jax_stats as stats
+        from bench.jax_overhead import jax_mlp
+        from neuraldbg.jax import NeuralDbg
+
+        mlp, loss_fn = jax_mlp(width, depth)
+        rng = np.random.default_rng(0)
+        self.data = (
+            jax.numpy.asarray(rng.normal(size=(batch, 64)), jax.numpy.float32),
+            jax.numpy.asarray(rng.integers(0, 10, size=batch)),
+        )
+        model = mlp(nnx.Rngs(0))
+        tx = optax.adam(1e-3)
+        if watched:
+            self.dbg = NeuralDbg(model).__enter__()  # open for the whole benchmark
+            tx = self.dbg.wrap(tx, learning_rate=1e-3)
+        graphdef, state = nnx.split((model, nnx.Optimizer(model, tx, wrt=nnx.Param)))
+
+        def step(state: Any, x: Any, y: Any) -> Any:
+            m, o = nnx.merge(graphdef, state)
+            loss, grads = nnx.value_and_grad(loss_fn)(m, x, y)
+            o.update(m, grads, value=loss)
+            return loss, nnx.state((m, o))
+
+        default = stats.SMALL_LEAF
+        stats.SMALL_LEAF = small_leaf or default
+        try:
+            self.step = jax.jit(step, donate_argnums=0).lower(state, *self.data).compile()
+        finally:
+            stats.SMALL_LEAF = default
+        self.state = jax.tree.map(lambda a: jax.numpy.array(a, copy=True), state)
+        self.run(5)
+
+    def run(self, steps: int) -> None:
+        import jax
+
+        state = self.state
+        for _ in range(steps):
+            _, state = self.step(state, *self.data)
+        jax.block_until_ready(state)
+        self.state = state
+
+
+def jax_arms(width: int, depth: int, batch: int, small_leaves: List[int]) -> Dict[str, Any]:
+    out: Dict[str, Any] = {
+        "plain": JaxArm(width, depth, batch, False),
+        "A/A": JaxArm(width, depth, batch, False),
+        "watched": JaxArm(width, depth, batch, True),
+    }
+    for n in small_leaves:
+        out[f"leaf<={n}"] = JaxArm(width, depth, batch, True, n)
+    return out
+
+
+def timed(all_arms: Dict[str, Any], rounds: int, steps: int) -> None:
     names = list(all_arms)
     per: Dict[str, List[float]] = {k: [] for k in names}
     for r in range(rounds):
@@ -143,13 +210,13 @@ def timed(all_arms: Dict[str, Arm], rounds: int, steps: int) -> None:
             all_arms[k].run(steps)
             per[k].append((time.process_time() - t) / steps)
     base = np.asarray(per["plain"])
-    print(f"{'arm':10} {'step (CPU)':>11}  ratio to plain [95% interval]")
+    print(f"{'arm':14} {'step (CPU)':>11}  ratio to plain [95% interval]")
     for k in names:
         med, lo, hi = interval(list(np.asarray(per[k]) / base))
-        print(f"{k:10} {np.median(per[k]) * 1e3:8.3f} ms  {med:.3f}x [{lo:.3f}, {hi:.3f}]")
+        print(f"{k:14} {np.median(per[k]) * 1e3:8.3f} ms  {med:.3f}x [{lo:.3f}, {hi:.3f}]")
 
 
-def profiled(all_arms: Dict[str, Arm], steps: int) -> None:
+def profiled(all_arms: Dict[str, Any], steps: int) -> None:
     import jax
 
     by_arm: Dict[str, collections.Counter] = {}
@@ -179,6 +246,7 @@ def profiled(all_arms: Dict[str, Arm], steps: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("framework", nargs="?", choices=("keras", "jax"), default="keras")
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--width", type=int, default=256)
@@ -186,9 +254,13 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--profile", action="store_true", help="kernel time by kind instead of timing")
     ap.add_argument("--ablations", default="", help=f"comma-separated, of: {', '.join(ABLATIONS)}")
+    ap.add_argument("--small-leaf", default="", help="jax: comma-separated SMALL_LEAF values, one watched arm each")
     a = ap.parse_args()
-    all_arms = arms(a.width, a.depth, a.batch, [x for x in a.ablations.split(",") if x])
-    print(f"Keras {a.depth + 2}x{a.width}, batch {a.batch}, the compiled step on one XLA thread")
+    if a.framework == "jax":
+        all_arms = jax_arms(a.width, a.depth, a.batch, [int(n) for n in a.small_leaf.split(",") if n])
+    else:
+        all_arms = arms(a.width, a.depth, a.batch, [x for x in a.ablations.split(",") if x])
+    print(f"{a.framework} {a.depth + 2}x{a.width}, batch {a.batch}, the compiled step on one XLA thread")
     if a.profile:
         profiled(all_arms, a.steps)
     else:
