@@ -84,22 +84,24 @@ pub(crate) fn forward_root(
     (i, i.and_then(|i| module_of(&events[i])))
 }
 
+/// The activation track of a dead-units episode's own module, if it has one.
+fn own_track<'r>(run: &'r Run, e: &Episode) -> Option<&'r crate::track::ActTrack> {
+    if e.failure != Failure::DeadNeurons {
+        return None;
+    }
+    Some(&run.acts[run.model.module_activation[e.root?]?])
+}
+
 /// For units dead to the end in a module of their own: the share of its units still dead at the
 /// last measurement.
 pub(crate) fn share_at_end(run: &Run, e: &Episode) -> Option<f64> {
-    if e.failure != Failure::DeadNeurons || !e.to_end {
-        return None;
-    }
-    let a = run.model.module_activation[e.root?]?;
-    Some(run.acts[a].last_dead).filter(|d| !d.is_nan())
+    let last = own_track(run, e).filter(|_| e.to_end)?.last_dead;
+    (!last.is_nan()).then_some(last)
 }
 
 /// For dead units in a module of their own: the share of its units dead at its first
 /// measurement (before any update has had an effect when that is step 0).
 pub(crate) fn share_at_start(run: &Run, e: &Episode) -> Option<f64> {
-    if e.failure != Failure::DeadNeurons {
-        return None;
-    }
-    let a = run.model.module_activation[e.root?]?;
-    Some(run.acts[a].first_dead).filter(|d| !d.is_nan())
+    let first = own_track(run, e)?.first_dead;
+    (!first.is_nan()).then_some(first)
 }
