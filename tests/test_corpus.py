@@ -151,3 +151,19 @@ def test_a_layer_half_dead_from_initialization_that_dies_under_a_huge_lr_blames_
     dead = next(e for e in run["evidence"]["episodes"] if e["failure"] == "dead_neurons")
     reasons = dead["causes"][0]["reasons"]
     assert any("were dead at first and 100% after updates" in r for r in reasons), reasons
+
+
+def test_two_corpus_runs_are_compared_by_the_runs_whose_verdict_changed() -> None:
+    def run(ops, label, cause, confidence):
+        hyp = {"failure": "loss_plateau", "cause": cause, "confidence": confidence}
+        return {"base": "mlp", "ops": ops, "seed": 0, "label": label, "hypotheses": [hyp]}
+
+    old = [run(["lr_div10"], ["learning_rate_too_low"], "unknown", 0.49), run([], ["healthy"], "unknown", 0.2)]
+    new = [
+        run(["lr_div10"], ["learning_rate_too_low"], "learning_rate_too_low", 0.7),
+        run([], ["healthy"], "dying_relu", 0.6),
+    ]
+    changed = fit.changed_verdicts(old, new)
+    assert len(changed) == 2, changed
+    assert changed[0].startswith("wrong -> right: mlp lr_div10") and changed[1].startswith("right -> wrong: mlp -")
+    assert fit.changed_verdicts(old, old) == []

@@ -17,6 +17,7 @@ Reported for the held-out bases, next to the engine's current ranking on the sam
 
     .venv/bin/python bench/corpus/fit.py runs/corpus/corpus.jsonl [--external runs/corpus/external.jsonl] \\
         [--table bench/corpus/fitted_table.json]
+    .venv/bin/python bench/corpus/fit.py runs/corpus/new.jsonl --compare runs/corpus/old.jsonl
 """
 
 from __future__ import annotations
@@ -214,6 +215,32 @@ def right(r: Dict, pred: str) -> bool:
     return pred in ok
 
 
+def engine_right(r: Dict) -> bool:
+    """Whether the engine's verdict on a run is right: quiet on a healthy one, else the top
+    hypothesis at >= 0.5 names a planted (or accepted) cause."""
+    pred = engine_prediction(r)[0]
+    return pred == "healthy" if r["label"] == ["healthy"] else right(r, pred)
+
+
+def changed_verdicts(old: List[Dict], new: List[Dict]) -> List[str]:
+    """The runs (by base and operators) whose engine verdict changed between two corpus runs."""
+    before = {(r["base"], tuple(r["ops"]), r.get("seed")): r for r in old}
+    out = []
+    for r in new:
+        o = before.get((r["base"], tuple(r["ops"]), r.get("seed")))
+        if o is None or engine_right(o) == engine_right(r):
+            continue
+        shown = [
+            f"{h['failure']}/{h['cause']} {h['confidence']:.2f}" if h else "-"
+            for h in ((o["hypotheses"] or [None])[0], (r["hypotheses"] or [None])[0])
+        ]
+        out.append(
+            f"{'wrong -> right' if engine_right(r) else 'right -> wrong'}: {r['base']} {'+'.join(r['ops']) or '-'} "
+            f"(label {','.join(r['label'])}): {shown[0]} -> {shown[1]}"
+        )
+    return out
+
+
 def summary(records: List[Dict], preds: List[Tuple[str, float]]) -> Dict[str, Tuple[int, int]]:
     man = [(r, p) for r, p in zip(records, preds) if r["label"] != ["healthy"]]
     healthy = [(r, p) for r, p in zip(records, preds) if r["label"] == ["healthy"]]
@@ -280,10 +307,18 @@ def main() -> int:
         help="what makes a mutant manifest (bench/corpus/labels.py): held-out quality or a mistake written in the "
         "program; also the training loss; or held-out quality alone",
     )
+    ap.add_argument("--compare", default=None, help="an earlier corpus run: list the runs whose verdict changed")
     args = ap.parse_args()
 
     records = load(args.corpus)
     relabel(records, args.manifest)
+    if args.compare:
+        old = load(args.compare)
+        relabel(old, args.manifest)
+        changed = changed_verdicts(old, records)
+        print(f"{len(changed)} runs changed verdict against {args.compare}:")
+        print("\n".join(changed))
+        return 0
     held = set(args.held_out.split(","))
     train = [r for r in records if r["base"] not in held]
     test = [r for r in records if r["base"] in held]
