@@ -164,8 +164,10 @@ bench-memory:
 
 # On a machine with a CUDA device: watched vs unwatched step time, peak memory and synchronizing
 # calls per step (ResNet-50, a GPT-2-small-sized model; eager and compiled, bf16), against the
-# targets; exits non-zero past them. Elsewhere it says "no CUDA device" and exits 0.
+# targets; exits non-zero past them. First, every scenario on the GPU against the same on the CPU
+# (bench/gpu_scenarios.py). Elsewhere both say "no CUDA device" and exit 0.
 gpu-check: build
+	$(PY) bench/gpu_scenarios.py
 	$(PY) bench/gpu_check.py
 
 # Bytes the collector keeps that autograd did not save (host path and the CUDA path's stand-in).

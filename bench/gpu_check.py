@@ -23,6 +23,10 @@ with "no CUDA device: gpu-check skipped" on a machine without one. Budget: under
 one recent GPU (``--steps``, ``--models`` and ``--no-compile`` shorten it).
 
     .venv/bin/python bench/gpu_check.py [--models resnet50,gpt2] [--steps 30] [--no-compile]
+
+``--profile`` (with ``--compiled-only`` or ``--no-compile``) prints, instead of the table, where a
+watched step's time goes: GPU and CPU time and kernel launches a step for unwatched, watched and
+watched with ``forward_check="off"``, then the watched step's Python functions by own time.
 """
 
 from __future__ import annotations
@@ -74,9 +78,17 @@ def build(name: str) -> Tuple[Any, Callable[[Any], Any]]:
 
 
 class Arm:
-    """One copy of the model and its optimizer; ``dbg`` when watched."""
+    """One copy of the model and its optimizer; ``dbg`` when watched (``options``: the debugger's
+    keyword arguments)."""
 
-    def __init__(self, model: Any, loss_of: Callable[[Any], Any], compiled: bool, watched: bool) -> None:
+    def __init__(
+        self,
+        model: Any,
+        loss_of: Callable[[Any], Any],
+        compiled: bool,
+        watched: bool,
+        options: Optional[Dict[str, Any]] = None,
+    ) -> None:
         import copy
 
         import torch
@@ -89,7 +101,7 @@ class Arm:
         if watched:
             from neuraldbg import NeuralDbg
 
-            self.dbg = NeuralDbg(self.model)
+            self.dbg = NeuralDbg(self.model, **(options or {}))
             self.dbg.__enter__()
 
     def step(self) -> None:
@@ -183,6 +195,73 @@ def check(name: str, compiled: bool, steps: int) -> Dict[str, Any]:
     }
 
 
+LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+
+
+def profile_arms(name: str, compiled: bool, steps: int) -> None:
+    """Where a watched step's time goes (``--profile``): per arm (unwatched, watched, watched
+    with ``forward_check="off"``), the GPU time of a step (CUDA events around blocks), the
+    calling thread's CPU time a step (the launches included), and kernel launches a step; then
+    the watched step's Python functions by own time (cProfile over one block)."""
+    import cProfile
+    import pstats
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    model, loss_of = build(name)
+    arms = {
+        "plain": Arm(model, loss_of, compiled, watched=False),
+        "watched": Arm(model, loss_of, compiled, watched=True),
+        "forward_check=off": Arm(model, loss_of, compiled, watched=True, options={"forward_check": "off"}),
+    }
+    label = f"{name}{' compiled' if compiled else ''}"
+    try:
+        for arm in arms.values():
+            for _ in range(2 * BLOCK + 1):
+                arm.step()
+        torch.cuda.synchronize()
+        gpu: Dict[str, List[float]] = {k: [] for k in arms}
+        cpu: Dict[str, List[float]] = {k: [] for k in arms}
+        for r in range(max(1, steps // BLOCK)):
+            for k in list(arms) if r % 2 == 0 else list(arms)[::-1]:
+                c = time.thread_time()
+                gpu[k].append(timed_block(arms[k], BLOCK) / BLOCK)
+                cpu[k].append((time.thread_time() - c) * 1e3 / BLOCK)
+        for k, arm in arms.items():
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(BLOCK):
+                    arm.step()
+                torch.cuda.synchronize()
+            names = [e.name for e in prof.events()]
+            launches = sum(1 for n in names if n in LAUNCHES) / BLOCK
+            ops = sum(1 for n in names if n.startswith("aten::")) / BLOCK
+            print(
+                f"PROFILE {label} | {k} | step {statistics.median(gpu[k]):.2f} ms (events) | "
+                f"CPU {statistics.median(cpu[k]):.2f} ms | {launches:.0f} launches | {ops:.0f} aten ops a step",
+                flush=True,
+            )
+        torch.cuda.synchronize()
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(BLOCK):
+            arms["watched"].step()
+        torch.cuda.synchronize()
+        pr.disable()
+        stats = pstats.Stats(pr)
+        rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])  # type: ignore[attr-defined]
+        for (file, line, fn), (_cc, nc, tt, ct, _) in rows[:25]:
+            print(
+                f"PYPROF {label} | {fn} ({os.path.basename(file)}:{line}) | calls {nc / BLOCK:.0f}/step | own {tt * 1e3 / BLOCK:.2f} ms/step | cum {ct * 1e3 / BLOCK:.2f} ms/step"
+            )
+    finally:
+        for arm in arms.values():
+            arm.close()
+    del arms, model
+    torch.cuda.empty_cache()
+
+
 def nccl_job() -> Optional[str]:
     """A 2-process DDP job over NCCL (this script with ``--nccl-worker`` under torchrun), when
     there are two GPUs: its rank 0's line."""
@@ -274,6 +353,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=30, help="timed steps per arm (blocks of 10)")
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--nccl-worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--profile", action="store_true", help="where the watched step's time goes, per model")
+    ap.add_argument("--compiled-only", action="store_true", help="only the compiled models")
     args = ap.parse_args()
     if args.nccl_worker:
         return nccl_worker()
@@ -285,6 +366,12 @@ def main() -> int:
     print(
         f"{torch.cuda.get_device_name()} x{torch.cuda.device_count()}, torch {torch.__version__}; bf16 autocast, AdamW"
     )
+    if args.profile:
+        modes = (True,) if args.compiled_only else (False,) if args.no_compile else (False, True)
+        for name in args.models.split(","):
+            for compiled in modes:
+                profile_arms(name, compiled, args.steps)
+        return 0
     print("| model | step time | peak memory | sampled step memory | syncs a step | steps observed | verdict |")
     print("|---|---|---|---|---|---|---|")
     failed = False

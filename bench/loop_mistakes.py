@@ -559,7 +559,7 @@ class LoopRNN(nn.Module):
             self.rec.weight.mul_(gain)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.zeros(x.shape[0], 32)
+        h = x.new_zeros(x.shape[0], 32)
         for t in range(x.shape[1]):
             h = torch.relu(self.inp(x[:, t]) + self.rec(h))
         return self.head(h)

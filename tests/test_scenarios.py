@@ -63,3 +63,22 @@ def test_the_cuda_path_stand_in_diagnoses_as_the_host_path(scenario, monkeypatch
         return [(str(h.failure), str(h.cause), h.layer, h.step) for h in o.hypotheses[:1] if h.confidence >= 0.5]
 
     assert top(device) == top(host), f"host {host.hypotheses[:1]}\ndevice {device.hypotheses[:1]}"
+
+
+def test_the_gpu_harness_runs_a_scenario_as_the_suite_does():
+    """`bench/gpu_scenarios.py` (the scenarios on a CUDA device against the CPU) runs a
+    scenario's loop itself: on the CPU it gives the suite's steps and top hypothesis."""
+    from bench import gpu_scenarios
+
+    torch.set_num_threads(1)
+    scenario = next(s for s in SCENARIOS if s.name == "deep_sigmoid_mlp")
+    steps, top, error = gpu_scenarios.diagnose(scenario, "cpu")
+    suite_run = S.evaluate(scenario)
+    h = suite_run.hypotheses[0]
+    assert error is None
+    assert steps == suite_run.dbg.step == 40
+    assert (
+        top
+        == (str(h.failure), str(h.cause), h.layer, h.step)
+        == ("vanishing_gradients", "saturating_activation", "10", 0)
+    )
