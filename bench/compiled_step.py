@@ -8,7 +8,7 @@ with the state donated, traced with the callback's wrapping in place), and calls
 one batch, so that only the compiled step is compared. XLA runs on one thread
 (``--xla_cpu_multi_thread_eigen=false``); rounds of ``--steps`` calls alternate between the
 arms (reversed every other round), each ending with ``block_until_ready``, timed by the
-process's CPU time. Arms: ``plain``, ``A/A`` (a second plain model), ``watched``
+process's CPU time (and by wall time beside it). Arms: ``plain``, ``A/A`` (a second plain model), ``watched``
 (``NeuralDbgCallback()``), ``no-act`` (``activations=False``: gradient and parameter norms only),
 and the ``--ablations`` asked for, each the callback with its statistics cut down (``rings``:
 the rings written with nothing measured; ``squares``: the gradients' sums of squares as
@@ -202,18 +202,25 @@ def jax_arms(width: int, depth: int, batch: int, small_leaves: List[int]) -> Dic
 
 
 def timed(all_arms: Dict[str, Any], rounds: int, steps: int) -> None:
+    """Each arm's step by the process's CPU time (every thread: XLA's and the Python caller's)
+    and by wall time, as ratios to ``plain`` (medians of the rounds, 95% intervals)."""
     names = list(all_arms)
-    per: Dict[str, List[float]] = {k: [] for k in names}
+    cpu: Dict[str, List[float]] = {k: [] for k in names}
+    wall: Dict[str, List[float]] = {k: [] for k in names}
     for r in range(rounds):
         for k in names if r % 2 == 0 else names[::-1]:
-            t = time.process_time()
+            t, w = time.process_time(), time.perf_counter()
             all_arms[k].run(steps)
-            per[k].append((time.process_time() - t) / steps)
-    base = np.asarray(per["plain"])
-    print(f"{'arm':14} {'step (CPU)':>11}  ratio to plain [95% interval]")
+            cpu[k].append((time.process_time() - t) / steps)
+            wall[k].append((time.perf_counter() - w) / steps)
+    print(f"{'arm':14} {'step (CPU)':>11}  ratio to plain [95% interval]   {'step (wall)':>11}  ratio to plain")
     for k in names:
-        med, lo, hi = interval(list(np.asarray(per[k]) / base))
-        print(f"{k:14} {np.median(per[k]) * 1e3:8.3f} ms  {med:.3f}x [{lo:.3f}, {hi:.3f}]")
+        med, lo, hi = interval(list(np.asarray(cpu[k]) / np.asarray(cpu["plain"])))
+        wmed, wlo, whi = interval(list(np.asarray(wall[k]) / np.asarray(wall["plain"])))
+        print(
+            f"{k:14} {np.median(cpu[k]) * 1e3:8.3f} ms  {med:.3f}x [{lo:.3f}, {hi:.3f}]   "
+            f"{np.median(wall[k]) * 1e3:8.3f} ms  {wmed:.3f}x [{wlo:.3f}, {whi:.3f}]"
+        )
 
 
 def profiled(all_arms: Dict[str, Any], steps: int) -> None:
