@@ -367,6 +367,45 @@ fn saturation_before_vanishing_points_to_the_activation() {
     );
 }
 
+/// Sigmoids saturate from step 3; the gradients behind them vanish from step 12. The saturation
+/// ranks under the vanishing it brings about, and its evidence says so in time order.
+#[test]
+fn a_saturation_that_began_first_leads_to_the_vanishing_it_ranks_under() {
+    let depth = 4;
+    let engine = run(mlp(depth, "Sigmoid", "SGD"), 40, |step| Step {
+        layer_norms: (0..layers(depth))
+            .map(|l| if step >= 12 && l < 3 { 1e-8 } else { 0.05 })
+            .collect(),
+        acts: Some(
+            (0..depth)
+                .map(|_| {
+                    if step >= 3 {
+                        [1.0, 0.95, f32::NAN, 0.01, 64.0]
+                    } else {
+                        [0.7, 0.0, f32::NAN, 0.22, 64.0]
+                    }
+                })
+                .collect(),
+        ),
+        weight_gain: Some(1.0),
+        input: Some(healthy_input()),
+        loss: None,
+        lr: 0.1,
+        nonfinite_module: None,
+    });
+    let h = explain(&engine);
+    assert_eq!(h[0].failure, Failure::VanishingGradients, "{:?}", shown(&h));
+    assert_eq!(h[0].step, Some(12), "{:?}", shown(&h));
+    let s = first_of(&h, Failure::SaturatedActivations);
+    assert_eq!(s.step, Some(3), "{s}");
+    assert!(
+        s.description
+            .contains("it leads to the vanishing gradients at step 12"),
+        "{s}"
+    );
+    assert!(!s.description.contains("it follows from"), "{s}");
+}
+
 #[test]
 fn only_one_failure_kind_when_asked_and_mermaid_names_it() {
     let depth = 3;

@@ -292,14 +292,21 @@ pub(crate) fn rank_causes(
                 v.score = -NAMED_PRIOR;
                 r.evidence(&case, &mut v);
             }
-            // A consequence shares the cause of the failure it follows from.
+            // A consequence shares the cause of the failure it follows from; one that began
+            // first (saturation under the vanishing it brings about) is that failure's mechanism.
             if let Some((cause, j)) = f.root_cause.filter(|(c, _)| *c == r.cause()) {
+                let root = &episodes[j];
+                let relation = if root.onset <= e.onset {
+                    "it follows from"
+                } else {
+                    "it leads to"
+                };
                 v.add(
                     INHERITED,
                     format!(
-                        "it follows from the {} at step {} ({})",
-                        episodes[j].failure.as_str().replace('_', " "),
-                        episodes[j].onset,
+                        "{relation} the {} at step {} ({})",
+                        root.failure.as_str().replace('_', " "),
+                        root.onset,
                         cause.phrase()
                     ),
                 );
