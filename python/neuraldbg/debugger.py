@@ -69,10 +69,12 @@ class NeuralDbg(Results):
             module outputs in forward order for the first non-finite one (free on healthy
             steps). On CPU the loss is checked when backward starts; a step that recorded no
             module call (the unmeasured ones) has its forward computed again from its inputs
-            then, no grad, buffers and random generator left as they were. On CUDA the outputs
-            are kept until the step's statistics reach the host, when the next forward starts
-            (more memory during backward, no synchronization). ``"off"``: don't keep outputs
-            (the origin of a NaN is then located from gradients only).
+            then, no grad, buffers and random generator left as they were. On CUDA each module
+            call's output and inputs are reduced on the device as it returns (their largest
+            magnitude, kept instead of the tensors: no synchronization, no memory held through
+            backward, but a second read of every activation, most of the watched step's cost
+            on a GPU). ``"off"``: no per-call reads (the origin of a NaN is then located from
+            gradients only).
         step_on: ``"optimizer"`` (default) counts a step per ``optimizer.step()`` (several
             optimizers stepped after one backward pass are one step); ``"each_optimizer"`` counts
             every ``optimizer.step()``, also several in one iteration (what Lightning's manual
