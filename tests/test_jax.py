@@ -231,7 +231,11 @@ def test_donating_loop_loses_no_step() -> None:
             p, state, loss = step(p, state, x[(i % 8) * 8 : (i % 8 + 1) * 8])
             out.append(loss)
         ring = dbg._rings[0]
-        assert ring.donated and ring.missed == 0
+        assert ring.missed == 0
+        # On the CPU the loop outruns the reads: a buffer is deleted before it is read, and
+        # reading turns to waiting. A GPU may finish every read before the next step donates
+        # the buffer (seen on an H200: nothing lost, nothing to see).
+        assert ring.donated or jax.default_backend() != "cpu"
     assert dbg.step == 100
     steps, loss = dbg.history(None, "loss")
     assert list(steps) == list(range(100))
