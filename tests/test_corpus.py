@@ -153,6 +153,41 @@ def test_a_layer_half_dead_from_initialization_that_dies_under_a_huge_lr_blames_
     assert any("were dead at first and 100% after updates" in r for r in reasons), reasons
 
 
+def test_tanh_units_saturated_by_raw_inputs_from_the_first_step_blame_the_data() -> None:
+    """The corpus's binary classifier (Linear-Tanh layers, SGD) on inputs left on their raw
+    scale (up to ~5,700): before any update, 99% of its first Tanh's outputs are within 0.01
+    of +-1 (a forward hook on the first batch; none on the normalized inputs), and its held-out
+    accuracy falls from 0.94 to near chance. The gradients that vanish behind that saturation
+    are the data's fault, not the activation's: the same Tanh trains the base to 0.94."""
+    from bench.corpus.mutations import MUTATIONS
+
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+
+    def first_tanh_saturation(ops: tuple) -> float:
+        k = Knobs()
+        for op in ops:
+            k = next(m for m in MUTATIONS if m.name == op).apply(k)
+        torch.manual_seed(0)
+        p = base("mlp_binary").build(k, 0)
+        tanh = next(m for m in p.model.modules() if isinstance(m, torch.nn.Tanh))
+        shares: list = []
+        hook = tanh.register_forward_hook(lambda _m, _i, out: shares.append(float((out.abs() > 0.99).float().mean())))
+        with torch.no_grad():
+            p.model(p.batch(0)[0])
+        hook.remove()
+        return shares[0]
+
+    assert first_tanh_saturation(("raw_inputs",)) > 0.95 and first_tanh_saturation(()) < 0.05
+    plain, raw = one("mlp_binary", (), 0), one("mlp_binary", ("raw_inputs",), 0)
+    assert plain["score"] > 0.9 and raw["score"] < 0.7, (plain["score"], raw["score"])
+    top = raw["hypotheses"][0]
+    assert top["failure"] == "vanishing_gradients" and top["cause"] == "bad_input_data", raw["hypotheses"]
+    assert top["confidence"] >= 0.5, top
+    vanishing = next(e for e in raw["evidence"]["episodes"] if e["failure"] == "vanishing_gradients")
+    assert any("(not normalized)" in r for r in vanishing["causes"][0]["reasons"]), vanishing["causes"][0]
+
+
 def test_two_corpus_runs_are_compared_by_the_runs_whose_verdict_changed() -> None:
     def run(ops, label, cause, confidence):
         hyp = {"failure": "loss_plateau", "cause": cause, "confidence": confidence}

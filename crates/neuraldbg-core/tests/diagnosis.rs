@@ -406,6 +406,52 @@ fn a_saturation_that_began_first_leads_to_the_vanishing_it_ranks_under() {
     assert!(!s.description.contains("it follows from"), "{s}");
 }
 
+/// Raw inputs (magnitude 5,000) into a tanh MLP with ordinary weights: the first tanh is
+/// saturated from the first step and the gradients behind it vanish. The inputs are the cause;
+/// the same run on normalized inputs that saturate only later is the activation's.
+#[test]
+fn tanh_units_saturated_from_the_first_step_by_raw_inputs_blame_the_data() {
+    let depth = 4;
+    let run_with = |input: [f32; INPUT_STATS], saturated_from: u64| {
+        let engine = run(mlp(depth, "Tanh", "SGD"), 40, |step| {
+            let sat = step >= saturated_from;
+            Step {
+                layer_norms: (0..layers(depth))
+                    .map(|l| if step >= 10 && l < 3 { 1e-8 } else { 0.05 })
+                    .collect(),
+                acts: Some(
+                    (0..depth)
+                        .map(|_| {
+                            if sat {
+                                [1.0, 0.98, f32::NAN, 0.01, 64.0]
+                            } else {
+                                [0.7, 0.0, f32::NAN, 0.6, 64.0]
+                            }
+                        })
+                        .collect(),
+                ),
+                weight_gain: Some(1.0),
+                input: Some(input),
+                loss: None,
+                lr: 0.1,
+                nonfinite_module: None,
+            }
+        });
+        explain(&engine)
+    };
+    let h = run_with([-5000.0, 5000.0, 40.0, 900.0], 0);
+    assert_eq!(h[0].failure, Failure::VanishingGradients, "{:?}", shown(&h));
+    assert_eq!(h[0].cause, Cause::BadInputData, "{:?}", shown(&h));
+    assert!(
+        h[0].description
+            .contains("inputs reach magnitude 5000 (not normalized)"),
+        "{}",
+        h[0]
+    );
+    let h = run_with(healthy_input(), 3);
+    assert_eq!(h[0].cause, Cause::SaturatingActivation, "{:?}", shown(&h));
+}
+
 #[test]
 fn only_one_failure_kind_when_asked_and_mermaid_names_it() {
     let depth = 3;
@@ -1107,6 +1153,46 @@ fn a_plateau_under_steps_measured_a_hundred_times_too_large_blames_the_learning_
         "{:?}",
         shown(&h)
     );
+}
+
+/// Adam moves tiny weights by a large share of their size: under weights initialized at 0.01x
+/// a variance-preserving scale, a step of 0.4 of the weights says the weights are small, not
+/// that the learning rate is large, and the plateau is the initialization's.
+#[test]
+fn a_plateau_under_tiny_initial_weights_blames_them_not_the_large_relative_steps() {
+    let depth = 3;
+    let run_with = |gain: f32| {
+        let engine = run_measured(mlp(depth, "ReLU", "Adam"), 150, 0.4, |step| Step {
+            layer_norms: vec![0.05; layers(depth)],
+            acts: None,
+            weight_gain: Some(gain),
+            input: Some(healthy_input()),
+            loss: Some(flattened(step)),
+            lr: 1e-3,
+            nonfinite_module: None,
+        });
+        Analysis::new(&engine)
+            .unwrap()
+            .hypotheses(Some(Failure::LossPlateau))
+    };
+    let h = run_with(0.01);
+    let top = h
+        .first()
+        .unwrap_or_else(|| panic!("no plateau: {:?}", shown(&h)));
+    assert_eq!(top.cause, Cause::PoorInitialization, "{:?}", shown(&h));
+    assert!(
+        top.description.contains("initial weights are only 0.01x"),
+        "{top}"
+    );
+    assert!(
+        h.iter()
+            .all(|h| h.cause != Cause::LearningRateTooHigh || h.confidence < 0.1),
+        "{:?}",
+        shown(&h)
+    );
+    // The same steps on weights of an ordinary scale: they are too large.
+    let h = run_with(0.6);
+    assert_eq!(h[0].cause, Cause::LearningRateTooHigh, "{:?}", shown(&h));
 }
 
 #[test]

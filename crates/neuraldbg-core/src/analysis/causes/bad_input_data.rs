@@ -10,6 +10,21 @@ use super::{Case, CauseRule, Facts, RemedyCase, Votes, facts_of, fmt_g};
 
 pub(crate) struct BadInputData;
 
+/// Saturation episode `j` is the inputs' doing: it began at the first step in the first
+/// bounded activation, behind ordinarily scaled weights, under inputs far beyond a normalized
+/// range (their largest magnitude).
+pub(crate) fn saturated_by_inputs(c: &Case<'_>, j: usize) -> Option<f64> {
+    let s = &c.episodes[j];
+    let first_act = c.run.model.activations.first().map(|a| a.module);
+    let at_start = s.onset <= c.ev.first_step;
+    c.ev.huge_inputs().filter(|_| {
+        c.ev.gain_normal()
+            && at_start
+            && s.failure == Failure::SaturatedActivations
+            && s.root == first_act
+    })
+}
+
 /// The input batch of the onset step (or the one before): the data anomaly there, and whether
 /// it held NaN/Inf.
 #[derive(serde::Serialize)]
@@ -87,7 +102,18 @@ impl CauseRule for BadInputData {
                 }
                 anomalous_batch(c, v, 4.0);
             }
-            Failure::VanishingGradients => anomalous_batch(c, v, 3.0),
+            Failure::VanishingGradients => {
+                if let Some(x) = f.saturation.and_then(|j| saturated_by_inputs(c, j)) {
+                    v.add(
+                        3.5,
+                        format!(
+                            "inputs reach magnitude {} (not normalized): with ordinarily scaled weights they saturated the first bounded activation from the first step",
+                            fmt_g(x)
+                        ),
+                    );
+                }
+                anomalous_batch(c, v, 3.0);
+            }
             Failure::DeadNeurons => {
                 // Units dead before any update, behind ordinarily scaled weights, under inputs
                 // far beyond a normalized range: inputs that large saturate what comes before

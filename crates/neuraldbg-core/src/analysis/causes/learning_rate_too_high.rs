@@ -225,7 +225,8 @@ impl CauseRule for LearningRateTooHigh {
                 if ev.update_measured && ev.update_ratio.is_some_and(|r| r >= MEASURED_TOO_LARGE) {
                     // Steps measured far larger than a training one keep the loss from settling.
                     step_size(c, &own, v);
-                } else if let Some(r) = ev.update_ratio.filter(|r| *r > 0.5) {
+                } else if let Some(r) = ev.update_ratio.filter(|r| *r > 0.5 && !ev.gain_too_small())
+                {
                     v.add(
                         1.5,
                         format!(
@@ -273,7 +274,9 @@ impl CauseRule for LearningRateTooHigh {
 /// large for the weights it moves, whatever the loss does.
 const MEASURED_TOO_LARGE: f64 = 10.0 * TRAINING_UPDATE;
 
-/// A learning rate that rose, or steps large relative to the weights.
+/// A learning rate that rose, or steps large relative to the weights (unless the weights
+/// started far below a variance-preserving scale: then every step is large beside them, and
+/// the ratio measures the weights, not the learning rate).
 fn step_size(c: &Case<'_>, own: &Steps, v: &mut Votes) {
     if own.lr_spike >= 3.0 {
         v.add(
@@ -284,7 +287,7 @@ fn step_size(c: &Case<'_>, own: &Steps, v: &mut Votes) {
             ),
         );
     }
-    if let Some(r) = c.ev.update_ratio {
+    if let Some(r) = c.ev.update_ratio.filter(|_| !c.ev.gain_too_small()) {
         if c.ev.update_measured && r >= MEASURED_TOO_LARGE {
             let size = if r > 1.0 {
                 format!("~{}x their size", fmt_g(r))

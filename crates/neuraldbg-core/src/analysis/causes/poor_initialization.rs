@@ -126,6 +126,10 @@ impl CauseRule for PoorInitialization {
                         1.0,
                         "the initial weight scale is far from variance-preserving",
                     );
+                } else if !f.at_start {
+                    // Weights that start far too small learn slowly long after the first
+                    // steps (and make every step large beside them).
+                    small_weights(v, ev, 2.0);
                 }
                 confidently_wrong_start(c, v);
             }

@@ -96,7 +96,11 @@ impl CauseRule for SaturatingActivation {
         match c.e.failure {
             Failure::VanishingGradients => {
                 let own = Slopes::of(c.run);
-                if let Some(j) = f.saturation {
+                // (A saturation the raw inputs made from the first step is the data's.)
+                if let Some(j) = f
+                    .saturation
+                    .filter(|&j| super::bad_input_data::saturated_by_inputs(c, j).is_none())
+                {
                     v.add(
                         3.0,
                         format!(
