@@ -30,6 +30,11 @@ impl Early {
     pub fn median(&self) -> Option<f64> {
         median(&self.values[..self.len])
     }
+
+    /// The first value kept.
+    pub fn first(&self) -> Option<f64> {
+        (self.len > 0).then_some(self.values[0])
+    }
 }
 
 /// Median of a slice (None when empty), in `f64::total_cmp` order. Trackers call it every
@@ -361,6 +366,11 @@ impl Default for LossTrack {
 }
 
 impl LossTrack {
+    /// The first finite loss: the one computed before any update.
+    pub fn first_value(&self) -> Option<f64> {
+        self.first.first().copied()
+    }
+
     pub fn observe(
         &mut self,
         step: u64,

@@ -1195,6 +1195,67 @@ fn a_plateau_under_tiny_initial_weights_blames_them_not_the_large_relative_steps
     assert_eq!(h[0].cause, Cause::LearningRateTooHigh, "{:?}", shown(&h));
 }
 
+/// Weights read after a first step that moved them by 30x their size: a large reading is the
+/// step's, not the initialization's (Adam's first step moves every weight by about the
+/// learning rate); a reading still far below a variance-preserving scale bounds the initial
+/// one, and stays evidence.
+#[test]
+fn weights_read_after_a_first_step_larger_than_them_describe_the_init_only_when_still_small() {
+    let depth = 3;
+    let gain_after = |gain: f32| {
+        let spec = mlp(depth, "ReLU", "Adam");
+        let params = spec.params.len();
+        let mut engine = Engine::new(Config::default()).unwrap();
+        engine.register_model(spec).unwrap();
+        for step in 0..40 {
+            let mut obs = observation(
+                step,
+                &Step {
+                    layer_norms: vec![0.05; layers(depth)],
+                    acts: None,
+                    weight_gain: Some(gain),
+                    input: Some(healthy_input()),
+                    loss: Some(1.0),
+                    lr: 5.0,
+                    nonfinite_module: None,
+                },
+            );
+            let ratio = if step == 0 { 30.0 } else { 0.3 };
+            obs.measures = vec![(Measure::UpdateRatio, vec![ratio; params])];
+            engine.observe(&obs.view()).unwrap();
+        }
+        Analysis::new(&engine).unwrap().evidence_features()["run"]["gain_median"].as_f64()
+    };
+    assert_eq!(gain_after(20.0), None);
+    assert!(gain_after(0.01).is_some_and(|g| g < 0.25));
+}
+
+/// The loss "before any update" is the first one: a classifier that starts at its chance level
+/// and jumps to 100x it after two huge steps made no confident wrong predictions at init.
+#[test]
+fn a_start_far_above_chance_is_read_on_the_first_loss_alone() {
+    let depth = 3;
+    let run_with = |first: f64| {
+        let engine = run(classifier(depth), 120, |step| Step {
+            loss: Some(match step {
+                0 => first,
+                1..=30 => 230.0,
+                _ => 230.0 + wobble(step),
+            }),
+            ..healthy_step(depth, 0.0)
+        });
+        explain(&engine)
+    };
+    let said = |h: &[CausalHypothesis]| {
+        h.iter().any(|h| {
+            h.description
+                .contains("before any update: the initial weights make")
+        })
+    };
+    assert!(!said(&run_with(2.3)), "{:?}", shown(&run_with(2.3)));
+    assert!(said(&run_with(230.0)), "{:?}", shown(&run_with(230.0)));
+}
+
 #[test]
 fn units_partly_dead_before_any_update_are_said_with_their_share() {
     // act1 is half dead at the first step and entirely from the second: the initialization

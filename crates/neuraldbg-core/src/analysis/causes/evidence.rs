@@ -100,6 +100,24 @@ pub(crate) fn measured_update_ratio(run: &Run) -> Option<f64> {
     median(&measured)
 }
 
+/// Median initial gain (`std(W)·sqrt(fan_in)`) below which the weights are far below a
+/// variance-preserving scale.
+const SMALL_GAIN: f64 = 0.25;
+
+/// Median over the weighted layers of how far the first measured optimizer step moved their
+/// weights relative to their size.
+fn first_update_ratio(run: &Run) -> Option<f64> {
+    let first: Vec<f64> = run
+        .model
+        .layers
+        .iter()
+        .enumerate()
+        .filter(|(_, l)| l.weight.is_some())
+        .filter_map(|(l, _)| run.layers[l].update_early.first())
+        .collect();
+    median(&first)
+}
+
 /// Decades a single module must grow the signal to be where a forward blow-up starts.
 pub(crate) const FORWARD_JUMP: f64 = 2.0;
 
@@ -241,8 +259,15 @@ impl Evidence {
         let update_ratio = measured.or_else(|| median(&ratios));
         // Weight norms are first read at the end of the first step: when that step moved the
         // weights by more than their own size, they describe the update, not the
-        // initialization, and the initial gains are unknown.
-        let init_known = update_ratio.is_none_or(|r| r <= 1.0);
+        // initialization, and the initial gains are unknown (Adam's first step moves every
+        // weight by about the learning rate, however small later steps are beside the
+        // weights it made). A step that large can only have grown them (in many dimensions
+        // it is nearly orthogonal to them): weights still far below a variance-preserving
+        // scale after it were at most that large before.
+        let first_large = first_update_ratio(run).is_some_and(|r| r > 1.0);
+        let still_small =
+            median(&gains.iter().map(|g| g.0).collect::<Vec<_>>()).is_some_and(|g| g < SMALL_GAIN);
+        let init_known = update_ratio.is_none_or(|r| r <= 1.0) && (!first_large || still_small);
         if !init_known {
             gains.clear();
         }
@@ -294,7 +319,7 @@ impl Evidence {
 
     /// Weights at the start were far below a variance-preserving scale.
     pub fn gain_too_small(&self) -> bool {
-        self.gain_median.is_some_and(|g| g < 0.25)
+        self.gain_median.is_some_and(|g| g < SMALL_GAIN)
     }
 
     /// Weights at the start were far above a variance-preserving scale.

@@ -229,7 +229,13 @@ fn confidently_wrong_start(c: &Case<'_>, v: &mut Votes) {
     let ordinary_inputs =
         c.ev.input_scale_first
             .is_some_and(|x| x <= super::evidence::HUGE_INPUTS);
-    if let Some(l) = c.ev.loss_initial.filter(|l| *l >= 2.0 * chance.level) {
+    // The first loss alone is before any update (the initial level is the median of three).
+    if let Some(l) = c
+        .run
+        .loss
+        .first_value()
+        .filter(|l| *l >= 2.0 * chance.level)
+    {
         if ordinary_inputs {
             v.add(
                 2.0,
