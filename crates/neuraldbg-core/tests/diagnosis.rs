@@ -1010,6 +1010,46 @@ fn units_half_dead_from_initialization_that_all_die_under_huge_steps_blame_the_l
     );
 }
 
+/// The same layer dead from the first measurement on (half, then all from the second step),
+/// an episode at the start: on ordinary inputs, steps measured 300x a training one name the
+/// learning rate; on raw inputs (magnitude 2,000) nothing says the updates killed them.
+#[test]
+fn units_dead_from_the_first_step_that_all_die_under_huge_steps_blame_them_on_ordinary_inputs() {
+    let depth = 3;
+    let run_with = |input: [f32; INPUT_STATS]| {
+        let engine = run_measured(mlp(depth, "ReLU", "Adam"), 120, 0.3, |step| Step {
+            layer_norms: vec![0.05; layers(depth)],
+            acts: Some(
+                (0..depth)
+                    .map(|a| {
+                        relu_row(match (a, step) {
+                            (1, 0) => 0.5,
+                            (1, _) => 1.0,
+                            _ => 0.05,
+                        })
+                    })
+                    .collect(),
+            ),
+            weight_gain: Some(0.6),
+            input: Some(input),
+            loss: Some(1.0 - 0.002 * step as f64),
+            lr: 5.0,
+            nonfinite_module: None,
+        });
+        first_of(&explain(&engine), Failure::DeadNeurons)
+    };
+    let top = run_with(healthy_input());
+    assert_eq!(top.step, Some(0), "{top}");
+    assert_eq!(top.cause, Cause::LearningRateTooHigh, "{top}");
+    assert!(
+        top.description
+            .contains("50% of the units were dead at first and 100% after updates"),
+        "{top}"
+    );
+    let top = run_with([-2000.0, 2000.0, 0.0, 500.0]);
+    assert_ne!(top.cause, Cause::LearningRateTooHigh, "{top}");
+}
+
 #[test]
 fn gradients_that_vanish_after_a_healthy_start_under_huge_steps_blame_the_learning_rate() {
     // Healthy gradients until step 4, then vanished in every layer to the end; the loss stays

@@ -149,8 +149,12 @@ impl CauseRule for LearningRateTooHigh {
             Failure::DeadNeurons => {
                 // Dead at the first measurement: nothing says the updates killed them (a
                 // GRU's head on raw inputs is half dead before any update and loses more
-                // under a learning rate its base trains well with).
-                if f.at_start {
+                // under a learning rate its base trains well with), unless the inputs are
+                // ordinary and each step was measured far larger than a training one: then
+                // the share that died after updates says so.
+                let steps_too_large =
+                    ev.update_measured && ev.update_ratio.is_some_and(|r| r >= MEASURED_TOO_LARGE);
+                if f.at_start && !(ev.ordinary_inputs() && steps_too_large) {
                     return;
                 }
                 if f.healthy_start {
