@@ -326,33 +326,42 @@ fn raw_inputs_exploding_at_the_first_step_are_the_data_even_after_a_huge_first_u
     assert_eq!(top.step, Some(0));
 }
 
+/// A 4-layer sigmoid MLP whose activations saturate from step `saturated_from` and whose
+/// first three layers' gradients vanish from step `vanishing_from`.
+fn sigmoids_saturating(saturated_from: u64, vanishing_from: u64, steps: u64) -> Engine {
+    let depth = 4;
+    run(mlp(depth, "Sigmoid", "SGD"), steps, |step| Step {
+        layer_norms: (0..layers(depth))
+            .map(|l| {
+                if step >= vanishing_from && l < 3 {
+                    1e-8
+                } else {
+                    0.05
+                }
+            })
+            .collect(),
+        acts: Some(
+            (0..depth)
+                .map(|_| {
+                    if step >= saturated_from {
+                        [1.0, 0.95, f32::NAN, 0.01, 64.0]
+                    } else {
+                        [0.7, 0.0, f32::NAN, 0.22, 64.0]
+                    }
+                })
+                .collect(),
+        ),
+        weight_gain: Some(1.0),
+        input: Some(healthy_input()),
+        loss: None,
+        lr: 0.1,
+        nonfinite_module: None,
+    })
+}
+
 #[test]
 fn saturation_before_vanishing_points_to_the_activation() {
-    let depth = 4;
-    let engine = run(mlp(depth, "Sigmoid", "SGD"), 30, |step| {
-        let sat = step >= 5;
-        Step {
-            layer_norms: (0..layers(depth))
-                .map(|l| if sat && l < 3 { 1e-8 } else { 0.05 })
-                .collect(),
-            acts: Some(
-                (0..depth)
-                    .map(|_| {
-                        if sat {
-                            [1.0, 0.95, f32::NAN, 0.01, 64.0]
-                        } else {
-                            [0.7, 0.0, f32::NAN, 0.22, 64.0]
-                        }
-                    })
-                    .collect(),
-            ),
-            weight_gain: Some(1.0),
-            input: Some(healthy_input()),
-            loss: None,
-            lr: 0.1,
-            nonfinite_module: None,
-        }
-    });
+    let engine = sigmoids_saturating(5, 5, 30);
     let h = explain(&engine);
     assert_eq!(h[0].failure, Failure::VanishingGradients, "{}", h[0]);
     assert_eq!(h[0].cause, Cause::SaturatingActivation, "{}", h[0]);
@@ -371,29 +380,7 @@ fn saturation_before_vanishing_points_to_the_activation() {
 /// ranks under the vanishing it brings about, and its evidence says so in time order.
 #[test]
 fn a_saturation_that_began_first_leads_to_the_vanishing_it_ranks_under() {
-    let depth = 4;
-    let engine = run(mlp(depth, "Sigmoid", "SGD"), 40, |step| Step {
-        layer_norms: (0..layers(depth))
-            .map(|l| if step >= 12 && l < 3 { 1e-8 } else { 0.05 })
-            .collect(),
-        acts: Some(
-            (0..depth)
-                .map(|_| {
-                    if step >= 3 {
-                        [1.0, 0.95, f32::NAN, 0.01, 64.0]
-                    } else {
-                        [0.7, 0.0, f32::NAN, 0.22, 64.0]
-                    }
-                })
-                .collect(),
-        ),
-        weight_gain: Some(1.0),
-        input: Some(healthy_input()),
-        loss: None,
-        lr: 0.1,
-        nonfinite_module: None,
-    });
-    let h = explain(&engine);
+    let h = explain(&sigmoids_saturating(3, 12, 40));
     assert_eq!(h[0].failure, Failure::VanishingGradients, "{:?}", shown(&h));
     assert_eq!(h[0].step, Some(12), "{:?}", shown(&h));
     let s = first_of(&h, Failure::SaturatedActivations);

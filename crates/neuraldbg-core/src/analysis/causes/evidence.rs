@@ -5,7 +5,7 @@
 use crate::engine::Run;
 use crate::event::SemanticEvent;
 use crate::health::GradientHealth;
-use crate::track::median;
+use crate::track::{LayerTrack, median};
 
 use super::super::episodes::{Episode, activation_gap};
 use super::super::vocab::{Cause, Failure};
@@ -89,34 +89,31 @@ pub(crate) fn times(x: f64) -> String {
 /// Median over the weighted layers of how far the first optimizer steps moved their weights
 /// relative to their size, where the collector measured it.
 pub(crate) fn measured_update_ratio(run: &Run) -> Option<f64> {
-    let measured: Vec<f64> = run
+    over_weighted_layers(run, |t| t.update_early.median())
+}
+
+/// Median over the weighted layers of how far the first measured optimizer step moved their
+/// weights relative to their size.
+fn first_update_ratio(run: &Run) -> Option<f64> {
+    over_weighted_layers(run, |t| t.update_early.first())
+}
+
+/// Median over the layers that have a weight of what `of` reads from their track.
+fn over_weighted_layers(run: &Run, of: impl Fn(&LayerTrack) -> Option<f64>) -> Option<f64> {
+    let values: Vec<f64> = run
         .model
         .layers
         .iter()
-        .enumerate()
-        .filter(|(_, l)| l.weight.is_some())
-        .filter_map(|(l, _)| run.layers[l].update_early.median())
+        .zip(&run.layers)
+        .filter(|(l, _)| l.weight.is_some())
+        .filter_map(|(_, t)| of(t))
         .collect();
-    median(&measured)
+    median(&values)
 }
 
 /// Median initial gain (`std(W)·sqrt(fan_in)`) below which the weights are far below a
 /// variance-preserving scale.
 const SMALL_GAIN: f64 = 0.25;
-
-/// Median over the weighted layers of how far the first measured optimizer step moved their
-/// weights relative to their size.
-fn first_update_ratio(run: &Run) -> Option<f64> {
-    let first: Vec<f64> = run
-        .model
-        .layers
-        .iter()
-        .enumerate()
-        .filter(|(_, l)| l.weight.is_some())
-        .filter_map(|(l, _)| run.layers[l].update_early.first())
-        .collect();
-    median(&first)
-}
 
 /// Decades a single module must grow the signal to be where a forward blow-up starts.
 pub(crate) const FORWARD_JUMP: f64 = 2.0;
