@@ -1102,6 +1102,30 @@ fn gradients_that_vanish_while_the_loss_diverges_are_its_consequence() {
     );
 }
 
+/// The plateau hypotheses of 150 healthy steps of a ReLU MLP of `depth` under `optimizer`
+/// whose loss `flattened`, each step measured to move the weights by `update` of their size,
+/// weights at `gain` of a variance-preserving scale, learning rate `lr`.
+fn flattened_under(
+    depth: usize,
+    optimizer: &str,
+    update: f32,
+    gain: f32,
+    lr: f64,
+) -> Vec<CausalHypothesis> {
+    let engine = run_measured(mlp(depth, "ReLU", optimizer), 150, update, |step| Step {
+        layer_norms: vec![0.05; layers(depth)],
+        acts: None,
+        weight_gain: Some(gain),
+        input: Some(healthy_input()),
+        loss: Some(flattened(step)),
+        lr,
+        nonfinite_module: None,
+    });
+    Analysis::new(&engine)
+        .unwrap()
+        .hypotheses(Some(Failure::LossPlateau))
+}
+
 /// A loss that falls for 20 steps, then stays flat (a little noise) to step 150.
 fn flattened(step: u64) -> f64 {
     if step < 20 {
@@ -1152,20 +1176,7 @@ fn a_plateau_behind_hidden_sigmoids_that_pass_back_a_quarter_blames_the_activati
 #[test]
 fn a_plateau_under_steps_measured_a_hundred_times_too_large_blames_the_learning_rate() {
     let depth = 3;
-    let run_with = |update: f32| {
-        let engine = run_measured(mlp(depth, "ReLU", "SGD"), 150, update, |step| Step {
-            layer_norms: vec![0.05; layers(depth)],
-            acts: None,
-            weight_gain: Some(0.6),
-            input: Some(healthy_input()),
-            loss: Some(flattened(step)),
-            lr: 0.5,
-            nonfinite_module: None,
-        });
-        Analysis::new(&engine)
-            .unwrap()
-            .hypotheses(Some(Failure::LossPlateau))
-    };
+    let run_with = |update: f32| flattened_under(depth, "SGD", update, 0.6, 0.5);
     let h = run_with(0.1);
     let top = h
         .first()
@@ -1188,20 +1199,7 @@ fn a_plateau_under_steps_measured_a_hundred_times_too_large_blames_the_learning_
 #[test]
 fn a_plateau_under_tiny_initial_weights_blames_them_not_the_large_relative_steps() {
     let depth = 3;
-    let run_with = |gain: f32| {
-        let engine = run_measured(mlp(depth, "ReLU", "Adam"), 150, 0.4, |step| Step {
-            layer_norms: vec![0.05; layers(depth)],
-            acts: None,
-            weight_gain: Some(gain),
-            input: Some(healthy_input()),
-            loss: Some(flattened(step)),
-            lr: 1e-3,
-            nonfinite_module: None,
-        });
-        Analysis::new(&engine)
-            .unwrap()
-            .hypotheses(Some(Failure::LossPlateau))
-    };
+    let run_with = |gain: f32| flattened_under(depth, "Adam", 0.4, gain, 1e-3);
     let h = run_with(0.01);
     let top = h
         .first()
