@@ -1102,7 +1102,7 @@ fn gradients_that_vanish_while_the_loss_diverges_are_its_consequence() {
     );
 }
 
-/// The plateau hypotheses of 150 healthy steps of a ReLU MLP of `depth` under `optimizer`
+/// The plateau hypotheses of 150 healthy steps of a rectified MLP of `depth` under `optimizer`
 /// whose loss `flattened`, each step measured to move the weights by `update` of their size,
 /// weights at `gain` of a variance-preserving scale, learning rate `lr`.
 fn flattened_under(
