@@ -118,6 +118,16 @@ class Arm:
             self.dbg.__exit__(None, None, None)
 
 
+def warm_up(arms: List[Arm]) -> None:
+    """Compilation, and the debugger's dense first steps, before anything is timed."""
+    import torch
+
+    for arm in arms:
+        for _ in range(2 * BLOCK + 1):
+            arm.step()
+    torch.cuda.synchronize()
+
+
 def timed_block(arm: Arm, steps: int) -> float:
     import torch
 
@@ -167,10 +177,7 @@ def check(name: str, compiled: bool, steps: int) -> Dict[str, Any]:
     plain = Arm(model, loss_of, compiled, watched=False)
     watched = Arm(model, loss_of, compiled, watched=True)
     try:
-        for arm in (plain, watched):  # warm-up: compilation, the debugger's dense first steps
-            for _ in range(2 * BLOCK + 1):
-                arm.step()
-        torch.cuda.synchronize()
+        warm_up([plain, watched])
         ratios = []
         for r in range(max(1, steps // BLOCK)):
             order = (plain, watched) if r % 2 == 0 else (watched, plain)
@@ -217,10 +224,7 @@ def profile_arms(name: str, compiled: bool, steps: int) -> None:
     }
     label = f"{name}{' compiled' if compiled else ''}"
     try:
-        for arm in arms.values():
-            for _ in range(2 * BLOCK + 1):
-                arm.step()
-        torch.cuda.synchronize()
+        warm_up(list(arms.values()))
         gpu: Dict[str, List[float]] = {k: [] for k in arms}
         cpu: Dict[str, List[float]] = {k: [] for k in arms}
         for r in range(max(1, steps // BLOCK)):

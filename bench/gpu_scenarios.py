@@ -58,16 +58,7 @@ def diagnose(scenario: S.Scenario, device: str) -> Tuple[int, Top, Optional[Base
     error: Optional[BaseException] = None
     try:
         with dbg:
-            for step in range(setup.steps):
-                if setup.before_step:
-                    setup.before_step(step, setup.optimizer)
-                if setup.zero_grad:
-                    setup.optimizer.zero_grad()
-                for micro in range(setup.accumulate):
-                    x, y = setup.batch(step * setup.accumulate + micro)
-                    loss = setup.criterion(setup.model(x), y)
-                    (loss / setup.accumulate).backward()
-                setup.optimizer.step()
+            S.train(setup)  # (without the suite's recorder, which reads values on the host)
     except Exception as e:  # a planted crash is part of some scenarios
         error = e
     hyps = [h for h in dbg.explain_failure()[:1] if h.confidence >= 0.5]

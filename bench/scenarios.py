@@ -75,6 +75,24 @@ class Outcome:
 # ----------------------------------------------------------------------------- runner
 
 
+def train(setup: Setup, rec: Optional[Recorder] = None) -> None:
+    """The scenario's training loop as its program writes it (told to ``rec`` when given)."""
+    for step in range(setup.steps):
+        if setup.before_step:
+            setup.before_step(step, setup.optimizer)
+        if setup.zero_grad:
+            setup.optimizer.zero_grad()
+        for micro in range(setup.accumulate):
+            x, y = setup.batch(step * setup.accumulate + micro)
+            if rec is not None:
+                rec.begin_forward(x)
+            loss = setup.criterion(setup.model(x), y)
+            (loss / setup.accumulate).backward()
+        if rec is not None:
+            rec.end_step(loss)
+        setup.optimizer.step()
+
+
 def run(setup: Setup, monitor: bool, dbg_options: Optional[dict] = None):
     """Runs a setup with the independent recorder (and NeuralDbg when ``monitor``)."""
     from neuraldbg import NeuralDbg
@@ -85,18 +103,7 @@ def run(setup: Setup, monitor: bool, dbg_options: Optional[dict] = None):
     error = None
     try:
         with dbg if dbg is not None else nullcontext():
-            for step in range(setup.steps):
-                if setup.before_step:
-                    setup.before_step(step, setup.optimizer)
-                if setup.zero_grad:
-                    setup.optimizer.zero_grad()
-                for micro in range(setup.accumulate):
-                    x, y = setup.batch(step * setup.accumulate + micro)
-                    rec.begin_forward(x)
-                    loss = setup.criterion(setup.model(x), y)
-                    (loss / setup.accumulate).backward()
-                rec.end_step(loss)
-                setup.optimizer.step()
+            train(setup, rec)
     except Exception as e:  # a crashed run must still be diagnosable
         error = e
     finally:

@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from bench.corpus import fit
 from bench.corpus.bases import BASES, Knobs, base
 from bench.corpus.labels import label
-from bench.corpus.mutations import MUTATIONS, pairs, singles
+from bench.corpus.mutations import MUTATIONS, knobs_for, pairs, singles
 from bench.corpus.run import one
 
 from neuraldbg.types import Cause
@@ -159,17 +159,12 @@ def test_tanh_units_saturated_by_raw_inputs_from_the_first_step_blame_the_data()
     of +-1 (a forward hook on the first batch; none on the normalized inputs), and its held-out
     accuracy falls from 0.94 to near chance. The gradients that vanish behind that saturation
     are the data's fault, not the activation's: the same Tanh trains the base to 0.94."""
-    from bench.corpus.mutations import MUTATIONS
-
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
 
     def first_tanh_saturation(ops: tuple) -> float:
-        k = Knobs()
-        for op in ops:
-            k = next(m for m in MUTATIONS if m.name == op).apply(k)
         torch.manual_seed(0)
-        p = base("mlp_binary").build(k, 0)
+        p = base("mlp_binary").build(knobs_for(ops), 0)
         tanh = next(m for m in p.model.modules() if isinstance(m, torch.nn.Tanh))
         shares: list = []
         hook = tanh.register_forward_hook(lambda _m, _i, out: shares.append(float((out.abs() > 0.99).float().mean())))

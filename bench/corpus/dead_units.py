@@ -19,8 +19,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch
 
-from bench.corpus.bases import Knobs, base
-from bench.corpus.mutations import MUTATIONS
+from bench.corpus.bases import base
+from bench.corpus.mutations import knobs_for
 from bench.corpus.run import train
 
 
@@ -33,9 +33,7 @@ def dead_share(out: torch.Tensor) -> float:
 def dead_shares(name: str, ops: str, module: str) -> Tuple[List[float], float, str]:
     """The share of `module`'s dead units at every step of the program `name` with the
     operators `ops` ('+'-joined, '-' for none), its held-out score, and its training error."""
-    k = Knobs()
-    for op in [o for o in ops.split("+") if o != "-"]:
-        k = next(m for m in MUTATIONS if m.name == op).apply(k)
+    k = knobs_for([o for o in ops.split("+") if o != "-"])
     torch.manual_seed(0)
     p = base(name).build(k, 0)
     shares: List[float] = []

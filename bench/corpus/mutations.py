@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import random
 from dataclasses import dataclass, replace
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 from .bases import Base, Knobs
 
@@ -30,6 +30,19 @@ class Mutation:
 
     def apply(self, k: Knobs) -> Knobs:
         return replace(k, **self.knobs())
+
+
+def named(ops: Sequence[str]) -> List[Mutation]:
+    """The operators of these names, in order."""
+    return [next(m for m in MUTATIONS if m.name == o) for o in ops]
+
+
+def knobs_for(ops: Sequence[str]) -> Knobs:
+    """A base program's knobs with the named operators applied, in order."""
+    k = Knobs()
+    for m in named(ops):
+        k = m.apply(k)
+    return k
 
 
 def _m(name: str, cause: str, also: Tuple[str, ...] = (), **changes: Any) -> Mutation:

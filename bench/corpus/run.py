@@ -29,7 +29,7 @@ import torch
 
 from bench.corpus.bases import BASES, Knobs, Program, base
 from bench.corpus.labels import relabel
-from bench.corpus.mutations import MUTATIONS, pairs, singles
+from bench.corpus.mutations import knobs_for, named, pairs, singles
 
 
 def train(p: Program, k: Knobs) -> Tuple[List[float], Optional[str]]:
@@ -54,10 +54,8 @@ def one(base_name: str, ops: Tuple[str, ...], seed: int) -> Dict:
     from neuraldbg import NeuralDbg
 
     b = base(base_name)
-    muts = [next(m for m in MUTATIONS if m.name == o) for o in ops]
-    k = Knobs()
-    for m in muts:
-        k = m.apply(k)
+    muts = named(ops)
+    k = knobs_for(ops)
     torch.manual_seed(seed)
     p = b.build(k, seed)
     t0 = time.perf_counter()

@@ -72,9 +72,9 @@ class NeuralDbg(Results):
             then, no grad, buffers and random generator left as they were. On CUDA each module
             call's output and inputs are reduced on the device as it returns (their largest
             magnitude, kept instead of the tensors: no synchronization, no memory held through
-            backward, but a second read of every activation: on a GPU, most of what watching
-            a convolutional network costs). ``"off"``: no per-call reads (the origin of a NaN is then located from
-            gradients only).
+            backward, but a second read of every activation: on a GPU, most of what watching a
+            convolutional network costs). ``"off"``: no per-call reads (the origin of a NaN is
+            then located from gradients only).
         step_on: ``"optimizer"`` (default) counts a step per ``optimizer.step()`` (several
             optimizers stepped after one backward pass are one step); ``"each_optimizer"`` counts
             every ``optimizer.step()``, also several in one iteration (what Lightning's manual
