@@ -89,6 +89,13 @@ fn relu_row(dead: f32) -> [f32; ACTIVATION_STATS] {
     [1.0, f32::NAN, dead, f32::NAN, 64.0]
 }
 
+/// Rows of rectified units for `mlp(depth, "ReLU", ..)`: `act1` with this dead share, the others at 5%.
+fn act1_dead(depth: usize, share: f32) -> Vec<[f32; ACTIVATION_STATS]> {
+    (0..depth)
+        .map(|a| relu_row(if a == 1 { share } else { 0.05 }))
+        .collect()
+}
+
 fn healthy_input() -> [f32; INPUT_STATS] {
     [-3.0, 3.0, 0.0, 1.0]
 }
@@ -866,17 +873,14 @@ fn a_layer_that_settles_where_default_relus_sit_is_judged_by_its_end_not_its_pea
     let run_with = |end: f32| {
         run(mlp(depth, "ReLU", "Adam"), 120, |step| Step {
             layer_norms: vec![0.05; layers(depth)],
-            acts: Some(
-                (0..depth)
-                    .map(|a| {
-                        relu_row(match (a, step) {
-                            (1, 5..15) => 0.8,
-                            (1, 15..) => end,
-                            _ => 0.05,
-                        })
-                    })
-                    .collect(),
-            ),
+            acts: Some(act1_dead(
+                depth,
+                match step {
+                    5..15 => 0.8,
+                    15.. => end,
+                    _ => 0.05,
+                },
+            )),
             weight_gain: Some(0.6),
             input: Some(healthy_input()),
             loss: Some(1.0 - 0.005 * step as f64),
@@ -958,18 +962,14 @@ fn units_half_dead_from_initialization_that_all_die_under_huge_steps_blame_the_l
     let run_with = |update: f32| {
         let engine = run_measured(mlp(depth, "ReLU", "SGD"), 120, update, |step| Step {
             layer_norms: vec![0.05; layers(depth)],
-            acts: Some(
-                (0..depth)
-                    .map(|a| {
-                        relu_row(match (a, step) {
-                            (1, 0) => 0.5,
-                            (1, 1..3) => 0.45,
-                            (1, _) => 1.0,
-                            _ => 0.05,
-                        })
-                    })
-                    .collect(),
-            ),
+            acts: Some(act1_dead(
+                depth,
+                match step {
+                    0 => 0.5,
+                    1..3 => 0.45,
+                    _ => 1.0,
+                },
+            )),
             weight_gain: Some(0.6),
             input: Some(healthy_input()),
             loss: Some(1.0 - 0.002 * step as f64),
@@ -1006,17 +1006,13 @@ fn units_dead_from_the_first_step_that_all_die_under_huge_steps_blame_them_on_or
     let run_with = |input: [f32; INPUT_STATS]| {
         let engine = run_measured(mlp(depth, "ReLU", "Adam"), 120, 0.3, |step| Step {
             layer_norms: vec![0.05; layers(depth)],
-            acts: Some(
-                (0..depth)
-                    .map(|a| {
-                        relu_row(match (a, step) {
-                            (1, 0) => 0.5,
-                            (1, _) => 1.0,
-                            _ => 0.05,
-                        })
-                    })
-                    .collect(),
-            ),
+            acts: Some(act1_dead(
+                depth,
+                match step {
+                    0 => 0.5,
+                    _ => 1.0,
+                },
+            )),
             weight_gain: Some(0.6),
             input: Some(input),
             loss: Some(1.0 - 0.002 * step as f64),
@@ -1289,17 +1285,13 @@ fn units_partly_dead_before_any_update_are_said_with_their_share() {
     let run_with = |first: f32| {
         let engine = run(mlp(depth, "ReLU", "SGD"), 120, |step| Step {
             layer_norms: vec![0.05; layers(depth)],
-            acts: Some(
-                (0..depth)
-                    .map(|a| {
-                        relu_row(match (a, step) {
-                            (1, 0) => first,
-                            (1, _) => 1.0,
-                            _ => 0.05,
-                        })
-                    })
-                    .collect(),
-            ),
+            acts: Some(act1_dead(
+                depth,
+                match step {
+                    0 => first,
+                    _ => 1.0,
+                },
+            )),
             weight_gain: Some(0.6),
             input: Some(healthy_input()),
             loss: Some(1.0 - 0.002 * step as f64),

@@ -10,19 +10,21 @@ use super::{Case, CauseRule, Facts, RemedyCase, Votes, facts_of, fmt_g};
 
 pub(crate) struct BadInputData;
 
-/// Saturation episode `j` is the inputs' doing: it began at the first step in the first
-/// bounded activation, behind ordinarily scaled weights, under inputs far beyond a normalized
-/// range (their largest magnitude).
-pub(crate) fn saturated_by_inputs(c: &Case<'_>, j: usize) -> Option<f64> {
+/// Saturation episode `j` began at the first step in the first bounded activation, under
+/// inputs far beyond a normalized range: their largest magnitude.
+fn first_activation_saturated_by_inputs(c: &Case<'_>, j: usize) -> Option<f64> {
     let s = &c.episodes[j];
     let first_act = c.run.model.activations.first().map(|a| a.module);
-    let at_start = s.onset <= c.ev.first_step;
     c.ev.huge_inputs().filter(|_| {
-        c.ev.gain_normal()
-            && at_start
-            && s.failure == Failure::SaturatedActivations
+        s.failure == Failure::SaturatedActivations
+            && s.onset <= c.ev.first_step
             && s.root == first_act
     })
+}
+
+/// The same behind ordinarily scaled weights: the saturation is the inputs' doing.
+pub(crate) fn saturated_by_inputs(c: &Case<'_>, j: usize) -> Option<f64> {
+    first_activation_saturated_by_inputs(c, j).filter(|_| c.ev.gain_normal())
 }
 
 /// The input batch of the onset step (or the one before): the data anomaly there, and whether
@@ -143,17 +145,13 @@ impl CauseRule for BadInputData {
             Failure::SaturatedActivations => {
                 // Inputs far beyond a normalized range saturate the first bounded activation
                 // however well the weights are scaled.
-                if f.at_start {
-                    let first_act = c.run.model.activations.first().map(|a| a.module);
-                    let huge = ev.huge_inputs().filter(|_| c.e.root == first_act);
-                    if let Some(scale) = huge {
-                        v.add(
-                            3.0,
-                            format!("inputs reach magnitude {} (not normalized)", fmt_g(scale)),
-                        );
-                        if ev.gain_normal() {
-                            v.add(1.0, "the weights themselves are ordinarily scaled");
-                        }
+                if let Some(scale) = first_activation_saturated_by_inputs(c, c.k) {
+                    v.add(
+                        3.0,
+                        format!("inputs reach magnitude {} (not normalized)", fmt_g(scale)),
+                    );
+                    if ev.gain_normal() {
+                        v.add(1.0, "the weights themselves are ordinarily scaled");
                     }
                 }
                 anomalous_batch(c, v, 3.0);

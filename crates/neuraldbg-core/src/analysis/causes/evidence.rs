@@ -261,14 +261,14 @@ impl Evidence {
         // weights it made). A step that large can only have grown them (in many dimensions
         // it is nearly orthogonal to them): weights still far below a variance-preserving
         // scale after it were at most that large before.
+        let mut gain_values: Vec<f64> = gains.iter().map(|g| g.0).collect();
         let first_large = first_update_ratio(run).is_some_and(|r| r > 1.0);
-        let still_small =
-            median(&gains.iter().map(|g| g.0).collect::<Vec<_>>()).is_some_and(|g| g < SMALL_GAIN);
+        let still_small = median(&gain_values).is_some_and(|g| g < SMALL_GAIN);
         let init_known = update_ratio.is_none_or(|r| r <= 1.0) && (!first_large || still_small);
         if !init_known {
             gains.clear();
+            gain_values.clear();
         }
-        let gain_values: Vec<f64> = gains.iter().map(|g| g.0).collect();
         // Which activation follows each layer in forward order (before the next layer).
         let mut next_act: Vec<Option<usize>> = vec![None; model.layers.len()];
         let mut pending: Option<usize> = None;

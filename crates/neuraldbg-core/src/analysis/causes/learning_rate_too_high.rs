@@ -6,7 +6,7 @@ use crate::engine::Run;
 use super::super::failures::dead_share_at_start;
 use super::super::remedy::Remedy;
 use super::super::vocab::{Cause, Failure};
-use super::evidence::{DIED_AFTER_UPDATES, TRAINING_UPDATE, decades_ratio, times};
+use super::evidence::{DIED_AFTER_UPDATES, Evidence, TRAINING_UPDATE, decades_ratio, times};
 use super::{Case, CauseRule, Facts, RemedyCase, Votes, facts_of, fmt_g};
 
 pub(crate) struct LearningRateTooHigh;
@@ -152,9 +152,7 @@ impl CauseRule for LearningRateTooHigh {
                 // under a learning rate its base trains well with), unless the inputs are
                 // ordinary and each step was measured far larger than a training one: then
                 // the share that died after updates says so.
-                let steps_too_large =
-                    ev.update_measured && ev.update_ratio.is_some_and(|r| r >= MEASURED_TOO_LARGE);
-                if f.at_start && !(ev.ordinary_inputs() && steps_too_large) {
+                if f.at_start && !(ev.ordinary_inputs() && measured_too_large(ev).is_some()) {
                     return;
                 }
                 if f.healthy_start {
@@ -226,11 +224,10 @@ impl CauseRule for LearningRateTooHigh {
                         ),
                     );
                 }
-                if ev.update_measured && ev.update_ratio.is_some_and(|r| r >= MEASURED_TOO_LARGE) {
+                if measured_too_large(ev).is_some() {
                     // Steps measured far larger than a training one keep the loss from settling.
                     step_size(c, &own, v);
-                } else if let Some(r) = ev.update_ratio.filter(|r| *r > 0.5 && !ev.gain_too_small())
-                {
+                } else if let Some(r) = step_ratio(ev).filter(|r| *r > 0.5) {
                     v.add(
                         1.5,
                         format!(
@@ -278,9 +275,19 @@ impl CauseRule for LearningRateTooHigh {
 /// large for the weights it moves, whatever the loss does.
 const MEASURED_TOO_LARGE: f64 = 10.0 * TRAINING_UPDATE;
 
-/// A learning rate that rose, or steps large relative to the weights (unless the weights
-/// started far below a variance-preserving scale: then every step is large beside them, and
-/// the ratio measures the weights, not the learning rate).
+/// The update-to-weight ratio, as evidence of the learning rate: not when the weights started
+/// far below a variance-preserving scale (every step is large beside them: the ratio then
+/// measures the weights).
+fn step_ratio(ev: &Evidence) -> Option<f64> {
+    ev.update_ratio.filter(|_| !ev.gain_too_small())
+}
+
+/// That ratio, measured, when it is at least [`MEASURED_TOO_LARGE`].
+fn measured_too_large(ev: &Evidence) -> Option<f64> {
+    step_ratio(ev).filter(|r| ev.update_measured && *r >= MEASURED_TOO_LARGE)
+}
+
+/// A learning rate that rose, or steps large relative to the weights.
 fn step_size(c: &Case<'_>, own: &Steps, v: &mut Votes) {
     if own.lr_spike >= 3.0 {
         v.add(
@@ -291,8 +298,8 @@ fn step_size(c: &Case<'_>, own: &Steps, v: &mut Votes) {
             ),
         );
     }
-    if let Some(r) = c.ev.update_ratio.filter(|_| !c.ev.gain_too_small()) {
-        if c.ev.update_measured && r >= MEASURED_TOO_LARGE {
+    if let Some(r) = step_ratio(c.ev) {
+        if measured_too_large(c.ev).is_some() {
             let size = if r > 1.0 {
                 format!("~{}x their size", fmt_g(r))
             } else {
