@@ -312,6 +312,32 @@ fn failure_present_at_step_zero_points_to_initialization() {
     assert_eq!(top.step, Some(0));
 }
 
+/// Gradient norms high (not exploding) from the first step under weights initialized at 5.7x a
+/// variance-preserving scale, while the loss still falls: the warning names the weights; under
+/// ordinary weights nothing explains it.
+#[test]
+fn gradients_running_high_from_the_first_step_under_large_weights_name_them() {
+    let depth = 3;
+    let run_with = |gain: f32| {
+        let engine = run(mlp(depth, "ReLU", "SGD"), 60, |step| Step {
+            layer_norms: vec![4.0; layers(depth)],
+            acts: None,
+            weight_gain: Some(gain),
+            input: Some(healthy_input()),
+            loss: Some(2.0 / (1.0 + 0.02 * step as f64)),
+            lr: 1e-3,
+            nonfinite_module: None,
+        });
+        first_of(&explain(&engine), Failure::SaturatedGradients)
+    };
+    let h = run_with(5.7);
+    assert_eq!(h.cause, Cause::PoorInitialization, "{h}");
+    assert_eq!(h.step, Some(0), "{h}");
+    assert!(h.description.contains("initial weights are 5.7x"), "{h}");
+    assert!(h.confidence < 0.5, "a warning, not a failure: {h}");
+    assert_eq!(run_with(0.6).cause, Cause::Unknown);
+}
+
 #[test]
 fn raw_inputs_exploding_at_the_first_step_are_the_data_even_after_a_huge_first_update() {
     // Raw pixels (0..255) and ordinary weights: the first SGD step is so large that the weight

@@ -24,11 +24,14 @@ impl CauseRule for PoorInitialization {
     fn explains(&self, failure: Failure) -> bool {
         !matches!(
             failure,
-            Failure::DataAnomaly
-                | Failure::SaturatedGradients
-                | Failure::StalledLayer
-                | Failure::LossScaleCollapse
+            Failure::DataAnomaly | Failure::StalledLayer | Failure::LossScaleCollapse
         )
+    }
+
+    /// High gradient norms are a warning with many causes: the weights' scale competes for
+    /// them only when it is off.
+    fn always_candidate(&self, failure: Failure) -> bool {
+        failure != Failure::SaturatedGradients
     }
 
     fn evidence(&self, c: &Case<'_>, v: &mut Votes) {
@@ -133,8 +136,18 @@ impl CauseRule for PoorInitialization {
                 }
                 confidently_wrong_start(c, v);
             }
+            Failure::SaturatedGradients => {
+                // Norms high from the first step, under weights that amplify the signal.
+                if f.at_start && ev.gain_too_large() {
+                    v.add(
+                        1.0,
+                        "gradient norms were already high at the first step, before any update",
+                    );
+                    large_weights(v, ev, 2.0);
+                    compounding(c, v, false);
+                }
+            }
             Failure::DataAnomaly
-            | Failure::SaturatedGradients
             | Failure::LossScaleCollapse
             | Failure::StalledLayer
             | Failure::ReplicaDivergence => {}
