@@ -183,6 +183,92 @@ class Softmax:
         }
 
 
+class CauseScales:
+    """The engine's own ranking with fitted numbers: within the primary episode, each named
+    cause's evidence (its score above the engine's prior) times a scale per cause, plus an
+    offset per cause, ranked by the engine's softmax (temperature 1/1.5, ``unknown`` as
+    exported). Two numbers a cause, L2-regularised towards the engine's (scale 1, offset 0):
+    the smallest change of the hand-set weights a fit can make, and the one the engine could
+    hold as a table. Fitted by gradient descent on the mutants that manifest (their planted
+    causes' probability)."""
+
+    PRIOR = 1.5  # the engine's NAMED_PRIOR: every named cause's score starts this far below unknown
+    T = 1.5
+
+    def __init__(self, l2: float = 3e-2) -> None:
+        self.l2 = l2
+        self.named = [c for c in CAUSES if c != "unknown"]
+        self.log_scale = np.zeros(len(self.named))
+        self.offset = np.zeros(len(self.named))
+
+    def _arrays(self, records: List[Dict]) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Per run and cause: its evidence, whether it is a candidate, whether it is named
+        (scaled), and whether it is planted."""
+        n, k = len(records), len(CAUSES)
+        ev, cand, named, planted = np.zeros((n, k)), np.zeros((n, k), bool), np.zeros(k, bool), np.zeros((n, k))
+        named[[CAUSES.index(c) for c in self.named]] = True
+        for i, r in enumerate(records):
+            e = primary_episode(r["evidence"], r["hypotheses"])
+            for c in (e or {}).get("causes", []):
+                if c["cause"] in CAUSES:
+                    j = CAUSES.index(c["cause"])
+                    cand[i, j] = True
+                    ev[i, j] = _num(c["score"]) + (self.PRIOR if named[j] else 0.0)
+            for c in r["label"]:
+                if c in CAUSES:
+                    planted[i, CAUSES.index(c)] = 1.0
+        return ev, cand, named, planted
+
+    def _probs(self, ev: np.ndarray, cand: np.ndarray, named: np.ndarray) -> np.ndarray:
+        a = np.ones(len(CAUSES))
+        b = np.zeros(len(CAUSES))
+        a[named] = np.exp(self.log_scale)
+        b[named] = self.offset
+        s = np.where(named, a * ev - self.PRIOR + b, ev)
+        z = np.where(cand, self.T * s, -np.inf)
+        z -= z.max(1, keepdims=True, initial=-1e300, where=cand)
+        w = np.where(cand, np.exp(z), 0.0)
+        return w / np.maximum(w.sum(1, keepdims=True), 1e-300)
+
+    def fit(self, records: List[Dict], iters: int = 3000, lr: float = 0.5) -> CauseScales:
+        man = [r for r in records if r["label"] != ["healthy"] and primary_episode(r["evidence"], r["hypotheses"])]
+        ev, cand, named, planted = self._arrays(man)
+        keep = (planted * cand).sum(1) > 0  # a planted cause among the candidates
+        ev, cand, planted = ev[keep], cand[keep], planted[keep]
+        for _ in range(iters):
+            p = self._probs(ev, cand, named)
+            q = p * planted
+            q /= q.sum(1, keepdims=True)
+            g = self.T * (p - q) / len(ev)  # d(-log P(planted)) / d score
+            a = np.exp(self.log_scale)
+            self.offset -= lr * (g[:, named].sum(0) + 2 * self.l2 * self.offset)
+            self.log_scale -= lr * ((g[:, named] * ev[:, named]).sum(0) * a + 2 * self.l2 * self.log_scale)
+        return self
+
+    def predict(self, records: List[Dict]) -> List[Tuple[str, float]]:
+        """The top cause of each run's primary episode at P(failure) x P(cause), as the
+        engine's verdict reads (healthy below 0.5)."""
+        ev, cand, named, _ = self._arrays(records)
+        p = self._probs(ev, cand, named)
+        out = []
+        for i, r in enumerate(records):
+            e = primary_episode(r["evidence"], r["hypotheses"])
+            if e is None or not cand[i].any():
+                out.append(("healthy", 0.0))
+                continue
+            j = int(np.argmax(np.where(cand[i], p[i], -1.0)))
+            conf = _num(e["p_failure"]) * float(p[i, j])
+            out.append((CAUSES[j], conf) if conf >= 0.5 else ("healthy", conf))
+        return out
+
+    def rows(self) -> List[str]:
+        return [
+            f"| {c} | {math.exp(a):.2f} | {b:+.2f} |"
+            for c, a, b in zip(self.named, self.log_scale, self.offset)
+            if abs(a) > 0.01 or abs(b) > 0.01
+        ]
+
+
 def targets(records: List[Dict], classes: List[str]) -> np.ndarray:
     y = np.zeros((len(records), len(classes)))
     for i, r in enumerate(records):
@@ -348,6 +434,20 @@ def main() -> int:
         for r in ext:
             r.setdefault("manifests", r["label"] != ["healthy"])
         report("external suite (buggy and fixed programs)", ext, model)
+    scales = CauseScales().fit(train)
+    print("\n# The engine's own form, fitted: a scale and an offset per cause (see CauseScales)")
+    print("| cause | scale | offset |\n|---|---|---|")
+    print("\n".join(scales.rows()) or "| (none moved) | | |")
+    compare("held-out base programs: engine's numbers vs fitted scales", test, scales.predict(test))
+    if args.cv:
+        order, preds = [], []
+        for b in sorted({r["base"] for r in records}):
+            out = [r for r in records if r["base"] == b]
+            order += out
+            preds += CauseScales().fit([r for r in records if r["base"] != b]).predict(out)
+        compare("leave-one-base-out: engine's numbers vs fitted scales", order, preds)
+    if args.external:
+        compare("external suite: engine's numbers vs fitted scales", ext, scales.predict(ext))
     if args.table:
         with open(args.table, "w") as f:
             json.dump({"command": "make bench-corpus", **model.table()}, f, indent=1)
