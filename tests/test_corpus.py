@@ -183,6 +183,30 @@ def test_tanh_units_saturated_by_raw_inputs_from_the_first_step_blame_the_data()
     assert any("(not normalized)" in r for r in vanishing["causes"][0]["reasons"]), vanishing["causes"][0]
 
 
+def test_the_engines_own_form_recovers_a_known_scale_and_offset() -> None:
+    # Runs whose planted cause was drawn from the engine's softmax with learning_rate_too_low's
+    # evidence counting twice and 0.5 more: the fit finds those numbers and leaves the others.
+    g = np.random.default_rng(0)
+    true = {"dying_relu": (1.0, 0.0), "learning_rate_too_low": (2.0, 0.5)}
+    records = []
+    for _ in range(2000):
+        evidence = {c: float(g.uniform(0.0, 3.0)) for c in true}
+        scores = {c: a * evidence[c] - 1.5 + b for c, (a, b) in true.items()} | {"unknown": 0.0}
+        z = np.array([1.5 * v for v in scores.values()])
+        p = np.exp(z - z.max())
+        planted = list(scores)[g.choice(3, p=p / p.sum())]
+        causes = [{"cause": c, "score": evidence[c] - 1.5} for c in true] + [{"cause": "unknown", "score": 0.0}]
+        episode = {"failure": "loss_plateau", "onset": 0, "layer": "fc", "explained_by": None, "p_failure": 1.0}
+        records.append(
+            {"label": [planted], "hypotheses": [], "evidence": {"episodes": [{**episode, "causes": causes}]}}
+        )
+    m = fit.CauseScales(l2=1e-5).fit(records, iters=4000)
+    fitted = {c: (float(np.exp(a)), float(b)) for c, a, b in zip(m.named, m.log_scale, m.offset)}
+    assert abs(fitted["learning_rate_too_low"][0] - 2.0) < 0.25 and abs(fitted["learning_rate_too_low"][1] - 0.5) < 0.3
+    assert abs(fitted["dying_relu"][0] - 1.0) < 0.15 and abs(fitted["dying_relu"][1]) < 0.3
+    assert fitted["poor_initialization"] == (1.0, 0.0)  # never a candidate: not moved
+
+
 def test_two_corpus_runs_are_compared_by_the_runs_whose_verdict_changed() -> None:
     def run(ops, label, cause, confidence):
         hyp = {"failure": "loss_plateau", "cause": cause, "confidence": confidence}
