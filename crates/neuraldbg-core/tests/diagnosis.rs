@@ -872,6 +872,29 @@ fn a_classifier_whose_loss_stays_at_chance_is_not_learning() {
 }
 
 #[test]
+fn a_loss_that_begins_at_chance_and_creeps_along_it_learned_nothing() {
+    // Just above ln 10 at the first step, creeping 2.5% lower every 50 steps to just below it
+    // by step 110, flat after that: the loss counts as flat only from step ~90, the last
+    // third of the run, yet the model never got better than a constant guess.
+    let depth = 3;
+    let chance = 10f64.ln();
+    let engine = run(classifier(depth), 150, |step| {
+        let level = 1.04 - 0.0005 * step.min(110) as f64;
+        healthy_step(depth, chance * level + 0.005 * wobble(step))
+    });
+    let h = explain(&engine);
+    let plateau = h
+        .iter()
+        .find(|h| h.failure == Failure::LossPlateau)
+        .unwrap_or_else(|| panic!("no plateau: {h:?}"));
+    assert!(
+        plateau.description.contains("at its chance level"),
+        "{}",
+        plateau.description
+    );
+}
+
+#[test]
 fn a_loss_that_bounces_instead_of_descending_points_at_the_learning_rate() {
     // Steps that overshoot: each step's loss swings to the other side of its level
     // (negatively correlated changes), around a level that creeps up instead of falling.

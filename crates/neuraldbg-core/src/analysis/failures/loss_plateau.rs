@@ -224,11 +224,13 @@ pub(crate) fn not_learning(run: &Run) -> Option<Chance> {
     let chance = chance_level(run)?;
     let (first, last) = (run.first_step?, run.last_step?);
     let l = &run.loss;
-    // Flat over most of the run; a noisy loss may never count as flat, but one that never got
-    // clearly below the level (`best`, below) was at it all along.
-    let flat_most = l
-        .flat_since
-        .is_none_or(|since| 2 * (last.saturating_sub(since) + 1) > last.saturating_sub(first));
+    // Flat over most of the run; a noisy loss may never count as flat (or only over a late
+    // window), but one that began at the level and never got clearly below it (`best`, below)
+    // was at it all along.
+    let began_at_level = l.initial.is_some_and(|i| i <= 1.1 * chance.level);
+    let flat_most = began_at_level
+        || l.flat_since
+            .is_none_or(|since| 2 * (last.saturating_sub(since) + 1) > last.saturating_sub(first));
     // A loss above its chance level is no better: a classifier's is confidently wrong, a
     // regression's no better than the targets' mean. (The variance comes from one batch of
     // targets, off by ~10-20% for batches of 64-256, and a regression loss is noisy: both
