@@ -847,16 +847,8 @@ fn a_classifier_whose_loss_stays_at_chance_is_not_learning() {
         let start = 6.0 * (-(step as f64) / 5.0).exp();
         healthy_step(depth, chance + start + 0.01 * wobble(step))
     });
-    let h = explain(&engine);
-    let plateau = h
-        .iter()
-        .find(|h| h.failure == Failure::LossPlateau)
-        .unwrap_or_else(|| panic!("no plateau: {h:?}"));
-    assert!(
-        plateau.description.contains("chance level"),
-        "{}",
-        plateau.description
-    );
+    let plateau = first_of(&explain(&engine), Failure::LossPlateau);
+    assert!(plateau.description.contains("chance level"), "{plateau}");
     assert!(plateau.step.is_some_and(|s| s < 60), "{plateau}");
     // The same run that keeps learning below chance is no plateau.
     let engine = run(classifier(depth), 300, |step| {
@@ -882,15 +874,10 @@ fn a_loss_that_begins_at_chance_and_creeps_along_it_learned_nothing() {
         let level = 1.04 - 0.0005 * step.min(110) as f64;
         healthy_step(depth, chance * level + 0.005 * wobble(step))
     });
-    let h = explain(&engine);
-    let plateau = h
-        .iter()
-        .find(|h| h.failure == Failure::LossPlateau)
-        .unwrap_or_else(|| panic!("no plateau: {h:?}"));
+    let plateau = first_of(&explain(&engine), Failure::LossPlateau);
     assert!(
         plateau.description.contains("at its chance level"),
-        "{}",
-        plateau.description
+        "{plateau}"
     );
 }
 
