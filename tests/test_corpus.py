@@ -183,6 +183,32 @@ def test_tanh_units_saturated_by_raw_inputs_from_the_first_step_blame_the_data()
     assert any("(not normalized)" in r for r in vanishing["causes"][0]["reasons"]), vanishing["causes"][0]
 
 
+def test_an_autoencoder_fed_raw_pixels_blames_the_data_not_its_sigmoid_output() -> None:
+    """The corpus autoencoder on inputs left on their raw scale: its inputs and reconstruction
+    targets reach 255 while its output stays in [0, 1] (read off the first batch), and its
+    held-out quality falls far below its base's, which the same sigmoid output trains well on
+    normalized data. The cause is the data; the output that cannot reach the targets is its
+    evidence."""
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    p = base("autoencoder").build(knobs_for(("raw_inputs",)), 0)
+    x, y = p.batch(0)[:2]
+    with torch.no_grad():
+        out = p.model(x)
+    assert float(x.abs().max()) > 100 and float(y.max()) > 100, (float(x.abs().max()), float(y.max()))
+    assert float(out.min()) >= 0.0 and float(out.max()) <= 1.0
+    plain, raw = one("autoencoder", (), 0), one("autoencoder", ("raw_inputs",), 0)
+    assert raw["score"] < plain["score"] - 0.5, (plain["score"], raw["score"])
+    top = raw["hypotheses"][0]
+    assert top["cause"] == "bad_input_data" and top["confidence"] >= 0.5, raw["hypotheses"]
+    episode = next(
+        e for e in raw["evidence"]["episodes"] if e["failure"] == top["failure"] and e["onset"] == top["step"]
+    )
+    assert episode["causes"][0]["cause"] == "bad_input_data"
+    assert any("the data is not normalized" in r for r in episode["causes"][0]["reasons"]), episode["causes"][0]
+
+
 def test_the_engines_own_form_recovers_a_known_scale_and_offset() -> None:
     # Runs whose planted cause was drawn from the engine's softmax with learning_rate_too_low's
     # evidence counting twice and 0.5 more: the fit finds those numbers and leaves the others.

@@ -33,6 +33,19 @@ fn run_amended(
     moves: impl Fn(usize) -> bool,
     loss: impl Fn(u64) -> f64,
 ) -> Vec<CausalHypothesis> {
+    run_on(spec, amend, &[], steps, grad, moves, loss)
+}
+
+/// [`run_amended`], with each step's input batch statistics (`[min, max, mean, std]`).
+fn run_on(
+    spec: ModelSpec,
+    amend: &[(u64, Vec<Option<f64>>)],
+    inputs: &[f32],
+    steps: u64,
+    grad: impl Fn(usize, u64) -> Option<f32>,
+    moves: impl Fn(usize) -> bool,
+    loss: impl Fn(u64) -> f64,
+) -> Vec<CausalHypothesis> {
     let mut engine = Engine::new(Config::default()).unwrap();
     engine.register_model(spec).unwrap();
     for step in 0..steps {
@@ -57,6 +70,7 @@ fn run_amended(
             weight_norms: Some(weights),
             loss: Some(loss(step)),
             lr: Some(0.05),
+            inputs: inputs.to_vec(),
             ..Observation::default()
         };
         engine.observe(&obs.view()).unwrap();
@@ -309,6 +323,45 @@ fn a_bounded_output_regressing_targets_beyond_its_range_is_a_mismatch() {
     let h = run(s, 200, |_, _| Some(0.01), |_| true, plateau);
     assert_eq!(h[0].cause, Cause::OutputLossMismatch, "{}", h[0]);
     assert!(h[0].description.contains("[0, 40]"), "{}", h[0].description);
+}
+
+/// An autoencoder fed raw pixels: inputs and targets span 0-255 and its sigmoid output [0, 1].
+/// The output was chosen for normalized data: the data is the cause, the mismatch its evidence.
+/// The same targets under normalized inputs stay the output's mismatch.
+#[test]
+fn a_bounded_output_regressing_targets_on_the_raw_scale_of_its_inputs_blames_the_data() {
+    let s = || {
+        with_loss(LossSpec {
+            ops: ops(&["MseLoss"]),
+            output_op: Some("Sigmoid".into()),
+            output_units: Some(784),
+            target_range: Some((0.0, 255.0)),
+            ..LossSpec::default()
+        })
+    };
+    let raw = [0.0, 255.0, 33.0, 78.0];
+    let h = run_on(s(), &[], &raw, 200, |_, _| Some(0.01), |_| true, plateau);
+    assert_eq!(h[0].cause, Cause::BadInputData, "{}", h[0]);
+    assert!(
+        h[0].description.contains("[0, 255]"),
+        "{}",
+        h[0].description
+    );
+    assert!(
+        h[0].remedies[0].contains("normalize inputs"),
+        "{:?}",
+        h[0].remedies
+    );
+    let h = run_on(
+        s(),
+        &[],
+        &[-2.0, 2.0, 0.0, 1.0],
+        200,
+        |_, _| Some(0.01),
+        |_| true,
+        plateau,
+    );
+    assert_eq!(h[0].cause, Cause::OutputLossMismatch, "{}", h[0]);
 }
 
 #[test]

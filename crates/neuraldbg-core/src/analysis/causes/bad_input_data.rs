@@ -6,6 +6,7 @@ use crate::health::{DataHealth, State};
 use super::super::remedy::Remedy;
 use super::super::vocab::{Cause, Failure};
 use super::evidence::earliest;
+use super::output_loss_mismatch;
 use super::{Case, CauseRule, Facts, RemedyCase, Votes, facts_of, fmt_g};
 
 pub(crate) struct BadInputData;
@@ -77,6 +78,15 @@ impl CauseRule for BadInputData {
 
     fn evidence(&self, c: &Case<'_>, v: &mut Votes) {
         let (ev, f) = (c.ev, c.f);
+        if let (Some(why), Some((m, loss))) = (
+            output_loss_mismatch::raw_data_targets(c.run),
+            output_loss_mismatch::found(c.run),
+        ) {
+            let out = loss.output_op.as_deref().unwrap_or("?");
+            if output_loss_mismatch::explains_failure(m, out, c.e.failure) {
+                v.proof(5.0, why);
+            }
+        }
         match c.e.failure {
             Failure::ExplodingGradients => {
                 // Ordinary weights that do not amplify the signal, yet a huge loss or huge
@@ -203,6 +213,9 @@ impl CauseRule for BadInputData {
     }
 
     fn remedies(&self, c: &RemedyCase<'_>) -> Vec<Remedy> {
+        if output_loss_mismatch::raw_data_targets(c.run).is_some() {
+            return vec![Remedy::NormalizeInputs, Remedy::ScaleTargetsIntoRange];
+        }
         vec![
             Remedy::InspectBatch { step: c.e.onset },
             Remedy::NormalizeInputs,

@@ -135,6 +135,48 @@ pub(crate) fn found(run: &Run) -> Option<(Mismatch, &LossSpec)> {
     mismatch(loss).map(|m| (m, loss))
 }
 
+/// A bounded output regressing targets on the raw scale of the inputs themselves (an
+/// autoencoder fed unnormalized data: pixels of 0-255 in and out): the output was chosen for
+/// normalized data, and the mismatch is the data's. The sentence that says so.
+pub(crate) fn raw_data_targets(run: &Run) -> Option<String> {
+    let (Mismatch::BoundedRegression { lo, hi }, loss) = found(run)? else {
+        return None;
+    };
+    let x = run
+        .data
+        .first_scale
+        .filter(|x| *x > super::evidence::HUGE_INPUTS)?;
+    let (tmin, tmax) = loss.target_range?;
+    let t = tmin.abs().max(tmax.abs());
+    (0.5 * x..=2.0 * x).contains(&t).then(|| {
+        format!(
+            "the regression targets span [{}, {}], the scale of the inputs (which reach {}): the data is not normalized, and the {} output (range [{}, {}]) cannot reach it",
+            fmt_g(tmin),
+            fmt_g(tmax),
+            fmt_g(x),
+            loss.output_op.as_deref().unwrap_or("bounded"),
+            fmt_g(lo),
+            fmt_g(hi)
+        )
+    })
+}
+
+/// Whether mismatch `m` of output `out` explains `failure`. The one-unit softmax makes every
+/// gradient zero, and so does a rectified output once its units are cut to 0: they explain
+/// vanishing gradients. The others make learning slow or impossible: a plateau, or
+/// saturated/dead outputs.
+pub(crate) fn explains_failure(m: Mismatch, out: &str, failure: Failure) -> bool {
+    let rectified = matches!(out, "Relu" | "Relu6");
+    match failure {
+        Failure::LossPlateau => true,
+        Failure::VanishingGradients => m == Mismatch::OneUnitSoftmax || rectified,
+        Failure::SaturatedActivations | Failure::DeadNeurons | Failure::LossDivergence => {
+            m != Mismatch::OneUnitSoftmax
+        }
+        _ => false,
+    }
+}
+
 impl CauseRule for OutputLossMismatch {
     fn cause(&self) -> Cause {
         Cause::OutputLossMismatch
@@ -200,19 +242,13 @@ impl CauseRule for OutputLossMismatch {
                 )
             }
         };
-        // The one-unit softmax makes every gradient zero, and so does a rectified output once
-        // its units are cut to 0: they explain vanishing gradients. The others make learning
-        // slow or impossible: a plateau, or saturated/dead outputs.
-        let rectified = matches!(out, "Relu" | "Relu6");
-        let fits = match c.e.failure {
-            Failure::LossPlateau => true,
-            Failure::VanishingGradients => m == Mismatch::OneUnitSoftmax || rectified,
-            Failure::SaturatedActivations | Failure::DeadNeurons | Failure::LossDivergence => {
-                m != Mismatch::OneUnitSoftmax
-            }
-            _ => false,
-        };
-        if fits {
+        if !explains_failure(m, out, c.e.failure) {
+            return;
+        }
+        // On raw data the mismatch is true but the data's (see `bad_input_data`).
+        if raw_data_targets(c.run).is_some() {
+            v.add(2.0, why);
+        } else {
             v.proof(5.0, why);
         }
     }
