@@ -881,6 +881,28 @@ fn a_loss_that_begins_at_chance_and_creeps_along_it_learned_nothing() {
     );
 }
 
+/// A classifier at its chance level from the first step to the last, under weights initialized
+/// at 0.006x a variance-preserving scale: the signal shrinks ~170x per layer, the output starts
+/// out constant. The plateau is the initialization's; under ordinary weights it is not.
+#[test]
+fn a_plateau_at_chance_from_the_start_under_tiny_weights_blames_them() {
+    let depth = 3;
+    let chance = 10f64.ln();
+    let run_with = |gain: f32| {
+        let engine = run(classifier(depth), 150, |step| Step {
+            weight_gain: Some(gain),
+            ..healthy_step(depth, chance + 0.01 * wobble(step))
+        });
+        first_of(&explain(&engine), Failure::LossPlateau)
+    };
+    let h = run_with(0.006);
+    assert_eq!(h.cause, Cause::PoorInitialization, "{h}");
+    assert_eq!(h.step, Some(0), "{h}");
+    assert!(h.confidence >= 0.5, "{h}");
+    assert!(h.description.contains("only 0.006x"), "{h}");
+    assert_ne!(run_with(0.6).cause, Cause::PoorInitialization);
+}
+
 #[test]
 fn a_loss_that_bounces_instead_of_descending_points_at_the_learning_rate() {
     // Steps that overshoot: each step's loss swings to the other side of its level

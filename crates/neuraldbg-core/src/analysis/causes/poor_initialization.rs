@@ -124,7 +124,12 @@ impl CauseRule for PoorInitialization {
                 }
             }
             Failure::LossPlateau => {
-                if f.at_start && (ev.gain_too_large() || ev.gain_too_small()) {
+                if f.at_start && ev.gain_too_small() {
+                    // Weights far too small shrink the signal layer after layer: the output
+                    // starts out constant, and the loss at what a constant guess scores.
+                    small_weights(v, ev, 2.0);
+                    compounding(c, v, true);
+                } else if f.at_start && ev.gain_too_large() {
                     v.add(
                         1.0,
                         "the initial weight scale is far from variance-preserving",
