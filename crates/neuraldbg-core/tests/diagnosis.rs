@@ -312,30 +312,43 @@ fn failure_present_at_step_zero_points_to_initialization() {
     assert_eq!(top.step, Some(0));
 }
 
-/// Gradient norms high (not exploding) from the first step under weights initialized at 5.7x a
-/// variance-preserving scale, while the loss still falls: the warning names the weights; under
-/// ordinary weights nothing explains it.
+/// The hypothesis on gradient norms high (not exploding) from the first step to the last, while
+/// the loss falls, under weights of this gain and inputs of these statistics.
+fn high_norms_from_the_start(gain: f32, input: [f32; INPUT_STATS]) -> CausalHypothesis {
+    let depth = 3;
+    let engine = run(mlp(depth, "ReLU", "SGD"), 60, |step| Step {
+        layer_norms: vec![4.0; layers(depth)],
+        acts: None,
+        weight_gain: Some(gain),
+        input: Some(input),
+        loss: Some(2.0 / (1.0 + 0.02 * step as f64)),
+        lr: 1e-3,
+        nonfinite_module: None,
+    });
+    first_of(&explain(&engine), Failure::SaturatedGradients)
+}
+
+/// Under weights initialized at 5.7x a variance-preserving scale, the warning names the
+/// weights; under ordinary weights and inputs nothing explains it.
 #[test]
 fn gradients_running_high_from_the_first_step_under_large_weights_name_them() {
-    let depth = 3;
-    let run_with = |gain: f32| {
-        let engine = run(mlp(depth, "ReLU", "SGD"), 60, |step| Step {
-            layer_norms: vec![4.0; layers(depth)],
-            acts: None,
-            weight_gain: Some(gain),
-            input: Some(healthy_input()),
-            loss: Some(2.0 / (1.0 + 0.02 * step as f64)),
-            lr: 1e-3,
-            nonfinite_module: None,
-        });
-        first_of(&explain(&engine), Failure::SaturatedGradients)
-    };
-    let h = run_with(5.7);
+    let h = high_norms_from_the_start(5.7, healthy_input());
     assert_eq!(h.cause, Cause::PoorInitialization, "{h}");
     assert_eq!(h.step, Some(0), "{h}");
     assert!(h.description.contains("initial weights are 5.7x"), "{h}");
     assert!(h.confidence < 0.5, "a warning, not a failure: {h}");
-    assert_eq!(run_with(0.6).cause, Cause::Unknown);
+    assert_eq!(
+        high_norms_from_the_start(0.6, healthy_input()).cause,
+        Cause::Unknown
+    );
+}
+
+/// Under ordinary weights and raw pixels (0-255), the warning names the data.
+#[test]
+fn gradients_running_high_from_the_first_step_under_raw_inputs_name_the_data() {
+    let h = high_norms_from_the_start(0.6, [0.0, 255.0, 100.0, 80.0]);
+    assert_eq!(h.cause, Cause::BadInputData, "{h}");
+    assert!(h.description.contains("inputs reach magnitude 255"), "{h}");
 }
 
 #[test]

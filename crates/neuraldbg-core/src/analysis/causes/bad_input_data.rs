@@ -65,15 +65,13 @@ impl CauseRule for BadInputData {
     }
 
     fn explains(&self, failure: Failure) -> bool {
-        !matches!(
-            failure,
-            Failure::SaturatedGradients | Failure::StalledLayer | Failure::LossScaleCollapse
-        )
+        !matches!(failure, Failure::StalledLayer | Failure::LossScaleCollapse)
     }
 
-    /// A plateau is data's doing only with the inputs' scale to show for it.
+    /// A plateau is data's doing only with the inputs' scale to show for it; so is a warning of
+    /// high gradient norms.
     fn always_candidate(&self, failure: Failure) -> bool {
-        failure != Failure::LossPlateau
+        !matches!(failure, Failure::LossPlateau | Failure::SaturatedGradients)
     }
 
     fn evidence(&self, c: &Case<'_>, v: &mut Votes) {
@@ -201,10 +199,24 @@ impl CauseRule for BadInputData {
                     }
                 }
             }
-            Failure::SaturatedGradients
-            | Failure::LossScaleCollapse
-            | Failure::StalledLayer
-            | Failure::ReplicaDivergence => {}
+            Failure::SaturatedGradients => {
+                // Norms high from the first step under inputs far beyond a normalized range,
+                // behind weights that do not amplify (or whose scale is unknown).
+                if let Some(x) = ev
+                    .huge_inputs()
+                    .filter(|_| f.at_start && !ev.gain_too_large())
+                {
+                    v.add(
+                        1.0,
+                        "gradient norms were already high at the first step, before any update",
+                    );
+                    v.add(
+                        2.0,
+                        format!("inputs reach magnitude {} (not normalized)", fmt_g(x)),
+                    );
+                }
+            }
+            Failure::LossScaleCollapse | Failure::StalledLayer | Failure::ReplicaDivergence => {}
         }
     }
 
