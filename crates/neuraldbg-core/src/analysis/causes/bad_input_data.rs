@@ -76,14 +76,9 @@ impl CauseRule for BadInputData {
 
     fn evidence(&self, c: &Case<'_>, v: &mut Votes) {
         let (ev, f) = (c.ev, c.f);
-        if let (Some(why), Some((m, loss))) = (
-            output_loss_mismatch::raw_data_targets(c.run),
-            output_loss_mismatch::found(c.run),
-        ) {
-            let out = loss.output_op.as_deref().unwrap_or("?");
-            if output_loss_mismatch::explains_failure(m, out, c.e.failure) {
-                v.proof(5.0, why);
-            }
+        // A bounded output that cannot reach targets as raw as the inputs: a fact of the data.
+        if let Some(why) = output_loss_mismatch::raw_data_explains(c) {
+            v.proof(5.0, why);
         }
         match c.e.failure {
             Failure::ExplodingGradients => {

@@ -161,11 +161,20 @@ pub(crate) fn raw_data_targets(run: &Run) -> Option<String> {
     })
 }
 
+/// [`raw_data_targets`], when the mismatch explains the failure of episode `c.e`.
+pub(crate) fn raw_data_explains(c: &Case<'_>) -> Option<String> {
+    let (m, loss) = found(c.run)?;
+    let out = loss.output_op.as_deref().unwrap_or("?");
+    explains_failure(m, out, c.e.failure)
+        .then(|| raw_data_targets(c.run))
+        .flatten()
+}
+
 /// Whether mismatch `m` of output `out` explains `failure`. The one-unit softmax makes every
 /// gradient zero, and so does a rectified output once its units are cut to 0: they explain
 /// vanishing gradients. The others make learning slow or impossible: a plateau, or
 /// saturated/dead outputs.
-pub(crate) fn explains_failure(m: Mismatch, out: &str, failure: Failure) -> bool {
+fn explains_failure(m: Mismatch, out: &str, failure: Failure) -> bool {
     let rectified = matches!(out, "Relu" | "Relu6");
     match failure {
         Failure::LossPlateau => true,
