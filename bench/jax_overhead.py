@@ -12,7 +12,8 @@ model, ``no-act`` the callback with ``activations=False``, ``every-act`` measure
 every step rather than on sampled ones, ``before`` is the callback of ``--before REV``, as
 ``before`` in JAX is its ``dbg.wrap``; the ``before`` arm, created last, read 5-7% slower than
 ``neuraldbg`` on the 4x64 step with the same code (``--before HEAD`` on an unchanged tree,
-BENCHMARKS.md): compare a change against that A/A, not against ``neuraldbg``); the
+BENCHMARKS.md; ``--before same`` measures that arm's A/A): compare a change against that A/A,
+not against ``neuraldbg``); the
 time of every epoch after the first (compilation excluded) is taken from a timing callback, with
 the calling thread's CPU time over the same epochs, and the whole fit (compilation and the end-of-run report included) is given too, over all
 rounds and for the first fit of each model alone (one sample each: every arm compiles there). Each figure is the
@@ -216,9 +217,13 @@ def bench_jax(width: int, depth: int, batch: int, steps: int, rounds: int, befor
 def load_before(rev: str, name: str) -> Any:
     """``neuraldbg.<name>`` (``jax`` or ``keras``) as it was at git revision ``rev``, loaded
     beside the current one (as ``neuraldbg._<name>_before``, sharing the rest of the package):
-    the before arm of a change."""
+    the before arm of a change. ``same``: the current module itself, the before arm's own A/A."""
+    import importlib
     import importlib.util
     import subprocess
+
+    if rev == "same":
+        return importlib.import_module(f"neuraldbg.{name}")
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     source = subprocess.run(
@@ -301,7 +306,11 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--only", choices=("jax", "keras"), default=None)
     ap.add_argument("--small", action="store_true", help="only the models with small steps (where the cost shows)")
-    ap.add_argument("--before", default=None, help="a git revision: adds its spokes as the arms `before`")
+    ap.add_argument(
+        "--before",
+        default=None,
+        help="a git revision: adds its spokes as the arms `before` (`same`: the current spokes, an A/A of that arm)",
+    )
     ap.add_argument("--keras-rounds", type=int, default=None, help="Keras rounds (default: half of --rounds)")
     args = ap.parse_args()
     random.seed(0)

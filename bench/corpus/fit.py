@@ -198,28 +198,31 @@ class CauseScales:
     def __init__(self, l2: float = 3e-2) -> None:
         self.l2 = l2
         self.named = [c for c in CAUSES if c != "unknown"]
+        self.is_named = np.array([c != "unknown" for c in CAUSES])
         self.log_scale = np.zeros(len(self.named))
         self.offset = np.zeros(len(self.named))
 
     def _arrays(self, records: List[Dict]) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """Per run and cause: its evidence, whether it is a candidate, whether it is named
-        (scaled), and whether it is planted."""
+        """Per run and cause: its evidence (above the prior, for a named cause) and whether it
+        is a candidate of the run's primary episode, and whether it is planted; per run, that
+        episode's P(failure) (0 without one)."""
         n, k = len(records), len(CAUSES)
-        ev, cand, named, planted = np.zeros((n, k)), np.zeros((n, k), bool), np.zeros(k, bool), np.zeros((n, k))
-        named[[CAUSES.index(c) for c in self.named]] = True
+        ev, cand, planted, p_failure = np.zeros((n, k)), np.zeros((n, k), bool), np.zeros((n, k)), np.zeros(n)
         for i, r in enumerate(records):
-            e = primary_episode(r["evidence"], r["hypotheses"])
-            for c in (e or {}).get("causes", []):
+            e = primary_episode(r["evidence"], r["hypotheses"]) or {}
+            p_failure[i] = _num(e.get("p_failure"))
+            for c in e.get("causes", []):
                 if c["cause"] in CAUSES:
                     j = CAUSES.index(c["cause"])
                     cand[i, j] = True
-                    ev[i, j] = _num(c["score"]) + (self.PRIOR if named[j] else 0.0)
+                    ev[i, j] = _num(c["score"]) + (self.PRIOR if self.is_named[j] else 0.0)
             for c in r["label"]:
                 if c in CAUSES:
                     planted[i, CAUSES.index(c)] = 1.0
-        return ev, cand, named, planted
+        return ev, cand, planted, p_failure
 
-    def _probs(self, ev: np.ndarray, cand: np.ndarray, named: np.ndarray) -> np.ndarray:
+    def _probs(self, ev: np.ndarray, cand: np.ndarray) -> np.ndarray:
+        named = self.is_named
         a = np.ones(len(CAUSES))
         b = np.zeros(len(CAUSES))
         a[named] = np.exp(self.log_scale)
@@ -231,12 +234,12 @@ class CauseScales:
         return w / np.maximum(w.sum(1, keepdims=True), 1e-300)
 
     def fit(self, records: List[Dict], iters: int = 3000, lr: float = 0.5) -> CauseScales:
-        man = [r for r in records if r["label"] != ["healthy"] and primary_episode(r["evidence"], r["hypotheses"])]
-        ev, cand, named, planted = self._arrays(man)
-        keep = (planted * cand).sum(1) > 0  # a planted cause among the candidates
+        ev, cand, planted, _ = self._arrays([r for r in records if r["label"] != ["healthy"]])
+        keep = (planted * cand).sum(1) > 0  # a planted cause among the primary episode's candidates
         ev, cand, planted = ev[keep], cand[keep], planted[keep]
+        named = self.is_named
         for _ in range(iters):
-            p = self._probs(ev, cand, named)
+            p = self._probs(ev, cand)
             q = p * planted
             q /= q.sum(1, keepdims=True)
             g = self.T * (p - q) / len(ev)  # d(-log P(planted)) / d score
@@ -248,16 +251,15 @@ class CauseScales:
     def predict(self, records: List[Dict]) -> List[Tuple[str, float]]:
         """The top cause of each run's primary episode at P(failure) x P(cause), as the
         engine's verdict reads (healthy below 0.5)."""
-        ev, cand, named, _ = self._arrays(records)
-        p = self._probs(ev, cand, named)
+        ev, cand, _, p_failure = self._arrays(records)
+        p = self._probs(ev, cand)
         out = []
-        for i, r in enumerate(records):
-            e = primary_episode(r["evidence"], r["hypotheses"])
-            if e is None or not cand[i].any():
+        for i in range(len(records)):
+            if not cand[i].any():
                 out.append(("healthy", 0.0))
                 continue
             j = int(np.argmax(np.where(cand[i], p[i], -1.0)))
-            conf = _num(e["p_failure"]) * float(p[i, j])
+            conf = p_failure[i] * float(p[i, j])
             out.append((CAUSES[j], conf) if conf >= 0.5 else ("healthy", conf))
         return out
 

@@ -201,10 +201,7 @@ impl CauseRule for BadInputData {
                     .huge_inputs()
                     .filter(|_| f.at_start && !ev.gain_too_large())
                 {
-                    v.add(
-                        1.0,
-                        "gradient norms were already high at the first step, before any update",
-                    );
+                    v.add(1.0, super::evidence::HIGH_FROM_THE_START);
                     v.add(
                         2.0,
                         format!("inputs reach magnitude {} (not normalized)", fmt_g(x)),

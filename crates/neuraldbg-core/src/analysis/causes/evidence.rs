@@ -62,6 +62,17 @@ const TINY_INPUTS: f64 = 0.05;
 /// Largest input magnitude above which inputs are far off a normalized scale (not normalized).
 pub(crate) const HUGE_INPUTS: f64 = 20.0;
 
+/// A first step's largest input magnitude (`Run::data.first_scale`), when it is far above a
+/// normalized scale (see [`Evidence::huge_inputs`]; remedies see the run, not the evidence).
+pub(crate) fn huge_inputs(first_scale: Option<f64>) -> Option<f64> {
+    first_scale.filter(|x| *x > HUGE_INPUTS)
+}
+
+/// Evidence for the warning of gradient norms running high from the first step, before any
+/// update (the causes that explain it add what made them high).
+pub(crate) const HIGH_FROM_THE_START: &str =
+    "gradient norms were already high at the first step, before any update";
+
 /// An update-to-weight ratio typical of a learning rate that trains (about 1e-3 per step).
 pub(crate) const TRAINING_UPDATE: f64 = 1e-3;
 
@@ -336,7 +347,7 @@ impl Evidence {
     /// The largest input magnitude of the first step, when it is far above a normalized scale:
     /// inputs left on a raw scale (pixels 0-255, a sensor's units).
     pub fn huge_inputs(&self) -> Option<f64> {
-        self.input_scale_first.filter(|x| *x > HUGE_INPUTS)
+        huge_inputs(self.input_scale_first)
     }
 
     /// Inputs measured on the first step, within a normalized scale's reach.

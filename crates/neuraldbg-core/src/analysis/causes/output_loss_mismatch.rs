@@ -142,10 +142,7 @@ pub(crate) fn raw_data_targets(run: &Run) -> Option<String> {
     let (Mismatch::BoundedRegression { lo, hi }, loss) = found(run)? else {
         return None;
     };
-    let x = run
-        .data
-        .first_scale
-        .filter(|x| *x > super::evidence::HUGE_INPUTS)?;
+    let x = super::evidence::huge_inputs(run.data.first_scale)?;
     let (tmin, tmax) = loss.target_range?;
     let t = tmin.abs().max(tmax.abs());
     (0.5 * x..=2.0 * x).contains(&t).then(|| {

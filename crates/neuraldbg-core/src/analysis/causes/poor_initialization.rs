@@ -144,10 +144,7 @@ impl CauseRule for PoorInitialization {
             Failure::SaturatedGradients => {
                 // Norms high from the first step, under weights that amplify the signal.
                 if f.at_start && ev.gain_too_large() {
-                    v.add(
-                        1.0,
-                        "gradient norms were already high at the first step, before any update",
-                    );
+                    v.add(1.0, super::evidence::HIGH_FROM_THE_START);
                     large_weights(v, ev, 2.0);
                     compounding(c, v, false);
                 }
