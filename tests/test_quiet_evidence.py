@@ -451,3 +451,73 @@ def test_units_dead_before_any_update_under_raw_scale_inputs_are_the_datas_fault
     dead, hyps = train(raw=False)
     assert max(dead) < 0.7
     assert all(h.confidence < 0.5 for h in hyps), hyps
+
+
+@pytest.mark.parametrize("l2", [0.1, 1e-5])
+def test_a_weight_penalty_that_outweighs_the_data_is_named_over_regularization(l2):
+    """A weight penalty written into the loss (``mse + l2 * sum(|W|^2)``) reaches the engine as
+    the number of parameters it penalizes (read from the loss's autograd graph); the engine
+    then sees the loss fall with the weights' sum of squares. At l2 0.1 the penalty is nearly
+    all of the loss (checked here with torch: the penalty term against the data term on the
+    first and last step) and the model ends far from the fit the same run reaches at l2 1e-5;
+    the finding says so with the coefficient it read off the run. At 1e-5: no finding."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(9, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
+    kernels = [m.weight for m in model if isinstance(m, nn.Linear)]
+    x = torch.rand(8, 9)
+    y = x @ torch.randn(9, 1) * 0.3
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    shares, data_terms = [], []
+    with NeuralDbg(model) as dbg:
+        spy = SpecSpy(dbg._collector.engine)
+        spy_engine(dbg, spy)
+        for _ in range(200):
+            opt.zero_grad()
+            data_term = (model(x) - y).pow(2).mean()
+            penalty = l2 * sum(w.pow(2).sum() for w in kernels)
+            loss = data_term + penalty
+            loss.backward()
+            opt.step()
+            shares.append(float(penalty.detach() / loss.detach()))
+            data_terms.append(float(data_term.detach()))
+    assert spy.spec["loss"]["penalized_params"] == 3
+    hyps = dbg.explain_failure()
+    named = [h for h in hyps if str(h.cause) == "over_regularization"]
+    if l2 == 0.1:
+        assert shares[0] > 0.9 and shares[-1] > 0.5, (shares[0], shares[-1])
+        assert data_terms[-1] > 10 * 1e-3  # (the l2 1e-5 run ends below 1e-3: asserted below)
+        top = hyps[0]
+        assert str(top.cause) == "over_regularization" and top.confidence >= 0.5, hyps
+        assert str(top.failure) == "loss_plateau", top
+        assert "penalty on 3 parameter tensors" in top.description, top.description
+        assert "loss = 0.1" in top.description, top.description
+        assert any("weight penalty's coefficient" in r for r in top.remedies), top.remedies
+    else:
+        assert shares[0] < 0.01 and data_terms[-1] < 1e-3, (shares[0], data_terms[-1])
+        assert named == [] and all(h.confidence < 0.5 for h in hyps), hyps
+
+
+def test_a_penalty_is_read_only_where_the_loss_reaches_a_parameter_outside_the_model():
+    """Penalized parameters are those the loss reaches through sums, scalings and a norm
+    without passing through the model's output: an L1 or a ``torch.norm`` term counts, a plain
+    loss, or a loss that scales the output by a parameter of its own, does not."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    temperature = nn.Parameter(torch.ones(()))
+
+    def facts(loss_fn) -> dict:
+        opt = torch.optim.SGD(list(model.parameters()) + [temperature], lr=1e-3)
+        with NeuralDbg(model) as dbg:
+            spy = SpecSpy(dbg._collector.engine)
+            spy_engine(dbg, spy)
+            opt.zero_grad()
+            loss_fn(model(torch.randn(8, 4)), torch.randn(8, 1)).backward()
+            opt.step()
+        return spy.spec["loss"]
+
+    mse = nn.functional.mse_loss
+    assert "penalized_params" not in facts(mse)
+    assert "penalized_params" not in facts(lambda o, y: mse(o * temperature, y))
+    l1 = facts(lambda o, y: mse(o, y) + 1e-3 * sum(p.abs().sum() for p in model.parameters()))
+    assert l1["penalized_params"] == 4
+    assert facts(lambda o, y: mse(o, y) + 1e-3 * torch.norm(model[0].weight))["penalized_params"] == 1

@@ -50,6 +50,7 @@ CAUSES = [
     "eval_mode",
     "output_loss_mismatch",
     "target_shape_mismatch",
+    "over_regularization",
     "unknown",
 ]
 FAILURES = [

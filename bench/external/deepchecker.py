@@ -534,7 +534,7 @@ def programs() -> List[Program]:
             "regrNN_over_reg",
             "over_regulariaztion/regrNN_over_reg.py",
             "over_regularization (l2 0.1)",
-            None,
+            "over_regularization",
             "l2 1e-5 instead of 1e-1",
             "regr",
             R,

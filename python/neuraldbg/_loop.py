@@ -7,7 +7,8 @@ Cost: per step, a bool read per forward pass and one tensor hook on one paramete
 the backward tap reads the gradients, the same look at that parameter's gradient as each
 backward starts and returns (a pointer and version-counter comparison, no device work).
 Once, at the first step: a walk of at most a few dozen autograd nodes from the loss to the
-model's output, the output's and target's min/max and the target's variance (one host read).
+model's output and to any parameter it penalizes directly (a weight penalty written into the
+loss), the output's and target's min/max and the target's variance (one host read).
 """
 
 from __future__ import annotations
@@ -44,6 +45,11 @@ _VIEWS = frozenset(
 
 # Autograd nodes visited at most when looking for the model's output from the loss.
 _WALK_LIMIT = 64
+
+# Operations a weight penalty is written with (``l2 * sum(w.pow(2).sum() for w in weights)``,
+# ``torch.norm(w)``, ``w.abs().sum()``): sums, scalings and norms of a parameter.
+_PENALTY_OPS = frozenset({"Add", "Sub", "Mul", "Div", "Sum", "Mean", "Pow", "Abs", "Norm", "LinalgVectorNorm", "Sqrt"})
+_NORM_OPS = frozenset({"Pow", "Abs", "Norm", "LinalgVectorNorm"})
 
 
 def op_name(fn: Any) -> str:
@@ -360,6 +366,9 @@ def _describe(loss: Any, output_fns: List[Any], output: Any) -> Optional[Dict[st
         target if isinstance(target, torch.Tensor) and target.is_floating_point() and target.numel() else None
     )
     device = next((t.device for t in bounded if t is not None), None)
+    penalized = _penalized_parameters(fn, targets)
+    if penalized:
+        d["penalized_params"] = penalized
     if device is not None:
         ranges: List[Any] = []
         for t in bounded:
@@ -387,6 +396,28 @@ def _describe(loss: Any, output_fns: List[Any], output: Any) -> Optional[Dict[st
 
 # torch's reduction codes, as autograd saves them (``_saved_reduction``).
 _REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
+
+
+def _penalized_parameters(fn: Any, outputs: Dict[int, Any]) -> int:
+    """How many parameters the loss penalizes directly: leaves it reaches from its root through
+    sums, scalings and a norm only (``loss + 0.1 * sum(w.pow(2).sum() ...)``), never through
+    the model's output (the nodes ``outputs``) or any other computation."""
+    found = set()
+    stack: List[Tuple[Any, bool]] = [(fn, False)]
+    seen = {id(fn)}
+    while stack and len(seen) < 16 * _WALK_LIMIT:
+        node, normed = stack.pop()
+        for nxt, _ in getattr(node, "next_functions", ()):
+            if nxt is None or id(nxt) in seen or id(nxt) in outputs:
+                continue
+            seen.add(id(nxt))
+            name = op_name(nxt)
+            if name == "AccumulateGrad":
+                if normed:
+                    found.add(id(getattr(nxt, "variable", nxt)))
+            elif name in _PENALTY_OPS:
+                stack.append((nxt, normed or name in _NORM_OPS))
+    return len(found)
 
 
 def _normalizes_dim0(node: Any) -> bool:

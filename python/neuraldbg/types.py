@@ -124,6 +124,7 @@ class Cause(_StrEnum):
     EVAL_MODE = "eval_mode"
     OUTPUT_LOSS_MISMATCH = "output_loss_mismatch"
     TARGET_SHAPE_MISMATCH = "target_shape_mismatch"
+    OVER_REGULARIZATION = "over_regularization"
 
 
 def _float(v: Any) -> float:

@@ -13,7 +13,7 @@ use crate::history::{History, Reduce};
 use crate::model::{ActivationProbe, Model, ModelSpec};
 use crate::observation::{ACTIVATION_STATS, Axis, Fact, INPUT_STATS, Measure, StepView};
 use crate::replica::ReplicaTrack;
-use crate::track::{ActTrack, DataTrack, Early, LayerTrack, LoopFacts, LossTrack};
+use crate::track::{ActTrack, DataTrack, Early, LayerTrack, LoopFacts, LossOnWeights, LossTrack};
 use crate::training_loop::LoopTrack;
 
 /// History metrics of a layer (a module owning parameters), for [`Engine::history`].
@@ -78,6 +78,8 @@ pub(crate) struct Run {
     pub outputs_first: Option<(u64, Vec<f32>)>,
     /// Facts about the training loop (training mode, gradient accumulation), counted.
     pub loop_facts: LoopFacts,
+    /// The loss against the weights' squared norm, at the steps both were measured.
+    pub loss_on_weights: LossOnWeights,
     sums: Vec<f64>,
     present: Vec<bool>,
     /// Gradient transitions confirmed during the current step (reused buffer).
@@ -135,6 +137,7 @@ impl Engine {
             total_peak: None,
             loop_track: LoopTrack::default(),
             loop_facts: LoopFacts::default(),
+            loss_on_weights: LossOnWeights::default(),
             outputs_first: None,
             sums: vec![0.0; n_layers],
             present: vec![false; n_layers],
@@ -566,14 +569,15 @@ impl Run {
             }
         }
 
-        if let Some(w) = v.weight_norms {
-            self.observe_weights(step, w);
-        }
+        let weights_sq = v.weight_norms.map(|w| self.observe_weights(step, w));
         if let Some(a) = v.activations {
             self.observe_activations(step, a, config);
         }
         if !v.inputs.is_empty() {
             self.observe_inputs(step, v.inputs, v.measure(Measure::InputRank), config);
+        }
+        if let (Some(sq), Some(loss)) = (weights_sq, v.loss) {
+            self.loss_on_weights.add(sq, loss);
         }
         if let Some(loss) = v.loss {
             all_finite &= loss.is_finite() || skipped;
@@ -682,7 +686,8 @@ impl Run {
         }
     }
 
-    fn observe_weights(&mut self, step: u64, w: &[f32]) {
+    /// Records a step's parameter norms per layer; returns the sum of their squares.
+    fn observe_weights(&mut self, step: u64, w: &[f32]) -> f64 {
         self.weights.begin(step);
         self.sums.fill(0.0);
         self.present.fill(false);
@@ -716,6 +721,7 @@ impl Run {
                     .reduce(f64::max);
             }
         }
+        self.sums.iter().sum()
     }
 
     fn observe_activations(&mut self, step: u64, a: &[f32], config: &Config) {

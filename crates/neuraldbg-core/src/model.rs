@@ -143,6 +143,11 @@ pub struct LossSpec {
     /// first dimension of the output, the batch, not over the classes.
     #[serde(default)]
     pub softmax_over_batch: bool,
+    /// Parameters the loss penalizes directly: a weight penalty written into it (`loss +
+    /// l2 * sum(w.pow(2).sum() ...)`), reached from the loss through sums, scalings and norms,
+    /// not through the model's output.
+    #[serde(default)]
+    pub penalized_params: Option<u64>,
 }
 
 impl ModelSpec {

@@ -594,6 +594,69 @@ impl Window {
     }
 }
 
+/// The loss against the sum of the weights' squared norms, at the steps both were measured: a
+/// least-squares line through the pairs and the first and last pair. A loss that a weight
+/// penalty dominates moves with that sum, the line's slope being the penalty's coefficient.
+#[derive(Clone, Debug, Default)]
+pub struct LossOnWeights {
+    n: u64,
+    sums: [f64; 5],
+    /// The first and the last `(squared norm, loss)` pair.
+    pub first: Option<(f64, f64)>,
+    pub last: Option<(f64, f64)>,
+}
+
+/// A least-squares line `loss = intercept + slope * squared norm`, and how well it fits.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Line {
+    pub intercept: f64,
+    pub slope: f64,
+    /// Coefficient of determination (1: every pair on the line).
+    pub r2: f64,
+    pub pairs: u64,
+}
+
+impl LossOnWeights {
+    pub fn add(&mut self, sq: f64, loss: f64) {
+        if !(sq.is_finite() && loss.is_finite()) {
+            return;
+        }
+        self.n += 1;
+        for (s, v) in self
+            .sums
+            .iter_mut()
+            .zip([sq, loss, sq * sq, sq * loss, loss * loss])
+        {
+            *s += v;
+        }
+        self.first.get_or_insert((sq, loss));
+        self.last = Some((sq, loss));
+    }
+
+    /// The line through the pairs, from `min_pairs` of them (None while the squared norm has
+    /// not moved, or the loss has not).
+    pub fn line(&self, min_pairs: u64) -> Option<Line> {
+        if self.n < min_pairs.max(2) {
+            return None;
+        }
+        let n = self.n as f64;
+        let [s, l, ss, sl, ll] = self.sums;
+        let var_s = ss / n - (s / n).powi(2);
+        let var_l = ll / n - (l / n).powi(2);
+        let cov = sl / n - (s / n) * (l / n);
+        if var_s <= 0.0 || var_l <= 0.0 {
+            return None;
+        }
+        let slope = cov / var_s;
+        Some(Line {
+            intercept: l / n - slope * s / n,
+            slope,
+            r2: (cov * cov / (var_s * var_l)).min(1.0),
+            pairs: self.n,
+        })
+    }
+}
+
 /// Input batches: non-finite values and scale jumps against a running baseline.
 #[derive(Clone, Debug)]
 pub struct DataTrack {

@@ -517,3 +517,73 @@ fn gradients_high_to_the_end_because_they_are_never_zeroed_are_a_failure() {
     let zeroed = steady(spec(), &[(Fact::GradAccumulated, 0.0)], 3.0, falling);
     assert!(zeroed.iter().all(|h| h.confidence < 0.5), "{}", zeroed[0]);
 }
+
+/// A regression whose loss holds a weight penalty of coefficient `l2` on a model whose data
+/// term stays at `data(step)`: the weights shrink by `shrink` a step (measured every 10 steps),
+/// and the loss is the data term plus `l2` times their sum of squares.
+fn penalized(
+    penalized_params: Option<u64>,
+    l2: f64,
+    shrink: f64,
+    data: impl Fn(u64) -> f64,
+) -> Vec<CausalHypothesis> {
+    let s = with_loss(LossSpec {
+        ops: ops(&["Add", "Mean", "Pow", "Sub"]),
+        output_op: Some("Addmm".into()),
+        output_units: Some(1),
+        target_var: Some(0.05),
+        penalized_params,
+        ..LossSpec::default()
+    });
+    let mut engine = Engine::new(Config::default()).unwrap();
+    engine.register_model(s).unwrap();
+    for step in 0..200u64 {
+        let w = 4.0 * shrink.powf(step as f64);
+        let sq = 3.0 * (w * w + 0.01);
+        let obs = Observation {
+            step,
+            grad_norms: vec![0.5, 0.1, 0.5, 0.1, 0.5, 0.1],
+            weight_norms: (step % 10 == 0)
+                .then(|| vec![w as f32, 0.1, w as f32, 0.1, w as f32, 0.1]),
+            loss: Some(data(step) + l2 * sq),
+            lr: Some(1e-3),
+            ..Observation::default()
+        };
+        engine.observe(&obs.view()).unwrap();
+    }
+    explain(&engine, None)
+}
+
+#[test]
+fn a_weight_penalty_that_outweighs_the_data_is_over_regularization() {
+    // l2 0.1 on weights of norm 4 -> 2.7: a penalty of ~4.8 -> 2.2 over a data term of 0.05.
+    let h = penalized(Some(3), 0.1, 0.998, |_| 0.05);
+    let top = &h[0];
+    assert_eq!(top.failure, Failure::LossPlateau, "{top}");
+    assert_eq!(top.cause, Cause::OverRegularization, "{top}");
+    assert!(top.confidence >= 0.5, "{top}");
+    assert!(
+        top.description.contains("x the weights' sum of squares"),
+        "{top}"
+    );
+    // The penalty's coefficient is read off the run: 0.1.
+    assert!(top.description.contains("loss = 0.1 x"), "{top}");
+    // Without the framework's fact that the loss penalizes the weights, the same numbers name
+    // no penalty: a loss can fall with the weights' norm for other reasons.
+    let h = penalized(None, 0.1, 0.998, |_| 0.05);
+    assert!(
+        h.iter().all(|h| h.cause != Cause::OverRegularization),
+        "{}",
+        h[0]
+    );
+    // A usual penalty (1e-5) under a data term that is fitted is no finding.
+    let h = penalized(Some(3), 1e-5, 0.998, |s| {
+        0.05 * (-(s as f64) / 40.0).exp() + 1e-4
+    });
+    assert!(
+        h.iter().all(|h| h.cause != Cause::OverRegularization),
+        "{}",
+        h[0]
+    );
+    assert!(h.iter().all(|h| h.confidence < 0.5), "{}", h[0]);
+}

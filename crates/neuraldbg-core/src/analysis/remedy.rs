@@ -82,6 +82,9 @@ pub(crate) enum Remedy {
     },
     MatchTargetShape,
     KeepShapeWarning,
+    // A weight penalty in the loss.
+    LowerWeightPenalty,
+    FitWithoutPenalty,
     // Output activation and loss.
     CheckOutputActivation,
     OneUnitSoftmax,
@@ -206,6 +209,8 @@ impl Remedy {
                 the_layer(layer)
             ),
             Remedy::MatchTargetShape => "make the output and the target the same shape before the loss: criterion(output.squeeze(-1), y) or criterion(output, y.unsqueeze(-1)) (or y.view_as(output))".into(),
+            Remedy::LowerWeightPenalty => "lower the weight penalty's coefficient 100-1000x (L2 of 1e-4 to 1e-5 per weight is usual), or use the optimizer's weight_decay (AdamW) instead of a term in the loss".into(),
+            Remedy::FitWithoutPenalty => "train once without the penalty: the model should fit the training batches; then add it back at a strength that keeps that fit".into(),
             Remedy::KeepShapeWarning => "PyTorch warns about this (\"Using a target size that is different to the input size\"): do not silence that warning".into(),
             Remedy::CheckOutputActivation => "check that the model's last activation is the one the loss expects".into(),
             Remedy::OneUnitSoftmax => "a softmax over one unit is always 1: for a binary target drop the softmax and use BCEWithLogitsLoss on the single logit, or output 2 units with CrossEntropyLoss".into(),

@@ -49,6 +49,8 @@ named_enum! {
         OutputLossMismatch => "output_loss_mismatch",
         /// A loss that broadcasts `(N, 1)` against `(N,)`.
         TargetShapeMismatch => "target_shape_mismatch",
+        /// A weight penalty written into the loss that outweighs the fit to the data.
+        OverRegularization => "over_regularization",
     }
 }
 

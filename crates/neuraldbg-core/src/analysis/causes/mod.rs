@@ -30,6 +30,7 @@ mod missing_zero_grad;
 mod network_depth;
 mod numerical_instability;
 mod output_loss_mismatch;
+mod over_regularization;
 mod parameters_not_updated;
 mod poor_initialization;
 mod saturating_activation;
@@ -147,6 +148,7 @@ pub(crate) static RULES: &[&dyn CauseRule] = &[
     &eval_mode::EvalMode,
     &output_loss_mismatch::OutputLossMismatch,
     &target_shape_mismatch::TargetShapeMismatch,
+    &over_regularization::OverRegularization,
     &unknown::Unknown,
 ];
 
@@ -359,6 +361,7 @@ pub(crate) fn loss_bounded_by_mistake(run: &Run) -> bool {
     output_loss_mismatch::found(run).is_some()
         || target_shape_mismatch::broadcast(run).is_some()
         || poor_initialization::identical_units(run).is_some()
+        || over_regularization::dominant_penalty(run).is_some()
 }
 
 pub(crate) fn fmt_g(v: f64) -> String {
