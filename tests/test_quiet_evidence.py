@@ -521,3 +521,68 @@ def test_a_penalty_is_read_only_where_the_loss_reaches_a_parameter_outside_the_m
     l1 = facts(lambda o, y: mse(o, y) + 1e-3 * sum(p.abs().sum() for p in model.parameters()))
     assert l1["penalized_params"] == 4
     assert facts(lambda o, y: mse(o, y) + 1e-3 * torch.norm(model[0].weight))["penalized_params"] == 1
+
+
+def _classify_with_decay(opt_name: str, wd: float, sigmoid_depth: int = 0):
+    """A 5-class MLP trained 300 steps; returns the debugger, the losses, the first and last
+    norm of the middle weight, and the weight-decay fact the collector registered."""
+    torch.manual_seed(0)
+    x = torch.randn(512, 20)
+    y = (x @ torch.randn(20, 5)).argmax(1)
+    if sigmoid_depth:
+        layers: List[nn.Module] = [nn.Linear(20, 32), nn.Sigmoid()]
+        for _ in range(sigmoid_depth):
+            layers += [nn.Linear(32, 32), nn.Sigmoid()]
+        model = nn.Sequential(*layers, nn.Linear(32, 5))
+    else:
+        model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 5))
+    make = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[opt_name]
+    opt = make(model.parameters(), lr=1e-3 if opt_name != "sgd" else 0.1, weight_decay=wd)
+    middle = model[2].weight
+    first = float(middle.detach().norm())
+    losses = []
+    with NeuralDbg(model) as dbg:
+        spy = SpecSpy(dbg._collector.engine)
+        spy_engine(dbg, spy)
+        for _ in range(300):
+            i = torch.randint(0, 512, (64,))
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(model(x[i]), y[i])
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+    return dbg, losses, (first, float(middle.detach().norm())), spy.spec["param_weight_decay"]
+
+
+@pytest.mark.parametrize(("opt_name", "wd"), [("adam", 1.0), ("sgd", 0.5)])
+def test_a_weight_decay_that_outweighs_the_gradient_is_over_regularization_not_the_learning_rate(opt_name, wd):
+    """``weight_decay`` far too strong for SGD or Adam (whose decay is added to the gradient)
+    shrinks the weights to nothing and the classifier stays at its chance level (checked here:
+    the loss ends within 5% of ln 5, the middle weight below 5% of its first norm). The large
+    measured steps are the decay's, so the learning rate is not blamed: the finding names the
+    weight decay. The same run without decay learns (its loss ends below 0.2)."""
+    dbg, losses, (w0, w1), decays = _classify_with_decay(opt_name, wd)
+    assert decays == [wd] * 6
+    assert abs(np.mean(losses[-20:]) - np.log(5)) < 0.05 * np.log(5) and w1 < 0.05 * w0, (losses[-1], w0, w1)
+    hyps = dbg.explain_failure()
+    top = hyps[0]
+    assert str(top.cause) == "over_regularization" and top.confidence >= 0.5, hyps
+    assert f"weight_decay of {wd:g}" in top.description, top.description
+    assert any("weight_decay 10-100x" in r for r in top.remedies), top.remedies
+    assert not any(str(h.cause) == "learning_rate_too_high" and h.confidence >= 0.5 for h in hyps), hyps
+    healthy, losses, _, _ = _classify_with_decay(opt_name, 0.0)
+    assert np.mean(losses[-20:]) < 0.2
+    assert all(h.confidence < 0.5 for h in healthy.explain_failure())
+
+
+def test_a_decoupled_or_usual_weight_decay_is_not_over_regularization():
+    """AdamW decays the weights apart from the gradient: its fact is 0 (its decay never shows
+    in the gradient the pull is measured against). A usual decay (5e-4) under a deep sigmoid
+    stack whose gradients are tiny pulls many times the gradient, but the weights do not shrink:
+    whatever that run's finding, it is not the decay."""
+    _, _, _, decays = _classify_with_decay("adamw", 0.01)
+    assert decays == [0.0] * 6
+    dbg, _, (w0, w1), decays = _classify_with_decay("sgd", 5e-4, sigmoid_depth=6)
+    assert decays == [5e-4] * 16 and w1 > 0.9 * w0
+    assert json.loads(dbg._engine.evidence_json())["run"]["decay_pull"]["pull"] >= 2.0  # the guard is what decides
+    assert not any(str(h.cause) == "over_regularization" for h in dbg.explain_failure())

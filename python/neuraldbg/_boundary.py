@@ -206,6 +206,7 @@ class StepBoundary:
             self.c.clip_index = max(pool, key=lambda k: sizes[k])
         spec = self.c.watched.spec(executed, self.c.optimizer_name)
         spec["param_lr"] = self.c.loop.param_lrs(self.c.loop.optimizer)
+        spec["param_weight_decay"] = self.c.loop.param_weight_decays(self.c.loop.optimizer)
         spec["loss"] = self.c.loop.loss_facts()
         # A CPU model whose loss is taken at the backward tap has its gradients read there
         # too, when the backward returns, instead of by hooks that fire inside it.

@@ -220,6 +220,26 @@ class LoopFacts:
                 out.append(lr if lr is not None else fallback)
         return out
 
+    def param_weight_decays(self, opt: Any) -> Optional[List[float]]:
+        """Per watched parameter: the weight decay optimizer ``opt`` adds to its gradient (its
+        param group's ``weight_decay``), 0 where it holds none or decays the weights apart
+        from the gradient (``AdamW``, ``decoupled_weight_decay``); None when ``opt`` is None
+        or its groups cannot be read."""
+        if opt is None:
+            return None
+        decay: Dict[int, float] = {}
+        try:
+            decoupled_kind = type(opt).__name__ == "AdamW"
+            for g in opt.param_groups:
+                wd = _float(g.get("weight_decay", 0.0))
+                if wd is None or not wd > 0.0 or decoupled_kind or g.get("decoupled_weight_decay"):
+                    continue
+                for p in g["params"]:
+                    decay[id(p)] = wd
+        except Exception:  # pragma: no cover - an optimizer we cannot read
+            return None
+        return [decay.get(id(p), 0.0) for p in self.params]
+
     def describe_loss(self, loss: Any, output_fns: List[Any]) -> None:
         """What the loss did with the model's output, from the loss's autograd graph (first
         step only, before backward frees the saved tensors)."""

@@ -101,6 +101,12 @@ pub struct ModelSpec {
     /// [`crate::Engine::amend_param_lr`].
     #[serde(default)]
     pub param_lr: Option<Vec<Option<f64>>>,
+    /// Weight decay the optimizer adds to each parameter's gradient before its update (the
+    /// `weight_decay` of `SGD`, `Adam`, `RMSprop`: an L2 penalty of half that coefficient),
+    /// same order as `params`; 0 where there is none or where the decay is applied to the
+    /// weights apart from the gradient (`AdamW`). Absent when the collector did not look.
+    #[serde(default)]
+    pub param_weight_decay: Option<Vec<f64>>,
     /// What the loss does with the model's output, when the collector could see it.
     #[serde(default)]
     pub loss: Option<LossSpec>,
@@ -386,6 +392,20 @@ impl Model {
                     "param_lr has {} entries for {} parameters",
                     lrs.len(),
                     spec.params.len()
+                )));
+            }
+        }
+        if let Some(wds) = &spec.param_weight_decay {
+            if wds.len() != spec.params.len() {
+                return Err(EngineError::Model(format!(
+                    "param_weight_decay has {} entries for {} parameters",
+                    wds.len(),
+                    spec.params.len()
+                )));
+            }
+            if let Some(wd) = wds.iter().find(|wd| !(wd.is_finite() && **wd >= 0.0)) {
+                return Err(EngineError::Model(format!(
+                    "param_weight_decay holds {wd}: a weight decay is a finite number >= 0"
                 )));
             }
         }

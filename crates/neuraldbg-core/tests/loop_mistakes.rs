@@ -587,3 +587,60 @@ fn a_weight_penalty_that_outweighs_the_data_is_over_regularization() {
     );
     assert!(h.iter().all(|h| h.confidence < 0.5), "{}", h[0]);
 }
+
+/// A 5-class classifier whose loss stays at ln 5 while the optimizer decays its weights
+/// (`param_weight_decay`) through the gradient: the weights (norm 4 at first) are multiplied
+/// by `kept_per_step` each step; the loss's own gradient norm is 0.2.
+fn decayed(weight_decay: f64, kept_per_step: f64) -> Vec<CausalHypothesis> {
+    let mut s = with_loss(LossSpec {
+        ops: ops(&["NllLoss", "LogSoftmax"]),
+        output_op: Some("Addmm".into()),
+        output_units: Some(5),
+        ..LossSpec::default()
+    });
+    s.param_weight_decay = Some(vec![weight_decay; s.params.len()]);
+    let mut engine = Engine::new(Config::default()).unwrap();
+    engine.register_model(s).unwrap();
+    for step in 0..200u64 {
+        let w = (4.0 * kept_per_step.powf(step as f64)) as f32;
+        let obs = Observation {
+            step,
+            grad_norms: vec![0.2, 0.05, 0.2, 0.05, 0.2, 0.05],
+            weight_norms: (step % 10 == 0).then(|| vec![w, 0.1, w, 0.1, w, 0.1]),
+            loss: Some(5f64.ln() + 0.01 * ((step % 3) as f64 - 1.0)),
+            lr: Some(1e-3),
+            ..Observation::default()
+        };
+        engine.observe(&obs.view()).unwrap();
+    }
+    explain(&engine, None)
+}
+
+#[test]
+fn a_weight_decay_that_outweighs_the_gradient_while_the_weights_shrink_is_over_regularization() {
+    // weight_decay 1 x |W| 4 = 4: 20x the gradient; the weights end at 2% of their norm.
+    let h = decayed(1.0, 0.98);
+    let top = &h[0];
+    assert_eq!(top.cause, Cause::OverRegularization, "{top}");
+    assert!(top.confidence >= 0.5, "{top}");
+    assert!(top.description.contains("weight_decay of 1 "), "{top}");
+    // The same pull on weights that keep their norm (a small gradient, not a strong decay).
+    let h = decayed(1.0, 1.0);
+    assert!(h.iter().all(|h| h.cause != Cause::OverRegularization), "{}", h[0]);
+    // A usual decay on the same shrinking weights pulls far less than the gradient.
+    let h = decayed(5e-4, 0.98);
+    assert!(h.iter().all(|h| h.cause != Cause::OverRegularization), "{}", h[0]);
+}
+
+#[test]
+fn a_weight_decay_that_is_not_a_finite_non_negative_number_is_refused() {
+    let mut s = spec();
+    s.param_weight_decay = Some(vec![f64::NAN; s.params.len()]);
+    let mut engine = Engine::new(Config::default()).unwrap();
+    let err = engine.register_model(s).unwrap_err().to_string();
+    assert!(err.contains("param_weight_decay"), "{err}");
+    let mut s = spec();
+    s.param_weight_decay = Some(vec![0.0]);
+    let err = Engine::new(Config::default()).unwrap().register_model(s).unwrap_err().to_string();
+    assert!(err.contains("entries"), "{err}");
+}

@@ -84,6 +84,7 @@ pub(crate) enum Remedy {
     KeepShapeWarning,
     // A weight penalty in the loss.
     LowerWeightPenalty,
+    LowerWeightDecay,
     FitWithoutPenalty,
     // Output activation and loss.
     CheckOutputActivation,
@@ -210,6 +211,7 @@ impl Remedy {
             ),
             Remedy::MatchTargetShape => "make the output and the target the same shape before the loss: criterion(output.squeeze(-1), y) or criterion(output, y.unsqueeze(-1)) (or y.view_as(output))".into(),
             Remedy::LowerWeightPenalty => "lower the weight penalty's coefficient 100-1000x (L2 of 1e-4 to 1e-5 per weight is usual), or use the optimizer's weight_decay (AdamW) instead of a term in the loss".into(),
+            Remedy::LowerWeightDecay => "lower the optimizer's weight_decay 10-100x (5e-4 with SGD is usual), or switch to AdamW, whose decay does not pass through the gradient".into(),
             Remedy::FitWithoutPenalty => "train once without the penalty: the model should fit the training batches; then add it back at a strength that keeps that fit".into(),
             Remedy::KeepShapeWarning => "PyTorch warns about this (\"Using a target size that is different to the input size\"): do not silence that warning".into(),
             Remedy::CheckOutputActivation => "check that the model's last activation is the one the loss expects".into(),

@@ -40,7 +40,29 @@ pub(crate) struct Evidence {
     pub init_error: Option<f64>,
     /// Where the forward signal blew up at the start, when module outputs were measured.
     pub forward: Option<ForwardGrowth>,
+    /// The optimizer's weight decay, where it adds to the gradient (see [`DecayPull`]).
+    pub decay_pull: Option<DecayPull>,
 }
+
+/// The optimizer's weight decay against the loss's gradient, over the weighted layers whose
+/// weight it decays through the gradient (medians over those layers).
+#[derive(Clone, Copy, Debug, serde::Serialize)]
+pub(crate) struct DecayPull {
+    /// The decay's pull on the weight (`weight_decay x |W|`) over the loss's own gradient norm,
+    /// at the first steps.
+    pub pull: f64,
+    /// The last weight norm measured over the first.
+    pub kept: f64,
+    /// The largest weight decay among those layers.
+    pub weight_decay: f64,
+}
+
+/// A weight decay pulling the weights this many times harder than the loss's gradient at the
+/// start, while they shrink to at most [`DECAY_KEPT`] of their first norm, shrinks them faster
+/// than the data can grow them. (A small gradient alone, as in a stack whose gradients vanish,
+/// makes a large pull; it does not make the weights shrink.)
+const DECAY_OUTWEIGHS: f64 = 2.0;
+const DECAY_KEPT: f64 = 0.5;
 
 /// Where the forward signal grows the most at the first measurement of module outputs: the
 /// module whose output exceeds every output before it in forward order (and the input batch)
@@ -95,6 +117,30 @@ pub(crate) fn times(x: f64) -> String {
         out.push(ch);
     }
     out
+}
+
+/// See [`Evidence::decay_pull`].
+fn decay_pull(run: &Run) -> Option<DecayPull> {
+    let wds = run.model.spec.param_weight_decay.as_ref()?;
+    let mut weight_decay = 0.0f64;
+    let (mut pulls, mut kept) = (Vec::new(), Vec::new());
+    for (layer, t) in run.model.layers.iter().zip(&run.layers) {
+        let wd = layer.weight.map_or(0.0, |(p, _)| wds[p]);
+        let (Some(w), Some(last), Some(g)) = (t.weight_first, t.weight_last, t.early.median())
+        else {
+            continue;
+        };
+        if wd > 0.0 && w > 0.0 && g > 0.0 && w.is_finite() && last.is_finite() {
+            weight_decay = weight_decay.max(wd);
+            pulls.push(wd * w / g);
+            kept.push(last / w);
+        }
+    }
+    Some(DecayPull {
+        pull: median(&pulls)?,
+        kept: median(&kept)?,
+        weight_decay,
+    })
 }
 
 /// Median over the weighted layers of how far the first optimizer steps moved their weights
@@ -262,6 +308,7 @@ impl Evidence {
                 Some(step / w)
             })
             .collect();
+        let decay_pull = decay_pull(run);
         let measured = measured_update_ratio(run);
         let update_measured = measured.is_some();
         let update_ratio = measured.or_else(|| median(&ratios));
@@ -322,7 +369,15 @@ impl Evidence {
             total_early: run.total_early.median(),
             total_peak: run.total_peak,
             activation_gap: activation_gap(run),
+            decay_pull,
         }
+    }
+
+    /// The optimizer's weight decay outweighs the loss's gradient from the start, and the
+    /// weights shrink under it.
+    pub fn decay_outweighs(&self) -> Option<DecayPull> {
+        self.decay_pull
+            .filter(|d| d.pull >= DECAY_OUTWEIGHS && d.kept <= DECAY_KEPT)
     }
 
     /// Weights at the start were far below a variance-preserving scale.

@@ -1,7 +1,9 @@
-//! `over_regularization`: a weight penalty written into the loss (`loss + l2 * sum(w.pow(2)
-//! .sum() ...)`) that outweighs the fit to the data. The optimizer then mostly shrinks the
-//! weights: the loss falls as their squared norm falls, on a line whose slope is the
-//! penalty's coefficient, and the model never fits the data.
+//! `over_regularization`: a weight penalty that outweighs the fit to the data, so that the
+//! optimizer mostly shrinks the weights. Written into the loss (`loss + l2 * sum(w.pow(2)
+//! .sum() ...)`), the loss falls as the weights' squared norm falls, on a line whose slope is
+//! the penalty's coefficient. As the optimizer's `weight_decay` added to the gradient (`SGD`,
+//! `Adam`), the decay's pull on the weights is many times the loss's own gradient from the
+//! start: the weights, and with them the signal and its gradients, shrink.
 
 use super::super::remedy::Remedy;
 use super::super::vocab::{Cause, Failure};
@@ -82,7 +84,7 @@ impl CauseRule for OverRegularization {
     }
 
     fn explains(&self, failure: Failure) -> bool {
-        matches!(failure, Failure::LossPlateau)
+        matches!(failure, Failure::LossPlateau | Failure::VanishingGradients)
     }
 
     fn always_candidate(&self, _: Failure) -> bool {
@@ -90,6 +92,20 @@ impl CauseRule for OverRegularization {
     }
 
     fn evidence(&self, c: &Case<'_>, v: &mut Votes) {
+        if let Some(d) = c.ev.decay_outweighs() {
+            v.add(
+                4.0,
+                format!(
+                    "the optimizer's weight_decay of {wd} pulls each weight towards 0 with {wd} x its norm, {:.1}x the loss's own gradient at the first steps, and the weights shrank to {:.0}% of their first norm: they shrink faster than the data can grow them",
+                    d.pull,
+                    100.0 * d.kept,
+                    wd = fmt_g(d.weight_decay),
+                ),
+            );
+        }
+        if c.e.failure != Failure::LossPlateau {
+            return;
+        }
         if let Some(p) = dominant_penalty(c.run) {
             let tensors = if p.params == 1 {
                 "1 parameter tensor".to_string()
@@ -109,8 +125,11 @@ impl CauseRule for OverRegularization {
         }
     }
 
-    fn remedies(&self, _: &RemedyCase<'_>) -> Vec<Remedy> {
-        vec![Remedy::LowerWeightPenalty, Remedy::FitWithoutPenalty]
+    fn remedies(&self, c: &RemedyCase<'_>) -> Vec<Remedy> {
+        if dominant_penalty(c.run).is_some() {
+            return vec![Remedy::LowerWeightPenalty, Remedy::FitWithoutPenalty];
+        }
+        vec![Remedy::LowerWeightDecay, Remedy::FitWithoutPenalty]
     }
 
     fn run_facts(&self, run: &Run) -> Facts {
