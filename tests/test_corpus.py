@@ -29,6 +29,8 @@ def test_every_operator_plants_a_cause_of_the_vocabulary_and_applies_somewhere()
     # Pairs combine different causes and never turn the same knob twice.
     for _, (a, b) in pairs(BASES, 200, seed=0):
         assert a.cause != b.cause and not set(a.knobs()) & set(b.knobs())
+        # Operators added after the pairs were first drawn stay out of them (the same pairs).
+        assert a.paired and b.paired
     assert len({(b.name, ms) for b, ms in singles(BASES)}) == len(singles(BASES))
 
 

@@ -47,6 +47,10 @@ class Knobs:
     extra_depth: int = 0
     # Biases of the first hidden layer set very negative: its ReLU units start dead.
     dead_bias: bool = False
+    # The optimizer's weight_decay (added to the gradient by SGD and Adam, decoupled by AdamW).
+    weight_decay: float = 0.0
+    # An L2 penalty on every trained weight matrix, written into the loss by the loop.
+    weight_penalty: float = 0.0
 
 
 @dataclass
@@ -137,6 +141,8 @@ def optimizer(model: nn.Module, k: Knobs, kind: str, lr: float, **kw) -> torch.o
         skip = {id(p) for p in first.parameters()}
         params = [p for p in params if id(p) not in skip]
     cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[kind]
+    if k.weight_decay:
+        kw = {**kw, "weight_decay": k.weight_decay}
     return cls(params, lr=lr * k.lr_factor, **kw)
 
 
@@ -520,7 +526,7 @@ def deep_layernorm(k: Knobs, seed: int) -> Program:
     return _classifier(model, k, seed, (x0.flatten(1), y0, x1.flatten(1), y1), 10, "sgd", 0.05, momentum=0.9)
 
 
-_ALL = {"lr_factor", "init_scale", "zero_grad", "frozen_first"}
+_ALL = {"lr_factor", "init_scale", "zero_grad", "frozen_first", "weight_decay", "weight_penalty"}
 _MODEL = {"act", "extra_depth", "output_act"}
 
 BASES: List[Base] = [
@@ -558,9 +564,25 @@ BASES: List[Base] = [
         "finetune",
         "fine-tuning",
         finetune,
-        frozenset({"lr_factor", "zero_grad", "act", "output_act", "raw_inputs", "label_noise"}),
+        frozenset(
+            {
+                "lr_factor",
+                "zero_grad",
+                "act",
+                "output_act",
+                "raw_inputs",
+                "label_noise",
+                "weight_decay",
+                "weight_penalty",
+            }
+        ),
     ),
-    Base("lora", "lora-fine-tuning", lora, frozenset({"lr_factor", "zero_grad", "act", "raw_inputs", "raw_targets"})),
+    Base(
+        "lora",
+        "lora-fine-tuning",
+        lora,
+        frozenset({"lr_factor", "zero_grad", "act", "raw_inputs", "raw_targets", "weight_decay", "weight_penalty"}),
+    ),
     Base(
         "deep_layernorm",
         "deep-mlp-layernorm",

@@ -14,7 +14,7 @@ outcome. ``quality-only`` labels every mutant by its outcome (the labelling befo
 loss (on a log scale, from where the base's loss began, over the last tenth of the run): an
 output that does not fit the loss can hold the loss far above its base's while the accuracy
 stays. The loss is not compared for mutants that change its scale or its floor (raw targets,
-label noise)."""
+label noise, a weight penalty in the loss)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from typing import Dict, List, Optional
 MANIFEST_SHARE = 0.25
 # Operators that change the training loss's scale (raw targets) or its floor (noisy labels): their
 # loss says nothing against the base's.
-LOSS_INCOMPARABLE = {"raw_targets", "label_noise"}
+LOSS_INCOMPARABLE = {"raw_targets", "label_noise", "l2_penalty"}
 # Operators that write a mistake into the program: labelled with their cause whatever the outcome.
 PROGRAM_FAULTS = {"out_softmax", "out_relu", "out_sigmoid", "no_zero_grad", "frozen_first"}
 CRITERIA = ("quality", "quality+loss", "quality-only")

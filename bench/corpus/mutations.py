@@ -21,6 +21,9 @@ class Mutation:
     cause: str
     changes: Tuple[Tuple[str, Any], ...]
     also: Tuple[str, ...] = ()
+    # Drawn into pairs (operators added after the corpus's pairs were first drawn are not, so
+    # that the pairs, and every figure measured on them, stay what they were).
+    paired: bool = True
 
     def knobs(self) -> Dict[str, Any]:
         return dict(self.changes)
@@ -45,8 +48,8 @@ def knobs_for(ops: Sequence[str]) -> Knobs:
     return k
 
 
-def _m(name: str, cause: str, also: Tuple[str, ...] = (), **changes: Any) -> Mutation:
-    return Mutation(name, cause, tuple(sorted(changes.items())), also)
+def _m(name: str, cause: str, also: Tuple[str, ...] = (), paired: bool = True, **changes: Any) -> Mutation:
+    return Mutation(name, cause, tuple(sorted(changes.items())), also, paired)
 
 
 MUTATIONS: List[Mutation] = [
@@ -71,6 +74,8 @@ MUTATIONS: List[Mutation] = [
     _m("frozen_first", "parameters_not_updated", frozen_first=True),
     _m("eval_mode", "eval_mode", eval_mode=True),
     _m("dead_bias", "dying_relu", dead_bias=True),
+    _m("weight_decay", "over_regularization", paired=False, weight_decay=1.0),
+    _m("l2_penalty", "over_regularization", paired=False, weight_penalty=0.1),
 ]
 
 
@@ -82,7 +87,7 @@ def pairs(bases: List[Base], n: int, seed: int) -> List[Tuple[Base, Tuple[Mutati
     """`n` pairs drawn (seeded) from every compatible pair of operators on every base."""
     out: List[Tuple[Base, Tuple[Mutation, ...]]] = []
     for b in bases:
-        ok = [m for m in MUTATIONS if m.applies_to(b)]
+        ok = [m for m in MUTATIONS if m.paired and m.applies_to(b)]
         for a, c in itertools.combinations(ok, 2):
             if a.cause != c.cause and not set(a.knobs()) & set(c.knobs()):
                 out.append((b, (a, c)))

@@ -33,15 +33,19 @@ from bench.corpus.mutations import knobs_for, named, pairs, singles
 
 
 def train(p: Program, k: Knobs) -> Tuple[List[float], Optional[str]]:
-    """The user's loop, with the loop-side knobs (zero_grad dropped, eval() mode) applied."""
+    """The user's loop, with the loop-side knobs (zero_grad dropped, eval() mode, a weight
+    penalty written into the loss) applied."""
     losses: List[float] = []
     p.model.train(not k.eval_mode)
+    penalized = [w for w in p.model.parameters() if w.requires_grad and w.dim() >= 2]
     try:
         for i in range(p.steps):
             x, y = p.batch(i)
             if k.zero_grad:
                 p.optimizer.zero_grad()
             loss = p.loss(p.model(x), y)
+            if k.weight_penalty:
+                loss = loss + k.weight_penalty * sum(w.pow(2).sum() for w in penalized)
             loss.backward()
             p.optimizer.step()
             losses.append(float(loss.detach()))

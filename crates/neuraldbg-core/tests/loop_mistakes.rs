@@ -518,25 +518,40 @@ fn gradients_high_to_the_end_because_they_are_never_zeroed_are_a_failure() {
     assert!(zeroed.iter().all(|h| h.confidence < 0.5), "{}", zeroed[0]);
 }
 
-/// A regression whose loss holds a weight penalty of coefficient `l2` on a model whose data
-/// term stays at `data(step)`: the weights shrink by `shrink` a step (measured every 10 steps),
-/// and the loss is the data term plus `l2` times their sum of squares.
+/// A regression whose loss holds a weight penalty of coefficient `l2` (the framework saw
+/// `penalized_params` parameters penalized) on a model whose data term stays at `data(step)`:
+/// the weights shrink by `shrink` a step (measured every 10 steps), and the loss is the data
+/// term plus `l2` times their sum of squares.
 fn penalized(
     penalized_params: Option<u64>,
     l2: f64,
     shrink: f64,
     data: impl Fn(u64) -> f64,
 ) -> Vec<CausalHypothesis> {
-    let s = with_loss(LossSpec {
-        ops: ops(&["Add", "Mean", "Pow", "Sub"]),
-        output_op: Some("Addmm".into()),
-        output_units: Some(1),
-        target_var: Some(0.05),
-        penalized_params,
-        ..LossSpec::default()
-    });
+    penalized_under(
+        LossSpec {
+            ops: ops(&["Add", "Mean", "Pow", "Sub"]),
+            output_op: Some("Addmm".into()),
+            output_units: Some(1),
+            target_var: Some(0.05),
+            penalized_params,
+            ..LossSpec::default()
+        },
+        l2,
+        shrink,
+        data,
+    )
+}
+
+/// [`penalized`], under any loss.
+fn penalized_under(
+    loss: LossSpec,
+    l2: f64,
+    shrink: f64,
+    data: impl Fn(u64) -> f64,
+) -> Vec<CausalHypothesis> {
     let mut engine = Engine::new(Config::default()).unwrap();
-    engine.register_model(s).unwrap();
+    engine.register_model(with_loss(loss)).unwrap();
     for step in 0..200u64 {
         let w = 4.0 * shrink.powf(step as f64);
         let sq = 3.0 * (w * w + 0.01);
@@ -588,6 +603,36 @@ fn a_weight_penalty_that_outweighs_the_data_is_over_regularization() {
     assert!(h.iter().all(|h| h.confidence < 0.5), "{}", h[0]);
 }
 
+#[test]
+fn a_weight_penalty_that_shrank_a_classifier_to_a_constant_guess_is_over_regularization() {
+    // Penalty 0.05 x ~48 = 2.4 against a cross-entropy of ln 10 = 2.3 at the first step; the
+    // weights shrink to ~0 and the loss ends at the chance level, the penalty a few percent.
+    let loss = LossSpec {
+        ops: ops(&["Add", "NllLoss", "LogSoftmax"]),
+        output_op: Some("Addmm".into()),
+        output_units: Some(10),
+        penalized_params: Some(3),
+        ..LossSpec::default()
+    };
+    let h = penalized_under(loss.clone(), 0.05, 0.97, |_| 10f64.ln());
+    let top = &h[0];
+    assert_eq!(top.failure, Failure::LossPlateau, "{top}");
+    assert_eq!(top.cause, Cause::OverRegularization, "{top}");
+    assert!(top.confidence >= 0.5, "{top}");
+    assert!(
+        top.description
+            .contains("shrank the weights' sum of squares to"),
+        "{top}"
+    );
+    // A penalty a few percent of the loss at the start (1e-3 x 48 against 2.3) is usual.
+    let h = penalized_under(loss, 1e-3, 0.97, |_| 10f64.ln());
+    assert!(
+        h.iter().all(|h| h.cause != Cause::OverRegularization),
+        "{}",
+        h[0]
+    );
+}
+
 /// A 5-class classifier whose loss stays at ln 5 while the optimizer decays its weights
 /// (`param_weight_decay`) through the gradient: the weights (norm 4 at first) are multiplied
 /// by `kept_per_step` each step; the loss's own gradient norm is 0.2.
@@ -626,10 +671,18 @@ fn a_weight_decay_that_outweighs_the_gradient_while_the_weights_shrink_is_over_r
     assert!(top.description.contains("weight_decay of 1 "), "{top}");
     // The same pull on weights that keep their norm (a small gradient, not a strong decay).
     let h = decayed(1.0, 1.0);
-    assert!(h.iter().all(|h| h.cause != Cause::OverRegularization), "{}", h[0]);
+    assert!(
+        h.iter().all(|h| h.cause != Cause::OverRegularization),
+        "{}",
+        h[0]
+    );
     // A usual decay on the same shrinking weights pulls far less than the gradient.
     let h = decayed(5e-4, 0.98);
-    assert!(h.iter().all(|h| h.cause != Cause::OverRegularization), "{}", h[0]);
+    assert!(
+        h.iter().all(|h| h.cause != Cause::OverRegularization),
+        "{}",
+        h[0]
+    );
 }
 
 #[test]
@@ -641,6 +694,10 @@ fn a_weight_decay_that_is_not_a_finite_non_negative_number_is_refused() {
     assert!(err.contains("param_weight_decay"), "{err}");
     let mut s = spec();
     s.param_weight_decay = Some(vec![0.0]);
-    let err = Engine::new(Config::default()).unwrap().register_model(s).unwrap_err().to_string();
+    let err = Engine::new(Config::default())
+        .unwrap()
+        .register_model(s)
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("entries"), "{err}");
 }

@@ -42,6 +42,9 @@ pub(crate) struct Evidence {
     pub forward: Option<ForwardGrowth>,
     /// The optimizer's weight decay, where it adds to the gradient (see [`DecayPull`]).
     pub decay_pull: Option<DecayPull>,
+    /// A weight penalty written into the loss was most of it from the first step (see
+    /// `over_regularization`): the measured steps are then the penalty's.
+    pub penalty_dominated: bool,
 }
 
 /// The optimizer's weight decay against the loss's gradient, over the weighted layers whose
@@ -60,9 +63,9 @@ pub(crate) struct DecayPull {
 /// A weight decay pulling the weights this many times harder than the loss's gradient at the
 /// start, while they shrink to at most [`DECAY_KEPT`] of their first norm, shrinks them faster
 /// than the data can grow them. (A small gradient alone, as in a stack whose gradients vanish,
-/// makes a large pull; it does not make the weights shrink.)
+/// makes a large pull under a usual decay; that decay does not shrink the weights by much.)
 const DECAY_OUTWEIGHS: f64 = 2.0;
-const DECAY_KEPT: f64 = 0.5;
+const DECAY_KEPT: f64 = 0.8;
 
 /// Where the forward signal grows the most at the first measurement of module outputs: the
 /// module whose output exceeds every output before it in forward order (and the input batch)
@@ -370,14 +373,24 @@ impl Evidence {
             total_peak: run.total_peak,
             activation_gap: activation_gap(run),
             decay_pull,
+            penalty_dominated: super::penalty_dominated(run).is_some(),
         }
     }
 
     /// The optimizer's weight decay outweighs the loss's gradient from the start, and the
     /// weights shrink under it.
+    ///
+    /// (Either this or a dominant penalty in the loss makes the measured steps the penalty's:
+    /// see [`Self::steps_are_the_penalty`].)
     pub fn decay_outweighs(&self) -> Option<DecayPull> {
         self.decay_pull
             .filter(|d| d.pull >= DECAY_OUTWEIGHS && d.kept <= DECAY_KEPT)
+    }
+
+    /// The steps the optimizer makes are mostly a weight penalty's (the optimizer's decay or
+    /// one written into the loss), not the data's.
+    pub fn steps_are_the_penalty(&self) -> bool {
+        self.penalty_dominated || self.decay_outweighs().is_some()
     }
 
     /// Weights at the start were far below a variance-preserving scale.

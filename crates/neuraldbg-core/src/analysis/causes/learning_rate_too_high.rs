@@ -277,11 +277,11 @@ const MEASURED_TOO_LARGE: f64 = 10.0 * TRAINING_UPDATE;
 
 /// The update-to-weight ratio, as evidence of the learning rate: not when the weights started
 /// far below a variance-preserving scale (every step is large beside them: the ratio then
-/// measures the weights), nor when the optimizer's weight decay outweighs the gradient (the
-/// steps are then the decay's).
+/// measures the weights), nor when a weight penalty outweighs the data (the steps are then
+/// the penalty's).
 fn step_ratio(ev: &Evidence) -> Option<f64> {
     ev.update_ratio
-        .filter(|_| !ev.gain_too_small() && ev.decay_outweighs().is_none())
+        .filter(|_| !ev.gain_too_small() && !ev.steps_are_the_penalty())
 }
 
 /// That ratio, measured, when it is at least [`MEASURED_TOO_LARGE`].

@@ -45,6 +45,7 @@ use super::remedy::Remedy;
 use super::vocab::{Cause, Failure};
 
 pub(crate) use evidence::{Evidence, Features, features, forward_growth, measured_update_ratio};
+pub(crate) use over_regularization::penalty_dominated;
 
 /// Every cause's own run-wide facts.
 pub(crate) fn own_run_facts(run: &Run) -> Facts {
@@ -361,7 +362,7 @@ pub(crate) fn loss_bounded_by_mistake(run: &Run) -> bool {
     output_loss_mismatch::found(run).is_some()
         || target_shape_mismatch::broadcast(run).is_some()
         || poor_initialization::identical_units(run).is_some()
-        || over_regularization::dominant_penalty(run).is_some()
+        || over_regularization::loss_held_by_penalty(run).is_some()
 }
 
 pub(crate) fn fmt_g(v: f64) -> String {

@@ -1,10 +1,12 @@
 //! `over_regularization`: a weight penalty that outweighs the fit to the data, so that the
 //! optimizer mostly shrinks the weights. Written into the loss (`loss + l2 * sum(w.pow(2)
 //! .sum() ...)`), the loss falls as the weights' squared norm falls, on a line whose slope is
-//! the penalty's coefficient. As the optimizer's `weight_decay` added to the gradient (`SGD`,
-//! `Adam`), the decay's pull on the weights is many times the loss's own gradient from the
-//! start: the weights, and with them the signal and its gradients, shrink.
+//! the penalty's coefficient, the penalty being most of the loss at the start. As the
+//! optimizer's `weight_decay` added to the gradient (`SGD`, `Adam`), the decay's pull on the
+//! weights is many times the loss's own gradient from the start while they shrink. Either way
+//! the weights, and with them the signal and its gradients, shrink towards zero.
 
+use super::super::failures::chance_level;
 use super::super::remedy::Remedy;
 use super::super::vocab::{Cause, Failure};
 use super::{Case, CauseRule, Facts, RemedyCase, Votes, fmt_g};
@@ -17,11 +19,14 @@ pub(crate) struct OverRegularization;
 const MIN_PAIRS: u64 = 5;
 /// How well the loss must follow the squared norm.
 const MIN_R2: f64 = 0.9;
-/// The penalty's share of the loss, at the first and the last pair, above which it outweighs
-/// the data.
+/// The penalty's share of the loss at the first step above which it outweighs the data (a
+/// usual penalty, 1e-4 per weight, is a few percent of it), and at the last step above which
+/// it still holds the loss up.
+const MIN_SHARE_FIRST: f64 = 0.25;
 const MIN_SHARE: f64 = 0.5;
 
-/// A weight penalty that outweighs the fit to the data, as measured.
+/// A weight penalty in the loss that outweighed the fit to the data from the start, as
+/// measured.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Penalty {
     /// Parameters the loss penalizes directly.
@@ -29,17 +34,17 @@ pub(crate) struct Penalty {
     /// The loss per unit of the weights' squared norm (the penalty's coefficient).
     pub slope: f64,
     pub r2: f64,
-    /// The penalty's share of the loss at the first and the last measurement.
+    /// The penalty's share of the loss at the first and the last measurement (by the line).
     pub share_first: f64,
     pub share_last: f64,
-    /// What is left of the last loss without the penalty: the fit to the data.
-    pub data_last: f64,
+    /// The weights' last squared norm over their first.
+    pub kept: f64,
 }
 
-/// The loss holds a penalty on the weights (a fact from the framework) and moves with their
-/// squared norm, falling as it falls, the penalty being most of it from the first step to
-/// the last.
-pub(crate) fn dominant_penalty(run: &Run) -> Option<Penalty> {
+/// The loss holds a penalty on the weights (a fact from the framework), moves with their
+/// squared norm, falling as it falls, and the penalty was a large part of it at the first
+/// step.
+pub(crate) fn penalty_dominated(run: &Run) -> Option<Penalty> {
     let params = run
         .model
         .spec
@@ -54,15 +59,26 @@ pub(crate) fn dominant_penalty(run: &Run) -> Option<Penalty> {
     if !(shrinking && line.slope > 0.0 && line.r2 >= MIN_R2 && l0 > 0.0 && l1 > 0.0) {
         return None;
     }
-    let (share_first, share_last) = (line.slope * s0 / l0, line.slope * s1 / l1);
-    (share_first >= MIN_SHARE && share_last >= MIN_SHARE).then(|| Penalty {
+    let share_first = line.slope * s0 / l0;
+    (share_first >= MIN_SHARE_FIRST).then(|| Penalty {
         params,
         slope: line.slope,
         r2: line.r2,
         share_first: share_first.min(1.0),
-        share_last: share_last.min(1.0),
-        data_last: (l1 - line.slope * s1).max(0.0),
+        share_last: (line.slope * s1 / l1).clamp(0.0, 1.0),
+        kept: s1 / s0,
     })
+}
+
+/// The penalty still holds most of the loss at the end, or it shrank the model to a constant
+/// guess (the loss ends at its chance level): the loss cannot reach the data's optimum (a
+/// plateau from the first step, see `loss_bounded_by_mistake`).
+pub(crate) fn loss_held_by_penalty(run: &Run) -> Option<Penalty> {
+    let at_chance = chance_level(run).is_some_and(|c| {
+        let end = run.loss.last_smoothed;
+        (0.9 * c.level..=1.1 * c.level).contains(&end)
+    });
+    penalty_dominated(run).filter(|p| p.share_last >= MIN_SHARE || at_chance)
 }
 
 /// A share of the loss in words.
@@ -83,8 +99,13 @@ impl CauseRule for OverRegularization {
         "a weight penalty that outweighs the fit to the data"
     }
 
+    /// Shrinking weights hold the loss up, and shrink the signal, its gradients and the
+    /// rectified units' inputs with them.
     fn explains(&self, failure: Failure) -> bool {
-        matches!(failure, Failure::LossPlateau | Failure::VanishingGradients)
+        matches!(
+            failure,
+            Failure::LossPlateau | Failure::VanishingGradients | Failure::DeadNeurons
+        )
     }
 
     fn always_candidate(&self, _: Failure) -> bool {
@@ -103,30 +124,39 @@ impl CauseRule for OverRegularization {
                 ),
             );
         }
-        if c.e.failure != Failure::LossPlateau {
-            return;
-        }
-        if let Some(p) = dominant_penalty(c.run) {
+        if let Some(p) = penalty_dominated(c.run) {
             let tensors = if p.params == 1 {
                 "1 parameter tensor".to_string()
             } else {
                 format!("{} parameter tensors", p.params)
             };
-            v.proof(
-                5.0,
-                format!(
-                    "the loss adds a penalty on {tensors} and falls in step with their squared norm (loss = {} x the weights' sum of squares{}, r² {:.3}): the penalty is {} of the loss at the first step, so the optimizer shrinks the weights instead of fitting the data",
-                    fmt_g(p.slope),
-                    if p.data_last > 0.01 * p.slope { format!(" + {}", fmt_g(p.data_last)) } else { String::new() },
-                    p.r2,
-                    share(p.share_first),
-                ),
+            let held = loss_held_by_penalty(c.run).is_some();
+            let most = p.share_last >= MIN_SHARE;
+            let reason = format!(
+                "the loss adds a penalty on {tensors} and falls in step with their squared norm (loss = {} x the weights' sum of squares{}, r² {:.3}): the penalty is {} of the loss at the first step{}, so the optimizer shrinks the weights instead of fitting the data",
+                fmt_g(p.slope),
+                if most { "" } else { " + the data's part" },
+                p.r2,
+                share(p.share_first),
+                if most {
+                    format!(" and {} at the last", share(p.share_last))
+                } else {
+                    format!(
+                        ", and it shrank the weights' sum of squares to {:.0}% of its first value",
+                        100.0 * p.kept
+                    )
+                },
             );
+            if held {
+                v.proof(5.0, reason);
+            } else {
+                v.add(5.0, reason);
+            }
         }
     }
 
     fn remedies(&self, c: &RemedyCase<'_>) -> Vec<Remedy> {
-        if dominant_penalty(c.run).is_some() {
+        if penalty_dominated(c.run).is_some() {
             return vec![Remedy::LowerWeightPenalty, Remedy::FitWithoutPenalty];
         }
         vec![Remedy::LowerWeightDecay, Remedy::FitWithoutPenalty]
@@ -134,7 +164,7 @@ impl CauseRule for OverRegularization {
 
     fn run_facts(&self, run: &Run) -> Facts {
         let mut out = Facts::new();
-        let share = dominant_penalty(run).map_or(0.0, |p| p.share_last);
+        let share = penalty_dominated(run).map_or(0.0, |p| p.share_first);
         out.insert("penalty_share".into(), share.into());
         out
     }
