@@ -428,3 +428,69 @@ def test_torch_backend_fit(tmp_path: Any) -> None:
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.split()[-1] == "12" and r.stdout.startswith("torch 12")
+
+
+def classify(out_act: Any, loss: Any, regularizer: Any = None) -> Any:
+    """A 5-class MLP fitted 3 epochs under ``loss``; returns the model, its history and the
+    callback."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(640, 16)).astype("float32")
+    y = (x @ rng.normal(size=(16, 5))).argmax(1)
+    keras.utils.set_random_seed(0)
+    dense = dict(kernel_regularizer=regularizer)
+    model = keras.Sequential(
+        [
+            keras.Input((16,)),
+            keras.layers.Dense(32, activation="relu", **dense),
+            keras.layers.Dense(32, activation="relu", **dense),
+            keras.layers.Dense(5, activation=out_act, **dense),
+        ]
+    )
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss)
+    cb = NeuralDbgCallback()
+    history = model.fit(x, y, epochs=3, batch_size=32, verbose=0, callbacks=[cb])
+    return model, history.history, cb
+
+
+@pytest.mark.parametrize(
+    ("out_act", "from_logits", "mismatch"),
+    [("softmax", True, True), ("softmax", False, False), (None, False, True), (None, True, False)],
+)
+def test_an_output_that_does_not_fit_the_compiled_loss_is_named(
+    out_act: Any, from_logits: bool, mismatch: bool
+) -> None:
+    """The compiled loss reaches the engine as facts (the operations it applies, the output's
+    activation): a softmax output under a loss ``from_logits=True`` (which applies its own
+    softmax) and a linear output under one that takes the log of probabilities are output/loss
+    mismatches from the first step; the two pairings Keras documents are quiet. Ground truth:
+    Keras' own loss ends higher under each mismatch than under the matched pairing."""
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=from_logits)
+    _, history, cb = classify(out_act, loss)
+    hyps = cb.dbg.explain_failure()
+    matched = classify("softmax" if from_logits is False else None, loss)[1]
+    if mismatch:
+        assert history["loss"][-1] > matched["loss"][-1] + 0.1, (history["loss"], matched["loss"])
+        top = hyps[0]
+        assert str(top.cause) == "output_loss_mismatch" and top.confidence >= 0.5, hyps
+    else:
+        assert all(h.confidence < 0.5 for h in hyps), hyps
+
+
+@pytest.mark.parametrize("l2", [0.1, 1e-5])
+def test_a_weight_penalty_keras_adds_to_the_loss_is_over_regularization(l2: float) -> None:
+    """``kernel_regularizer=L2(l2)`` on each Dense: Keras adds the penalty to the loss it
+    logs, and the callback tells the engine how many weights carry one. At 0.1 the penalty is
+    most of the loss (Keras' own ``model.losses`` against its first logged loss) and the finding
+    is over-regularization; at 1e-5 there is none."""
+    model, history, cb = classify("softmax", "sparse_categorical_crossentropy", keras.regularizers.L2(l2))
+    hyps = cb.dbg.explain_failure()
+    named = [h for h in hyps if str(h.cause) == "over_regularization"]
+    if l2 == 0.1:
+        keras.utils.set_random_seed(0)
+        fresh = keras.models.clone_model(model)  # (the same initializers and seed: the first weights)
+        penalty = float(sum(np.asarray(v) for v in fresh.losses))
+        assert penalty > 0.5 * history["loss"][0], (penalty, history["loss"][0])
+        assert named and named[0] is hyps[0] and hyps[0].confidence >= 0.5, hyps
+        assert "penalty on 3 parameter tensors" in hyps[0].description, hyps[0].description
+    else:
+        assert named == [] and all(h.confidence < 0.5 for h in hyps), hyps

@@ -20,6 +20,8 @@ directly. That is also where a custom ``train_step`` that calls ``self.optimizer
 ...)`` (or ``stateless_apply``, or ``apply_gradients``) is seen. Variables are named by their
 layer: ``dense_2.kernel`` belongs to layer ``dense_2``.
 The loss is the fit loop's: the per-batch value is recovered from the running mean Keras logs.
+What the compiled loss does with the output (and the weight penalties Keras adds to it) reaches
+the engine as facts when fit starts.
 Keras is not a dependency of neuraldbg.
 """
 
@@ -92,6 +94,61 @@ def _activation_kind(layer: Any) -> Optional[str]:
         return {"ReLU": "ReLU", "LeakyReLU": "LeakyReLU", "ELU": "ELU", "Softmax": "Softmax"}.get(type(layer).__name__)
     fn_name = getattr(fn, "__name__", None)
     return _ACTIVATIONS.get(str(fn_name)) if fn_name else None
+
+
+# Keras losses as the engine's loss facts: the operations each applies to the model's output,
+# named as the engine names them (PyTorch's autograd names, `LossSpec.ops`), for logits and for
+# probabilities (`from_logits=False`: the loss takes the log of the output itself).
+_CROSS_ENTROPY = (["NllLoss", "LogSoftmax"], ["Mean", "Neg", "Sum", "Mul", "Log"])
+_LOSS_OPS = {
+    "categorical_crossentropy": _CROSS_ENTROPY,
+    "sparse_categorical_crossentropy": _CROSS_ENTROPY,
+    "binary_crossentropy": (["BinaryCrossEntropyWithLogits"], ["BinaryCrossEntropy", "Log"]),
+    "mean_squared_error": (["MseLoss"], ["MseLoss"]),
+    "mean_absolute_error": (["L1Loss"], ["L1Loss"]),
+    "huber": (["HuberLoss"], ["HuberLoss"]),
+}
+# Weight penalties a layer can carry (`kernel_regularizer=L2(...)`): Keras adds them to the loss.
+_REGULARIZERS = (
+    "kernel_regularizer",
+    "bias_regularizer",
+    "recurrent_regularizer",
+    "depthwise_regularizer",
+    "pointwise_regularizer",
+)
+
+
+def _loss_facts(model: Any) -> Optional[Dict[str, Any]]:
+    """The compiled loss and the model's output as facts for the engine (`LossSpec`): the
+    operations the loss applies, the output's activation and units, and how many weights carry
+    a penalty Keras adds to the loss. None for a loss it does not know (a custom function,
+    several outputs)."""
+    loss = getattr(model, "loss", None)
+    if isinstance(loss, str):
+        loss = keras.losses.get(loss)
+    fn = getattr(loss, "fn", loss)
+    name = getattr(fn, "__name__", None)
+    kwargs = getattr(loss, "_fn_kwargs", None) or {}
+    if name not in _LOSS_OPS or len(getattr(model, "outputs", None) or [None]) != 1:
+        return None
+    facts: Dict[str, Any] = {"ops": list(_LOSS_OPS[name][0 if kwargs.get("from_logits") else 1])}
+    layers = model.layers if hasattr(model, "layers") else []
+    if layers:
+        kind = _activation_kind(layers[-1]) or "Linear"
+        facts["output_op"] = {"ReLU": "Relu", "ReLU6": "Relu6"}.get(kind, kind)
+    outputs = getattr(model, "outputs", None)
+    units = outputs[0].shape[-1] if outputs else None
+    if isinstance(units, int):
+        facts["output_units"] = units
+
+    def penalties(layer: Any) -> int:
+        own = sum(getattr(layer, r, None) is not None for r in _REGULARIZERS)
+        return own + sum(penalties(child) for child in _children(layer))
+
+    penalized = penalties(model)
+    if penalized:
+        facts["penalized_params"] = penalized
+    return facts
 
 
 def _children(layer: Any) -> List[Any]:
@@ -324,6 +381,10 @@ class KerasDbg(Spoke):
         opt = self._optimizer
         meta = {"keras": keras.__version__, "backend": keras.backend.backend(), "model": type(self.model).__qualname__}
         spec = self._model.spec(type(opt).__name__ if opt is not None else None)
+        try:
+            spec["loss"] = _loss_facts(self.model)
+        except Exception:  # pragma: no cover - facts are optional
+            spec["loss"] = None
         self._spec_modules = spec["modules"]
         self._start(spec, meta)
         self._base = int(ops.convert_to_numpy(opt.iterations)) if opt is not None else 0
