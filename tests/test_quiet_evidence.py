@@ -106,6 +106,23 @@ class SpecSpy(Measures):
         return self.engine.register_model(spec_json)  # type: ignore[attr-defined]
 
 
+def _watched_fit(model: nn.Module, opt: torch.optim.Optimizer, loss_fn, x, y, steps: int, batch: int = 64):
+    """``steps`` minibatches of ``(x, y)`` under a debugger whose registered spec is kept:
+    returns the debugger, its spy and the losses."""
+    losses: List[float] = []
+    with NeuralDbg(model) as dbg:
+        spy = SpecSpy(dbg._collector.engine)
+        spy_engine(dbg, spy)
+        for _ in range(steps):
+            i = torch.randint(0, len(x), (batch,))
+            opt.zero_grad()
+            loss = loss_fn(model(x[i]), y[i])
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+    return dbg, spy, losses
+
+
 def test_a_regression_that_learns_nothing_sits_at_its_targets_variance():
     """The targets' variance of the first step reaches the engine (checked against torch's
     own), and a mean squared error held there by a learning rate far too low is a plateau
@@ -305,17 +322,7 @@ def test_units_with_identical_weights_are_named_while_the_loss_still_falls(init)
     the default initialization are not flagged."""
     model, x, y = _mlp_regression(init)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    losses = []
-    with NeuralDbg(model) as dbg:
-        spy = SpecSpy(dbg._collector.engine)
-        spy_engine(dbg, spy)
-        for _ in range(150):
-            i = torch.randint(0, 1024, (64,))
-            opt.zero_grad()
-            loss = nn.functional.mse_loss(model(x[i]), y[i])
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
+    dbg, spy, losses = _watched_fit(model, opt, nn.functional.mse_loss, x, y, 150)
     flagged = [p["name"] for p in spy.spec["params"] if p.get("identical_units")]
     # Ground truth from the weights: a layer whose rows all equal its first row.
     same = [
@@ -540,17 +547,7 @@ def _classify_with_decay(opt_name: str, wd: float, sigmoid_depth: int = 0):
     opt = make(model.parameters(), lr=1e-3 if opt_name != "sgd" else 0.1, weight_decay=wd)
     middle = model[2].weight
     first = float(middle.detach().norm())
-    losses = []
-    with NeuralDbg(model) as dbg:
-        spy = SpecSpy(dbg._collector.engine)
-        spy_engine(dbg, spy)
-        for _ in range(300):
-            i = torch.randint(0, 512, (64,))
-            opt.zero_grad()
-            loss = nn.functional.cross_entropy(model(x[i]), y[i])
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
+    dbg, spy, losses = _watched_fit(model, opt, nn.functional.cross_entropy, x, y, 300)
     return dbg, losses, (first, float(middle.detach().norm())), spy.spec["param_weight_decay"]
 
 
