@@ -413,6 +413,90 @@ def broadcast_targets() -> Scenario:
     )
 
 
+class PenalizedLoss(nn.Module):
+    """``criterion(out, y) + l2 * sum(|W|^2)`` over the model's weight matrices, written into the
+    loss the way a program adds an L2 penalty by hand."""
+
+    def __init__(self, criterion: nn.Module, model: nn.Module, l2: float) -> None:
+        super().__init__()
+        self.criterion, self.l2 = criterion, l2
+        self.weights = [p for p in model.parameters() if p.dim() >= 2]
+
+    def forward(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.criterion(out, y) + self.l2 * sum(w.pow(2).sum() for w in self.weights)
+
+
+def penalty_in_the_loss() -> Scenario:
+    truth = Truth("loss_plateau", "over_regularization", None, None)
+
+    def make(l2: float) -> Setup:
+        model = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
+        return Setup(
+            model,
+            torch.optim.Adam(model.parameters(), lr=1e-3),
+            PenalizedLoss(nn.MSELoss(), model, l2),
+            regression_data(8, 64),
+            200,
+        )
+
+    def check(r: Record) -> None:
+        # The loss moves with the parameters' sum of squares (the record's norms hold the biases
+        # too, which the penalty leaves out): a line through them fits it, its slope of the
+        # order of the penalty's coefficient, and that line makes the penalty most of the first
+        # loss.
+        sq = [sum(r.weight[n][s] ** 2 for n in r.layer_names) for s in range(r.steps)]
+        n = len(sq)
+        ms, ml = sum(sq) / n, sum(r.loss) / n
+        cov = sum((a - ms) * (b - ml) for a, b in zip(sq, r.loss))
+        var_s = sum((a - ms) ** 2 for a in sq)
+        var_l = sum((b - ml) ** 2 for b in r.loss)
+        assert cov * cov / (var_s * var_l) > 0.99, "the loss does not follow the weights' squared norm"
+        slope = cov / var_s
+        assert 0.05 < slope < 0.2, f"slope {slope:.3f}, not of the order of the penalty's 0.1"
+        assert slope * sq[0] > 0.5 * r.loss[0], "the penalty is not most of the first loss"
+
+    return Scenario(
+        "mlp_l2_penalty_in_the_loss",
+        "MLP 2x ReLU regression, L2 0.1 in the loss",
+        "an L2 penalty of 0.1 on the weights written into the loss: it is most of the loss, and the "
+        "optimizer shrinks the weights instead of fitting the data",
+        lambda: make(0.1),
+        truth,
+        check,
+        lambda: make(1e-5),
+        learns_much_better(0.1),
+    )
+
+
+def weight_decay_too_strong() -> Scenario:
+    truth = Truth("vanishing_gradients", "over_regularization", None, None)
+
+    def make(weight_decay: float) -> Setup:
+        model = mlp([16, 64, 64, 10], nn.ReLU)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=weight_decay)
+        return Setup(model, opt, CE(), teacher_data(16, 10, 64), 200)
+
+    def check(r: Record) -> None:
+        # The hidden layers' weights collapse and the gradients with them; the loss sits at
+        # ln 10 (the output layer keeps a bias: the class frequencies).
+        for n in ("0", "2"):
+            assert r.weight[n][-1] < 0.05 * r.weight[n][0], f"{n} kept its weights"
+        assert r.grad["0"][-1] < VANISHING, f"gradient of 0 did not vanish: {r.grad['0'][-1]:.2e}"
+        assert abs(_mean(r.loss[-20:]) - math.log(10)) < 0.05, "the loss is not at ln 10"
+
+    return Scenario(
+        "mlp_sgd_weight_decay_too_strong",
+        "MLP 2x ReLU, SGD weight_decay 0.5",
+        "SGD's weight_decay of 0.5 pulls the weights to zero far harder than the loss's gradient: "
+        "they collapse, the gradients vanish and the model outputs a constant guess",
+        lambda: make(0.5),
+        truth,
+        check,
+        lambda: make(5e-4),
+        learns_much_better(0.5),
+    )
+
+
 def deep_bn_eval() -> Scenario:
     truth = Truth("vanishing_gradients", "eval_mode", None, 15)
 
@@ -524,6 +608,8 @@ def loop_mistake_scenarios() -> List[Scenario]:
         bounded_regression(),
         broadcast_targets(),
         deep_bn_eval(),
+        penalty_in_the_loss(),
+        weight_decay_too_strong(),
     ]
 
 
