@@ -155,6 +155,30 @@ def test_a_layer_half_dead_from_initialization_that_dies_under_a_huge_lr_blames_
     assert any("were dead at first and 100% after updates" in r for r in reasons), reasons
 
 
+def test_units_killed_by_the_sgd_steps_of_weights_ten_times_too_large_blame_the_initialization() -> None:
+    """The corpus CNN with its weights 10x their default scale, under its own SGD (lr 0.05):
+    its second ReLU layer is alive at the first step and entirely dead from the tenth on (a
+    forward hook counts them), and the run learns nothing (held-out accuracy 0.09), while the
+    default initialization under the same learning rate reaches 0.97 with that layer alive. A
+    plain gradient step grows with the gradient, which grows with the weights around it: the
+    large measured steps are the initialization's, not the learning rate's."""
+    from bench.corpus.dead_units import dead_shares
+
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+    shares, score, _ = dead_shares("cnn", "init_x10", "features.3")
+    base_shares, base_score, _ = dead_shares("cnn", "-", "features.3")
+    assert shares[0] < 0.5 and min(shares[10:]) == 1.0, shares[:12]
+    assert score < 0.2 and base_score > 0.9 and max(base_shares) < 0.5, (score, base_score)
+    run = one("cnn", ("init_x10",), 0)
+    top = run["hypotheses"][0]
+    assert top["failure"] == "dead_neurons" and top["cause"] == "poor_initialization", run["hypotheses"]
+    assert top["confidence"] >= 0.5, top
+    dead = next(e for e in run["evidence"]["episodes"] if e["failure"] == "dead_neurons")
+    reasons = next(c for c in dead["causes"] if c["cause"] == "poor_initialization")["reasons"]
+    assert any("under a plain gradient step" in r for r in reasons), reasons
+
+
 def test_tanh_units_saturated_by_raw_inputs_from_the_first_step_blame_the_data() -> None:
     """The corpus's binary classifier (Linear-Tanh layers, SGD) on inputs left on their raw
     scale (up to ~5,700): before any update, 99% of its first Tanh's outputs are within 0.01

@@ -26,6 +26,9 @@ pub(crate) struct Evidence {
     /// rate and the first gradient and weight norms.
     pub update_ratio: Option<f64>,
     pub update_measured: bool,
+    /// The optimizer scales its steps per parameter (Adam, RMSprop...): its step size does not
+    /// grow with the gradient.
+    pub adaptive: bool,
     pub lr_first: Option<f64>,
     pub input_scale_first: Option<f64>,
     pub total_early: Option<f64>,
@@ -367,6 +370,7 @@ impl Evidence {
             profile,
             update_ratio,
             update_measured,
+            adaptive: model.adaptive_optimizer,
             lr_first,
             input_scale_first: run.data.first_scale,
             total_early: run.total_early.median(),
@@ -401,6 +405,14 @@ impl Evidence {
     /// Weights at the start were far above a variance-preserving scale.
     pub fn gain_too_large(&self) -> bool {
         self.gain_max.is_some_and(|(g, _)| g > 3.0)
+    }
+
+    /// Under a plain gradient step (SGD), the weights were far above a variance-preserving
+    /// scale at the start, most of them (the median layer: one layer grown by the first
+    /// step is not the initialization's scale). The gradients grow with the weights around
+    /// each layer, and the steps with them: the measured step size is the initialization's.
+    pub fn sgd_steps_of_large_weights(&self) -> Option<f64> {
+        self.gain_median.filter(|g| *g > 3.0 && !self.adaptive)
     }
 
     /// No measured weight scale is far from variance-preserving (also when the initial scale

@@ -277,11 +277,14 @@ const MEASURED_TOO_LARGE: f64 = 10.0 * TRAINING_UPDATE;
 
 /// The update-to-weight ratio, as evidence of the learning rate: not when the weights started
 /// far below a variance-preserving scale (every step is large beside them: the ratio then
-/// measures the weights), nor when a weight penalty outweighs the data (the steps are then
-/// the penalty's).
+/// measures the weights), nor, under a plain gradient step (SGD), far above it (the gradients
+/// grow with the weights of the layers around each one, and the steps with them: the ratio
+/// then measures the initialization), nor when a weight penalty outweighs the data (the steps
+/// are then the penalty's).
 fn step_ratio(ev: &Evidence) -> Option<f64> {
+    let init_made_it = ev.gain_too_small() || ev.sgd_steps_of_large_weights().is_some();
     ev.update_ratio
-        .filter(|_| !ev.gain_too_small() && !ev.steps_are_the_penalty())
+        .filter(|_| !init_made_it && !ev.steps_are_the_penalty())
 }
 
 /// That ratio, measured, when it is at least [`MEASURED_TOO_LARGE`].

@@ -7,7 +7,7 @@ use crate::track::median;
 use super::super::failures::dead_share_at_start;
 use super::super::remedy::Remedy;
 use super::super::vocab::{Cause, Failure};
-use super::evidence::{DIED_AFTER_UPDATES, Evidence};
+use super::evidence::{DIED_AFTER_UPDATES, Evidence, TRAINING_UPDATE};
 use super::{Case, CauseRule, Facts, RemedyCase, Votes, fmt_g};
 
 pub(crate) struct PoorInitialization;
@@ -107,6 +107,8 @@ impl CauseRule for PoorInitialization {
                         ),
                     }
                     small_weights(v, ev, 2.0);
+                } else if f.healthy_start {
+                    sgd_steps_of_large_weights(v, ev);
                 }
             }
             Failure::SaturatedActivations => {
@@ -333,6 +335,29 @@ fn small_weights(v: &mut Votes, ev: &Evidence, weight: f64) {
 }
 
 /// Initial weights far above a variance-preserving scale.
+/// Under a plain gradient step (SGD), weights far above a variance-preserving scale make the
+/// gradients, and so the steps, large: units alive at first that died after such steps died of
+/// the initialization (`learning_rate_too_high` leaves that step size to it).
+fn sgd_steps_of_large_weights(v: &mut Votes, ev: &Evidence) {
+    let Some(r) = ev
+        .update_ratio
+        .filter(|r| ev.update_measured && !ev.adaptive && *r >= 10.0 * TRAINING_UPDATE)
+    else {
+        return;
+    };
+    let Some(g) = ev.sgd_steps_of_large_weights() else {
+        return;
+    };
+    v.add(
+        3.5,
+        format!(
+            "the units were alive at first and died after updates: under a plain gradient step, initial weights {}x a variance-preserving scale make the gradients large, and each step moves the weights by ~{} of their size (measured)",
+            fmt_g(g),
+            fmt_g(r)
+        ),
+    );
+}
+
 fn large_weights(v: &mut Votes, ev: &Evidence, weight: f64) {
     if let Some((g, _)) = ev.gain_max.filter(|_| ev.gain_too_large()) {
         v.add(
