@@ -1,7 +1,7 @@
 //! `over_regularization`: a weight penalty that outweighs the fit to the data, so that the
 //! optimizer mostly shrinks the weights. Written into the loss (`loss + l2 * sum(w.pow(2)
 //! .sum() ...)`), the loss falls as the weights' squared norm falls, on a line whose slope is
-//! the penalty's coefficient, the penalty being most of the loss at the start. As the
+//! the penalty's coefficient, the penalty being a large part of the loss at the start. As the
 //! optimizer's `weight_decay` added to the gradient (`SGD`, `Adam`), the decay's pull on the
 //! weights is many times the loss's own gradient from the start while they shrink. Either way
 //! the weights, and with them the signal and its gradients, shrink towards zero.
