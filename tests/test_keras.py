@@ -494,3 +494,29 @@ def test_a_weight_penalty_keras_adds_to_the_loss_is_over_regularization(l2: floa
         assert "penalty on 3 parameter tensors" in hyps[0].description, hyps[0].description
     else:
         assert named == [] and all(h.confidence < 0.5 for h in hyps), hyps
+
+
+def test_the_output_activation_is_read_past_dropout_and_not_guessed_in_a_subclassed_model() -> None:
+    """The output's activation is the one of the layer that made the output, past layers that
+    only pass values on (a trailing Dropout); a subclassed model's output layer is not known
+    (its layers are listed in attribute order), so no activation is claimed for it."""
+    from neuraldbg.keras import _loss_facts
+
+    seq = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="softmax"), keras.layers.Dropout(0.1)])
+    seq.compile(loss="categorical_crossentropy")
+    assert _loss_facts(seq) == {"ops": ["Mean", "Neg", "Sum", "Mul", "Log"], "output_op": "Softmax", "output_units": 3}
+
+    class Subclassed(keras.Model):
+        def __init__(self) -> None:
+            super().__init__()
+            self.out = keras.layers.Dense(3, activation="softmax")
+            self.drop = keras.layers.Dropout(0.1)  # listed last, never the output
+
+        def call(self, x: Any) -> Any:
+            return self.out(x)
+
+    sub = Subclassed()
+    sub(np.zeros((1, 4), "float32"))
+    sub.compile(loss="sparse_categorical_crossentropy")
+    facts = _loss_facts(sub)
+    assert facts is not None and "output_op" not in facts

@@ -132,11 +132,11 @@ def _loss_facts(model: Any) -> Optional[Dict[str, Any]]:
     if name not in _LOSS_OPS or len(getattr(model, "outputs", None) or [None]) != 1:
         return None
     facts: Dict[str, Any] = {"ops": list(_LOSS_OPS[name][0 if kwargs.get("from_logits") else 1])}
-    layers = model.layers if hasattr(model, "layers") else []
-    if layers:
-        kind = _activation_kind(layers[-1]) or "Linear"
-        facts["output_op"] = {"ReLU": "Relu", "ReLU6": "Relu6"}.get(kind, kind)
     outputs = getattr(model, "outputs", None)
+    producer = _output_layer(outputs[0]) if outputs else None
+    if producer is not None:  # (a subclassed model's output layer is not known)
+        kind = _activation_kind(producer) or "Linear"
+        facts["output_op"] = {"ReLU": "Relu", "ReLU6": "Relu6"}.get(kind, kind)
     units = outputs[0].shape[-1] if outputs else None
     if isinstance(units, int):
         facts["output_units"] = units
@@ -149,6 +149,39 @@ def _loss_facts(model: Any) -> Optional[Dict[str, Any]]:
     if penalized:
         facts["penalized_params"] = penalized
     return facts
+
+
+# Layers that pass their input's values on (or drop some, during training): the output's
+# activation is that of the layer before them.
+_PASS_THROUGH = {
+    "Dropout",
+    "SpatialDropout1D",
+    "SpatialDropout2D",
+    "SpatialDropout3D",
+    "GaussianNoise",
+    "GaussianDropout",
+    "AlphaDropout",
+    "Reshape",
+    "Flatten",
+    "Permute",
+    "Identity",
+    "ActivityRegularization",
+}
+
+
+def _output_layer(tensor: Any) -> Any:
+    """The layer that made a Sequential or functional model's output tensor, past layers that
+    only pass values on (None where Keras does not say)."""
+    try:
+        layer = tensor._keras_history.operation
+        for _ in range(16):
+            if type(layer).__name__ not in _PASS_THROUGH:
+                return layer
+            node = layer._inbound_nodes[0]
+            layer = node.input_tensors[0]._keras_history.operation
+    except Exception:  # pragma: no cover - a graph Keras does not expose: no fact
+        return None
+    return None
 
 
 def _children(layer: Any) -> List[Any]:
