@@ -118,39 +118,6 @@ _REGULARIZERS = (
 )
 
 
-def _loss_facts(model: Any) -> Optional[Dict[str, Any]]:
-    """The compiled loss and the model's output as facts for the engine (`LossSpec`): the
-    operations the loss applies, the output's activation and units, and how many weights carry
-    a penalty Keras adds to the loss. None for a loss it does not know (a custom function,
-    several outputs)."""
-    loss = getattr(model, "loss", None)
-    if isinstance(loss, str):
-        loss = keras.losses.get(loss)
-    fn = getattr(loss, "fn", loss)
-    name = getattr(fn, "__name__", None)
-    kwargs = getattr(loss, "_fn_kwargs", None) or {}
-    if name not in _LOSS_OPS or len(getattr(model, "outputs", None) or [None]) != 1:
-        return None
-    facts: Dict[str, Any] = {"ops": list(_LOSS_OPS[name][0 if kwargs.get("from_logits") else 1])}
-    outputs = getattr(model, "outputs", None)
-    producer = _output_layer(outputs[0]) if outputs else None
-    if producer is not None:  # (a subclassed model's output layer is not known)
-        kind = _activation_kind(producer) or "Linear"
-        facts["output_op"] = {"ReLU": "Relu", "ReLU6": "Relu6"}.get(kind, kind)
-    units = outputs[0].shape[-1] if outputs else None
-    if isinstance(units, int):
-        facts["output_units"] = units
-
-    def penalties(layer: Any) -> int:
-        own = sum(getattr(layer, r, None) is not None for r in _REGULARIZERS)
-        return own + sum(penalties(child) for child in _children(layer))
-
-    penalized = penalties(model)
-    if penalized:
-        facts["penalized_params"] = penalized
-    return facts
-
-
 # Layers that pass their input's values on (or drop some, during training): the output's
 # activation is that of the layer before them.
 _PASS_THROUGH = {
@@ -182,6 +149,39 @@ def _output_layer(tensor: Any) -> Any:
     except Exception:  # pragma: no cover - a graph Keras does not expose: no fact
         return None
     return None
+
+
+def _loss_facts(model: Any) -> Optional[Dict[str, Any]]:
+    """The compiled loss and the model's output as facts for the engine (`LossSpec`): the
+    operations the loss applies, the output's activation and units, and how many weights carry
+    a penalty Keras adds to the loss. None for a loss it does not know (a custom function,
+    several outputs)."""
+    loss = getattr(model, "loss", None)
+    if isinstance(loss, str):
+        loss = keras.losses.get(loss)
+    fn = getattr(loss, "fn", loss)
+    name = getattr(fn, "__name__", None)
+    kwargs = getattr(loss, "_fn_kwargs", None) or {}
+    outputs = getattr(model, "outputs", None)  # (None for a subclassed model)
+    if name not in _LOSS_OPS or (outputs is not None and len(outputs) != 1):
+        return None
+    facts: Dict[str, Any] = {"ops": list(_LOSS_OPS[name][0 if kwargs.get("from_logits") else 1])}
+    producer = _output_layer(outputs[0]) if outputs else None
+    if producer is not None:  # (a subclassed model's output layer is not known)
+        kind = _activation_kind(producer) or "Linear"
+        facts["output_op"] = {"ReLU": "Relu", "ReLU6": "Relu6"}.get(kind, kind)
+    units = outputs[0].shape[-1] if outputs else None
+    if isinstance(units, int):
+        facts["output_units"] = units
+
+    def penalties(layer: Any) -> int:
+        own = sum(getattr(layer, r, None) is not None for r in _REGULARIZERS)
+        return own + sum(penalties(child) for child in _children(layer))
+
+    penalized = penalties(model)
+    if penalized:
+        facts["penalized_params"] = penalized
+    return facts
 
 
 def _children(layer: Any) -> List[Any]:

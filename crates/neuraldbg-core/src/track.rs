@@ -606,14 +606,12 @@ pub struct LossOnWeights {
     pub last: Option<(f64, f64)>,
 }
 
-/// A least-squares line `loss = intercept + slope * squared norm`, and how well it fits.
+/// The slope of a least-squares line `loss = a + slope * squared norm`, and how well it fits.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Line {
-    pub intercept: f64,
     pub slope: f64,
     /// Coefficient of determination (1: every pair on the line).
     pub r2: f64,
-    pub pairs: u64,
 }
 
 impl LossOnWeights {
@@ -647,12 +645,9 @@ impl LossOnWeights {
         if var_s <= 0.0 || var_l <= 0.0 {
             return None;
         }
-        let slope = cov / var_s;
         Some(Line {
-            intercept: l / n - slope * s / n,
-            slope,
+            slope: cov / var_s,
             r2: (cov * cov / (var_s * var_l)).min(1.0),
-            pairs: self.n,
         })
     }
 }

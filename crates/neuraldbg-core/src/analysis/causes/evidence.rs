@@ -45,9 +45,10 @@ pub(crate) struct Evidence {
     pub forward: Option<ForwardGrowth>,
     /// The optimizer's weight decay, where it adds to the gradient (see [`DecayPull`]).
     pub decay_pull: Option<DecayPull>,
-    /// A weight penalty written into the loss was most of it from the first step (see
-    /// `over_regularization`): the measured steps are then the penalty's.
-    pub penalty_dominated: bool,
+    /// A weight penalty written into the loss that was a large part of it from the first step
+    /// (see `over_regularization`): the measured steps are then the penalty's.
+    #[serde(skip)]
+    pub penalty: Option<super::over_regularization::Penalty>,
 }
 
 /// The optimizer's weight decay against the loss's gradient, over the weighted layers whose
@@ -377,7 +378,7 @@ impl Evidence {
             total_peak: run.total_peak,
             activation_gap: activation_gap(run),
             decay_pull,
-            penalty_dominated: super::penalty_dominated(run).is_some(),
+            penalty: super::penalty_dominated(run),
         }
     }
 
@@ -394,7 +395,7 @@ impl Evidence {
     /// The steps the optimizer makes are mostly a weight penalty's (the optimizer's decay or
     /// one written into the loss), not the data's.
     pub fn steps_are_the_penalty(&self) -> bool {
-        self.penalty_dominated || self.decay_outweighs().is_some()
+        self.penalty.is_some() || self.decay_outweighs().is_some()
     }
 
     /// Weights at the start were far below a variance-preserving scale.

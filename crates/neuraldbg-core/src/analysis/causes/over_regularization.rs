@@ -70,15 +70,20 @@ pub(crate) fn penalty_dominated(run: &Run) -> Option<Penalty> {
     })
 }
 
-/// The penalty still holds most of the loss at the end, or it shrank the model to a constant
-/// guess (the loss ends at its chance level): the loss cannot reach the data's optimum (a
-/// plateau from the first step, see `loss_bounded_by_mistake`).
+/// The penalty `p` still holds most of the loss at the end, or it shrank the model to a
+/// constant guess (the loss ends at its chance level): the loss cannot reach the data's
+/// optimum (a plateau from the first step, see `loss_bounded_by_mistake`).
+fn holds_the_loss(run: &Run, p: &Penalty) -> bool {
+    p.share_last >= MIN_SHARE
+        || chance_level(run).is_some_and(|c| {
+            let end = run.loss.last_smoothed;
+            (0.9 * c.level..=1.1 * c.level).contains(&end)
+        })
+}
+
+/// [`penalty_dominated`], when [`holds_the_loss`].
 pub(crate) fn loss_held_by_penalty(run: &Run) -> Option<Penalty> {
-    let at_chance = chance_level(run).is_some_and(|c| {
-        let end = run.loss.last_smoothed;
-        (0.9 * c.level..=1.1 * c.level).contains(&end)
-    });
-    penalty_dominated(run).filter(|p| p.share_last >= MIN_SHARE || at_chance)
+    penalty_dominated(run).filter(|p| holds_the_loss(run, p))
 }
 
 /// A share of the loss in words.
@@ -124,13 +129,13 @@ impl CauseRule for OverRegularization {
                 ),
             );
         }
-        if let Some(p) = penalty_dominated(c.run) {
+        if let Some(p) = c.ev.penalty {
             let tensors = if p.params == 1 {
                 "1 parameter tensor".to_string()
             } else {
                 format!("{} parameter tensors", p.params)
             };
-            let held = loss_held_by_penalty(c.run).is_some();
+            let held = holds_the_loss(c.run, &p);
             let most = p.share_last >= MIN_SHARE;
             let reason = format!(
                 "the loss adds a penalty on {tensors} and falls in step with their squared norm (loss = {} x the weights' sum of squares{}, r² {:.3}): the penalty is {} of the loss at the first step{}, so the optimizer shrinks the weights instead of fitting the data",

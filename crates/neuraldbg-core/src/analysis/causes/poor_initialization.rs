@@ -334,14 +334,13 @@ fn small_weights(v: &mut Votes, ev: &Evidence, weight: f64) {
     }
 }
 
-/// Initial weights far above a variance-preserving scale.
 /// Under a plain gradient step (SGD), weights far above a variance-preserving scale make the
 /// gradients, and so the steps, large: units alive at first that died after such steps died of
 /// the initialization (`learning_rate_too_high` leaves that step size to it).
 fn sgd_steps_of_large_weights(v: &mut Votes, ev: &Evidence) {
     let Some(r) = ev
         .update_ratio
-        .filter(|r| ev.update_measured && !ev.adaptive && *r >= 10.0 * TRAINING_UPDATE)
+        .filter(|r| ev.update_measured && *r >= 10.0 * TRAINING_UPDATE)
     else {
         return;
     };
@@ -358,6 +357,7 @@ fn sgd_steps_of_large_weights(v: &mut Votes, ev: &Evidence) {
     );
 }
 
+/// Initial weights far above a variance-preserving scale.
 fn large_weights(v: &mut Votes, ev: &Evidence, weight: f64) {
     if let Some((g, _)) = ev.gain_max.filter(|_| ev.gain_too_large()) {
         v.add(
