@@ -583,3 +583,70 @@ def test_a_decoupled_or_usual_weight_decay_is_not_over_regularization():
     assert decays == [5e-4] * 16 and w1 > 0.9 * w0
     assert json.loads(dbg._engine.evidence_json())["run"]["decay_pull"]["pull"] >= 2.0  # the guard is what decides
     assert not any(str(h.cause) == "over_regularization" for h in dbg.explain_failure())
+
+
+def _fit_table(scales: torch.Tensor, steps: int = 150):
+    """A smooth regression of 10 standardized features, each then multiplied by its entry of
+    ``scales``, fitted by Adam: returns the debugger, its spy, the first batch and the last
+    tenth's mean loss."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(1200, 10, generator=g)
+    w = torch.randn(10, generator=g)
+    y = torch.sin(x @ w / 10**0.5) * 2 + 0.5 * x[:, 0] * x[:, 1]
+    y = ((y - y.mean()) / y.std()).unsqueeze(1)
+    x = x * scales
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    losses: List[float] = []
+    first = None
+    with NeuralDbg(model) as dbg:
+        spy = SpecSpy(dbg._collector.engine)
+        spy_engine(dbg, spy)
+        for _ in range(steps):
+            i = torch.randint(0, len(x), (64,), generator=g)
+            first = x[i] if first is None else first
+            opt.zero_grad()
+            loss = nn.functional.mse_loss(model(x[i]), y[i])
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+    return dbg, spy, first, float(np.mean(losses[-steps // 10 :]))
+
+
+def test_features_on_scales_thousands_apart_are_why_a_table_learns_badly():
+    """The collector tells the engine each feature's largest magnitude in the first batch of a
+    table (checked against torch's). The same table with its features 3.5 decades apart (the
+    largest ~1: nothing is large, so the inputs' overall scale says nothing; the two whose
+    product the target holds are the smallest) ends with a loss several times the
+    standardized table's in the same steps (checked here), and the finding is the data's:
+    features on scales ~3,000x apart, standardize each. The standardized run says nothing."""
+    uneven = torch.logspace(-3.5, 0, 10)
+    dbg, spy, first, end = _fit_table(uneven)
+    assert first is not None
+    np.testing.assert_allclose(spy.spec["input_feature_scales"], first.abs().amax(dim=0).tolist(), rtol=1e-6)
+    dbg_even, even_spy, _, even_end = _fit_table(torch.ones(10))
+    assert end > 5 * even_end, (end, even_end)
+    top = dbg.explain_failure()[0]
+    assert str(top.failure) == "loss_plateau" and str(top.cause) == "bad_input_data", top
+    assert top.confidence >= 0.5, top
+    assert "features are on scales" in top.description and "feature 0 reaches" in top.description, top.description
+    assert any("standardize each feature" in r for r in top.remedies), top.remedies
+    assert all(h.confidence < 0.5 for h in dbg_even.explain_failure())
+    assert max(even_spy.spec["input_feature_scales"]) / min(even_spy.spec["input_feature_scales"]) < 10
+
+
+@pytest.mark.parametrize("shape", [(16, 300), (16, 1, 8, 8), (16, 1)])
+def test_only_a_table_of_a_few_features_gives_its_feature_scales(shape):
+    """A flattened image (hundreds of pixels), an image batch or a single feature is no table
+    of features: no per-feature scales reach the engine."""
+    n = int(np.prod(shape[1:]))
+    model = nn.Sequential(nn.Flatten(), nn.Linear(n, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with NeuralDbg(model) as dbg:
+        spy = SpecSpy(dbg._collector.engine)
+        spy_engine(dbg, spy)
+        opt.zero_grad()
+        model(torch.randn(*shape)).sum().backward()
+        opt.step()
+    assert spy.spec["input_feature_scales"] is None

@@ -36,6 +36,9 @@ class Knobs:
     init_scale: float = 1.0
     raw_inputs: bool = False
     raw_targets: bool = False
+    # A table's features each on its own scale, 3.5 decades apart, the largest ~1 (divided by
+    # their ranges twice, or left in mixed units): no input is large, the small ones are tiny.
+    uneven_features: bool = False
     # An activation applied to the output before the loss ("softmax", "relu", "sigmoid").
     output_act: Optional[str] = None
     zero_grad: bool = True
@@ -252,9 +255,16 @@ def regression_data(k: Knobs, seed: int, n: int = 1200, d: int = 10) -> Tuple[to
     if k.raw_inputs:
         scales = torch.logspace(0, 3, d)
         x = x * scales + 3 * scales
+    if k.uneven_features:
+        x = uneven(x)
     if k.raw_targets:
         y = y * 800.0 + 3000.0
     return x[200:], y[200:], x[:200], y[:200]
+
+
+def uneven(x: torch.Tensor) -> torch.Tensor:
+    """Each feature of a table on its own scale, from 1 down to 3.5 decades below."""
+    return x * torch.logspace(0, -3.5, x.shape[1])
 
 
 def sequence_sum_data(k: Knobs, seed: int, n: int = 1200, t: int = 20) -> Tuple[torch.Tensor, ...]:
@@ -339,7 +349,7 @@ def mlp_regression(k: Knobs, seed: int) -> Program:
 def mlp_binary(k: Knobs, seed: int) -> Program:
     """Binary classification with BCEWithLogitsLoss, SGD with momentum."""
     torch.manual_seed(seed)
-    xtr, ytr, xte, yte = regression_data(Knobs(raw_inputs=k.raw_inputs), seed, d=12)
+    xtr, ytr, xte, yte = regression_data(Knobs(raw_inputs=k.raw_inputs, uneven_features=k.uneven_features), seed, d=12)
     ytr, yte = (ytr > 0).float(), (yte > 0).float()
     if k.label_noise > 0:
         ytr = noisy_labels(ytr.long(), k.label_noise, 2, seed).float()
@@ -513,6 +523,8 @@ def lora(k: Knobs, seed: int) -> Program:
         y = (y - y.mean()) / y.std()
     if k.raw_inputs:
         x = x * 300.0 + 500.0
+    if k.uneven_features:
+        x = uneven(x)
     if k.raw_targets:
         y = y * 800.0 + 3000.0
     return _regressor(model, k, seed, (x[200:], y[200:], x[:200], y[:200]), "adam", 5e-3)
@@ -540,10 +552,13 @@ BASES: List[Base] = [
         "mlp_regression",
         "mlp-regression",
         mlp_regression,
-        frozenset(_ALL | _MODEL | {"raw_inputs", "raw_targets", "dead_bias"}),
+        frozenset(_ALL | _MODEL | {"raw_inputs", "raw_targets", "uneven_features", "dead_bias"}),
     ),
     Base(
-        "mlp_binary", "mlp-binary-classification", mlp_binary, frozenset(_ALL | _MODEL | {"raw_inputs", "label_noise"})
+        "mlp_binary",
+        "mlp-binary-classification",
+        mlp_binary,
+        frozenset(_ALL | _MODEL | {"raw_inputs", "uneven_features", "label_noise"}),
     ),
     Base("cnn", "cnn", cnn, frozenset(_ALL | _MODEL | {"raw_inputs", "label_noise", "dead_bias"})),
     Base(
@@ -581,7 +596,18 @@ BASES: List[Base] = [
         "lora",
         "lora-fine-tuning",
         lora,
-        frozenset({"lr_factor", "zero_grad", "act", "raw_inputs", "raw_targets", "weight_decay", "weight_penalty"}),
+        frozenset(
+            {
+                "lr_factor",
+                "zero_grad",
+                "act",
+                "raw_inputs",
+                "raw_targets",
+                "uneven_features",
+                "weight_decay",
+                "weight_penalty",
+            }
+        ),
     ),
     Base(
         "deep_layernorm",

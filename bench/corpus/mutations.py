@@ -76,6 +76,7 @@ MUTATIONS: List[Mutation] = [
     _m("dead_bias", "dying_relu", dead_bias=True),
     _m("weight_decay", "over_regularization", paired=False, weight_decay=1.0),
     _m("l2_penalty", "over_regularization", paired=False, weight_penalty=0.1),
+    _m("uneven_features", "bad_input_data", paired=False, uneven_features=True),
 ]
 
 

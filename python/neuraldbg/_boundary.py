@@ -208,6 +208,7 @@ class StepBoundary:
         spec["param_lr"] = self.c.loop.param_lrs(self.c.loop.optimizer)
         spec["param_weight_decay"] = self.c.loop.param_weight_decays(self.c.loop.optimizer)
         spec["loss"] = self.c.loop.loss_facts()
+        spec["input_feature_scales"] = self.c.loop.input_feature_scales()
         # A CPU model whose loss is taken at the backward tap has its gradients read there
         # too, when the backward returns, instead of by hooks that fire inside it.
         tap = self.c.reader.host and self.c in BACKWARD_TAP.collectors and not self.c.hooks.frozen

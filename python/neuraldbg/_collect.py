@@ -319,6 +319,8 @@ class Collector:
                 x = first_float_tensor(kwargs)
             if x is not None and x.numel() > 0:
                 reader.input_stats(x)
+                if not self.registered:
+                    self.loop.note_input(x)
         except Exception as e:  # pragma: no cover - defensive
             self.fail("observation", e)
 
@@ -440,6 +442,8 @@ class Collector:
             if _functorch_wrapped(x):
                 return
             self.reader.input_stats(x)
+            if not self.registered:
+                self.loop.note_input(x)
             return
 
     # --------------------------------------------------------------- backward

@@ -46,6 +46,10 @@ _VIEWS = frozenset(
 # Autograd nodes visited at most when looking for the model's output from the loss.
 _WALK_LIMIT = 64
 
+# Features of a table whose per-feature scales are told to the engine: tabular data has a few
+# dozen; a flattened image (784 pixels for MNIST) is no table.
+MAX_FEATURES = 256
+
 # Operations a weight penalty is written with (``l2 * sum(w.pow(2).sum() for w in weights)``,
 # ``torch.norm(w)``, ``w.abs().sum()``): sums, scalings and norms of a parameter.
 _PENALTY_OPS = frozenset({"Add", "Sub", "Mul", "Div", "Sum", "Mean", "Pow", "Abs", "Norm", "LinalgVectorNorm", "Sqrt"})
@@ -86,6 +90,9 @@ class LoopFacts:
         self.loss: Optional[Dict[str, Any]] = None
         self.loss_tried = False
         self.first_output: Any = None
+        # Per feature of the first input batch of a table (see :meth:`note_input`): a device
+        # tensor until registration reads it; False once an input was seen that is no table.
+        self.feature_scales: Any = None
         self.optimizer: Any = None
         # Every optimizer of the model's parameters tells the engine which it holds and at
         # what lr, once (a model trained by several: an encoder's and a decoder's, a head's, one
@@ -125,6 +132,7 @@ class LoopFacts:
                 pass
             self.probe_handle = None
         self.first_output = None
+        self.feature_scales = None
         self.optimizer = None
         self.waiting = []
 
@@ -251,6 +259,27 @@ class LoopFacts:
         except Exception:  # pragma: no cover - a graph we cannot read: no facts
             self.loss = None
         self.first_output = None
+
+    def note_input(self, x: Any) -> None:
+        """The first input batch (before registration): for a table, a 2-D batch of at most
+        :data:`MAX_FEATURES` float features, the largest magnitude of each feature, left on
+        its device until :meth:`input_feature_scales` reads it. Later batches change nothing."""
+        if self.feature_scales is not None:
+            return
+        self.feature_scales = False
+        if x.dim() == 2 and 2 <= x.shape[1] <= MAX_FEATURES and x.shape[0] >= 2 and x.is_floating_point():
+            self.feature_scales = x.detach().abs().amax(dim=0)
+
+    def input_feature_scales(self) -> Optional[List[float]]:
+        """The first table batch's per-feature largest magnitudes, read now (at
+        registration), or None when the first input was no table."""
+        t, self.feature_scales = self.feature_scales, False
+        if t is None or t is False:
+            return None
+        try:
+            return [float(v) for v in t.float().tolist()]
+        except Exception:  # pragma: no cover - an optional fact
+            return None
 
     def loss_facts(self) -> Optional[Dict[str, Any]]:
         """The loss's description for the engine (at registration), its output and target

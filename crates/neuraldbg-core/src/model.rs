@@ -110,6 +110,11 @@ pub struct ModelSpec {
     /// What the loss does with the model's output, when the collector could see it.
     #[serde(default)]
     pub loss: Option<LossSpec>,
+    /// The largest magnitude of each feature of the first step's input batch, when that batch
+    /// is a table (a 2-D batch of a few features; the `PyTorch` collector: 2 to 256 float
+    /// features). Absent otherwise; NaN or infinite for a feature whose values were.
+    #[serde(default)]
+    pub input_feature_scales: Option<Vec<f64>>,
 }
 
 /// The loss as the framework computed it on the first step: facts, not judgements.
@@ -408,6 +413,16 @@ impl Model {
                     "param_weight_decay holds {wd}: a weight decay is a finite number >= 0"
                 )));
             }
+        }
+        if let Some(x) = spec
+            .input_feature_scales
+            .iter()
+            .flatten()
+            .find(|x| **x < 0.0)
+        {
+            return Err(EngineError::Model(format!(
+                "input_feature_scales holds {x}: a feature's largest magnitude is >= 0 (NaN where the batch held NaN)"
+            )));
         }
         owners.sort_unstable();
         owners.dedup();

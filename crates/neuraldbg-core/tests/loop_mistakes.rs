@@ -701,3 +701,64 @@ fn a_weight_decay_that_is_not_a_finite_non_negative_number_is_refused() {
         .to_string();
     assert!(err.contains("entries"), "{err}");
 }
+
+/// A loss that falls by 40% over the run and then creeps.
+fn slow(step: u64) -> f64 {
+    0.6 + 0.4 * (-(step as f64) / 60.0).exp()
+}
+
+fn with_features(scales: &[f64]) -> ModelSpec {
+    let mut s = spec();
+    s.input_feature_scales = Some(scales.to_vec());
+    s
+}
+
+#[test]
+fn a_loss_that_creeps_under_features_on_scales_thousands_apart_blames_the_data() {
+    // (The steps move each weight by ~5e-4 of its size: not small enough to creep for the
+    // learning rate's sake.)
+    let h = run(
+        with_features(&[f64::NAN, 0.8, 2.5e-4, 1.0, 0.0]),
+        200,
+        |_, _| Some(0.05),
+        |_| true,
+        slow,
+    );
+    let top = &h[0];
+    assert_eq!(top.failure, Failure::LossPlateau, "{top}");
+    assert_eq!(top.cause, Cause::BadInputData, "{top}");
+    assert!(top.confidence >= 0.5, "{top}");
+    assert!(
+        top.description.contains(
+            "features are on scales 4,000x apart (feature 2 reaches 2.50e-4, feature 3 1)"
+        ),
+        "{top}"
+    );
+    assert!(
+        top.remedies[0].contains("standardize each feature"),
+        "{:?}",
+        top.remedies
+    );
+    // Features within a few times of each other (a feature all zero in the batch has no
+    // scale): the same loss is no finding.
+    for scales in [&[1.0, 0.2, 0.5][..], &[1.0, 0.0, 0.01][..]] {
+        let h = run(
+            with_features(scales),
+            200,
+            |_, _| Some(0.05),
+            |_| true,
+            slow,
+        );
+        assert!(h.iter().all(|h| h.confidence < 0.5), "{scales:?}: {h:?}");
+    }
+}
+
+#[test]
+fn a_negative_feature_scale_is_refused() {
+    let err = Engine::new(Config::default())
+        .unwrap()
+        .register_model(with_features(&[1.0, -0.5]))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("input_feature_scales"), "{err}");
+}

@@ -63,6 +63,7 @@ pub(crate) enum Remedy {
         step: u64,
     },
     NormalizeInputs,
+    StandardizeEachFeature,
     // Loop mistakes.
     ZeroGradEachStep,
     AccumulateOnPurpose,
@@ -188,6 +189,7 @@ impl Remedy {
                 "inspect the batch of step {step}: assert torch.isfinite(x).all() in the data pipeline"
             ),
             Remedy::NormalizeInputs => "normalize inputs (zero mean, unit variance) and filter corrupt samples".into(),
+            Remedy::StandardizeEachFeature => "standardize each feature on its own (subtract its mean and divide by its standard deviation over the training set, e.g. sklearn's StandardScaler), once: not by one scale for all, not twice".into(),
             Remedy::ZeroGradEachStep => "call optimizer.zero_grad() once per step, before loss.backward() (or model.zero_grad() when parameters are stepped by hand)".into(),
             Remedy::AccumulateOnPurpose => "when accumulating on purpose over k micro-batches, zero after every optimizer.step() and divide the loss by k".into(),
             Remedy::CallTrain => "call model.train() before the training loop (and again after every evaluation that calls model.eval())".into(),

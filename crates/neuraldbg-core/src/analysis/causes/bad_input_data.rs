@@ -5,7 +5,7 @@ use crate::health::{DataHealth, State};
 
 use super::super::remedy::Remedy;
 use super::super::vocab::{Cause, Failure};
-use super::evidence::earliest;
+use super::evidence::{FeatureSpread, earliest, times, uneven_features};
 use super::output_loss_mismatch;
 use super::{Case, CauseRule, Facts, RemedyCase, Votes, facts_of, fmt_g};
 
@@ -178,6 +178,11 @@ impl CauseRule for BadInputData {
                         );
                     }
                 }
+                // A table whose features are on scales far apart: the small ones need weights
+                // as much larger to count, which the steps take that much longer to grow.
+                if let Some(s) = ev.feature_spread {
+                    v.add(3.5, uneven_features_said(s));
+                }
                 // Inputs far below a normalized range (scaled twice, e.g. /255 then /255
                 // again): with ordinary weights every layer's signal and its gradient are as
                 // small, and each step moves the weights as little.
@@ -220,11 +225,27 @@ impl CauseRule for BadInputData {
         if output_loss_mismatch::raw_data_targets(c.run).is_some() {
             return vec![Remedy::NormalizeInputs, Remedy::ScaleTargetsIntoRange];
         }
+        if c.e.failure == Failure::LossPlateau && uneven_features(c.run).is_some() {
+            return vec![Remedy::StandardizeEachFeature];
+        }
         vec![
             Remedy::InspectBatch { step: c.e.onset },
             Remedy::NormalizeInputs,
         ]
     }
+}
+
+/// The evidence of a table whose features are on scales far apart, in words.
+fn uneven_features_said(s: FeatureSpread) -> String {
+    format!(
+        "the input's features are on scales {}x apart (feature {} reaches {}, feature {} {}): the small ones need weights {}x larger to count, which the optimizer's steps take that much longer to grow",
+        times(s.ratio),
+        s.small.0,
+        fmt_g(s.small.1),
+        s.large.0,
+        fmt_g(s.large.1),
+        times(s.ratio)
+    )
 }
 
 /// The input batch of the onset step was itself anomalous.

@@ -31,6 +31,8 @@ pub(crate) struct Evidence {
     pub adaptive: bool,
     pub lr_first: Option<f64>,
     pub input_scale_first: Option<f64>,
+    /// The input table's features, when they are on scales far apart.
+    pub feature_spread: Option<FeatureSpread>,
     pub total_early: Option<f64>,
     /// Largest finite total gradient norm before anything went non-finite.
     pub total_peak: Option<(f64, u64)>,
@@ -95,6 +97,44 @@ pub(crate) const HUGE_INPUTS: f64 = 20.0;
 /// normalized scale (see [`Evidence::huge_inputs`]; remedies see the run, not the evidence).
 pub(crate) fn huge_inputs(first_scale: Option<f64>) -> Option<f64> {
     first_scale.filter(|x| *x > HUGE_INPUTS)
+}
+
+/// The features of a table of inputs far apart in scale (see [`uneven_features`]).
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
+pub(crate) struct FeatureSpread {
+    /// The largest feature's scale over the smallest's.
+    pub ratio: f64,
+    /// The smallest and the largest feature (their column) and their scales.
+    pub small: (usize, f64),
+    pub large: (usize, f64),
+}
+
+/// Scales this many times apart leave the small features out of what the network learns in a
+/// run: a feature needs a weight as many times larger to count, and the optimizer's steps take
+/// that much longer to grow it (plain gradient steps, whose gradient is that much smaller too,
+/// the square of it). Standardized, min-max scaled or one-hot features are within ~10x.
+const UNEVEN_FEATURES: f64 = 1000.0;
+
+/// The first step's input table, when its features are on scales at least
+/// [`UNEVEN_FEATURES`] apart (each feature's scale: its largest magnitude in the batch; a
+/// feature all zero in the batch, or not finite, has none).
+pub(crate) fn uneven_features(run: &Run) -> Option<FeatureSpread> {
+    let scales = run.model.spec.input_feature_scales.as_ref()?;
+    let known = || {
+        scales
+            .iter()
+            .copied()
+            .enumerate()
+            .filter(|(_, x)| x.is_finite() && *x > 0.0)
+    };
+    let small = known().min_by(|a, b| a.1.total_cmp(&b.1))?;
+    let large = known().max_by(|a, b| a.1.total_cmp(&b.1))?;
+    let ratio = large.1 / small.1;
+    (ratio >= UNEVEN_FEATURES).then_some(FeatureSpread {
+        ratio,
+        small,
+        large,
+    })
 }
 
 /// Evidence for the warning of gradient norms running high from the first step, before any
@@ -374,6 +414,7 @@ impl Evidence {
             adaptive: model.adaptive_optimizer,
             lr_first,
             input_scale_first: run.data.first_scale,
+            feature_spread: uneven_features(run),
             total_early: run.total_early.median(),
             total_peak: run.total_peak,
             activation_gap: activation_gap(run),
@@ -416,8 +457,6 @@ impl Evidence {
         self.gain_median.filter(|g| *g > 3.0 && !self.adaptive)
     }
 
-    /// No measured weight scale is far from variance-preserving (also when the initial scale
-    /// is unknown).
     /// The largest input magnitude of the first step, when it is far below a normalized
     /// scale (~1): inputs scaled down twice, or left in a tiny unit.
     pub fn tiny_inputs(&self) -> Option<f64> {
@@ -437,6 +476,8 @@ impl Evidence {
             .is_some_and(|x| (TINY_INPUTS..=HUGE_INPUTS).contains(&x))
     }
 
+    /// No measured weight scale is far from variance-preserving (also when the initial scale
+    /// is unknown).
     pub fn gain_not_off_scale(&self) -> bool {
         !self.gain_too_small() && !self.gain_too_large()
     }

@@ -44,7 +44,9 @@ use super::episodes::Episode;
 use super::remedy::Remedy;
 use super::vocab::{Cause, Failure};
 
-pub(crate) use evidence::{Evidence, Features, features, forward_growth, measured_update_ratio};
+pub(crate) use evidence::{
+    Evidence, Features, features, forward_growth, measured_update_ratio, uneven_features,
+};
 pub(crate) use over_regularization::penalty_dominated;
 
 /// Every cause's own run-wide facts.

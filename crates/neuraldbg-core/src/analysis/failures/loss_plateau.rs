@@ -247,10 +247,11 @@ pub(crate) fn not_learning(run: &Run) -> Option<Chance> {
         .then_some(chance)
 }
 
-/// A loss that creeps: every optimizer step moves the weights by less than a tenth of what a
-/// learning rate that trains moves them (an update-to-weight ratio of ~1e-3, measured), and
-/// over a run of at least [`NOT_LEARNING_STEPS`] steps the loss never got below a third of
-/// where it began.
+/// A loss that creeps: over a run of at least [`NOT_LEARNING_STEPS`] steps it never got below
+/// a third of where it began, while every optimizer step moves the weights by less than a
+/// tenth of what a learning rate that trains moves them (an update-to-weight ratio of ~1e-3,
+/// measured), or the input's features are on scales so far apart that the small ones need
+/// weights far larger than the steps reach (see `causes::uneven_features`).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(crate) struct Creeping {
     /// The loss's best over its initial level.
@@ -263,7 +264,11 @@ const CREEPING_UPDATE: f64 = 1e-4;
 
 pub(crate) fn creeping(run: &Run) -> Option<Creeping> {
     let l = &run.loss;
-    super::super::causes::measured_update_ratio(run).filter(|r| *r < CREEPING_UPDATE)?;
+    let slow_steps =
+        super::super::causes::measured_update_ratio(run).is_some_and(|r| r < CREEPING_UPDATE);
+    if !slow_steps && super::super::causes::uneven_features(run).is_none() {
+        return None;
+    }
     let initial = l.initial.filter(|i| *i > 0.0 && i.is_finite())?;
     let fell_to = l.best / initial;
     (l.observed >= NOT_LEARNING_STEPS && fell_to >= 1.0 / 3.0).then_some(Creeping {
