@@ -250,3 +250,51 @@ fn small_steps_beside_weights_far_too_large_do_not_say_the_learning_rate_is_too_
     );
     assert_ne!(h[0].cause, Cause::LearningRateTooLow, "{:?}", shown(&h));
 }
+
+/// A regression loss that falls from 3x its targets' variance (4) for 100 steps, then stays at
+/// `end` times it.
+fn down_to(end: f64) -> impl Fn(u64) -> f64 {
+    move |s: u64| {
+        let t = (s.min(100) as f64) / 100.0;
+        4.0 * (3.0 + (end - 3.0) * t) + 0.02 * ((s % 5) as f64)
+    }
+}
+
+#[test]
+fn a_regression_that_ends_worse_than_its_targets_mean_is_not_learning_however_it_got_there() {
+    // Flat for the last half only, at twice the variance: worse than predicting the mean.
+    // With weights 10x a variance-preserving scale and a first loss at 3x the variance (before
+    // any update), that is the initialization's doing.
+    let h = run_scaled(spec(Some(mse(4.0))), 200, Some(2e-3), 10.0, down_to(2.0));
+    let top = &h[0];
+    assert_eq!(top.failure, Failure::LossPlateau, "{:?}", shown(&h));
+    assert!(
+        top.description.contains(
+            "at 2.0x the variance of its targets (4): the model predicts worse than their mean"
+        ),
+        "{}",
+        top.description
+    );
+    assert_eq!(top.cause, Cause::PoorInitialization, "{:?}", shown(&h));
+    assert!(top.confidence >= 0.5, "{top}");
+    assert!(
+        top.description.contains(
+            "the loss starts at 12, 3.0x the variance of its targets (4), before any update"
+        ),
+        "{}",
+        top.description
+    );
+    // Ordinarily scaled weights: the same plateau, not blamed on them.
+    let h = run(spec(Some(mse(4.0))), 200, Some(2e-3), down_to(2.0));
+    assert_eq!(h[0].failure, Failure::LossPlateau, "{:?}", shown(&h));
+    assert!(
+        h.iter()
+            .all(|h| h.cause != Cause::PoorInitialization || h.confidence < 0.2),
+        "{:?}",
+        shown(&h)
+    );
+    // A regression that got to half its targets' variance and stayed there learned a
+    // little: no finding, whatever the weights.
+    let h = run_scaled(spec(Some(mse(4.0))), 200, Some(2e-3), 10.0, down_to(0.5));
+    assert!(h.iter().all(|h| h.confidence < 0.5), "{:?}", shown(&h));
+}

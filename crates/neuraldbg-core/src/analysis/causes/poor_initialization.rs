@@ -140,6 +140,11 @@ impl CauseRule for PoorInitialization {
                     // Weights that start far too small learn slowly long after the first
                     // steps (and make every step large beside them).
                     small_weights(v, ev, 2.0);
+                    // Weights far too large, and a loss that never got below what a constant
+                    // guess scores: flat late, but failing from the first step.
+                    if super::super::failures::not_learning(c.run).is_some() {
+                        large_weights(v, ev, 2.0);
+                    }
                 }
                 confidently_wrong_start(c, v);
             }
@@ -238,11 +243,33 @@ pub(crate) fn identical_units(run: &Run) -> Option<IdenticalUnits> {
 
 /// A classifier whose loss starts far above its chance level, on inputs of an ordinary scale:
 /// before any update, the initial weights already make confident wrong predictions (an
-/// initialized classifier should start near ln C).
+/// initialized classifier should start near ln C). A regression's, at twice its targets'
+/// variance or more, under weights far above a variance-preserving scale, likewise.
 fn confidently_wrong_start(c: &Case<'_>, v: &mut Votes) {
-    let Some(chance) = super::super::failures::chance_level(c.run).filter(|c| !c.regression) else {
+    let Some(chance) = super::super::failures::chance_level(c.run) else {
         return;
     };
+    if chance.regression {
+        // Targets off centre make a first loss far above their variance too: only under
+        // weights far above scale is it theirs.
+        if let Some(l) = c
+            .run
+            .loss
+            .first_value()
+            .filter(|l| *l >= 2.0 * chance.level && c.ev.gain_too_large())
+        {
+            v.add(
+                2.0,
+                format!(
+                    "the loss starts at {}, {:.1}x the variance of its targets ({}), before any update: the initial weights make large wrong predictions",
+                    fmt_g(l),
+                    l / chance.level,
+                    fmt_g(chance.level)
+                ),
+            );
+        }
+        return;
+    }
     let ordinary_inputs =
         c.ev.input_scale_first
             .is_some_and(|x| x <= super::evidence::HUGE_INPUTS);

@@ -120,6 +120,13 @@ impl FailureRule for LossPlateau {
         }
         not_learning(s.run).map_or(String::new(), |c| {
             if c.regression {
+                if s.run.loss.last_smoothed >= WORSE_THAN_MEAN * c.level {
+                    return format!(
+                        ", at {:.1}x the variance of its targets ({}): the model predicts worse than their mean",
+                        s.run.loss.last_smoothed / c.level,
+                        num(c.level)
+                    );
+                }
                 return format!(
                     ", at the variance of its targets ({}): the model predicts no better than their mean",
                     num(c.level)
@@ -217,6 +224,10 @@ pub(crate) fn chance_level(run: &Run) -> Option<Chance> {
 /// Steps a run must have before it can be judged not to learn.
 const NOT_LEARNING_STEPS: u64 = 50;
 
+/// A regression loss this many times its targets' variance is worse than predicting their
+/// mean by more than the one batch's variance is off (~10-20%).
+const WORSE_THAN_MEAN: f64 = 1.3;
+
 /// The chance level of a model whose loss stayed flat at or above it (never clearly below,
 /// and at least 90% of it at the end; a regression's 70%) over at least half of a run of
 /// [`NOT_LEARNING_STEPS`] steps or more.
@@ -228,7 +239,11 @@ pub(crate) fn not_learning(run: &Run) -> Option<Chance> {
     // window), but one that began at the level and never got clearly below it (`best`, below)
     // was at it all along.
     let began_at_level = l.initial.is_some_and(|i| i <= 1.1 * chance.level);
+    // A regression that ends clearly worse than its targets' mean (beyond the variance's
+    // estimation error) has not learned, however its loss got there.
+    let worse_than_mean = chance.regression && l.last_smoothed >= WORSE_THAN_MEAN * chance.level;
     let flat_most = began_at_level
+        || worse_than_mean
         || l.flat_since
             .is_none_or(|since| 2 * (last.saturating_sub(since) + 1) > last.saturating_sub(first));
     // A loss above its chance level is no better: a classifier's is confidently wrong, a
