@@ -298,3 +298,70 @@ fn a_regression_that_ends_worse_than_its_targets_mean_is_not_learning_however_it
     let h = run_scaled(spec(Some(mse(4.0))), 200, Some(2e-3), 10.0, down_to(0.5));
     assert!(h.iter().all(|h| h.confidence < 0.5), "{:?}", shown(&h));
 }
+
+/// Healthy gradients, weights and steps of a training size, the learning rate `lr(step)`.
+fn run_lr(steps: u64, lr: impl Fn(u64) -> f64, loss: impl Fn(u64) -> f64) -> Vec<CausalHypothesis> {
+    let mut engine = Engine::new(Config::default()).unwrap();
+    engine.register_model(spec(None)).unwrap();
+    for step in 0..steps {
+        let sampled = step < 5 || step % 10 == 0;
+        let obs = Observation {
+            step,
+            grad_norms: vec![0.05, 0.01, 0.04, 0.01, 0.03, 0.01],
+            weight_norms: sampled.then(|| vec![2.3, 0.2, 2.3, 0.2, 2.3, 0.2]),
+            loss: Some(loss(step)),
+            lr: Some(lr(step)),
+            measures: if sampled {
+                vec![(Measure::UpdateRatio, vec![2e-3; 6])]
+            } else {
+                Vec::new()
+            },
+            ..Observation::default()
+        };
+        engine.observe(&obs.view()).unwrap();
+    }
+    explain(&engine, None)
+}
+
+#[test]
+fn a_loss_still_falling_as_fast_as_it_began_far_from_where_it_started_is_a_learning_rate_too_low() {
+    // 2.3 -> ~1.9 in 200 steps, in a straight line: 17% lower, and the second half fell as
+    // much as the first.
+    let line = |s: u64| 2.3 - 0.002 * s as f64 + 0.005 * ((s % 3) as f64);
+    let h = run_lr(200, |_| 1e-4, line);
+    let top = &h[0];
+    assert_eq!(top.failure, Failure::LossPlateau, "{:?}", shown(&h));
+    assert_eq!(top.cause, Cause::LearningRateTooLow, "{:?}", shown(&h));
+    assert!(
+        top.description.contains(
+            "creeping: at best 17% lower after 200 steps, and still falling as fast as it began"
+        ),
+        "{}",
+        top.description
+    );
+    assert!(
+        top.description.contains("over the first half")
+            && top.description.contains("over the second"),
+        "{}",
+        top.description
+    );
+    // The same fall, levelling off (most of it in the first half): flat at 83% of where it
+    // began, a plateau, but not one still falling, and nothing says the learning rate.
+    let levelling = |s: u64| 1.9 + 0.4 * (-(s as f64) / 30.0).exp() + 0.005 * ((s % 3) as f64);
+    let h = run_lr(200, |_| 1e-4, levelling);
+    assert!(
+        h.iter()
+            .all(|h| h.cause != Cause::LearningRateTooLow
+                && !h.description.contains("still falling")),
+        "{:?}",
+        shown(&h)
+    );
+    // The straight line under a learning rate still warming up (10x over the run): a slow
+    // start is what a warmup makes.
+    let h = run_lr(200, |s| 1e-5 * (1.0 + 9.0 * s as f64 / 200.0), line);
+    assert!(
+        h.iter().all(|h| h.failure != Failure::LossPlateau),
+        "{:?}",
+        shown(&h)
+    );
+}

@@ -28,6 +28,29 @@ impl CauseRule for LearningRateTooLow {
         } else if ev.update_ratio.is_none_or(|r| r < 1e-3) {
             v.add(1.0, "gradients are healthy, yet the loss does not move");
         }
+        // Still falling as fast as it began, far above where it started to: each step
+        // gets the loss a little lower, and the run ends long before it levels off. The
+        // learning rate's doing when nothing in the network or the data slows it: no layer
+        // that passes back little gradient, weights and inputs on ordinary scales, no mistake
+        // in the program that holds the loss up.
+        let slowed = super::saturating_activation::passes_little_gradient(c.run)
+            || super::loss_bounded_by_mistake(c.run)
+            || !ev.gain_not_off_scale()
+            || ev.huge_inputs().is_some()
+            || ev.tiny_inputs().is_some()
+            || ev.feature_spread.is_some();
+        if let Some(p) = super::super::failures::steady_descent(c.run).filter(|_| !slowed) {
+            v.add(
+                2.5,
+                format!(
+                    "the loss still falls as fast as it began ({} -> {} over the first half, {} -> {} over the second): far from levelling off, each step takes it only a little lower",
+                    fmt_g(p.start),
+                    fmt_g(p.mid),
+                    fmt_g(p.mid),
+                    fmt_g(p.end)
+                ),
+            );
+        }
         if ev.tiny_inputs().is_some() {
             // The steps are small because the gradients are: the inputs are.
             v.against(1.5);

@@ -51,6 +51,12 @@ struct FlatSlopes {
 /// initialization passes back most of the gradient).
 const FLAT_SLOPE: f64 = 0.3;
 
+/// Bounded activations between weighted layers pass back little of the gradient from the
+/// first step: what slows learning may be them.
+pub(crate) fn passes_little_gradient(run: &Run) -> bool {
+    hidden_flat_slopes(run).is_some_and(|f| f.layers > 0)
+}
+
 fn hidden_flat_slopes(run: &Run) -> Option<FlatSlopes> {
     let model = &run.model;
     let last_weighted = model

@@ -2,8 +2,9 @@
 //! floor of a loss that provably cannot reach its optimum.
 
 use crate::config::Config;
-use crate::engine::Run;
+use crate::engine::{Global, Run};
 use crate::event::SemanticEvent;
+use crate::history::Reduce;
 
 use super::super::episodes::Episode;
 use super::super::text::num;
@@ -111,8 +112,13 @@ impl FailureRule for LossPlateau {
         }
         if not_learning(s.run).is_none() {
             if let Some(c) = creeping(s.run) {
+                let still = if c.steady.is_some() {
+                    ", and still falling as fast as it began"
+                } else {
+                    ""
+                };
                 return format!(
-                    ", creeping: at best {:.0}% lower after {} steps",
+                    ", creeping: at best {:.0}% lower after {} steps{still}",
                     100.0 * (1.0 - c.fell_to),
                     c.steps
                 );
@@ -266,12 +272,71 @@ pub(crate) fn not_learning(run: &Run) -> Option<Chance> {
 /// a third of where it began, while every optimizer step moves the weights by less than a
 /// tenth of what a learning rate that trains moves them (an update-to-weight ratio of ~1e-3,
 /// measured), or the input's features are on scales so far apart that the small ones need
-/// weights far larger than the steps reach (see `causes::uneven_features`).
+/// weights far larger than the steps reach (see `causes::uneven_features`). Or it fell by
+/// less than [`STEADY_FELL_TO`] and still falls as fast as it began (see [`steady_descent`]).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(crate) struct Creeping {
     /// The loss's best over its initial level.
     pub fell_to: f64,
     pub steps: u64,
+    /// The run ended still falling as fast as it began (see [`steady_descent`]).
+    pub steady: Option<Pace>,
+}
+
+/// The loss (means of the run's first, middle and last tenth, at least 3 points each).
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
+pub(crate) struct Pace {
+    pub start: f64,
+    pub mid: f64,
+    pub end: f64,
+}
+
+/// A loss ending above this share of where it began has not come far.
+const STEADY_FELL_TO: f64 = 0.6;
+/// The second half's fall at least this share of the first half's: not levelling off.
+const STEADY_PACE: f64 = 0.8;
+/// A learning rate raised more than this over the run is still warming up: a slow start is
+/// what a warmup makes.
+const WARMING_UP: f64 = 1.5;
+
+/// The loss over a run of at least [`NOT_LEARNING_STEPS`] steps that fell by at least 5% but
+/// ended above [`STEADY_FELL_TO`] of where it began, and fell over the second half at least
+/// [`STEADY_PACE`] times as much as over the first: far from where it levels off, and getting
+/// there slowly. Not while the learning rate was being raised (a warmup).
+pub(crate) fn steady_descent(run: &Run) -> Option<Pace> {
+    if run.loss.observed < NOT_LEARNING_STEPS {
+        return None;
+    }
+    let (_, values) = run
+        .grads
+        .read(run.global_series(Global::Loss), Reduce::Last);
+    let loss: Vec<f64> = values.into_iter().filter(|v| v.is_finite()).collect();
+    let n = loss.len();
+    let w = (n / 10).max(3);
+    if n < 3 * w {
+        return None;
+    }
+    let mean = |from: usize| loss[from..from + w].iter().sum::<f64>() / w as f64;
+    let p = Pace {
+        start: mean(0),
+        mid: mean(n / 2 - w / 2),
+        end: mean(n - w),
+    };
+    let (_, lrs) = run.grads.read(run.global_series(Global::Lr), Reduce::Max);
+    let lr_max = lrs
+        .into_iter()
+        .filter(|v| v.is_finite())
+        .fold(0.0, f64::max);
+    let warming_up = run
+        .lr_first
+        .is_some_and(|first| lr_max > WARMING_UP * first);
+    let fell = p.start - p.end;
+    (p.start > 0.0
+        && fell >= 0.05 * p.start
+        && p.end >= STEADY_FELL_TO * p.start
+        && p.mid - p.end >= STEADY_PACE * (p.start - p.mid)
+        && !warming_up)
+        .then_some(p)
 }
 
 /// Update-to-weight ratio below which steps are too small to train (a tenth of ~1e-3).
@@ -281,14 +346,15 @@ pub(crate) fn creeping(run: &Run) -> Option<Creeping> {
     let l = &run.loss;
     let slow_steps =
         super::super::causes::measured_update_ratio(run).is_some_and(|r| r < CREEPING_UPDATE);
-    if !slow_steps && super::super::causes::uneven_features(run).is_none() {
-        return None;
-    }
+    let reason = slow_steps || super::super::causes::uneven_features(run).is_some();
+    let steady = steady_descent(run);
     let initial = l.initial.filter(|i| *i > 0.0 && i.is_finite())?;
     let fell_to = l.best / initial;
-    (l.observed >= NOT_LEARNING_STEPS && fell_to >= 1.0 / 3.0).then_some(Creeping {
+    let creeps = reason && l.observed >= NOT_LEARNING_STEPS && fell_to >= 1.0 / 3.0;
+    (creeps || steady.is_some()).then_some(Creeping {
         fell_to,
         steps: l.observed,
+        steady,
     })
 }
 
