@@ -636,6 +636,28 @@ def test_features_on_scales_thousands_apart_are_why_a_table_learns_badly():
     assert max(even_spy.spec["input_feature_scales"]) / min(even_spy.spec["input_feature_scales"]) < 10
 
 
+def test_a_first_table_batch_holding_nan_is_still_watched_and_named():
+    """Missing values read as NaN in a table's first batch: the feature has no scale (null in
+    the fact, which JSON can carry where NaN it cannot), the model is registered and watched,
+    and the NaN batch is what the diagnosis names."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    x = torch.randn(16, 4)
+    x[3, 2] = float("nan")
+    with NeuralDbg(model) as dbg:
+        spy = SpecSpy(dbg._collector.engine)
+        spy_engine(dbg, spy)
+        for _ in range(3):
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+    scales = spy.spec["input_feature_scales"]
+    assert scales[2] is None and scales[:2] + scales[3:] == pytest.approx(x[:, [0, 1, 3]].abs().amax(dim=0).tolist())
+    assert dbg.step == 3 and dbg.events
+    top = dbg.explain_failure()[0]
+    assert str(top.cause) == "bad_input_data" and top.confidence >= 0.5, top
+
+
 @pytest.mark.parametrize("shape", [(16, 300), (16, 1, 8, 8), (16, 1)])
 def test_only_a_table_of_a_few_features_gives_its_feature_scales(shape):
     """A flattened image (hundreds of pixels), an image batch or a single feature is no table

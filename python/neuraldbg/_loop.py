@@ -270,14 +270,15 @@ class LoopFacts:
         if x.dim() == 2 and 2 <= x.shape[1] <= MAX_FEATURES and x.shape[0] >= 2 and x.is_floating_point():
             self.feature_scales = x.detach().abs().amax(dim=0)
 
-    def input_feature_scales(self) -> Optional[List[float]]:
+    def input_feature_scales(self) -> Optional[List[Optional[float]]]:
         """The first table batch's per-feature largest magnitudes, read now (at
-        registration), or None when the first input was no table."""
+        registration), None for a feature whose values were not all finite; None when the
+        first input was no table."""
         t, self.feature_scales = self.feature_scales, False
         if t is None or t is False:
             return None
         try:
-            return [float(v) for v in t.float().tolist()]
+            return [v if math.isfinite(v) else None for v in map(float, t.float().tolist())]
         except Exception:  # pragma: no cover - an optional fact
             return None
 

@@ -112,9 +112,10 @@ pub struct ModelSpec {
     pub loss: Option<LossSpec>,
     /// The largest magnitude of each feature of the first step's input batch, when that batch
     /// is a table (a 2-D batch of a few features; the `PyTorch` collector: 2 to 256 float
-    /// features). Absent otherwise; NaN or infinite for a feature whose values were.
+    /// features). Absent otherwise; `None` for a feature whose values in the batch were not
+    /// all finite.
     #[serde(default)]
-    pub input_feature_scales: Option<Vec<f64>>,
+    pub input_feature_scales: Option<Vec<Option<f64>>>,
 }
 
 /// The loss as the framework computed it on the first step: facts, not judgements.
@@ -418,10 +419,11 @@ impl Model {
             .input_feature_scales
             .iter()
             .flatten()
-            .find(|x| **x < 0.0)
+            .flatten()
+            .find(|x| !(x.is_finite() && **x >= 0.0))
         {
             return Err(EngineError::Model(format!(
-                "input_feature_scales holds {x}: a feature's largest magnitude is >= 0 (NaN where the batch held NaN)"
+                "input_feature_scales holds {x}: a feature's largest magnitude is a finite number >= 0 (null where the batch's values were not all finite)"
             )));
         }
         owners.sort_unstable();

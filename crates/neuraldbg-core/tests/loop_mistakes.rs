@@ -707,9 +707,10 @@ fn slow(step: u64) -> f64 {
     0.6 + 0.4 * (-(step as f64) / 60.0).exp()
 }
 
+/// A spec whose first input batch had features of these scales (NaN: not all finite).
 fn with_features(scales: &[f64]) -> ModelSpec {
     let mut s = spec();
-    s.input_feature_scales = Some(scales.to_vec());
+    s.input_feature_scales = Some(scales.iter().map(|x| (!x.is_nan()).then_some(*x)).collect());
     s
 }
 
@@ -754,10 +755,16 @@ fn a_loss_that_creeps_under_features_on_scales_thousands_apart_blames_the_data()
 }
 
 #[test]
-fn a_negative_feature_scale_is_refused() {
+fn a_negative_or_infinite_feature_scale_is_refused() {
     let err = Engine::new(Config::default())
         .unwrap()
         .register_model(with_features(&[1.0, -0.5]))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("input_feature_scales"), "{err}");
+    let err = Engine::new(Config::default())
+        .unwrap()
+        .register_model(with_features(&[1.0, f64::INFINITY]))
         .unwrap_err()
         .to_string();
     assert!(err.contains("input_feature_scales"), "{err}");

@@ -117,15 +117,14 @@ const UNEVEN_FEATURES: f64 = 1000.0;
 
 /// The first step's input table, when its features are on scales at least
 /// [`UNEVEN_FEATURES`] apart (each feature's scale: its largest magnitude in the batch; a
-/// feature all zero in the batch, or not finite, has none).
+/// feature all zero in the batch, or not all finite, has none).
 pub(crate) fn uneven_features(run: &Run) -> Option<FeatureSpread> {
     let scales = run.model.spec.input_feature_scales.as_ref()?;
     let known = || {
         scales
             .iter()
-            .copied()
             .enumerate()
-            .filter(|(_, x)| x.is_finite() && *x > 0.0)
+            .filter_map(|(i, x)| x.filter(|x| *x > 0.0).map(|x| (i, x)))
     };
     let small = known().min_by(|a, b| a.1.total_cmp(&b.1))?;
     let large = known().max_by(|a, b| a.1.total_cmp(&b.1))?;
