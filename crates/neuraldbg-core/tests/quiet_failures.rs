@@ -48,6 +48,18 @@ fn run_scaled(
     scale: f32,
     loss: impl Fn(u64) -> f64,
 ) -> Vec<CausalHypothesis> {
+    run_full(spec, steps, update, scale, |_| 1e-4, loss)
+}
+
+/// [`run_scaled`] with the learning rate `lr(step)`.
+fn run_full(
+    spec: ModelSpec,
+    steps: u64,
+    update: Option<f32>,
+    scale: f32,
+    lr: impl Fn(u64) -> f64,
+    loss: impl Fn(u64) -> f64,
+) -> Vec<CausalHypothesis> {
     let mut engine = Engine::new(Config::default()).unwrap();
     engine.register_model(spec).unwrap();
     for step in 0..steps {
@@ -58,7 +70,7 @@ fn run_scaled(
             weight_norms: sampled
                 .then(|| [2.3, 0.2, 2.3, 0.2, 2.3, 0.2].map(|w| w * scale).to_vec()),
             loss: Some(loss(step)),
-            lr: Some(1e-4),
+            lr: Some(lr(step)),
             measures: match (sampled, update) {
                 (true, Some(r)) => vec![(Measure::UpdateRatio, vec![r; 6])],
                 _ => Vec::new(),
@@ -299,28 +311,9 @@ fn a_regression_that_ends_worse_than_its_targets_mean_is_not_learning_however_it
     assert!(h.iter().all(|h| h.confidence < 0.5), "{:?}", shown(&h));
 }
 
-/// Healthy gradients, weights and steps of a training size, the learning rate `lr(step)`.
+/// Healthy gradients and weights, steps of a training size, the learning rate `lr(step)`.
 fn run_lr(steps: u64, lr: impl Fn(u64) -> f64, loss: impl Fn(u64) -> f64) -> Vec<CausalHypothesis> {
-    let mut engine = Engine::new(Config::default()).unwrap();
-    engine.register_model(spec(None)).unwrap();
-    for step in 0..steps {
-        let sampled = step < 5 || step % 10 == 0;
-        let obs = Observation {
-            step,
-            grad_norms: vec![0.05, 0.01, 0.04, 0.01, 0.03, 0.01],
-            weight_norms: sampled.then(|| vec![2.3, 0.2, 2.3, 0.2, 2.3, 0.2]),
-            loss: Some(loss(step)),
-            lr: Some(lr(step)),
-            measures: if sampled {
-                vec![(Measure::UpdateRatio, vec![2e-3; 6])]
-            } else {
-                Vec::new()
-            },
-            ..Observation::default()
-        };
-        engine.observe(&obs.view()).unwrap();
-    }
-    explain(&engine, None)
+    run_full(spec(None), steps, Some(2e-3), 1.0, lr, loss)
 }
 
 #[test]
