@@ -30,10 +30,13 @@ impl CauseRule for LearningRateTooLow {
         }
         // Still falling as fast as it began, far above where it started to: each step
         // gets the loss a little lower, and the run ends long before it levels off. The
-        // learning rate's doing when nothing in the network or the data slows it: no layer
-        // that passes back little gradient, weights and inputs on ordinary scales, no mistake
-        // in the program that holds the loss up.
-        let slowed = super::saturating_activation::passes_little_gradient(c.run)
+        // learning rate's doing when its steps are not large (under 5x a training step: steps
+        // that large are not why the loss is slow) and nothing in the network or the data
+        // slows it: no layer that passes back little gradient, weights and inputs on ordinary
+        // scales, no mistake in the program that holds the loss up.
+        let large_steps = ev.update_ratio.is_some_and(|r| r >= 5.0 * TRAINING_UPDATE);
+        let slowed = large_steps
+            || super::saturating_activation::passes_little_gradient(c.run)
             || super::loss_bounded_by_mistake(c.run)
             || !ev.gain_not_off_scale()
             || ev.huge_inputs().is_some()

@@ -1,5 +1,5 @@
 //! `loss_plateau`: the loss stopped improving above the level of a converged run, or at the
-//! floor of a loss that provably cannot reach its optimum.
+//! floor of a loss that provably cannot reach its optimum, or it creeps (see [`creeping`]).
 
 use crate::config::Config;
 use crate::engine::{Global, Run};
@@ -284,7 +284,7 @@ pub(crate) struct Creeping {
 }
 
 /// The loss (means of the run's first, middle and last tenth, at least 3 points each).
-#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub(crate) struct Pace {
     pub start: f64,
     pub mid: f64,
