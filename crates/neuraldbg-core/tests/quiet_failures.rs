@@ -317,6 +317,20 @@ fn run_lr(steps: u64, lr: impl Fn(u64) -> f64, loss: impl Fn(u64) -> f64) -> Vec
 }
 
 #[test]
+fn a_loss_still_falling_as_fast_as_it_began_under_large_steps_is_not_the_learning_rate_too_low() {
+    // The straight line of the test below, with every step moving the weights by 1e-2 of their
+    // size (ten training steps): slow, but not for want of step size.
+    let line = |s: u64| 2.3 - 0.002 * s as f64 + 0.005 * ((s % 3) as f64);
+    let h = run_full(spec(None), 200, Some(1e-2), 1.0, |_| 1e-4, line);
+    assert!(
+        h.iter()
+            .all(|h| h.cause != Cause::LearningRateTooLow || h.confidence < 0.2),
+        "{:?}",
+        shown(&h)
+    );
+}
+
+#[test]
 fn a_loss_still_falling_as_fast_as_it_began_far_from_where_it_started_is_a_learning_rate_too_low() {
     // 2.3 -> ~1.9 in 200 steps, in a straight line: 17% lower, and the second half fell as
     // much as the first.
