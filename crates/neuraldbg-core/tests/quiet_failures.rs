@@ -91,6 +91,16 @@ fn shown(h: &[CausalHypothesis]) -> Vec<String> {
     h.iter().map(ToString::to_string).collect()
 }
 
+/// No hypothesis blames the learning rate being too low above a trace (0.2).
+fn not_the_learning_rate_too_low(h: &[CausalHypothesis]) {
+    assert!(
+        h.iter()
+            .all(|h| h.cause != Cause::LearningRateTooLow || h.confidence < 0.2),
+        "{:?}",
+        shown(h)
+    );
+}
+
 #[test]
 fn a_creeping_loss_under_measured_tiny_steps_is_a_learning_rate_too_low() {
     let h = run(spec(None), 200, Some(3e-5), creeping);
@@ -240,12 +250,7 @@ fn a_loss_at_its_targets_variance_under_steps_a_few_times_too_small_is_a_learnin
     );
     let h = run(spec(Some(mse(4.0))), 200, Some(2e-3), flat);
     assert_eq!(h[0].failure, Failure::LossPlateau, "{:?}", shown(&h));
-    assert!(
-        h.iter()
-            .all(|h| h.cause != Cause::LearningRateTooLow || h.confidence < 0.2),
-        "{:?}",
-        shown(&h)
-    );
+    not_the_learning_rate_too_low(&h);
 }
 
 #[test]
@@ -311,6 +316,11 @@ fn a_regression_that_ends_worse_than_its_targets_mean_is_not_learning_however_it
     assert!(h.iter().all(|h| h.confidence < 0.5), "{:?}", shown(&h));
 }
 
+/// 2.3 -> ~1.9 in 200 steps, in a straight line, with a little noise.
+fn straight_line(s: u64) -> f64 {
+    2.3 - 0.002 * s as f64 + 0.005 * ((s % 3) as f64)
+}
+
 /// Healthy gradients and weights, steps of a training size, the learning rate `lr(step)`.
 fn run_lr(steps: u64, lr: impl Fn(u64) -> f64, loss: impl Fn(u64) -> f64) -> Vec<CausalHypothesis> {
     run_full(spec(None), steps, Some(2e-3), 1.0, lr, loss)
@@ -318,24 +328,17 @@ fn run_lr(steps: u64, lr: impl Fn(u64) -> f64, loss: impl Fn(u64) -> f64) -> Vec
 
 #[test]
 fn a_loss_still_falling_as_fast_as_it_began_under_large_steps_is_not_the_learning_rate_too_low() {
-    // The straight line of the test below, with every step moving the weights by 1e-2 of their
-    // size (ten training steps): slow, but not for want of step size.
-    let line = |s: u64| 2.3 - 0.002 * s as f64 + 0.005 * ((s % 3) as f64);
-    let h = run_full(spec(None), 200, Some(1e-2), 1.0, |_| 1e-4, line);
-    assert!(
-        h.iter()
-            .all(|h| h.cause != Cause::LearningRateTooLow || h.confidence < 0.2),
-        "{:?}",
-        shown(&h)
-    );
+    // The straight line, with every step moving the weights by 1e-2 of their size (ten
+    // training steps): slow, but not for want of step size.
+    let h = run_full(spec(None), 200, Some(1e-2), 1.0, |_| 1e-4, straight_line);
+    not_the_learning_rate_too_low(&h);
 }
 
 #[test]
 fn a_loss_still_falling_as_fast_as_it_began_far_from_where_it_started_is_a_learning_rate_too_low() {
     // 2.3 -> ~1.9 in 200 steps, in a straight line: 17% lower, and the second half fell as
     // much as the first.
-    let line = |s: u64| 2.3 - 0.002 * s as f64 + 0.005 * ((s % 3) as f64);
-    let h = run_lr(200, |_| 1e-4, line);
+    let h = run_lr(200, |_| 1e-4, straight_line);
     let top = &h[0];
     assert_eq!(top.failure, Failure::LossPlateau, "{:?}", shown(&h));
     assert_eq!(top.cause, Cause::LearningRateTooLow, "{:?}", shown(&h));
@@ -365,7 +368,11 @@ fn a_loss_still_falling_as_fast_as_it_began_far_from_where_it_started_is_a_learn
     );
     // The straight line under a learning rate still warming up (10x over the run): a slow
     // start is what a warmup makes.
-    let h = run_lr(200, |s| 1e-5 * (1.0 + 9.0 * s as f64 / 200.0), line);
+    let h = run_lr(
+        200,
+        |s| 1e-5 * (1.0 + 9.0 * s as f64 / 200.0),
+        straight_line,
+    );
     assert!(
         h.iter().all(|h| h.failure != Failure::LossPlateau),
         "{:?}",
