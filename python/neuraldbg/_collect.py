@@ -318,9 +318,7 @@ class Collector:
             if x is None and kwargs:
                 x = first_float_tensor(kwargs)
             if x is not None and x.numel() > 0:
-                reader.input_stats(x)
-                if not self.registered:
-                    self.loop.note_input(x)
+                self._read_inputs(x)
         except Exception as e:  # pragma: no cover - defensive
             self.fail("observation", e)
 
@@ -427,6 +425,13 @@ class Collector:
         self.refs.clear()
         s.released = len(s.root_calls)
 
+    def _read_inputs(self, x: Any) -> None:
+        """The model's input batch: its statistics for this step and, until the model is
+        registered, the first batch's per-feature scales."""
+        self.reader.input_stats(x)
+        if not self.registered:
+            self.loop.note_input(x)
+
     def _entry_inputs(self) -> None:
         """The model itself was not called in this step (a LightningModule whose
         ``training_step`` calls ``self.net(x)``): its batch is read where it first entered a
@@ -441,9 +446,7 @@ class Collector:
                 continue
             if _functorch_wrapped(x):
                 return
-            self.reader.input_stats(x)
-            if not self.registered:
-                self.loop.note_input(x)
+            self._read_inputs(x)
             return
 
     # --------------------------------------------------------------- backward

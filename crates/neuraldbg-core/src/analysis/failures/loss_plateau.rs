@@ -112,7 +112,7 @@ impl FailureRule for LossPlateau {
         }
         if not_learning(s.run).is_none() {
             if let Some(c) = creeping(s.run) {
-                let still = if c.steady.is_some() {
+                let still = if c.steady {
                     ", and still falling as fast as it began"
                 } else {
                     ""
@@ -280,7 +280,7 @@ pub(crate) struct Creeping {
     pub fell_to: f64,
     pub steps: u64,
     /// The run ended still falling as fast as it began (see [`steady_descent`]).
-    pub steady: Option<Pace>,
+    pub steady: bool,
 }
 
 /// The loss (means of the run's first, middle and last tenth, at least 3 points each).
@@ -322,14 +322,12 @@ pub(crate) fn steady_descent(run: &Run) -> Option<Pace> {
         mid: mean(n / 2 - w / 2),
         end: mean(n - w),
     };
-    let (_, lrs) = run.grads.read(run.global_series(Global::Lr), Reduce::Max);
-    let lr_max = lrs
-        .into_iter()
-        .filter(|v| v.is_finite())
-        .fold(0.0, f64::max);
-    let warming_up = run
-        .lr_first
-        .is_some_and(|first| lr_max > WARMING_UP * first);
+    let warming_up = match (run.lr_first, run.first_step, run.last_step) {
+        (Some(first), Some(from), Some(to)) => run
+            .lr_between(from, to)
+            .is_some_and(|max| max > WARMING_UP * first),
+        _ => false,
+    };
     let fell = p.start - p.end;
     (p.start > 0.0
         && fell >= 0.05 * p.start
@@ -347,11 +345,11 @@ pub(crate) fn creeping(run: &Run) -> Option<Creeping> {
     let slow_steps =
         super::super::causes::measured_update_ratio(run).is_some_and(|r| r < CREEPING_UPDATE);
     let reason = slow_steps || super::super::causes::uneven_features(run).is_some();
-    let steady = steady_descent(run);
+    let steady = steady_descent(run).is_some();
     let initial = l.initial.filter(|i| *i > 0.0 && i.is_finite())?;
     let fell_to = l.best / initial;
     let creeps = reason && l.observed >= NOT_LEARNING_STEPS && fell_to >= 1.0 / 3.0;
-    (creeps || steady.is_some()).then_some(Creeping {
+    (creeps || steady).then_some(Creeping {
         fell_to,
         steps: l.observed,
         steady,
