@@ -347,11 +347,68 @@ def test_nan_batch_and_halt_on_stops_fit() -> None:
     dbg = cb.dbg
     h = dbg.explain_failure("non_finite")[0]
     assert h.confidence >= 0.5 and h.step == 5
+    assert str(h.cause) == "bad_input_data"  # the forward pass measured the NaN in batch 5
     assert dbg.halted is not None
     # Stopped after the next batch: the step of batch 5 is read (waiting for the device and for
     # its loss) before batch 6 starts, and Keras looks at stop_training after each batch.
     assert len(hist.history["loss"]) == 1
     assert dbg.step == 7 == int(model.optimizer.iterations.numpy())
+
+
+def raw_pixel_classifier(scale: float) -> Any:
+    """Five classes of 16 features read as pixels (integers 0..255) times ``scale``, through a
+    sigmoid layer, 10 epochs of 20 batches in order; returns the inputs, the history and the
+    callback."""
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 256, size=(640, 16)).astype("float32") * scale
+    y = ((x / (255.0 * scale) - 0.5) @ rng.normal(size=(16, 5))).argmax(1)
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, activation="sigmoid"), keras.layers.Dense(5)])
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-2), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
+    cb = NeuralDbgCallback(verbose=False)
+    history = model.fit(x, y, batch_size=32, epochs=10, shuffle=False, callbacks=[cb], verbose=0)
+    return x, history.history["loss"], cb
+
+
+def test_each_input_batch_is_measured_and_raw_pixels_are_named_bad_input_data() -> None:
+    """The forward pass measures its input batch (every step, like the PyTorch collector), so
+    inputs left at 0..255 are named as the cause of the sigmoids they saturate, where the same
+    data scaled to [0, 1] trains better and raises nothing."""
+    x, raw_loss, cb = raw_pixel_classifier(1.0)
+    _, scaled_loss, quiet = raw_pixel_classifier(1.0 / 255.0)
+    assert raw_loss[-1] > 1.2 * scaled_loss[-1]  # what the scale did to the run (Keras' own loss)
+    dbg = cb.dbg
+    assert dbg is not None and quiet.dbg is not None
+    steps, scale = dbg.history(None, "input_scale")
+    truth = np.abs(x).reshape(20, 32, 16).max(axis=(1, 2))
+    assert list(steps) == list(range(200))
+    np.testing.assert_allclose(scale, np.tile(truth, 10))
+    top = dbg.explain_failure()[0]
+    assert (str(top.failure), str(top.cause)) == ("saturated_activations", "bad_input_data")
+    assert top.confidence >= 0.5 and top.step == 0
+    assert not [h for h in quiet.dbg.explain_failure() if h.confidence >= 0.5]
+
+
+def test_token_ids_are_not_taken_for_an_input_batch() -> None:
+    """Integer inputs (token ids up to 49) are not a batch of values on a raw scale: nothing
+    is measured, nothing is said about the data."""
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 50, size=(320, 8))
+    y = rng.normal(size=(320, 1)).astype("float32")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [keras.Input((8,), dtype="int32"), keras.layers.Embedding(50, 8), keras.layers.Flatten(), keras.layers.Dense(1)]
+    )
+    model.compile(optimizer="adam", loss="mse")
+    cb = NeuralDbgCallback(verbose=False)
+    model.fit(ids, y, batch_size=32, epochs=2, callbacks=[cb], verbose=0)
+    dbg = cb.dbg
+    assert dbg is not None and dbg.step == 20
+    assert np.isnan(dbg.history(None, "input_scale")[1]).all()
+    assert not [e for e in dbg.events if str(e.event_type) == "data_anomaly"]
+    assert all(str(h.cause) != "bad_input_data" for h in dbg.explain_failure())
 
 
 def test_gradient_accumulation_one_step_per_update() -> None:
@@ -421,7 +478,10 @@ def test_torch_backend_fit(tmp_path: Any) -> None:
         "m.compile(optimizer='sgd', loss='mse')\n"
         "x = np.random.default_rng(0).normal(size=(96, 8)).astype('float32')\n"
         "cb = NeuralDbgCallback(verbose=False)\n"
-        "m.fit(x, x[:, :1], batch_size=16, epochs=2, callbacks=[cb], verbose=0)\n"
+        "m.fit(x, x[:, :1], batch_size=16, epochs=2, shuffle=False, callbacks=[cb], verbose=0)\n"
+        "scale = cb.dbg.history(None, 'input_scale')[1]\n"
+        "truth = np.tile(np.abs(x).reshape(6, 16, 8).max(axis=(1, 2)), 2)\n"
+        "assert np.allclose(scale, truth), (scale, truth)\n"
         "print(keras.backend.backend(), cb.dbg.step, cb.dbg.layers, len(cb.dbg.history('dense', 'grad_norm')[1]))\n"
     )
     env = dict(os.environ, KERAS_BACKEND="torch")

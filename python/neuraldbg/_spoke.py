@@ -123,7 +123,7 @@ def path_option(name: str, value: Any) -> Optional[str]:
 class Record:
     """One optimizer step's numbers, as a spoke posts them (parameters in spec order)."""
 
-    __slots__ = ("activations", "grads", "has_loss", "loss", "lr", "mean", "step", "weights")
+    __slots__ = ("activations", "grads", "has_loss", "inputs", "loss", "lr", "mean", "step", "weights")
 
     def __init__(
         self,
@@ -134,9 +134,12 @@ class Record:
         lr: Optional[float] = None,
         has_loss: bool = False,
         activations: Optional[np.ndarray] = None,
+        inputs: Optional[np.ndarray] = None,
     ) -> None:
         self.step = step
         self.activations = activations
+        # The input batch's ``min, max, mean, std`` (the engine's input row).
+        self.inputs = inputs
         # What a spoke knows of the loss instead of its value (Keras: the running mean).
         self.mean: Any = None
         self.grads = grads
@@ -148,8 +151,11 @@ class Record:
 
 # The last row of a ring buffer: [update count (int32 bits), this marker (int32 bits), ...].
 RING_MARKER = 0x4E444247
-# Row flags (int32 bits in column 1): the update had a loss, a learning rate, parameter norms.
-HAS_LOSS, HAS_LR, HAS_WEIGHTS = 1, 2, 4
+# Row flags (int32 bits in column 1): the update had a loss, a learning rate, parameter norms;
+# a forward pass's input batch was measured.
+HAS_LOSS, HAS_LR, HAS_WEIGHTS, HAS_INPUTS = 1, 2, 4, 8
+# Statistics of an input batch: min, max, mean, std.
+INPUT_STATS = 4
 # Columns before the gradient norms: step, flags, loss, learning rate.
 RING_HEAD = 4
 # Default size of a ring buffer on the device (rows x columns x 4 bytes).
@@ -437,6 +443,8 @@ class Spoke(Results):
                 have.loss, have.has_loss, have.mean = r.loss, True, r.mean
             if r.activations is not None:
                 have.activations = r.activations
+            if r.inputs is not None:
+                have.inputs = r.inputs
         ready = []
         steps = sorted(pending)
         for k, step in enumerate(steps):
@@ -456,6 +464,7 @@ class Spoke(Results):
                     r.grads,
                     weight_norms=r.weights,
                     activations=r.activations,
+                    inputs=r.inputs,
                     loss=self._loss_of(r),
                     lr=r.lr,
                 )

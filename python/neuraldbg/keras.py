@@ -36,8 +36,10 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 import numpy as np
 
 from ._spoke import (
+    HAS_INPUTS,
     HAS_LR,
     HAS_WEIGHTS,
+    INPUT_STATS,
     RING_BYTES,
     RING_HEAD,
     RING_MARKER,
@@ -272,6 +274,28 @@ def _activation_stats(y: Any, probe: Dict[str, Any]) -> Any:
     return ops.stack([ops.cast(v, "float32") for v in (absmax, saturated, dead, slope, samples)])
 
 
+def _first_float(x: Any) -> Any:
+    """The model's first floating-point input tensor (of a tensor, or a list or dict of them),
+    None when it has none (token ids only)."""
+    try:
+        for v in keras.tree.flatten(x):
+            dtype = getattr(v, "dtype", None)
+            if dtype is not None and "float" in keras.backend.standardize_dtype(dtype) and len(v.shape) >= 1:
+                return v
+    except Exception:  # an input structure Keras cannot flatten: not measured
+        return None
+    return None
+
+
+def _input_stats(x: Any) -> Any:
+    """``min, max, mean, std`` of an input batch (float32; NaN when ``x`` is None), the
+    PyTorch collector's ``input_stats``."""
+    if x is None:
+        return ops.full((INPUT_STATS,), float("nan"), "float32")
+    x = ops.cast(x, "float32")
+    return ops.stack([ops.min(x), ops.max(x), ops.mean(x), ops.std(x)])
+
+
 def _wrap_call(obj: Any, make: Callable[[Any], Callable[..., Any]]) -> None:
     """Replaces ``obj.call`` for the run (an instance attribute, removed by :func:`_unwrap_call`);
     a wrapper left by an earlier run that raised is replaced, not stacked."""
@@ -441,7 +465,7 @@ class KerasDbg(Spoke):
             if keras.backend.backend() == "jax":
                 self._add_ring(opt)
         if self._measure_activations:
-            self._watch_activations()
+            self._watch_forward()
         if self._ring is not None:
             # Each read covers the batches since the last one: at most half the ring's rows.
             self._read_every = max(1, min(16, self._ring.rows // (2 * self._per_call)))
@@ -547,21 +571,20 @@ class KerasDbg(Spoke):
     def _wait(self) -> None:
         self._read_ring(wait=True)
 
-    def _watch_activations(self) -> None:
-        """Activation statistics of each training forward pass (``training=True``), computed in
-        the compiled step. On JAX they go into a second ring buffer, a non-trainable variable of
+    def _watch_forward(self) -> None:
+        """The statistics of each training forward pass (``training=True``), computed in the
+        compiled step: those of the model's input batch (every pass) and of its activations
+        (sampled passes). On JAX they go into a second ring buffer, a non-trainable variable of
         the model for the run (Keras returns those from the forward pass, out of the gradient's
-        trace), measured on sampled steps only (``lax.cond``); elsewhere one callback per pass.
-        Layers are wrapped for the run; a model whose ``call`` takes no ``training`` argument
-        is not measured (its training passes cannot be told from evaluation)."""
+        trace); elsewhere one callback per pass. Layers are wrapped for the run; a model whose
+        ``call`` takes no ``training`` argument is not measured (its training passes cannot be
+        told from evaluation)."""
         names = [m["name"] for m in self._spec_modules]
         rows = []
         for row, probe in enumerate(self._probes):
             layer = self._model.activation_layers.get(names[probe["module"]])
             if layer is not None:
                 rows.append((row, probe, layer))
-        if not rows:
-            return
         self._act_probes = {row: probe for row, probe, _ in rows}
         for row, _, layer in rows:
             _wrap_call(layer, functools.partial(self._layer_call, row=row))
@@ -579,17 +602,20 @@ class KerasDbg(Spoke):
                 finally:
                     collected, self._collecting = self._collecting, None
                 try:
-                    if collected and not _symbolic(out):
+                    if not _symbolic(out):
+                        x = _first_float(args[0] if args else kwargs.get("inputs"))
                         if self._act_var is not None:
                             if in_stateless_scope():  # the fit loop's step: its state carries the ring
-                                self._write_activations(collected)
+                                self._write_activations(collected, x)
                         else:
-                            ack = self._emit(self._receive_activations, self._activation_table(collected))
+                            measured = ops.full((1,), 0.0 if x is None else 1.0, "float32")
+                            row = ops.concatenate([measured, _input_stats(x), self._activation_table(collected)])
+                            ack = self._emit(self._receive_activations, row)
                             if ack is not None and hasattr(out, "dtype"):
                                 # Adds exactly 0: the acknowledgement keeps the call in the step.
                                 out = out + ops.cast(ack, out.dtype) * 0
                 except Exception as e:  # our statistics failed to build: train on, unmeasured
-                    warnings.warn(f"NeuralDBG cannot measure activations: {e}", NeuralDbgWarning, stacklevel=2)
+                    warnings.warn(f"NeuralDBG cannot measure the forward pass: {e}", NeuralDbgWarning, stacklevel=2)
                 return out
 
             return call
@@ -621,12 +647,12 @@ class KerasDbg(Spoke):
                 except Exception:
                     stats = None
             table.append(blank if stats is None else stats)
-        return ops.concatenate(table)
+        return ops.concatenate(table) if table else ops.zeros((0,), dtype="float32")
 
     def _add_activation_ring(self) -> None:
-        """JAX: the ring the forward pass writes its activation statistics into, a non-trainable
-        variable of the model for the run (rows ``[forward, 0, 5 per probe]``, the last row the
-        number of training forward passes and :data:`RING_MARKER`). A checkpoint saved during the
+        """JAX: the ring the forward pass writes its statistics into, a non-trainable variable of
+        the model for the run (rows ``[forward, flags, 4 of the input, 5 per probe]``, the last
+        row the number of training forward passes and :data:`RING_MARKER`). A checkpoint saved during the
         run holds the model's own variables only."""
         model = self.model
         for v in list(model._non_trainable_variables):  # left by a run that raised out of fit
@@ -634,7 +660,7 @@ class KerasDbg(Spoke):
                 model._non_trainable_variables.remove(v)
         for name in ("save_own_variables", "load_own_variables"):
             model.__dict__.pop(name, None)
-        width = 2 + 5 * len(self._probes)
+        width = 2 + INPUT_STATS + 5 * len(self._probes)
         rows = self._ring_rows(width)
         init = np.zeros((rows + 1, width), np.float32)
         init[:rows, 0] = np.array([-1], np.int32).view(np.float32)[0]
@@ -684,9 +710,10 @@ class KerasDbg(Spoke):
             tuple(sorted((row, repr(sorted(probe.items()))) for row, probe in self._act_probes.items())),
         )
 
-    def _write_activations(self, outputs: Dict[int, Any]) -> None:
-        """JAX, traced in the training forward pass: the pass's row of the activation ring,
-        measured on sampled passes only (other passes write their count and NaN)."""
+    def _write_activations(self, outputs: Dict[int, Any], x: Any) -> None:
+        """JAX, traced in the training forward pass: the pass's row of the activation ring, its
+        input batch's statistics (every pass) and its activations (sampled passes only; other
+        passes write NaN)."""
         import jax
         import jax.numpy as jnp
 
@@ -698,7 +725,7 @@ class KerasDbg(Spoke):
         count = passes // self._accumulate
         outs = {r: jax.lax.stop_gradient(o) for r, o in outputs.items()}
         size = 5 * len(self._probes)
-        if self._act_every_step:
+        if self._act_every_step or not size:
             table = jnp.asarray(self._activation_table(outs), jnp.float32)
         else:
             sampled = jnp.logical_or(count < self._dense_steps, count % self._weight_every == 0)
@@ -712,28 +739,38 @@ class KerasDbg(Spoke):
         def bits(i: Any) -> Any:
             return jax.lax.bitcast_convert_type(jnp.asarray(i, jnp.int32), jnp.float32)
 
-        row = jnp.concatenate([jnp.stack([bits(count), bits(0)]), table])
+        flags = 0 if x is None else HAS_INPUTS
+        stats = jax.lax.stop_gradient(jnp.asarray(_input_stats(x), jnp.float32))
+        row = jnp.concatenate([jnp.stack([bits(count), bits(flags)]), stats, table])
         buf = jax.lax.dynamic_update_index_in_dim(buf, row, count % rows, 0)
         # A step's row is complete on its last micro-batch (the activations are that pass's).
         buf = buf.at[rows, 0].set(bits((passes + 1) // self._accumulate))
         var.assign(buf.at[rows, 2].set(bits(passes + 1)))
 
     def _post_activations(self, step: int, flags: int, row: np.ndarray) -> None:
-        """One training forward pass's row of the activation ring: paired with the optimizer
-        update that follows it, by count."""
-        if self._sampled(step):
-            self._post(Record(step, activations=row[2:].copy()))
+        """One training forward pass's row of the activation ring (``[count, flags, input
+        statistics, activation rows]``): paired with the optimizer update that follows it, by
+        count."""
+        self._post_forward(step, bool(flags & HAS_INPUTS), row[2:])
 
-    def _receive_activations(self, table: Any) -> None:
-        """The host side of a training forward pass's activations (any thread): paired with the
-        optimizer update that follows it, by count. Never raises."""
+    def _receive_activations(self, row: Any) -> None:
+        """The host side of a training forward pass (any thread; ``[input measured (1 or 0),
+        input statistics, activation rows]``): paired with the optimizer update that follows
+        it, by count. Never raises."""
         try:
             step = self._forwards
             self._forwards += 1
-            if self._sampled(step):
-                self._post(Record(step, activations=np.array(table, dtype=np.float32)))
+            v = np.array(row, dtype=np.float32)
+            self._post_forward(step, bool(v[0] == 1.0), v[1:])
         except Exception as e:  # pragma: no cover - defensive
-            warnings.warn(f"NeuralDBG dropped activations: {e}", NeuralDbgWarning, stacklevel=2)
+            warnings.warn(f"NeuralDBG dropped a forward pass: {e}", NeuralDbgWarning, stacklevel=2)
+
+    def _post_forward(self, step: int, has_inputs: bool, v: np.ndarray) -> None:
+        """A forward pass's input statistics (each step) and activation rows (sampled steps)."""
+        inputs = v[:INPUT_STATS].copy() if has_inputs else None
+        acts = v[INPUT_STATS:] if self._probes and self._sampled(step) else None
+        if inputs is not None or acts is not None:
+            self._post(Record(step, inputs=inputs, activations=None if acts is None else acts.copy()))
 
     def stop(self) -> None:
         try:
