@@ -460,6 +460,49 @@ def test_units_dead_before_any_update_under_raw_scale_inputs_are_the_datas_fault
     assert all(h.confidence < 0.5 for h in hyps), hyps
 
 
+def _sgd_on_pixels(raw: bool) -> tuple:
+    """A 5-class MLP under SGD at lr 0.1 on 32 pixel-like features (uniform, labelled by a random
+    linear teacher), on the raw 0..255 scale or standardized: the share of the first ReLU
+    layer's units that are zero for the whole batch at each step (a forward hook), the held-out
+    accuracy and the hypotheses."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.rand(1200, 32, generator=g)
+    y = ((x - 0.5) @ torch.randn(32, 5, generator=g)).argmax(1)
+    x = x * 255.0 if raw else (x - 0.5) * 3.46
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 5))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    dead: List[float] = []
+    hook = model[1].register_forward_hook(lambda _m, _i, out: dead.append(float((out.amax(0) <= 0).float().mean())))
+    with NeuralDbg(model) as dbg:
+        for _ in range(150):
+            i = torch.randint(0, 1000, (64,), generator=g)
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x[i]), y[i]).backward()
+            opt.step()
+    hook.remove()
+    with torch.no_grad():
+        accuracy = (model(x[1000:]).argmax(1) == y[1000:]).float().mean().item()
+    return dead, accuracy, dbg.explain_failure()
+
+
+def test_units_killed_by_sgd_steps_on_raw_pixels_are_the_datas_fault_not_the_learning_rates():
+    """Under SGD the first layer's gradient grows with its inputs: on raw pixels (0..255) each
+    step moves the weights by several times their size and the first ReLU layer dies within a
+    few steps (a forward hook counts its units). The same learning rate on the standardized
+    pixels keeps every unit and trains (held-out accuracy checked), so the data is the cause,
+    not the learning rate the measured step size would otherwise accuse."""
+    dead, accuracy, hyps = _sgd_on_pixels(raw=True)
+    good_dead, good_accuracy, good_hyps = _sgd_on_pixels(raw=False)
+    assert dead[0] < 0.5 and dead[-1] == 1.0 and max(good_dead) < 0.5
+    assert good_accuracy > accuracy + 0.3, (good_accuracy, accuracy)
+    top = hyps[0]
+    assert (str(top.failure), str(top.cause)) == ("dead_neurons", "bad_input_data"), hyps
+    assert top.confidence >= 0.5, top
+    assert "inputs reach magnitude 255 (not normalized): under plain gradient steps" in top.description, top
+    assert all(h.confidence < 0.5 for h in good_hyps), good_hyps
+
+
 @pytest.mark.parametrize("l2", [0.1, 1e-5])
 def test_a_weight_penalty_that_outweighs_the_data_is_named_over_regularization(l2):
     """A weight penalty written into the loss (``mse + l2 * sum(|W|^2)``) reaches the engine as

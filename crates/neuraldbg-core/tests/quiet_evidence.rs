@@ -131,14 +131,48 @@ fn a_classifier_confidently_wrong_from_its_first_step_is_not_learning_from_poor_
 /// Units alive for three steps, then the first `ReLU` layer dead for the rest of the run, with
 /// this measured update-to-weight ratio on every step.
 fn dying(update: f32) -> Vec<CausalHypothesis> {
-    diagnose(classifier(), 100, |s| {
+    dying_on(update, 1.0, "SGD")
+}
+
+/// The same, on inputs reaching magnitude `scale`, under `optimizer`.
+fn dying_on(update: f32, scale: f32, optimizer: &str) -> Vec<CausalHypothesis> {
+    let mut spec = classifier();
+    spec.optimizer = Some(optimizer.into());
+    diagnose(spec, 100, |s| {
         let mut o = healthy(s, 2.3 * (-0.001 * s as f64).exp());
+        o.inputs = vec![0.0, scale, scale / 2.0, scale / 4.0];
         if s >= 3 {
             o.activations = Some(vec![0.0, 0.0, 1.0, 0.0, 64.0, 1.5, 0.0, 0.1, 0.9, 64.0]);
         }
         o.measures = vec![(Measure::UpdateRatio, vec![update; 6])];
         o
     })
+}
+
+fn dead(h: &[CausalHypothesis]) -> &CausalHypothesis {
+    h.iter()
+        .find(|h| h.failure == Failure::DeadNeurons)
+        .unwrap_or_else(|| panic!("{:?}", shown(h)))
+}
+
+/// The same steps far too large, under SGD on raw pixels (0..255): a plain gradient step grows
+/// with the inputs of the first layer, so the step size is the data's, and the same learning
+/// rate trains them normalized. Under Adam the step does not grow with the gradient: it stays
+/// the learning rate's.
+#[test]
+fn units_that_die_under_sgd_steps_grown_by_raw_inputs_are_the_datas_doing() {
+    let h = dying_on(0.05, 255.0, "SGD");
+    let d = dead(&h);
+    assert_eq!(d.cause, Cause::BadInputData, "{:?}", shown(&h));
+    assert!(
+        d.description.contains(
+            "inputs reach magnitude 255 (not normalized): under plain gradient steps the first layer's gradient grows with them, and each step moves the weights by ~0.05 of their size (measured, lr 0.01)"
+        ),
+        "{}",
+        d.description
+    );
+    let h = dying_on(0.05, 255.0, "Adam");
+    assert_eq!(dead(&h).cause, Cause::LearningRateTooHigh, "{:?}", shown(&h));
 }
 
 #[test]

@@ -5,7 +5,7 @@ use crate::health::{DataHealth, State};
 
 use super::super::remedy::Remedy;
 use super::super::vocab::{Cause, Failure};
-use super::evidence::{FeatureSpread, earliest, times, uneven_features};
+use super::evidence::{FeatureSpread, MEASURED_TOO_LARGE, earliest, times, uneven_features};
 use super::output_loss_mismatch;
 use super::{Case, CauseRule, Facts, RemedyCase, Votes, facts_of, fmt_g};
 
@@ -105,6 +105,9 @@ impl CauseRule for BadInputData {
                         );
                     }
                 }
+                if !f.at_start {
+                    steps_grown_by_inputs(c, v);
+                }
                 anomalous_batch(c, v, 4.0);
             }
             Failure::VanishingGradients => {
@@ -135,6 +138,9 @@ impl CauseRule for BadInputData {
                         );
                     }
                 }
+                if !f.at_start {
+                    steps_grown_by_inputs(c, v);
+                }
                 anomalous_batch(c, v, 3.0);
             }
             Failure::NonFinite => {
@@ -160,7 +166,10 @@ impl CauseRule for BadInputData {
                 anomalous_batch(c, v, 3.0);
             }
             Failure::DataAnomaly => v.add(4.0, "the input batch itself was anomalous"),
-            Failure::LossDivergence => anomalous_batch(c, v, 4.0),
+            Failure::LossDivergence => {
+                steps_grown_by_inputs(c, v);
+                anomalous_batch(c, v, 4.0);
+            }
             Failure::LossPlateau => {
                 // Inputs far beyond a normalized range, ordinarily scaled weights, and a loss
                 // that stays at its chance level: inputs that large saturate the first bounded
@@ -246,6 +255,35 @@ fn uneven_features_said(s: FeatureSpread) -> String {
         fmt_g(s.large.1),
         times(s.ratio)
     )
+}
+
+/// Steps measured far too large under a plain gradient step on inputs far off a normalized
+/// scale: the first layer's gradient grows with its inputs, and so does each step at a given
+/// learning rate; the same rate trains the data once normalized (see `learning_rate_too_high`,
+/// which then does not read the step size). Weighed as the learning rate's "died (or blew up)
+/// after updates" and "steps measured far too large" together.
+fn steps_grown_by_inputs(c: &Case<'_>, v: &mut Votes) {
+    let ev = c.ev;
+    let (Some(x), Some(r)) = (ev.sgd_steps_of_huge_inputs(), ev.update_ratio) else {
+        return;
+    };
+    if !ev.update_measured || r < MEASURED_TOO_LARGE || !ev.gain_not_off_scale() {
+        return;
+    }
+    let size = if r > 1.0 {
+        format!("~{}x their size", fmt_g(r))
+    } else {
+        format!("~{} of their size", fmt_g(r))
+    };
+    v.add(
+        3.5,
+        format!(
+            "inputs reach magnitude {} (not normalized): under plain gradient steps the first layer's gradient grows with them, and each step moves the weights by {size} (measured{})",
+            fmt_g(x),
+            ev.lr_first
+                .map_or(String::new(), |lr| format!(", lr {}", fmt_g(lr)))
+        ),
+    );
 }
 
 /// The input batch of the onset step was itself anomalous.

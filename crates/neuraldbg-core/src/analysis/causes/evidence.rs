@@ -144,6 +144,10 @@ pub(crate) const HIGH_FROM_THE_START: &str =
 /// An update-to-weight ratio typical of a learning rate that trains (about 1e-3 per step).
 pub(crate) const TRAINING_UPDATE: f64 = 1e-3;
 
+/// A measured update-to-weight ratio this many times a training one's (~1e-3) is a step too
+/// large for the weights it moves, whatever the loss does.
+pub(crate) const MEASURED_TOO_LARGE: f64 = 10.0 * TRAINING_UPDATE;
+
 /// How much more of a layer must be dead than at its first measurement for the deaths to be
 /// the updates' doing rather than the initialization's.
 pub(crate) const DIED_AFTER_UPDATES: f64 = 0.3;
@@ -452,6 +456,13 @@ impl Evidence {
     /// scale at the start, most of them (the median layer: one layer grown by the first
     /// step is not the initialization's scale). The gradients grow with the weights around
     /// each layer, and the steps with them: the measured step size is the initialization's.
+    /// The inputs' largest magnitude at the first step, when it is far above a normalized
+    /// scale under a plain gradient step (SGD): the first layer's gradient, and its step, grow
+    /// with the inputs, so a measured step size then measures the data.
+    pub fn sgd_steps_of_huge_inputs(&self) -> Option<f64> {
+        self.huge_inputs().filter(|_| !self.adaptive)
+    }
+
     pub fn sgd_steps_of_large_weights(&self) -> Option<f64> {
         self.gain_median.filter(|g| *g > 3.0 && !self.adaptive)
     }

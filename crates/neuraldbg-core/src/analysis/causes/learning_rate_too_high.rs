@@ -6,7 +6,9 @@ use crate::engine::Run;
 use super::super::failures::dead_share_at_start;
 use super::super::remedy::Remedy;
 use super::super::vocab::{Cause, Failure};
-use super::evidence::{DIED_AFTER_UPDATES, Evidence, TRAINING_UPDATE, decades_ratio, times};
+use super::evidence::{
+    DIED_AFTER_UPDATES, Evidence, MEASURED_TOO_LARGE, TRAINING_UPDATE, decades_ratio, times,
+};
 use super::{Case, CauseRule, Facts, RemedyCase, Votes, facts_of, fmt_g};
 
 pub(crate) struct LearningRateTooHigh;
@@ -271,20 +273,18 @@ impl CauseRule for LearningRateTooHigh {
     }
 }
 
-/// A measured update-to-weight ratio this many times a training one's (~1e-3) is a step too
-/// large for the weights it moves, whatever the loss does.
-const MEASURED_TOO_LARGE: f64 = 10.0 * TRAINING_UPDATE;
-
 /// The update-to-weight ratio, as evidence of the learning rate: not when the weights started
 /// far below a variance-preserving scale (every step is large beside them: the ratio then
 /// measures the weights), nor, under a plain gradient step (SGD), far above it (the gradients
 /// grow with the weights of the layers around each one, and the steps with them: the ratio
-/// then measures the initialization), nor when a weight penalty outweighs the data (the steps
-/// are then the penalty's).
+/// then measures the initialization) or on inputs far off a normalized scale (the same with
+/// the inputs: it measures the data, see `bad_input_data`), nor when a weight penalty
+/// outweighs the data (the steps are then the penalty's).
 fn step_ratio(ev: &Evidence) -> Option<f64> {
     let init_made_it = ev.gain_too_small() || ev.sgd_steps_of_large_weights().is_some();
+    let data_made_it = ev.sgd_steps_of_huge_inputs().is_some();
     ev.update_ratio
-        .filter(|_| !init_made_it && !ev.steps_are_the_penalty())
+        .filter(|_| !init_made_it && !data_made_it && !ev.steps_are_the_penalty())
 }
 
 /// That ratio, measured, when it is at least [`MEASURED_TOO_LARGE`].
