@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 import numpy as np
 import pytest
@@ -353,6 +353,94 @@ def test_nan_batch_and_halt_on_stops_fit() -> None:
     # its loss) before batch 6 starts, and Keras looks at stop_training after each batch.
     assert len(hist.history["loss"]) == 1
     assert dbg.step == 7 == int(model.optimizer.iterations.numpy())
+
+
+class Moved(keras.callbacks.Callback):
+    """How far each batch's update moved each trainable variable relative to its size, read
+    from the variables around the batch (inf where it was all zeros)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.moved: List[List[float]] = []
+
+    def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
+        self.before = [np.array(v.numpy(), dtype=np.float64) for v in self.model.trainable_variables]
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        after = [np.array(v.numpy(), dtype=np.float64) for v in self.model.trainable_variables]
+        self.moved.append(
+            [
+                np.linalg.norm(a - b) / np.linalg.norm(b) if np.linalg.norm(b) > 0 else np.inf
+                for a, b in zip(after, self.before)
+            ]
+        )
+
+
+def test_update_ratio_is_how_far_each_update_moved_each_weight() -> None:
+    """On the first ``dense_steps`` updates (the ones the engine reads) each weight's
+    ``update_ratio`` is |W_after - W_before| / |W_before| around the batch (biases are not
+    measured, as in PyTorch), here under Adam at 1e-6, whose steps move the weights by ~1e-5
+    of their size: the diagnosis says so from the measure. Across an epoch's end too (its
+    10th batch is the 10th update); not sent on later steps."""
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(640, 20)).astype("float32")
+    y = (x @ rng.normal(size=(20, 5))).argmax(1)
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((20,)),
+            keras.layers.Dense(64, activation="relu"),
+            keras.layers.Dense(64, activation="relu"),
+            keras.layers.Dense(5),
+        ]
+    )
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-6), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
+    cb, truth = NeuralDbgCallback(verbose=False), Moved()
+
+    class Spy(keras.callbacks.Callback):
+        def on_train_begin(self, logs: Any = None) -> None:
+            assert cb.dbg is not None
+            cb.dbg._engine = Measures(cb.dbg._engine)
+
+    model.fit(x, y, epochs=6, batch_size=64, shuffle=False, verbose=0, callbacks=[cb, Spy(), truth])
+    dbg = cb.dbg
+    assert dbg is not None and dbg.step == 60
+    seen = dbg._engine.seen
+    kernels = [len(v.shape) >= 2 for v in model.trainable_variables]
+    for i in range(60):
+        if i < 10:
+            assert seen.get(i) is not None, f"step {i}: no update ratio on a dense step"
+            got = seen[i]["update_ratio"]
+            for k, kernel in enumerate(kernels):
+                if kernel:
+                    np.testing.assert_allclose(
+                        got[k], truth.moved[i][k], rtol=1e-3, err_msg=f"variable {k} at step {i}"
+                    )
+                    assert 1e-6 < got[k] < 1e-4
+                else:
+                    assert np.isnan(got[k])
+        else:
+            assert seen.get(i) is None, f"step {i}: update ratio after the dense steps"
+    top = dbg.explain_failure()[0]
+    assert (str(top.failure), str(top.cause)) == ("loss_plateau", "learning_rate_too_low"), top
+    assert "of their size (measured, lr 1.00e-6)" in top.description, top.description
+
+
+class Measures:
+    """The engine, with the ``measures`` each step brought kept by step."""
+
+    def __init__(self, engine: Any) -> None:
+        self.__dict__["engine"] = engine
+        self.__dict__["seen"] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+    def observe(self, step: int, *args: Any, **kwargs: Any) -> Any:
+        self.seen[step] = kwargs.get("measures")
+        return self.engine.observe(step, *args, **kwargs)
 
 
 def raw_pixel_classifier(scale: float) -> Any:

@@ -123,7 +123,7 @@ def path_option(name: str, value: Any) -> Optional[str]:
 class Record:
     """One optimizer step's numbers, as a spoke posts them (parameters in spec order)."""
 
-    __slots__ = ("activations", "grads", "has_loss", "inputs", "loss", "lr", "mean", "step", "weights")
+    __slots__ = ("activations", "grads", "has_loss", "inputs", "loss", "lr", "mean", "step", "updates", "weights")
 
     def __init__(
         self,
@@ -135,11 +135,14 @@ class Record:
         has_loss: bool = False,
         activations: Optional[np.ndarray] = None,
         inputs: Optional[np.ndarray] = None,
+        updates: Optional[np.ndarray] = None,
     ) -> None:
         self.step = step
         self.activations = activations
         # The input batch's ``min, max, mean, std`` (the engine's input row).
         self.inputs = inputs
+        # Per parameter, how far the update moved it relative to its size (NaN: not measured).
+        self.updates = updates
         # What a spoke knows of the loss instead of its value (Keras: the running mean).
         self.mean: Any = None
         self.grads = grads
@@ -439,6 +442,8 @@ class Spoke(Results):
                 continue
             if r.grads is not None:
                 have.grads, have.weights, have.lr = r.grads, r.weights, r.lr
+            if r.updates is not None:
+                have.updates = r.updates
             if r.has_loss:
                 have.loss, have.has_loss, have.mean = r.loss, True, r.mean
             if r.activations is not None:
@@ -467,6 +472,7 @@ class Spoke(Results):
                     inputs=r.inputs,
                     loss=self._loss_of(r),
                     lr=r.lr,
+                    measures=None if r.updates is None else {"update_ratio": r.updates},
                 )
             except Exception as e:  # never end the user's run: stop observing, say why
                 self._broken = str(e)

@@ -35,6 +35,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import numpy as np
 
+from ._measure import UPDATE_SAMPLE, UPDATE_WEIGHTS
 from ._spoke import (
     HAS_INPUTS,
     HAS_LR,
@@ -433,6 +434,10 @@ class KerasDbg(Spoke):
         self._act_index = -1
         self._act_ring: Optional[RingReader] = None
         self._act_probes: Dict[int, Dict[str, Any]] = {}
+        # How far the first updates move the weights, measured on the host between batches:
+        # the batches begun, and the weights' samples after the last measured update (their count).
+        self._begun = 0
+        self._samples: Optional[Tuple[int, List[Any]]] = None
 
     def start(self) -> None:
         opt = self._optimizer
@@ -774,6 +779,7 @@ class KerasDbg(Spoke):
 
     def stop(self) -> None:
         try:
+            self._measure_updates()
             self._read_ring(wait=True)
         finally:
             self._remove_ring()
@@ -928,12 +934,67 @@ class KerasDbg(Spoke):
             return m
         return ((batch + 1) * m - (last_batch + 1) * last_mean) / (batch - last_batch)
 
+    def _measure_updates(self) -> None:
+        """Between batches on the first ``dense_steps`` updates (the main thread, before a
+        batch, at the end of an epoch and of fit): how far the update just made moved each
+        weight, ``|W_after - W_before| / |W_before|`` on a strided sample of it (at most
+        :data:`UPDATE_SAMPLE` elements of each of up to :data:`UPDATE_WEIGHTS` weights, as the
+        PyTorch collector takes), from the values the fit loop holds before and after it (on
+        JAX, waiting for the device: on these updates only). Nothing inside the compiled step;
+        not with ``steps_per_execution`` or gradient accumulation (a batch is then not one
+        update)."""
+        done = self._begun  # updates made: every batch begun has ended by now
+        if self._per_call != 1 or self._accumulate != 1 or not self._active:
+            return
+        if done > self._dense_steps or (self._samples is not None and self._samples[0] == done):
+            return
+        try:
+            now = self._weight_samples()
+        except Exception:  # pragma: no cover - a measure, never a reason to stop
+            now = None
+        before, self._samples = self._samples, None if now is None else (done, now)
+        if before is None or now is None or before[0] != done - 1:
+            return
+        ratios = np.full(len(self._model.entries), np.nan, np.float32)
+        for j, (b, a) in enumerate(zip(before[1], now)):
+            if b is None or a is None:
+                continue
+            size = float(np.linalg.norm(b))
+            moved = float(np.linalg.norm(a - b))
+            ratios[j] = moved / size if size > 0 else (np.inf if moved > 0 else np.nan)
+        self._post(Record(done - 1, updates=ratios))
+
+    def _weight_samples(self) -> List[Any]:
+        """Per watched parameter, a strided sample of its current value (float64, on the host)
+        if it is one of the measured weights, else None."""
+        values = self._model.variables
+        chosen = [j for j, v in enumerate(values) if len(v.shape) >= 2]
+        if len(chosen) > UPDATE_WEIGHTS:
+            chosen = [chosen[round(k * (len(chosen) - 1) / (UPDATE_WEIGHTS - 1))] for k in range(UPDATE_WEIGHTS)]
+        state = getattr(self.model, "_jax_state", None)
+        held = None
+        if isinstance(state, dict) and not getattr(self.model, "_jax_state_synced", True):
+            held = state.get("trainable_variables")
+        order = {id(v): i for i, v in enumerate(self.model.trainable_variables)}
+        out: List[Any] = [None] * len(values)
+        for j in chosen:
+            v = values[j]
+            i = order.get(id(v))
+            x = held[i] if held is not None and i is not None and i < len(held) else v.value
+            flat = ops.reshape(x, (-1,))
+            out[j] = np.asarray(
+                ops.convert_to_numpy(flat[:: max(1, int(np.prod(v.shape)) // UPDATE_SAMPLE)]), np.float64
+            )
+        return out
+
     def batch_begin(self, batch: int) -> None:
         """Before a batch (the main thread): the steps delivered so far go to the engine (and a
         confirmed ``halt_on`` failure stops fit). On JAX the rings are read every
         ``_read_every`` batches, waiting for the device; with ``halt_on`` or ``on_failure``
         every batch, and the previous batch's loss is waited for too, so that a failure stops
         fit after the next batch at most."""
+        self._measure_updates()
+        self._begun += 1
         if self._ring is None:
             self._drain()
             return
@@ -951,6 +1012,7 @@ class KerasDbg(Spoke):
         self._drain()
 
     def epoch_end(self) -> None:
+        self._measure_updates()
         # Keras has finished this epoch's batch-end calls (it waits for them first).
         self._epoch_base += self._epoch_batches
         self._epoch_batches = 0
