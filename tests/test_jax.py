@@ -8,7 +8,9 @@ float64 on the host, independently of the spoke's own reduction inside the compi
 from __future__ import annotations
 
 import functools
+import json
 import os
+import re
 import subprocess
 import sys
 from typing import Any, Dict, List
@@ -138,6 +140,65 @@ def test_learning_rate_too_high_explosion_named() -> None:
     # Confirmed while training ran: on_failure heard it, and halt_on marked the run.
     assert any(str(c.failure) == "exploding_gradients" for c in confirmed)
     assert dbg.halted and str(dbg.halted[0].failure) == "exploding_gradients"
+
+
+@pytest.mark.parametrize(("make", "lr", "kind"), [(optax.adam, 1e-6, "Adam"), (optax.sgd, 1e-4, "SGD")])
+def test_the_optimizers_kind_makes_the_step_size_right(make: Any, lr: float, kind: str) -> None:
+    """The kind of step the wrapped transformation makes is read from its state's types and
+    registered with the model, so that a learning rate far too low is said with a step size
+    of the right order: Adam moves each weight by about the learning rate whatever the
+    gradient's size (here ~5e-6 of the weights at lr 1e-6, which an SGD-style estimate from
+    the gradient, all there was before, put 30x lower), SGD by the learning rate times the
+    gradient. The truth is how
+    far each jitted step moved the kernels, from the model's own parameters."""
+    model = MLP(3, 32, nnx.Rngs(0))
+    x, y = data()
+    registered: List[Dict[str, Any]] = []
+    moved: List[float] = []
+    with NeuralDbg(model) as dbg:
+        engine = dbg._engine
+
+        class Spy:
+            def __getattr__(self, name: str) -> Any:
+                return getattr(engine, name)
+
+            def register_model(self, spec_json: str) -> str:
+                registered.append(json.loads(spec_json))
+                return engine.register_model(spec_json)
+
+        dbg._engine = Spy()
+        optimizer = nnx.Optimizer(model, dbg.wrap(make(lr), learning_rate=lr), wrt=nnx.Param)
+        step = make_step()
+        for i in range(60):
+            before = [np.asarray(layer.kernel.value) for layer in (model.inp, *model.hidden, model.out)]
+            j = (i * 32) % len(x)
+            step(model, optimizer, x[j : j + 32], y[j : j + 32])
+            after = [np.asarray(layer.kernel.value) for layer in (model.inp, *model.hidden, model.out)]
+            if i < 5:
+                moved += [float(np.linalg.norm(a - b) / np.linalg.norm(b)) for a, b in zip(after, before)]
+    assert [spec["optimizer"] for spec in registered] == [kind]
+    top = dbg.explain_failure()[0]
+    assert (str(top.failure), str(top.cause)) == ("loss_plateau", "learning_rate_too_low"), top
+    said = float(re.search(r"each step moves the weights by ~([0-9.e+-]+) of their size", top.description)[1])
+    truth = float(np.median(moved))
+    assert truth / 3 < said < truth * 3, (said, truth)
+
+
+def test_the_kind_of_step_is_read_from_the_transformations_state() -> None:
+    from neuraldbg.jax import optimizer_kind
+
+    kinds = {
+        "Adam": [optax.adam(1e-3), optax.adamw(1e-3), optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3))],
+        "SGD": [optax.sgd(0.1), optax.sgd(0.1, momentum=0.9), optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)],
+        "RMSprop": [optax.rmsprop(1e-3)],
+        "Adagrad": [optax.adagrad(0.1)],
+        "Lion": [optax.lion(1e-4)],
+    }
+    for kind, txs in kinds.items():
+        for tx in txs:
+            assert optimizer_kind(optax.with_extra_args_support(tx)) == kind, (kind, tx)
+    # A state we do not know is no claim either way.
+    assert optimizer_kind(optax.with_extra_args_support(optax.novograd(1e-3))) is None
 
 
 def test_nan_batch_is_named_at_its_step() -> None:

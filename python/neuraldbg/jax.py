@@ -323,6 +323,63 @@ class _Model:
         return leaves, where
 
 
+# optax states by the kind of step they make: the engine's optimizer names (an adaptive one
+# moves each weight by about the learning rate whatever the gradient's size).
+_ADAPTIVE_STATES = {
+    "ScaleByAdamState": "Adam",
+    "ScaleByAmsgradState": "Adam",
+    "ScaleByRmsState": "RMSprop",
+    "ScaleByRStdDevState": "RMSprop",
+    "ScaleByRssState": "Adagrad",
+    "ScaleByAdaDeltaState": "Adadelta",
+    "ScaleByLionState": "Lion",
+    "FactoredState": "Adafactor",
+}
+# States of transformations that leave the step a plain (momentum) gradient step.
+_PLAIN_STATES = {
+    "EmptyState",
+    "TraceState",
+    "ScaleByScheduleState",
+    "InjectHyperparamsState",
+    "InjectStatefulHyperparamsState",
+    "AddDecayedWeightsState",
+    "ClipState",
+    "ClipByGlobalNormState",
+    "MaskedState",
+    "WatchState",
+}
+
+
+def optimizer_kind(tx: Any) -> Optional[str]:
+    """The engine's name for the step ``tx`` makes, from the types in its state (built on
+    abstract values: nothing is computed): an adaptive family's name (LAMB's trust ratio keeps
+    no state: it reads as Adam), "SGD" when every state is a plain gradient step's, None when a
+    state is not known (or ``tx`` needs parameters of another structure to build it)."""
+    try:
+        state = jax.eval_shape(tx.init, {"w": jax.ShapeDtypeStruct((2, 2), jnp.float32)})
+    except Exception:
+        return None
+    names: List[str] = []
+    todo = [state]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, dict):
+            todo.extend(node.values())
+        elif isinstance(node, (list, tuple)):
+            if hasattr(node, "_fields"):
+                names.append(type(node).__name__)
+            todo.extend(node)
+        elif hasattr(node, "inner_state"):  # a state that is no tuple, holding another
+            names.append(type(node).__name__)
+            todo.append(node.inner_state)
+    kinds = [_ADAPTIVE_STATES[n] for n in names if n in _ADAPTIVE_STATES]
+    if kinds:
+        return kinds[0]
+    if all(n in _PLAIN_STATES for n in names):
+        return "SGD"
+    return None
+
+
 def _inner_lr(state: Any) -> Any:
     """The learning rate an ``optax.inject_hyperparams`` transformation holds in its state (the
     first one met, outermost first), or None."""
@@ -395,13 +452,18 @@ class NeuralDbg(Spoke):
         )
         self.model = model
         self._model = _Model(model)
+        # The optimizer's kind as the engine names it (read from the first wrapped
+        # transformation's state) and the run's facts: the model is registered with them at the
+        # first wrap() inside the block (or on entering it after one), before any update.
         self._optimizer: Optional[str] = None
+        self._wrapped = False
+        self._meta: Optional[Dict[str, Any]] = None
         self._rings: List[_Ring] = []
 
     # ---------------------------------------------------------------- lifecycle
 
     def __enter__(self) -> NeuralDbg:
-        if self._active:
+        if self._active or self._meta is not None:
             raise NeuralDbgError("this NeuralDbg is already active; use one `with` block per debugger")
         meta: Dict[str, Any] = {
             "jax": jax.__version__,
@@ -414,13 +476,23 @@ class NeuralDbg(Spoke):
             meta["flax"] = flax.__version__
         except (ImportError, AttributeError):  # a params pytree needs no flax
             pass
-        self._start(self._model.spec(self._optimizer), meta)
+        self._meta = meta
+        if self._wrapped:
+            self._register()
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
+        self._register()  # (a block that wrapped nothing still leaves its trace and report)
         self._wait()
         self._finish()
         return False  # never swallow the user's exception
+
+    def _register(self) -> None:
+        """Registers the model, once, inside the block: what is known of the optimizer by then
+        goes with it."""
+        meta, self._meta = self._meta, None
+        if meta is not None:
+            self._start(self._model.spec(self._optimizer), meta)
 
     def _wait(self) -> None:
         # Every step dispatched so far: the newest state's buffer, waited for.
@@ -475,6 +547,10 @@ class NeuralDbg(Spoke):
         else:
             rows = check_int("buffer", buffer, 1)
         inner = optax.with_extra_args_support(tx)
+        if not self._wrapped:
+            self._wrapped = True
+            self._optimizer = optimizer_kind(inner)
+            self._register()
         model = self._model
         ring = _Ring(self, rows, width)
         key = next(_KEYS)
