@@ -7,6 +7,7 @@ Ground truth comes from JAX itself: per-layer gradient norms of the model's own 
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -441,6 +442,64 @@ class Measures:
     def observe(self, step: int, *args: Any, **kwargs: Any) -> Any:
         self.seen[step] = kwargs.get("measures")
         return self.engine.observe(step, *args, **kwargs)
+
+
+class Amends:
+    """The engine, with the first-batch facts it was given kept."""
+
+    def __init__(self, engine: Any) -> None:
+        self.__dict__["engine"] = engine
+        self.__dict__["facts"] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+    def amend_first_batch(self, facts_json: str) -> bool:
+        self.facts.append(json.loads(facts_json))
+        return self.engine.amend_first_batch(facts_json)
+
+
+def test_a_bounded_output_regressing_targets_beyond_its_range_is_named_from_the_first_batch(tmp_path: Any) -> None:
+    """A sigmoid output (0..1) fitted by MSE to targets around 3 (spread 2): the first training
+    batch's targets, output and feature scales reach the engine from the compiled step (the
+    model was registered when fit began), as numpy computes them on that batch, and the
+    mismatch is named while the loss still falls; the trace replays to the same diagnosis. The
+    same model on targets scaled into (0, 1) is quiet."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(640, 8)).astype("float32") * np.array([1, 2, 3, 4, 1, 1, 1, 0.5], "float32")
+    y = (3.0 + 2.0 * x[:, :1] + np.sin(x[:, 1:2])).astype("float32")
+
+    def fit(targets: Any, trace: Any = None) -> Any:
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential(
+            [keras.Input((8,)), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(1, activation="sigmoid")]
+        )
+        model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+        cb = NeuralDbgCallback(verbose=False, trace=trace)
+
+        class Spy(keras.callbacks.Callback):
+            def on_train_begin(self, logs: Any = None) -> None:
+                assert cb.dbg is not None
+                cb.dbg._engine = Amends(cb.dbg._engine)
+
+        history = model.fit(x, targets, batch_size=32, epochs=4, shuffle=False, verbose=0, callbacks=[cb, Spy()])
+        return cb.dbg, history.history["loss"]
+
+    trace = tmp_path / "run.ndbg"
+    dbg, losses = fit(y, trace)
+    assert losses[-1] < losses[0]  # still falling
+    (facts,) = dbg._engine.facts
+    first = y[:32]
+    np.testing.assert_allclose(facts["target_range"], [first.min(), first.max()], rtol=1e-6)
+    np.testing.assert_allclose(facts["target_var"], first.var(), rtol=1e-5)
+    assert 0.0 <= facts["output_range"][0] <= facts["output_range"][1] <= 1.0
+    np.testing.assert_allclose(facts["input_feature_scales"], np.abs(x[:32]).max(axis=0), rtol=1e-6)
+    assert facts["target_range"][1] > 4  # far beyond what a sigmoid reaches
+    top = dbg.explain_failure()[0]
+    assert str(top.cause) == "output_loss_mismatch" and top.confidence >= 0.5, top
+    assert [str(h) for h in neuraldbg.load(trace).explain_failure()] == [str(h) for h in dbg.explain_failure()]
+    quiet, _ = fit((y - y.min()) / (y.max() - y.min() + 1.0))
+    assert not [h for h in quiet.explain_failure() if h.confidence >= 0.5]
 
 
 def raw_pixel_classifier(scale: float) -> Any:

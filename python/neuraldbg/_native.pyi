@@ -67,6 +67,13 @@ class Engine:
         registered model's and, when they changed it, records them in the open trace (if any).
         Returns whether the facts changed (EngineError if no model is registered or the length
         is wrong)."""
+    def amend_first_batch(self, facts_json: str) -> bool:
+        """The first training batch's facts (JSON: ``target_range``, ``target_var``,
+        ``output_range``, ``input_feature_scales``), read after the model was registered: fills
+        those the model lacks (target and output facts need its loss) and, when that changed
+        it, records them in the open trace (if any). Returns whether the facts changed
+        (ModelError for facts that are not what they say, EngineError if no model is
+        registered)."""
     @property
     def registered(self) -> bool: ...
     @property

@@ -28,6 +28,7 @@ Keras is not a dependency of neuraldbg.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import threading
 import warnings
@@ -37,6 +38,7 @@ import numpy as np
 
 from ._measure import UPDATE_SAMPLE, UPDATE_WEIGHTS
 from ._spoke import (
+    HAS_FACTS,
     HAS_INPUTS,
     HAS_LR,
     HAS_WEIGHTS,
@@ -297,26 +299,68 @@ def _input_stats(x: Any) -> Any:
     return ops.stack([ops.min(x), ops.max(x), ops.mean(x), ops.std(x)])
 
 
-def _wrap_call(obj: Any, make: Callable[[Any], Callable[..., Any]]) -> None:
-    """Replaces ``obj.call`` for the run (an instance attribute, removed by :func:`_unwrap_call`);
-    a wrapper left by an earlier run that raised is replaced, not stacked."""
-    current = obj.__dict__.get("call")
-    inner = getattr(current, "_neuraldbg_inner", None) or obj.call
+# Losses whose targets are values to regress (their range and variance are facts of the run).
+_REGRESSION_OPS = {"MseLoss", "L1Loss", "HuberLoss"}
+# The first batch's facts: targets' min, max, variance; output's min, max; then per feature.
+_FACTS_HEAD = 5
+# Tables of at most this many features give their per-feature scales (the PyTorch collector's).
+MAX_FEATURES = 256
+
+
+def _table_features(model: Any) -> int:
+    """Features of the model's input when it is a table of 2 to :data:`MAX_FEATURES` (a
+    Sequential or functional model whose first input is ``(batch, features)``), else 0."""
+    try:
+        shape = tuple(model.inputs[0].shape)
+    except Exception:  # a subclassed model does not say before it runs
+        return 0
+    f = shape[-1] if len(shape) == 2 else None
+    return f if isinstance(f, int) and 2 <= f <= MAX_FEATURES else 0
+
+
+def _first_batch_stats(x: Any, y: Any, y_pred: Any, features: int) -> Any:
+    """The first batch's facts as one float32 vector (NaN where not measured): the targets'
+    min, max and variance, the output's min and max, and the largest magnitude of each of
+    ``features`` columns of the input table ``x``."""
+    nan = ops.full((1,), float("nan"), "float32")
+
+    def three(t: Any) -> List[Any]:
+        if t is None or not hasattr(t, "shape"):
+            return [nan, nan, nan]
+        t = ops.cast(t, "float32")
+        return [ops.reshape(ops.min(t), (1,)), ops.reshape(ops.max(t), (1,)), ops.reshape(ops.var(t), (1,))]
+
+    parts = three(y) + three(y_pred)[:2]
+    if features:
+        xf = _first_float(x)
+        if xf is not None and len(xf.shape) == 2 and xf.shape[-1] == features:
+            parts.append(ops.max(ops.abs(ops.cast(xf, "float32")), axis=0))
+        else:
+            parts.append(ops.full((features,), float("nan"), "float32"))
+    return ops.concatenate(parts)
+
+
+def _wrap_call(obj: Any, make: Callable[[Any], Callable[..., Any]], name: str = "call") -> None:
+    """Replaces ``obj.<name>`` for the run (an instance attribute, removed by
+    :func:`_unwrap_call`); a wrapper left by an earlier run that raised is replaced, not
+    stacked."""
+    current = obj.__dict__.get(name)
+    inner = getattr(current, "_neuraldbg_inner", None) or getattr(obj, name)
     wrapper = make(inner)
     wrapper._neuraldbg_inner = inner  # type: ignore[attr-defined]
     wrapper._neuraldbg_kept = current if current is not None and not hasattr(current, "_neuraldbg_inner") else None  # type: ignore[attr-defined]
-    object.__setattr__(obj, "call", wrapper)
+    object.__setattr__(obj, name, wrapper)
 
 
-def _unwrap_call(obj: Any) -> None:
-    current = obj.__dict__.get("call")
+def _unwrap_call(obj: Any, name: str = "call") -> None:
+    current = obj.__dict__.get(name)
     if current is None or not hasattr(current, "_neuraldbg_inner"):
         return
     kept = current._neuraldbg_kept
     if kept is None:
-        object.__delattr__(obj, "call")
+        object.__delattr__(obj, name)
     else:
-        object.__setattr__(obj, "call", kept)
+        object.__setattr__(obj, name, kept)
 
 
 def _watched_optimizer(opt: Any) -> Any:
@@ -438,6 +482,12 @@ class KerasDbg(Spoke):
         # the batches begun, and the weights' samples after the last measured update (their count).
         self._begun = 0
         self._samples: Optional[Tuple[int, List[Any]]] = None
+        # The first batch's facts (targets, output, the input table's features), measured where
+        # the loss is computed: whether the loss regresses values, the table's features, and
+        # (off JAX) whether they were sent.
+        self._regression = False
+        self._features = 0
+        self._facts_sent = False
 
     def start(self) -> None:
         opt = self._optimizer
@@ -448,6 +498,9 @@ class KerasDbg(Spoke):
         except Exception:  # pragma: no cover - facts are optional
             spec["loss"] = None
         self._spec_modules = spec["modules"]
+        loss = spec.get("loss")
+        self._regression = bool(loss) and any(op in _REGRESSION_OPS for op in loss["ops"])
+        self._features = _table_features(self.model)
         self._start(spec, meta)
         self._base = int(ops.convert_to_numpy(opt.iterations)) if opt is not None else 0
         if opt is not None:
@@ -627,6 +680,86 @@ class KerasDbg(Spoke):
 
         _wrap_call(self.model, model_call)
         self._wrapped_layers.append(self.model)
+        _wrap_call(self.model, self._loss_call, "compute_loss")
+
+    def _loss_call(self, inner: Any) -> Callable[..., Any]:
+        """``model.compute_loss`` for the run: in a training step, the first batch's facts
+        (:func:`_first_batch_stats`) from its ``x``, ``y`` and ``y_pred``."""
+
+        def compute_loss(*args: Any, **kwargs: Any) -> Any:
+            loss = inner(*args, **kwargs)
+            if kwargs.get("training") is True and self._active:
+                named = dict(zip(("x", "y", "y_pred"), args))
+                named.update({k: kwargs[k] for k in ("x", "y", "y_pred") if k in kwargs})
+                try:
+                    if not _symbolic(named.get("y_pred")):
+                        self._first_batch(named.get("x"), named.get("y"), named.get("y_pred"))
+                except Exception as e:  # our statistics failed to build: train on, without them
+                    self._facts_sent = True
+                    warnings.warn(f"NeuralDBG cannot read the first batch: {e}", NeuralDbgWarning, stacklevel=2)
+            return loss
+
+        return compute_loss
+
+    def _first_batch(self, x: Any, y: Any, y_pred: Any) -> None:
+        """On JAX, traced in the training step: the facts go into the current row of the
+        activation ring on the step's first pass (NaN on the others). Elsewhere the first
+        training step sends them from here."""
+        if self._act_var is None:
+            if not self._facts_sent:
+                self._facts_sent = True
+                self._amend_first_batch(ops.convert_to_numpy(_first_batch_stats(x, y, y_pred, self._features)))
+            return
+        if not in_stateless_scope():
+            return
+        import jax
+        import jax.numpy as jnp
+
+        var = self._act_var
+        rows = self._act_ring.rows if self._act_ring is not None else 1
+        buf = jnp.asarray(var.value)
+        # The forward pass of this step has counted itself already.
+        passes = jax.lax.bitcast_convert_type(buf[rows, 2], jnp.int32) - 1
+        count = passes // self._accumulate
+        size = _FACTS_HEAD + self._features
+        first = count == 0
+        stats = jax.lax.cond(
+            first,
+            lambda: jnp.asarray(_first_batch_stats(x, y, y_pred, self._features), jnp.float32),
+            lambda: jnp.full((size,), jnp.nan, jnp.float32),
+        )
+        row = count % rows
+        at = 2 + INPUT_STATS + 5 * len(self._probes)
+        buf = jax.lax.dynamic_update_slice(buf, jax.lax.stop_gradient(stats)[None, :], (row, at))
+        flags = jax.lax.bitcast_convert_type(buf[row, 1], jnp.int32)
+        flags = jnp.where(first, flags | HAS_FACTS, flags)
+        var.assign(buf.at[row, 1].set(jax.lax.bitcast_convert_type(flags, jnp.float32)))
+
+    def _amend_first_batch(self, v: np.ndarray) -> None:
+        """The first batch's facts to the engine (the owner thread; never raises): the targets'
+        range and variance for a loss that regresses values, the output's range, the table's
+        feature scales (None where not finite)."""
+
+        def span(lo: float, hi: float) -> Optional[List[float]]:
+            return [float(lo), float(hi)] if np.isfinite(lo) and np.isfinite(hi) and lo <= hi else None
+
+        v = np.asarray(v, dtype=np.float64).reshape(-1)
+        facts: Dict[str, Any] = {}
+        if self._regression:
+            facts["target_range"] = span(v[0], v[1])
+            if np.isfinite(v[2]) and v[2] >= 0:
+                facts["target_var"] = float(v[2])
+        facts["output_range"] = span(v[3], v[4])
+        scales = v[_FACTS_HEAD:]
+        if len(scales) and not np.isnan(scales).all():
+            facts["input_feature_scales"] = [float(a) if np.isfinite(a) else None for a in scales]
+        facts = {k: f for k, f in facts.items() if f is not None}
+        if not facts:
+            return
+        try:
+            self._engine.amend_first_batch(json.dumps(facts))
+        except Exception as e:  # a fact, never a reason to stop
+            warnings.warn(f"NeuralDBG could not take the first batch's facts: {e}", NeuralDbgWarning, stacklevel=2)
 
     def _layer_call(self, inner: Any, *, row: int) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -665,7 +798,7 @@ class KerasDbg(Spoke):
                 model._non_trainable_variables.remove(v)
         for name in ("save_own_variables", "load_own_variables"):
             model.__dict__.pop(name, None)
-        width = 2 + INPUT_STATS + 5 * len(self._probes)
+        width = 2 + INPUT_STATS + 5 * len(self._probes) + _FACTS_HEAD + self._features
         rows = self._ring_rows(width)
         init = np.zeros((rows + 1, width), np.float32)
         init[:rows, 0] = np.array([-1], np.int32).view(np.float32)[0]
@@ -756,6 +889,8 @@ class KerasDbg(Spoke):
         """One training forward pass's row of the activation ring (``[count, flags, input
         statistics, activation rows]``): paired with the optimizer update that follows it, by
         count."""
+        if step == 0 and flags & HAS_FACTS:
+            self._amend_first_batch(row[2 + INPUT_STATS + 5 * len(self._probes) :])
         self._post_forward(step, bool(flags & HAS_INPUTS), row[2:])
 
     def _receive_activations(self, row: Any) -> None:
@@ -773,7 +908,7 @@ class KerasDbg(Spoke):
     def _post_forward(self, step: int, has_inputs: bool, v: np.ndarray) -> None:
         """A forward pass's input statistics (each step) and activation rows (sampled steps)."""
         inputs = v[:INPUT_STATS].copy() if has_inputs else None
-        acts = v[INPUT_STATS:] if self._probes and self._sampled(step) else None
+        acts = v[INPUT_STATS : INPUT_STATS + 5 * len(self._probes)] if self._probes and self._sampled(step) else None
         if inputs is not None or acts is not None:
             self._post(Record(step, inputs=inputs, activations=None if acts is None else acts.copy()))
 
@@ -785,6 +920,7 @@ class KerasDbg(Spoke):
             self._remove_ring()
         for layer in self._wrapped_layers:
             _unwrap_call(layer)
+        _unwrap_call(self.model, "compute_loss")
         self._wrapped_layers = []
         opt = self._optimizer
         if opt is not None and hasattr(opt.__dict__.get("apply"), "_neuraldbg_inner"):

@@ -215,6 +215,16 @@ impl Follow {
                         break;
                     }
                 }
+                Record::FirstBatch(facts) => {
+                    let Some(engine) = self.engine.as_mut() else {
+                        break;
+                    };
+                    if let Err(e) = engine.amend_first_batch(&facts) {
+                        reader.reject_last(e.to_string());
+                        self.damage = reader.damage().cloned();
+                        break;
+                    }
+                }
                 Record::End { .. } | Record::Unobserved(_) | Record::Clock(_) => {}
             }
             if start.elapsed() > READ_BUDGET {

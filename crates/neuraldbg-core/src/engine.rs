@@ -10,7 +10,7 @@ use crate::health::{
     ActivationHealth, ActivationSample, DataHealth, GradientHealth, OutputHealth, State,
 };
 use crate::history::{History, Reduce};
-use crate::model::{ActivationProbe, Model, ModelSpec};
+use crate::model::{ActivationProbe, FirstBatch, Model, ModelSpec};
 use crate::observation::{ACTIVATION_STATS, Axis, Fact, INPUT_STATS, Measure, StepView};
 use crate::replica::ReplicaTrack;
 use crate::track::{ActTrack, DataTrack, Early, LayerTrack, LoopFacts, LossOnWeights, LossTrack};
@@ -154,6 +154,16 @@ impl Engine {
     pub fn amend_param_lr(&mut self, lrs: Option<&[Option<f64>]>) -> Result<bool, EngineError> {
         let run = self.run.as_mut().ok_or(EngineError::NoModel)?;
         run.model.spec.merge_param_lr(lrs)
+    }
+
+    /// The first training batch's facts, read by a collector that had to register the model
+    /// before it ran (the Keras callback): fills those the model lacks
+    /// ([`ModelSpec::merge_first_batch`]). Returns whether the model's facts changed. A trace
+    /// records the call ([`crate::trace::TraceWriter::write_first_batch`]) and its replay makes
+    /// it again.
+    pub fn amend_first_batch(&mut self, facts: &FirstBatch) -> Result<bool, EngineError> {
+        let run = self.run.as_mut().ok_or(EngineError::NoModel)?;
+        run.model.spec.merge_first_batch(facts)
     }
 
     /// The registered model, if any.

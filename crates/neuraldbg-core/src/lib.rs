@@ -142,7 +142,7 @@ pub use health::{
 };
 pub use history::{Bucket, History, Reduce};
 pub use model::{
-    ActivationProbe, LossSpec, Model, ModelSpec, ModuleSpec, ParamRole, ParamSpec,
+    ActivationProbe, FirstBatch, LossSpec, Model, ModelSpec, ModuleSpec, ParamRole, ParamSpec,
     activation_traits, display_name,
 };
 pub use observation::{ACTIVATION_STATS, Axis, Fact, INPUT_STATS, Measure, Observation, StepView};

@@ -118,6 +118,63 @@ pub struct ModelSpec {
     pub input_feature_scales: Option<Vec<Option<f64>>>,
 }
 
+/// Facts of the first training batch that a collector reads only after it registered the
+/// model (the Keras callback registers it when `fit` starts, before any batch): the targets'
+/// range and variance and the output's range (facts of [`LossSpec`], taken where the spec has
+/// a loss), and the input table's feature scales ([`ModelSpec::input_feature_scales`]). See
+/// [`crate::Engine::amend_first_batch`].
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct FirstBatch {
+    #[serde(default)]
+    pub target_range: Option<(f64, f64)>,
+    #[serde(default)]
+    pub target_var: Option<f64>,
+    #[serde(default)]
+    pub output_range: Option<(f64, f64)>,
+    #[serde(default)]
+    pub input_feature_scales: Option<Vec<Option<f64>>>,
+}
+
+impl FirstBatch {
+    /// Refuses a fact that is not what it says: a range of finite numbers, lowest first; a
+    /// finite variance >= 0; feature scales finite and >= 0.
+    pub fn check(&self) -> Result<(), EngineError> {
+        for (what, range) in [
+            ("target_range", self.target_range),
+            ("output_range", self.output_range),
+        ] {
+            if let Some((lo, hi)) = range {
+                if !(lo.is_finite() && hi.is_finite() && lo <= hi) {
+                    return Err(EngineError::Model(format!(
+                        "{what} is [{lo}, {hi}]: a range is two finite numbers, the lowest first"
+                    )));
+                }
+            }
+        }
+        if let Some(v) = self.target_var.filter(|v| !(v.is_finite() && *v >= 0.0)) {
+            return Err(EngineError::Model(format!(
+                "target_var is {v}: a variance is a finite number >= 0"
+            )));
+        }
+        check_feature_scales(self.input_feature_scales.as_deref())
+    }
+}
+
+/// Feature scales are finite numbers >= 0 (null where the batch's values were not all finite).
+fn check_feature_scales(scales: Option<&[Option<f64>]>) -> Result<(), EngineError> {
+    match scales
+        .into_iter()
+        .flatten()
+        .flatten()
+        .find(|x| !(x.is_finite() && **x >= 0.0))
+    {
+        Some(x) => Err(EngineError::Model(format!(
+            "input_feature_scales holds {x}: a feature's largest magnitude is a finite number >= 0 (null where the batch's values were not all finite)"
+        ))),
+        None => Ok(()),
+    }
+}
+
 /// The loss as the framework computed it on the first step: facts, not judgements.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct LossSpec {
@@ -201,6 +258,31 @@ impl ModelSpec {
             identical_units: false,
         });
         self.params.len() - 1
+    }
+
+    /// Fills the facts of the first training batch the spec does not have yet (a fact it has
+    /// stays; target and output facts need a loss); returns whether any changed. Refuses facts
+    /// that are not what they say ([`FirstBatch::check`]).
+    pub fn merge_first_batch(&mut self, facts: &FirstBatch) -> Result<bool, EngineError> {
+        fn fill<T>(slot: &mut Option<T>, value: Option<T>) -> bool {
+            let new = slot.is_none() && value.is_some();
+            if new {
+                *slot = value;
+            }
+            new
+        }
+        facts.check()?;
+        let mut changed = false;
+        if let Some(loss) = self.loss.as_mut() {
+            changed |= fill(&mut loss.target_range, facts.target_range);
+            changed |= fill(&mut loss.target_var, facts.target_var);
+            changed |= fill(&mut loss.output_range, facts.output_range);
+        }
+        changed |= fill(
+            &mut self.input_feature_scales,
+            facts.input_feature_scales.clone(),
+        );
+        Ok(changed)
     }
 
     /// Merges what another optimizer says about the parameters into [`Self::param_lr`]: per
@@ -415,17 +497,7 @@ impl Model {
                 )));
             }
         }
-        if let Some(x) = spec
-            .input_feature_scales
-            .iter()
-            .flatten()
-            .flatten()
-            .find(|x| !(x.is_finite() && **x >= 0.0))
-        {
-            return Err(EngineError::Model(format!(
-                "input_feature_scales holds {x}: a feature's largest magnitude is a finite number >= 0 (null where the batch's values were not all finite)"
-            )));
-        }
+        check_feature_scales(spec.input_feature_scales.as_deref())?;
         owners.sort_unstable();
         owners.dedup();
         for m in owners {

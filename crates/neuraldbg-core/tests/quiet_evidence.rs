@@ -172,7 +172,12 @@ fn units_that_die_under_sgd_steps_grown_by_raw_inputs_are_the_datas_doing() {
         d.description
     );
     let h = dying_on(0.05, 255.0, "Adam");
-    assert_eq!(dead(&h).cause, Cause::LearningRateTooHigh, "{:?}", shown(&h));
+    assert_eq!(
+        dead(&h).cause,
+        Cause::LearningRateTooHigh,
+        "{:?}",
+        shown(&h)
+    );
 }
 
 #[test]

@@ -9,7 +9,9 @@ use neuraldbg_core::output::{events_json, hypotheses_json, root_causes_json};
 use neuraldbg_core::trace::{
     DamageKind, Record, Replay, SyncPolicy, TraceError, TraceReader, TraceWriter, WriterOptions,
 };
-use neuraldbg_core::{ACTIVATION_STATS, Config, Engine, Fact, ModelSpec, Observation, Reduce};
+use neuraldbg_core::{
+    ACTIVATION_STATS, Config, Engine, Fact, FirstBatch, LossSpec, ModelSpec, Observation, Reduce,
+};
 use proptest::prelude::*;
 use serde_json::{Map, Value, json};
 
@@ -672,5 +674,120 @@ fn param_lr_records_the_engine_refuses_or_cannot_read_end_the_replay_there() {
     assert_eq!(replay.steps, 1);
     let d = replay.damage.unwrap();
     assert!(d.to_string().contains("missing field `param_lr`"), "{d}");
+    std::fs::remove_dir_all(path.parent().unwrap()).unwrap();
+}
+
+/// A regression whose loss stays at twice its targets' variance: what the first batch's facts
+/// (read after the header, as the Keras callback reads them) make of it, live and replayed.
+#[test]
+fn first_batch_facts_survive_writing_and_replay() {
+    let path = temp_path("first-batch.ndbg");
+    let mut spec = mlp(3, "ReLU");
+    spec.loss = Some(LossSpec {
+        ops: vec!["MseLoss".into()],
+        output_units: Some(1),
+        ..LossSpec::default()
+    });
+    let facts = FirstBatch {
+        target_range: Some((-2.0, 3.0)),
+        target_var: Some(1.0),
+        output_range: Some((-0.1, 0.2)),
+        input_feature_scales: Some(vec![Some(1.5), None, Some(2.0)]),
+    };
+    let mut live = Engine::new(Config::default()).unwrap();
+    live.register_model(spec.clone()).unwrap();
+    let mut w = TraceWriter::create(&path, Map::new(), WriterOptions::default()).unwrap();
+    w.write_header(live.config(), &spec).unwrap();
+    for (k, mut o) in quiet_fc1_run(120).into_iter().enumerate() {
+        o.grad_norms = vec![0.1, 0.02, 0.1, 0.02, 0.1, 0.02];
+        o.loss = Some(2.0 + 0.01 * (k % 3) as f64);
+        if o.step == 1 {
+            assert!(live.amend_first_batch(&facts).unwrap());
+            assert!(
+                !live.amend_first_batch(&facts).unwrap(),
+                "a fact it has stays"
+            );
+            w.write_first_batch(&facts).unwrap();
+        }
+        live.observe(&o.view()).unwrap();
+        w.write_step(&o.view()).unwrap();
+    }
+    w.close().unwrap();
+    let model = &live.model().unwrap().spec;
+    assert_eq!(model.loss.as_ref().unwrap().target_var, Some(1.0));
+    assert_eq!(model.loss.as_ref().unwrap().target_range, Some((-2.0, 3.0)));
+    assert_eq!(model.input_feature_scales, facts.input_feature_scales);
+    let live_diag = diagnosis(&live);
+    let text = live_diag["hypotheses"].to_string();
+    assert!(text.contains("the variance of its targets"), "{text}");
+
+    let replay = Replay::read(TraceReader::open(&path).unwrap(), |_| {}).unwrap();
+    assert!(replay.damage.is_none() && replay.closed);
+    assert_eq!(
+        replay.header.model, spec,
+        "the header keeps what registration said"
+    );
+    assert_eq!(&replay.engine.model().unwrap().spec, model);
+    assert_eq!(diagnosis(&replay.engine), live_diag);
+
+    // A reader that skips the record reads the model as registered: no chance level.
+    let bytes = std::fs::read(&path).unwrap();
+    let records: Vec<Record> = TraceReader::new(&bytes[..], "amended").unwrap().collect();
+    let at = records
+        .iter()
+        .position(|r| matches!(r, Record::FirstBatch(_)))
+        .unwrap();
+    assert_eq!(records[at], Record::FirstBatch(facts));
+    assert!(matches!(&records[at + 1], Record::Step(o) if o.step == 1));
+    let start = usize::try_from(record_start(&bytes, at)).unwrap();
+    let end = usize::try_from(record_start(&bytes, at + 1)).unwrap();
+    let mut without = bytes[..start].to_vec();
+    without.extend_from_slice(&bytes[end..]);
+    let old = Replay::read(TraceReader::new(&without[..], "old").unwrap(), |_| {}).unwrap();
+    assert!(old.damage.is_none() && old.closed);
+    let text = diagnosis(&old.engine)["hypotheses"].to_string();
+    assert!(!text.contains("the variance of its targets"), "{text}");
+    std::fs::remove_dir_all(path.parent().unwrap()).unwrap();
+}
+
+#[test]
+fn first_batch_facts_that_are_not_what_they_say_are_refused() {
+    let mut engine = Engine::new(Config::default()).unwrap();
+    let bad = FirstBatch {
+        target_range: Some((3.0, -2.0)),
+        ..FirstBatch::default()
+    };
+    assert!(engine.amend_first_batch(&bad).is_err(), "no model yet");
+    engine.register_model(mlp(2, "Tanh")).unwrap();
+    let err = engine.amend_first_batch(&bad).unwrap_err().to_string();
+    assert!(err.contains("target_range is [3, -2]"), "{err}");
+    let err = engine
+        .amend_first_batch(&FirstBatch {
+            target_var: Some(-1.0),
+            ..FirstBatch::default()
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("a variance is a finite number >= 0"), "{err}");
+    // Without a loss in the spec, target facts have nothing to describe.
+    assert!(
+        !engine
+            .amend_first_batch(&FirstBatch {
+                target_var: Some(1.0),
+                ..FirstBatch::default()
+            })
+            .unwrap()
+    );
+    // A fact JSON cannot carry is refused by the writer, not written wrong.
+    let path = temp_path("bad-first-batch.ndbg");
+    let mut w = TraceWriter::create(&path, Map::new(), WriterOptions::default()).unwrap();
+    w.write_header(&Config::default(), &mlp(2, "Tanh")).unwrap();
+    let nan = FirstBatch {
+        target_var: Some(f64::NAN),
+        ..FirstBatch::default()
+    };
+    let err = w.write_first_batch(&nan).unwrap_err().to_string();
+    assert!(err.contains("round trip"), "{err}");
+    w.close().unwrap();
     std::fs::remove_dir_all(path.parent().unwrap()).unwrap();
 }

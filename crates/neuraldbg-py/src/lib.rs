@@ -15,7 +15,8 @@ mod reader;
 use neuraldbg_core::analysis::{self, Analysis, parse_failure};
 use neuraldbg_core::trace::{Replay, SyncPolicy, TraceReader, TraceWriter, WriterOptions};
 use neuraldbg_core::{
-    Config, ConfigError, Engine, EngineError, Fact, Measure, ModelSpec, Reduce, StepView, output,
+    Config, ConfigError, Engine, EngineError, Fact, FirstBatch, Measure, ModelSpec, Reduce,
+    StepView, output,
 };
 use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1};
 use pyo3::prelude::*;
@@ -310,6 +311,24 @@ impl PyEngine {
                 "recording another optimizer's learning rates",
                 |_, w| w.write_param_lr(lrs.as_deref()),
             );
+        }
+        Ok(changed)
+    }
+
+    /// The first training batch's facts (JSON `FirstBatch`), read after the model was
+    /// registered: fills those the model lacks and, when that changed it, records them in the
+    /// trace. Returns whether the facts changed.
+    fn amend_first_batch(&mut self, py: Python<'_>, facts_json: &str) -> PyResult<bool> {
+        let facts: FirstBatch = serde_json::from_str(facts_json)
+            .map_err(|e| raise(py, "ModelError", &format!("invalid first-batch facts: {e}")))?;
+        let changed = self
+            .inner
+            .amend_first_batch(&facts)
+            .map_err(|e| to_py_err(py, &e))?;
+        if changed {
+            self.traced(py, "recording the first batch's facts", |_, w| {
+                w.write_first_batch(&facts)
+            });
         }
         Ok(changed)
     }

@@ -42,6 +42,10 @@ pub enum Kind {
     /// written ([`crate::Engine::amend_param_lr`]). Optional: a reader that predates it skips
     /// it and reads the parameters as the header's lrs say.
     ParamLr = 0x83,
+    /// JSON: the first training batch's facts ([`crate::FirstBatch`]), read after the header
+    /// was written ([`crate::Engine::amend_first_batch`]). Optional: a reader that predates it
+    /// skips it and reads the model as the header describes it.
+    FirstBatch = 0x84,
 }
 
 pub const OPTIONAL_KINDS: u8 = 0x80;
@@ -55,6 +59,7 @@ impl Kind {
             0x81 => Some(Kind::Unobserved),
             0x82 => Some(Kind::Clock),
             0x83 => Some(Kind::ParamLr),
+            0x84 => Some(Kind::FirstBatch),
             _ => None,
         }
     }

@@ -41,6 +41,9 @@ pub enum Record {
     /// The per-parameter lrs of an optimizer first seen after the header was written (None:
     /// its lrs cannot be read), for [`crate::Engine::amend_param_lr`].
     ParamLr(Option<Vec<Option<f64>>>),
+    /// The first training batch's facts, read after the header, for
+    /// [`crate::Engine::amend_first_batch`].
+    FirstBatch(crate::FirstBatch),
 }
 
 /// Reads records in order. Iteration ends at the end of the file or at the first damaged
@@ -346,6 +349,11 @@ impl<R: Read> TraceReader<R> {
                 .map_err(|e| format!("unreadable param-lr record: {e}"))?;
             return Ok(Some(Record::ParamLr(record.param_lr)));
         }
+        if kind == Kind::FirstBatch && self.header_seen {
+            let facts = serde_json::from_slice(payload)
+                .map_err(|e| format!("unreadable first-batch record: {e}"))?;
+            return Ok(Some(Record::FirstBatch(facts)));
+        }
         if kind == Kind::End && !self.header_seen && format::decode_end(payload)? == 0 {
             // Closed before any step: the writer ends a header-less trace so that readers
             // following it know no model will come.
@@ -386,7 +394,9 @@ impl<R: Read> TraceReader<R> {
                 self.ended = true;
                 Record::End { steps }
             }
-            Kind::Unobserved | Kind::Clock | Kind::ParamLr => unreachable!("handled above"),
+            Kind::Unobserved | Kind::Clock | Kind::ParamLr | Kind::FirstBatch => {
+                unreachable!("handled above")
+            }
         }))
     }
 }
@@ -440,6 +450,7 @@ mod tests {
                 Record::Unobserved(_) => "unobserved",
                 Record::Clock(_) => "clock",
                 Record::ParamLr(_) => "param_lr",
+                Record::FirstBatch(_) => "first_batch",
             })
             .collect()
     }

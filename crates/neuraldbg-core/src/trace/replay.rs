@@ -89,6 +89,11 @@ impl Replay {
                     reader.reject_last(e.to_string());
                     break;
                 }
+            } else if let Record::FirstBatch(facts) = record {
+                if let Err(e) = engine.amend_first_batch(&facts) {
+                    reader.reject_last(e.to_string());
+                    break;
+                }
             } else if let Record::Step(obs) = record {
                 if let Err(e) = engine.observe(&obs.view()) {
                     reader.reject_last(e.to_string());

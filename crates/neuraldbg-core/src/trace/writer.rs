@@ -262,6 +262,22 @@ impl TraceWriter {
         self.write_record(Kind::ParamLr)
     }
 
+    /// Records [`crate::Engine::amend_first_batch`]'s input, so that replay amends the model at
+    /// the same point between steps (checked to read back the same, like the header).
+    pub fn write_first_batch(&mut self, facts: &crate::FirstBatch) -> Result<(), TraceError> {
+        if !self.header {
+            return Err(self.usage("write the header before amending it"));
+        }
+        let text = serde_json::to_vec(facts).map_err(|e| self.usage(&e.to_string()))?;
+        let back: crate::FirstBatch =
+            serde_json::from_slice(&text).map_err(|e| self.usage(&e.to_string()))?;
+        if &back != facts {
+            return Err(self.usage("a first-batch fact does not survive a JSON round trip"));
+        }
+        self.payload = text;
+        self.write_record(Kind::FirstBatch)
+    }
+
     /// Writes the end record and syncs; later calls do nothing and later writes fail. A trace
     /// without an end record is still readable; the reader then reports that the run did not
     /// close it (it was killed or crashed).
