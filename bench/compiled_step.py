@@ -121,6 +121,13 @@ ABLATIONS = {
 }
 
 
+# What ``--ablations`` can also add: the full callback with one of its measures left out (the
+# method that builds it replaced by a no-op while the arm's step is traced).
+WITHOUT = {
+    "no-first-batch": ("_first_batch", lambda self, x, y, y_pred: None),
+}
+
+
 def arms(width: int, depth: int, batch: int, ablations: List[str]) -> Dict[str, Arm]:
     from neuraldbg.keras import KerasDbg, NeuralDbgCallback
 
@@ -132,6 +139,15 @@ def arms(width: int, depth: int, batch: int, ablations: List[str]) -> Dict[str, 
     }
     observe = KerasDbg._observe
     for name in ablations:
+        if name in WITHOUT:
+            attr, stand_in = WITHOUT[name]
+            kept = getattr(KerasDbg, attr)
+            setattr(KerasDbg, attr, stand_in)
+            try:
+                out[name] = Arm(width, depth, batch, NeuralDbgCallback(verbose=False))
+            finally:
+                setattr(KerasDbg, attr, kept)
+            continue
         KerasDbg._observe = ABLATIONS[name]()  # type: ignore[method-assign]
         try:
             out[name] = Arm(width, depth, batch, NeuralDbgCallback(verbose=False, activations=False))
@@ -260,7 +276,7 @@ def main() -> None:
     ap.add_argument("--depth", type=int, default=4)
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--profile", action="store_true", help="kernel time by kind instead of timing")
-    ap.add_argument("--ablations", default="", help=f"comma-separated, of: {', '.join(ABLATIONS)}")
+    ap.add_argument("--ablations", default="", help=f"comma-separated, of: {', '.join([*ABLATIONS, *WITHOUT])}")
     ap.add_argument("--small-leaf", default="", help="jax: comma-separated SMALL_LEAF values, one watched arm each")
     a = ap.parse_args()
     if a.framework == "jax":

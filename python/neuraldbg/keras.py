@@ -38,7 +38,6 @@ import numpy as np
 
 from ._measure import UPDATE_SAMPLE, UPDATE_WEIGHTS
 from ._spoke import (
-    HAS_FACTS,
     HAS_INPUTS,
     HAS_LR,
     HAS_WEIGHTS,
@@ -476,6 +475,10 @@ class KerasDbg(Spoke):
         self._loss_seen = threading.Condition()
         self._act_var: Any = None
         self._act_index = -1
+        # JAX: the first batch's facts, ``[written (1 or 0), facts]``, a small non-trainable
+        # variable of the model beside the activation ring, and its place.
+        self._facts_var: Any = None
+        self._facts_index = -1
         self._act_ring: Optional[RingReader] = None
         self._act_probes: Dict[int, Dict[str, Any]] = {}
         # How far the first updates move the weights, measured on the host between batches:
@@ -587,9 +590,12 @@ class KerasDbg(Spoke):
                 for name in ("save_own_variables", "load_own_variables"):
                     o.__dict__.pop(name, None)
         act, self._act_var = self._act_var, None
+        facts, self._facts_var = self._facts_var, None
         if act is not None:
             model = self.model
-            model._non_trainable_variables[:] = [v for v in model._non_trainable_variables if v is not act]
+            model._non_trainable_variables[:] = [
+                v for v in model._non_trainable_variables if v is not act and v is not facts
+            ]
             for name in ("save_own_variables", "load_own_variables"):
                 model.__dict__.pop(name, None)
 
@@ -610,6 +616,13 @@ class KerasDbg(Spoke):
             if buf is not None:
                 act.add(buf)
             act.pump(wait=len(act.pending) if wait else 0)
+        if self._facts_var is not None and not self._facts_sent:
+            buf = self._newest(state, "non_trainable_variables", self._facts_index, self._facts_var)
+            if buf is not None and (wait or buf.is_ready()):
+                v = np.asarray(buf)
+                if v[0] == 1.0:
+                    self._facts_sent = True
+                    self._amend_first_batch(v[1:])
         buf = self._newest(state, "optimizer_variables", self._ring_index, self._ring_var)
         if buf is not None and (act is None or not act.pending):
             ring.add(buf)
@@ -702,38 +715,27 @@ class KerasDbg(Spoke):
         return compute_loss
 
     def _first_batch(self, x: Any, y: Any, y_pred: Any) -> None:
-        """On JAX, traced in the training step: the facts go into the current row of the
-        activation ring on the step's first pass (NaN on the others). Elsewhere the first
+        """On JAX, traced in the training step: the facts go into their variable on the first
+        training step (later steps keep it; the host reads it once). Elsewhere the first
         training step sends them from here."""
         if self._act_var is None:
             if not self._facts_sent:
                 self._facts_sent = True
                 self._amend_first_batch(ops.convert_to_numpy(_first_batch_stats(x, y, y_pred, self._features)))
             return
-        if not in_stateless_scope():
+        if not in_stateless_scope() or self._facts_var is None:
             return
         import jax
         import jax.numpy as jnp
 
-        var = self._act_var
-        rows = self._act_ring.rows if self._act_ring is not None else 1
-        buf = jnp.asarray(var.value)
-        # The forward pass of this step has counted itself already.
-        passes = jax.lax.bitcast_convert_type(buf[rows, 2], jnp.int32) - 1
-        count = passes // self._accumulate
-        size = _FACTS_HEAD + self._features
-        first = count == 0
-        stats = jax.lax.cond(
-            first,
-            lambda: jnp.asarray(_first_batch_stats(x, y, y_pred, self._features), jnp.float32),
-            lambda: jnp.full((size,), jnp.nan, jnp.float32),
-        )
-        row = count % rows
-        at = 2 + INPUT_STATS + 5 * len(self._probes)
-        buf = jax.lax.dynamic_update_slice(buf, jax.lax.stop_gradient(stats)[None, :], (row, at))
-        flags = jax.lax.bitcast_convert_type(buf[row, 1], jnp.int32)
-        flags = jnp.where(first, flags | HAS_FACTS, flags)
-        var.assign(buf.at[row, 1].set(jax.lax.bitcast_convert_type(flags, jnp.float32)))
+        old = jnp.asarray(self._facts_var.value)
+
+        def measure() -> Any:
+            stats = jnp.asarray(_first_batch_stats(x, y, y_pred, self._features), jnp.float32)
+            return jax.lax.stop_gradient(jnp.concatenate([jnp.ones((1,), jnp.float32), stats]))
+
+        # Once: the first training step's (later steps keep what it wrote).
+        self._facts_var.assign(jax.lax.cond(old[0] == 1.0, lambda: old, measure))
 
     def _amend_first_batch(self, v: np.ndarray) -> None:
         """The first batch's facts to the engine (the owner thread; never raises): the targets'
@@ -798,7 +800,7 @@ class KerasDbg(Spoke):
                 model._non_trainable_variables.remove(v)
         for name in ("save_own_variables", "load_own_variables"):
             model.__dict__.pop(name, None)
-        width = 2 + INPUT_STATS + 5 * len(self._probes) + _FACTS_HEAD + self._features
+        width = 2 + INPUT_STATS + 5 * len(self._probes)
         rows = self._ring_rows(width)
         init = np.zeros((rows + 1, width), np.float32)
         init[:rows, 0] = np.array([-1], np.int32).view(np.float32)[0]
@@ -807,9 +809,23 @@ class KerasDbg(Spoke):
         var._neuraldbg_ring = True
         model._non_trainable_variables.append(var)
         self._act_var = var
+        # The first batch's facts: a variable of their own (written once; riding in the ring's
+        # rows, they cost a second write of the ring at every step).
+        facts = keras.Variable(
+            np.zeros(1 + _FACTS_HEAD + self._features, np.float32),
+            trainable=False,
+            dtype="float32",
+            name="neuraldbg_first_batch",
+        )
+        facts._neuraldbg_ring = True
+        model._non_trainable_variables.append(facts)
+        self._facts_var = facts
+        ours = (var, facts)
 
         def own() -> List[Any]:
-            return [v for v in model._trainable_variables + model._non_trainable_variables if v is not var]
+            return [
+                v for v in model._trainable_variables + model._non_trainable_variables if all(v is not o for o in ours)
+            ]
 
         def save_own_variables(store: Any) -> None:
             for i, v in enumerate(own()):
@@ -823,6 +839,7 @@ class KerasDbg(Spoke):
         object.__setattr__(model, "save_own_variables", save_own_variables)
         object.__setattr__(model, "load_own_variables", load_own_variables)
         self._act_index = next(i for i, v in enumerate(model.non_trainable_variables) if v is var)
+        self._facts_index = next(i for i, v in enumerate(model.non_trainable_variables) if v is facts)
         self._act_ring = RingReader(self, rows, width, post=self._post_activations)
 
     def _ring_rows(self, width: int) -> int:
@@ -841,6 +858,7 @@ class KerasDbg(Spoke):
             self._ring.rows,
             self._ring.width,
             None if act is None else (act.rows, act.width),
+            self._features,
             self._dense_steps,
             self._weight_every,
             self._accumulate,
@@ -889,8 +907,6 @@ class KerasDbg(Spoke):
         """One training forward pass's row of the activation ring (``[count, flags, input
         statistics, activation rows]``): paired with the optimizer update that follows it, by
         count."""
-        if step == 0 and flags & HAS_FACTS:
-            self._amend_first_batch(row[2 + INPUT_STATS + 5 * len(self._probes) :])
         self._post_forward(step, bool(flags & HAS_INPUTS), row[2:])
 
     def _receive_activations(self, row: Any) -> None:
