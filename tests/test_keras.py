@@ -218,7 +218,8 @@ def test_functional_validation_and_user_callbacks(tmp_path: Any) -> None:
     # The model is left as it was: a second fit without the callback trains unobserved.
     model.fit(x[:64], y[:64], batch_size=32, epochs=1, verbose=0)
     assert "apply" not in model.optimizer.__dict__
-    assert "call" not in model.__dict__
+    assert not {"call", "compute_loss"} & set(model.__dict__)
+    assert not [v for v in model.non_trainable_variables if v.name.startswith("neuraldbg")]
 
 
 def test_ring_buffer_leaves_no_trace_in_the_optimizer_or_a_checkpoint(tmp_path: Any) -> None:
