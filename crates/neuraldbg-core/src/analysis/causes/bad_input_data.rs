@@ -5,7 +5,9 @@ use crate::health::{DataHealth, State};
 
 use super::super::remedy::Remedy;
 use super::super::vocab::{Cause, Failure};
-use super::evidence::{FeatureSpread, MEASURED_TOO_LARGE, earliest, times, uneven_features};
+use super::evidence::{
+    FeatureSpread, MEASURED_TOO_LARGE, earliest, measured_step, times, uneven_features,
+};
 use super::output_loss_mismatch;
 use super::{Case, CauseRule, Facts, RemedyCase, Votes, facts_of, fmt_g};
 
@@ -270,18 +272,12 @@ fn steps_grown_by_inputs(c: &Case<'_>, v: &mut Votes) {
     if !ev.update_measured || r < MEASURED_TOO_LARGE || !ev.gain_not_off_scale() {
         return;
     }
-    let size = if r > 1.0 {
-        format!("~{}x their size", fmt_g(r))
-    } else {
-        format!("~{} of their size", fmt_g(r))
-    };
     v.add(
         3.5,
         format!(
-            "inputs reach magnitude {} (not normalized): under plain gradient steps the first layer's gradient grows with them, and each step moves the weights by {size} (measured{})",
+            "inputs reach magnitude {} (not normalized): under plain gradient steps the first layer's gradient grows with them, and each step moves the weights by {}",
             fmt_g(x),
-            ev.lr_first
-                .map_or(String::new(), |lr| format!(", lr {}", fmt_g(lr)))
+            measured_step(r, ev.lr_first)
         ),
     );
 }

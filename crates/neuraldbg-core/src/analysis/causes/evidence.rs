@@ -148,6 +148,18 @@ pub(crate) const TRAINING_UPDATE: f64 = 1e-3;
 /// large for the weights it moves, whatever the loss does.
 pub(crate) const MEASURED_TOO_LARGE: f64 = 10.0 * TRAINING_UPDATE;
 
+/// A measured step size in words: "~3.45x their size (measured, lr 0.05)", "~0.05 of their
+/// size (measured)".
+pub(crate) fn measured_step(ratio: f64, lr: Option<f64>) -> String {
+    let size = if ratio > 1.0 {
+        format!("~{}x their size", super::fmt_g(ratio))
+    } else {
+        format!("~{} of their size", super::fmt_g(ratio))
+    };
+    let lr = lr.map_or(String::new(), |lr| format!(", lr {}", super::fmt_g(lr)));
+    format!("{size} (measured{lr})")
+}
+
 /// How much more of a layer must be dead than at its first measurement for the deaths to be
 /// the updates' doing rather than the initialization's.
 pub(crate) const DIED_AFTER_UPDATES: f64 = 0.3;

@@ -7,7 +7,8 @@ use super::super::failures::dead_share_at_start;
 use super::super::remedy::Remedy;
 use super::super::vocab::{Cause, Failure};
 use super::evidence::{
-    DIED_AFTER_UPDATES, Evidence, MEASURED_TOO_LARGE, TRAINING_UPDATE, decades_ratio, times,
+    DIED_AFTER_UPDATES, Evidence, MEASURED_TOO_LARGE, TRAINING_UPDATE, decades_ratio,
+    measured_step, times,
 };
 use super::{Case, CauseRule, Facts, RemedyCase, Votes, facts_of, fmt_g};
 
@@ -305,17 +306,11 @@ fn step_size(c: &Case<'_>, own: &Steps, v: &mut Votes) {
     }
     if let Some(r) = step_ratio(c.ev) {
         if measured_too_large(c.ev).is_some() {
-            let size = if r > 1.0 {
-                format!("~{}x their size", fmt_g(r))
-            } else {
-                format!("~{} of their size", fmt_g(r))
-            };
             v.add(
                 2.0,
                 format!(
-                    "each step moves the weights by {size} (measured{}): about {}x the ~1e-3 of a learning rate that trains",
-                    c.ev.lr_first
-                        .map_or(String::new(), |lr| format!(", lr {}", fmt_g(lr))),
+                    "each step moves the weights by {}: about {}x the ~1e-3 of a learning rate that trains",
+                    measured_step(r, c.ev.lr_first),
                     times(r / TRAINING_UPDATE)
                 ),
             );
