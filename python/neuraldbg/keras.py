@@ -36,6 +36,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import numpy as np
 
+from ._loop import MAX_FEATURES
 from ._measure import UPDATE_SAMPLE, UPDATE_WEIGHTS
 from ._spoke import (
     HAS_INPUTS,
@@ -302,8 +303,6 @@ def _input_stats(x: Any) -> Any:
 _REGRESSION_OPS = {"MseLoss", "L1Loss", "HuberLoss"}
 # The first batch's facts: targets' min, max, variance; output's min, max; then per feature.
 _FACTS_HEAD = 5
-# Tables of at most this many features give their per-feature scales (the PyTorch collector's).
-MAX_FEATURES = 256
 
 
 def _table_features(model: Any) -> int:
