@@ -568,10 +568,27 @@ def test_gradient_accumulation_one_step_per_update() -> None:
     x, y = data()
     truth = grad_norms(model, x[:128], y[:128])  # the first update's four batches of 32
     model.compile(optimizer=keras.optimizers.SGD(0.01, gradient_accumulation_steps=4), loss="mse")
-    cb = NeuralDbgCallback(verbose=False)
-    hist = model.fit(x, y, batch_size=32, epochs=2, shuffle=False, callbacks=[cb], verbose=0)
+    cb, moved = NeuralDbgCallback(verbose=False), Moved()
+
+    class Spy(keras.callbacks.Callback):
+        def on_train_begin(self, logs: Any = None) -> None:
+            assert cb.dbg is not None
+            cb.dbg._engine = Measures(cb.dbg._engine)
+
+    hist = model.fit(x, y, batch_size=32, epochs=2, shuffle=False, callbacks=[cb, Spy(), moved], verbose=0)
     dbg = cb.dbg
     assert dbg.step == 10 == int(np.asarray(model.optimizer.iterations))  # 40 batches
+    # How far each update moved the kernels: measured around the batch that applies it (the
+    # other three of its batches only accumulate).
+    seen = dbg._engine.seen
+    kernels = [len(v.shape) >= 2 for v in model.trainable_variables]
+    for step in range(10):
+        ratios = seen[step]["update_ratio"]
+        around = moved.moved[4 * step + 3]
+        assert all(moved.moved[4 * step][k] == 0.0 for k, kernel in enumerate(kernels) if kernel)  # accumulating
+        for k, kernel in enumerate(kernels):
+            if kernel:
+                np.testing.assert_allclose(ratios[k], around[k], rtol=1e-3, err_msg=f"update {step}")
     for name in dbg.layers:
         steps, norms = dbg.history(name, "grad_norm")
         assert list(steps) == list(range(10))

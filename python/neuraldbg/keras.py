@@ -1091,12 +1091,13 @@ class KerasDbg(Spoke):
         weight, ``|W_after - W_before| / |W_before|`` on a strided sample of it (at most
         :data:`UPDATE_SAMPLE` elements of each of up to :data:`UPDATE_WEIGHTS` weights, as the
         PyTorch collector takes), from the values the fit loop holds before and after it (on
-        JAX, waiting for the device: on these updates only). Nothing inside the compiled step;
-        not with ``steps_per_execution`` or gradient accumulation (a batch is then not one
-        update)."""
-        done = self._begun  # updates made: every batch begun has ended by now
-        if self._per_call != 1 or self._accumulate != 1 or not self._active:
+        JAX, waiting for the device: on these updates only). Nothing inside the compiled step.
+        With gradient accumulation, between the batches that end one update and begin the next;
+        not with ``steps_per_execution`` (the fit loop then runs several updates between two
+        batch calls)."""
+        if self._per_call != 1 or self._begun % self._accumulate or not self._active:
             return
+        done = self._begun // self._accumulate  # updates made: every batch begun has ended by now
         if done > self._dense_steps or (self._samples is not None and self._samples[0] == done):
             return
         try:
