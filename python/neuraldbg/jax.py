@@ -323,38 +323,30 @@ class _Model:
         return leaves, where
 
 
-# optax states by the kind of step they make: the engine's optimizer names (an adaptive one
-# moves each weight by about the learning rate whatever the gradient's size).
+# optax states of adaptive steps (each weight moved by about the learning rate whatever the
+# gradient's size), by the family name the engine knows them by. Adam's state is also that of
+# Adamax, Yogi, RAdam, NAdam and LAMB.
 _ADAPTIVE_STATES = {
     "ScaleByAdamState": "Adam",
-    "ScaleByAmsgradState": "Adam",
+    "ScaleByAmsgradState": "AMSGrad",
+    "ScaleByBeliefState": "AdaBelief",
+    "ScaleByAdanState": "Adan",
     "ScaleByRmsState": "RMSprop",
     "ScaleByRStdDevState": "RMSprop",
     "ScaleByRssState": "Adagrad",
     "ScaleByAdaDeltaState": "Adadelta",
+    "ScaleByNovogradState": "NovoGrad",
+    "ScaleBySM3State": "SM3",
     "ScaleByLionState": "Lion",
     "FactoredState": "Adafactor",
-}
-# States of transformations that leave the step a plain (momentum) gradient step.
-_PLAIN_STATES = {
-    "EmptyState",
-    "TraceState",
-    "ScaleByScheduleState",
-    "InjectHyperparamsState",
-    "InjectStatefulHyperparamsState",
-    "AddDecayedWeightsState",
-    "ClipState",
-    "ClipByGlobalNormState",
-    "MaskedState",
-    "WatchState",
 }
 
 
 def optimizer_kind(tx: Any) -> Optional[str]:
-    """The engine's name for the step ``tx`` makes, from the types in its state (built on
-    abstract values: nothing is computed): an adaptive family's name (LAMB's trust ratio keeps
-    no state: it reads as Adam), "SGD" when every state is a plain gradient step's, None when a
-    state is not known (or ``tx`` needs parameters of another structure to build it)."""
+    """The family of adaptive step ``tx`` makes, from the types in its state (built on
+    abstract values: nothing is computed), else None: a plain gradient step keeps no state
+    that says so (``optax.sgd``, ``sign_sgd`` and LARS' trust ratio all keep an ``EmptyState``),
+    so no claim is made for it (nor when ``tx`` needs parameters of another structure)."""
     try:
         state = jax.eval_shape(tx.init, {"w": jax.ShapeDtypeStruct((2, 2), jnp.float32)})
     except Exception:
@@ -373,11 +365,7 @@ def optimizer_kind(tx: Any) -> Optional[str]:
             names.append(type(node).__name__)
             todo.append(node.inner_state)
     kinds = [_ADAPTIVE_STATES[n] for n in names if n in _ADAPTIVE_STATES]
-    if kinds:
-        return kinds[0]
-    if all(n in _PLAIN_STATES for n in names):
-        return "SGD"
-    return None
+    return kinds[0] if kinds else None
 
 
 def _inner_lr(state: Any) -> Any:

@@ -437,6 +437,12 @@ fn is_adaptive(optimizer: &str) -> bool {
     let o = optimizer.to_ascii_lowercase();
     [
         "adam",
+        "amsgrad",
+        "adabelief",
+        "adan",
+        "yogi",
+        "novograd",
+        "sm3",
         "rmsprop",
         "adagrad",
         "adadelta",
