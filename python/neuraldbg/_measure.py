@@ -39,6 +39,23 @@ STACK_LIMIT = 1 << 16
 UPDATE_SAMPLE = 4096
 # Weights whose step size is measured, at most (the engine reads the median over layers).
 UPDATE_WEIGHTS = 64
+
+
+def update_weights(weights: Sequence[bool]) -> List[int]:
+    """Which parameters' step size is measured, given which are weights (parameters of 2 or
+    more dimensions): at most :data:`UPDATE_WEIGHTS` of them, evenly spread over the model."""
+    chosen = [i for i, w in enumerate(weights) if w]
+    if len(chosen) > UPDATE_WEIGHTS:
+        chosen = [chosen[round(k * (len(chosen) - 1) / (UPDATE_WEIGHTS - 1))] for k in range(UPDATE_WEIGHTS)]
+    return chosen
+
+
+def update_stride(numel: int) -> int:
+    """The stride of a weight's strided sample: :data:`UPDATE_SAMPLE` elements or more, fewer
+    than twice as many (a weight of fewer elements whole)."""
+    return max(1, numel // UPDATE_SAMPLE)
+
+
 # Input batches up to this many elements get min/max and std/mean in two reductions
 # (`std_mean`, ~6 ns per element on CPU); larger ones in four cheaper passes (~0.5 ns each).
 INPUT_FUSED_LIMIT = 1 << 13
@@ -322,9 +339,7 @@ class Measurer:
         """A copy of a strided sample (at most :data:`UPDATE_SAMPLE` elements) of up to
         :data:`UPDATE_WEIGHTS` weights (parameters of 2 or more dimensions, evenly spread over
         the model), taken before an optimizer step, each with its parameter index."""
-        chosen = [i for i, w in enumerate(weights) if w is not None and w.dim() >= 2 and w.is_floating_point()]
-        if len(chosen) > UPDATE_WEIGHTS:
-            chosen = [chosen[round(k * (len(chosen) - 1) / (UPDATE_WEIGHTS - 1))] for k in range(UPDATE_WEIGHTS)]
+        chosen = update_weights([w is not None and w.dim() >= 2 and w.is_floating_point() for w in weights])
         out: List[Tuple[int, torch.Tensor]] = []
         with self.torch.no_grad():
             for i in chosen:
@@ -332,7 +347,7 @@ class Measurer:
                 if w.numel() == 0 or w.is_sparse:
                     continue
                 flat = w.detach().reshape(-1)
-                out.append((i, flat[:: max(1, flat.numel() // UPDATE_SAMPLE)].float().clone()))
+                out.append((i, flat[:: update_stride(flat.numel())].float().clone()))
         return out
 
     def update_ratios(
@@ -350,7 +365,7 @@ class Measurer:
                 if i >= len(weights):
                     continue
                 flat = weights[i].detach().reshape(-1)
-                new = flat[:: max(1, flat.numel() // UPDATE_SAMPLE)].float()
+                new = flat[:: update_stride(flat.numel())].float()
                 if new.shape == old.shape and new.device == old.device:
                     index.append(i)
                     olds.append(old)

@@ -37,7 +37,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 import numpy as np
 
 from ._loop import MAX_FEATURES
-from ._measure import UPDATE_SAMPLE, UPDATE_WEIGHTS
+from ._measure import update_stride, update_weights
 from ._spoke import (
     HAS_INPUTS,
     HAS_LR,
@@ -1088,9 +1088,8 @@ class KerasDbg(Spoke):
     def _measure_updates(self) -> None:
         """Between batches on the first ``dense_steps`` updates (the main thread, before a
         batch, at the end of an epoch and of fit): how far the update just made moved each
-        weight, ``|W_after - W_before| / |W_before|`` on a strided sample of it (at most
-        :data:`UPDATE_SAMPLE` elements of each of up to :data:`UPDATE_WEIGHTS` weights, as the
-        PyTorch collector takes), from the values the fit loop holds before and after it (on
+        weight, ``|W_after - W_before| / |W_before|`` on a strided sample of it (the weights
+        and samples the PyTorch collector takes: ``update_weights``, ``update_stride``), from the values the fit loop holds before and after it (on
         JAX, waiting for the device: on these updates only). Nothing inside the compiled step.
         With gradient accumulation, between the batches that end one update and begin the next;
         not with ``steps_per_execution`` (the fit loop then runs several updates between two
@@ -1120,9 +1119,7 @@ class KerasDbg(Spoke):
         """Per watched parameter, a strided sample of its current value (float64, on the host)
         if it is one of the measured weights, else None."""
         values = self._model.variables
-        chosen = [j for j, v in enumerate(values) if len(v.shape) >= 2]
-        if len(chosen) > UPDATE_WEIGHTS:
-            chosen = [chosen[round(k * (len(chosen) - 1) / (UPDATE_WEIGHTS - 1))] for k in range(UPDATE_WEIGHTS)]
+        chosen = update_weights([len(v.shape) >= 2 for v in values])
         state = getattr(self.model, "_jax_state", None)
         held = None
         if isinstance(state, dict) and not getattr(self.model, "_jax_state_synced", True):
@@ -1134,9 +1131,7 @@ class KerasDbg(Spoke):
             i = order.get(id(v))
             x = held[i] if held is not None and i is not None and i < len(held) else v.value
             flat = ops.reshape(x, (-1,))
-            out[j] = np.asarray(
-                ops.convert_to_numpy(flat[:: max(1, int(np.prod(v.shape)) // UPDATE_SAMPLE)]), np.float64
-            )
+            out[j] = np.asarray(ops.convert_to_numpy(flat[:: update_stride(int(np.prod(v.shape)))]), np.float64)
         return out
 
     def batch_begin(self, batch: int) -> None:

@@ -183,23 +183,16 @@ fn units_that_die_under_sgd_steps_grown_by_raw_inputs_are_the_datas_doing() {
 #[test]
 fn units_that_die_under_steps_far_too_large_are_the_learning_rates_doing() {
     let h = dying(0.05);
-    let dead = h
-        .iter()
-        .find(|h| h.failure == Failure::DeadNeurons)
-        .unwrap_or_else(|| panic!("{:?}", shown(&h)));
-    assert_eq!(dead.cause, Cause::LearningRateTooHigh, "{:?}", shown(&h));
+    let d = dead(&h);
+    assert_eq!(d.cause, Cause::LearningRateTooHigh, "{:?}", shown(&h));
     assert!(
-        dead.description.contains("(measured, lr 0.01): about 50x"),
+        d.description.contains("(measured, lr 0.01): about 50x"),
         "{}",
-        dead.description
+        d.description
     );
     // Under steps of an ordinary size the units died of something else.
     let h = dying(3e-3);
-    let dead = h
-        .iter()
-        .find(|h| h.failure == Failure::DeadNeurons)
-        .unwrap_or_else(|| panic!("{:?}", shown(&h)));
-    assert_eq!(dead.cause, Cause::DyingRelu, "{:?}", shown(&h));
+    assert_eq!(dead(&h).cause, Cause::DyingRelu, "{:?}", shown(&h));
 }
 
 /// A classifier's loss held at its chance level under measured tiny steps, with inputs whose

@@ -599,10 +599,7 @@ fn a_second_optimizers_lrs_survive_writing_and_replay() {
 
     // A reader that skips the record (one that predates it) reads the header's lrs: fc1 held
     // by none. The trace stays readable, and the record is what makes the difference.
-    let start = usize::try_from(record_start(&bytes, at)).unwrap();
-    let end = usize::try_from(record_start(&bytes, at + 1)).unwrap();
-    let mut without = bytes[..start].to_vec();
-    without.extend_from_slice(&bytes[end..]);
+    let without = without_record(&bytes, at);
     let old = Replay::read(TraceReader::new(&without[..], "old").unwrap(), |_| {}).unwrap();
     assert!(old.damage.is_none() && old.closed);
     assert_eq!(old.steps, 60);
@@ -610,6 +607,13 @@ fn a_second_optimizers_lrs_survive_writing_and_replay() {
     let text = diagnosis(&old.engine)["hypotheses"].to_string();
     assert!(text.contains("no optimizer holds"), "{text}");
     std::fs::remove_dir_all(path.parent().unwrap()).unwrap();
+}
+
+/// A trace's bytes without record `index`, as a reader that skips it reads them.
+fn without_record(bytes: &[u8], index: usize) -> Vec<u8> {
+    let start = usize::try_from(record_start(bytes, index)).unwrap();
+    let end = usize::try_from(record_start(bytes, index + 1)).unwrap();
+    [&bytes[..start], &bytes[end..]].concat()
 }
 
 /// Where record `index` (the header is 0) starts in a trace's bytes.
@@ -739,10 +743,7 @@ fn first_batch_facts_survive_writing_and_replay() {
         .unwrap();
     assert_eq!(records[at], Record::FirstBatch(facts));
     assert!(matches!(&records[at + 1], Record::Step(o) if o.step == 1));
-    let start = usize::try_from(record_start(&bytes, at)).unwrap();
-    let end = usize::try_from(record_start(&bytes, at + 1)).unwrap();
-    let mut without = bytes[..start].to_vec();
-    without.extend_from_slice(&bytes[end..]);
+    let without = without_record(&bytes, at);
     let old = Replay::read(TraceReader::new(&without[..], "old").unwrap(), |_| {}).unwrap();
     assert!(old.damage.is_none() && old.closed);
     let text = diagnosis(&old.engine)["hypotheses"].to_string();

@@ -107,9 +107,7 @@ impl CauseRule for BadInputData {
                         );
                     }
                 }
-                if !f.at_start {
-                    steps_grown_by_inputs(c, v);
-                }
+                steps_grown_by_inputs(c, v);
                 anomalous_batch(c, v, 4.0);
             }
             Failure::VanishingGradients => {
@@ -140,9 +138,7 @@ impl CauseRule for BadInputData {
                         );
                     }
                 }
-                if !f.at_start {
-                    steps_grown_by_inputs(c, v);
-                }
+                steps_grown_by_inputs(c, v);
                 anomalous_batch(c, v, 3.0);
             }
             Failure::NonFinite => {
@@ -259,13 +255,17 @@ fn uneven_features_said(s: FeatureSpread) -> String {
     )
 }
 
-/// Steps measured far too large under a plain gradient step on inputs far off a normalized
-/// scale: the first layer's gradient grows with its inputs, and so does each step at a given
-/// learning rate; the same rate trains the data once normalized (see `learning_rate_too_high`,
-/// which then does not read the step size). Weighed as the learning rate's "died (or blew up)
-/// after updates" and "steps measured far too large" together.
+/// A failure that began after updates, under steps measured far too large under a plain
+/// gradient step on inputs far off a normalized scale: the first layer's gradient grows with
+/// its inputs, and so does each step at a given learning rate; the same rate trains the data
+/// once normalized (see `learning_rate_too_high`, which then does not read the step size).
+/// Weighed as the learning rate's "died (or blew up) after updates" and "steps measured far
+/// too large" together.
 fn steps_grown_by_inputs(c: &Case<'_>, v: &mut Votes) {
     let ev = c.ev;
+    if c.f.at_start {
+        return;
+    }
     let (Some(x), Some(r)) = (ev.sgd_steps_of_huge_inputs(), ev.update_ratio) else {
         return;
     };

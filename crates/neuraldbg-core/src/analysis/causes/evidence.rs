@@ -464,10 +464,6 @@ impl Evidence {
         self.gain_max.is_some_and(|(g, _)| g > 3.0)
     }
 
-    /// Under a plain gradient step (SGD), the weights were far above a variance-preserving
-    /// scale at the start, most of them (the median layer: one layer grown by the first
-    /// step is not the initialization's scale). The gradients grow with the weights around
-    /// each layer, and the steps with them: the measured step size is the initialization's.
     /// The inputs' largest magnitude at the first step, when it is far above a normalized
     /// scale under a plain gradient step (SGD): the first layer's gradient, and its step, grow
     /// with the inputs, so a measured step size then measures the data.
@@ -475,6 +471,10 @@ impl Evidence {
         self.huge_inputs().filter(|_| !self.adaptive)
     }
 
+    /// Under a plain gradient step (SGD), the weights were far above a variance-preserving
+    /// scale at the start, most of them (the median layer: one layer grown by the first
+    /// step is not the initialization's scale). The gradients grow with the weights around
+    /// each layer, and the steps with them: the measured step size is the initialization's.
     pub fn sgd_steps_of_large_weights(&self) -> Option<f64> {
         self.gain_median.filter(|g| *g > 3.0 && !self.adaptive)
     }
