@@ -622,6 +622,10 @@ class KerasDbg(Spoke):
                 if v[0] == 1.0:
                     self._facts_sent = True
                     self._amend_first_batch(v[1:])
+                elif act is not None and act.next > 0:
+                    # The first step ran without writing them (a train_step that does not call
+                    # compute_loss): not looked for again.
+                    self._facts_sent = True
         buf = self._newest(state, "optimizer_variables", self._ring_index, self._ring_var)
         if buf is not None and (act is None or not act.pending):
             ring.add(buf)
