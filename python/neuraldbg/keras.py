@@ -15,7 +15,8 @@ variables' norms on sampled steps) with ``keras.ops`` inside the compiled train 
 go into a ring buffer the step carries as an optimizer variable, and the activation statistics of
 the forward pass into a second one, a non-trainable variable of the model; the host reads both
 from the fit loop's state every few batches (no host callback: one takes every call off JAX's
-fast dispatch path). On TensorFlow through ``tf.numpy_function``, on the eager PyTorch backend
+fast dispatch path). On TensorFlow into ring variables of their own, read between batches
+(:class:`_Mailbox`: a host call cannot be compiled by XLA), on the eager PyTorch backend
 directly. That is also where a custom ``train_step`` that calls ``self.optimizer.apply(grads,
 ...)`` (or ``stateless_apply``, or ``apply_gradients``) is seen. Variables are named by their
 layer: ``dense_2.kernel`` belongs to layer ``dense_2``.
@@ -363,7 +364,7 @@ def _unwrap_call(obj: Any, name: str = "call") -> None:
 
 def _watched_optimizer(opt: Any) -> Any:
     """The optimizer that applies the updates: ``LossScaleOptimizer`` unwrapped."""
-    while opt is not None and hasattr(opt, "inner_optimizer") and hasattr(opt, "dynamic_scale"):
+    while isinstance(opt, keras.optimizers.LossScaleOptimizer):
         opt = opt.inner_optimizer
     return opt
 
@@ -372,10 +373,10 @@ def _symbolic(x: Any) -> bool:
     return isinstance(x, keras.KerasTensor)
 
 
-def _emitter(backend: str) -> Callable[..., Any]:
+def _emitter(backend: str, per_call: int) -> Callable[..., Any]:
     """How a compiled train step hands arrays to a host function, per Keras backend. Returns
     an acknowledgement to fold into the step's result where the backend would otherwise prune
-    the call (JAX), else None."""
+    the call (JAX), else None. On TensorFlow a :class:`_Mailbox` (read between batches)."""
     if backend == "jax":
         import jax
         import jax.numpy as jnp
@@ -404,24 +405,80 @@ def _emitter(backend: str) -> Callable[..., Any]:
 
         return emit_jax
     if backend == "tensorflow":
-        import tensorflow as tf
-
-        def emit_tf(fn: Callable[..., None], *args: Any) -> None:
-            def host(*a: Any) -> np.ndarray:
-                fn(*a)
-                return np.zeros((), np.int32)
-
-            # Stateful: kept (and ordered) in the traced step although nothing uses its result.
-            tf.numpy_function(host, list(args), tf.int32, stateful=True)
-            return None
-
-        return emit_tf
+        return _Mailbox(per_call)
 
     def emit_eager(fn: Callable[..., None], *args: Any) -> None:
         fn(*(ops.convert_to_numpy(a) for a in args))
         return None
 
+    if backend == "torch":
+        import torch
+
+        # Under jit_compile=True (torch.compile), a graph break: never traced into our host code.
+        return torch.compiler.disable(emit_eager)  # type: ignore[no-any-return]
     return emit_eager
+
+
+class _Mailbox:
+    """How a TensorFlow train step hands arrays to the host: each call site's arrays go into a
+    ring variable of its own, written in the step (as JAX's rings are), and the host reads the
+    rows between batches (:meth:`read`, in the order the boxes were opened: a forward pass
+    before the update it follows). No host call in the step: ``tf.numpy_function`` cannot be
+    compiled by XLA (``jit_compile=True``, TensorFlow's default on a GPU) and would stop the
+    user's ``fit``. Integer arrays travel as the bits of float32 (as on JAX)."""
+
+    # Rows per call site: the host reads after every call of the train function, which makes
+    # ``steps_per_execution`` steps; more than that many calls between two reads lose the oldest.
+    ROWS = 64
+
+    def __init__(self, per_call: int = 1) -> None:
+        self.rows = max(self.ROWS, 4 * per_call)
+        # fn -> [ring variable, count variable, sizes, next count to read]
+        self.boxes: Dict[Any, List[Any]] = {}
+        self.missed = 0
+
+    def open(self, fn: Callable[..., None], sizes: Tuple[int, ...]) -> None:
+        """A box for ``fn``'s arrays (of these flattened sizes), made before the step is traced:
+        a ``tf.function`` takes no variable made by a later trace than its first."""
+        import tensorflow as tf
+
+        with tf.init_scope():
+            ring = tf.Variable(tf.zeros((self.rows, sum(sizes)), tf.float32), trainable=False)
+            count = tf.Variable(tf.constant(0, tf.int64), trainable=False)
+        self.boxes[fn] = [ring, count, tuple(sizes), 0]
+
+    def __call__(self, fn: Callable[..., None], *args: Any) -> None:
+        import tensorflow as tf
+
+        flat = [tf.reshape(tf.stop_gradient(tf.convert_to_tensor(a)), [-1]) for a in args]
+        flat = [tf.bitcast(f, tf.float32) if f.dtype == tf.int32 else tf.cast(f, tf.float32) for f in flat]
+        sizes = tuple(int(f.shape[0]) for f in flat)
+        box = self.boxes.get(fn)
+        if box is None or box[2] != sizes:
+            raise ModelError(f"no box of sizes {sizes} for {getattr(fn, '__name__', fn)}")
+        ring, count = box[0], box[1]
+        n = count.read_value()
+        ring.scatter_nd_update(tf.reshape(n % self.rows, (1, 1)), tf.expand_dims(tf.concat(flat, 0), 0))
+        count.assign(n + 1)
+
+    def read(self) -> None:
+        """The rows written since the last read, to their host functions (the main thread,
+        between calls of the train function)."""
+        for fn, box in list(self.boxes.items()):
+            ring, count, sizes, start = box
+            n = int(count.numpy())
+            if n <= start:
+                continue
+            buf = ring.numpy()
+            first = max(start, n - self.rows)
+            self.missed += first - start
+            for j in range(first, n):
+                parts, off = [], 0
+                for size in sizes:
+                    parts.append(buf[j % self.rows, off : off + size])
+                    off += size
+                fn(*parts)
+            box[3] = n
 
 
 class KerasDbg(Spoke):
@@ -448,7 +505,6 @@ class KerasDbg(Spoke):
         self._accumulate = accumulate if isinstance(accumulate, int) and accumulate > 1 else 1
         self._original: Any = None
         self._base = 0
-        self._emit = _emitter(keras.backend.backend())
         # Running-mean bookkeeping of the logged loss, per epoch: (last batch, its mean).
         self._last_mean: Optional[Tuple[int, float]] = None
         self._epoch_base = 0
@@ -457,6 +513,7 @@ class KerasDbg(Spoke):
         self._lock = threading.Lock()
         per_call = getattr(model, "steps_per_execution", 1)
         self._per_call = per_call if isinstance(per_call, int) and per_call > 0 else 1
+        self._emit = _emitter(keras.backend.backend(), self._per_call)
         self._collecting: Optional[Dict[int, Any]] = None
         self._forwards = 0
         # JAX: the ring buffer the train step writes each update's numbers into (an optimizer
@@ -490,6 +547,7 @@ class KerasDbg(Spoke):
         self._regression = False
         self._features = 0
         self._facts_sent = False
+        self._facts_row: Optional[np.ndarray] = None
 
     def start(self) -> None:
         opt = self._optimizer
@@ -505,6 +563,11 @@ class KerasDbg(Spoke):
         self._features = _table_features(self.model)
         self._start(spec, meta)
         self._base = int(ops.convert_to_numpy(opt.iterations)) if opt is not None else 0
+        outer = self.model.optimizer
+        if outer is not None and not outer.built:
+            # TensorFlow's fit builds it in the first traced update: the variables it would make
+            # there, made now (the update reads its accumulated gradients).
+            outer.build(self.model.trainable_variables)
         if opt is not None:
             current = opt.__dict__.get("apply")
             # A wrapper left by a run that raised out of fit is replaced, not stacked.
@@ -526,6 +589,14 @@ class KerasDbg(Spoke):
                 self._add_ring(opt)
         if self._measure_activations:
             self._watch_forward()
+        if isinstance(self._emit, _Mailbox):
+            # What the step hands over, in the order the host takes it: the forward pass, the
+            # first batch's facts, the update.
+            if self._measure_activations:
+                self._emit.open(self._receive_activations, (1 + INPUT_STATS + 5 * len(self._probes),))
+            self._emit.open(self._receive_first_batch, (_FACTS_HEAD + self._features,))
+            n = len(self._model.entries)
+            self._emit.open(self._receive, (1, n, n, 1))
         if self._ring is not None:
             # Each read covers the batches since the last one: at most half the ring's rows.
             self._read_every = max(1, min(16, self._ring.rows // (2 * self._per_call)))
@@ -644,6 +715,17 @@ class KerasDbg(Spoke):
 
     def _wait(self) -> None:
         self._read_ring(wait=True)
+        self._read_host()
+
+    def _read_host(self) -> None:
+        """Off JAX (the owner thread, between batches): what the steps since the last read
+        handed over (on TensorFlow, the mailbox's rows), the first batch's facts among them."""
+        if isinstance(self._emit, _Mailbox):
+            try:
+                self._emit.read()
+            except Exception as e:  # pragma: no cover - a measure, never a reason to stop
+                warnings.warn(f"NeuralDBG could not read the train step's numbers: {e}", NeuralDbgWarning, stacklevel=2)
+        self._send_first_batch()
 
     def _watch_forward(self) -> None:
         """The statistics of each training forward pass (``training=True``), computed in the
@@ -719,12 +801,12 @@ class KerasDbg(Spoke):
 
     def _first_batch(self, x: Any, y: Any, y_pred: Any) -> None:
         """On JAX, traced in the training step: the facts go into their variable on the first
-        training step (later steps keep it; the host reads it once). Elsewhere the first
-        training step sends them from here."""
+        training step (later steps keep it; the host reads it once). Elsewhere the step hands
+        them to the host, which keeps the first (eagerly, only the first step measures them; a
+        traced TensorFlow step measures every batch's, a few reductions)."""
         if self._act_var is None:
             if not self._facts_sent:
-                self._facts_sent = True
-                self._amend_first_batch(ops.convert_to_numpy(_first_batch_stats(x, y, y_pred, self._features)))
+                self._emit(self._receive_first_batch, _first_batch_stats(x, y, y_pred, self._features))
             return
         if not in_stateless_scope() or self._facts_var is None:
             return
@@ -739,6 +821,18 @@ class KerasDbg(Spoke):
 
         # Once: the first training step's (later steps keep what it wrote).
         self._facts_var.assign(jax.lax.cond(old[0] == 1.0, lambda: old, measure))
+
+    def _receive_first_batch(self, v: Any) -> None:
+        """The host side of the first batch's facts (kept until the owner thread sends them)."""
+        if not self._facts_sent and self._facts_row is None:
+            self._facts_row = np.array(v, dtype=np.float32)
+
+    def _send_first_batch(self) -> None:
+        """The first batch's facts received from the step, to the engine (the owner thread)."""
+        row, self._facts_row = self._facts_row, None
+        if row is not None and not self._facts_sent:
+            self._facts_sent = True
+            self._amend_first_batch(row)
 
     def _amend_first_batch(self, v: np.ndarray) -> None:
         """The first batch's facts to the engine (the owner thread; never raises): the targets'
@@ -935,6 +1029,7 @@ class KerasDbg(Spoke):
         try:
             self._measure_updates()
             self._read_ring(wait=True)
+            self._read_host()
         finally:
             self._remove_ring()
         for layer in self._wrapped_layers:
@@ -1141,19 +1236,19 @@ class KerasDbg(Spoke):
     def batch_begin(self, batch: int) -> None:
         """Before a batch (the main thread): the steps delivered so far go to the engine (and a
         confirmed ``halt_on`` failure stops fit). On JAX the rings are read every
-        ``_read_every`` batches, waiting for the device; with ``halt_on`` or ``on_failure``
-        every batch, and the previous batch's loss is waited for too, so that a failure stops
-        fit after the next batch at most."""
+        ``_read_every`` batches, waiting for the device, elsewhere what the steps handed over
+        every batch; with ``halt_on`` or ``on_failure`` the previous batch's loss is waited for
+        too, so that a failure stops fit after the next batch at most."""
         self._measure_updates()
         self._begun += 1
-        if self._ring is None:
-            self._drain()
-            return
-        self._batches += 1
         urgent = self._halt is not None or self._on_failure is not None
-        if not urgent and self._batches % self._read_every:
-            return
-        self._read_ring(wait=True)
+        if self._ring is None:
+            self._read_host()
+        else:
+            self._batches += 1
+            if not urgent and self._batches % self._read_every:
+                return
+            self._read_ring(wait=True)
         if urgent:
             # Keras hands the logs to the callback on a worker thread: the loss of the batch
             # just trained comes from there (a bound on the wait, should that thread be stuck).
@@ -1168,6 +1263,7 @@ class KerasDbg(Spoke):
         self._epoch_base += self._epoch_batches
         self._epoch_batches = 0
         self._read_ring(wait=False)
+        self._read_host()
         self._drain()
 
     def _title(self) -> str:
@@ -1228,10 +1324,16 @@ class NeuralDbgCallback(keras.callbacks.Callback):
         model = self.model
         if getattr(model, "optimizer", None) is None:
             raise NeuralDbgError("NeuralDbgCallback needs a compiled model (model.compile(optimizer=...))")
-        dbg = KerasDbg(model, **self.options)
-        dbg._on_halt = lambda hyps: setattr(model, "stop_training", True)
-        dbg.start()
-        self.dbg = dbg
+        self.dbg = None
+        if not getattr(model, "built", True) and keras.backend.backend() == "tensorflow":
+            # TensorFlow's fit builds a model it was not given built (a subclassed one) in its
+            # first traced step: the watch begins there, before that step's own computation.
+            _wrap_call(model, self._build_then_watch, "train_step")
+            model.make_train_function(force=True)
+            return
+        dbg = self._begin()
+        if dbg is None:
+            return
         # fit made its train function before this hook. On JAX the rings added for the run change
         # the step's state, so the function traces the wrapped optimizer at its first call, or
         # reuses what it compiled for an earlier watched fit of the same key (the next fit
@@ -1244,6 +1346,42 @@ class NeuralDbgCallback(keras.callbacks.Callback):
             function = model.train_function
         if key is not None and function is not None:
             function._neuraldbg_key = key
+
+    def _begin(self) -> Optional[KerasDbg]:
+        """The debugger of this fit, started; None (with a warning, fit goes on unwatched) for
+        a model with nothing to watch."""
+        model = self.model
+        try:
+            dbg = KerasDbg(model, **self.options)
+        except ModelError as e:
+            warnings.warn(f"NeuralDBG cannot watch this fit: {e}", NeuralDbgWarning, stacklevel=3)
+            return None
+        dbg._on_halt = lambda hyps: setattr(model, "stop_training", True)
+        dbg.start()
+        self.dbg = dbg
+        return dbg
+
+    def _build_then_watch(self, inner: Any) -> Callable[..., Any]:
+        """TensorFlow, a model built by its first traced step: ``train_step`` for the run. At
+        that trace, the model is built from the batch (as Keras builds it when it can) and
+        watched from this step on, the batch counted as begun."""
+
+        def train_step(data: Any) -> Any:
+            if self.dbg is None and "train_step" in self.model.__dict__:
+                import tensorflow as tf
+
+                try:
+                    with tf.init_scope():  # out of the traced step: variables and the engine are eager
+                        self.model._symbolic_build(data_batch=data)
+                        dbg = self._begin()
+                        if dbg is not None:
+                            dbg.batch_begin(0)
+                except Exception as e:  # never the user's fit: it builds and trains unwatched
+                    warnings.warn(f"NeuralDBG cannot watch this fit: {e}", NeuralDbgWarning, stacklevel=2)
+                _unwrap_call(self.model, "train_step")
+            return inner(data)
+
+        return train_step
 
     # Keras then runs on_train_batch_end on a worker thread and keeps dispatching steps
     # asynchronously; the engine is fed from on_train_batch_begin, on the main thread.
@@ -1262,6 +1400,7 @@ class NeuralDbgCallback(keras.callbacks.Callback):
             self.dbg.epoch_end()
 
     def on_train_end(self, logs: Optional[Dict[str, Any]] = None) -> None:
+        _unwrap_call(self.model, "train_step")
         dbg = self.dbg
         if dbg is None:
             return

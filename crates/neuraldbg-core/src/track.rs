@@ -677,9 +677,11 @@ const DATA_BASELINE: usize = 64;
 
 impl DataTrack {
     /// Judges one batch from `(min, max, mean, std)`; returns its state and the scale ratio.
+    /// A NaN anywhere in the batch makes its mean NaN, also where a backend's min and max
+    /// skip NaN (XLA's fast min/max, TensorFlow's default under `jit_compile`).
     pub fn judge(&mut self, row: [f64; 4], config: &Config) -> (DataHealth, f64) {
-        let [min, max, _mean, std] = row;
-        if !min.is_finite() || !max.is_finite() {
+        let [min, max, mean, std] = row;
+        if !min.is_finite() || !max.is_finite() || !mean.is_finite() {
             return (DataHealth::NonFinite, f64::INFINITY);
         }
         let scale = min.abs().max(max.abs());
@@ -946,6 +948,11 @@ mod tests {
         );
         assert_eq!(
             d.judge([f64::NAN, 1.0, 0.0, 1.0], &config).0,
+            DataHealth::NonFinite
+        );
+        // min and max that skip NaN (XLA's fast min/max): the mean still carries it.
+        assert_eq!(
+            d.judge([-2.0, 2.0, f64::NAN, f64::NAN], &config).0,
             DataHealth::NonFinite
         );
         assert_eq!(

@@ -1,0 +1,244 @@
+"""Keras programs watched by ``NeuralDbgCallback`` on the backend ``KERAS_BACKEND`` names (run
+in a subprocess by ``tests/test_keras_backends.py``: Keras fixes its backend at import). Prints
+one JSON object: what the callback measured and, beside it, the ground truth the backend itself
+computes (its own gradients: ``tf.GradientTape`` or ``torch.autograd``; the batches as numpy
+sees them). ``python tests/keras_backend_job.py [jit]``: ``jit`` compiles the step with XLA
+(``jit_compile=True``, TensorFlow's default on a GPU)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any, Dict, List
+
+import keras
+import numpy as np
+
+from neuraldbg.keras import NeuralDbgCallback
+
+JIT = "jit" in sys.argv[1:]
+
+
+def data(n: int = 640, d: int = 16, seed: int = 0) -> Any:
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, d)).astype("float32")
+    y = (np.sin(x[:, :1]) + 0.5 * x[:, 1:2]).astype("float32")
+    return x, y
+
+
+def grad_norms(model: Any, x: Any, y: Any) -> Dict[str, float]:
+    """Per-layer gradient norms of the MSE of ``model`` on ``(x, y)``, by the backend's own
+    automatic differentiation."""
+    variables = model.trainable_variables
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((model(x, training=True) - y) ** 2)
+        grads = [g.numpy() for g in tape.gradient(loss, [v.value for v in variables])]
+    elif backend == "torch":
+        import torch
+
+        out = model(torch.as_tensor(x), training=True)
+        loss = ((out - torch.as_tensor(y)) ** 2).mean()
+        grads = [g.detach().cpu().numpy() for g in torch.autograd.grad(loss, [v.value for v in variables])]
+    else:
+        raise SystemExit(f"no ground truth for the {backend} backend here")
+    sums: Dict[str, float] = {}
+    for v, g in zip(variables, grads):
+        layer = v.path.split("/")[-2]
+        sums[layer] = sums.get(layer, 0.0) + float(np.sum(np.asarray(g, np.float64) ** 2))
+    return {k: float(np.sqrt(s)) for k, s in sums.items()}
+
+
+def top(cb: Any) -> Dict[str, Any]:
+    hyps = cb.dbg.explain_failure()
+    if not hyps:
+        return {}
+    h = hyps[0]
+    return {
+        "failure": str(h.failure),
+        "cause": str(h.cause),
+        "layer": h.layer,
+        "step": h.step,
+        "confidence": h.confidence,
+    }
+
+
+def deep_sigmoid() -> Dict[str, Any]:
+    """16 sigmoid layers under SGD: the gradients vanish towards the input."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [keras.Input((16,))]
+        + [keras.layers.Dense(32, activation="sigmoid") for _ in range(16)]
+        + [keras.layers.Dense(1)]
+    )
+    x, y = data()
+    truth = grad_norms(model, x[:32], y[:32])  # the first batch, before any update
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse", jit_compile=JIT)
+    cb = NeuralDbgCallback(verbose=False)
+    model.fit(x, y, batch_size=32, epochs=2, shuffle=False, callbacks=[cb], verbose=0)
+    dbg = cb.dbg
+    order = [layer.name for layer in model.layers]
+    return {
+        "steps": dbg.step,
+        "iterations": int(keras.ops.convert_to_numpy(model.optimizer.iterations)),
+        "layers": dbg.layers,
+        "order": order,
+        "first_grad_norm": {n: float(dbg.history(n, "grad_norm")[1][0]) for n in order},
+        "truth": truth,
+        "input_scale": dbg.history(None, "input_scale")[1].tolist(),
+        "input_truth": np.tile(np.abs(x).reshape(20, 32, 16).max(axis=(1, 2)), 2).tolist(),
+        "top": top(cb),
+    }
+
+
+def nan_batch() -> Dict[str, Any]:
+    """One NaN in batch 5, ``halt_on="non_finite"``."""
+    keras.utils.set_random_seed(4)
+    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse", jit_compile=JIT)
+    x, y = data()
+    x[5 * 32 + 3, 4] = np.nan
+    cb = NeuralDbgCallback(halt_on="non_finite", verbose=False)
+    hist = model.fit(x, y, batch_size=32, epochs=3, shuffle=False, callbacks=[cb], verbose=0)
+    h = cb.dbg.explain_failure("non_finite")[0]
+    return {
+        "halted": cb.dbg.halted is not None,
+        "epochs": len(hist.history["loss"]),
+        "steps": cb.dbg.step,
+        "iterations": int(keras.ops.convert_to_numpy(model.optimizer.iterations)),
+        "step": h.step,
+        "cause": str(h.cause),
+        "confidence": h.confidence,
+    }
+
+
+def bounded_output(scaled: bool) -> Dict[str, Any]:
+    """A sigmoid output fitted by MSE to targets around 3 (or to the same targets scaled into
+    (0, 1)): named from the first batch's facts while the loss still falls."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(640, 8)).astype("float32") * np.array([1, 2, 3, 4, 1, 1, 1, 0.5], "float32")
+    y = (3.0 + 2.0 * x[:, :1] + np.sin(x[:, 1:2])).astype("float32")
+    if scaled:
+        y = (y - y.min()) / (y.max() - y.min() + 1.0)
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [keras.Input((8,)), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(1, activation="sigmoid")]
+    )
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse", jit_compile=JIT)
+    cb = NeuralDbgCallback(verbose=False)
+    hist = model.fit(x, y, batch_size=32, epochs=4, shuffle=False, verbose=0, callbacks=[cb])
+    confirmed: List[str] = [str(h.cause) for h in cb.dbg.explain_failure() if h.confidence >= 0.5]
+    return {"loss": hist.history["loss"], "top": top(cb), "confirmed": confirmed, "target_max": float(y[:32].max())}
+
+
+def small_mlp() -> Any:
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, activation="tanh"), keras.layers.Dense(1)])
+
+
+class Subclassed(keras.Model):
+    """A subclassed model with its own ``train_step`` (the backend's autodiff), not built before
+    fit: TensorFlow builds it in the first traced step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hidden = keras.layers.Dense(32, activation="tanh")
+        self.out = keras.layers.Dense(1)
+        self.tracker = keras.metrics.Mean(name="loss")
+
+    @property
+    def metrics(self) -> List[Any]:
+        return [self.tracker]  # reset by fit at each epoch
+
+    def call(self, x: Any, training: bool = False) -> Any:
+        return self.out(self.hidden(x))
+
+    def train_step(self, data: Any) -> Any:
+        x, y = data
+        if keras.backend.backend() == "tensorflow":
+            import tensorflow as tf
+
+            with tf.GradientTape() as tape:
+                loss = keras.ops.mean((self(x, training=True) - y) ** 2)
+            grads = tape.gradient(loss, self.trainable_variables)
+        else:
+            self.zero_grad()
+            loss = keras.ops.mean((self(x, training=True) - y) ** 2)
+            loss.backward()
+            grads = [v.value.grad for v in self.trainable_variables]
+        self.optimizer.apply(grads, self.trainable_variables)
+        self.tracker.update_state(loss)
+        return {"loss": self.tracker.result()}
+
+
+def loops() -> Dict[str, Any]:
+    """Fit loops as Keras users write them: several steps per call, gradient accumulation, a
+    loss-scaling optimizer, a subclassed model with its own train step."""
+    x, y = data()
+    out: Dict[str, Any] = {}
+
+    model = small_mlp()
+    truth = grad_norms(model, x[:32], y[:32])
+    per_call = 1 if keras.backend.backend() == "torch" else 4  # PyTorch's fit takes 1 only
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse", steps_per_execution=per_call, jit_compile=JIT)
+    cb = NeuralDbgCallback(verbose=False)
+    model.fit(x, y, batch_size=32, epochs=2, shuffle=False, callbacks=[cb], verbose=0)
+    out["per_call"] = {
+        "steps": cb.dbg.step,
+        "iterations": int(keras.ops.convert_to_numpy(model.optimizer.iterations)),
+        "losses": len(cb.dbg.history(None, "loss")[1]),
+        "inputs": len(cb.dbg.history(None, "input_scale")[1]),
+        "first": {n: float(cb.dbg.history(n, "grad_norm")[1][0]) for n in truth},
+        "truth": truth,
+    }
+
+    model = small_mlp()
+    opt = keras.optimizers.SGD(0.01, gradient_accumulation_steps=2)
+    model.compile(optimizer=opt, loss="mse", jit_compile=JIT)
+    cb = NeuralDbgCallback(verbose=False)
+    model.fit(x, y, batch_size=32, epochs=1, shuffle=False, callbacks=[cb], verbose=0)
+    out["accumulation"] = {"steps": cb.dbg.step, "iterations": int(keras.ops.convert_to_numpy(opt.iterations))}
+
+    model = small_mlp()
+    truth = grad_norms(model, x[:32], y[:32])
+    opt = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.01))
+    model.compile(optimizer=opt, loss="mse", jit_compile=JIT)
+    cb = NeuralDbgCallback(verbose=False)
+    model.fit(x, y, batch_size=32, epochs=1, shuffle=False, callbacks=[cb], verbose=0)
+    out["loss_scale"] = {
+        "scale": float(keras.ops.convert_to_numpy(opt.dynamic_scale)),
+        "first": {n: float(cb.dbg.history(n, "grad_norm")[1][0]) for n in truth},
+        "truth": truth,
+    }
+
+    keras.utils.set_random_seed(0)
+    model = Subclassed()
+    built = model.built
+    model.compile(optimizer=keras.optimizers.SGD(0.01), jit_compile=JIT)
+    cb = NeuralDbgCallback(verbose=False)
+    hist = model.fit(x, y, batch_size=32, epochs=2, shuffle=False, callbacks=[cb], verbose=0)
+    out["subclassed"] = {
+        "built_before": built,
+        "steps": cb.dbg.step,
+        "layers": cb.dbg.layers,
+        "names": [model.hidden.name, model.out.name],
+        "loss": hist.history["loss"],
+        "losses": cb.dbg.history(None, "loss")[1].tolist(),
+        "wrapped": "train_step" in model.__dict__,
+    }
+    return out
+
+
+if __name__ == "__main__":
+    out = {
+        "backend": keras.backend.backend(),
+        "deep_sigmoid": deep_sigmoid(),
+        "nan_batch": nan_batch(),
+        "bounded_output": bounded_output(False),
+        "bounded_output_scaled": bounded_output(True),
+        "loops": loops(),
+    }
+    print(json.dumps(out))

@@ -1,0 +1,97 @@
+"""neuraldbg.keras on the backends other than JAX: TensorFlow (its traced step, and compiled by
+XLA as ``jit_compile=True`` does, TensorFlow's default on a GPU) and PyTorch. Keras fixes its
+backend at import, so each runs ``tests/keras_backend_job.py`` in a subprocess; the ground truth
+comes from the backend itself there (its own gradients) and from numpy."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Dict
+
+import numpy as np
+import pytest
+
+JOB = Path(__file__).with_name("keras_backend_job.py")
+
+if importlib.util.find_spec("keras") is None:  # pragma: no cover - depends on the environment
+    pytest.skip("Keras is not installed", allow_module_level=True)
+
+
+def run(backend: str, *args: str) -> Dict[str, Any]:
+    if importlib.util.find_spec(backend) is None:
+        pytest.skip(f"{backend} is not installed")
+    env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="2")
+    r = subprocess.run(
+        [sys.executable, str(JOB), *args], capture_output=True, text=True, env=env, timeout=600, check=False
+    )
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "NeuralDbgWarning" not in r.stderr, r.stderr[-4000:]  # nothing we measure was given up
+    out: Dict[str, Any] = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["backend"] == backend
+    return out
+
+
+@pytest.mark.parametrize(
+    ("backend", "args"),
+    [("tensorflow", ()), ("tensorflow", ("jit",)), ("torch", ())],
+    ids=["tensorflow", "tensorflow-xla", "torch"],
+)
+def test_the_same_diagnosis_on_every_backend(backend: str, args: Any) -> None:
+    """The callback's numbers are the backend's own on each: gradient norms of the first batch
+    as its autodiff computes them, one step per batch, each input batch's scale. A deep sigmoid
+    stack's vanishing gradients are named at the right layer; a NaN batch is named bad input
+    data at its step and ``halt_on`` stops fit after the next batch; a sigmoid output
+    regressing targets around 3 is named from the first batch's facts (the same model on
+    scaled targets is quiet). Under XLA, where no host call can be compiled, the step hands its
+    numbers over in variables: before, fit itself failed. Then the fit loops Keras users write:
+    several steps per call (TensorFlow), gradient accumulation, a loss-scaling optimizer (its
+    gradients unscaled), a subclassed model with its own train step that fit builds itself
+    (before, on TensorFlow, the callback raised at the start of fit)."""
+    out = run(backend, *args)
+
+    deep = out["deep_sigmoid"]
+    assert deep["steps"] == deep["iterations"] == 40  # every batch is one step
+    assert deep["layers"] == deep["order"]
+    truth = deep["truth"]
+    for name in deep["order"]:
+        np.testing.assert_allclose(deep["first_grad_norm"][name], truth[name], rtol=1e-3, err_msg=name)
+    np.testing.assert_allclose(deep["input_scale"], deep["input_truth"], rtol=1e-6)
+    vanished = [n for n in reversed(deep["order"]) if truth[n] < 1e-6]
+    assert len(vanished) >= 3
+    top = deep["top"]
+    assert top["failure"] == "vanishing_gradients" and top["confidence"] >= 0.5, top
+    assert top["layer"] == vanished[0] and top["step"] == 0
+    assert top["cause"] == "saturating_activation"
+
+    nan = out["nan_batch"]
+    assert nan["step"] == 5 and nan["confidence"] >= 0.5
+    assert nan["cause"] == "bad_input_data"  # the forward pass measured the NaN in batch 5
+    assert nan["halted"] and nan["epochs"] == 1
+    assert nan["steps"] == nan["iterations"] == 7
+
+    bounded = out["bounded_output"]
+    assert bounded["loss"][-1] < bounded["loss"][0]  # still falling
+    assert bounded["target_max"] > 4  # far beyond what a sigmoid reaches
+    assert bounded["top"]["cause"] == "output_loss_mismatch" and bounded["top"]["confidence"] >= 0.5, bounded
+    assert out["bounded_output_scaled"]["confirmed"] == []
+
+    loops = out["loops"]
+    per_call = loops["per_call"]
+    assert per_call["steps"] == per_call["iterations"] == per_call["losses"] == per_call["inputs"] == 40
+    for name, norm in per_call["truth"].items():
+        np.testing.assert_allclose(per_call["first"][name], norm, rtol=1e-4, err_msg=name)
+    assert loops["accumulation"]["steps"] == loops["accumulation"]["iterations"] == 10  # 20 batches, 2 each
+    scaled = loops["loss_scale"]
+    assert scaled["scale"] > 1000.0  # the loss was scaled
+    for name, norm in scaled["truth"].items():
+        np.testing.assert_allclose(scaled["first"][name], norm, rtol=1e-4, err_msg=name)
+    sub = loops["subclassed"]
+    assert not sub["built_before"] and not sub["wrapped"]
+    assert sub["steps"] == 40 and sub["layers"] == sub["names"]
+    # Keras logs each epoch's mean batch loss: the per-batch losses recovered average to it.
+    np.testing.assert_allclose(np.reshape(sub["losses"], (2, 20)).mean(axis=1), sub["loss"], rtol=1e-5)
