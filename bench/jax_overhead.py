@@ -21,7 +21,11 @@ median of the per-round ratios watched/unwatched, with a 95% bootstrap interval,
 ratio of the fastest rounds.
 
     .venv/bin/python bench/jax_overhead.py [--rounds 15] [--steps 200] [--epochs 3] [--small]
-        [--only jax|keras] [--before REV] [--keras-rounds N]
+        [--only jax|keras] [--before REV] [--keras-rounds N] [--jit-compile true|false]
+
+``KERAS_BACKEND=tensorflow`` (or ``torch``) runs the Keras arms on that backend; ``--jit-compile``
+is passed to ``model.compile`` (default ``auto``: Keras' choice, XLA on JAX, on TensorFlow only
+with a GPU).
 """
 
 from __future__ import annotations
@@ -97,6 +101,10 @@ def jax_mlp(width: int, depth: int) -> Tuple[Any, Callable[..., Any]]:
     return MLP, loss_fn
 
 
+# ``model.compile(jit_compile=...)`` of the Keras arms (``--jit-compile``).
+JIT_COMPILE: Any = "auto"
+
+
 def keras_mlp(width: int, depth: int) -> Any:
     """The compiled Keras MLP both Keras benchmarks fit (ReLU, 64 inputs, 10 classes, Adam)."""
     import keras
@@ -108,7 +116,9 @@ def keras_mlp(width: int, depth: int) -> Any:
         + [keras.layers.Dense(10)]
     )
     model.compile(
-        optimizer=keras.optimizers.Adam(1e-3), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        optimizer=keras.optimizers.Adam(1e-3),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        jit_compile=JIT_COMPILE,
     )
     return model
 
@@ -312,11 +322,18 @@ def main() -> None:
         help="a git revision: adds its spokes as the arms `before` (`same`: the current spokes, an A/A of that arm)",
     )
     ap.add_argument("--keras-rounds", type=int, default=None, help="Keras rounds (default: half of --rounds)")
+    ap.add_argument("--jit-compile", choices=("auto", "true", "false"), default="auto", help="Keras' jit_compile")
     args = ap.parse_args()
     random.seed(0)
+    global JIT_COMPILE
+    JIT_COMPILE = {"auto": "auto", "true": True, "false": False}[args.jit_compile]
     import jax
 
     print(f"jax {jax.__version__} on {jax.default_backend()}, {os.cpu_count()} CPUs")
+    if args.only in (None, "keras"):
+        import keras
+
+        print(f"keras {keras.__version__} on {keras.backend.backend()}, jit_compile {args.jit_compile}")
     if args.only in (None, "jax"):
         before = load_before(args.before, "jax") if args.before else None
         bench_jax(64, 2, 32, args.steps, args.rounds, before)

@@ -433,19 +433,19 @@ class _Mailbox:
 
     def __init__(self, per_call: int = 1) -> None:
         self.rows = max(self.ROWS, 4 * per_call)
-        # fn -> [ring variable, count variable, sizes, next count to read]
+        # fn -> [ring variable, sizes, next count to read]
         self.boxes: Dict[Any, List[Any]] = {}
         self.missed = 0
 
     def open(self, fn: Callable[..., None], sizes: Tuple[int, ...]) -> None:
         """A box for ``fn``'s arrays (of these flattened sizes), made before the step is traced:
-        a ``tf.function`` takes no variable made by a later trace than its first."""
+        a ``tf.function`` takes no variable made by a later trace than its first. Its ring has
+        one row per call (``count % rows``) and, last, the count of calls (int32 bits)."""
         import tensorflow as tf
 
         with tf.init_scope():
-            ring = tf.Variable(tf.zeros((self.rows, sum(sizes)), tf.float32), trainable=False)
-            count = tf.Variable(tf.constant(0, tf.int64), trainable=False)
-        self.boxes[fn] = [ring, count, tuple(sizes), 0]
+            ring = tf.Variable(tf.zeros((self.rows + 1, sum(sizes)), tf.float32), trainable=False)
+        self.boxes[fn] = [ring, tuple(sizes), 0]
 
     def __call__(self, fn: Callable[..., None], *args: Any) -> None:
         import tensorflow as tf
@@ -454,22 +454,23 @@ class _Mailbox:
         flat = [tf.bitcast(f, tf.float32) if f.dtype == tf.int32 else tf.cast(f, tf.float32) for f in flat]
         sizes = tuple(int(f.shape[0]) for f in flat)
         box = self.boxes.get(fn)
-        if box is None or box[2] != sizes:
+        if box is None or box[1] != sizes:
             raise ModelError(f"no box of sizes {sizes} for {getattr(fn, '__name__', fn)}")
-        ring, count = box[0], box[1]
-        n = count.read_value()
-        ring.scatter_nd_update(tf.reshape(n % self.rows, (1, 1)), tf.expand_dims(tf.concat(flat, 0), 0))
-        count.assign(n + 1)
+        ring = box[0]
+        n = tf.bitcast(ring[self.rows, 0], tf.int32)
+        count = tf.pad(tf.reshape(tf.bitcast(n + 1, tf.float32), (1,)), [[0, sum(sizes) - 1]])
+        # This call's row and the count, in one update of the variable.
+        ring.scatter_nd_update(tf.stack([[n % self.rows], [self.rows]]), tf.stack([tf.concat(flat, 0), count]))
 
     def read(self) -> None:
         """The rows written since the last read, to their host functions (the main thread,
         between calls of the train function)."""
         for fn, box in list(self.boxes.items()):
-            ring, count, sizes, start = box
-            n = int(count.numpy())
+            ring, sizes, start = box
+            buf = ring.numpy()
+            n = int(buf[self.rows, :1].view(np.int32)[0])
             if n <= start:
                 continue
-            buf = ring.numpy()
             first = max(start, n - self.rows)
             self.missed += first - start
             for j in range(first, n):
@@ -478,7 +479,7 @@ class _Mailbox:
                     parts.append(buf[j % self.rows, off : off + size])
                     off += size
                 fn(*parts)
-            box[3] = n
+            box[2] = n
 
 
 class KerasDbg(Spoke):
@@ -597,9 +598,10 @@ class KerasDbg(Spoke):
             self._emit.open(self._receive_first_batch, (_FACTS_HEAD + self._features,))
             n = len(self._model.entries)
             self._emit.open(self._receive, (1, n, n, 1))
-        if self._ring is not None:
+        rows = self._ring.rows if self._ring is not None else getattr(self._emit, "rows", 0)
+        if rows:
             # Each read covers the batches since the last one: at most half the ring's rows.
-            self._read_every = max(1, min(16, self._ring.rows // (2 * self._per_call)))
+            self._read_every = max(1, min(16, rows // (2 * self._per_call)))
 
     def _add_ring(self, opt: Any) -> None:
         """On JAX, the update's numbers go into a ring buffer that the train step carries as an
@@ -1235,20 +1237,18 @@ class KerasDbg(Spoke):
 
     def batch_begin(self, batch: int) -> None:
         """Before a batch (the main thread): the steps delivered so far go to the engine (and a
-        confirmed ``halt_on`` failure stops fit). On JAX the rings are read every
-        ``_read_every`` batches, waiting for the device, elsewhere what the steps handed over
-        every batch; with ``halt_on`` or ``on_failure`` the previous batch's loss is waited for
-        too, so that a failure stops fit after the next batch at most."""
+        confirmed ``halt_on`` failure stops fit). The rings (JAX) and the mailbox (TensorFlow)
+        are read every ``_read_every`` batches, on JAX waiting for the device; with ``halt_on``
+        or ``on_failure`` every batch, and the previous batch's loss is waited for too, so that
+        a failure stops fit after the next batch at most."""
         self._measure_updates()
         self._begun += 1
+        self._batches += 1
         urgent = self._halt is not None or self._on_failure is not None
-        if self._ring is None:
-            self._read_host()
-        else:
-            self._batches += 1
-            if not urgent and self._batches % self._read_every:
-                return
-            self._read_ring(wait=True)
+        if not urgent and self._batches % self._read_every:
+            return
+        self._read_ring(wait=True)
+        self._read_host()
         if urgent:
             # Keras hands the logs to the callback on a worker thread: the loss of the batch
             # just trained comes from there (a bound on the wait, should that thread be stuck).
