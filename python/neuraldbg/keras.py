@@ -472,7 +472,14 @@ class _Mailbox:
             if n <= start:
                 continue
             first = max(start, n - self.rows)
-            self.missed += first - start
+            if first > start:  # cannot happen when read every few batches; said if it does
+                self.missed += first - start
+                warnings.warn(
+                    f"NeuralDBG missed {first - start} calls of {getattr(fn, '__name__', fn)}: more ran between "
+                    f"two reads than its ring holds ({self.rows} rows)",
+                    NeuralDbgWarning,
+                    stacklevel=3,
+                )
             for j in range(first, n):
                 parts, off = [], 0
                 for size in sizes:
