@@ -36,12 +36,12 @@ def grad_norms(model: Any, x: Any, y: Any) -> Dict[str, float]:
 
         with tf.GradientTape() as tape:
             loss = tf.reduce_mean((model(x, training=True) - y) ** 2)
-        grads = [g.numpy() for g in tape.gradient(loss, [v.value for v in variables])]
+        grads = [tf.convert_to_tensor(g).numpy() for g in tape.gradient(loss, [v.value for v in variables])]
     elif backend == "torch":
         import torch
 
-        out = model(torch.as_tensor(x), training=True)
-        loss = ((out - torch.as_tensor(y)) ** 2).mean()
+        out = model(torch.as_tensor(x, device=variables[0].value.device), training=True)
+        loss = ((out - torch.as_tensor(y, device=out.device)) ** 2).mean()
         grads = [g.detach().cpu().numpy() for g in torch.autograd.grad(loss, [v.value for v in variables])]
     else:
         raise SystemExit(f"no ground truth for the {backend} backend here")
@@ -210,6 +210,27 @@ def loops() -> Dict[str, Any]:
     model.fit(x, y, batch_size=32, epochs=1, shuffle=False, callbacks=[cb], verbose=0)
     out["loss_scale"] = {
         "scale": float(keras.ops.convert_to_numpy(opt.dynamic_scale)),
+        "first": {n: float(cb.dbg.history(n, "grad_norm")[1][0]) for n in truth},
+        "truth": truth,
+    }
+
+    # Token ids, some repeated in a batch: on TensorFlow the embedding's gradient is sparse rows.
+    ids = np.random.default_rng(1).integers(0, 50, size=(320, 12)).astype("int32")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((12,), dtype="int32"),
+            keras.layers.Embedding(50, 8),
+            keras.layers.GlobalAveragePooling1D(),
+            keras.layers.Dense(1),
+        ]
+    )
+    truth = grad_norms(model, ids[:32], y[:32])
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse", jit_compile=JIT)
+    cb = NeuralDbgCallback(verbose=False)
+    model.fit(ids, y[:320], batch_size=32, epochs=1, shuffle=False, callbacks=[cb], verbose=0)
+    out["embedding"] = {
+        "steps": cb.dbg.step,
         "first": {n: float(cb.dbg.history(n, "grad_norm")[1][0]) for n in truth},
         "truth": truth,
     }

@@ -50,7 +50,8 @@ def test_the_same_diagnosis_on_every_backend(backend: str, args: Any) -> None:
     scaled targets is quiet). Under XLA, where no host call can be compiled, the step hands its
     numbers over in variables: before, fit itself failed. Then the fit loops Keras users write:
     several steps per call (TensorFlow), gradient accumulation, a loss-scaling optimizer (its
-    gradients unscaled), a subclassed model with its own train step that fit builds itself
+    gradients unscaled), an embedding of token ids (before, on TensorFlow, no update was
+    observed: its gradient is sparse rows), a subclassed model with its own train step that fit builds itself
     (before, on TensorFlow, the callback raised at the start of fit)."""
     out = run(backend, *args)
 
@@ -90,6 +91,10 @@ def test_the_same_diagnosis_on_every_backend(backend: str, args: Any) -> None:
     assert scaled["scale"] > 1000.0  # the loss was scaled
     for name, norm in scaled["truth"].items():
         np.testing.assert_allclose(scaled["first"][name], norm, rtol=1e-4, err_msg=name)
+    embedding = loops["embedding"]  # on TensorFlow its gradient is rows (IndexedSlices), repeated ids among them
+    assert embedding["steps"] == 10
+    for name, norm in embedding["truth"].items():
+        np.testing.assert_allclose(embedding["first"][name], norm, rtol=1e-4, err_msg=name)
     sub = loops["subclassed"]
     assert not sub["built_before"] and not sub["wrapped"]
     assert sub["steps"] == 40 and sub["layers"] == sub["names"]

@@ -339,6 +339,20 @@ def _first_batch_stats(x: Any, y: Any, y_pred: Any, features: int) -> Any:
     return ops.concatenate(parts)
 
 
+def _sum_of_squares(g: Any) -> Any:
+    """A gradient's sum of squares (float32). A TensorFlow ``IndexedSlices`` (an embedding's
+    gradient) by its rows, those of a repeated index added together first."""
+    if hasattr(g, "indices") and hasattr(g, "values") and hasattr(g, "dense_shape"):
+        import tensorflow as tf
+
+        unique, position = tf.unique(g.indices)
+        g = tf.math.unsorted_segment_sum(g.values, position, tf.shape(unique)[0])
+    # |g| * |g|, not square(g): XLA would merge that with the optimizer's own square of the
+    # gradient and then write it to memory instead of fusing it into the update.
+    a = ops.abs(ops.cast(g, "float32"))
+    return ops.sum(a * a)
+
+
 def _wrap_call(obj: Any, make: Callable[[Any], Callable[..., Any]], name: str = "call") -> None:
     """Replaces ``obj.<name>`` for the run (an instance attribute, removed by
     :func:`_unwrap_call`); a wrapper left by an earlier run that raised is replaced, not
@@ -1074,12 +1088,7 @@ class KerasDbg(Spoke):
             grads = [
                 None if g is None else (ops.cast(g, "float32") + ops.cast(a, "float32")) / k for g, a in zip(grads, acc)
             ]
-        # |g| * |g|, not square(g): XLA would merge that with the optimizer's own square of the
-        # gradient and then write it to memory instead of fusing it into the update.
-        sq = [
-            None if g is None else ops.sum(ops.abs(ops.cast(g, "float32")) * ops.abs(ops.cast(g, "float32")))
-            for g in grads
-        ]
+        sq = [None if g is None else _sum_of_squares(g) for g in grads]
         missing = ops.convert_to_tensor(-1.0, dtype="float32")
         gn = ops.stack([ops.sqrt(sq[k]) if k >= 0 else missing for k in where])
         if scale is not None:
