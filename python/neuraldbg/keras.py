@@ -441,15 +441,14 @@ class _Mailbox:
     compiled by XLA (``jit_compile=True``, TensorFlow's default on a GPU) and would stop the
     user's ``fit``. Integer arrays travel as the bits of float32 (as on JAX)."""
 
-    # Rows per call site: the host reads after every call of the train function, which makes
-    # ``steps_per_execution`` steps; more than that many calls between two reads lose the oldest.
+    # Rows per call site: the host reads once the steps since its last read fill half of them
+    # (``KerasDbg._read_every``); more calls than rows between two reads would lose the oldest.
     ROWS = 64
 
     def __init__(self, per_call: int = 1) -> None:
         self.rows = max(self.ROWS, 4 * per_call)
         # fn -> [ring variable, sizes, next count to read]
         self.boxes: Dict[Any, List[Any]] = {}
-        self.missed = 0
 
     def open(self, fn: Callable[..., None], sizes: Tuple[int, ...]) -> None:
         """A box for ``fn``'s arrays (of these flattened sizes), made before the step is traced:
@@ -486,8 +485,7 @@ class _Mailbox:
             if n <= start:
                 continue
             first = max(start, n - self.rows)
-            if first > start:  # cannot happen when read every few batches; said if it does
-                self.missed += first - start
+            if first > start:  # not when read every few batches; said if it happens
                 warnings.warn(
                     f"NeuralDBG missed {first - start} calls of {getattr(fn, '__name__', fn)}: more ran between "
                     f"two reads than its ring holds ({self.rows} rows)",
@@ -569,7 +567,6 @@ class KerasDbg(Spoke):
         self._regression = False
         self._features = 0
         self._facts_sent = False
-        self._facts_row: Optional[np.ndarray] = None
 
     def start(self) -> None:
         opt = self._optimizer
@@ -741,14 +738,13 @@ class KerasDbg(Spoke):
         self._read_host()
 
     def _read_host(self) -> None:
-        """Off JAX (the owner thread, between batches): what the steps since the last read
-        handed over (on TensorFlow, the mailbox's rows), the first batch's facts among them."""
+        """TensorFlow (the owner thread, between batches): the rows the steps since the last
+        read wrote into the mailbox, the first batch's facts among them."""
         if isinstance(self._emit, _Mailbox):
             try:
                 self._emit.read()
             except Exception as e:  # pragma: no cover - a measure, never a reason to stop
                 warnings.warn(f"NeuralDBG could not read the train step's numbers: {e}", NeuralDbgWarning, stacklevel=2)
-        self._send_first_batch()
 
     def _watch_forward(self) -> None:
         """The statistics of each training forward pass (``training=True``), computed in the
@@ -846,16 +842,11 @@ class KerasDbg(Spoke):
         self._facts_var.assign(jax.lax.cond(old[0] == 1.0, lambda: old, measure))
 
     def _receive_first_batch(self, v: Any) -> None:
-        """The host side of the first batch's facts (kept until the owner thread sends them)."""
-        if not self._facts_sent and self._facts_row is None:
-            self._facts_row = np.array(v, dtype=np.float32)
-
-    def _send_first_batch(self) -> None:
-        """The first batch's facts received from the step, to the engine (the owner thread)."""
-        row, self._facts_row = self._facts_row, None
-        if row is not None and not self._facts_sent:
+        """The host side of the first batch's facts (the owner thread: the eager step, or the
+        mailbox's reading between batches); later batches' are not taken."""
+        if not self._facts_sent:
             self._facts_sent = True
-            self._amend_first_batch(row)
+            self._amend_first_batch(np.asarray(v))
 
     def _amend_first_batch(self, v: np.ndarray) -> None:
         """The first batch's facts to the engine (the owner thread; never raises): the targets'
