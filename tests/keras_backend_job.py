@@ -8,11 +8,20 @@ sees them). ``python tests/keras_backend_job.py [jit]``: ``jit`` compiles the st
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Any, Dict, List
 
-import keras
 import numpy as np
+
+if os.environ.get("KERAS_BACKEND") == "tensorflow":
+    import tensorflow as tf
+
+    # Two logical CPUs, for a distribution strategy of two replicas (before TensorFlow starts).
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+
+import keras
 
 from neuraldbg.keras import NeuralDbgCallback
 
@@ -253,6 +262,28 @@ def loops() -> Dict[str, Any]:
     return out
 
 
+def mirrored() -> Dict[str, Any]:
+    """TensorFlow, ``MirroredStrategy`` over two replicas: each computes its half of the batch's
+    gradient; the update applies their sum, the whole batch's gradient."""
+    import tensorflow as tf
+
+    x, y = data()
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    with strategy.scope():
+        model = small_mlp()
+        model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse", jit_compile=JIT)
+    truth = grad_norms(model, x[:32], y[:32])
+    cb = NeuralDbgCallback(verbose=False)
+    model.fit(x, y, batch_size=32, epochs=1, shuffle=False, callbacks=[cb], verbose=0)
+    return {
+        "replicas": strategy.num_replicas_in_sync,
+        "steps": cb.dbg.step,
+        "first": {n: float(cb.dbg.history(n, "grad_norm")[1][0]) for n in truth},
+        "truth": truth,
+        "rows": {fn.__name__: int(box[2]) for fn, box in cb.dbg._emit.boxes.items()},
+    }
+
+
 if __name__ == "__main__":
     out = {
         "backend": keras.backend.backend(),
@@ -262,4 +293,6 @@ if __name__ == "__main__":
         "bounded_output_scaled": bounded_output(True),
         "loops": loops(),
     }
+    if keras.backend.backend() == "tensorflow" and not JIT:  # (XLA: plain fit fails on logical CPUs)
+        out["mirrored"] = mirrored()
     print(json.dumps(out))

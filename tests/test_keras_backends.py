@@ -52,7 +52,9 @@ def test_the_same_diagnosis_on_every_backend(backend: str, args: Any) -> None:
     several steps per call (TensorFlow), gradient accumulation, a loss-scaling optimizer (its
     gradients unscaled), an embedding of token ids (before, on TensorFlow, no update was
     observed: its gradient is sparse rows), a subclassed model with its own train step that fit builds itself
-    (before, on TensorFlow, the callback raised at the start of fit)."""
+    (before, on TensorFlow, the callback raised at the start of fit). On TensorFlow, two
+    replicas of ``MirroredStrategy``: the update's gradient is their sum, the batch's (before,
+    each replica's own half, written by both)."""
     out = run(backend, *args)
 
     deep = out["deep_sigmoid"]
@@ -100,3 +102,10 @@ def test_the_same_diagnosis_on_every_backend(backend: str, args: Any) -> None:
     assert sub["steps"] == 40 and sub["layers"] == sub["names"]
     # Keras logs each epoch's mean batch loss: the per-batch losses recovered average to it.
     np.testing.assert_allclose(np.reshape(sub["losses"], (2, 20)).mean(axis=1), sub["loss"], rtol=1e-5)
+
+    if "mirrored" in out:
+        mirrored = out["mirrored"]
+        assert mirrored["replicas"] == 2 and mirrored["steps"] == 20
+        for name, norm in mirrored["truth"].items():
+            np.testing.assert_allclose(mirrored["first"][name], norm, rtol=1e-4, err_msg=name)
+        assert set(mirrored["rows"].values()) == {20}  # one row a step: the first replica's

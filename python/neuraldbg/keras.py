@@ -376,6 +376,17 @@ def _unwrap_call(obj: Any, name: str = "call") -> None:
         object.__setattr__(obj, name, kept)
 
 
+def _replicas(model: Any) -> int:
+    """The replicas a TensorFlow distribution strategy runs the step on (1 elsewhere)."""
+    if keras.backend.backend() != "tensorflow":
+        return 1
+    try:
+        n = int(model.distribute_strategy.num_replicas_in_sync)
+    except Exception:  # pragma: no cover - no strategy to ask
+        return 1
+    return max(n, 1)
+
+
 def _watched_optimizer(opt: Any) -> Any:
     """The optimizer that applies the updates: ``LossScaleOptimizer`` unwrapped."""
     while isinstance(opt, keras.optimizers.LossScaleOptimizer):
@@ -469,6 +480,11 @@ class _Mailbox:
         box = self.boxes.get(fn)
         if box is None or box[1] != sizes:
             raise ModelError(f"no box of sizes {sizes} for {getattr(fn, '__name__', fn)}")
+        replica = tf.distribute.get_replica_context()
+        # Under a strategy of several replicas the first writes: the others hold the same
+        # update (and forward passes of their own shards).
+        if replica is not None and tf.get_static_value(replica.replica_id_in_sync_group) not in (0, None):
+            return
         ring = box[0]
         n = tf.bitcast(ring[self.rows, 0], tf.int32)
         count = tf.pad(tf.reshape(tf.bitcast(n + 1, tf.float32), (1,)), [[0, sum(sizes) - 1]])
@@ -534,6 +550,8 @@ class KerasDbg(Spoke):
         per_call = getattr(model, "steps_per_execution", 1)
         self._per_call = per_call if isinstance(per_call, int) and per_call > 0 else 1
         self._emit = _emitter(keras.backend.backend(), self._per_call)
+        # TensorFlow: the replicas of the model's distribution strategy (1 without one).
+        self._replicas = _replicas(model)
         self._collecting: Optional[Dict[int, Any]] = None
         self._forwards = 0
         # JAX: the ring buffer the train step writes each update's numbers into (an optimizer
@@ -594,7 +612,7 @@ class KerasDbg(Spoke):
             self._original = current if current is not None and not hasattr(current, "_neuraldbg_inner") else None
 
             def apply(grads: Any, trainable_variables: Any = None) -> Any:
-                if self._active:
+                if self._active and self._replicas == 1:
                     try:
                         self._observe(grads, trainable_variables)
                     except Exception as e:  # our statistics failed to build: train on, unobserved
@@ -604,6 +622,8 @@ class KerasDbg(Spoke):
             apply._neuraldbg_inner = original  # type: ignore[attr-defined]
             # An instance attribute: `stateless_apply` and `apply_gradients` call `self.apply`.
             object.__setattr__(opt, "apply", apply)
+            if self._replicas > 1:
+                _wrap_call(opt, self._summed_call, "_all_reduce_sum_gradients")
             if keras.backend.backend() == "jax":
                 self._add_ring(opt)
         if self._measure_activations:
@@ -1049,6 +1069,8 @@ class KerasDbg(Spoke):
         for layer in self._wrapped_layers:
             _unwrap_call(layer)
         _unwrap_call(self.model, "compute_loss")
+        if self._optimizer is not None:
+            _unwrap_call(self._optimizer, "_all_reduce_sum_gradients")
         self._wrapped_layers = []
         opt = self._optimizer
         if opt is not None and hasattr(opt.__dict__.get("apply"), "_neuraldbg_inner"):
@@ -1058,8 +1080,28 @@ class KerasDbg(Spoke):
                 object.__setattr__(opt, "apply", self._original)
         self._finish()
 
-    def _observe(self, grads: Any, variables: Any) -> None:
-        """Traced inside the train step: the statistics of this update, sent to the host."""
+    def _summed_call(self, inner: Any) -> Callable[..., Any]:
+        """TensorFlow under a strategy of several replicas (each replica's gradient is its
+        shard's share): the optimizer's sum of them over the replicas for the run, where the
+        update is observed, as it will be applied (accumulated, clipped)."""
+        by_value = {id(v.value): v for v in self._model.variables}
+
+        def all_reduce(grads_and_vars: Any) -> Any:
+            summed = inner(grads_and_vars)
+            if self._active:
+                try:
+                    pairs = list(summed)
+                    self._observe([g for g, _ in pairs], [by_value.get(id(v)) for _, v in pairs], applied=True)
+                except Exception as e:  # our statistics failed to build: train on, unobserved
+                    warnings.warn(f"NeuralDBG cannot observe this update: {e}", NeuralDbgWarning, stacklevel=2)
+            return summed
+
+        return all_reduce
+
+    def _observe(self, grads: Any, variables: Any, applied: bool = False) -> None:
+        """Traced inside the train step: the statistics of this update, sent to the host
+        (``applied``: the gradients as the update applies them, already accumulated and
+        unscaled)."""
         opt = self._optimizer
         grads = list(grads)
         if variables is None:
@@ -1071,9 +1113,9 @@ class KerasDbg(Spoke):
             j = self._model.index.get(id(v))
             if j is not None and k < len(grads) and grads[k] is not None:
                 where[j] = k
-        scale = getattr(opt, "loss_scale_factor", None)
+        scale = None if applied else getattr(opt, "loss_scale_factor", None)
         k = self._accumulate
-        if k > 1:
+        if k > 1 and not applied:
             # The gradient the update will apply: this micro-batch's and the accumulated ones, averaged.
             acc = [opt._accumulated_gradients[opt._get_variable_index(v)] for v in variables]
             grads = [
