@@ -262,6 +262,52 @@ def loops() -> Dict[str, Any]:
     return out
 
 
+def host_reads() -> Dict[str, Any]:
+    """PyTorch: the times a train step reads a tensor on the host (``item``, ``bool``, ``cpu``,
+    ``numpy``, ``tolist``: each a wait for a GPU), plain and watched, over the same fit."""
+    import torch
+
+    names = ("item", "__bool__", "cpu", "numpy", "tolist")
+    originals = {n: getattr(torch.Tensor, n) for n in names}
+    inside = [False]
+    counts = [0]
+
+    def counting(name: str) -> Any:
+        def read(self: Any, *a: Any, **k: Any) -> Any:
+            if inside[0]:
+                counts[0] += 1
+            return originals[name](self, *a, **k)
+
+        return read
+
+    def fit(watched: bool) -> int:
+        model = small_mlp()
+        model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+        inner = model.train_step
+
+        def train_step(data: Any) -> Any:
+            inside[0] = True
+            try:
+                return inner(data)
+            finally:
+                inside[0] = False
+
+        model.train_step = train_step
+        x, y = data()
+        counts[0] = 0
+        callbacks = [NeuralDbgCallback(verbose=False)] if watched else []
+        model.fit(x, y, batch_size=32, epochs=1, shuffle=False, callbacks=callbacks, verbose=0)
+        return counts[0]
+
+    for n in names:
+        setattr(torch.Tensor, n, counting(n))
+    try:
+        return {"plain": fit(False), "watched": fit(True)}
+    finally:
+        for n, f in originals.items():
+            setattr(torch.Tensor, n, f)
+
+
 def mirrored() -> Dict[str, Any]:
     """TensorFlow, ``MirroredStrategy`` over two replicas: each computes its half of the batch's
     gradient; the update applies their sum, the whole batch's gradient."""
@@ -293,6 +339,8 @@ if __name__ == "__main__":
         "bounded_output_scaled": bounded_output(True),
         "loops": loops(),
     }
+    if keras.backend.backend() == "torch":
+        out["host_reads"] = host_reads()
     if keras.backend.backend() == "tensorflow" and not JIT:  # (XLA: plain fit fails on logical CPUs)
         out["mirrored"] = mirrored()
     print(json.dumps(out))

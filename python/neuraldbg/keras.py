@@ -16,8 +16,8 @@ go into a ring buffer the step carries as an optimizer variable, and the activat
 the forward pass into a second one, a non-trainable variable of the model; the host reads both
 from the fit loop's state every few batches (no host callback: one takes every call off JAX's
 fast dispatch path). On TensorFlow into ring variables of their own, read between batches
-(:class:`_Mailbox`: a host call cannot be compiled by XLA), on the eager PyTorch backend
-directly. That is also where a custom ``train_step`` that calls ``self.optimizer.apply(grads,
+(:class:`_Mailbox`: a host call cannot be compiled by XLA), on the eager PyTorch backend kept on
+the device and read between batches (:class:`_Deferred`). That is also where a custom ``train_step`` that calls ``self.optimizer.apply(grads,
 ...)`` (or ``stateless_apply``, or ``apply_gradients``) is seen. Variables are named by their
 layer: ``dense_2.kernel`` belongs to layer ``dense_2``.
 The loss is the fit loop's: the per-batch value is recovered from the running mean Keras logs.
@@ -401,7 +401,8 @@ def _symbolic(x: Any) -> bool:
 def _emitter(backend: str, per_call: int) -> Callable[..., Any]:
     """How a compiled train step hands arrays to a host function, per Keras backend. Returns
     an acknowledgement to fold into the step's result where the backend would otherwise prune
-    the call (JAX), else None. On TensorFlow a :class:`_Mailbox` (read between batches)."""
+    the call (JAX), else None. On TensorFlow a :class:`_Mailbox`, eagerly (PyTorch) a
+    :class:`_Deferred`: both read between batches."""
     if backend == "jax":
         import jax
         import jax.numpy as jnp
@@ -432,16 +433,39 @@ def _emitter(backend: str, per_call: int) -> Callable[..., Any]:
     if backend == "tensorflow":
         return _Mailbox(per_call)
 
-    def emit_eager(fn: Callable[..., None], *args: Any) -> None:
-        fn(*(ops.convert_to_numpy(a) for a in args))
-        return None
-
+    deferred = _Deferred()
     if backend == "torch":
         import torch
 
-        # Under jit_compile=True (torch.compile), a graph break: never traced into our host code.
-        return torch.compiler.disable(emit_eager)  # type: ignore[no-any-return]
-    return emit_eager
+        # Under jit_compile=True (torch.compile): a graph break, never traced into.
+        deferred.keep = torch.compiler.disable(deferred.keep)
+    return deferred
+
+
+class _Deferred:
+    """How an eager step (PyTorch) hands arrays to the host: each call's arrays are kept where
+    they are (copies, on the device) and handed over when the host reads between batches
+    (:meth:`read`, in call order): no copy to the host, so no wait for the device, in the step."""
+
+    # Calls kept between two reads: the host reads once the steps since its last read fill half
+    # of them (``KerasDbg._read_every``), as for the mailbox's rings.
+    rows = 64
+
+    def __init__(self) -> None:
+        self.calls: List[Tuple[Callable[..., None], Tuple[Any, ...]]] = []
+        self.keep: Callable[..., None] = self._keep
+
+    def __call__(self, fn: Callable[..., None], *args: Any) -> None:
+        self.keep(fn, *args)
+
+    def _keep(self, fn: Callable[..., None], *args: Any) -> None:
+        kept = tuple(a if isinstance(a, np.ndarray) else ops.copy(ops.stop_gradient(a)) for a in args)
+        self.calls.append((fn, kept))
+
+    def read(self) -> None:
+        calls, self.calls = self.calls, []
+        for fn, args in calls:
+            fn(*(ops.convert_to_numpy(a) for a in args))
 
 
 class _Mailbox:
@@ -550,6 +574,8 @@ class KerasDbg(Spoke):
         per_call = getattr(model, "steps_per_execution", 1)
         self._per_call = per_call if isinstance(per_call, int) and per_call > 0 else 1
         self._emit = _emitter(keras.backend.backend(), self._per_call)
+        # Eager backends: the calls of the optimizer's apply observed so far (batches).
+        self._applies = 0
         # TensorFlow: the replicas of the model's distribution strategy (1 without one).
         self._replicas = _replicas(model)
         self._collecting: Optional[Dict[int, Any]] = None
@@ -758,11 +784,13 @@ class KerasDbg(Spoke):
         self._read_host()
 
     def _read_host(self) -> None:
-        """TensorFlow (the owner thread, between batches): the rows the steps since the last
-        read wrote into the mailbox, the first batch's facts among them."""
-        if isinstance(self._emit, _Mailbox):
+        """Off JAX (the owner thread, between batches): what the steps since the last read
+        handed over (the mailbox's rows, the eager step's kept arrays), the first batch's facts
+        among them."""
+        read = getattr(self._emit, "read", None)
+        if read is not None:
             try:
-                self._emit.read()
+                read()
             except Exception as e:  # pragma: no cover - a measure, never a reason to stop
                 warnings.warn(f"NeuralDBG could not read the train step's numbers: {e}", NeuralDbgWarning, stacklevel=2)
 
@@ -1126,9 +1154,6 @@ class KerasDbg(Spoke):
         gn = ops.stack([ops.sqrt(sq[k]) if k >= 0 else missing for k in where])
         if scale is not None:
             gn = ops.where(gn >= 0, gn / scale, gn)
-        step = ops.convert_to_tensor(opt.iterations)
-        base = self._ring_base() if self._ring_var is not None else self._base
-        sampled = ops.logical_or(step - base < self._dense_steps, (step - base) % self._weight_every == 0)
         values = self._model.variables
 
         def norms() -> Any:
@@ -1137,8 +1162,20 @@ class KerasDbg(Spoke):
         def skip() -> Any:
             return ops.full((len(values),), -1.0, dtype="float32")
 
-        wn = ops.cond(sampled, norms, skip)
         lr = ops.cast(opt.learning_rate, "float32")
+        if isinstance(self._emit, _Deferred):
+            # Eager: the update count kept on the host (reading the variable, or branching on
+            # it, would wait for the device at every step). Each call of apply is a batch; with
+            # accumulation, k of them one update (``iterations``), the last one's row complete.
+            step = self._applies // k
+            self._applies += 1
+            wn = norms() if self._sampled(step) else skip()
+            self._emit(self._receive, np.asarray(self._base + step, np.int32), gn, wn, lr)
+            return
+        step = ops.convert_to_tensor(opt.iterations)
+        base = self._ring_base() if self._ring_var is not None else self._base
+        sampled = ops.logical_or(step - base < self._dense_steps, (step - base) % self._weight_every == 0)
+        wn = ops.cond(sampled, norms, skip)
         step32 = ops.cast(step, "int32")
         if self._ring_var is not None:
             # Updates made once this one is: with accumulation, a row is complete on the last micro-batch.
