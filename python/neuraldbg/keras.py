@@ -16,10 +16,11 @@ go into a ring buffer the step carries as an optimizer variable, and the activat
 the forward pass into a second one, a non-trainable variable of the model; the host reads both
 from the fit loop's state every few batches (no host callback: one takes every call off JAX's
 fast dispatch path). On TensorFlow into ring variables of their own, read between batches
-(:class:`_Mailbox`: a host call cannot be compiled by XLA), on the eager PyTorch backend kept on
-the device and read between batches (:class:`_Deferred`). That is also where a custom ``train_step`` that calls ``self.optimizer.apply(grads,
-...)`` (or ``stateless_apply``, or ``apply_gradients``) is seen. Variables are named by their
-layer: ``dense_2.kernel`` belongs to layer ``dense_2``.
+(:class:`_Mailbox`: a host call cannot be compiled by XLA); on the eager PyTorch backend kept
+on the device and read between batches (:class:`_Deferred`). That is also where a custom
+``train_step`` that calls ``self.optimizer.apply(grads, ...)`` (or ``stateless_apply``, or
+``apply_gradients``) is seen. Variables are named by their layer: ``dense_2.kernel`` belongs to
+layer ``dense_2``.
 The loss is the fit loop's: the per-batch value is recovered from the running mean Keras logs.
 What the compiled loss does with the output (and the weight penalties Keras adds to it) reaches
 the engine as facts when fit starts.
