@@ -264,17 +264,21 @@ def loops() -> Dict[str, Any]:
 
 def host_reads() -> Dict[str, Any]:
     """PyTorch: the times a train step reads a tensor on the host (``item``, ``bool``, ``cpu``,
-    ``numpy``, ``tolist``: each a wait for a GPU), plain and watched, over the same fit."""
+    ``numpy``, ``tolist``: each a wait for a GPU), plain and watched, over the same fit; on the
+    step's own thread (Keras reads the logs on a worker thread meanwhile)."""
+    import threading
+
     import torch
 
     names = ("item", "__bool__", "cpu", "numpy", "tolist")
     originals = {n: getattr(torch.Tensor, n) for n in names}
     inside = [False]
     counts = [0]
+    step_thread = threading.get_ident()
 
     def counting(name: str) -> Any:
         def read(self: Any, *a: Any, **k: Any) -> Any:
-            if inside[0]:
+            if inside[0] and threading.get_ident() == step_thread:
                 counts[0] += 1
             return originals[name](self, *a, **k)
 

@@ -114,5 +114,6 @@ def test_the_same_diagnosis_on_every_backend(backend: str, args: Any) -> None:
     if "host_reads" in out:
         # PyTorch: the watched step reads no tensor on the host beyond what the plain one does
         # (its numbers are kept on the device and read between batches); before, ~6 a step.
+        # Counted on the step's thread: Keras reads the logs on a worker thread meanwhile.
         reads = out["host_reads"]
         assert reads["watched"] <= reads["plain"], reads
