@@ -399,6 +399,12 @@ def _symbolic(x: Any) -> bool:
     return isinstance(x, keras.KerasTensor)
 
 
+def _unpack(row: np.ndarray, sizes: Tuple[int, ...]) -> List[np.ndarray]:
+    """The arrays a step packed end to end into ``row`` (float32, of these flattened sizes)."""
+    ends = np.cumsum(sizes)
+    return [row[end - size : end] for size, end in zip(sizes, ends)]
+
+
 def _emitter(backend: str, per_call: int) -> Callable[..., Any]:
     """How a compiled train step hands arrays to a host function, per Keras backend. Returns
     an acknowledgement to fold into the step's result where the backend would otherwise prune
@@ -409,12 +415,7 @@ def _emitter(backend: str, per_call: int) -> Callable[..., Any]:
         import jax.numpy as jnp
 
         def host(fn: Callable[..., None], sizes: Tuple[int, ...], packed: Any) -> np.ndarray:
-            v = np.asarray(packed, dtype=np.float32)
-            parts, off = [], 0
-            for n in sizes:
-                parts.append(v[off : off + n])
-                off += n
-            fn(*parts)
+            fn(*_unpack(np.asarray(packed, dtype=np.float32), sizes))
             return np.zeros((), np.float32)
 
         def emit_jax(fn: Callable[..., None], *args: Any) -> Any:
@@ -534,11 +535,7 @@ class _Mailbox:
                     stacklevel=3,
                 )
             for j in range(first, n):
-                parts, off = [], 0
-                for size in sizes:
-                    parts.append(buf[j % self.rows, off : off + size])
-                    off += size
-                fn(*parts)
+                fn(*_unpack(buf[j % self.rows], sizes))
             box[2] = n
 
 
