@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 from typing import Any, Dict, List
 
 import numpy as np
@@ -23,6 +24,7 @@ if os.environ.get("KERAS_BACKEND") == "tensorflow":
 
 import keras
 
+import neuraldbg
 from neuraldbg.keras import NeuralDbgCallback
 
 JIT = "jit" in sys.argv[1:]
@@ -312,6 +314,55 @@ def host_reads() -> Dict[str, Any]:
             setattr(torch.Tensor, n, f)
 
 
+def interrupted(path: str) -> Dict[str, Any]:
+    """Fits that raise: a callback of the user's at the third batch, then Ctrl-C in the fifth
+    step (Keras calls no ``on_train_end`` then). What the watch left behind, and the fits after."""
+    import io
+    from contextlib import redirect_stdout
+
+    x, y = data()
+    model = small_mlp()
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse", jit_compile=JIT)
+    model.optimizer.build(model.trainable_variables)
+    n_vars, n_opt = len(model.variables), len(model.optimizer.variables)
+
+    class Raise(keras.callbacks.Callback):
+        def __init__(self, error: BaseException, at: int) -> None:
+            super().__init__()
+            self.error, self.at = error, at
+
+        def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+            if batch == self.at:
+                raise self.error
+
+    out: Dict[str, Any] = {}
+    for name, error, at in (("callback", RuntimeError("the user's"), 2), ("ctrl_c", KeyboardInterrupt(), 4)):
+        cb = NeuralDbgCallback(trace=os.path.join(path, f"{name}.ndbg"))
+        printed = io.StringIO()
+        try:
+            with redirect_stdout(printed):
+                model.fit(x, y, batch_size=32, epochs=2, shuffle=False, callbacks=[cb, Raise(error, at)], verbose=0)
+            raised = None
+        except BaseException as e:  # (KeyboardInterrupt included)
+            raised = e
+        out[name] = {
+            "same_error": raised is error,
+            "steps": cb.dbg.step,
+            "active": cb.dbg._active,
+            "trace_steps": neuraldbg.load(os.path.join(path, f"{name}.ndbg")).step,
+            "printed": printed.getvalue().splitlines()[:1],
+            "wrapped": sorted(k for k in ("call", "compute_loss", "train_step") if k in model.__dict__),
+            "variables": [len(model.variables), n_vars],
+            "optimizer_variables": [len(model.optimizer.variables), n_opt],
+        }
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)  # unwatched: the last debugger sees none of it
+    out["after"] = {"steps": cb.dbg.step}
+    cb = NeuralDbgCallback(verbose=False)
+    model.fit(x, y, batch_size=32, epochs=1, callbacks=[cb], verbose=0)
+    out["watched_again"] = {"steps": cb.dbg.step}
+    return out
+
+
 def mirrored() -> Dict[str, Any]:
     """TensorFlow, ``MirroredStrategy`` over two replicas: each computes its half of the batch's
     gradient; the update applies their sum, the whole batch's gradient."""
@@ -343,6 +394,8 @@ if __name__ == "__main__":
         "bounded_output_scaled": bounded_output(True),
         "loops": loops(),
     }
+    with tempfile.TemporaryDirectory() as tmp:
+        out["interrupted"] = interrupted(tmp)
     if keras.backend.backend() == "torch":
         out["host_reads"] = host_reads()
     if keras.backend.backend() == "tensorflow" and not JIT:  # (XLA: plain fit fails on logical CPUs)

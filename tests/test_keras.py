@@ -220,6 +220,15 @@ def test_functional_validation_and_user_callbacks(tmp_path: Any) -> None:
     assert not [v for v in model.non_trainable_variables if v.name.startswith("neuraldbg")]
 
 
+def test_a_fit_that_raises_ends_its_watch(tmp_path: Any) -> None:
+    """A callback of the user's raising, then Ctrl-C: Keras calls no ``on_train_end``; the
+    watch ends where fit is left (the checks: ``tests/test_keras_backends.py``)."""
+    from keras_backend_job import interrupted
+    from test_keras_backends import assert_interrupted
+
+    assert_interrupted(interrupted(str(tmp_path)))
+
+
 def test_ring_buffer_leaves_no_trace_in_the_optimizer_or_a_checkpoint(tmp_path: Any) -> None:
     """On JAX the numbers travel in a ring buffer the train step carries as an optimizer variable
     for the run: every batch arrives (more batches than the ring has rows, with

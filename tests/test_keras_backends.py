@@ -36,6 +36,23 @@ def run(backend: str, *args: str) -> Dict[str, Any]:
     return out
 
 
+def assert_interrupted(out: Dict[str, Any]) -> None:
+    """What ``keras_backend_job.interrupted`` must find: the user's exception itself, the steps
+    trained until it, the trace closed and readable, the model and its optimizer as before,
+    later fits unobserved unless watched again (before, on every backend: the wrappers stayed,
+    the next unwatched fit was observed, no trace was closed)."""
+    for name, steps in (("callback", 3), ("ctrl_c", 5)):
+        got = out[name]
+        assert got["same_error"], got
+        assert got["steps"] == got["trace_steps"] == steps and not got["active"], got
+        assert got["printed"][0].startswith(f"NeuralDBG: {steps} steps observed before fit raised"), got
+        assert got["wrapped"] == [], got
+        assert got["variables"][0] == got["variables"][1], got
+        assert got["optimizer_variables"][0] == got["optimizer_variables"][1], got
+    assert out["after"]["steps"] == 5
+    assert out["watched_again"]["steps"] == 20
+
+
 @pytest.mark.parametrize(
     ("backend", "args"),
     [("tensorflow", ()), ("tensorflow", ("jit",)), ("torch", ())],
@@ -103,6 +120,8 @@ def test_the_same_diagnosis_on_every_backend(backend: str, args: Any) -> None:
     assert sub["steps"] == 40 and sub["layers"] == sub["names"]
     # Keras logs each epoch's mean batch loss: the per-batch losses recovered average to it.
     np.testing.assert_allclose(np.reshape(sub["losses"], (2, 20)).mean(axis=1), sub["loss"], rtol=1e-5)
+
+    assert_interrupted(out["interrupted"])
 
     if "mirrored" in out:
         mirrored = out["mirrored"]

@@ -34,6 +34,7 @@ import json
 import os
 import threading
 import warnings
+import weakref
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import numpy as np
@@ -1358,12 +1359,42 @@ class KerasDbg(Spoke):
         return f"KerasDbg({type(self.model).__name__}, step={self.step}, {state})"
 
 
+# The callbacks whose fit is running (see _guard_fit).
+_IN_FIT: weakref.WeakSet[NeuralDbgCallback] = weakref.WeakSet()
+
+
+def _guard_fit() -> None:
+    """Makes ``keras.Model.fit`` end the watch of a fit it leaves by an exception (a callback
+    of the user's that raises, Ctrl-C, an error in the step): Keras then calls no
+    ``on_train_end``, and the wrappers would stay on the model, observe its next fits and
+    leave no trace or report. Installed once, by the first callback made (which is before the
+    fit it is given to begins); a fit without one only passes through. The exception is
+    re-raised unchanged."""
+    fit = keras.Model.fit
+    if getattr(fit, "_neuraldbg_guard", False):
+        return
+
+    @functools.wraps(fit)
+    def guarded_fit(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fit(self, *args, **kwargs)
+        except BaseException as e:
+            for cb in [c for c in _IN_FIT if c._fit_model is self]:
+                cb._end(error=e)
+            raise
+
+    guarded_fit._neuraldbg_guard = True  # type: ignore[attr-defined]
+    keras.Model.fit = guarded_fit
+
+
 class NeuralDbgCallback(keras.callbacks.Callback):
     """Watches ``model.fit`` and explains why training failed: one line in ``callbacks=``.
 
     ``callback.dbg`` is the run's debugger (``events``, ``explain_failure()``, ``history()``,
     ``save_report()``...); ``dbg.step`` equals the number of batches trained. At the end of
-    ``fit`` the diagnosis is printed (``verbose``), and the trace and report are written.
+    ``fit`` the diagnosis is printed (``verbose``), and the trace and report are written; also
+    when ``fit`` raises (Ctrl-C, a callback's error), with the steps trained until then, the
+    model left as it was.
 
     Args:
         trace: a path for the trace, or None (default): none is written.
@@ -1397,18 +1428,22 @@ class NeuralDbgCallback(keras.callbacks.Callback):
         )
         self.verbose = verbose
         self.dbg: Optional[KerasDbg] = None
+        self._fit_model: Any = None
         # Checked here, so that a bad option fails at construction rather than inside fit.
         check = dict(self.options)
         activations = check.pop("activations", True)
         if not isinstance(activations, bool):
             raise ConfigError(f"activations must be True or False, got {activations!r}")
         Spoke(**check)
+        _guard_fit()
 
     def on_train_begin(self, logs: Optional[Dict[str, Any]] = None) -> None:
         model = self.model
         if getattr(model, "optimizer", None) is None:
             raise NeuralDbgError("NeuralDbgCallback needs a compiled model (model.compile(optimizer=...))")
         self.dbg = None
+        self._fit_model = model
+        _IN_FIT.add(self)
         if not getattr(model, "built", True) and keras.backend.backend() == "tensorflow":
             # TensorFlow's fit builds a model it was not given built (a subclassed one) in its
             # first traced step: the watch begins there, before that step's own computation.
@@ -1484,17 +1519,36 @@ class NeuralDbgCallback(keras.callbacks.Callback):
             self.dbg.epoch_end()
 
     def on_train_end(self, logs: Optional[Dict[str, Any]] = None) -> None:
-        _unwrap_call(self.model, "train_step")
-        dbg = self.dbg
-        if dbg is None:
+        self._end()
+
+    def _end(self, error: Optional[BaseException] = None) -> None:
+        """The watch of this fit ends: the model unwrapped, the steps read, the trace and report
+        written, the diagnosis printed. After ``error`` (fit raised it) nothing here may replace
+        it: a failure is a warning."""
+        model = self._fit_model
+        _IN_FIT.discard(self)
+        self._fit_model = None
+        if model is None:
             return
-        dbg.stop()
-        if dbg._trace_key() is None:
-            # The next fit traces a train function without the wrapper (on JAX the step's
-            # state, without the rings, tells the two apart).
-            self.model.train_function = None
-        if self.verbose:
-            confirmed = [h for h in dbg.explain_failure() if h.confidence >= 0.5]
-            lines = [f"NeuralDBG: {dbg.step} steps observed"]
-            lines += [f"  {h}" for h in confirmed[:5]] if confirmed else ["no failure detected"]
-            print("\n".join(lines))
+        try:
+            _unwrap_call(model, "train_step")
+            dbg = self.dbg
+            if dbg is None:
+                return
+            dbg.stop()
+            if dbg._trace_key() is None:
+                # The next fit traces a train function without the wrapper (on JAX the step's
+                # state, without the rings, tells the two apart).
+                model.train_function = None
+            if self.verbose:
+                confirmed = [h for h in dbg.explain_failure() if h.confidence >= 0.5]
+                raised = f" before fit raised {type(error).__name__}" if error is not None else ""
+                lines = [f"NeuralDBG: {dbg.step} steps observed{raised}"]
+                lines += [f"  {h}" for h in confirmed[:5]] if confirmed else ["no failure detected"]
+                print("\n".join(lines))
+        except Exception as e:
+            if error is None:
+                raise
+            warnings.warn(
+                f"NeuralDBG could not end the watch of the fit that raised: {e}", NeuralDbgWarning, stacklevel=3
+            )
