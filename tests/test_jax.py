@@ -557,6 +557,58 @@ def test_params_pytree_plain_optax_and_schedule_lr(tmp_path: Any) -> None:
     assert "Dense_0" in html
 
 
+def test_code_written_for_the_unwrapped_state_runs_on_the_watched_one() -> None:
+    """What training code does with an optax state, done with the watched one: a linen
+    ``TrainState`` saved with ``flax.serialization`` (before: "can not serialize 'WatchState'"),
+    its checkpoint loaded by a run watched or not, either way round; the learning rate read and
+    changed through ``opt_state.hyperparams`` (optax's way between steps; before: no attribute
+    ``hyperparams``); a chain's states by index; the state pickled."""
+    import pickle
+
+    serialization = pytest.importorskip("flax.serialization")
+    train_state = pytest.importorskip("flax.training.train_state")
+    x, y = data(64)
+    params = {"w": jnp.full((8, 1), 0.1, jnp.float32), "b": jnp.zeros((1,), jnp.float32)}
+
+    def loss_fn(p: Any) -> Any:
+        return jnp.mean((x[:32] @ p["w"] + p["b"] - y[:32]) ** 2)
+
+    def trained(tx: Any) -> Any:
+        ts = train_state.TrainState.create(apply_fn=None, params=params, tx=tx)
+        for _ in range(3):
+            ts = ts.apply_gradients(grads=jax.grad(loss_fn)(ts.params))  # (the loss it cannot pass)
+        return ts
+
+    plain = trained(optax.adam(1e-2))
+    with NeuralDbg(params) as dbg:
+        watched = trained(dbg.wrap(optax.adam(1e-2)))
+        fresh = train_state.TrainState.create(apply_fn=None, params=params, tx=dbg.wrap(optax.adam(1e-2)))
+        # An unwatched run's checkpoint into a watched run: the inner state restored, the ring its own.
+        loaded = serialization.from_bytes(fresh, serialization.to_bytes(plain))
+        assert loaded.opt_state.ring is fresh.opt_state.ring
+        back = serialization.from_bytes(plain, serialization.to_bytes(watched))  # and the other way
+    assert serialization.to_bytes(watched) == serialization.to_bytes(plain)  # the same training, the same bytes
+    for a, b in zip(jax.tree.leaves(loaded.opt_state.inner), jax.tree.leaves(plain.opt_state)):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(jax.tree.leaves(back.opt_state), jax.tree.leaves(watched.opt_state.inner)):
+        np.testing.assert_array_equal(a, b)
+    assert dbg.step == 3
+
+    with NeuralDbg(params) as dbg:
+        tx = dbg.wrap(optax.inject_hyperparams(optax.sgd)(learning_rate=0.1))
+        state = tx.init(params)
+        step = jax.jit(lambda p, s: tx.update(jax.grad(loss_fn)(p), s, p, value=loss_fn(p)))
+        for lr in (0.1, 0.01):
+            state.hyperparams["learning_rate"] = lr
+            _, state = step(params, state)
+        assert float(state.hyperparams["learning_rate"]) == np.float32(0.01)
+        chain = dbg.wrap(optax.chain(optax.clip(1.0), optax.sgd(0.1))).init(params)
+        assert type(chain[1]).__name__ == type(optax.sgd(0.1).init(params)).__name__
+        copy = pickle.loads(pickle.dumps(state))
+        assert float(copy.hyperparams["learning_rate"]) == np.float32(0.01)
+    np.testing.assert_allclose(dbg.history(None, "lr")[1][:2], [0.1, 0.01], rtol=1e-6)
+
+
 def test_bad_input_is_a_clear_error() -> None:
     with pytest.raises(ModelError, match="no floating-point parameter"):
         NeuralDbg({"step": jnp.zeros((), jnp.int32)})

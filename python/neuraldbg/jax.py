@@ -163,8 +163,35 @@ class WatchState:
         """The number of updates made (a scalar array)."""
         return as_i32(jnp.asarray(self.ring)[-1, 0])
 
+    # Code written for the unwrapped state reads it through this one: ``opt_state.hyperparams``
+    # (``inject_hyperparams``), ``opt_state[0]`` (a chain's states).
+    def __getattr__(self, name: str) -> Any:
+        if name in WatchState.__slots__ or name.startswith("__"):  # (a slot not set yet: unpickling)
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.inner[index]
+
     def __repr__(self) -> str:
         return f"WatchState(inner={self.inner!r}, ring={getattr(self.ring, 'shape', self.ring)})"
+
+
+def _serializable() -> None:
+    """flax's checkpoints (``flax.serialization.to_bytes``, ``to_state_dict``: a linen
+    ``TrainState`` saved whole) see a :class:`WatchState` as its inner state: a checkpoint
+    saved while watched loads into an unwatched run and the other way round, and restoring
+    keeps the target's ring (the run's own). Once, where flax is installed."""
+    try:
+        from flax import serialization
+    except ImportError:
+        return
+    serialization.register_serialization_state(
+        WatchState,
+        lambda s: serialization.to_state_dict(s.inner),
+        lambda target, state: WatchState(serialization.from_state_dict(target.inner, state), target.ring, target.key),
+        override=True,  # (registered again by each wrap: the same functions)
+    )
 
 
 def _key_name(k: Any) -> str:
@@ -535,6 +562,7 @@ class NeuralDbg(Spoke):
         else:
             rows = check_int("buffer", buffer, 1)
         inner = optax.with_extra_args_support(tx)
+        _serializable()
         if not self._wrapped:
             self._wrapped = True
             self._optimizer = optimizer_kind(inner)
