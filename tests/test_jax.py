@@ -212,6 +212,44 @@ def test_nan_batch_is_named_at_its_step() -> None:
     assert h.step == 7
 
 
+def test_the_batch_given_as_inputs_is_measured_and_a_nan_batch_is_the_datas() -> None:
+    """``optimizer.update(model, grads, value=loss, inputs=x)``: each batch's scale, as numpy
+    reads it, at its step; a NaN batch is then bad input data at its step (without it the
+    spoke sees only the gradients, and the cause of the NaN is not the data's). A batch of
+    token ids alone is not taken for one (no floating-point array)."""
+    model = MLP(3, 32, nnx.Rngs(0))
+    x, y = data()
+    x[7 * 32 + 3, 2] = np.nan
+
+    @nnx.jit
+    def step(model: Any, optimizer: Any, xb: Any, yb: Any) -> Any:
+        loss, grads = nnx.value_and_grad(mse)(model, xb, yb)
+        optimizer.update(model, grads, value=loss, inputs={"ids": jnp.zeros((32, 4), jnp.int32), "x": xb})
+        return loss
+
+    with NeuralDbg(model) as dbg:
+        optimizer = nnx.Optimizer(model, dbg.wrap(optax.sgd(0.01), learning_rate=0.01), wrt=nnx.Param)
+        for i in range(12):
+            step(model, optimizer, x[i * 32 : (i + 1) * 32], y[i * 32 : (i + 1) * 32])
+    steps, scale = dbg.history(None, "input_scale")
+    assert list(steps) == list(range(12))
+    truth = np.abs(x[: 12 * 32]).reshape(12, 32, 8).max(axis=(1, 2))
+    finite = [i for i in range(12) if i != 7]
+    np.testing.assert_allclose(scale[finite], truth[finite], rtol=1e-6)
+    assert not np.isfinite(scale[7])
+    h = dbg.explain_failure()[0]
+    assert (str(h.failure), str(h.cause), h.step) == ("data_anomaly", "bad_input_data", 7) and h.confidence >= 0.5
+
+    # Token ids only: nothing measured, nothing claimed about them.
+    with NeuralDbg(MLP(1, 8, nnx.Rngs(0))) as ids_only:
+        params = nnx.state(ids_only.model, nnx.Param)
+        tx = ids_only.wrap(optax.sgd(0.01))
+        grads = jax.tree.map(jnp.zeros_like, params)
+        tx.update(grads, tx.init(params), params, inputs=jnp.zeros((4, 3), jnp.int32))
+    ids_steps, ids_scale = ids_only.history(None, "input_scale")
+    assert list(ids_steps) == [0] and np.isnan(ids_scale[0])
+
+
 def test_no_step_lost_when_the_loop_never_waits() -> None:
     """A loop that never reads a result while it runs (so the device may be steps behind) and a
     ring far shorter than the run: every update arrives once, in order, with the loss the loop

@@ -176,9 +176,10 @@ class RingReader:
     """Reads the ring buffers a compiled step keeps in its state, on the device, in step order
     once the device has computed them (any thread; never raises). A buffer is ``[rows + 1,
     width]`` float32: row ``step % rows`` holds that step's numbers (``[step, flags, loss, lr,
-    grad norms, parameter norms]``, the step and flags as int32 bits), the last row the number
-    of steps made and :data:`RING_MARKER`. ``post(step, flags, row)`` takes each row read (by
-    default the spoke's :meth:`Spoke._post_row`)."""
+    grad norms, parameter norms, input statistics where the flags say]``, the step and flags
+    as int32 bits), the last row the number of steps made and :data:`RING_MARKER`.
+    ``post(step, flags, row)`` takes each row read (by default the spoke's
+    :meth:`Spoke._post_row`)."""
 
     def __init__(
         self,
@@ -486,16 +487,19 @@ class Spoke(Results):
         n = self._n_params
         grads = row[RING_HEAD : RING_HEAD + n].copy()
         weights = row[RING_HEAD + n : RING_HEAD + 2 * n].copy() if flags & HAS_WEIGHTS and self._sampled(step) else None
+        inputs = row[RING_HEAD + 2 * n : RING_HEAD + 2 * n + INPUT_STATS].copy() if flags & HAS_INPUTS else None
         loss = float(row[2]) if flags & HAS_LOSS else None
         lr = float(row[3]) if flags & HAS_LR else None
-        self._post(Record(step, grads=grads, weights=weights, loss=loss, lr=lr, has_loss=not self._loss_apart))
+        self._post(
+            Record(step, grads=grads, weights=weights, inputs=inputs, loss=loss, lr=lr, has_loss=not self._loss_apart)
+        )
 
     def _post_squares(self, step: int, flags: int, row: np.ndarray) -> None:
         """A row as a compiled JAX step writes it, with sums of squares where :meth:`_post_row`
         takes norms: their square roots are taken here (in the step they would be one more
         kernel); -1 (absent) and NaN stay as they are."""
         row = row.copy()
-        roots(row[RING_HEAD:])
+        roots(row[RING_HEAD : RING_HEAD + 2 * self._n_params])
         self._post_row(step, flags, row)
 
     def _loss_of(self, r: Record) -> Optional[float]:

@@ -12,7 +12,7 @@
         def train_step(model, optimizer, x, y):
             loss, grads = nnx.value_and_grad(loss_fn)(model, x, y)
             optimizer.update(model, grads, value=loss)   # the loss as optax's `value=`
-            return loss
+            return loss                                  # (`inputs=x` too: the batch's scale)
         ...
     for h in dbg.explain_failure():
         print(h)
@@ -40,9 +40,11 @@ import weakref
 from typing import Any, Callable, Dict, Iterable, List, Literal, Optional, Tuple, Union
 
 from ._spoke import (
+    HAS_INPUTS,
     HAS_LOSS,
     HAS_LR,
     HAS_WEIGHTS,
+    INPUT_STATS,
     RING_BYTES,
     RING_HEAD,
     RING_MARKER,
@@ -192,6 +194,15 @@ def _serializable() -> None:
         lambda target, state: WatchState(serialization.from_state_dict(target.inner, state), target.ring, target.key),
         override=True,  # (registered again by each wrap: the same functions)
     )
+
+
+def _first_float(x: Any) -> Any:
+    """The first floating-point array of a batch (an array, or a pytree of them), None when it
+    has none (token ids only, or no batch given)."""
+    for leaf in jax.tree.leaves(x):
+        if hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.floating) and jnp.ndim(leaf) >= 1:
+            return jnp.asarray(leaf)
+    return None
 
 
 def _key_name(k: Any) -> str:
@@ -527,7 +538,10 @@ class NeuralDbg(Spoke):
         parameter norms on sampled steps, the loss (optax's ``value=`` extra argument, as
         ``reduce_on_plateau`` takes it) and the learning rate, written into a ring buffer in the
         transformation's state that the host reads once in up to 16 updates. The updates
-        are ``tx``'s own, unchanged.
+        are ``tx``'s own, unchanged. Given the batch as the extra argument ``inputs=``
+        (``optimizer.update(model, grads, value=loss, inputs=x)``), the minimum, maximum,
+        mean and spread of its first floating-point array too (the scale of the data, a NaN
+        batch): what the PyTorch spoke reads at the model's input.
 
         ``learning_rate``: the rate or schedule ``tx`` was built with (a float or an optax
         schedule, evaluated at the step inside the compiled update), so that the diagnosis
@@ -556,7 +570,7 @@ class NeuralDbg(Spoke):
         ):
             raise ConfigError(f"learning_rate must be a number or an optax schedule, got {learning_rate!r}")
         n = len(self._model.entries)
-        width = RING_HEAD + 2 * n
+        width = RING_HEAD + 2 * n + INPUT_STATS
         if buffer is None:
             rows = max(16, min(256, 2 ** int(math.log2(max(RING_BYTES // (4 * width), 1)))))
         else:
@@ -603,6 +617,13 @@ class NeuralDbg(Spoke):
             else:
                 lr = jnp.float32(learning_rate)
             flags = (HAS_LOSS if value is not None else 0) | (HAS_LR if lr is not None else 0)
+            batch = _first_float(extra.get("inputs"))
+            if batch is not None:
+                flags |= HAS_INPUTS
+                batch = jax.lax.stop_gradient(batch).astype(jnp.float32)
+                inputs = jnp.stack([jnp.min(batch), jnp.max(batch), jnp.mean(batch), jnp.std(batch)])
+            else:
+                inputs = jnp.full((INPUT_STATS,), jnp.nan, jnp.float32)
             grads = squares(leaves, where)
             if params is not None:
                 flags |= HAS_WEIGHTS
@@ -617,7 +638,7 @@ class NeuralDbg(Spoke):
             else:
                 weights = jnp.full((n,), -1.0, jnp.float32)
             head = jnp.stack([as_f32(count), as_f32(flags), loss, lr if lr is not None else jnp.float32(0)])
-            row = jnp.concatenate([head, grads, weights])
+            row = jnp.concatenate([head, grads, weights, inputs])
             # One select writes the row and the new count: nnx.jit does not donate the state, so
             # the buffer is copied anyway, and the select is that copy.
             return write_row(buf, count % rows, row, {0: as_f32(count + 1)})
