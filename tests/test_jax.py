@@ -140,6 +140,10 @@ def test_learning_rate_too_high_explosion_named() -> None:
     # Confirmed while training ran: on_failure heard it, and halt_on marked the run.
     assert any(str(c.failure) == "exploding_gradients" for c in confirmed)
     assert dbg.halted and str(dbg.halted[0].failure) == "exploding_gradients"
+    # The fixes are said in optax's terms, not PyTorch's.
+    fixes = [r for h in dbg.explain_failure() for r in h.remedies]
+    assert "clip gradients: optax.chain(optax.clip_by_global_norm(1.0), tx)" in fixes
+    assert not [r for r in fixes if "torch" in r]
 
 
 @pytest.mark.parametrize(("make", "lr", "kind"), [(optax.adam, 1e-6, "Adam"), (optax.sgd, 1e-4, None)])

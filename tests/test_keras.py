@@ -357,6 +357,9 @@ def test_nan_batch_and_halt_on_stops_fit() -> None:
     h = dbg.explain_failure("non_finite")[0]
     assert h.confidence >= 0.5 and h.step == 5
     assert str(h.cause) == "bad_input_data"  # the forward pass measured the NaN in batch 5
+    assert "inspect the batch of step 5: assert np.isfinite(x).all() in the data pipeline" in h.remedies
+    # Keras' terms (the NaN check names each backend's, PyTorch's among them).
+    assert not [r for h in dbg.explain_failure() for r in h.remedies if "torch" in r and "on PyTorch" not in r]
     assert dbg.halted is not None
     # Stopped after the next batch: the step of batch 5 is read (waiting for the device and for
     # its loss) before batch 6 starts, and Keras looks at stop_training after each batch.

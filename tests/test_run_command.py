@@ -518,6 +518,138 @@ def test_diff_says_where_two_runs_part(tmp_path: Path) -> None:
     assert f'Events only in <span class="b">B</span> ({len(d["only_b"])})' in page
 
 
+KERAS = """
+    import argparse, sys
+    import numpy as np
+    import keras
+    p = argparse.ArgumentParser()
+    p.add_argument("--nan-at", type=int, default=-1)
+    a = p.parse_args()
+    x = np.random.default_rng(0).normal(size=(640, 16)).astype("float32")
+    y = (np.sin(x[:, :1]) + 0.5 * x[:, 1:2]).astype("float32")
+    if a.nan_at >= 0:
+        x[a.nan_at * 32 + 1, 3] = np.nan
+    keras.utils.set_random_seed(0)
+    layers = [keras.layers.Dense(32, activation="sigmoid", name=f"h{i}") for i in range(12)]
+    model = keras.Sequential([keras.Input((16,)), *layers, keras.layers.Dense(1, name="out")])
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+
+    class Losses(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            print("batch", batch, flush=True)
+
+    model.fit(x, y, batch_size=32, epochs=2, shuffle=False, callbacks=[Losses()], verbose=0)
+    print("iterations", int(keras.ops.convert_to_numpy(model.optimizer.iterations)))
+    print("torch imported", "torch" in sys.modules)
+"""
+
+
+def _keras_env(monkeypatch: Any) -> None:
+    pytest.importorskip("keras")
+    pytest.importorskip("jax")
+    monkeypatch.setenv("KERAS_BACKEND", "jax")
+
+
+def test_a_keras_script_unchanged(tmp_path: Path, monkeypatch: Any) -> None:
+    """Each ``model.fit`` of a Keras script gets the callback, the user's own beside it: the
+    deep sigmoid stack's vanishing gradients named at the right layer, every batch a step, the
+    trace the same run; torch is not imported for it. ``--steps`` stops the script between
+    batches; ``--halt-on`` stops it at a NaN batch (exit 3)."""
+    _keras_env(monkeypatch)
+    r = run(tmp_path, KERAS, "--json", "d.json", "--out", "o", "SCRIPT", timeout=400)
+    assert r.returncode == 0, r.stderr
+    iterations = int(re.search(r"^iterations (\d+)$", r.stdout, re.M).group(1))  # type: ignore[union-attr]
+    assert iterations == 40 and "torch imported False" in r.stdout
+    assert r.stdout.count("batch ") == 40  # the script's own callback still ran
+    data = json.loads((tmp_path / "d.json").read_text())
+    (model,) = data["models"]
+    assert model["name"] == "Sequential" and model["steps"] == data["steps"] == iterations
+    top = data["hypotheses"][0]
+    assert (top["failure"], top["cause"]) == ("vanishing_gradients", "saturating_activation")
+    assert top["confidence"] >= 0.5 and top["layer"].startswith("h")
+    assert neuraldbg.load(str(tmp_path / "o" / "Sequential.ndbg")).step == iterations
+    assert (tmp_path / "o" / "Sequential.html").read_text().startswith("<!")
+
+    r = run(tmp_path, KERAS, "--steps", "7", "--json", "d.json", "--out", "o7", "SCRIPT", timeout=400)
+    assert r.returncode == 0, r.stderr
+    assert "stopped the script: --steps 7" in r.stderr and "iterations" not in r.stdout
+    assert r.stdout.count("batch ") == 7
+    assert neuraldbg.load(str(tmp_path / "o7" / "Sequential.ndbg")).step == 7
+
+    r = run(tmp_path, KERAS, "--halt-on", "data_anomaly", "--json", "d.json", "--out", "oh", "SCRIPT", "--nan-at", "5")
+    assert r.returncode == 3, r.stderr
+    data = json.loads((tmp_path / "d.json").read_text())
+    assert data["stopped"].startswith("halted") and "iterations" not in r.stdout
+    assert data["steps"] == 7  # the NaN batch 5, confirmed before batch 6, which Keras still trains
+    assert data["hypotheses"][0]["failure"] == "data_anomaly" and data["hypotheses"][0]["step"] == 5
+
+
+FLAX = """
+    import sys
+    import numpy as np, jax, jax.numpy as jnp, optax
+    from flax import nnx, linen
+    from flax.training import train_state
+
+    x = np.random.default_rng(0).normal(size=(640, 8)).astype("float32")
+    y = 3 * x[:, :1]
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs):
+            self.a = nnx.Linear(8, 32, rngs=rngs)
+            self.b = nnx.Linear(32, 1, rngs=rngs)
+        def __call__(self, x):
+            return self.b(jnp.tanh(self.a(x)))
+
+    model = MLP(nnx.Rngs(0))
+    opt = nnx.Optimizer(model, optax.sgd(2.5), wrt=nnx.Param)  # far too high
+
+    @nnx.jit
+    def step(model, opt, xb, yb):
+        loss, g = nnx.value_and_grad(lambda m: jnp.mean((m(xb) - yb) ** 2))(model)
+        opt.update(model, g, value=loss)
+        return loss
+
+    for i in range(30):
+        step(model, opt, x[i % 20 * 32 : (i % 20 + 1) * 32], y[i % 20 * 32 : (i % 20 + 1) * 32])
+    print("nnx steps", int(opt.step.value))
+
+    class Linen(linen.Module):
+        @linen.compact
+        def __call__(self, x):
+            return linen.Dense(1)(jnp.tanh(linen.Dense(16)(x)))
+
+    net = Linen()
+    state = train_state.TrainState.create(apply_fn=net.apply, params=net.init(jax.random.key(0), x[:1]), tx=optax.adam(1e-3))
+
+    @jax.jit
+    def linen_step(state, xb, yb):
+        g = jax.grad(lambda p: jnp.mean((state.apply_fn(p, xb) - yb) ** 2))(state.params)
+        return state.apply_gradients(grads=g)
+
+    for i in range(12):
+        state = linen_step(state, x[i * 32 : (i + 1) * 32], y[i * 32 : (i + 1) * 32])
+    print("linen steps", int(state.step))
+    print("torch imported", "torch" in sys.modules)
+"""
+
+
+def test_a_flax_script_unchanged(tmp_path: Path) -> None:
+    """An nnx ``Optimizer`` and a linen ``TrainState`` each watched under their model's name,
+    their transformations wrapped: the learning rate far too high is named from the nnx run,
+    whose loss arrives as the step passes it (``value=``); the steps are the script's own."""
+    pytest.importorskip("flax")
+    r = run(tmp_path, FLAX, "--json", "d.json", "--out", "o", "SCRIPT", timeout=400)
+    assert r.returncode == 0, r.stderr
+    assert "nnx steps 30" in r.stdout and "linen steps 12" in r.stdout and "torch imported False" in r.stdout
+    data = json.loads((tmp_path / "d.json").read_text())
+    assert [(m["name"], m["steps"]) for m in data["models"]] == [("MLP", 30), ("Linen", 12)]
+    mlp = [h for h in data["hypotheses"] if h["model"] == "MLP"]
+    assert mlp[0]["cause"] == "learning_rate_too_high" and mlp[0]["confidence"] >= 0.5
+    # (a TrainState's apply_gradients passes no loss: its steps have none)
+    assert len(data["models"][0]["loss"]) == 30 and data["models"][1]["loss"] in ([], [None] * 12)
+    assert neuraldbg.load(str(tmp_path / "o" / "MLP.ndbg")).step == 30
+
+
 def test_halt_on_stops_training_at_a_confirmed_failure(tmp_path: Path) -> None:
     r = run(
         tmp_path,

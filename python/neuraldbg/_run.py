@@ -6,6 +6,12 @@ wrapped while the script runs) and watched by its own :class:`~neuraldbg.NeuralD
 there and exited when the script ends, also after an exception or Ctrl-C. The diagnosis then
 goes to standard error, and each model's trace and HTML report to ``--out``.
 
+The other spokes the same way, each once the script imports its framework (nothing is imported
+for it): each Keras ``model.fit`` gets a :class:`~neuraldbg.keras.NeuralDbgCallback` (unless it
+has one); a flax ``nnx.Optimizer`` or linen ``TrainState.create`` gets its transformation
+wrapped by a :class:`neuraldbg.jax.NeuralDbg` of the model (the loss arrives where the step
+passes optax's ``value=`` already).
+
 ``--confirm`` (see :mod:`neuraldbg._confirm`) runs the script again in fresh processes, each
 through this same command with a hidden ``--apply`` naming one remedy.
 """
@@ -13,7 +19,10 @@ through this same command with a hidden ``--apply`` naming one remedy.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
+import importlib.abc
+import importlib.util
 import json
 import math
 import os
@@ -22,6 +31,7 @@ import sys
 import time
 import traceback
 import warnings
+from types import ModuleType
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from .errors import ConfigError, NeuralDbgError, NeuralDbgWarning, TrainingFailure
@@ -176,6 +186,66 @@ def _say(text: str) -> None:
     print(f"neuraldbg: {text}", file=sys.stderr, flush=True)
 
 
+# ------------------------------------------------------------------------- frameworks
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Calls ``hooks[name](module)`` once the module ``name`` has been imported by the script
+    (at once for one imported already), so that a framework is patched only if the script uses
+    it and nothing is imported for the others. The module's own loader runs it; only its
+    ``exec_module`` is followed by the hook (an attribute of that loader for that import)."""
+
+    def __init__(self, hooks: Dict[str, Callable[[ModuleType], None]]) -> None:
+        self.hooks = dict(hooks)
+        self._finding: Set[str] = set()
+
+    def install(self) -> None:
+        for name in list(self.hooks):
+            module = sys.modules.get(name)
+            if module is not None:
+                self._fire(name, module)
+        sys.meta_path.insert(0, self)
+
+    def remove(self) -> None:
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name not in self.hooks or name in self._finding:
+            return None
+        self._finding.add(name)
+        try:
+            spec = importlib.util.find_spec(name)  # the finders after this one
+        finally:
+            self._finding.discard(name)
+        loader = None if spec is None else spec.loader
+        if loader is None or not hasattr(loader, "exec_module"):
+            return None
+        run = loader.exec_module
+
+        def exec_module(module: ModuleType) -> None:
+            try:
+                run(module)
+            finally:
+                loader.__dict__.pop("exec_module", None)
+            self._fire(name, module)
+
+        try:
+            loader.exec_module = exec_module  # type: ignore[method-assign]
+        except AttributeError:  # a loader that takes no attribute: imported as it would be, unwatched
+            return None
+        return spec
+
+    def _fire(self, name: str, module: ModuleType) -> None:
+        hook = self.hooks.pop(name, None)
+        if hook is None:
+            return
+        try:
+            hook(module)
+        except Exception as e:  # the script goes on, that framework unwatched
+            warnings.warn(f"neuraldbg run cannot watch {name}: {type(e).__name__}: {e}", NeuralDbgWarning, stacklevel=2)
+
+
 # ------------------------------------------------------------------------- finding models
 
 
@@ -261,24 +331,155 @@ class Watch:
         self.models: List[Tuple[str, Any, Any]] = []  # (name, module, debugger)
         self.watched: Set[int] = set()  # ids of watched parameters
         self.notes: List[str] = []  # what the remedy did, or why it could not be applied
-        self._original_init: Any = None
+        self.seed: Optional[int] = None
+        self._patched: List[Tuple[Any, str, Any]] = []  # (owner, attribute, original)
+        self._imports = _AfterImport(
+            {
+                "torch": self._torch,
+                "keras": self._keras,
+                "flax.nnx": self._nnx,
+                "flax.training.train_state": self._train_state,
+            }
+        )
         self._count_handle: Any = None
         self._remedy: Any = None
         self.failed: Optional[str] = None
 
     def start(self) -> None:
-        import torch
+        self._imports.install()
 
-        original = torch.optim.Optimizer.__init__
+    def _patch(self, owner: Any, name: str, make: Callable[[Any], Any]) -> None:
+        """``owner.name`` replaced by ``make(original)`` until :meth:`finish`."""
+        original = owner.__dict__[name]
+        self._patched.append((owner, name, original))
+        setattr(owner, name, make(original))
+
+    def _name(self, base: str) -> str:
+        names = {n for n, _, _ in self.models}
+        name, k = base, 2
+        while name in names:
+            name, k = f"{base}-{k}", k + 1
+        return name
+
+    # A framework's hook runs when the script imports it.
+
+    def _torch(self, torch: ModuleType) -> None:
+        if self.seed is not None:
+            torch.manual_seed(self.seed)
         watch = self
 
-        def __init__(optimizer: Any, params: Any, defaults: Any) -> None:
-            original(optimizer, params, defaults)
-            watch._made(optimizer)
+        def wrap(original: Any) -> Any:
+            def __init__(optimizer: Any, params: Any, defaults: Any) -> None:
+                original(optimizer, params, defaults)
+                watch._made(optimizer)
 
-        __init__.__wrapped__ = original  # type: ignore[attr-defined]
-        self._original_init = original
-        torch.optim.Optimizer.__init__ = __init__  # type: ignore[method-assign, assignment]
+            __init__.__wrapped__ = original  # type: ignore[attr-defined]
+            return __init__
+
+        self._patch(torch.optim.Optimizer, "__init__", wrap)
+
+    def _keras(self, keras: ModuleType) -> None:
+        from .keras import NeuralDbgCallback, _guard_fit
+
+        if self.seed is not None:
+            keras.utils.set_random_seed(self.seed)
+        _guard_fit()  # inside ours: a fit that raises ends the watch of the callback added here
+        watch = self
+
+        class RunCallback(NeuralDbgCallback):  # type: ignore[misc]
+            """The callback of one fit of the run: its debugger listed among the models when
+            the fit begins; ``--steps`` stops the script before the batch after the last."""
+
+            def __init__(self, name: str) -> None:
+                super().__init__(
+                    trace=os.path.join(watch.out, f"{name}.ndbg"), halt_on=watch.halt_on, verbose=False, **watch.options
+                )
+                self.name = name
+
+            def on_train_begin(self, logs: Any = None) -> None:
+                super().on_train_begin(logs)
+                if self.dbg is not None:
+                    watch.models.append((self.name, self.model, self.dbg))
+
+            def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
+                if watch.steps is not None and watch.step() >= watch.steps:
+                    raise _StopRun()
+                super().on_train_batch_begin(batch, logs)
+
+        def wrap(fit: Any) -> Any:
+            @functools.wraps(fit)
+            def watched_fit(model: Any, *args: Any, **kwargs: Any) -> Any:
+                given = kwargs.get("callbacks")
+                if len(args) > 5 or not isinstance(given, (list, tuple, type(None))):
+                    return fit(model, *args, **kwargs)  # callbacks given by position, or a CallbackList
+                given = list(given or [])
+                if any(isinstance(c, NeuralDbgCallback) for c in given):
+                    return fit(model, *args, **kwargs)
+                try:
+                    cb = RunCallback(watch._name(type(model).__name__))
+                except NeuralDbgError as e:
+                    watch.failed = str(e)
+                    _say(f"cannot watch this script's model: {e}")
+                    return fit(model, *args, **kwargs)
+                history = fit(model, *args, **{**kwargs, "callbacks": [*given, cb]})
+                if cb.dbg is not None and cb.dbg.halted and watch.halt_on is not None:
+                    # fit ended at the failure: so does the script, as a plain loop's would.
+                    raise TrainingFailure(cb.dbg.halted, cb.dbg.step - 1)
+                return history
+
+            watched_fit._neuraldbg_guard = True  # type: ignore[attr-defined]
+            return watched_fit
+
+        self._patch(keras.Model, "fit", wrap)
+
+    def _nnx(self, nnx: ModuleType) -> None:
+        watch = self
+
+        def wrap(original: Any) -> Any:
+            @functools.wraps(original)
+            def __init__(optimizer: Any, model: Any, tx: Any, *args: Any, **kwargs: Any) -> None:
+                original(optimizer, model, watch._jax_tx(model, tx, type(model).__name__), *args, **kwargs)
+
+            return __init__
+
+        self._patch(nnx.Optimizer, "__init__", wrap)
+
+    def _train_state(self, module: ModuleType) -> None:
+        watch = self
+
+        def wrap(original: Any) -> Any:
+            function = original.__func__
+
+            @functools.wraps(function)
+            def create(cls: Any, *, apply_fn: Any, params: Any, tx: Any, **kwargs: Any) -> Any:
+                owner = getattr(apply_fn, "__self__", None)
+                name = type(owner).__name__ if owner is not None else cls.__name__
+                return function(cls, apply_fn=apply_fn, params=params, tx=watch._jax_tx(params, tx, name), **kwargs)
+
+            return classmethod(create)
+
+        self._patch(module.TrainState, "create", wrap)
+
+    def _jax_tx(self, model: Any, tx: Any, base: str) -> Any:
+        """``tx`` wrapped by a JAX debugger of ``model`` (entered until the script ends), or
+        ``tx`` itself when the model cannot be watched (said)."""
+        from .jax import NeuralDbg as JaxDbg
+
+        if any(m is model for _, m, _ in self.models):
+            return tx
+        if self.steps is not None or self.halt_on is not None:
+            _say("--steps and --halt-on cannot stop a compiled JAX loop from outside: the script runs on")
+        name = self._name(base)
+        try:
+            dbg = JaxDbg(model, trace=os.path.join(self.out, f"{name}.ndbg"), halt_on=self.halt_on, **self.options)
+            dbg.__enter__()
+            wrapped = dbg.wrap(tx)
+        except NeuralDbgError as e:
+            self.failed = str(e)
+            _say(f"cannot watch this script's model: {e}")
+            return tx
+        self.models.append((name, model, dbg))
+        return wrapped
 
     def _made(self, optimizer: Any) -> None:
         """An optimizer was made: the models it trains that are not watched yet are watched
@@ -306,11 +507,7 @@ class Watch:
 
         if any(m is module for _, m, _ in self.models):
             return
-        base = type(module).__name__
-        names = {n for n, _, _ in self.models}
-        name, k = base, 2
-        while name in names:
-            name, k = f"{base}-{k}", k + 1
+        name = self._name(type(module).__name__)
         if self.apply is not None and self._remedy is None:
             from ._confirm import Remedy
 
@@ -347,19 +544,20 @@ class Watch:
         return max((int(d.step) for _, _, d in self.models), default=0)
 
     def finish(self, exc: Optional[BaseException]) -> None:
-        """Every debugger exits (trace closed), the remedy's hooks go, ``Optimizer.__init__`` is
-        the script's again."""
-        import torch
-
-        if self._original_init is not None:
-            torch.optim.Optimizer.__init__ = self._original_init  # type: ignore[method-assign]
+        """Every debugger exits (trace closed), the remedy's hooks go, what was patched is the
+        script's again."""
+        self._imports.remove()
+        for owner, name, original in reversed(self._patched):
+            setattr(owner, name, original)
+        self._patched = []
         if self._count_handle is not None:
             self._count_handle.remove()
         if self._remedy is not None:
             self._remedy.remove()
         kind = None if exc is None else type(exc)
         for _, _, dbg in self.models:
-            dbg.__exit__(kind, exc, None if exc is None else exc.__traceback__)
+            if hasattr(dbg, "__exit__"):  # (a Keras fit's ended with the fit)
+                dbg.__exit__(kind, exc, None if exc is None else exc.__traceback__)
 
 
 # ------------------------------------------------------------------------- outputs
@@ -416,7 +614,10 @@ def results(watch: Watch, exit_code: int, stopped: Optional[str]) -> Dict[str, A
 def _print_diagnosis(watch: Watch, quiet: bool) -> None:
     if not watch.models:
         why = f" ({watch.failed})" if watch.failed else ""
-        _say(f"no model was trained: no torch optimizer was made for one{why}")
+        _say(
+            "no model was trained: no torch optimizer was made for one, no Keras model was fitted, "
+            f"no flax nnx.Optimizer or TrainState was made{why}"
+        )
         return
     for name, _, dbg in watch.models:
         hyps = [h for h in dbg.explain_failure() if h.confidence >= 0.5]
@@ -467,12 +668,10 @@ def _write_reports(watch: Watch) -> None:
 
 
 def _seed(seed: int) -> None:
+    """Python's and numpy's generators; torch's and Keras' when the script imports them."""
     import random
 
-    import torch
-
     random.seed(seed)
-    torch.manual_seed(seed)
     try:
         import numpy as np
 
@@ -535,6 +734,7 @@ def main(argv: Sequence[str]) -> int:
     if args.seed is not None:
         _seed(args.seed)
     watch = Watch(out, options, halt_on, args.steps, apply)
+    watch.seed = args.seed
     code, stopped, _ = _execute(
         watch, lambda: _run_target(target, script_args), target[1] if target[0] == "path" else None
     )
@@ -566,6 +766,9 @@ def _conclude(
     if confirm is not None and _world() > 1:
         if rank == 0:
             _say("--confirm re-runs the script in single processes: run it without torchrun")
+    elif confirm is not None and not all(_is_torch(m) for _, m, _ in watch.models):
+        if rank == 0:
+            _say("--confirm tries its remedies on PyTorch models only: the diagnosis above is the run's own")
     elif confirm is not None and data is not None and watch.models:
         try:
             confirm.run(data, watch.out)
@@ -581,8 +784,22 @@ def _conclude(
     return data
 
 
+def _is_torch(model: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(model, torch.nn.Module)
+
+
 def _check_options(options: Dict[str, Any], halt_on: Any) -> None:
-    """Bad ``-o``/``--halt-on`` values are reported before the script starts."""
+    """Bad ``-o``/``--halt-on`` values are reported before the script starts (by the PyTorch
+    debugger where torch is installed: it takes the most options; with none given, nothing is
+    imported for it)."""
+    if not options and halt_on is None:
+        return
+    if importlib.util.find_spec("torch") is None:
+        from ._spoke import Spoke
+
+        Spoke(halt_on=halt_on, **options)
+        return
     import torch
 
     from .debugger import NeuralDbg

@@ -66,12 +66,14 @@ def model_spec(
     root_kind: str,
     optimizer: Optional[str],
     extra: Sequence[Tuple[Tuple[str, ...], str, float]] = (),
+    *,
+    framework: str,
 ) -> Dict[str, Any]:
     """The engine's ``ModelSpec`` (a dict for JSON) of parameters named by path: each layer (the
     path without the parameter's own name) is a module, in forward order, the root last; ``extra``
     adds modules without parameters ``(path, kind, rank)`` (activations). Flax and Keras store a
     dense kernel as ``[in, out]`` and a convolution's as ``[..., in, out]``: the fan-in is every
-    dimension but the last."""
+    dimension but the last. ``framework`` (``keras``, ``jax``): the remedies name its functions."""
     layers: Dict[Tuple[str, ...], Tuple[float, str]] = {}
     for e in entries:
         layers.setdefault(e.layer, (e.rank, e.kind))
@@ -95,7 +97,7 @@ def model_spec(
         params.append(
             {"module": index[e.layer], "name": e.name, "numel": int(np.prod(e.shape)), "role": role, "fan_in": fan_in}
         )
-    return {"modules": modules, "params": params, "optimizer": optimizer}
+    return {"modules": modules, "params": params, "optimizer": optimizer, "framework": framework}
 
 
 def spec_order(entries: List[ParamEntry]) -> List[int]:

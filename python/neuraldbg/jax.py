@@ -345,7 +345,7 @@ class _Model:
         return ".".join(names)
 
     def spec(self, optimizer: Optional[str]) -> Dict[str, Any]:
-        return model_spec(self.entries, self.root_kind, optimizer)
+        return model_spec(self.entries, self.root_kind, optimizer, framework="jax")
 
     def gather(self, tree: Any) -> Tuple[List[Any], List[int]]:
         """The leaves of ``tree`` and, per spec parameter, the index of its leaf (-1: absent).

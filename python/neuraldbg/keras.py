@@ -244,7 +244,7 @@ class _Model:
         self.root_kind = type(model).__name__
 
     def spec(self, optimizer: Optional[str]) -> Dict[str, Any]:
-        return model_spec(self.entries, self.root_kind, optimizer, self.extra)
+        return model_spec(self.entries, self.root_kind, optimizer, self.extra, framework="keras")
 
 
 def _activation_stats(y: Any, probe: Dict[str, Any]) -> Any:

@@ -116,6 +116,10 @@ pub struct ModelSpec {
     /// all finite.
     #[serde(default)]
     pub input_feature_scales: Option<Vec<Option<f64>>>,
+    /// The framework the user's training code is written in (`torch`, `keras`, `jax`, `burn`),
+    /// as the collector says: the remedies name its functions. Absent: `torch`.
+    #[serde(default)]
+    pub framework: Option<String>,
 }
 
 /// Facts of the first training batch that a collector reads only after it registered the

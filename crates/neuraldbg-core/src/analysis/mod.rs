@@ -300,7 +300,8 @@ impl<'a> Analysis<'a> {
                     // Clipping was on: advice to clip is moot.
                     remedies.retain(|r| !r.clips());
                 }
-                h.remedies = remedies.iter().map(remedy::Remedy::text).collect();
+                let framework = remedy::Framework::of(self.run.model.spec.framework.as_deref());
+                h.remedies = remedies.iter().map(|r| r.text(framework)).collect();
                 out.push((h, k));
             }
         }

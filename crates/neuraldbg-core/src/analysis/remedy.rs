@@ -3,6 +3,36 @@
 
 use super::text::{num, show};
 
+/// The framework a remedy is said for: the functions it names are that framework's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Framework {
+    /// `PyTorch` (and what names no other: burn's remedies read as `PyTorch`'s do).
+    Torch,
+    Keras,
+    Jax,
+}
+
+impl Framework {
+    /// From `ModelSpec::framework`.
+    pub(crate) fn of(name: Option<&str>) -> Self {
+        match name {
+            Some("keras") => Framework::Keras,
+            Some("jax") => Framework::Jax,
+            _ => Framework::Torch,
+        }
+    }
+
+    /// The one of three wordings for this framework.
+    fn pick(self, torch: &str, keras: &str, jax: &str) -> String {
+        match self {
+            Framework::Torch => torch,
+            Framework::Keras => keras,
+            Framework::Jax => jax,
+        }
+        .to_string()
+    }
+}
+
 /// One concrete change to the user's code. Layers are qualified module names; rates and steps
 /// are the run's own values.
 #[derive(Clone, Debug, PartialEq)]
@@ -119,9 +149,10 @@ impl Remedy {
         matches!(self, Remedy::ClipGradients | Remedy::ClipWhileFixing)
     }
 
-    /// The remedy as the user reads it.
+    /// The remedy as the user of `framework` reads it.
     #[allow(clippy::too_many_lines)]
-    pub fn text(&self) -> String {
+    pub fn text(&self, framework: Framework) -> String {
+        let fw = |torch: &str, keras: &str, jax: &str| framework.pick(torch, keras, jax);
         let of = |layer: &Option<String>, before: &str| {
             layer
                 .as_deref()
@@ -143,7 +174,11 @@ impl Remedy {
                 || "raise the learning rate 10x".to_string(),
                 |lr| format!("raise the learning rate 10x (it was {})", num(lr)),
             ),
-            Remedy::ClipGradients => "clip gradients: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0) before optimizer.step()".into(),
+            Remedy::ClipGradients => fw(
+                "clip gradients: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0) before optimizer.step()",
+                "clip gradients: give the optimizer global_clipnorm=1.0 (e.g. keras.optimizers.Adam(..., global_clipnorm=1.0))",
+                "clip gradients: optax.chain(optax.clip_by_global_norm(1.0), tx)",
+            ),
             Remedy::ClipWhileFixing => "clip gradients at 1.0 while you fix the cause".into(),
             Remedy::Warmup => "add a learning-rate warmup over the first few hundred steps".into(),
             Remedy::LrRangeTest => "run a learning-rate range test (increase lr each step and watch the loss)".into(),
@@ -155,25 +190,42 @@ impl Remedy {
             Remedy::CheckBiasInit => "check the bias initialization of the layer before it (negative biases switch units off)".into(),
             Remedy::BatchNormBeforeRelu => "add BatchNorm before the ReLU".into(),
             Remedy::ReplaceSaturating => "replace tanh/sigmoid with ReLU, GELU or SiLU in hidden layers".into(),
-            Remedy::XavierAndNormalizeInputs => "use xavier_normal_ initialization and normalize the inputs so pre-activations stay near zero".into(),
+            Remedy::XavierAndNormalizeInputs => format!(
+                "use {} initialization and normalize the inputs so pre-activations stay near zero",
+                fw("xavier_normal_", "glorot_normal (kernel_initializer=\"glorot_normal\")", "glorot_normal (kernel_init=nnx.initializers.glorot_normal())")
+            ),
             Remedy::NormBeforeSaturating => "add LayerNorm or BatchNorm before the saturating activations".into(),
             Remedy::AddNormalization => "add BatchNorm (CNNs) or LayerNorm (MLPs, transformers) between layers".into(),
             Remedy::InitKeepsScale => "initialize weights for the activation so the signal keeps its scale".into(),
             Remedy::ResidualConnections => "add residual (skip) connections so gradients bypass the deep stack".into(),
             Remedy::NormBetweenBlocks => "add normalization (LayerNorm/BatchNorm) between blocks".into(),
             Remedy::ReduceDepth => "reduce the depth, or initialize for depth (e.g. scaled or orthogonal init)".into(),
-            Remedy::InitForActivation => "initialize weights for the activation: kaiming_normal_ for ReLU, xavier_normal_ (gain 5/3 for tanh) otherwise".into(),
+            Remedy::InitForActivation => format!("initialize weights for the activation: {}", fw(
+                "kaiming_normal_ for ReLU, xavier_normal_ (gain 5/3 for tanh) otherwise",
+                "kernel_initializer=\"he_normal\" for ReLU, \"glorot_normal\" otherwise",
+                "kernel_init=nnx.initializers.he_normal() for ReLU, glorot_normal() otherwise",
+            )),
             Remedy::RandomInit { layer } => format!(
-                "initialize {} randomly (kaiming_normal_ for ReLU, xavier_normal_ otherwise), not with a constant: units that start with the same weights get the same gradient and stay the same",
-                layer.as_deref().map_or_else(|| "the weights".into(), |l| format!("the weights of {}", show(l)))
+                "initialize {} randomly ({}), not with a constant: units that start with the same weights get the same gradient and stay the same",
+                layer.as_deref().map_or_else(|| "the weights".into(), |l| format!("the weights of {}", show(l))),
+                fw(
+                    "kaiming_normal_ for ReLU, xavier_normal_ otherwise",
+                    "\"he_normal\" for ReLU, \"glorot_normal\" otherwise",
+                    "nnx.initializers.he_normal() for ReLU, glorot_normal() otherwise",
+                )
             ),
             Remedy::CheckCustomInit { layer } => format!(
                 "check custom init code{} for weights scaled far from 1/sqrt(fan_in)",
                 of(layer, " of ")
             ),
             Remedy::OrthogonalRecurrentInit { layer } => format!(
-                "initialize the recurrent weights of {} so they do not amplify the state: torch.nn.init.orthogonal_ on each weight_hh block (gain 1), or keep PyTorch's default",
-                layer.as_deref().map_or_else(|| "the recurrent layer".into(), show)
+                "initialize the recurrent weights of {} so they do not amplify the state: {}",
+                layer.as_deref().map_or_else(|| "the recurrent layer".into(), show),
+                fw(
+                    "torch.nn.init.orthogonal_ on each weight_hh block (gain 1), or keep PyTorch's default",
+                    "recurrent_initializer=\"orthogonal\" (Keras' default)",
+                    "an orthogonal initializer (nnx.initializers.orthogonal()) for the recurrent kernel",
+                )
             ),
             Remedy::BoundedRecurrence => "use a bounded recurrence (nonlinearity='tanh', or LSTM/GRU) instead of a ReLU RNN".into(),
             Remedy::GuardUnstableOp { layer } => format!(
@@ -181,12 +233,21 @@ impl Remedy {
                 of(layer, " of ")
             ),
             Remedy::Float32ForOp => "compute that operation in float32 if it runs in half precision".into(),
-            Remedy::DetectAnomalyStep => "run that one step under torch.autograd.detect_anomaly() to get the exact operation".into(),
-            Remedy::TrainInBfloat16 => "train in bfloat16 (torch.autocast(dtype=torch.bfloat16)): float32's range, no loss scaling needed".into(),
-            Remedy::KeepModuleInFloat32 => "keep the overflowing module in float32 (wrap it in torch.autocast(enabled=False))".into(),
+            Remedy::DetectAnomalyStep => format!("run that one step {} to get the exact operation", nan_check(framework)),
+            Remedy::TrainInBfloat16 => format!("train in bfloat16 ({}): float32's range, no loss scaling needed", fw(
+                "torch.autocast(dtype=torch.bfloat16)",
+                "keras.mixed_precision.set_global_policy(\"mixed_bfloat16\")",
+                "dtype=jnp.bfloat16 with param_dtype=jnp.float32",
+            )),
+            Remedy::KeepModuleInFloat32 => fw(
+                "keep the overflowing module in float32 (wrap it in torch.autocast(enabled=False))",
+                "keep the overflowing layer in float32 (dtype=\"float32\" for that layer)",
+                "keep the overflowing module in float32 (dtype=jnp.float32 for it)",
+            ),
             Remedy::LowerLrOrNormalize => "lower the learning rate, or normalize the activations that grow (LayerNorm)".into(),
             Remedy::InspectBatch { step } => format!(
-                "inspect the batch of step {step}: assert torch.isfinite(x).all() in the data pipeline"
+                "inspect the batch of step {step}: assert {} in the data pipeline",
+                fw("torch.isfinite(x).all()", "np.isfinite(x).all()", "np.isfinite(x).all()")
             ),
             Remedy::NormalizeInputs => "normalize inputs (zero mean, unit variance) and filter corrupt samples".into(),
             Remedy::StandardizeEachFeature => "standardize each feature on its own (subtract its mean and divide by its standard deviation over the training set, e.g. sklearn's StandardScaler), once: not by one scale for all, not twice".into(),
@@ -217,27 +278,119 @@ impl Remedy {
             Remedy::FitWithoutPenalty => "train once without the penalty: the model should fit the training batches; then add it back at a strength that keeps that fit".into(),
             Remedy::KeepShapeWarning => "PyTorch warns about this (\"Using a target size that is different to the input size\"): do not silence that warning".into(),
             Remedy::CheckOutputActivation => "check that the model's last activation is the one the loss expects".into(),
-            Remedy::OneUnitSoftmax => "a softmax over one unit is always 1: for a binary target drop the softmax and use BCEWithLogitsLoss on the single logit, or output 2 units with CrossEntropyLoss".into(),
-            Remedy::SoftmaxOverClasses => "take the softmax over the classes, the last dimension (softmax(logits, dim=-1) or dim=1), not over the batch (dim=0)".into(),
-            Remedy::RemoveSoftmaxBeforeCrossEntropy => "remove the final Softmax (or .softmax()) from the model: CrossEntropyLoss takes raw logits; apply softmax only at inference".into(),
+            Remedy::OneUnitSoftmax => format!("a softmax over one unit is always 1: for a binary target drop the softmax and {}", fw(
+                "use BCEWithLogitsLoss on the single logit, or output 2 units with CrossEntropyLoss",
+                "use BinaryCrossentropy(from_logits=True) on the single logit, or output 2 units with a categorical cross-entropy",
+                "use optax.sigmoid_binary_cross_entropy on the single logit, or output 2 units with optax.softmax_cross_entropy",
+            )),
+            Remedy::SoftmaxOverClasses => fw(
+                "take the softmax over the classes, the last dimension (softmax(logits, dim=-1) or dim=1), not over the batch (dim=0)",
+                "take the softmax over the classes, the last axis (axis=-1), not over the batch (axis=0)",
+                "take the softmax over the classes, the last axis (jax.nn.softmax(logits, axis=-1)), not over the batch (axis=0)",
+            ),
+            Remedy::RemoveSoftmaxBeforeCrossEntropy => fw(
+                "remove the final Softmax (or .softmax()) from the model: CrossEntropyLoss takes raw logits; apply softmax only at inference",
+                "a cross-entropy with from_logits=True takes raw logits: remove the final softmax (activation=None), or keep it and set from_logits=False",
+                "remove the final softmax from the model: optax.softmax_cross_entropy takes raw logits; apply softmax only at inference",
+            ),
             Remedy::NllOnLogSoftmax => "or keep the model's output and switch to NLLLoss on torch.log_softmax(...) instead of softmax".into(),
             Remedy::LogSoftmaxForNll => "replace the final Softmax with LogSoftmax(dim=-1), or drop it and use CrossEntropyLoss on the logits".into(),
-            Remedy::RemoveSigmoidBeforeLogitsLoss => "remove the final Sigmoid (or torch.sigmoid) from the model: BCEWithLogitsLoss applies it; apply sigmoid only at inference".into(),
-            Remedy::KeepSigmoidUseBce => "or keep the sigmoid and use BCELoss".into(),
+            Remedy::RemoveSigmoidBeforeLogitsLoss => fw(
+                "remove the final Sigmoid (or torch.sigmoid) from the model: BCEWithLogitsLoss applies it; apply sigmoid only at inference",
+                "a binary cross-entropy with from_logits=True applies the sigmoid itself: remove the final sigmoid (activation=None); apply it only at inference",
+                "remove the final sigmoid from the model: optax.sigmoid_binary_cross_entropy applies it; apply sigmoid only at inference",
+            ),
+            Remedy::KeepSigmoidUseBce => fw("or keep the sigmoid and use BCELoss", "or keep the sigmoid and set from_logits=False", "or keep the sigmoid and take the binary cross-entropy of probabilities"),
             Remedy::RemoveBoundedLogits { output } => format!(
-                "remove the final {} from the model: CrossEntropyLoss and BCEWithLogitsLoss take raw, unbounded logits (a plain Linear output)",
-                op(output)
+                "remove the final {} from the model: {} take raw, unbounded logits ({})",
+                op(output),
+                fw("CrossEntropyLoss and BCEWithLogitsLoss", "cross-entropies with from_logits=True", "optax's cross-entropies"),
+                fw("a plain Linear output", "a Dense output with no activation", "a plain Linear output"),
             ),
             Remedy::RemoveBoundedRegression { output } => format!(
-                "remove the final {} so the output is unbounded (a plain Linear) for regression",
-                op(output)
+                "remove the final {} so the output is unbounded ({}) for regression",
+                op(output),
+                fw("a plain Linear", "a Dense with no activation", "a plain Linear")
             ),
             Remedy::ScaleTargetsIntoRange => "or scale the targets into the output's range (e.g. min-max to [0, 1] for a sigmoid) and invert the scaling at inference".into(),
             Remedy::FindRankOnlyCode => "look for code that changes parameters, gradients or buffers on some ranks only (under `if rank == ...`, outside the DDP-wrapped model, or between forward and optimizer.step())".into(),
             Remedy::SameStepsOnEveryRank => "make sure every rank runs the same optimizer steps (a rank that skips or repeats optimizer.step() drifts apart)".into(),
             Remedy::NothingOutsideDdp => "check that no part of the model is updated outside DDP (a submodule or parameter not registered in the wrapped module)".into(),
             Remedy::InspectHistory => "inspect the gradient-norm history of the first failing layer (dbg.history)".into(),
-            Remedy::DetectAnomaly => "rerun the failing step under torch.autograd.detect_anomaly()".into(),
+            Remedy::DetectAnomaly => format!("rerun the failing step {}", nan_check(framework)),
         }
+    }
+}
+
+/// How to run a step so that it stops at the operation that made a NaN, in the framework's terms.
+fn nan_check(framework: Framework) -> String {
+    framework.pick(
+        "under torch.autograd.detect_anomaly()",
+        "with the backend's NaN check: jax.config.update(\"jax_debug_nans\", True) on JAX, tf.debugging.enable_check_numerics() on TensorFlow, torch.autograd.detect_anomaly() on PyTorch",
+        "with jax.config.update(\"jax_debug_nans\", True)",
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Framework, Remedy};
+
+    /// Every remedy a Keras or JAX run can be given names no `PyTorch` function (the loop
+    /// mistakes only a `PyTorch` collector reports aside); a spec that says no framework reads
+    /// as `PyTorch`'s.
+    #[test]
+    fn remedies_are_said_in_the_frameworks_terms() {
+        let layer = Some("fc1".to_string());
+        let output = Some("Sigmoid".to_string());
+        let all = [
+            Remedy::ClipGradients,
+            Remedy::XavierAndNormalizeInputs,
+            Remedy::InitForActivation,
+            Remedy::RandomInit {
+                layer: layer.clone(),
+            },
+            Remedy::OrthogonalRecurrentInit { layer },
+            Remedy::DetectAnomalyStep,
+            Remedy::DetectAnomaly,
+            Remedy::TrainInBfloat16,
+            Remedy::KeepModuleInFloat32,
+            Remedy::InspectBatch { step: 5 },
+            Remedy::OneUnitSoftmax,
+            Remedy::SoftmaxOverClasses,
+            Remedy::RemoveSoftmaxBeforeCrossEntropy,
+            Remedy::RemoveSigmoidBeforeLogitsLoss,
+            Remedy::KeepSigmoidUseBce,
+            Remedy::RemoveBoundedLogits {
+                output: output.clone(),
+            },
+            Remedy::RemoveBoundedRegression { output },
+        ];
+        for r in &all {
+            let jax = r.text(Framework::Jax);
+            assert!(!jax.contains("torch"), "{jax}");
+            let keras = r.text(Framework::Keras);
+            // (Keras' NaN check names each backend's, PyTorch's among them.)
+            if !matches!(r, Remedy::DetectAnomaly | Remedy::DetectAnomalyStep) {
+                assert!(
+                    !keras.contains("torch") && !keras.contains("Loss"),
+                    "{keras}"
+                );
+            }
+            assert_eq!(r.text(Framework::of(None)), r.text(Framework::Torch));
+            assert_eq!(
+                r.text(Framework::of(Some("burn"))),
+                r.text(Framework::Torch)
+            );
+        }
+        assert!(
+            Remedy::ClipGradients
+                .text(Framework::of(Some("keras")))
+                .contains("global_clipnorm=1.0")
+        );
+        assert!(
+            Remedy::ClipGradients
+                .text(Framework::Torch)
+                .contains("clip_grad_norm_")
+        );
     }
 }
