@@ -15,7 +15,8 @@ the rings written with nothing measured; ``squares``: the gradients' sums of squ
 ``sum(g * g)`` and nothing else; ``abs-squares``: the same as ``sum(|g| * |g|)``).
 
 ``jax``: the bench's nnx MLP and Adam under ``jax.jit`` with the state donated (as ``nnx.jit``
-with ``donate_argnums``), plain, ``A/A``, ``watched`` (``dbg.wrap``), and one watched arm per
+with ``donate_argnums``), plain, ``A/A``, ``watched`` (``dbg.wrap``), ``inputs=x`` (watched, the
+batch given to the update as ``inputs=``), and one watched arm per
 ``--small-leaf N`` (``_jax_stats.SMALL_LEAF`` set to N while it traces: leaves up to N elements
 have their squares reduced together, larger ones alone).
 
@@ -159,7 +160,9 @@ def arms(width: int, depth: int, batch: int, ablations: List[str]) -> Dict[str, 
 class JaxArm:
     """One nnx model's compiled step (``dbg.wrap`` around Adam when watched), its state, one batch."""
 
-    def __init__(self, width: int, depth: int, batch: int, watched: bool, small_leaf: int = 0) -> None:
+    def __init__(
+        self, width: int, depth: int, batch: int, watched: bool, small_leaf: int = 0, inputs: bool = False
+    ) -> None:
         import jax
         import optax
         from flax import nnx
@@ -184,7 +187,7 @@ class JaxArm:
         def step(state: Any, x: Any, y: Any) -> Any:
             m, o = nnx.merge(graphdef, state)
             loss, grads = nnx.value_and_grad(loss_fn)(m, x, y)
-            o.update(m, grads, value=loss)
+            o.update(m, grads, value=loss, **({"inputs": x} if inputs else {}))
             return loss, nnx.state((m, o))
 
         default = stats.SMALL_LEAF
@@ -211,6 +214,7 @@ def jax_arms(width: int, depth: int, batch: int, small_leaves: List[int]) -> Dic
         "plain": JaxArm(width, depth, batch, False),
         "A/A": JaxArm(width, depth, batch, False),
         "watched": JaxArm(width, depth, batch, True),
+        "inputs=x": JaxArm(width, depth, batch, True, inputs=True),
     }
     for n in small_leaves:
         out[f"leaf<={n}"] = JaxArm(width, depth, batch, True, n)

@@ -107,14 +107,14 @@ def jax_mlp(width: int, depth: int, batch: int, dump: str = "") -> None:
     x = jnp.asarray(rng.normal(size=(batch, 64)), jnp.float32)
     y = jnp.asarray(rng.integers(0, 10, size=batch))
 
-    def compiled(model, opt):
+    def compiled(model, opt, inputs=False):
         # What nnx.jit compiles: the graph state in, the new state out, nothing donated.
         graphdef, state = nnx.split((model, opt))
 
         def f(state, x, y):
             m, o = nnx.merge(graphdef, state)
             loss, grads = nnx.value_and_grad(loss_fn)(m, x, y)
-            o.update(m, grads, value=loss)
+            o.update(m, grads, value=loss, **({"inputs": x} if inputs else {}))
             return loss, nnx.state((m, o))
 
         return jax.jit(f).lower(state, x, y).compile().as_text(), state
@@ -129,6 +129,12 @@ def jax_mlp(width: int, depth: int, batch: int, dump: str = "") -> None:
         wtext, wstate = compiled(m, nnx.Optimizer(m, dbg.wrap(optax.adam(1e-3), learning_rate=1e-3), wrt=nnx.Param))
     w = show(label + " watched", wtext, wstate)
     print(f"{label}: +{w['top'] - p['top']} kernels, +{arg_bytes(wstate) - arg_bytes(state)} B of state")
+    m = MLP(nnx.Rngs(0))
+    with NeuralDbg(m) as dbg:
+        opt = nnx.Optimizer(m, dbg.wrap(optax.adam(1e-3), learning_rate=1e-3), wrt=nnx.Param)
+        itext, _ = compiled(m, opt, inputs=True)
+    i = show(label + " inputs=x", itext, wstate)
+    print(f"{label}: the batch given as inputs= adds {i['top'] - w['top']} kernels to the watched step")
     if dump:
         for kind, t in (("plain", text), ("watched", wtext)):
             with open(f"{dump}_{label.replace(' ', '_')}_{kind}.txt", "w") as f:

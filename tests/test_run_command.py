@@ -629,6 +629,14 @@ FLAX = """
     for i in range(12):
         state = linen_step(state, x[i * 32 : (i + 1) * 32], y[i * 32 : (i + 1) * 32])
     print("linen steps", int(state.step))
+
+    from neuraldbg.jax import NeuralDbg  # a model the script watches itself: not twice
+    own = MLP(nnx.Rngs(1))
+    with NeuralDbg(own) as dbg:
+        own_opt = nnx.Optimizer(own, dbg.wrap(optax.sgd(0.01)), wrt=nnx.Param)
+        for i in range(3):
+            step(own, own_opt, x[:32], y[:32])
+    print("own steps", dbg.step)
     print("torch imported", "torch" in sys.modules)
 """
 
@@ -641,6 +649,7 @@ def test_a_flax_script_unchanged(tmp_path: Path) -> None:
     r = run(tmp_path, FLAX, "--json", "d.json", "--out", "o", "SCRIPT", timeout=400)
     assert r.returncode == 0, r.stderr
     assert "nnx steps 30" in r.stdout and "linen steps 12" in r.stdout and "torch imported False" in r.stdout
+    assert "own steps 3" in r.stdout
     data = json.loads((tmp_path / "d.json").read_text())
     assert [(m["name"], m["steps"]) for m in data["models"]] == [("MLP", 30), ("Linen", 12)]
     mlp = [h for h in data["hypotheses"] if h["model"] == "MLP"]

@@ -465,8 +465,10 @@ class Watch:
         ``tx`` itself when the model cannot be watched (said)."""
         from .jax import NeuralDbg as JaxDbg
 
-        if any(m is model for _, m, _ in self.models):
-            return tx
+        if any(m is model for _, m, _ in self.models) or getattr(
+            getattr(tx, "init", None), "_neuraldbg_watched", False
+        ):
+            return tx  # watched already (by the script's own debugger too)
         if self.steps is not None or self.halt_on is not None:
             _say("--steps and --halt-on cannot stop a compiled JAX loop from outside: the script runs on")
         name = self._name(base)
