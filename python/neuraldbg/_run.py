@@ -411,7 +411,8 @@ class Watch:
             def watched_fit(model: Any, *args: Any, **kwargs: Any) -> Any:
                 given = kwargs.get("callbacks")
                 if len(args) > 5 or not isinstance(given, (list, tuple, type(None))):
-                    return fit(model, *args, **kwargs)  # callbacks given by position, or a CallbackList
+                    _say("this fit's callbacks come by position or as a CallbackList: it is not watched")
+                    return fit(model, *args, **kwargs)
                 given = list(given or [])
                 if any(isinstance(c, NeuralDbgCallback) for c in given):
                     return fit(model, *args, **kwargs)

@@ -38,7 +38,10 @@ impl Layout {
             .unwrap_or_else(|| short_type_name::<M>().to_string());
         walk.modules.push((String::new(), root_kind));
 
-        let mut spec = ModelSpec::default();
+        let mut spec = ModelSpec {
+            framework: Some("burn".into()),
+            ..ModelSpec::default()
+        };
         let index: HashMap<String, usize> = walk
             .modules
             .iter()

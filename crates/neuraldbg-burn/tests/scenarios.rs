@@ -180,6 +180,19 @@ fn planted_learning_rate_explosion_is_found_with_its_onset_and_cause() {
     assert_eq!(top.cause.as_str(), "learning_rate_too_high", "{top}");
     assert_eq!(top.step, Some(onset), "{top}");
     assert!(top.confidence >= 0.5, "{top}");
+    // The fixes name burn's API, not PyTorch's.
+    assert!(
+        top.remedies
+            .iter()
+            .any(|r| r.contains("GradientClippingConfig::Norm(1.0)")),
+        "{:?}",
+        top.remedies
+    );
+    assert!(
+        !top.remedies.iter().any(|r| r.contains("torch")),
+        "{:?}",
+        top.remedies
+    );
     assert!(run.dbg.error().is_none());
 }
 

@@ -6,10 +6,12 @@ use super::text::{num, show};
 /// The framework a remedy is said for: the functions it names are that framework's.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Framework {
-    /// `PyTorch` (and what names no other: burn's remedies read as `PyTorch`'s do).
+    /// `PyTorch`, and a spec that names no framework.
     Torch,
     Keras,
     Jax,
+    /// burn: where a remedy names no function of burn's, it reads as `PyTorch`'s.
+    Burn,
 }
 
 impl Framework {
@@ -18,16 +20,23 @@ impl Framework {
         match name {
             Some("keras") => Framework::Keras,
             Some("jax") => Framework::Jax,
+            Some("burn") => Framework::Burn,
             _ => Framework::Torch,
         }
     }
 
-    /// The one of three wordings for this framework.
+    /// The one of three wordings for this framework (burn reads `PyTorch`'s).
     fn pick(self, torch: &str, keras: &str, jax: &str) -> String {
+        self.pick4(torch, keras, jax, torch)
+    }
+
+    /// The one of four wordings for this framework.
+    fn pick4(self, torch: &str, keras: &str, jax: &str, burn: &str) -> String {
         match self {
             Framework::Torch => torch,
             Framework::Keras => keras,
             Framework::Jax => jax,
+            Framework::Burn => burn,
         }
         .to_string()
     }
@@ -153,6 +162,9 @@ impl Remedy {
     #[allow(clippy::too_many_lines)]
     pub fn text(&self, framework: Framework) -> String {
         let fw = |torch: &str, keras: &str, jax: &str| framework.pick(torch, keras, jax);
+        let fw4 = |torch: &str, keras: &str, jax: &str, burn: &str| {
+            framework.pick4(torch, keras, jax, burn)
+        };
         let of = |layer: &Option<String>, before: &str| {
             layer
                 .as_deref()
@@ -174,10 +186,11 @@ impl Remedy {
                 || "raise the learning rate 10x".to_string(),
                 |lr| format!("raise the learning rate 10x (it was {})", num(lr)),
             ),
-            Remedy::ClipGradients => fw(
+            Remedy::ClipGradients => fw4(
                 "clip gradients: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0) before optimizer.step()",
                 "clip gradients: give the optimizer global_clipnorm=1.0 (e.g. keras.optimizers.Adam(..., global_clipnorm=1.0))",
                 "clip gradients: optax.chain(optax.clip_by_global_norm(1.0), tx)",
+                "clip gradients: the optimizer's config .with_grad_clipping(Some(GradientClippingConfig::Norm(1.0)))",
             ),
             Remedy::ClipWhileFixing => "clip gradients at 1.0 while you fix the cause".into(),
             Remedy::Warmup => "add a learning-rate warmup over the first few hundred steps".into(),
@@ -192,7 +205,12 @@ impl Remedy {
             Remedy::ReplaceSaturating => "replace tanh/sigmoid with ReLU, GELU or SiLU in hidden layers".into(),
             Remedy::XavierAndNormalizeInputs => format!(
                 "use {} initialization and normalize the inputs so pre-activations stay near zero",
-                fw("xavier_normal_", "glorot_normal (kernel_initializer=\"glorot_normal\")", "glorot_normal (kernel_init=nnx.initializers.glorot_normal())")
+                fw4(
+                    "xavier_normal_",
+                    "glorot_normal (kernel_initializer=\"glorot_normal\")",
+                    "glorot_normal (kernel_init=nnx.initializers.glorot_normal())",
+                    "Xavier normal (.with_initializer(Initializer::XavierNormal { gain: 1.0 }))",
+                )
             ),
             Remedy::NormBeforeSaturating => "add LayerNorm or BatchNorm before the saturating activations".into(),
             Remedy::AddNormalization => "add BatchNorm (CNNs) or LayerNorm (MLPs, transformers) between layers".into(),
@@ -200,18 +218,20 @@ impl Remedy {
             Remedy::ResidualConnections => "add residual (skip) connections so gradients bypass the deep stack".into(),
             Remedy::NormBetweenBlocks => "add normalization (LayerNorm/BatchNorm) between blocks".into(),
             Remedy::ReduceDepth => "reduce the depth, or initialize for depth (e.g. scaled or orthogonal init)".into(),
-            Remedy::InitForActivation => format!("initialize weights for the activation: {}", fw(
+            Remedy::InitForActivation => format!("initialize weights for the activation: {}", fw4(
                 "kaiming_normal_ for ReLU, xavier_normal_ (gain 5/3 for tanh) otherwise",
                 "kernel_initializer=\"he_normal\" for ReLU, \"glorot_normal\" otherwise",
                 "kernel_init=nnx.initializers.he_normal() for ReLU, glorot_normal() otherwise",
+                "Initializer::KaimingNormal for ReLU, Initializer::XavierNormal (gain 5/3 for tanh) otherwise",
             )),
             Remedy::RandomInit { layer } => format!(
                 "initialize {} randomly ({}), not with a constant: units that start with the same weights get the same gradient and stay the same",
                 layer.as_deref().map_or_else(|| "the weights".into(), |l| format!("the weights of {}", show(l))),
-                fw(
+                fw4(
                     "kaiming_normal_ for ReLU, xavier_normal_ otherwise",
                     "\"he_normal\" for ReLU, \"glorot_normal\" otherwise",
                     "nnx.initializers.he_normal() for ReLU, glorot_normal() otherwise",
+                    "Initializer::KaimingNormal for ReLU, Initializer::XavierNormal otherwise",
                 )
             ),
             Remedy::CheckCustomInit { layer } => format!(
@@ -247,7 +267,7 @@ impl Remedy {
             Remedy::LowerLrOrNormalize => "lower the learning rate, or normalize the activations that grow (LayerNorm)".into(),
             Remedy::InspectBatch { step } => format!(
                 "inspect the batch of step {step}: assert {} in the data pipeline",
-                fw("torch.isfinite(x).all()", "np.isfinite(x).all()", "np.isfinite(x).all()")
+                fw4("torch.isfinite(x).all()", "np.isfinite(x).all()", "np.isfinite(x).all()", "!x.is_nan().any()")
             ),
             Remedy::NormalizeInputs => "normalize inputs (zero mean, unit variance) and filter corrupt samples".into(),
             Remedy::StandardizeEachFeature => "standardize each feature on its own (subtract its mean and divide by its standard deviation over the training set, e.g. sklearn's StandardScaler), once: not by one scale for all, not twice".into(),
@@ -324,10 +344,11 @@ impl Remedy {
 
 /// How to run a step so that it stops at the operation that made a NaN, in the framework's terms.
 fn nan_check(framework: Framework) -> String {
-    framework.pick(
+    framework.pick4(
         "under torch.autograd.detect_anomaly()",
         "with the backend's NaN check: jax.config.update(\"jax_debug_nans\", True) on JAX, tf.debugging.enable_check_numerics() on TensorFlow, torch.autograd.detect_anomaly() on PyTorch",
         "with jax.config.update(\"jax_debug_nans\", True)",
+        "checking each intermediate tensor of the forward pass with .is_nan().any() (burn has no anomaly mode)",
     )
 }
 
@@ -377,10 +398,19 @@ mod tests {
                 );
             }
             assert_eq!(r.text(Framework::of(None)), r.text(Framework::Torch));
-            assert_eq!(
-                r.text(Framework::of(Some("burn"))),
-                r.text(Framework::Torch)
-            );
+            let burn = r.text(Framework::of(Some("burn")));
+            if matches!(
+                r,
+                Remedy::ClipGradients
+                    | Remedy::XavierAndNormalizeInputs
+                    | Remedy::InitForActivation
+                    | Remedy::RandomInit { .. }
+                    | Remedy::InspectBatch { .. }
+                    | Remedy::DetectAnomaly
+                    | Remedy::DetectAnomalyStep
+            ) {
+                assert!(!burn.contains("torch") && !burn.contains("_("), "{burn}");
+            }
         }
         assert!(
             Remedy::ClipGradients
