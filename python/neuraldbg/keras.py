@@ -518,6 +518,22 @@ class _Mailbox:
         # This call's row and the count, in one update of the variable.
         ring.scatter_nd_update(tf.stack([[n % self.rows], [self.rows]]), tf.stack([tf.concat(flat, 0), count]))
 
+    def once(self, fn: Callable[..., None], make: Callable[[], Tuple[Any, ...]]) -> None:
+        """A call while ``fn``'s box holds no row yet: ``make()`` (the arrays) is computed under
+        a ``tf.cond``, so that the steps after the first compute nothing for it."""
+        import tensorflow as tf
+
+        box = self.boxes.get(fn)
+        if box is None:
+            raise ModelError(f"no box for {getattr(fn, '__name__', fn)}")
+        n = tf.bitcast(box[0][self.rows, 0], tf.int32)
+
+        def first() -> Any:
+            self(fn, *make())
+            return tf.constant(0)
+
+        tf.cond(tf.equal(n, 0), first, lambda: tf.constant(0))
+
     def read(self) -> None:
         """The rows written since the last read, to their host functions (the main thread,
         between calls of the train function)."""
@@ -869,10 +885,15 @@ class KerasDbg(Spoke):
         """On JAX, traced in the training step: the facts go into their variable on the first
         training step (later steps keep it; the host reads it once). Elsewhere the step hands
         them to the host, which keeps the first (eagerly, only the first step measures them; a
-        traced TensorFlow step measures every batch's, a few reductions)."""
+        traced TensorFlow step, while its box is empty)."""
         if self._act_var is None:
-            if not self._facts_sent:
-                self._emit(self._receive_first_batch, _first_batch_stats(x, y, y_pred, self._features))
+            if self._facts_sent:
+                return
+            emit = self._emit
+            if isinstance(emit, _Mailbox):
+                emit.once(self._receive_first_batch, lambda: (_first_batch_stats(x, y, y_pred, self._features),))
+            else:
+                emit(self._receive_first_batch, _first_batch_stats(x, y, y_pred, self._features))
             return
         if not in_stateless_scope() or self._facts_var is None:
             return
