@@ -332,7 +332,7 @@ class Watch:
         self.watched: Set[int] = set()  # ids of watched parameters
         self.notes: List[str] = []  # what the remedy did, or why it could not be applied
         self.seed: Optional[int] = None
-        self._patched: List[Tuple[Any, str, Any]] = []  # (owner, attribute, original)
+        self._patched: List[Tuple[Any, str, Any]] = []  # (owner, attribute, its own value or None)
         self._imports = _AfterImport(
             {
                 "torch": self._torch,
@@ -349,10 +349,11 @@ class Watch:
         self._imports.install()
 
     def _patch(self, owner: Any, name: str, make: Callable[[Any], Any]) -> None:
-        """``owner.name`` replaced by ``make(original)`` until :meth:`finish`."""
-        original = owner.__dict__[name]
-        self._patched.append((owner, name, original))
-        setattr(owner, name, make(original))
+        """``owner.name`` replaced by ``make(original)`` until :meth:`finish` (an attribute
+        ``owner`` inherits is given back by deleting ours)."""
+        own = owner.__dict__.get(name)
+        self._patched.append((owner, name, own))
+        setattr(owner, name, make(own if own is not None else getattr(owner, name)))
 
     def _name(self, base: str) -> str:
         names = {n for n, _, _ in self.models}
@@ -550,8 +551,11 @@ class Watch:
         """Every debugger exits (trace closed), the remedy's hooks go, what was patched is the
         script's again."""
         self._imports.remove()
-        for owner, name, original in reversed(self._patched):
-            setattr(owner, name, original)
+        for owner, name, own in reversed(self._patched):
+            if own is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, own)
         self._patched = []
         if self._count_handle is not None:
             self._count_handle.remove()
