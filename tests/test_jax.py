@@ -123,9 +123,10 @@ def test_healthy_run_no_alarm_and_norms_match_jax_grad() -> None:
     assert len(w) >= 10  # dense_steps 10, then every 10th
 
 
-def test_learning_rate_too_high_explosion_named() -> None:
+def test_learning_rate_too_high_explosion_named(tmp_path: Any) -> None:
     confirmed: List[Any] = []
-    dbg, gts, _ = train(5.0, 40, halt_on="exploding_gradients", on_failure=confirmed.extend)
+    trace = tmp_path / "run.ndbg"
+    dbg, gts, _ = train(5.0, 40, halt_on="exploding_gradients", on_failure=confirmed.extend, trace=trace)
     exploded = [i for i, g in enumerate(gts) if any(v > 1e3 for v in g.values())]
     assert exploded, "the planted learning rate should make JAX's own gradients explode"
     onset = exploded[0]
@@ -144,6 +145,8 @@ def test_learning_rate_too_high_explosion_named() -> None:
     fixes = [r for h in dbg.explain_failure() for r in h.remedies]
     assert "clip gradients: optax.chain(optax.clip_by_global_norm(1.0), tx)" in fixes
     assert not [r for r in fixes if "torch" in r]
+    # The trace's model says which framework: replayed, the same fixes.
+    assert [h.remedies for h in neuraldbg.load(trace).explain_failure()] == [h.remedies for h in dbg.explain_failure()]
 
 
 @pytest.mark.parametrize(("make", "lr", "kind"), [(optax.adam, 1e-6, "Adam"), (optax.sgd, 1e-4, None)])
