@@ -653,7 +653,8 @@ FLAX = """
 def test_a_flax_script_unchanged(tmp_path: Path) -> None:
     """An nnx ``Optimizer`` and a linen ``TrainState`` each watched under their model's name,
     their transformations wrapped: the learning rate far too high is named from the nnx run,
-    whose loss arrives as the step passes it (``value=``); the steps are the script's own."""
+    whose loss arrives as the step passes it (``value=``); the steps are the script's own.
+    ``--steps`` and ``--halt-on`` stop the compiled loop at the script's next call."""
     _needs("flax", "optax")
     r = run(tmp_path, FLAX, "--json", "d.json", "--out", "o", "SCRIPT", timeout=400)
     assert r.returncode == 0, r.stderr
@@ -666,6 +667,18 @@ def test_a_flax_script_unchanged(tmp_path: Path) -> None:
     # (a TrainState's apply_gradients passes no loss: its steps have none)
     assert len(data["models"][0]["loss"]) == 30 and data["models"][1]["loss"] in ([], [None] * 12)
     assert neuraldbg.load(str(tmp_path / "o" / "MLP.ndbg")).step == 30
+
+    # A compiled loop is stopped where the host reads a newer state: the script's next call.
+    r = run(tmp_path, FLAX, "--steps", "10", "--json", "d.json", "--out", "o10", "SCRIPT", timeout=400)
+    assert r.returncode == 0, r.stderr
+    assert "stopped the script: --steps 10" in r.stderr and "nnx steps" not in r.stdout
+    data = json.loads((tmp_path / "d.json").read_text())
+    assert data["steps"] == 10 and neuraldbg.load(str(tmp_path / "o10" / "MLP.ndbg")).step == 10
+    r = run(tmp_path, FLAX, "--halt-on", "exploding_gradients", "--json", "d.json", "--out", "oh", "SCRIPT")
+    assert r.returncode == 3, r.stderr
+    data = json.loads((tmp_path / "d.json").read_text())
+    assert data["stopped"].startswith("halted") and "nnx steps" not in r.stdout
+    assert data["hypotheses"][0]["failure"] == "exploding_gradients" and data["steps"] < 30
 
 
 def test_halt_on_stops_training_at_a_confirmed_failure(tmp_path: Path) -> None:

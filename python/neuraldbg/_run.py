@@ -10,7 +10,9 @@ The other spokes the same way, each once the script imports its framework (nothi
 for it): each Keras ``model.fit`` gets a :class:`~neuraldbg.keras.NeuralDbgCallback` (unless it
 has one); a flax ``nnx.Optimizer`` or linen ``TrainState.create`` gets its transformation
 wrapped by a :class:`neuraldbg.jax.NeuralDbg` of the model (the loss arrives where the step
-passes optax's ``value=`` already).
+passes optax's ``value=`` already). A compiled JAX loop is stopped (``--steps``, ``--halt-on``)
+where the host reads its steps: when the script hands the compiled call a newer state, up to 16
+updates after the step that stops it; the diagnosis holds the steps up to that one.
 
 ``--confirm`` (see :mod:`neuraldbg._confirm`) runs the script again in fresh processes, each
 through this same command with a hidden ``--apply`` naming one remedy.
@@ -59,6 +61,16 @@ _VALUED = {
 class _StopRun(BaseException):
     """Raised from the optimizer step that completed ``--steps`` steps and caught around the
     script: a BaseException, so the script's own ``except Exception`` does not swallow it."""
+
+
+class _HaltRun(BaseException):
+    """A JAX debugger's ``--halt-on`` halt, raised out of the script's compiled call where the
+    host reads the state (an ``Exception`` there would be taken for a reading problem);
+    reported as the :class:`TrainingFailure` it carries."""
+
+    def __init__(self, failure: TrainingFailure) -> None:
+        super().__init__(str(failure))
+        self.failure = failure
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -343,9 +355,12 @@ class Watch:
         )
         self._count_handle: Any = None
         self._remedy: Any = None
+        self._jax_kind: Any = None
         self.failed: Optional[str] = None
+        self.running = False  # the script runs: --steps and --halt-on may stop it
 
     def start(self) -> None:
+        self.running = True
         self._imports.install()
 
     def _patch(self, owner: Any, name: str, make: Callable[[Any], Any]) -> None:
@@ -471,11 +486,26 @@ class Watch:
             getattr(tx, "init", None), "_neuraldbg_watched", False
         ):
             return tx  # watched already (by the script's own debugger too)
-        if self.steps is not None or self.halt_on is not None:
-            _say("--steps and --halt-on cannot stop a compiled JAX loop from outside: the script runs on")
+        if self._jax_kind is None:
+            watch = self
+
+            class RunJaxDbg(JaxDbg):  # type: ignore[misc]
+                """The host reads a compiled loop's steps when the script hands it a newer
+                state (up to 16 updates after they ran): ``--steps`` and ``--halt-on`` stop the
+                script there, by raising out of that call."""
+
+                def _after_step(self, step: int) -> None:
+                    super()._after_step(step)
+                    if watch.running and watch.steps is not None and step + 1 >= watch.steps:
+                        raise _StopRun()
+
+            self._jax_kind = RunJaxDbg
         name = self._name(base)
         try:
-            dbg = JaxDbg(model, trace=os.path.join(self.out, f"{name}.ndbg"), halt_on=self.halt_on, **self.options)
+            dbg = self._jax_kind(
+                model, trace=os.path.join(self.out, f"{name}.ndbg"), halt_on=self.halt_on, **self.options
+            )
+            dbg._on_halt = functools.partial(self._jax_halted, dbg)
             dbg.__enter__()
             wrapped = dbg.wrap(tx)
         except NeuralDbgError as e:
@@ -484,6 +514,10 @@ class Watch:
             return tx
         self.models.append((name, model, dbg))
         return wrapped
+
+    def _jax_halted(self, dbg: Any, hypotheses: Any) -> None:
+        if self.running:
+            raise _HaltRun(TrainingFailure(hypotheses, dbg._fed))
 
     def _made(self, optimizer: Any) -> None:
         """An optimizer was made: the models it trains that are not watched yet are watched
@@ -550,6 +584,7 @@ class Watch:
     def finish(self, exc: Optional[BaseException]) -> None:
         """Every debugger exits (trace closed), the remedy's hooks go, what was patched is the
         script's again."""
+        self.running = False
         self._imports.remove()
         for owner, name, own in reversed(self._patched):
             if own is None:
@@ -835,6 +870,8 @@ def _execute(
         exc, code, stopped = e, 130, "interrupted"
     except TrainingFailure as e:
         exc, code, stopped = e, HALTED, f"halted: {e}"
+    except _HaltRun as e:
+        exc, code, stopped = e.failure, HALTED, f"halted: {e.failure}"
     except BaseException as e:
         exc, code = e, 1
         _script_traceback(e, path)
