@@ -647,8 +647,8 @@ def test_code_written_for_the_unwrapped_state_runs_on_the_watched_one() -> None:
             state.hyperparams["learning_rate"] = lr
             _, state = step(params, state)
         assert float(state.hyperparams["learning_rate"]) == np.float32(0.01)
-        chain = dbg.wrap(optax.chain(optax.clip(1.0), optax.sgd(0.1))).init(params)
-        assert type(chain[1]).__name__ == type(optax.sgd(0.1).init(params)).__name__
+        chain = dbg.wrap(optax.chain(optax.clip(1.0), optax.adam(0.1))).init(params)
+        assert type(chain[0]).__name__ == "EmptyState" and type(chain[1][0]).__name__ == "ScaleByAdamState"
         copy = pickle.loads(pickle.dumps(state))
         assert float(copy.hyperparams["learning_rate"]) == np.float32(0.01)
     np.testing.assert_allclose(dbg.history(None, "lr")[1][:2], [0.1, 0.01], rtol=1e-6)

@@ -334,6 +334,7 @@ class Watch:
         halt_on: Any,
         steps: Optional[int],
         apply: Optional[Dict[str, Any]],
+        seed: Optional[int] = None,
     ) -> None:
         self.out = out
         self.options = options
@@ -343,7 +344,7 @@ class Watch:
         self.models: List[Tuple[str, Any, Any]] = []  # (name, module, debugger)
         self.watched: Set[int] = set()  # ids of watched parameters
         self.notes: List[str] = []  # what the remedy did, or why it could not be applied
-        self.seed: Optional[int] = None
+        self.seed = seed  # torch's and Keras' generators, once the script imports them
         self._patched: List[Tuple[Any, str, Any]] = []  # (owner, attribute, its own value or None)
         self._imports = _AfterImport(
             {
@@ -418,7 +419,8 @@ class Watch:
                     watch.models.append((self.name, self.model, self.dbg))
 
             def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
-                if watch.steps is not None and watch.step() >= watch.steps:
+                # Counted, not read: dbg.step would wait for the device at every batch.
+                if watch.steps is not None and self.dbg is not None and self.dbg.updates_before(batch) >= watch.steps:
                     raise _StopRun()
                 super().on_train_batch_begin(batch, logs)
 
@@ -775,8 +777,7 @@ def main(argv: Sequence[str]) -> int:
     out = args.out if args.out is not None else _default_out(target)
     if args.seed is not None:
         _seed(args.seed)
-    watch = Watch(out, options, halt_on, args.steps, apply)
-    watch.seed = args.seed
+    watch = Watch(out, options, halt_on, args.steps, apply, args.seed)
     code, stopped, _ = _execute(
         watch, lambda: _run_target(target, script_args), target[1] if target[0] == "path" else None
     )

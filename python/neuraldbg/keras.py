@@ -35,7 +35,7 @@ import os
 import threading
 import warnings
 import weakref
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple, Union
 
 import numpy as np
 
@@ -457,9 +457,16 @@ class _Deferred:
     def __init__(self) -> None:
         self.calls: List[Tuple[Callable[..., None], Tuple[Any, ...]]] = []
         self.keep: Callable[..., None] = self._keep
+        self.once_kept: Set[Any] = set()
 
     def __call__(self, fn: Callable[..., None], *args: Any) -> None:
         self.keep(fn, *args)
+
+    def once(self, fn: Callable[..., None], make: Callable[[], Tuple[Any, ...]]) -> None:
+        """A call the first time only: ``make()`` (the arrays) is not computed again."""
+        if fn not in self.once_kept:
+            self.once_kept.add(fn)
+            self.keep(fn, *make())
 
     def _keep(self, fn: Callable[..., None], *args: Any) -> None:
         kept = tuple(a if isinstance(a, np.ndarray) else ops.copy(ops.stop_gradient(a)) for a in args)
@@ -884,16 +891,12 @@ class KerasDbg(Spoke):
     def _first_batch(self, x: Any, y: Any, y_pred: Any) -> None:
         """On JAX, traced in the training step: the facts go into their variable on the first
         training step (later steps keep it; the host reads it once). Elsewhere the step hands
-        them to the host, which keeps the first (eagerly, only the first step measures them; a
-        traced TensorFlow step, while its box is empty)."""
+        them over once (the emitter's ``once``: eagerly, the first step only; a traced
+        TensorFlow step, while its box is empty)."""
         if self._act_var is None:
-            if self._facts_sent:
-                return
-            emit = self._emit
-            if isinstance(emit, _Mailbox):
-                emit.once(self._receive_first_batch, lambda: (_first_batch_stats(x, y, y_pred, self._features),))
-            else:
-                emit(self._receive_first_batch, _first_batch_stats(x, y, y_pred, self._features))
+            once = getattr(self._emit, "once", None)  # (none on JAX: there the facts need their variable)
+            if once is not None and not self._facts_sent:
+                once(self._receive_first_batch, lambda: (_first_batch_stats(x, y, y_pred, self._features),))
             return
         if not in_stateless_scope() or self._facts_var is None:
             return
@@ -1358,10 +1361,15 @@ class KerasDbg(Spoke):
         if urgent:
             # Keras hands the logs to the callback on a worker thread: the loss of the batch
             # just trained comes from there (a bound on the wait, should that thread be stuck).
-            want = (self._epoch_base + int(batch)) // self._accumulate
+            want = self.updates_before(batch)
             with self._loss_seen:
                 self._loss_seen.wait_for(lambda: self._losses >= want, timeout=10.0)
         self._drain()
+
+    def updates_before(self, batch: int) -> int:
+        """The updates the batches of this fit before ``batch`` (of the current epoch) made:
+        counted on the host, without waiting for the device."""
+        return (self._epoch_base + int(batch)) // self._accumulate
 
     def epoch_end(self) -> None:
         self._measure_updates()
