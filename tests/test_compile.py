@@ -8,12 +8,17 @@ compile, so the tests stay fast; one test uses inductor itself."""
 
 from __future__ import annotations
 
+import copy
+import inspect
+import warnings
+
 import numpy as np
 import pytest
 import torch
 import torch.nn as nn
 
 from neuraldbg import NeuralDbg
+from neuraldbg.errors import NeuralDbgWarning
 
 dynamo = pytest.importorskip("torch._dynamo")
 from torch._dynamo.utils import counters  # noqa: E402
@@ -145,9 +150,71 @@ def test_entering_after_the_first_compiled_call_costs_one_recompile_and_sees_eve
     steps, _ = dbg.history("embed")
     assert list(steps) == [0, 1, 2]
     _, scale = dbg.history(None, "input_scale")
-    assert len(scale) == 3, "the hooks were traced in after entering"
+    assert len(scale) == 3 and np.isfinite(scale).all(), "the hooks were traced in after entering"
     assert late[1] == 0, "no graph break"
     assert late[3]["total"] <= plain[3]["total"] + 1, (plain, late)
+
+
+class Mean(nn.Module):
+    def forward(self, x):
+        return x.mean(dim=1)
+
+
+def watched_steps(model, compiled, steps):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NeuralDbgWarning)
+        with NeuralDbg(model) as dbg:
+            train(model, compiled, steps, dbg)
+    _, scale = dbg.history(None, "input_scale")
+    return scale
+
+
+def test_models_watched_one_after_another_share_one_graph_and_stay_compiled():
+    """A sweep, or a notebook cell run again: each watched model of a class compiles nothing
+    new. (Our traced hooks once held bound methods, which dynamo guards by identity: each
+    watched model compiled its own graph, and past ``recompile_limit`` of them every compiled
+    module of the process ran eagerly.)"""
+    dynamo.reset()
+    counters.clear()
+    for _ in range(dynamo.config.recompile_limit + 2):
+        model = Tiny()
+        scale = watched_steps(model, torch.compile(model, backend="aot_eager"), 2)
+        assert len(scale) == 2 and np.isfinite(scale).all(), "every watched model's inputs are seen"
+    assert counters["stats"]["unique_graphs"] == 1
+    plain = Tiny()
+    train(plain, torch.compile(plain, backend="aot_eager"), 1)
+    assert counters["stats"]["unique_graphs"] == 2, "an unwatched model compiles its own graph, without our hooks"
+
+
+def test_a_model_whose_class_was_compiled_before_it_is_watched_is_traced_again():
+    """Dynamo does not guard module hooks: a graph compiled for an unwatched model (this one, or
+    another of its class) ran on without them, and the watched run saw no input, activation or
+    NaN origin. One more graph while watched; none after."""
+
+    def mlp():  # (Tiny's attention layer reads its hooks, which guards them)
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3), Mean())
+
+    dynamo.reset()
+    counters.clear()
+    first = mlp()
+    first_compiled = torch.compile(first, backend="aot_eager")
+    train(first, first_compiled, 2)
+    for how in ("new model", "same model"):
+        model = mlp() if how == "new model" else first
+        compiled = torch.compile(model, backend="aot_eager") if how == "new model" else first_compiled
+        with NeuralDbg(model) as dbg:
+            assert inspect.signature(model.forward) == inspect.signature(mlp().forward)
+            assert "forward" not in copy.deepcopy(model).__dict__, "copies carry nothing of ours"
+            train(model, compiled, 3, dbg)
+        _, scale = dbg.history(None, "input_scale")
+        assert len(scale) == 3 and np.isfinite(scale).all(), how
+        assert "forward" not in model.__dict__
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs == 2, "one graph unwatched, one watched"
+    train(first, first_compiled, 1)
+    train(model, compiled, 1)
+    assert counters["stats"]["unique_graphs"] == graphs, "unwatched again, the first graph runs"
 
 
 def test_the_compiled_module_itself_can_be_watched():

@@ -267,10 +267,12 @@ class StepBoundary:
         self.c.blind_warned = True
         warnings.warn(
             "NeuralDBG sees this model's gradients but none of its forward passes: the forward "
-            "ran where module hooks are not called (a torch.compile'd model first called before "
-            "`with NeuralDbg(...)` was entered, or torch.func). Inputs, activations and the module "
-            "where a NaN/Inf first appears are not observed; enter NeuralDbg before the first "
-            "compiled call to get them.",
+            "ran where module hooks are not called (a graph torch.compile traced before "
+            "`with NeuralDbg(...)` was entered and that NeuralDBG could not have traced again: "
+            "a compiled function that calls a submodule rather than the model, or a model whose "
+            "`forward` was replaced on the instance; or "
+            "torch.func). Inputs, activations and the module where a NaN/Inf first appears are "
+            "not observed; enter NeuralDbg before the first compiled call to get them.",
             NeuralDbgWarning,
             stacklevel=4,
         )

@@ -38,16 +38,24 @@ when a step is read.
 
 Under ``torch.compile`` the forward hooks are traced into the compiled graph: there they only
 keep references (no reads of the collector's state, which would become guards and recompile),
-and the hook set is frozen once compilation is seen (removing a traced hook recompiles).
+and the hook set is frozen once compilation is seen (removing a traced hook recompiles). What a
+traced hook closes over is reached by attribute, never held as a bound method: dynamo guards a
+bound method by its identity, new for every collector, so each watched model compiled its own
+graph and, the old ones dead but still counted, the eighth watched model of a process sent every
+compiled module to eager. Dynamo does not guard module hooks themselves
+(``skip_nnmodule_hook_guards``): a graph compiled before the model was watched would run on
+without them, so while watched the model (and any compiled submodule) carries :func:`retrace_mark`.
 """
 
 from __future__ import annotations
 
+import functools
+import sys
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from ._measure import Summaries
 from ._record import CALL_RECORDER, RECORDED_PROBES, RecordGroup, is_recorded, make_record, make_slot_record
-from ._taps import BACKWARD_TAP, SCALER_TAP, STATE_TAP
+from ._taps import BACKWARD_TAP, SCALER_TAP, STATE_TAP, is_retrace_mark
 
 if TYPE_CHECKING:  # pragma: no cover
     from ._collect import Collector
@@ -158,6 +166,8 @@ class Hooks:
         self.probe_hooked: List[Tuple[int, Any]] = []
         # The model's own forward hook (Collector.on_forward_post), hooked as module 0.
         self.root_post: Any = None
+        # Modules given a retrace mark (see retrace_mark), taken off by remove().
+        self.marked: List[Any] = []
 
     @property
     def frozen(self) -> bool:
@@ -182,6 +192,7 @@ class Hooks:
         self.handles.append(register_optimizer_step_post_hook(c.entry_optimizer_step))
         SCALER_TAP.add(c)
         STATE_TAP.add(self)
+        self.marked = [m for m in _compiled_entries(self.modules) if retrace_mark(m)]
         if c.criterion is None:
             BACKWARD_TAP.add(c)
 
@@ -346,6 +357,9 @@ class Hooks:
         self.module_handles.clear()
         self.probe_handles.clear()
         self.probes_armed = False
+        for m in self.marked:
+            retrace_unmark(m)
+        self.marked = []
         BACKWARD_TAP.remove(c)
         SCALER_TAP.remove(c)
         STATE_TAP.remove(self)
@@ -391,37 +405,36 @@ def make_ref_hook(
     ``summaries`` (given on the device path) and ``keep_traced`` (keep the output: an
     activation module, whose output its probe measures) decide there, once."""
     compiling = _compiling()
-    append = refs.append
     if keep:
 
         def hook(module: Any, args: Any, output: Any) -> None:
             if compiling():  # traced: keep the reference only
                 trace.compiled = True
                 if summaries is None:
-                    append((index, output, args))
+                    refs.append((index, output, args))
                 else:
-                    append((index, output if keep_traced else None, None))
+                    refs.append((index, output if keep_traced else None, None))
                     summaries(index, output, args)
                 return
             if index == first[0]:
                 refs.clear()
             h = hold[0]
             if h.__class__ is Summaries:
-                append((index, None, None))
+                refs.append((index, None, None))
                 h(index, output, args)
                 return
-            append((index, output, args))
+            refs.append((index, output, args))
 
     else:  # forward_check="off": remember that the module ran, keep no tensor
 
         def hook(module: Any, args: Any, output: Any) -> None:
             if compiling():
                 trace.compiled = True
-                append((index, None, None))
+                refs.append((index, None, None))
                 return
             if index == first[0]:
                 refs.clear()
-            append((index, None, None))
+            refs.append((index, None, None))
 
     return hook
 
@@ -431,3 +444,48 @@ def make_slot_hook(row: int, slots: List[Any]) -> Callable[..., None]:
         slots[row] = output
 
     return hook
+
+
+def _compiled_entries(modules: Sequence[Any]) -> List[Any]:
+    """Where a compiled graph can begin among the watched modules: the model itself, a
+    ``torch.compile``'d submodule's inner module, a submodule compiled in place. None while
+    nothing was compiled in this process (dynamo never imported)."""
+    if "torch._dynamo" not in sys.modules or not modules:
+        return []
+    entries = [modules[0]]
+    for m in modules[1:]:
+        inner = getattr(m, "_orig_mod", None)
+        if inner is not None and type(m).__name__ == "OptimizedModule":
+            entries.append(inner)
+        elif getattr(m, "_compiled_call_impl", None) is not None:
+            entries.append(m)
+    return entries
+
+
+_MARKS: Dict[type, Callable[..., Any]] = {}
+
+
+def retrace_mark(module: Any) -> bool:
+    """Gives ``module`` an instance ``forward`` that calls its class's: a graph dynamo compiled
+    before the module was watched guards that the instance has none, so the next compiled call
+    traces again, with our hooks (one graph for every watched model of the class: the mark is
+    one function per class). Taken off by :func:`retrace_unmark`; copies do not carry it
+    (``_taps.StateTap``). A module with a ``forward`` of its own in ``__dict__`` is left alone."""
+    if "forward" in module.__dict__:
+        return False
+    cls = type(module)
+    if cls not in _MARKS:
+
+        @functools.wraps(cls.forward)
+        def mark(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return type(self).forward(self, *args, **kwargs)
+
+        mark._neuraldbg_mark = True  # type: ignore[attr-defined]
+        _MARKS[cls] = mark
+    module.__dict__["forward"] = _MARKS[cls].__get__(module, cls)
+    return True
+
+
+def retrace_unmark(module: Any) -> None:
+    if is_retrace_mark(module.__dict__.get("forward")):
+        del module.__dict__["forward"]

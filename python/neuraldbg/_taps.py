@@ -172,6 +172,8 @@ class StateTap:
                 state = original(module)
                 if not ours or not isinstance(state, dict):
                     return state
+                if is_retrace_mark(state.get("forward")):
+                    del state["forward"]
                 for key in _HOOK_DICTS:
                     d = state.get(key)
                     if d and any(k in ours for k in d):
@@ -191,6 +193,11 @@ class StateTap:
                 torch.nn.Module.__getstate__ = self.original  # type: ignore[method-assign]
                 self.original = None
                 self.ours.clear()
+
+
+def is_retrace_mark(value: Any) -> bool:
+    """Whether a module's instance ``forward`` is our retrace mark (``_hooks.retrace_mark``)."""
+    return bool(getattr(getattr(value, "__func__", None), "_neuraldbg_mark", False))
 
 
 SCALER_TAP = ScalerTap()
