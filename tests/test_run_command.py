@@ -16,6 +16,7 @@ import textwrap
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
+import numpy as np
 import pytest
 
 import neuraldbg
@@ -152,6 +153,39 @@ GAN = """
         opt_g.step()
         print(f"it {it} d {d_loss.item():.9g} g {g_loss.item():.9g}", flush=True)
 """
+
+
+def test_a_frozen_backbone_and_an_optimized_head_is_watched_as_the_whole_model(tmp_path: Path) -> None:
+    """Transfer learning as the tutorials write it: the optimizer holds the head alone; the model
+    the loop calls, backbone included, is what is watched (it was the head, a ``Linear``)."""
+    script = """
+        import torch, torch.nn as nn
+        class Classifier(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.backbone = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU())
+                self.head = nn.Linear(32, 3)
+            def forward(self, x):
+                return self.head(self.backbone(x))
+        torch.manual_seed(0)
+        model = Classifier()
+        for p in model.backbone.parameters():
+            p.requires_grad_(False)
+        opt = torch.optim.Adam(model.head.parameters(), lr=1e-2)
+        x = torch.randn(64, 8); y = x[:, :3].argmax(1)
+        for step in range(10):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+    """
+    r = run(tmp_path, script, "--out", "o", "--json", "d.json")
+    assert r.returncode == 0, r.stderr
+    (model,) = json.loads((tmp_path / "d.json").read_text())["models"]
+    assert model["name"] == "Classifier" and model["steps"] == 10
+    loaded = neuraldbg.load(str(tmp_path / "o" / "Classifier.ndbg"))
+    for layer in ("backbone.1", "backbone.3"):  # the backbone's activations are measured
+        steps, dead = loaded.history(layer, "dead_fraction")
+        assert len(steps) > 0 and np.isfinite(dead).all(), layer
 
 
 def test_gan_generator_and_discriminator_each_watched_under_their_own_name(tmp_path: Path) -> None:

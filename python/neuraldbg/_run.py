@@ -263,8 +263,9 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 
 def _modules_training(params: Sequence[Any]) -> List[Any]:
     """The modules to watch for an optimizer holding ``params``: the smallest module that
-    holds them all, widened to the outermost wrapper holding exactly the same parameters (a
-    ``DistributedDataParallel`` or a one-child wrapper, as the in-code API would be given);
+    holds them all, widened to the outermost wrapper that trains exactly the same parameters (a
+    ``DistributedDataParallel`` or a one-child wrapper, as the in-code API would be given; a
+    model whose backbone is frozen and whose head alone is optimized);
     when no module holds them all (one optimizer over two models), each top-level model that
     holds some. Found among every live module (``gc``), so however the script holds them."""
     import torch
@@ -296,7 +297,7 @@ def _modules_training(params: Sequence[Any]) -> List[Any]:
     while level:
         cover = next((m for m in level if want <= holds(m)), None)
         if cover is not None:
-            return [_outermost(cover, parents, holds)]
+            return [_outermost(cover, parents)]
         up = []
         for m in level:
             for parent in parents.get(id(m), []):
@@ -313,9 +314,14 @@ def _modules_training(params: Sequence[Any]) -> List[Any]:
     return list(roots.values())
 
 
-def _outermost(m: Any, parents: Dict[int, List[Any]], holds: Callable[[Any], Set[int]]) -> Any:
+def _outermost(m: Any, parents: Dict[int, List[Any]]) -> Any:
+    """``m`` widened while a parent trains the same parameters as it (frozen ones aside)."""
+
+    def trains(m: Any) -> Set[int]:
+        return {id(p) for p in m.parameters() if p.requires_grad}
+
     while True:
-        same = [p for p in parents.get(id(m), []) if holds(p) == holds(m)]
+        same = [p for p in parents.get(id(m), []) if trains(p) == trains(m)]
         if not same:
             return m
         m = same[0]
