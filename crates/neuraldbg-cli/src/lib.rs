@@ -29,11 +29,11 @@ use std::io::{IsTerminal, Write};
 use std::path::Path;
 
 use clap::Parser;
-use neuraldbg_core::analysis::{explain as ranked, parse_failure};
+use neuraldbg_core::analysis::{FAILURE_CONFIDENCE, explain as ranked, parse_failure};
 use neuraldbg_core::output::{events_json, hypotheses_json};
 use neuraldbg_core::report::Confirmation;
 use neuraldbg_core::trace::{Replay, TraceError, TraceReader};
-use neuraldbg_core::{Engine, EventType, SemanticEvent, Subject, display_name};
+use neuraldbg_core::{CausalHypothesis, Engine, EventType, SemanticEvent, Subject, display_name};
 use serde_json::Value;
 
 use cli::{Cli, Command, Format};
@@ -364,6 +364,25 @@ fn explain(replay: &Replay, a: &cli::Explain, io: &mut Io<'_>) -> Result<(), Sto
         );
         io.note(&format!(
             "neuraldbg: no {only} found in {} observed steps{unseen}; {instead}",
+            replay.steps
+        ));
+    }
+    let confirmed = |h: &CausalHypothesis| {
+        confirmation
+            .as_ref()
+            .and_then(|c| c.verdict_for(h))
+            .is_some_and(|v| v.verdict == "confirmed")
+    };
+    if !hypotheses.is_empty()
+        && !hypotheses
+            .iter()
+            .any(|h| h.confidence >= FAILURE_CONFIDENCE || confirmed(h))
+    {
+        // Weaker signals only: say first that they are not a verdict.
+        let what = only.map_or("failure".to_string(), |f| f.to_string());
+        io.note(&format!(
+            "neuraldbg: no {what} found in {} observed steps (no hypothesis reaches confidence \
+             {FAILURE_CONFIDENCE}); weaker signals:",
             replay.steps
         ));
     }

@@ -635,7 +635,7 @@ mod tui {
         let failing: Vec<&CausalHypothesis> = view
             .hypotheses
             .iter()
-            .filter(|h| h.confidence >= 0.5)
+            .filter(|h| h.confidence >= neuraldbg_core::analysis::FAILURE_CONFIDENCE)
             .take(3)
             .collect();
         if follow.engine.is_none() {

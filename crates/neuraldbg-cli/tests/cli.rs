@@ -101,9 +101,10 @@ fn explain_and_events_are_the_live_engine_s() {
     assert_eq!(got, hypotheses_json(&live, &hypotheses));
     assert!(err.is_empty(), "a clean trace gives no warning: {err}");
 
-    let (_, out, _) = cli(&["explain", p]);
+    let (_, out, err) = cli(&["explain", p]);
     assert_eq!(out.lines().count(), hypotheses.len());
     assert!(out.starts_with(&format!("[{:.2}] ", hypotheses[0].confidence)));
+    assert!(err.is_empty(), "a failure needs no note: {err}");
 
     let (_, out, _) = cli(&["events", p, "--json"]);
     let got: Value = serde_json::from_str(&out).unwrap();
@@ -508,6 +509,47 @@ fn watch_plain_ends_on_a_text_file_and_on_a_run_closed_before_its_first_step() {
     let (code, _, err) = cli(&["explain", none.to_str().unwrap()]);
     assert_eq!(code, EXIT_UNREADABLE);
     assert!(err.contains("no model header"), "{err}");
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn weaker_signals_alone_are_said_not_to_be_a_failure() {
+    // A run that learns with gradient norms a little above 1 throughout: the seed's SATURATED
+    // band, a warning the engine weighs low.
+    let dir = temp_dir();
+    let path = dir.join("healthy.ndbg");
+    let mut live = Engine::new(Config::default()).unwrap();
+    live.register_model(spec(4)).unwrap();
+    let mut w = TraceWriter::create(&path, Map::new(), WriterOptions::default()).unwrap();
+    w.write_header(live.config(), &spec(4)).unwrap();
+    for step in 0..60 {
+        let obs = Observation {
+            step,
+            grad_norms: vec![2.0; 4],
+            loss: Some(2.0 / (1.0 + step as f64 / 10.0)),
+            lr: Some(0.01),
+            ..Observation::default()
+        };
+        live.observe(&obs.view()).unwrap();
+        w.write_step(&obs.view()).unwrap();
+    }
+    w.close().unwrap();
+    let hypotheses = neuraldbg_core::analysis::explain(&live, None);
+    assert!(!hypotheses.is_empty(), "the run has a weaker signal to list");
+    assert!(hypotheses.iter().all(|h| h.confidence < 0.5), "{hypotheses:?}");
+
+    let (code, out, err) = cli(&["explain", path.to_str().unwrap()]);
+    assert_eq!(code, EXIT_OK);
+    assert_eq!(out.lines().count(), hypotheses.len(), "still listed");
+    assert!(
+        err.contains(
+            "no failure found in 60 observed steps (no hypothesis reaches confidence 0.5); weaker signals:"
+        ),
+        "{err}"
+    );
+    let only = hypotheses[0].failure.to_string();
+    let (_, _, err) = cli(&["explain", path.to_str().unwrap(), "--failure", &only]);
+    assert!(err.contains(&format!("no {only} found in 60 observed steps")), "{err}");
     std::fs::remove_dir_all(dir).unwrap();
 }
 

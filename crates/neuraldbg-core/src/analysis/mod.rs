@@ -626,6 +626,10 @@ impl<'a> Analysis<'a> {
     }
 }
 
+/// A hypothesis at or above this confidence is a failure: a healthy run has none (design.md).
+/// Below it a hypothesis is a weaker signal, listed but not a verdict.
+pub const FAILURE_CONFIDENCE: f64 = 0.5;
+
 /// Ranked hypotheses of `engine` (none before a model is registered), optionally for one
 /// failure: what `dbg.explain_failure()` and `neuraldbg explain` print.
 pub fn explain(engine: &Engine, only: Option<Failure>) -> Vec<CausalHypothesis> {

@@ -31,7 +31,7 @@ use std::fmt::Write as _;
 
 use serde::{Serialize, Serializer};
 
-use crate::analysis::{Analysis, CausalHypothesis, Failure};
+use crate::analysis::{Analysis, CausalHypothesis, FAILURE_CONFIDENCE, Failure};
 use crate::config::Config;
 use crate::engine::{Engine, Global, Run};
 use crate::event::{EventType, SemanticEvent, Subject};
@@ -53,8 +53,6 @@ pub const MAX_EVENTS: usize = 1500;
 const MAX_CURVES: usize = 6;
 /// Hypotheses shown as the verdict; the rest are folded away.
 const VERDICT_HYPOTHESES: usize = 3;
-/// A hypothesis at or above this confidence is a failure (design.md: a healthy run has none).
-const FAILURE_CONFIDENCE: f64 = 0.5;
 
 /// Heatmap byte codes: 0 no value, 1 zero, `2..=253` log scale, 255 NaN/Inf.
 const CODE_EMPTY: u8 = 0;
