@@ -101,6 +101,60 @@ def test_grad_accumulated_is_read_on_a_trained_parameter_when_the_optimizer_also
     assert [f.get("grad_accumulated") for f in spy.facts][1:] == [1.0 if zeroing == "none" else 0.0] * 4
 
 
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_gradients_cleared_between_backward_and_step_reach_the_engine_as_none_received(set_to_none):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with watch(model) as spy:
+        for step in range(4):
+            x, y = data(step)
+            F.mse_loss(model(x), y).backward()
+            opt.zero_grad(set_to_none=set_to_none)  # the mistake: the step finds nothing
+            opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())), "no step changed a weight"
+    # (The parameter read again at the step is chosen once the first step is seen.)
+    assert [f.get("clip_ratio") for f in spy.facts][1:] == [0.0] * 3
+
+
+def test_the_same_loop_in_order_reports_the_gradient_received_whole():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with watch(model) as spy:
+        for step in range(4):
+            opt.zero_grad()
+            x, y = data(step)
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+    assert [f.get("clip_ratio") for f in spy.facts][1:] == [1.0] * 3
+
+
+def test_zero_grad_between_backward_and_step_is_named_with_its_fix():
+    """The classic misplaced ``zero_grad()``: the loss sits at its chance level because no step
+    changes a weight, and the measured step size (0) must not be read as a learning rate."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1024, 20, generator=g)
+    y = (x @ torch.randn(20, 5, generator=g)).argmax(1)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 5))
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with NeuralDbg(model) as dbg:
+        for _ in range(5):
+            for i in range(0, 1024, 64):
+                F.cross_entropy(model(x[i : i + 64]), y[i : i + 64]).backward()
+                opt.zero_grad()
+                opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    top = dbg.explain_failure()[0]
+    assert top.confidence >= 0.5 and top.cause == "parameters_not_updated", top
+    assert "cleared after backward() and before step()" in " ".join(top.description.split())
+    assert any("before loss.backward()" in r and "never between backward() and step()" in r for r in top.remedies)
+    assert not any(h.cause == "learning_rate_too_low" and h.confidence >= 0.5 for h in dbg.explain_failure())
+
+
 def test_accumulation_over_micro_batches_within_a_step_is_not_a_missing_zero_grad():
     model = nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)

@@ -42,6 +42,8 @@ class Knobs:
     # An activation applied to the output before the loss ("softmax", "relu", "sigmoid").
     output_act: Optional[str] = None
     zero_grad: bool = True
+    # optimizer.zero_grad() between loss.backward() and optimizer.step(): the step finds nothing.
+    zero_grad_late: bool = False
     # The first weighted layer's parameters left out of the optimizer.
     frozen_first: bool = False
     eval_mode: bool = False
@@ -538,7 +540,7 @@ def deep_layernorm(k: Knobs, seed: int) -> Program:
     return _classifier(model, k, seed, (x0.flatten(1), y0, x1.flatten(1), y1), 10, "sgd", 0.05, momentum=0.9)
 
 
-_ALL = {"lr_factor", "init_scale", "zero_grad", "frozen_first", "weight_decay", "weight_penalty"}
+_ALL = {"lr_factor", "init_scale", "zero_grad", "zero_grad_late", "frozen_first", "weight_decay", "weight_penalty"}
 _MODEL = {"act", "extra_depth", "output_act"}
 
 BASES: List[Base] = [
@@ -583,6 +585,7 @@ BASES: List[Base] = [
             {
                 "lr_factor",
                 "zero_grad",
+                "zero_grad_late",
                 "act",
                 "output_act",
                 "raw_inputs",
@@ -600,6 +603,7 @@ BASES: List[Base] = [
             {
                 "lr_factor",
                 "zero_grad",
+                "zero_grad_late",
                 "act",
                 "raw_inputs",
                 "raw_targets",

@@ -71,6 +71,7 @@ MUTATIONS: List[Mutation] = [
     _m("out_relu", "output_loss_mismatch", output_act="relu"),
     _m("out_sigmoid", "output_loss_mismatch", output_act="sigmoid"),
     _m("no_zero_grad", "missing_zero_grad", zero_grad=False),
+    _m("zero_grad_late", "parameters_not_updated", paired=False, zero_grad_late=True),
     _m("frozen_first", "parameters_not_updated", frozen_first=True),
     _m("eval_mode", "eval_mode", eval_mode=True),
     _m("dead_bias", "dying_relu", dead_bias=True),

@@ -33,8 +33,8 @@ from bench.corpus.mutations import knobs_for, named, pairs, singles
 
 
 def train(p: Program, k: Knobs) -> Tuple[List[float], Optional[str]]:
-    """The user's loop, with the loop-side knobs (zero_grad dropped, eval() mode, a weight
-    penalty written into the loss) applied."""
+    """The user's loop, with the loop-side knobs (zero_grad dropped or called after the
+    backward, eval() mode, a weight penalty written into the loss) applied."""
     losses: List[float] = []
     p.model.train(not k.eval_mode)
     penalized = [w for w in p.model.parameters() if w.requires_grad and w.dim() >= 2]
@@ -47,6 +47,8 @@ def train(p: Program, k: Knobs) -> Tuple[List[float], Optional[str]]:
             if k.weight_penalty:
                 loss = loss + k.weight_penalty * sum(w.pow(2).sum() for w in penalized)
             loss.backward()
+            if k.zero_grad_late:
+                p.optimizer.zero_grad()
             p.optimizer.step()
             losses.append(float(loss.detach()))
     except Exception as e:  # a crashed program is still diagnosable

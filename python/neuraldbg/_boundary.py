@@ -197,12 +197,17 @@ class StepBoundary:
         if executed and executed[0] != 0:
             self.c.hooks.first[0] = executed[0]
         if self.c.params:
-            # The gradient read again after the step to detect clipping: the largest parameter
-            # up to 64k elements (clip_grad_norm_ scales every gradient alike, so any one
-            # shows it, and a small one is cheap to read).
+            # The gradient read again after the step to detect clipping (or gradients cleared
+            # before it): the largest parameter up to 64k elements (clip_grad_norm_ scales every
+            # gradient alike, so any one shows it, and a small one is cheap to read), among
+            # those whose first gradient, where already on the host, was not zero (a LoRA
+            # adapter's A matrix gets exactly zero while B is zero: it would show nothing).
             sizes = [int(p.numel()) for p in self.c.params]
             small = [k for k, n in enumerate(sizes) if n <= 1 << 16]
             pool = small or list(range(len(sizes)))
+            first = self.c.cur.grad_host
+            if first is not None:
+                pool = [k for k in pool if first[k] > 0] or pool
             self.c.clip_index = max(pool, key=lambda k: sizes[k])
         spec = self.c.watched.spec(executed, self.c.optimizer_name)
         spec["param_lr"] = self.c.loop.param_lrs(self.c.loop.optimizer)

@@ -119,7 +119,9 @@ class DeviceReader:
         g = c.params[c.clip_index].grad
         if g is not None and c.sharded:
             g = local_tensors([g])[0]
-        if g is not None and g.layout == c.torch.strided:
+        if g is None:  # cleared after the backward: the optimizer receives none
+            c.cur.clip_after = c.torch.zeros((), device=c.params[c.clip_index].device)
+        elif g.layout == c.torch.strided:
             with c.torch.no_grad():
                 c.cur.clip_after = c.torch.linalg.vector_norm(g).float()
 

@@ -161,9 +161,11 @@ def flatten(parts: List[torch.Tensor]) -> Optional[torch.Tensor]:
 
 def clip_ratio(before: float, after: float) -> Optional[float]:
     """The ``clip_ratio`` fact: one gradient's norm as the optimizer received it over its norm
-    when the backward produced it (None when that says nothing: no gradient, NaN/Inf)."""
+    when the backward produced it (None when that says nothing: no gradient from the backward,
+    NaN/Inf). 0 when the optimizer received none (``after`` < 0: ``.grad`` was set to None in
+    between, as ``zero_grad()`` between ``backward()`` and ``step()`` does)."""
     if before > 0.0 and math.isfinite(before) and math.isfinite(after):
-        return after / before
+        return max(after, 0.0) / before
     return None
 
 

@@ -535,8 +535,14 @@ fn weaker_signals_alone_are_said_not_to_be_a_failure() {
     }
     w.close().unwrap();
     let hypotheses = neuraldbg_core::analysis::explain(&live, None);
-    assert!(!hypotheses.is_empty(), "the run has a weaker signal to list");
-    assert!(hypotheses.iter().all(|h| h.confidence < 0.5), "{hypotheses:?}");
+    assert!(
+        !hypotheses.is_empty(),
+        "the run has a weaker signal to list"
+    );
+    assert!(
+        hypotheses.iter().all(|h| h.confidence < 0.5),
+        "{hypotheses:?}"
+    );
 
     let (code, out, err) = cli(&["explain", path.to_str().unwrap()]);
     assert_eq!(code, EXIT_OK);
@@ -549,7 +555,10 @@ fn weaker_signals_alone_are_said_not_to_be_a_failure() {
     );
     let only = hypotheses[0].failure.to_string();
     let (_, _, err) = cli(&["explain", path.to_str().unwrap(), "--failure", &only]);
-    assert!(err.contains(&format!("no {only} found in 60 observed steps")), "{err}");
+    assert!(
+        err.contains(&format!("no {only} found in 60 observed steps")),
+        "{err}"
+    );
     std::fs::remove_dir_all(dir).unwrap();
 }
 

@@ -1,6 +1,7 @@
 //! What the training loop did around the optimizer step, from the facts a collector sends:
-//! steps a mixed-precision `GradScaler` skipped for an overflow, the loss scale, and gradient
-//! clipping between the backward pass and the update.
+//! steps a mixed-precision `GradScaler` skipped for an overflow, the loss scale, gradient
+//! clipping between the backward pass and the update, and gradients cleared there (the
+//! optimizer received none: `zero_grad()` between `backward()` and `step()`).
 //!
 //! A skipped step is routine under mixed precision (the scaler halves its scale and retries), so
 //! it is never a failure by itself: its non-finite gradients do not feed the health trackers. A
@@ -70,6 +71,11 @@ pub struct LoopTrack {
     pub clip_ratio_min: Option<f64>,
     /// Where the clipped steps were, as stretches in step order.
     pub clipped: Vec<ClipStretch>,
+    /// Steps whose gradient reaching the optimizer was read ([`Fact::ClipRatio`]), and those
+    /// where none reached it (a ratio of exactly 0: the gradients were cleared after the
+    /// backward pass).
+    pub checked_steps: u64,
+    pub cleared_steps: u64,
 }
 
 impl LoopTrack {
@@ -82,7 +88,10 @@ impl LoopTrack {
             self.loss_scale_min = Some(self.loss_scale_min.map_or(scale, |m| m.min(scale)));
         }
         if let Some(r) = v.fact(Fact::ClipRatio).filter(|r| r.is_finite()) {
-            if r < CLIPPED_BELOW {
+            self.checked_steps += 1;
+            if r == 0.0 {
+                self.cleared_steps += 1;
+            } else if r < CLIPPED_BELOW {
                 self.clipped_steps += 1;
                 self.clip_ratio_min = Some(self.clip_ratio_min.map_or(r, |m| m.min(r)));
                 self.note_clipped(v.step, r);
@@ -132,6 +141,12 @@ impl LoopTrack {
                 ratio_min: ratio,
             }),
         }
+    }
+
+    /// The share of the checked steps whose optimizer step received no gradient (None before
+    /// any was checked).
+    pub fn cleared_share(&self) -> Option<f64> {
+        (self.checked_steps > 0).then(|| self.cleared_steps as f64 / self.checked_steps as f64)
     }
 
     /// The clipping of the stretches that overlap steps `[from, to]` (both included): clipped
@@ -228,6 +243,7 @@ mod tests {
         }
         assert_eq!(t.clipped_steps, 2);
         assert_eq!(t.clip_ratio_min, Some(0.1));
+        assert_eq!(t.cleared_share(), Some(0.0));
         let during = t.clipping_during(0, 2).expect("clipped at step 2");
         assert_eq!((during.first, during.last, during.steps), (2, 3, 2));
         assert!(t.clipping_during(4, 9).is_none());
@@ -267,5 +283,22 @@ mod tests {
             t.clipping_during(0, u64::MAX).map(|c| c.steps),
             Some(10_000)
         );
+    }
+
+    #[test]
+    fn gradients_cleared_before_the_step_are_counted_apart_from_clipping() {
+        let mut t = LoopTrack::default();
+        assert_eq!(t.cleared_share(), None);
+        for (s, r) in [(0, 0.0), (1, 0.0), (2, 0.5), (3, 0.0)] {
+            let o = Observation {
+                step: s,
+                facts: vec![(Fact::ClipRatio, r)],
+                ..Default::default()
+            };
+            t.observe(&o.view(), None);
+        }
+        assert_eq!((t.cleared_steps, t.checked_steps), (3, 4));
+        assert_eq!(t.cleared_share(), Some(0.75));
+        assert_eq!(t.clipped_steps, 1, "only the rescaled step is clipping");
     }
 }

@@ -152,9 +152,10 @@ fn grad_key(g: &Bound<'_, PyAny>) -> Option<Py<PyAny>> {
         .map(|t| t.into_any().unbind())
 }
 
-/// `_transfer.clip_ratio`: `after / before` when both are finite and `before > 0`.
+/// `_transfer.clip_ratio`: `after / before` when both are finite and `before > 0`; 0 when the
+/// optimizer received no gradient (`after` < 0: `.grad` set to None in between).
 fn clip_ratio(before: f64, after: f64) -> Option<f64> {
-    (before > 0.0 && before.is_finite() && after.is_finite()).then(|| after / before)
+    (before > 0.0 && before.is_finite() && after.is_finite()).then(|| after.max(0.0) / before)
 }
 
 impl PlainStep {

@@ -105,6 +105,7 @@ pub(crate) enum Remedy {
     StandardizeEachFeature,
     // Loop mistakes.
     ZeroGradEachStep,
+    ZeroGradBeforeBackward,
     AccumulateOnPurpose,
     CallTrain,
     RestoreModeAfterEval,
@@ -272,6 +273,7 @@ impl Remedy {
             Remedy::NormalizeInputs => "normalize inputs (zero mean, unit variance) and filter corrupt samples".into(),
             Remedy::StandardizeEachFeature => "standardize each feature on its own (subtract its mean and divide by its standard deviation over the training set, e.g. sklearn's StandardScaler), once: not by one scale for all, not twice".into(),
             Remedy::ZeroGradEachStep => "call optimizer.zero_grad() once per step, before loss.backward() (or model.zero_grad() when parameters are stepped by hand)".into(),
+            Remedy::ZeroGradBeforeBackward => "call optimizer.zero_grad() before loss.backward() (or right after optimizer.step()), never between backward() and step(): there it clears the gradients the step was about to apply".into(),
             Remedy::AccumulateOnPurpose => "when accumulating on purpose over k micro-batches, zero after every optimizer.step() and divide the loss by k".into(),
             Remedy::CallTrain => "call model.train() before the training loop (and again after every evaluation that calls model.eval())".into(),
             Remedy::RestoreModeAfterEval => "wrap evaluation in a helper that restores the mode: was = model.training; model.eval(); ...; model.train(was)".into(),

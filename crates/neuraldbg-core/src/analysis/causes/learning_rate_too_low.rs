@@ -58,6 +58,11 @@ impl CauseRule for LearningRateTooLow {
             // The steps are small because the gradients are: the inputs are.
             v.against(1.5);
         }
+        if super::parameters_not_updated::cleared(c.run).is_some() {
+            // The steps are zero because the optimizer found no gradient, whatever the rate.
+            v.against(5.0);
+            return;
+        }
         // Weights far above a variance-preserving scale make every step small beside them:
         // then the ratio measures the weights, not the learning rate.
         if let Some(r) = ev.update_ratio.filter(|_| !ev.gain_too_large()) {

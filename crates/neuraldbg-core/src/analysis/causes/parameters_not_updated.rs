@@ -1,10 +1,12 @@
 //! `parameters_not_updated`: parameters the optimizer never changes: in no optimizer, in a
-//! param group with lr 0, or cut from the graph so they never receive a gradient.
+//! param group with lr 0, cut from the graph so they never receive a gradient, or with their
+//! gradients cleared between the backward pass and the optimizer step.
 
 use super::super::remedy::Remedy;
 use super::super::stalled;
 use super::super::vocab::{Cause, Failure};
 use super::{Case, CauseRule, RemedyCase, Votes, fmt_g};
+use crate::engine::Run;
 
 pub(crate) struct ParametersNotUpdated;
 
@@ -18,8 +20,14 @@ impl CauseRule for ParametersNotUpdated {
     }
 
     fn explains(&self, failure: Failure) -> bool {
-        // A plateau inherits it from the stalled layer that explains it.
-        matches!(failure, Failure::StalledLayer | Failure::LossPlateau)
+        // A plateau inherits it from the stalled layer that explains it. Gradients cleared
+        // before every step leave the network as it was made: whatever it then shows (a
+        // gradient that never grows past a zero-initialized layer, units dead from the start)
+        // is that, and the evidence says so only then.
+        !matches!(
+            failure,
+            Failure::DataAnomaly | Failure::NonFinite | Failure::LossScaleCollapse
+        )
     }
 
     fn always_candidate(&self, _: Failure) -> bool {
@@ -28,10 +36,20 @@ impl CauseRule for ParametersNotUpdated {
 
     fn evidence(&self, c: &Case<'_>, v: &mut Votes) {
         let episode = c.e;
+        let run = c.run;
+        if let Some(share) = cleared(run) {
+            v.proof(
+                5.0,
+                format!(
+                    "on {:.0}% of the steps the optimizer step received no gradient: .grad was cleared after backward() and before step() (zero_grad() in between), so the steps changed nothing",
+                    100.0 * share
+                ),
+            );
+            return;
+        }
         if episode.failure != Failure::StalledLayer {
             return;
         }
-        let run = c.run;
         let Some(layer) = episode.root.and_then(|m| run.model.module_layer[m]) else {
             return;
         };
@@ -65,6 +83,9 @@ impl CauseRule for ParametersNotUpdated {
     }
 
     fn remedies(&self, c: &RemedyCase<'_>) -> Vec<Remedy> {
+        if cleared(c.run).is_some() {
+            return vec![Remedy::ZeroGradBeforeBackward];
+        }
         let layer = c.layer();
         if c.e.failure == Failure::StalledLayer && c.e.no_gradient {
             return vec![
@@ -82,4 +103,11 @@ impl CauseRule for ParametersNotUpdated {
             Remedy::FreezeOnPurpose { layer, cut: false },
         ]
     }
+}
+
+/// The share of the steps whose optimizer step received no gradient, when it is most of them
+/// (the collector read one parameter's gradient again at the step: see
+/// [`crate::training_loop::LoopTrack::cleared_share`]).
+pub(crate) fn cleared(run: &Run) -> Option<f64> {
+    run.loop_track.cleared_share().filter(|s| *s >= 0.5)
 }
