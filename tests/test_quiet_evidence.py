@@ -756,3 +756,53 @@ def test_a_learning_rate_ten_times_too_low_is_named_from_a_loss_still_falling_as
     assert "the loss still falls as fast as it began" in top.description, top.description
     assert good_losses[-1] < 0.5 * good_losses[0]
     assert all(h.confidence < 0.5 for h in good_dbg.explain_failure())
+
+
+def _classification():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1024, 20, generator=g)
+    return x, (x @ torch.randn(20, 5, generator=g)).argmax(1)
+
+
+def _train_scheduled(make_scheduler, epochs: int = 5):
+    """A classifier under SGD with momentum, the scheduler stepped after every batch; returns
+    the debugger and the learning rates the scheduler set (torch's own)."""
+    x, y = _classification()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 5))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = make_scheduler(opt, epochs * 16)
+    lrs = []
+    with NeuralDbg(model) as dbg:
+        for _ in range(epochs):
+            for i in range(0, 1024, 64):
+                opt.zero_grad()
+                nn.functional.cross_entropy(model(x[i : i + 64]), y[i : i + 64]).backward()
+                lrs.append(opt.param_groups[0]["lr"])
+                opt.step()
+                sched.step()
+    return dbg, lrs
+
+
+def test_a_per_epoch_scheduler_stepped_every_batch_is_named_from_the_learning_rates_course():
+    dbg, lrs = _train_scheduled(lambda opt, _: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5))
+    fell = next(i for i, lr in enumerate(lrs) if lr < 1e-3 * 0.1)
+    assert fell == 10 and lrs[-1] < 1e-20  # torch's own schedule, as the loop saw it
+    top = dbg.explain_failure()[0]
+    assert top.confidence >= 0.5, top
+    words = " ".join(top.description.split())
+    assert "the learning rate fell from 0.1 (step 0)" in words and f"from step {fell} on" in words, words
+    assert any("once per epoch, not per batch" in r for r in top.remedies), top.remedies
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "one_cycle", "linear"])
+def test_schedules_that_end_at_zero_are_not_a_collapse(schedule):
+    make = {
+        "cosine": lambda opt, n: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=n),
+        "one_cycle": lambda opt, n: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=n),
+        "linear": lambda opt, n: torch.optim.lr_scheduler.LinearLR(opt, 1.0, 0.0, total_iters=n),
+    }[schedule]
+    dbg, lrs = _train_scheduled(make)
+    assert lrs[-1] < 0.02 * max(lrs), "the schedule does end near zero"
+    assert not any(h.confidence >= 0.5 for h in dbg.explain_failure()), dbg.explain_failure()
+    assert not any("learning rate fell" in h.description for h in dbg.explain_failure())

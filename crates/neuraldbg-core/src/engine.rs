@@ -66,6 +66,9 @@ pub(crate) struct Run {
     pub first_step: Option<u64>,
     pub last_step: Option<u64>,
     pub lr_first: Option<f64>,
+    /// The learning rate's course: its peak, its latest value, and where it fell far below
+    /// the peak ([`LrCourse`]).
+    pub lr_course: LrCourse,
     pub total_early: Early,
     /// Steps whose gradients or loss were not all finite.
     pub nonfinite_steps: u64,
@@ -132,6 +135,7 @@ impl Engine {
             first_step: None,
             last_step: None,
             lr_first: None,
+            lr_course: LrCourse::default(),
             total_early: Early::default(),
             nonfinite_steps: 0,
             total_peak: None,
@@ -638,6 +642,7 @@ impl Run {
         }
         if let Some(lr) = v.lr.filter(|lr| lr.is_finite()) {
             self.lr_first.get_or_insert(lr);
+            self.lr_course.observe(step, lr);
             self.grads.record(self.global_series(Global::Lr), lr as f32);
         }
         if !all_finite {
@@ -873,9 +878,59 @@ impl Run {
     }
 }
 
+/// A learning rate this far below its peak moves nothing (float32 weights of ~1 do not change
+/// under steps of lr x gradient ~1e-7 of the peak's).
+const LR_COLLAPSED: f64 = 1e-3;
+
+/// The learning rate over the run: its peak and where, its latest value, and the first step
+/// from which it stayed below [`LR_COLLAPSED`] of the peak (None while it has not, or once it
+/// rose again: a warm restart).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct LrCourse {
+    pub peak: Option<(u64, f64)>,
+    pub last: Option<(u64, f64)>,
+    pub collapsed_from: Option<u64>,
+}
+
+impl LrCourse {
+    fn observe(&mut self, step: u64, lr: f64) {
+        if self.peak.is_none_or(|(_, p)| lr > p) {
+            self.peak = Some((step, lr));
+        }
+        self.last = Some((step, lr));
+        let peak = self.peak.map_or(lr, |(_, p)| p);
+        if lr < LR_COLLAPSED * peak {
+            self.collapsed_from.get_or_insert(step);
+        } else {
+            self.collapsed_from = None;
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_learning_rates_course_keeps_where_it_fell_and_forgets_it_on_a_restart() {
+        let mut c = LrCourse::default();
+        // Warmup from a tiny rate is no collapse: the peak rises with it.
+        for (step, lr) in [
+            (0, 1e-6),
+            (1, 1e-3),
+            (2, 0.1),
+            (3, 0.05),
+            (4, 5e-5),
+            (5, 1e-6),
+        ] {
+            c.observe(step, lr);
+        }
+        assert_eq!(c.peak, Some((2, 0.1)));
+        assert_eq!(c.collapsed_from, Some(4));
+        assert_eq!(c.last, Some((5, 1e-6)));
+        c.observe(6, 0.05); // a warm restart
+        assert_eq!(c.collapsed_from, None);
+    }
     use crate::model::tests::mlp_spec;
     use crate::observation::{Fact, Measure, Observation};
 

@@ -53,6 +53,11 @@ pub(crate) enum Remedy {
     RaiseLr {
         lr: Option<f64>,
     },
+    /// The learning rate fell to nothing long before the end: a schedule decaying too fast.
+    ScheduleDecaysTooFast {
+        peak: f64,
+        last: f64,
+    },
     /// Clip gradient norms before the optimizer step.
     ClipGradients,
     /// Clip while the cause of an explosion is fixed.
@@ -186,6 +191,16 @@ impl Remedy {
             Remedy::RaiseLr { lr } => lr.map_or_else(
                 || "raise the learning rate 10x".to_string(),
                 |lr| format!("raise the learning rate 10x (it was {})", num(lr)),
+            ),
+            Remedy::ScheduleDecaysTooFast { peak, last } => format!(
+                "{} (the learning rate went from {} to {})",
+                fw(
+                    "step the scheduler as often as it was written for: StepLR, MultiStepLR and ExponentialLR decay at every scheduler.step(), so call it once per epoch, not per batch (or set step_size/gamma for batches)",
+                    "give the schedule decay_steps counted in optimizer updates (batches), not epochs",
+                    "give the optax schedule its decay in optimizer updates (transition_steps, decay_steps), not epochs",
+                ),
+                num(*peak),
+                num(*last)
             ),
             Remedy::ClipGradients => fw4(
                 "clip gradients: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0) before optimizer.step()",

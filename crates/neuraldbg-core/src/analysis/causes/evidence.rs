@@ -136,6 +136,41 @@ pub(crate) fn uneven_features(run: &Run) -> Option<FeatureSpread> {
     })
 }
 
+/// A learning rate that fell to nothing and stayed there (see [`lr_collapse`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct LrCollapse {
+    /// The peak and its step, the step from which the rate stayed below a thousandth of it,
+    /// and the last rate and its step.
+    pub peak: (u64, f64),
+    pub from: u64,
+    pub last: (u64, f64),
+}
+
+/// The learning rate fell below a thousandth of its peak and stayed there for at least a
+/// quarter of the run (10 steps or more): a schedule that decays it far too fast (a per-epoch
+/// scheduler stepped every batch). A schedule that ends at zero (cosine, linear, one-cycle)
+/// gets there only in its last few steps.
+pub(crate) fn lr_collapse(run: &Run) -> Option<LrCollapse> {
+    let c = run.lr_course;
+    let (peak, from, last) = (c.peak?, c.collapsed_from?, c.last?);
+    let span = last.0.saturating_sub(from) + 1;
+    let observed = last.0.saturating_sub(run.first_step.unwrap_or(0)) + 1;
+    (span >= 10 && 4 * span >= observed).then_some(LrCollapse { peak, from, last })
+}
+
+/// The collapse in words: "the learning rate fell from 0.1 (step 0) to 8.3e-26 (step 79),
+/// below a thousandth of its peak from step 10 on".
+pub(crate) fn lr_collapse_words(c: &LrCollapse) -> String {
+    format!(
+        "the learning rate fell from {} (step {}) to {} (step {}), below a thousandth of its peak from step {} on: a schedule that decays it far too fast",
+        super::fmt_g(c.peak.1),
+        c.peak.0,
+        super::fmt_g(c.last.1),
+        c.last.0,
+        c.from
+    )
+}
+
 /// Evidence for the warning of gradient norms running high from the first step, before any
 /// update (the causes that explain it add what made them high).
 pub(crate) const HIGH_FROM_THE_START: &str =

@@ -2,7 +2,7 @@
 
 use super::super::remedy::Remedy;
 use super::super::vocab::{Cause, Failure};
-use super::evidence::{TRAINING_UPDATE, times};
+use super::evidence::{TRAINING_UPDATE, lr_collapse, lr_collapse_words, times};
 use super::{Case, CauseRule, RemedyCase, Votes, fmt_g};
 
 pub(crate) struct LearningRateTooLow;
@@ -58,6 +58,9 @@ impl CauseRule for LearningRateTooLow {
             // The steps are small because the gradients are: the inputs are.
             v.against(1.5);
         }
+        if let Some(collapse) = lr_collapse(c.run) {
+            v.add(3.0, lr_collapse_words(&collapse));
+        }
         if super::parameters_not_updated::cleared(c.run).is_some() {
             // The steps are zero because the optimizer found no gradient, whatever the rate.
             v.against(5.0);
@@ -99,6 +102,12 @@ impl CauseRule for LearningRateTooLow {
     }
 
     fn remedies(&self, c: &RemedyCase<'_>) -> Vec<Remedy> {
+        if let Some(collapse) = lr_collapse(c.run) {
+            return vec![Remedy::ScheduleDecaysTooFast {
+                peak: collapse.peak.1,
+                last: collapse.last.1,
+            }];
+        }
         vec![
             Remedy::RaiseLr { lr: c.lr() },
             Remedy::LrRangeTest,

@@ -5,6 +5,7 @@
 use super::super::remedy::Remedy;
 use super::super::stalled;
 use super::super::vocab::{Cause, Failure};
+use super::evidence::{lr_collapse, lr_collapse_words};
 use super::{Case, CauseRule, RemedyCase, Votes, fmt_g};
 use crate::engine::Run;
 
@@ -80,11 +81,20 @@ impl CauseRule for ParametersNotUpdated {
             }
             _ => {}
         }
+        if let Some(collapse) = lr_collapse(run) {
+            v.add(1.5, lr_collapse_words(&collapse));
+        }
     }
 
     fn remedies(&self, c: &RemedyCase<'_>) -> Vec<Remedy> {
         if cleared(c.run).is_some() {
             return vec![Remedy::ZeroGradBeforeBackward];
+        }
+        if let Some(collapse) = lr_collapse(c.run) {
+            return vec![Remedy::ScheduleDecaysTooFast {
+                peak: collapse.peak.1,
+                last: collapse.last.1,
+            }];
         }
         let layer = c.layer();
         if c.e.failure == Failure::StalledLayer && c.e.no_gradient {
