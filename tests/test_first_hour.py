@@ -394,3 +394,23 @@ def test_a_relu_root_after_the_last_layer_keeps_its_label_off_the_axis(tmp_path:
     _, plot_top, _, plot_h = layout["heatmap_plot"]
     y = layout["root_label"]
     assert plot_top + 6 <= y <= plot_top + plot_h - 6, layout
+
+
+def test_a_loop_without_optimizer_step_is_told_it_did_not_train(tmp_path: Any) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    x = torch.randn(16, 4)
+    with (
+        pytest.warns(
+            NeuralDbgWarning, match=r"no optimizer.step\(\) on its parameters followed: the model did not train"
+        ),
+        NeuralDbg(model, trace=str(tmp_path / "t.ndbg")) as dbg,
+    ):
+        for _ in range(5):
+            model.zero_grad()
+            model(x).pow(2).mean().backward()
+    assert model[0].weight.grad is not None and dbg.step == 0
+    steps, loss = dbg.history(None, "loss")
+    assert len(steps) == 0 and len(loss) == 0, "a run of no step has an empty history"
+    with pytest.raises(UnknownNameError, match="no training step was observed"):
+        dbg.history("0")

@@ -188,6 +188,26 @@ def test_a_frozen_backbone_and_an_optimized_head_is_watched_as_the_whole_model(t
         assert len(steps) > 0 and np.isfinite(dead).all(), layer
 
 
+def test_a_script_that_never_steps_its_optimizer_is_told_so_and_ends_as_it_would(tmp_path: Path) -> None:
+    script = """
+        import torch, torch.nn as nn
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        x = torch.randn(64, 8); y = x.sum(1, keepdim=True)
+        for step in range(10):
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()   # and no opt.step()
+        print("finished")
+    """
+    r = run(tmp_path, script, "--out", "o", "--json", "d.json")
+    assert r.returncode == 0, r.stderr
+    assert "finished" in r.stdout and "Traceback" not in r.stderr, r.stderr
+    assert "Sequential: 0 steps: backward passes gave it gradients, but no optimizer.step() followed" in r.stderr
+    (model,) = json.loads((tmp_path / "d.json").read_text())["models"]
+    assert model["steps"] == 0 and model["loss"] == []
+
+
 def test_gan_generator_and_discriminator_each_watched_under_their_own_name(tmp_path: Path) -> None:
     r = run(tmp_path, GAN, "--out", "o", "--json", "d.json", "SCRIPT")
     assert r.returncode == 0, r.stderr

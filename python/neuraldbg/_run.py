@@ -679,6 +679,8 @@ def _print_diagnosis(watch: Watch, quiet: bool) -> None:
                     print(f"  {h}", file=sys.stderr)
                     if h.remedies:
                         print(f"      try: {'; '.join(h.remedies)}", file=sys.stderr)
+            elif getattr(dbg, "_never_stepped", False):
+                _say(f"{head}: backward passes gave it gradients, but no optimizer.step() followed: it did not train")
             else:
                 _say(f"{head}, no failure found")
         _say(

@@ -209,6 +209,8 @@ class NeuralDbg(Results):
         self._trace_rank = trace_rank
         self._collector: Any = None
         self._active = False
+        # Backward passes gave the model gradients, and no optimizer step ever followed.
+        self._never_stepped = False
         if on_failure is not None and not callable(on_failure):
             raise ConfigError(f"on_failure must be callable, got {type(on_failure).__qualname__}")
         if report is not None and not isinstance(report, (str, os.PathLike)):
@@ -283,6 +285,7 @@ class NeuralDbg(Results):
                 # Ctrl-C is the user stopping the run, not the run failing: a forward it cut
                 # short is no step (dbg.step and the trace's step count agree).
                 crashed = exc_type is not None and not issubclass(exc_type, KeyboardInterrupt)
+                self._never_stepped = int(collector.step) == 0 and bool(collector.cur.grad_read)
                 collector.boundary.finish(crashed=crashed)
                 self._record_unobserved(collector)
         except Exception as e:  # never raise from the exit of the user's block
@@ -428,7 +431,16 @@ class NeuralDbg(Results):
         except NeuralDbgError as e:
             warnings.warn(f"NeuralDBG could not close the trace: {e}", NeuralDbgWarning, stacklevel=3)
             return
-        if summary is not None and not summary[3]:
+        if self._never_stepped:
+            where = f" (the trace {summary[0]} holds no step)" if summary is not None else ""
+            warnings.warn(
+                f"backward passes gave {type(self.model).__name__} gradients, but no optimizer.step() on its "
+                f"parameters followed: the model did not train{where}. Call optimizer.step() after "
+                "loss.backward(), with an optimizer built from model.parameters()",
+                NeuralDbgWarning,
+                stacklevel=3,
+            )
+        elif summary is not None and not summary[3]:
             warnings.warn(
                 f"the trace {summary[0]} holds no model header: no training step was observed "
                 "(no optimizer.step() on the model's parameters), so there is nothing to replay",

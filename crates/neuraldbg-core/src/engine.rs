@@ -247,8 +247,6 @@ impl Engine {
         metric: &str,
         reduce: Reduce,
     ) -> Result<(Vec<u64>, Vec<f64>), EngineError> {
-        let run = self.run.as_ref().ok_or(EngineError::NoModel)?;
-        let model = &run.model;
         let unknown_metric = |expected: &str| EngineError::Unknown {
             what: "metric",
             name: metric.to_string(),
@@ -262,8 +260,14 @@ impl Engine {
                 "input_scale" => Global::InputScale,
                 _ => return Err(unknown_metric(&RUN_METRICS.join(", "))),
             };
-            return Ok(run.grads.read(run.global_series(g), reduce));
+            // A run that observed no step has an empty run-wide history.
+            return Ok(self.run.as_ref().map_or_else(
+                || (Vec::new(), Vec::new()),
+                |run| run.grads.read(run.global_series(g), reduce),
+            ));
         };
+        let run = self.run.as_ref().ok_or(EngineError::NoModel)?;
+        let model = &run.model;
         let module = model
             .module_index(name)
             .ok_or_else(|| EngineError::Unknown {
