@@ -217,6 +217,17 @@ def test_loss_facts_cross_entropy_after_softmax():
     assert 0.0 <= lo <= hi <= 1.0
 
 
+@pytest.mark.parametrize("targets", ["one class", "mixed"])
+def test_loss_facts_class_range_of_index_targets(targets):
+    y = torch.full((16,), 2) if targets == "one class" else torch.tensor([0, 4, 1, 3] * 4)
+    model = nn.Linear(4, 5)
+    d = first_loss(model, nn.CrossEntropyLoss(), torch.randn(16, 4), y)
+    assert d["class_range"] == ([2.0, 2.0] if targets == "one class" else [0.0, 4.0])
+    assert "target_range" not in d, "class indices are no regression target"
+    d = first_loss(nn.Linear(4, 1), nn.MSELoss(), torch.randn(16, 4), torch.randn(16, 1))
+    assert "class_range" not in d
+
+
 def test_loss_facts_broadcasting_mse_and_target_range():
     model = nn.Linear(4, 1)
     y = torch.linspace(5.0, 9.0, 8)  # (8,) against an (8, 1) output

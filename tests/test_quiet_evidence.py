@@ -234,7 +234,7 @@ def test_a_scaled_or_broadcast_difference_gives_no_target():
     for loss in (scaled, broadcast):
         d = _describe(loss, [out.grad_fn], out)
         assert d is not None
-        _, _, tlo, thi, tvar = (float(v) for v in d["_ranges"][0])
+        _, _, tlo, thi, _, _, tvar = (float(v) for v in d["_ranges"][0])
         assert np.isnan([tlo, thi, tvar]).all(), d
 
 
@@ -806,3 +806,30 @@ def test_schedules_that_end_at_zero_are_not_a_collapse(schedule):
     assert lrs[-1] < 0.02 * max(lrs), "the schedule does end near zero"
     assert not any(h.confidence >= 0.5 for h in dbg.explain_failure()), dbg.explain_failure()
     assert not any("learning rate fell" in h.description for h in dbg.explain_failure())
+
+
+@pytest.mark.parametrize("order", ["by class", "shuffled"])
+def test_batches_in_class_order_are_named_from_the_first_batchs_targets(order):
+    x, y = _classification()
+    if order == "by class":
+        by = y.argsort(stable=True)
+        x, y = x[by], y[by]
+        assert (y[:64] == y[0]).all(), "the first batch holds one class"
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 5))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with NeuralDbg(model) as dbg:
+        for _ in range(5):
+            for i in range(0, 1024, 64):
+                opt.zero_grad()
+                nn.functional.cross_entropy(model(x[i : i + 64]), y[i : i + 64]).backward()
+                opt.step()
+    found = dbg.explain_failure()
+    said = [h for h in found if "not shuffled" in h.description]
+    if order == "shuffled":
+        assert not said
+        return
+    top = found[0]
+    assert said and top is said[0] and top.cause == "bad_input_data", top
+    assert "the first batch's 64 targets are all class 0 (of 5 classes)" in " ".join(top.description.split())
+    assert any("shuffle=True" in r for r in top.remedies), top.remedies

@@ -295,13 +295,15 @@ class LoopFacts:
             try:
                 if event is not None and not event.query():
                     event.synchronize()  # (the first step only, once)
-                lo, hi, tlo, thi, tvar = (float(v) for v in host.tolist())
+                lo, hi, tlo, thi, clo, chi, tvar = (float(v) for v in host.tolist())
             except Exception:  # pragma: no cover - ranges are optional facts
-                lo = hi = tlo = thi = tvar = math.nan
+                lo = hi = tlo = thi = clo = chi = tvar = math.nan
             if math.isfinite(lo) and math.isfinite(hi):
                 d["output_range"] = [lo, hi]
             if math.isfinite(tlo) and math.isfinite(thi):
                 d["target_range"] = [tlo, thi]
+            if math.isfinite(clo) and math.isfinite(chi):
+                d["class_range"] = [clo, chi]
             if math.isfinite(tvar):
                 d["target_var"] = tvar
         return d
@@ -415,6 +417,11 @@ def _describe(loss: Any, output_fns: List[Any], output: Any) -> Optional[Dict[st
     bounded.append(
         target if isinstance(target, torch.Tensor) and target.is_floating_point() and target.numel() else None
     )
+    # Class indices (cross-entropy's integer targets): their range, as floats.
+    indices = (
+        target if isinstance(target, torch.Tensor) and not target.is_floating_point() and target.numel() > 1 else None
+    )
+    bounded.append(indices)
     device = next((t.device for t in bounded if t is not None), None)
     penalized = _penalized_parameters(fn, targets)
     if penalized:
@@ -427,6 +434,7 @@ def _describe(loss: Any, output_fns: List[Any], output: Any) -> Optional[Dict[st
             else:  # (made on the device: a copy from the host would wait for its queue)
                 ranges.extend(torch.full((2,), float("nan"), device=device).unbind())
         # The targets' variance: the loss of predicting their mean, for a regression loss.
+        # (The range of class indices is the last pair before it.)
         t = bounded[1]
         if t is not None and t.device == device and t.numel() > 1:
             ranges.append(t.detach().float().var())
@@ -434,7 +442,7 @@ def _describe(loss: Any, output_fns: List[Any], output: Any) -> Optional[Dict[st
             ranges.append(torch.full((), float("nan"), device=device))
         values = torch.stack(ranges)
         if values.device.type == "cuda":
-            host = torch.empty(5, dtype=torch.float32, pin_memory=True)
+            host = torch.empty(7, dtype=torch.float32, pin_memory=True)
             host.copy_(values, non_blocking=True)
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(values.device))

@@ -206,6 +206,10 @@ pub struct LossSpec {
     /// mean, for a mean squared error.
     #[serde(default)]
     pub target_var: Option<f64>,
+    /// Smallest and largest class index among the first step's targets (a classification
+    /// loss given class indices, as cross-entropy is).
+    #[serde(default)]
+    pub class_range: Option<(f64, f64)>,
     /// Smallest and largest value of the model's output on the first step.
     #[serde(default)]
     pub output_range: Option<(f64, f64)>,

@@ -108,6 +108,7 @@ pub(crate) enum Remedy {
     },
     NormalizeInputs,
     StandardizeEachFeature,
+    ShuffleData,
     // Loop mistakes.
     ZeroGradEachStep,
     ZeroGradBeforeBackward,
@@ -288,6 +289,11 @@ impl Remedy {
             Remedy::NormalizeInputs => "normalize inputs (zero mean, unit variance) and filter corrupt samples".into(),
             Remedy::StandardizeEachFeature => "standardize each feature on its own (subtract its mean and divide by its standard deviation over the training set, e.g. sklearn's StandardScaler), once: not by one scale for all, not twice".into(),
             Remedy::ZeroGradEachStep => "call optimizer.zero_grad() once per step, before loss.backward() (or model.zero_grad() when parameters are stepped by hand)".into(),
+            Remedy::ShuffleData => fw(
+                "shuffle the training data every epoch: DataLoader(dataset, batch_size=..., shuffle=True)",
+                "shuffle the training data: fit(..., shuffle=True) on arrays, or dataset.shuffle(len(dataset)) before .batch() in a tf.data pipeline",
+                "shuffle the training data every epoch: index it with jax.random.permutation(key, n) before cutting batches",
+            ),
             Remedy::ZeroGradBeforeBackward => "call optimizer.zero_grad() before loss.backward() (or right after optimizer.step()), never between backward() and step(): there it clears the gradients the step was about to apply".into(),
             Remedy::AccumulateOnPurpose => "when accumulating on purpose over k micro-batches, zero after every optimizer.step() and divide the loss by k".into(),
             Remedy::CallTrain => "call model.train() before the training loop (and again after every evaluation that calls model.eval())".into(),

@@ -1,6 +1,7 @@
 //! `bad_input_data`: NaN/Inf or out-of-distribution batches, or inputs and targets far off
 //! scale.
 
+use crate::engine::Run;
 use crate::health::{DataHealth, State};
 
 use super::super::remedy::Remedy;
@@ -185,6 +186,19 @@ impl CauseRule for BadInputData {
                         );
                     }
                 }
+                // Batches of one class each: the data comes in class order. Each step then
+                // pulls the model toward the class of its batch, and the next class undoes it.
+                if let Some(b) = one_class_batch(c.run) {
+                    v.add(
+                        4.0,
+                        format!(
+                            "the first batch's {} targets are all class {} (of {} classes): the batches come in class order, the data is not shuffled",
+                            b.batch,
+                            fmt_g(b.class),
+                            b.classes
+                        ),
+                    );
+                }
                 // A table whose features are on scales far apart: the small ones need weights
                 // as much larger to count, which the steps take that much longer to grow.
                 if let Some(s) = ev.feature_spread {
@@ -235,11 +249,43 @@ impl CauseRule for BadInputData {
         if c.e.failure == Failure::LossPlateau && uneven_features(c.run).is_some() {
             return vec![Remedy::StandardizeEachFeature];
         }
+        if c.e.failure == Failure::LossPlateau && one_class_batch(c.run).is_some() {
+            return vec![Remedy::ShuffleData];
+        }
         vec![
             Remedy::InspectBatch { step: c.e.onset },
             Remedy::NormalizeInputs,
         ]
     }
+}
+
+/// A first batch whose class-index targets are all one class.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct OneClassBatch {
+    pub class: f64,
+    pub batch: u64,
+    pub classes: u64,
+}
+
+/// Classes a shuffled batch almost never holds just one of (two are often one in a batch
+/// when one of them is rare), and the smallest batch that says so.
+const ONE_CLASS_MIN_CLASSES: u64 = 3;
+const ONE_CLASS_MIN_BATCH: u64 = 16;
+
+/// The first step's targets, class indices of a loss over at least 3 classes, all one class
+/// in a batch of at least 16: the data comes in class order (`LossSpec::class_range`).
+pub(crate) fn one_class_batch(run: &Run) -> Option<OneClassBatch> {
+    let loss = run.model.spec.loss.as_ref()?;
+    let (lo, hi) = loss.class_range?;
+    let classes = loss.output_units?;
+    let batch = loss.compared_numel.or(loss.output_numel)? / classes.max(1);
+    (hi - lo < 0.5 && classes >= ONE_CLASS_MIN_CLASSES && batch >= ONE_CLASS_MIN_BATCH).then_some(
+        OneClassBatch {
+            class: lo,
+            batch,
+            classes,
+        },
+    )
 }
 
 /// The evidence of a table whose features are on scales far apart, in words.
