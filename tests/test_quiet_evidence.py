@@ -833,3 +833,23 @@ def test_batches_in_class_order_are_named_from_the_first_batchs_targets(order):
     assert said and top is said[0] and top.cause == "bad_input_data", top
     assert "the first batch's 64 targets are all class 0 (of 5 classes)" in " ".join(top.description.split())
     assert any("shuffle=True" in r for r in top.remedies), top.remedies
+
+
+def test_weights_initialized_to_zero_are_said_to_be_zero():
+    x, y = _classification()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 5))
+    for m in model:
+        if isinstance(m, nn.Linear):
+            nn.init.zeros_(m.weight)
+            nn.init.zeros_(m.bias)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with NeuralDbg(model) as dbg:
+        for i in range(0, 1024, 64):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x[i : i + 64]), y[i : i + 64]).backward()
+            opt.step()
+    assert not model[0].weight.any(), "no gradient ever reached the first layer"
+    top = dbg.explain_failure()[0]
+    assert top.cause == "poor_initialization" and top.confidence >= 0.5, top
+    assert "initial weights are all zero" in " ".join(top.description.split()), top.description

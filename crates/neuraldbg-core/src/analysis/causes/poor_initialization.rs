@@ -351,13 +351,15 @@ pub(crate) fn is_recurrent(kind: &str) -> bool {
 /// Initial weights far below a variance-preserving scale.
 fn small_weights(v: &mut Votes, ev: &Evidence, weight: f64) {
     if let Some(g) = ev.gain_median.filter(|_| ev.gain_too_small()) {
-        v.add(
-            weight,
+        let said = if g == 0.0 {
+            "initial weights are all zero: no signal passes forward, and no gradient back past the last layer".to_string()
+        } else {
             format!(
                 "initial weights are only {}x a variance-preserving scale",
                 fmt_g(g)
-            ),
-        );
+            )
+        };
+        v.add(weight, said);
     }
 }
 
