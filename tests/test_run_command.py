@@ -208,6 +208,34 @@ def test_a_script_that_never_steps_its_optimizer_is_told_so_and_ends_as_it_would
     assert model["steps"] == 0 and model["loss"] == []
 
 
+def test_an_optimizer_made_before_the_model_was_re_created_is_told_so(tmp_path: Path) -> None:
+    """The optimizer holds the first model's parameters; the loop trains a second one, which
+    no optimizer steps. What is watched is what the optimizer holds: it never runs."""
+    script = """
+        import torch, torch.nn as nn
+        def make():
+            torch.manual_seed(0)
+            return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+        model = make()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model = make()   # re-created after the optimizer
+        before = [p.detach().clone() for p in model.parameters()]
+        x = torch.randn(64, 8); y = x.sum(1, keepdim=True)
+        for step in range(12):
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        print("unchanged", all(torch.equal(a, b) for a, b in zip(before, model.parameters())))
+    """
+    r = run(tmp_path, script, "--out", "o")
+    assert r.returncode == 0, r.stderr
+    assert "unchanged True" in r.stdout, "the loop's model never trained"
+    assert (
+        "Sequential: 0 steps: its optimizer stepped 12 times, but it ran no forward pass and got no gradient"
+        in r.stderr
+    )
+
+
 def test_gan_generator_and_discriminator_each_watched_under_their_own_name(tmp_path: Path) -> None:
     r = run(tmp_path, GAN, "--out", "o", "--json", "d.json", "SCRIPT")
     assert r.returncode == 0, r.stderr

@@ -115,6 +115,8 @@ class StepBoundary:
             return
         if not s.grad_read and not s.forwards:
             if self.c.step_on != "each_optimizer":
+                if self.c.step == 0:
+                    self.c.idle_steps += 1
                 return  # a second optimizer of the same iteration: one step
             reader.read_gradients()  # a step of its own: the gradients it used, as they are
         if not s.grad_read:

@@ -120,6 +120,9 @@ class Collector:
         # Why monitoring stopped before the run ended (None: it did not).
         self.internal_error: Optional[BaseException] = None
         self.step = 0
+        # Steps of the model's optimizer that found no forward pass and no gradient of the model
+        # since the last step (counted while no step was observed: the loop trains another model).
+        self.idle_steps = 0
         self.cur = StepState()
         # The thread of the model's latest forward pass: only backward passes on that thread
         # can be its loss's (models trained on two threads at once).

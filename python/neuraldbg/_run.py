@@ -681,6 +681,11 @@ def _print_diagnosis(watch: Watch, quiet: bool) -> None:
                         print(f"      try: {'; '.join(h.remedies)}", file=sys.stderr)
             elif getattr(dbg, "_never_stepped", False):
                 _say(f"{head}: backward passes gave it gradients, but no optimizer.step() followed: it did not train")
+            elif getattr(dbg, "_idle_steps", 0):
+                _say(
+                    f"{head}: its optimizer stepped {dbg._idle_steps} times, but it ran no forward pass and got no "
+                    "gradient: the script trains another model (re-created after the optimizer was made?)"
+                )
             else:
                 _say(f"{head}, no failure found")
         _say(

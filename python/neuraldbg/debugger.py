@@ -209,8 +209,10 @@ class NeuralDbg(Results):
         self._trace_rank = trace_rank
         self._collector: Any = None
         self._active = False
-        # Backward passes gave the model gradients, and no optimizer step ever followed.
+        # Backward passes gave the model gradients, and no optimizer step ever followed; or the
+        # model's optimizer stepped while the model itself never ran (how many times).
         self._never_stepped = False
+        self._idle_steps = 0
         if on_failure is not None and not callable(on_failure):
             raise ConfigError(f"on_failure must be callable, got {type(on_failure).__qualname__}")
         if report is not None and not isinstance(report, (str, os.PathLike)):
@@ -286,6 +288,7 @@ class NeuralDbg(Results):
                 # short is no step (dbg.step and the trace's step count agree).
                 crashed = exc_type is not None and not issubclass(exc_type, KeyboardInterrupt)
                 self._never_stepped = int(collector.step) == 0 and bool(collector.cur.grad_read)
+                self._idle_steps = int(collector.idle_steps) if int(collector.step) == 0 else 0
                 collector.boundary.finish(crashed=crashed)
                 self._record_unobserved(collector)
         except Exception as e:  # never raise from the exit of the user's block
@@ -437,6 +440,16 @@ class NeuralDbg(Results):
                 f"backward passes gave {type(self.model).__name__} gradients, but no optimizer.step() on its "
                 f"parameters followed: the model did not train{where}. Call optimizer.step() after "
                 "loss.backward(), with an optimizer built from model.parameters()",
+                NeuralDbgWarning,
+                stacklevel=3,
+            )
+        elif self._idle_steps:
+            where = f" (the trace {summary[0]} holds no step)" if summary is not None else ""
+            warnings.warn(
+                f"the optimizer holding {type(self.model).__name__}'s parameters stepped {self._idle_steps} times, but "
+                f"{type(self.model).__name__} ran no forward pass and got no gradient: the loop trains another model"
+                f"{where}. Was the model re-created (or copied) after the optimizer was made? Build the optimizer "
+                "from the parameters of the model the loop calls",
                 NeuralDbgWarning,
                 stacklevel=3,
             )
