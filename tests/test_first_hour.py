@@ -401,9 +401,7 @@ def test_a_loop_without_optimizer_step_is_told_it_did_not_train(tmp_path: Any) -
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
     x = torch.randn(16, 4)
     with (
-        pytest.warns(
-            NeuralDbgWarning, match=r"no optimizer.step\(\) on its parameters followed: the model did not train"
-        ),
+        pytest.warns(NeuralDbgWarning, match=r"no optimizer.step\(\) on its parameters followed: it did not train"),
         NeuralDbg(model, trace=str(tmp_path / "t.ndbg")) as dbg,
     ):
         for _ in range(5):
@@ -414,3 +412,4 @@ def test_a_loop_without_optimizer_step_is_told_it_did_not_train(tmp_path: Any) -
     assert len(steps) == 0 and len(loss) == 0, "a run of no step has an empty history"
     with pytest.raises(UnknownNameError, match="no training step was observed"):
         dbg.history("0")
+    assert dbg._untrained is not None and dbg._untrained.startswith("backward passes gave Sequential gradients")

@@ -203,7 +203,10 @@ def test_a_script_that_never_steps_its_optimizer_is_told_so_and_ends_as_it_would
     r = run(tmp_path, script, "--out", "o", "--json", "d.json")
     assert r.returncode == 0, r.stderr
     assert "finished" in r.stdout and "Traceback" not in r.stderr, r.stderr
-    assert "Sequential: 0 steps: backward passes gave it gradients, but no optimizer.step() followed" in r.stderr
+    assert (
+        "Sequential: 0 steps: backward passes gave Sequential gradients, but no optimizer.step() on its "
+        "parameters followed: it did not train" in r.stderr
+    )
     (model,) = json.loads((tmp_path / "d.json").read_text())["models"]
     assert model["steps"] == 0 and model["loss"] == []
 
@@ -231,8 +234,8 @@ def test_an_optimizer_made_before_the_model_was_re_created_is_told_so(tmp_path: 
     assert r.returncode == 0, r.stderr
     assert "unchanged True" in r.stdout, "the loop's model never trained"
     assert (
-        "Sequential: 0 steps: its optimizer stepped 12 times, but it ran no forward pass and got no gradient"
-        in r.stderr
+        "Sequential: 0 steps: the optimizer holding Sequential's parameters stepped 12 times, but Sequential "
+        "ran no forward pass and got no gradient: the loop trains another model" in r.stderr
     )
 
 

@@ -13,7 +13,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple, Union
 
 import numpy as np
 
-from .errors import ConfigError, EngineError, NeuralDbgError, UnknownNameError
+from .errors import ConfigError, NeuralDbgError, UnknownNameError
 from .types import CausalHypothesis, CoupledFailure, Failure, RootCause, SemanticEvent
 
 __all__ = ["Hypotheses", "Results", "newly_confirmed"]
@@ -172,12 +172,9 @@ class Results:
             bad = ("metric", metric) if not isinstance(metric, str) else ("reduce", reduce)
             raise ConfigError(f"{bad[0]} must be a str, got {type(bad[1]).__qualname__} {bad[1]!r}")
         self._sync()
-        try:
-            steps, values = self._engine.history(layer, metric, reduce)
-        except EngineError as e:
-            if layer is None or "no model registered" not in str(e):
-                raise
-            raise UnknownNameError(f"no layer {layer!r} has a history: no training step was observed") from None
+        if layer is not None and not self._engine.registered:
+            raise UnknownNameError(f"no layer {layer!r} has a history: no training step was observed")
+        steps, values = self._engine.history(layer, metric, reduce)
         return np.asarray(steps), np.asarray(values)
 
     def _example_layer(self) -> str:

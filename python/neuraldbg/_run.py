@@ -679,13 +679,8 @@ def _print_diagnosis(watch: Watch, quiet: bool) -> None:
                     print(f"  {h}", file=sys.stderr)
                     if h.remedies:
                         print(f"      try: {'; '.join(h.remedies)}", file=sys.stderr)
-            elif getattr(dbg, "_never_stepped", False):
-                _say(f"{head}: backward passes gave it gradients, but no optimizer.step() followed: it did not train")
-            elif getattr(dbg, "_idle_steps", 0):
-                _say(
-                    f"{head}: its optimizer stepped {dbg._idle_steps} times, but it ran no forward pass and got no "
-                    "gradient: the script trains another model (re-created after the optimizer was made?)"
-                )
+            elif getattr(dbg, "_untrained", None):
+                _say(f"{head}: {dbg._untrained}")
             else:
                 _say(f"{head}, no failure found")
         _say(

@@ -434,25 +434,16 @@ class NeuralDbg(Results):
         except NeuralDbgError as e:
             warnings.warn(f"NeuralDBG could not close the trace: {e}", NeuralDbgWarning, stacklevel=3)
             return
-        if self._never_stepped:
+        untrained = self._untrained
+        if untrained is not None:
             where = f" (the trace {summary[0]} holds no step)" if summary is not None else ""
-            warnings.warn(
-                f"backward passes gave {type(self.model).__name__} gradients, but no optimizer.step() on its "
-                f"parameters followed: the model did not train{where}. Call optimizer.step() after "
-                "loss.backward(), with an optimizer built from model.parameters()",
-                NeuralDbgWarning,
-                stacklevel=3,
+            fix = (
+                "Call optimizer.step() after loss.backward(), with an optimizer built from model.parameters()"
+                if self._never_stepped
+                else "Was the model re-created (or copied) after the optimizer was made? Build the optimizer "
+                "from the parameters of the model the loop calls"
             )
-        elif self._idle_steps:
-            where = f" (the trace {summary[0]} holds no step)" if summary is not None else ""
-            warnings.warn(
-                f"the optimizer holding {type(self.model).__name__}'s parameters stepped {self._idle_steps} times, but "
-                f"{type(self.model).__name__} ran no forward pass and got no gradient: the loop trains another model"
-                f"{where}. Was the model re-created (or copied) after the optimizer was made? Build the optimizer "
-                "from the parameters of the model the loop calls",
-                NeuralDbgWarning,
-                stacklevel=3,
-            )
+            warnings.warn(f"{untrained}{where}. {fix}", NeuralDbgWarning, stacklevel=3)
         elif summary is not None and not summary[3]:
             warnings.warn(
                 f"the trace {summary[0]} holds no model header: no training step was observed "
@@ -462,6 +453,21 @@ class NeuralDbg(Results):
             )
 
     # ---------------------------------------------------------------- observation
+
+    @property
+    def _untrained(self) -> Optional[str]:
+        """After the block, why the model did not train at all, when no step was observed for a
+        reason the loop shows (None otherwise): backward passes gave it gradients and no
+        optimizer step followed, or its optimizer stepped while the model never ran."""
+        name = type(self.model).__name__
+        if self._never_stepped:
+            return f"backward passes gave {name} gradients, but no optimizer.step() on its parameters followed: it did not train"
+        if self._idle_steps:
+            return (
+                f"the optimizer holding {name}'s parameters stepped {self._idle_steps} times, but {name} ran no "
+                "forward pass and got no gradient: the loop trains another model"
+            )
+        return None
 
     @property
     def step(self) -> int:
