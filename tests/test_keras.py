@@ -732,3 +732,32 @@ def test_the_output_activation_is_read_past_dropout_and_not_guessed_in_a_subclas
     sub.compile(loss="sparse_categorical_crossentropy")
     facts = _loss_facts(sub)
     assert facts is not None and "output_op" not in facts
+
+
+@pytest.mark.parametrize("order", ["by class", "shuffled"])
+def test_the_first_batchs_classes_reach_the_engine(order: str) -> None:
+    """Sparse labels: the first batch's class range and the output's size reach the engine as
+    numpy computes them (the facts by which the engine tells batches in class order, a sorted
+    ``tf.data`` pipeline without ``.shuffle()``; the rule itself is tested on PyTorch in
+    ``test_quiet_evidence.py``)."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(1024, 20)).astype("float32")
+    y = (x @ rng.normal(size=(20, 5))).argmax(1)
+    if order == "by class":
+        by = np.argsort(y, kind="stable")
+        x, y = x[by], y[by]
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((20,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(5)])
+    model.compile(keras.optimizers.Adam(1e-3), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    cb = NeuralDbgCallback(verbose=False)
+
+    class Spy(keras.callbacks.Callback):
+        def on_train_begin(self, logs: Any = None) -> None:
+            cb.dbg._engine = Amends(cb.dbg._engine)
+
+    model.fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0, callbacks=[cb, Spy()])
+    (facts,) = cb.dbg._engine.facts
+    assert facts["class_range"] == [float(y[:64].min()), float(y[:64].max())]
+    assert (facts["class_range"][0] == facts["class_range"][1]) == (order == "by class")
+    assert facts["output_numel"] == 64 * 5
+    assert "target_range" not in facts, "class indices are no regression target"

@@ -159,17 +159,22 @@ def _output_layer(tensor: Any) -> Any:
     return None
 
 
+def _compiled_loss(model: Any) -> Tuple[Optional[str], Dict[str, Any]]:
+    """The name of the compiled loss's function (``sparse_categorical_crossentropy``) and its
+    keyword arguments (``from_logits``)."""
+    loss = getattr(model, "loss", None)
+    if isinstance(loss, str):
+        loss = keras.losses.get(loss)
+    fn = getattr(loss, "fn", loss)
+    return getattr(fn, "__name__", None), getattr(loss, "_fn_kwargs", None) or {}
+
+
 def _loss_facts(model: Any) -> Optional[Dict[str, Any]]:
     """The compiled loss and the model's output as facts for the engine (`LossSpec`): the
     operations the loss applies, the output's activation and units, and how many weights carry
     a penalty Keras adds to the loss. None for a loss it does not know (a custom function,
     several outputs)."""
-    loss = getattr(model, "loss", None)
-    if isinstance(loss, str):
-        loss = keras.losses.get(loss)
-    fn = getattr(loss, "fn", loss)
-    name = getattr(fn, "__name__", None)
-    kwargs = getattr(loss, "_fn_kwargs", None) or {}
+    name, kwargs = _compiled_loss(model)
     outputs = getattr(model, "outputs", None)  # (None for a subclassed model)
     if name not in _LOSS_OPS or (outputs is not None and len(outputs) != 1):
         return None
@@ -305,7 +310,7 @@ def _input_stats(x: Any) -> Any:
 # Losses whose targets are values to regress (their range and variance are facts of the run).
 _REGRESSION_OPS = {"MseLoss", "L1Loss", "HuberLoss"}
 # The first batch's facts: targets' min, max, variance; output's min, max; then per feature.
-_FACTS_HEAD = 5
+_FACTS_HEAD = 6
 
 
 def _table_features(model: Any) -> int:
@@ -321,8 +326,8 @@ def _table_features(model: Any) -> int:
 
 def _first_batch_stats(x: Any, y: Any, y_pred: Any, features: int) -> Any:
     """The first batch's facts as one float32 vector (NaN where not measured): the targets'
-    min, max and variance, the output's min and max, and the largest magnitude of each of
-    ``features`` columns of the input table ``x``."""
+    min, max and variance, the output's min and max and its number of elements, and the
+    largest magnitude of each of ``features`` columns of the input table ``x``."""
     nan = ops.full((1,), float("nan"), "float32")
 
     def three(t: Any) -> List[Any]:
@@ -332,6 +337,7 @@ def _first_batch_stats(x: Any, y: Any, y_pred: Any, features: int) -> Any:
         return [ops.reshape(ops.min(t), (1,)), ops.reshape(ops.max(t), (1,)), ops.reshape(ops.var(t), (1,))]
 
     parts = three(y) + three(y_pred)[:2]
+    parts.append(ops.reshape(ops.cast(ops.size(y_pred), "float32"), (1,)) if hasattr(y_pred, "shape") else nan)
     if features:
         xf = _first_float(x)
         if xf is not None and len(xf.shape) == 2 and xf.shape[-1] == features:
@@ -631,6 +637,9 @@ class KerasDbg(Spoke):
         # the loss is computed: whether the loss regresses values, the table's features, and
         # (off JAX) whether they were sent.
         self._regression = False
+        # Whether the loss takes class indices (sparse categorical cross-entropy): the targets'
+        # range is then the classes'.
+        self._class_indices = False
         self._features = 0
         self._facts_sent = False
 
@@ -645,6 +654,7 @@ class KerasDbg(Spoke):
         self._spec_modules = spec["modules"]
         loss = spec.get("loss")
         self._regression = bool(loss) and any(op in _REGRESSION_OPS for op in loss["ops"])
+        self._class_indices = bool(loss) and _compiled_loss(self.model)[0] == "sparse_categorical_crossentropy"
         self._features = _table_features(self.model)
         self._start(spec, meta)
         self._base = int(ops.convert_to_numpy(opt.iterations)) if opt is not None else 0
@@ -934,6 +944,10 @@ class KerasDbg(Spoke):
             if np.isfinite(v[2]) and v[2] >= 0:
                 facts["target_var"] = float(v[2])
         facts["output_range"] = span(v[3], v[4])
+        if self._class_indices:
+            facts["class_range"] = span(v[0], v[1])
+            if np.isfinite(v[5]) and v[5] >= 1:
+                facts["output_numel"] = int(v[5])
         scales = v[_FACTS_HEAD:]
         if len(scales) and not np.isnan(scales).all():
             facts["input_feature_scales"] = [float(a) if np.isfinite(a) else None for a in scales]

@@ -135,6 +135,12 @@ pub struct FirstBatch {
     pub target_var: Option<f64>,
     #[serde(default)]
     pub output_range: Option<(f64, f64)>,
+    /// The range of the targets' class indices (a loss given class indices), and the elements
+    /// of the model's output (batch x units): facts of [`LossSpec`].
+    #[serde(default)]
+    pub class_range: Option<(f64, f64)>,
+    #[serde(default)]
+    pub output_numel: Option<u64>,
     #[serde(default)]
     pub input_feature_scales: Option<Vec<Option<f64>>>,
 }
@@ -146,6 +152,7 @@ impl FirstBatch {
         for (what, range) in [
             ("target_range", self.target_range),
             ("output_range", self.output_range),
+            ("class_range", self.class_range),
         ] {
             if let Some((lo, hi)) = range {
                 if !(lo.is_finite() && hi.is_finite() && lo <= hi) {
@@ -285,6 +292,8 @@ impl ModelSpec {
             changed |= fill(&mut loss.target_range, facts.target_range);
             changed |= fill(&mut loss.target_var, facts.target_var);
             changed |= fill(&mut loss.output_range, facts.output_range);
+            changed |= fill(&mut loss.class_range, facts.class_range);
+            changed |= fill(&mut loss.output_numel, facts.output_numel);
         }
         changed |= fill(
             &mut self.input_feature_scales,

@@ -696,6 +696,8 @@ fn first_batch_facts_survive_writing_and_replay() {
         target_range: Some((-2.0, 3.0)),
         target_var: Some(1.0),
         output_range: Some((-0.1, 0.2)),
+        class_range: Some((0.0, 4.0)),
+        output_numel: Some(64),
         input_feature_scales: Some(vec![Some(1.5), None, Some(2.0)]),
     };
     let mut live = Engine::new(Config::default()).unwrap();
@@ -720,6 +722,8 @@ fn first_batch_facts_survive_writing_and_replay() {
     let model = &live.model().unwrap().spec;
     assert_eq!(model.loss.as_ref().unwrap().target_var, Some(1.0));
     assert_eq!(model.loss.as_ref().unwrap().target_range, Some((-2.0, 3.0)));
+    assert_eq!(model.loss.as_ref().unwrap().class_range, Some((0.0, 4.0)));
+    assert_eq!(model.loss.as_ref().unwrap().output_numel, Some(64));
     assert_eq!(model.input_feature_scales, facts.input_feature_scales);
     let live_diag = diagnosis(&live);
     let text = live_diag["hypotheses"].to_string();
