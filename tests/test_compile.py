@@ -225,3 +225,47 @@ def test_the_compiled_module_itself_can_be_watched():
         train(model, compiled, 3, dbg)
     steps, _ = dbg.history("embed")  # names are the model's own, not "_orig_mod.embed"
     assert list(steps) == [0, 1, 2]
+
+
+def test_a_criterion_inside_a_compiled_train_step_adds_no_graph_break():
+    """The loss module given as ``criterion`` and called inside the compiled function: its hook
+    is traced too (it read the collector's state there: 3 graph breaks and 4 graphs where the
+    unwatched step has 1), and every step's loss is the step's own."""
+
+    def run(watch: bool):
+        dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+        criterion = nn.CrossEntropyLoss()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        @torch.compile(backend="aot_eager")
+        def loss_of(x, y):
+            return criterion(model(x), y)
+
+        losses, dbg = [], None
+
+        def loop():
+            for x, y in data(5):
+                opt.zero_grad()
+                loss = loss_of(x.flatten(1)[:, :8], y)
+                loss.backward()
+                opt.step()
+                losses.append(float(loss))
+
+        if watch:
+            with NeuralDbg(model, criterion=criterion) as dbg:
+                loop()
+        else:
+            loop()
+        return dynamo_stats(), losses, dbg
+
+    plain, plain_losses, _ = run(False)
+    watched, losses, dbg = run(True)
+    # (The hook's detach is one more captured call, inside the same graph.)
+    assert watched[1] == 0 and watched[0]["unique_graphs"] == plain[0]["unique_graphs"] == 1, (plain, watched)
+    assert watched[3] == plain[3], "the same graphs handed to the backend"
+    assert losses == pytest.approx(plain_losses)
+    _, seen = dbg.history(None, "loss")
+    assert list(seen) == pytest.approx(losses, rel=1e-6)

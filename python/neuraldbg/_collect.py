@@ -380,6 +380,11 @@ class Collector:
         if isinstance(output, self.torch.Tensor) and output.numel() == 1:
             # Detached: a loss computed without backward (evaluation) must not hold its graph.
             self.cur.losses.append(output.detach())
+            if _compiling():
+                # Traced into a compiled train step: nothing more (reading the collector's state
+                # would become a guard, walking the loss's graph a graph break; a compiled
+                # graph's autograd node shows nothing of the loss's operations anyway).
+                return
             if not self.registered:
                 self.loop.describe_loss(output, self.cur.output_fns)
             self.on_loss(output)
