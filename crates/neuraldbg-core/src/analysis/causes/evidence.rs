@@ -2,6 +2,7 @@
 //! per-episode facts ([`Features`]). A fact only one cause weighs is computed in that cause's
 //! own file.
 
+use super::super::remedy::Remedy;
 use crate::engine::Run;
 use crate::event::SemanticEvent;
 use crate::health::GradientHealth;
@@ -156,6 +157,16 @@ pub(crate) fn lr_collapse(run: &Run) -> Option<LrCollapse> {
     let span = last.0.saturating_sub(from) + 1;
     let observed = last.0.saturating_sub(run.first_step.unwrap_or(0)) + 1;
     (span >= 10 && 4 * span >= observed).then_some(LrCollapse { peak, from, last })
+}
+
+impl LrCollapse {
+    /// Its fix, in the user's framework's terms when the remedy is worded.
+    pub(crate) fn remedy(&self) -> Remedy {
+        Remedy::ScheduleDecaysTooFast {
+            peak: self.peak.1,
+            last: self.last.1,
+        }
+    }
 }
 
 /// The collapse in words: "the learning rate fell from 0.1 (step 0) to 8.3e-26 (step 79),

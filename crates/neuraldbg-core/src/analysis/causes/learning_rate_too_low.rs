@@ -103,10 +103,7 @@ impl CauseRule for LearningRateTooLow {
 
     fn remedies(&self, c: &RemedyCase<'_>) -> Vec<Remedy> {
         if let Some(collapse) = lr_collapse(c.run) {
-            return vec![Remedy::ScheduleDecaysTooFast {
-                peak: collapse.peak.1,
-                last: collapse.last.1,
-            }];
+            return vec![collapse.remedy()];
         }
         vec![
             Remedy::RaiseLr { lr: c.lr() },

@@ -91,10 +91,7 @@ impl CauseRule for ParametersNotUpdated {
             return vec![Remedy::ZeroGradBeforeBackward];
         }
         if let Some(collapse) = lr_collapse(c.run) {
-            return vec![Remedy::ScheduleDecaysTooFast {
-                peak: collapse.peak.1,
-                last: collapse.last.1,
-            }];
+            return vec![collapse.remedy()];
         }
         let layer = c.layer();
         if c.e.failure == Failure::StalledLayer && c.e.no_gradient {
