@@ -413,3 +413,34 @@ def test_a_loop_without_optimizer_step_is_told_it_did_not_train(tmp_path: Any) -
     with pytest.raises(UnknownNameError, match="no training step was observed"):
         dbg.history("0")
     assert dbg._untrained is not None and dbg._untrained.startswith("backward passes gave Sequential gradients")
+
+
+@pytest.mark.parametrize("cut", ["item", "detach"])
+def test_a_loss_cut_from_the_models_output_is_named(cut: str) -> None:
+    # The loss rebuilt from a Python float, or computed on a detached output: backward() runs,
+    # reaches no parameter, and Adam skips every parameter (no .grad).
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1024, 20, generator=g)
+    y = (x @ torch.randn(20, 5, generator=g)).argmax(1)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 5))
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with NeuralDbg(model) as dbg:
+        for _ in range(3):
+            for i in range(0, 1024, 64):
+                opt.zero_grad()
+                out = model(x[i : i + 64])
+                if cut == "item":
+                    loss = torch.tensor(nn.functional.cross_entropy(out, y[i : i + 64]).item(), requires_grad=True)
+                else:
+                    loss = nn.functional.cross_entropy(out.detach().requires_grad_(), y[i : i + 64])
+                loss.backward()
+                opt.step()
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())), "nothing trained"
+    top = dbg.explain_failure()[0]
+    assert (top.failure, top.cause) == ("stalled_layer", "parameters_not_updated"), top
+    assert top.confidence >= 0.8, top
+    assert "the optimizer stepped 48 times, but no parameter received a gradient" in " ".join(top.description.split())
+    assert "no .item(), .detach()" in top.remedies[0], top.remedies

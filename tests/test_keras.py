@@ -761,3 +761,33 @@ def test_the_first_batchs_classes_reach_the_engine(order: str) -> None:
     assert (facts["class_range"][0] == facts["class_range"][1]) == (order == "by class")
     assert facts["output_numel"] == 64 * 5
     assert "target_range" not in facts, "class indices are no regression target"
+
+
+@pytest.mark.parametrize("rate", [0.9, 0.1])
+def test_dropout_whose_rate_is_a_keep_probability_is_named(rate: float) -> None:
+    # Dropout(0.9) where TensorFlow 1's keep_prob=0.9 was meant: the loss stays at its chance
+    # level, ln 5, while the same network with Dropout(0.1) learns.
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(1024, 20)).astype("float32")
+    y = (x @ rng.normal(size=(20, 5))).argmax(1)
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [keras.Input((20,)), keras.layers.Dense(64, activation="relu"), keras.layers.Dropout(rate)]
+        + [keras.layers.Dense(64, activation="relu"), keras.layers.Dropout(rate), keras.layers.Dense(5)]
+    )
+    model.compile(
+        optimizer=keras.optimizers.Adam(5e-3), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
+    cb = NeuralDbgCallback()
+    losses = model.fit(x, y, batch_size=64, epochs=8, verbose=0, callbacks=[cb]).history["loss"]
+    found = cb.dbg.explain_failure()
+    if rate == 0.1:
+        assert losses[-1] < 0.5, losses
+        assert not any(h.confidence >= 0.5 for h in found), found
+        return
+    assert losses[-1] > 1.2, losses
+    top = found[0]
+    assert top.confidence >= 0.5 and top.cause == "over_regularization", top
+    names = [layer.name for layer in model.layers if isinstance(layer, keras.layers.Dropout)]
+    assert f"dropout zeroes 90% of the units at every training step (`{names[0]}`, `{names[1]}`)" in top.description
+    assert top.remedies[0].startswith("lower Dropout's rate: it is the share of units dropped, not kept"), top.remedies

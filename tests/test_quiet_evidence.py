@@ -808,6 +808,40 @@ def test_schedules_that_end_at_zero_are_not_a_collapse(schedule):
     assert not any("learning rate fell" in h.description for h in dbg.explain_failure())
 
 
+def test_a_plateau_that_outlasts_reduce_lr_on_plateaus_cuts_is_not_blamed_on_the_learning_rate():
+    # Targets drawn apart from the inputs: no model of them does better than their mean, and
+    # ReduceLROnPlateau cuts the rate 10x at every epoch that does not improve.
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(512, 10, generator=g), torch.randn(512, 1, generator=g)
+    w = torch.linalg.lstsq(torch.cat([x, torch.ones(512, 1)], 1), y).solution
+    best = (torch.cat([x, torch.ones(512, 1)], 1) @ w - y).pow(2).mean()
+    assert best >= 0.95 * y.var(), "the best linear model of the targets is no better than their mean"
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(10, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.1, patience=3)
+    with NeuralDbg(model) as dbg:
+        for _ in range(40):
+            total = 0.0
+            for i in range(0, 512, 64):
+                opt.zero_grad()
+                loss = nn.functional.mse_loss(model(x[i : i + 64]), y[i : i + 64])
+                loss.backward()
+                opt.step()
+                total += loss.item()
+            sched.step(total)
+    last_lr = opt.param_groups[0]["lr"]
+    assert last_lr <= 1e-6, "the scheduler cut the rate"
+    found = dbg.explain_failure()
+    plateau = next(h for h in found if h.failure == "loss_plateau")
+    words = " ".join(plateau.description.split())
+    assert "cutting the learning rate from 0.01 to" in words and "did not move it" in words, words
+    for h in found:
+        assert not (h.cause == "learning_rate_too_high" and h.confidence >= 0.2), h
+        assert "learning rate fell" not in h.description, h
+        assert not any("once per epoch" in r for r in h.remedies), h
+
+
 @pytest.mark.parametrize("order", ["by class", "shuffled"])
 def test_batches_in_class_order_are_named_from_the_first_batchs_targets(order):
     x, y = _classification()
@@ -853,3 +887,119 @@ def test_weights_initialized_to_zero_are_said_to_be_zero():
     top = dbg.explain_failure()[0]
     assert top.cause == "poor_initialization" and top.confidence >= 0.5, top
     assert "initial weights are all zero" in " ".join(top.description.split()), top.description
+
+
+def test_a_warmup_longer_than_the_run_is_named_with_its_fix():
+    # A linear warmup over a million steps (counted in samples where the scheduler counts
+    # batches), and the same warmup over 10 steps.
+    long, lrs = _train_scheduled(
+        lambda opt, _: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 1e6))
+    )
+    assert lrs[-1] == max(lrs) and lrs[-1] < 1e-4, "torch's rate still rises at the end, far below 0.1"
+    top = long.explain_failure()[0]
+    assert top.confidence >= 0.5 and top.cause == "learning_rate_too_low", top
+    words = " ".join(top.description.split())
+    assert "was still rising at the end: a warmup far longer than the run" in words, words
+    assert any("shorten the learning-rate warmup" in r and "after 80 steps" in r for r in top.remedies), top.remedies
+    short, _ = _train_scheduled(lambda opt, _: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10)))
+    assert not any(h.confidence >= 0.5 for h in short.explain_failure()), short.explain_failure()
+    assert not any("warmup" in h.description for h in short.explain_failure())
+
+
+def _clipped(max_norm: float, adam: bool = False):
+    """The classifier under SGD with momentum (or Adam), gradients clipped at `max_norm`;
+    returns the debugger and the norms clip_grad_norm_ found before clipping."""
+    x, y = _classification()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 5))
+    if adam:
+        opt: torch.optim.Optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    norms = []
+    with NeuralDbg(model) as dbg:
+        for _ in range(5):
+            for i in range(0, 1024, 64):
+                opt.zero_grad()
+                nn.functional.cross_entropy(model(x[i : i + 64]), y[i : i + 64]).backward()
+                norms.append(float(nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+                opt.step()
+    return dbg, norms
+
+
+def test_gradients_clipped_far_below_their_norm_under_sgd_are_why_the_steps_are_small():
+    dbg, norms = _clipped(1e-4)
+    assert min(norms) > 100 * 1e-4, "every step's gradient was cut 100x or more"
+    top = dbg.explain_failure()[0]
+    assert top.confidence >= 0.5 and top.cause == "learning_rate_too_low", top
+    words = " ".join(top.description.split())
+    assert "gradient clipping cut the gradient on 100% of the steps" in words, words
+    assert top.remedies[0].startswith("raise max_norm in clip_grad_norm_"), top.remedies
+    # Clipped at 1.0 it trains; under Adam, whose step does not scale with the gradient, a
+    # clip at 1e-4 changes little: neither is told to loosen it.
+    for dbg in (_clipped(1.0)[0], _clipped(1e-4, adam=True)[0]):
+        found = dbg.explain_failure()
+        assert not any(h.confidence >= 0.5 for h in found), found
+        assert not any("clip" in r and "raise" in r for h in found for r in h.remedies), found
+
+
+@pytest.mark.parametrize("p", [0.9, 0.1])
+def test_dropout_that_zeroes_most_units_is_why_the_loss_stays_up(p):
+    x, y = _classification()
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(20, 64), nn.ReLU(), nn.Dropout(p), nn.Linear(64, 64), nn.ReLU(), nn.Dropout(p), nn.Linear(64, 5)
+    )
+    opt = torch.optim.Adam(model.parameters(), lr=5e-3)
+    losses = []
+    with NeuralDbg(model) as dbg:
+        for _ in range(8):
+            for i in range(0, 1024, 64):
+                opt.zero_grad()
+                loss = nn.functional.cross_entropy(model(x[i : i + 64]), y[i : i + 64])
+                loss.backward()
+                opt.step()
+                losses.append(loss.item())
+    found = dbg.explain_failure()
+    if p == 0.1:
+        assert sum(losses[-16:]) / 16 < 0.5, "the same network with dropout 0.1 learns"
+        assert not any(h.confidence >= 0.5 for h in found), found
+        assert not any("dropout" in h.description for h in found)
+        return
+    assert sum(losses[-16:]) / 16 > 1.2, "with dropout 0.9 the loss stays near ln 5 = 1.61"
+    top = found[0]
+    assert top.confidence >= 0.5 and top.cause == "over_regularization", top
+    words = " ".join(top.description.split())
+    assert "dropout zeroes 90% of the units at every training step (`2`, `5`)" in words, words
+    assert top.remedies[0].startswith("lower Dropout's p: it is the share of units dropped, not kept"), top.remedies
+
+
+@pytest.mark.parametrize("scale", [255.0, 1.0])
+def test_binary_cross_entropy_targets_outside_zero_one_are_named_from_the_first_step(scale):
+    g = torch.Generator().manual_seed(0)
+    images = torch.randn(512, 1, 8, 8, generator=g)
+    masks = (images > 0).float() * scale  # a mask saved as 0/255 and one as 0/1
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 1, 3, padding=1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    losses = []
+    with NeuralDbg(model) as dbg:
+        for _ in range(3):
+            for i in range(0, 512, 32):
+                opt.zero_grad()
+                loss = nn.functional.binary_cross_entropy_with_logits(model(images[i : i + 32]), masks[i : i + 32])
+                loss.backward()
+                opt.step()
+                losses.append(loss.item())
+    found = dbg.explain_failure()
+    if scale == 1.0:
+        assert min(losses) > 0
+        assert not any(h.failure == "data_anomaly" for h in found), found
+        return
+    assert min(losses) < 0, "a binary cross-entropy below zero: its targets are no probabilities"
+    top = found[0]
+    assert (top.failure, top.cause, top.step) == ("data_anomaly", "bad_input_data", 0), top
+    assert top.confidence >= 0.9, top
+    words = " ".join(top.description.split())
+    assert "the binary cross-entropy's targets span [0, 255], and it needs probabilities in [0, 1]" in words, words
+    assert "scale the binary cross-entropy's targets into [0, 1] (they span [0, 255])" in top.remedies[0], top.remedies

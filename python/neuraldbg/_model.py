@@ -108,7 +108,9 @@ class WatchedModel:
         for i in self.spec_order:
             m = self.modules[i]
             attrs = []
-            for a in ("min_val", "max_val"):
+            # Hardtanh's bounds, and the share of units a dropout module zeroes.
+            names = ("min_val", "max_val") + (("p",) if "Dropout" in type(m).__name__ else ())
+            for a in names:
                 v = getattr(m, a, None)
                 if isinstance(v, (int, float)):
                     attrs.append([a, float(v)])

@@ -68,12 +68,14 @@ def model_spec(
     extra: Sequence[Tuple[Tuple[str, ...], str, float]] = (),
     *,
     framework: str,
+    attrs: Optional[Dict[Tuple[str, ...], List[List[Any]]]] = None,
 ) -> Dict[str, Any]:
     """The engine's ``ModelSpec`` (a dict for JSON) of parameters named by path: each layer (the
     path without the parameter's own name) is a module, in forward order, the root last; ``extra``
     adds modules without parameters ``(path, kind, rank)`` (activations). Flax and Keras store a
     dense kernel as ``[in, out]`` and a convolution's as ``[..., in, out]``: the fan-in is every
-    dimension but the last. ``framework`` (``keras``, ``jax``): the remedies name its functions."""
+    dimension but the last. ``framework`` (``keras``, ``jax``): the remedies name its functions.
+    ``attrs``: a module's numeric attributes by path (a dropout's ``p``)."""
     layers: Dict[Tuple[str, ...], Tuple[float, str]] = {}
     for e in entries:
         layers.setdefault(e.layer, (e.rank, e.kind))
@@ -81,7 +83,8 @@ def model_spec(
         layers.setdefault(path, (rank, kind))
     order = sorted(layers, key=lambda p: (layers[p][0], natural_key(p)))
     index = {p: i for i, p in enumerate(order)}
-    modules = [{"name": ".".join(p), "kind": layers[p][1], "attrs": [], "executed": True} for p in order]
+    attrs = attrs or {}
+    modules = [{"name": ".".join(p), "kind": layers[p][1], "attrs": attrs.get(p, []), "executed": True} for p in order]
     root = index.get(())
     if root is None:
         modules.append({"name": "", "kind": root_kind, "attrs": [], "executed": True})

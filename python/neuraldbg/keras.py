@@ -215,6 +215,8 @@ class _Model:
         self.extra: List[Tuple[Tuple[str, ...], str, float]] = []
         # The layer whose output each activation module (by its name) is.
         self.activation_layers: Dict[str, Any] = {}
+        # Numeric attributes of modules the engine reads (the share a dropout layer zeroes).
+        self.attrs: Dict[Tuple[str, ...], List[List[Any]]] = {}
         seen: Dict[int, int] = {}
         counter = [0]
 
@@ -230,6 +232,10 @@ class _Model:
                 leaf = str(getattr(v, "name", "w")).split("/")[-1]
                 self.entries.append(ParamEntry(path, leaf, tuple(v.shape), type(layer).__name__, rank))
                 self.variables.append(v)
+            rate = getattr(layer, "rate", None)
+            if path and "Dropout" in type(layer).__name__ and isinstance(rate, (int, float)):
+                self.extra.append((path, "Dropout", rank))
+                self.attrs[path] = [["p", float(rate)]]
             act = _activation_kind(layer) if path else None
             if act is not None:
                 owns = any(e.layer == path for e in self.entries)
@@ -249,7 +255,7 @@ class _Model:
         self.root_kind = type(model).__name__
 
     def spec(self, optimizer: Optional[str]) -> Dict[str, Any]:
-        return model_spec(self.entries, self.root_kind, optimizer, self.extra, framework="keras")
+        return model_spec(self.entries, self.root_kind, optimizer, self.extra, framework="keras", attrs=self.attrs)
 
 
 def _activation_stats(y: Any, probe: Dict[str, Any]) -> Any:

@@ -886,13 +886,15 @@ impl Run {
 /// under steps of lr x gradient ~1e-7 of the peak's).
 const LR_COLLAPSED: f64 = 1e-3;
 
-/// The learning rate over the run: its peak and where, its latest value, and the first step
-/// from which it stayed below [`LR_COLLAPSED`] of the peak (None while it has not, or once it
-/// rose again: a warm restart).
+/// The learning rate over the run: its peak and where, its latest value, the first step after
+/// the peak at which it was below half of it (a cut: a step schedule's, a reaction to a
+/// plateau's, a decay's), and the first step from which it stayed below [`LR_COLLAPSED`] of
+/// the peak (None while it has not, or once it rose again: a warm restart).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct LrCourse {
     pub peak: Option<(u64, f64)>,
     pub last: Option<(u64, f64)>,
+    pub first_cut: Option<u64>,
     pub collapsed_from: Option<u64>,
 }
 
@@ -900,9 +902,13 @@ impl LrCourse {
     fn observe(&mut self, step: u64, lr: f64) {
         if self.peak.is_none_or(|(_, p)| lr > p) {
             self.peak = Some((step, lr));
+            self.first_cut = None;
         }
         self.last = Some((step, lr));
         let peak = self.peak.map_or(lr, |(_, p)| p);
+        if lr < 0.5 * peak {
+            self.first_cut.get_or_insert(step);
+        }
         if lr < LR_COLLAPSED * peak {
             self.collapsed_from.get_or_insert(step);
         } else {
@@ -930,10 +936,13 @@ mod tests {
             c.observe(step, lr);
         }
         assert_eq!(c.peak, Some((2, 0.1)));
+        assert_eq!(c.first_cut, Some(4)); // 0.05 is half the peak, not below it
         assert_eq!(c.collapsed_from, Some(4));
         assert_eq!(c.last, Some((5, 1e-6)));
         c.observe(6, 0.05); // a warm restart
         assert_eq!(c.collapsed_from, None);
+        c.observe(7, 0.2); // a new peak: its cuts are still to come
+        assert_eq!(c.first_cut, None);
     }
     use crate::model::tests::mlp_spec;
     use crate::observation::{Fact, Measure, Observation};

@@ -17,8 +17,8 @@ pub struct ModuleSpec {
     pub name: String,
     /// Class name (`Linear`, `Tanh`, `MyBlock`); decides activation traits and normalization.
     pub kind: String,
-    /// Numeric attributes that change an activation's behaviour (`min_val`, `max_val` of
-    /// Hardtanh). Empty for most modules.
+    /// Numeric attributes that change a module's behaviour (`min_val`, `max_val` of Hardtanh,
+    /// `p` of Dropout: the share of units it zeroes). Empty for most modules.
     #[serde(default)]
     pub attrs: Vec<(String, f64)>,
     /// False when the module never ran in the forward pass that fixed the order (its position

@@ -69,6 +69,8 @@ pub struct LoopTrack {
     pub clipped_steps: u64,
     /// Smallest ratio of clipped to produced gradient norm.
     pub clip_ratio_min: Option<f64>,
+    /// Sum of the clipped steps' log ratios (their geometric mean: [`Self::clip_ratio_typical`]).
+    clip_log_sum: f64,
     /// Where the clipped steps were, as stretches in step order.
     pub clipped: Vec<ClipStretch>,
     /// Steps whose gradient reaching the optimizer was read ([`Fact::ClipRatio`]), and those
@@ -94,6 +96,7 @@ impl LoopTrack {
             } else if r < CLIPPED_BELOW {
                 self.clipped_steps += 1;
                 self.clip_ratio_min = Some(self.clip_ratio_min.map_or(r, |m| m.min(r)));
+                self.clip_log_sum += r.ln();
                 self.note_clipped(v.step, r);
             }
         }
@@ -124,6 +127,19 @@ impl LoopTrack {
             });
         }
         true
+    }
+
+    /// The typical ratio of clipped to produced gradient norm over the clipped steps (their
+    /// geometric mean), when any step was clipped.
+    pub fn clip_ratio_typical(&self) -> Option<f64> {
+        (self.clipped_steps > 0).then(|| (self.clip_log_sum / self.clipped_steps as f64).exp())
+    }
+
+    /// Share of the steps whose gradient reached the optimizer (checked and not cleared) that
+    /// clipping rescaled.
+    pub fn clipped_share(&self) -> Option<f64> {
+        let reached = self.checked_steps.saturating_sub(self.cleared_steps);
+        (reached > 0).then(|| self.clipped_steps as f64 / reached as f64)
     }
 
     fn note_clipped(&mut self, step: u64, ratio: f64) {
@@ -243,6 +259,9 @@ mod tests {
         }
         assert_eq!(t.clipped_steps, 2);
         assert_eq!(t.clip_ratio_min, Some(0.1));
+        // The geometric mean of 0.4 and 0.1, over 2 of the 5 steps.
+        assert!((t.clip_ratio_typical().expect("clipped") - 0.2).abs() < 1e-12);
+        assert_eq!(t.clipped_share(), Some(0.4));
         assert_eq!(t.cleared_share(), Some(0.0));
         let during = t.clipping_during(0, 2).expect("clipped at step 2");
         assert_eq!((during.first, during.last, during.steps), (2, 3, 2));

@@ -104,6 +104,39 @@ fn a_layer_cut_from_the_graph_is_stalled_for_lack_of_gradient() {
 }
 
 #[test]
+fn a_loss_cut_from_the_models_output_is_named_when_no_layer_gets_a_gradient() {
+    // Every layer runs, the optimizer steps 60 times, no layer ever gets a gradient and no
+    // weight moves (a loss rebuilt from `.item()`): the backward pass never reaches the model.
+    let h = run(spec(), 60, |_, _| None, |_| false, |_| 1.609);
+    let top = &h[0];
+    assert_eq!(top.failure, Failure::StalledLayer, "{top}");
+    assert_eq!(top.cause, Cause::ParametersNotUpdated, "{top}");
+    assert!(top.confidence >= 0.8, "{top}");
+    assert!(
+        top.description.contains(
+            "the optimizer stepped 60 times, but no parameter received a gradient and no weight moved: the loss is cut from the model's output"
+        ),
+        "{top}"
+    );
+    assert!(
+        top.remedies[0].contains("no .item(), .detach()"),
+        "{:?}",
+        top.remedies
+    );
+    // Weights that move without a gradient the collector saw (a model trained through
+    // `torch.func`): not a cut.
+    let h = run(spec(), 60, |_, _| None, |_| true, |_| 1.609);
+    assert!(
+        !h.iter().any(|x| x.description.contains("cut")),
+        "{:?}",
+        h.iter().map(ToString::to_string).collect::<Vec<_>>()
+    );
+    // Too short a run to say.
+    let h = run(spec(), 10, |_, _| None, |_| false, |_| 1.609);
+    assert!(!h.iter().any(|x| x.failure == Failure::StalledLayer));
+}
+
+#[test]
 fn a_layer_no_optimizer_holds_is_stalled_with_that_reason() {
     // fc1 gets gradients but its weights never move; the optimizer does not hold it.
     let mut s = spec();

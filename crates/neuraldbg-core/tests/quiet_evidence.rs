@@ -391,3 +391,56 @@ fn a_deep_stack_without_normalization_that_does_not_learn_for_no_other_reason() 
         );
     }
 }
+
+/// A classifier's loss at its chance level from the first step, bouncing by 20% of it on every
+/// step (what steps that overshoot do); the learning rate cut 10x every 40 steps from step 60 (a
+/// scheduler that reacts to the plateau, `ReduceLROnPlateau`) when `cut`, else held at 0.01.
+fn bouncing_at_chance(cut: bool) -> Vec<CausalHypothesis> {
+    diagnose(classifier(), 200, |step| {
+        let swing = if step % 2 == 0 { 0.92 } else { 1.12 };
+        let mut o = healthy(step, 10f64.ln() * swing);
+        if cut && step >= 60 {
+            o.lr = Some(0.01 * 0.1f64.powi(1 + (step as i32 - 60) / 40));
+        }
+        o
+    })
+}
+
+#[test]
+fn a_plateau_that_outlasts_a_learning_rate_cut_is_not_the_learning_rates() {
+    // Held at 0.01, a loss that reverses on every step is the steps overshooting.
+    let held = bouncing_at_chance(false);
+    assert_eq!(held[0].failure, Failure::LossPlateau, "{:?}", shown(&held));
+    assert_eq!(
+        held[0].cause,
+        Cause::LearningRateTooHigh,
+        "{:?}",
+        shown(&held)
+    );
+    // Cut 10x from step 60, and 10,000x by the end, the loss did not move: not the steps'
+    // size, too high or (a cut that followed the plateau) too low.
+    let cut = bouncing_at_chance(true);
+    let plateau = cut
+        .iter()
+        .find(|h| h.failure == Failure::LossPlateau)
+        .unwrap();
+    assert!(
+        plateau.description.contains(
+            "cutting the learning rate from 0.01 to 1.00e-6 (first at step 60) did not move it"
+        ),
+        "{:?}",
+        shown(&cut)
+    );
+    for h in cut.iter().filter(|h| h.failure == Failure::LossPlateau) {
+        assert!(
+            !(h.cause == Cause::LearningRateTooHigh && h.confidence >= 0.2),
+            "{:?}",
+            shown(&cut)
+        );
+        assert!(
+            !h.description.contains("below a thousandth of its peak"),
+            "{:?}",
+            shown(&cut)
+        );
+    }
+}

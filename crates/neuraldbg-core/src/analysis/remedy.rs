@@ -58,6 +58,22 @@ pub(crate) enum Remedy {
         peak: f64,
         last: f64,
     },
+    /// The warmup had not ended when the run did: after `steps` steps the rate had reached only
+    /// `reached`.
+    ShortenWarmup {
+        steps: u64,
+        reached: f64,
+    },
+    /// The loss does not reach the model's output through the framework's operations.
+    LossFromTheOutput,
+    /// Dropout zeroes a share `p` of the units, far more than is usual.
+    LowerDropout {
+        p: f64,
+    },
+    /// Gradient clipping cut every step's gradient to `ratio` of its norm (typically).
+    LoosenClip {
+        ratio: f64,
+    },
     /// Clip gradient norms before the optimizer step.
     ClipGradients,
     /// Clip while the cause of an explosion is fixed.
@@ -150,6 +166,11 @@ pub(crate) enum Remedy {
         output: Option<String>,
     },
     ScaleTargetsIntoRange,
+    /// A binary cross-entropy's targets span [`lo`, `hi`], outside [0, 1].
+    TargetsIntoProbabilities {
+        lo: f64,
+        hi: f64,
+    },
     // Data-parallel replicas.
     FindRankOnlyCode,
     SameStepsOnEveryRank,
@@ -202,6 +223,35 @@ impl Remedy {
                 ),
                 num(*peak),
                 num(*last)
+            ),
+            Remedy::ShortenWarmup { steps, reached } => format!(
+                "shorten the learning-rate warmup, counted in optimizer steps (batches), not epochs or samples: after {steps} steps it had reached only {}",
+                num(*reached)
+            ),
+            Remedy::LossFromTheOutput => fw(
+                "compute the loss from the model's output with torch operations: no .item(), .detach(), .data, .numpy() or torch.tensor(...) between the output and loss.backward()",
+                "compute the loss from the model's output with keras.ops inside the GradientTape or train_step: no .numpy() or float() between them",
+                "compute the loss from the model's output inside the function jax.grad differentiates: no jax.lax.stop_gradient, float() or numpy between them",
+            ),
+            Remedy::LowerDropout { p } => format!(
+                "{} ({} zeroes {:.0}% of the units at each step; 0.1-0.5 is usual)",
+                fw(
+                    "lower Dropout's p: it is the share of units dropped, not kept",
+                    "lower Dropout's rate: it is the share of units dropped, not kept (TensorFlow 1's keep_prob was the opposite)",
+                    "lower nnx.Dropout's rate: it is the share of units dropped, not kept",
+                ),
+                num(*p),
+                100.0 * p
+            ),
+            Remedy::LoosenClip { ratio } => format!(
+                "{} (it cut the gradient ~{}x on almost every step): clip near the gradient norms the run produces, or not at all",
+                fw4(
+                    "raise max_norm in clip_grad_norm_",
+                    "raise the optimizer's clipnorm / global_clipnorm",
+                    "raise optax.clip_by_global_norm's max_norm",
+                    "raise the norm of the optimizer's GradientClippingConfig",
+                ),
+                super::causes::times(1.0 / ratio)
             ),
             Remedy::ClipGradients => fw4(
                 "clip gradients: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0) before optimizer.step()",
@@ -356,6 +406,11 @@ impl Remedy {
                 fw("a plain Linear", "a Dense with no activation", "a plain Linear")
             ),
             Remedy::ScaleTargetsIntoRange => "or scale the targets into the output's range (e.g. min-max to [0, 1] for a sigmoid) and invert the scaling at inference".into(),
+            Remedy::TargetsIntoProbabilities { lo, hi } => format!(
+                "scale the binary cross-entropy's targets into [0, 1] (they span [{}, {}]): divide a 0/255 mask by 255, map labels of -1/+1 to 0/1",
+                num(*lo),
+                num(*hi)
+            ),
             Remedy::FindRankOnlyCode => "look for code that changes parameters, gradients or buffers on some ranks only (under `if rank == ...`, outside the DDP-wrapped model, or between forward and optimizer.step())".into(),
             Remedy::SameStepsOnEveryRank => "make sure every rank runs the same optimizer steps (a rank that skips or repeats optimizer.step() drifts apart)".into(),
             Remedy::NothingOutsideDdp => "check that no part of the model is updated outside DDP (a submodule or parameter not registered in the wrapped module)".into(),

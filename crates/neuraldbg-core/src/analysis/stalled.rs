@@ -3,7 +3,9 @@
 //!
 //! - **no gradient**: a layer whose module runs in the forward pass but whose parameters never
 //!   received a gradient in the whole run, while other layers did: the graph is cut between it
-//!   and the loss (`.detach()`, `torch.no_grad()`, `.data`).
+//!   and the loss (`.detach()`, `torch.no_grad()`, `.data`). Or no layer at all did, while the
+//!   optimizer stepped and no layer's weights moved: the loss is cut from the model's output
+//!   (a loss rebuilt from `.item()`, `.detach()`, numpy) — see [`cut_from_the_loss`].
 //! - **frozen**: a layer that receives real gradients but whose weight norm stayed exactly the
 //!   same over the last samples (at least [`STILL_SAMPLES`] samples and [`STILL_STEPS`] steps),
 //!   while another layer's weights moved in that time, and where an update of the size the
@@ -34,7 +36,7 @@ pub(crate) fn episodes(run: &Run, config: &Config) -> Vec<Episode> {
     let span = last - first + 1;
     let mut cut: Vec<usize> = Vec::new();
     let mut frozen: Vec<(usize, u64)> = Vec::new();
-    let any_grad = run.layers.iter().any(|t| t.observed > 0);
+    let any_grad = run.layers.iter().any(|t| t.observed > 0) || cut_from_the_loss(run);
     for (l, t) in run.layers.iter().enumerate() {
         let m = model.layers[l].module;
         if t.observed == 0 {
@@ -96,6 +98,25 @@ pub(crate) fn episodes(run: &Run, config: &Config) -> Vec<Episode> {
         out.push(episode(run, &layers, root, onset, false));
     }
     out
+}
+
+/// No layer received a gradient in a run of at least [`STILL_STEPS`] optimizer steps, while
+/// the model ran its forward passes and no layer's weights moved: the backward pass never
+/// reached the model. (A model trained by other means than `.grad`, `torch.func` say, moves
+/// its weights.)
+pub(crate) fn cut_from_the_loss(run: &Run) -> bool {
+    let (Some(first), Some(last)) = (run.first_step, run.last_step) else {
+        return false;
+    };
+    let model = &run.model;
+    let trainable =
+        |l: usize| model.spec.modules[model.layers[l].module].executed && !model.layer_frozen(l);
+    last - first + 1 >= STILL_STEPS
+        && (0..run.layers.len()).any(trainable)
+        && run
+            .layers
+            .iter()
+            .all(|t| t.observed == 0 && t.weight_moved.is_none())
 }
 
 /// The learning rate of the largest group holding layer `l`'s parameters, when known (None

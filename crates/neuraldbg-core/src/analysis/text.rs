@@ -147,8 +147,7 @@ pub fn describe(
     if let Some(s) = rule.sentence(&sentence) {
         return s;
     }
-    let mut s = String::from(e.failure.phrase());
-    let _ = write!(s, " at step {}", e.onset);
+    let mut s = rule.opening(&sentence);
     s.push_str(&rule.place(&sentence));
     if let Some(r) = e.root_event.and_then(|i| events[i].rank) {
         let _ = write!(s, ", on rank {r}");

@@ -164,7 +164,10 @@ impl CauseRule for BadInputData {
                 }
                 anomalous_batch(c, v, 3.0);
             }
-            Failure::DataAnomaly => v.add(4.0, "the input batch itself was anomalous"),
+            Failure::DataAnomaly => match targets_outside_probabilities(c.run) {
+                Some(t) if c.e.root_event.is_none() => v.proof(5.0, t.said(c.run)),
+                _ => v.add(4.0, "the input batch itself was anomalous"),
+            },
             Failure::LossDivergence => {
                 steps_grown_by_inputs(c, v);
                 anomalous_batch(c, v, 4.0);
@@ -243,6 +246,9 @@ impl CauseRule for BadInputData {
     }
 
     fn remedies(&self, c: &RemedyCase<'_>) -> Vec<Remedy> {
+        if let Some(t) = targets_outside_probabilities(c.run).filter(|_| c.e.root_event.is_none()) {
+            return vec![Remedy::TargetsIntoProbabilities { lo: t.lo, hi: t.hi }];
+        }
         if output_loss_mismatch::raw_data_targets(c.run).is_some() {
             return vec![Remedy::NormalizeInputs, Remedy::ScaleTargetsIntoRange];
         }
@@ -256,6 +262,41 @@ impl CauseRule for BadInputData {
             Remedy::InspectBatch { step: c.e.onset },
             Remedy::NormalizeInputs,
         ]
+    }
+}
+
+/// The first step's targets of a binary cross-entropy, when they leave [0, 1] (a mask saved as
+/// 0/255, labels of -1/+1): beyond it the loss has no minimum, and it falls without end as the
+/// logits grow.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct TargetsOutsideProbabilities {
+    pub lo: f64,
+    pub hi: f64,
+}
+
+pub(crate) fn targets_outside_probabilities(run: &Run) -> Option<TargetsOutsideProbabilities> {
+    let loss = run.model.spec.loss.as_ref()?;
+    let bce = loss
+        .ops
+        .iter()
+        .any(|o| o == "BinaryCrossEntropyWithLogits" || o == "BinaryCrossEntropy");
+    let (lo, hi) = loss.target_range?;
+    (bce && (lo < -0.01 || hi > 1.01)).then_some(TargetsOutsideProbabilities { lo, hi })
+}
+
+impl TargetsOutsideProbabilities {
+    /// In words, with the lowest loss the run reached when it went below zero.
+    fn said(self, run: &Run) -> String {
+        let below = if run.loss.best < 0.0 {
+            format!(" (this one reached {})", fmt_g(run.loss.best))
+        } else {
+            String::new()
+        };
+        format!(
+            "the binary cross-entropy's targets span [{}, {}], and it needs probabilities in [0, 1]: beyond them the loss has no minimum and falls without end as the logits grow{below}",
+            fmt_g(self.lo),
+            fmt_g(self.hi)
+        )
     }
 }
 

@@ -150,9 +150,14 @@ pub(crate) struct LrCollapse {
 /// The learning rate fell below a thousandth of its peak and stayed there for at least a
 /// quarter of the run (10 steps or more): a schedule that decays it far too fast (a per-epoch
 /// scheduler stepped every batch). A schedule that ends at zero (cosine, linear, one-cycle)
-/// gets there only in its last few steps.
-pub(crate) fn lr_collapse(run: &Run) -> Option<LrCollapse> {
+/// gets there only in its last few steps. Only for a failure that began at `onset` or after
+/// the rate's first cut: a rate first cut after the failure began was cut because of it (a
+/// scheduler that reacts to a plateau, `ReduceLROnPlateau`), not the other way round.
+pub(crate) fn lr_collapse(run: &Run, onset: u64) -> Option<LrCollapse> {
     let c = run.lr_course;
+    if c.first_cut.is_some_and(|cut| cut > onset) {
+        return None;
+    }
     let (peak, from, last) = (c.peak?, c.collapsed_from?, c.last?);
     let span = last.0.saturating_sub(from) + 1;
     let observed = last.0.saturating_sub(run.first_step.unwrap_or(0)) + 1;
@@ -167,6 +172,64 @@ impl LrCollapse {
             last: self.last.1,
         }
     }
+}
+
+/// A learning rate cut at least [`OUTLASTED_CUT`]x after a failure began, which the failure
+/// outlasted by 10 steps or more, to the end: the run's own experiment on its step size.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct OutlastedCut {
+    /// The step of the first cut, the peak rate and the last.
+    pub cut: u64,
+    pub peak: f64,
+    pub last: f64,
+}
+
+/// How far the rate must have been cut for a failure that outlasted the cut to clear the step
+/// size: a loss held up by steps too large comes down when they are 10x smaller.
+pub(crate) const OUTLASTED_CUT: f64 = 10.0;
+
+/// See [`OutlastedCut`]: `e` persisted to the end, the rate was first cut after its onset, and
+/// ended at least [`OUTLASTED_CUT`]x below its peak, 10 or more steps after the cut.
+pub(crate) fn outlasted_cut(run: &Run, e: &Episode) -> Option<OutlastedCut> {
+    let c = run.lr_course;
+    let (cut, (_, peak), (last_step, last)) = (c.first_cut?, c.peak?, c.last?);
+    (e.to_end && cut > e.onset && last_step >= cut + 10 && last * OUTLASTED_CUT <= peak)
+        .then_some(OutlastedCut { cut, peak, last })
+}
+
+/// Gradient clipping that cut (nearly) every step's gradient to a small part of it, under an
+/// optimizer whose step is the gradient's (SGD): the clip, not the rate, makes the steps small.
+/// (Adam's step does not scale with the gradient: there a tight clip changes little.)
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct TightClip {
+    /// Share of the steps clipped, and the typical ratio of clipped to produced norm.
+    pub share: f64,
+    pub ratio: f64,
+}
+
+/// See [`TightClip`]: at least 10 steps checked, 90% of them clipped, typically to a tenth of
+/// the gradient's norm or less.
+pub(crate) fn tight_clip(run: &Run) -> Option<TightClip> {
+    let t = &run.loop_track;
+    let (share, ratio) = (t.clipped_share()?, t.clip_ratio_typical()?);
+    (!run.model.adaptive_optimizer && t.checked_steps >= 10 && share >= 0.9 && ratio <= 0.1)
+        .then_some(TightClip { share, ratio })
+}
+
+/// A learning rate still rising at the last step, at least 10x above where it began, 10 steps
+/// or more into the run: a warmup far longer than the run (counted in epochs or samples where
+/// the scheduler counts optimizer steps).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct EndlessWarmup {
+    pub first: f64,
+    pub last: (u64, f64),
+}
+
+pub(crate) fn endless_warmup(run: &Run) -> Option<EndlessWarmup> {
+    let c = run.lr_course;
+    let (first, (peak_step, _), last) = (run.lr_first?, c.peak?, c.last?);
+    (peak_step == last.0 && last.1 >= 10.0 * first && last.0 >= run.first_step.unwrap_or(0) + 10)
+        .then_some(EndlessWarmup { first, last })
 }
 
 /// The collapse in words: "the learning rate fell from 0.1 (step 0) to 8.3e-26 (step 79),
@@ -228,7 +291,7 @@ pub(crate) fn times(x: f64) -> String {
 }
 
 /// See [`Evidence::decay_pull`].
-fn decay_pull(run: &Run) -> Option<DecayPull> {
+pub(crate) fn decay_pull(run: &Run) -> Option<DecayPull> {
     let wds = run.model.spec.param_weight_decay.as_ref()?;
     let mut weight_decay = 0.0f64;
     let (mut pulls, mut kept) = (Vec::new(), Vec::new());

@@ -8,7 +8,7 @@ use super::super::remedy::Remedy;
 use super::super::vocab::{Cause, Failure};
 use super::evidence::{
     DIED_AFTER_UPDATES, Evidence, MEASURED_TOO_LARGE, TRAINING_UPDATE, decades_ratio,
-    measured_step, times,
+    measured_step, outlasted_cut, times,
 };
 use super::{Case, CauseRule, Facts, RemedyCase, Votes, facts_of, fmt_g};
 
@@ -208,6 +208,12 @@ impl CauseRule for LearningRateTooHigh {
                 }
             }
             Failure::LossPlateau => {
+                if outlasted_cut(c.run, c.e).is_some() {
+                    // Steps that overshoot bring the loss down once they are 10x smaller; this
+                    // loss stayed where it was.
+                    v.against(3.0);
+                    return;
+                }
                 let peak = loss_peak_ratio(c.run);
                 if peak >= 2.0 {
                     v.add(

@@ -2,7 +2,9 @@
 
 use super::super::remedy::Remedy;
 use super::super::vocab::{Cause, Failure};
-use super::evidence::{TRAINING_UPDATE, lr_collapse, lr_collapse_words, times};
+use super::evidence::{
+    TRAINING_UPDATE, endless_warmup, lr_collapse, lr_collapse_words, tight_clip, times,
+};
 use super::{Case, CauseRule, RemedyCase, Votes, fmt_g};
 
 pub(crate) struct LearningRateTooLow;
@@ -58,8 +60,29 @@ impl CauseRule for LearningRateTooLow {
             // The steps are small because the gradients are: the inputs are.
             v.against(1.5);
         }
-        if let Some(collapse) = lr_collapse(c.run) {
+        if let Some(collapse) = lr_collapse(c.run, c.e.onset) {
             v.add(3.0, lr_collapse_words(&collapse));
+        }
+        if let Some(w) = endless_warmup(c.run) {
+            v.add(
+                2.0,
+                format!(
+                    "the learning rate rose from {} to {} (step {}) and was still rising at the end: a warmup far longer than the run",
+                    fmt_g(w.first),
+                    fmt_g(w.last.1),
+                    w.last.0
+                ),
+            );
+        }
+        if let Some(clip) = tight_clip(c.run) {
+            v.add(
+                2.5,
+                format!(
+                    "gradient clipping cut the gradient on {:.0}% of the steps, typically to 1/{} of its norm, and each SGD step is the clipped gradient's: the clip keeps the steps small",
+                    100.0 * clip.share,
+                    times(1.0 / clip.ratio)
+                ),
+            );
         }
         if super::parameters_not_updated::cleared(c.run).is_some() {
             // The steps are zero because the optimizer found no gradient, whatever the rate.
@@ -102,8 +125,17 @@ impl CauseRule for LearningRateTooLow {
     }
 
     fn remedies(&self, c: &RemedyCase<'_>) -> Vec<Remedy> {
-        if let Some(collapse) = lr_collapse(c.run) {
+        if let Some(collapse) = lr_collapse(c.run, c.e.onset) {
             return vec![collapse.remedy()];
+        }
+        if let Some(w) = endless_warmup(c.run) {
+            return vec![Remedy::ShortenWarmup {
+                steps: w.last.0 + 1,
+                reached: w.last.1,
+            }];
+        }
+        if let Some(clip) = tight_clip(c.run) {
+            return vec![Remedy::LoosenClip { ratio: clip.ratio }];
         }
         vec![
             Remedy::RaiseLr { lr: c.lr() },

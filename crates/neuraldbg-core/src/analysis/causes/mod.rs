@@ -44,8 +44,10 @@ use super::episodes::Episode;
 use super::remedy::Remedy;
 use super::vocab::{Cause, Failure};
 
+pub(crate) use bad_input_data::targets_outside_probabilities;
 pub(crate) use evidence::{
-    Evidence, Features, features, forward_growth, measured_update_ratio, uneven_features,
+    Evidence, Features, features, forward_growth, measured_update_ratio, outlasted_cut, times,
+    uneven_features,
 };
 pub(crate) use over_regularization::penalty_dominated;
 

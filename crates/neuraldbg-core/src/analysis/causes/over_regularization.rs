@@ -8,6 +8,7 @@
 
 use super::super::failures::chance_level;
 use super::super::remedy::Remedy;
+use super::super::text::show;
 use super::super::vocab::{Cause, Failure};
 use super::{Case, CauseRule, Facts, RemedyCase, Votes, fmt_g};
 use crate::engine::Run;
@@ -70,6 +71,35 @@ pub(crate) fn penalty_dominated(run: &Run) -> Option<Penalty> {
     })
 }
 
+/// The share of units above which dropout leaves too little of the network to fit anything
+/// (0.1-0.5 is usual; 0.8 and 0.9 are keep probabilities given where a drop rate is asked).
+const HEAVY_DROPOUT: f64 = 0.8;
+
+/// Dropout modules that zero [`HEAVY_DROPOUT`] of their units or more, at each training step.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct HeavyDropout {
+    /// The largest share dropped, and the modules that drop that much or more.
+    pub p: f64,
+    pub modules: Vec<String>,
+}
+
+/// See [`HeavyDropout`]: dropout modules of the forward pass (by class name, any framework's)
+/// whose `p` is at least [`HEAVY_DROPOUT`].
+pub(crate) fn heavy_dropout(run: &Run) -> Option<HeavyDropout> {
+    let mut p = 0.0_f64;
+    let mut modules = Vec::new();
+    for m in &run.model.spec.modules {
+        let rate = m.attrs.iter().find(|(k, _)| k == "p").map(|(_, v)| *v);
+        if let Some(rate) = rate.filter(|r| *r >= HEAVY_DROPOUT && m.executed) {
+            if m.kind.contains("Dropout") {
+                p = p.max(rate);
+                modules.push(m.name.clone());
+            }
+        }
+    }
+    (!modules.is_empty()).then_some(HeavyDropout { p, modules })
+}
+
 /// The penalty `p` still holds most of the loss at the end, or it shrank the model to a
 /// constant guess (the loss ends at its chance level): the loss cannot reach the data's
 /// optimum (a plateau from the first step, see `loss_bounded_by_mistake`).
@@ -101,7 +131,7 @@ impl CauseRule for OverRegularization {
     }
 
     fn phrase(&self) -> &'static str {
-        "a weight penalty that outweighs the fit to the data"
+        "regularization that outweighs the fit to the data"
     }
 
     /// Shrinking weights hold the loss up, and shrink the signal, its gradients and the
@@ -118,6 +148,20 @@ impl CauseRule for OverRegularization {
     }
 
     fn evidence(&self, c: &Case<'_>, v: &mut Votes) {
+        // Dropout that zeroes most units trains a different sliver of the network at every
+        // step, too little of it to fit the data: a loss that does not come down.
+        if let Some(d) = heavy_dropout(c.run).filter(|_| c.e.failure == Failure::LossPlateau) {
+            let shown: Vec<String> = d.modules.iter().take(3).map(|m| show(m)).collect();
+            v.add(
+                3.5,
+                format!(
+                    "dropout zeroes {:.0}% of the units at every training step ({}{}): each step trains a sliver of the network, too little of it to fit the data",
+                    100.0 * d.p,
+                    shown.join(", "),
+                    if d.modules.len() > 3 { ", ..." } else { "" }
+                ),
+            );
+        }
         if let Some(d) = c.ev.decay_outweighs() {
             v.add(
                 4.0,
@@ -161,6 +205,11 @@ impl CauseRule for OverRegularization {
     }
 
     fn remedies(&self, c: &RemedyCase<'_>) -> Vec<Remedy> {
+        let dropout = heavy_dropout(c.run).filter(|_| c.e.failure == Failure::LossPlateau);
+        let decay = super::evidence::decay_pull(c.run).is_some();
+        if let Some(d) = dropout.filter(|_| !decay && penalty_dominated(c.run).is_none()) {
+            return vec![Remedy::LowerDropout { p: d.p }];
+        }
         if penalty_dominated(c.run).is_some() {
             return vec![Remedy::LowerWeightPenalty, Remedy::FitWithoutPenalty];
         }

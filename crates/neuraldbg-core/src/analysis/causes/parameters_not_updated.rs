@@ -56,6 +56,15 @@ impl CauseRule for ParametersNotUpdated {
         };
         let track = &run.layers[layer];
         let steps = episode.duration;
+        if episode.no_gradient && crate::analysis::stalled::cut_from_the_loss(run) {
+            v.proof(
+                5.0,
+                format!(
+                    "the model ran its forward pass and the optimizer stepped {steps} times, but no parameter received a gradient and no weight moved: the loss is cut from the model's output"
+                ),
+            );
+            return;
+        }
         if episode.no_gradient {
             v.add(
                 4.0,
@@ -81,7 +90,7 @@ impl CauseRule for ParametersNotUpdated {
             }
             _ => {}
         }
-        if let Some(collapse) = lr_collapse(run) {
+        if let Some(collapse) = lr_collapse(run, episode.onset) {
             v.add(1.5, lr_collapse_words(&collapse));
         }
     }
@@ -90,10 +99,16 @@ impl CauseRule for ParametersNotUpdated {
         if cleared(c.run).is_some() {
             return vec![Remedy::ZeroGradBeforeBackward];
         }
-        if let Some(collapse) = lr_collapse(c.run) {
+        if let Some(collapse) = lr_collapse(c.run, c.e.onset) {
             return vec![collapse.remedy()];
         }
         let layer = c.layer();
+        if c.e.failure == Failure::StalledLayer
+            && c.e.no_gradient
+            && crate::analysis::stalled::cut_from_the_loss(c.run)
+        {
+            return vec![Remedy::LossFromTheOutput];
+        }
         if c.e.failure == Failure::StalledLayer && c.e.no_gradient {
             return vec![
                 Remedy::FindGraphCut {

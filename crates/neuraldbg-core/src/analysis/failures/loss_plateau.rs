@@ -1,6 +1,8 @@
 //! `loss_plateau`: the loss stopped improving above the level of a converged run, or at the
 //! floor of a loss that provably cannot reach its optimum, or it creeps (see [`creeping`]).
 
+use std::fmt::Write as _;
+
 use crate::config::Config;
 use crate::engine::{Global, Run};
 use crate::event::SemanticEvent;
@@ -106,54 +108,20 @@ impl FailureRule for LossPlateau {
         0.35 + 0.2 * (e.duration as f64 / w).min(1.0) + if stuck { 0.2 } else { 0.0 } + 0.1 * end
     }
 
+    /// Where the loss stands (see [`standing`]), and a cut of the learning rate that did not
+    /// move it.
     fn place(&self, s: &Sentence<'_>) -> String {
-        if s.run.loss.flat_since.is_none() && super::super::causes::loss_bounded_by_mistake(s.run) {
-            return ", held above its optimum from the first step (it may still fall, but not to where it should)".into();
+        let mut out = standing(s);
+        if let Some(c) = super::super::causes::outlasted_cut(s.run, s.episode()) {
+            let _ = write!(
+                out,
+                "; cutting the learning rate from {} to {} (first at step {}) did not move it",
+                num(c.peak),
+                num(c.last),
+                c.cut
+            );
         }
-        if not_learning(s.run).is_none() {
-            if let Some(c) = creeping(s.run) {
-                let still = if c.steady {
-                    ", and still falling as fast as it began"
-                } else {
-                    ""
-                };
-                return format!(
-                    ", creeping: at best {:.0}% lower after {} steps{still}",
-                    100.0 * (1.0 - c.fell_to),
-                    c.steps
-                );
-            }
-        }
-        not_learning(s.run).map_or(String::new(), |c| {
-            if c.regression {
-                if s.run.loss.last_smoothed >= WORSE_THAN_MEAN * c.level {
-                    return format!(
-                        ", at {:.1}x the variance of its targets ({}): the model predicts worse than their mean",
-                        s.run.loss.last_smoothed / c.level,
-                        num(c.level)
-                    );
-                }
-                return format!(
-                    ", at the variance of its targets ({}): the model predicts no better than their mean",
-                    num(c.level)
-                );
-            }
-            let (at, worse) = if s.run.loss.last_smoothed > 1.1 * c.level {
-                (
-                    "above",
-                    "is confidently wrong, worse than a constant guess",
-                )
-            } else {
-                ("at", "predicts no better than a constant guess")
-            };
-            format!(
-                ", {at} its chance level ({} = ln {} for {} classes{}): the model {worse}",
-                num(c.level),
-                c.classes,
-                c.classes,
-                if c.binary { ", binary cross-entropy" } else { "" }
-            )
-        })
+        out
     }
 
     /// A failure that stops learning explains a flat loss, if it is itself a real failure (the
@@ -365,4 +333,56 @@ pub(crate) fn bouncing(run: &Run, config: &Config) -> bool {
         && l.oscillation().is_some()
         && l.initial
             .is_some_and(|i| i > 0.0 && l.last_smoothed >= config.loss_plateau_level * i)
+}
+
+/// Where a plateaued loss stands: held above its optimum by a mistake, creeping, or at its
+/// chance level.
+fn standing(s: &Sentence<'_>) -> String {
+    if s.run.loss.flat_since.is_none() && super::super::causes::loss_bounded_by_mistake(s.run) {
+        return ", held above its optimum from the first step (it may still fall, but not to where it should)".into();
+    }
+    if not_learning(s.run).is_none() {
+        if let Some(c) = creeping(s.run) {
+            let still = if c.steady {
+                ", and still falling as fast as it began"
+            } else {
+                ""
+            };
+            return format!(
+                ", creeping: at best {:.0}% lower after {} steps{still}",
+                100.0 * (1.0 - c.fell_to),
+                c.steps
+            );
+        }
+    }
+    not_learning(s.run).map_or(String::new(), |c| {
+        if c.regression {
+            if s.run.loss.last_smoothed >= WORSE_THAN_MEAN * c.level {
+                return format!(
+                    ", at {:.1}x the variance of its targets ({}): the model predicts worse than their mean",
+                    s.run.loss.last_smoothed / c.level,
+                    num(c.level)
+                );
+            }
+            return format!(
+                ", at the variance of its targets ({}): the model predicts no better than their mean",
+                num(c.level)
+            );
+        }
+        let (at, worse) = if s.run.loss.last_smoothed > 1.1 * c.level {
+            (
+                "above",
+                "is confidently wrong, worse than a constant guess",
+            )
+        } else {
+            ("at", "predicts no better than a constant guess")
+        };
+        format!(
+            ", {at} its chance level ({} = ln {} for {} classes{}): the model {worse}",
+            num(c.level),
+            c.classes,
+            c.classes,
+            if c.binary { ", binary cross-entropy" } else { "" }
+        )
+    })
 }

@@ -107,6 +107,11 @@ pub(crate) trait FailureRule: Sync {
     fn place(&self, s: &Sentence<'_>) -> String {
         in_modules(s)
     }
+    /// How the sentence opens, before the place (the default: the failure's phrase "at step N").
+    fn opening(&self, s: &Sentence<'_>) -> String {
+        let e = s.episode();
+        format!("{} at step {}", e.failure.phrase(), e.onset)
+    }
     /// The whole sentence, for a failure that reads its own way (the default: the common form).
     fn sentence(&self, _s: &Sentence<'_>) -> Option<String> {
         None

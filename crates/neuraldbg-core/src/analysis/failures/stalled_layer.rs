@@ -7,7 +7,7 @@ use crate::event::SemanticEvent;
 
 use super::super::episodes::Episode;
 use super::super::vocab::Failure;
-use super::{FailureRule, first_at_onset};
+use super::{FailureRule, Sentence, first_at_onset};
 
 pub(crate) struct StalledLayer;
 
@@ -32,6 +32,22 @@ impl FailureRule for StalledLayer {
         onset: u64,
     ) -> (Option<usize>, Option<usize>) {
         first_at_onset(events, cluster, onset)
+    }
+
+    /// A cut between the loss and the model's output stops every layer: the model did not train.
+    fn opening(&self, s: &Sentence<'_>) -> String {
+        let e = s.episode();
+        if e.no_gradient && super::super::stalled::cut_from_the_loss(s.run) {
+            return format!("No layer of the model trained from step {}", e.onset);
+        }
+        format!("{} at step {}", e.failure.phrase(), e.onset)
+    }
+
+    fn place(&self, s: &Sentence<'_>) -> String {
+        if s.episode().no_gradient && super::super::stalled::cut_from_the_loss(s.run) {
+            return String::new();
+        }
+        super::in_modules(s)
     }
 
     /// Detected only over at least 20 steps (see `stalled`); surer the longer it lasts.
