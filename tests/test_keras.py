@@ -791,3 +791,29 @@ def test_dropout_whose_rate_is_a_keep_probability_is_named(rate: float) -> None:
     names = [layer.name for layer in model.layers if isinstance(layer, keras.layers.Dropout)]
     assert f"dropout zeroes 90% of the units at every training step (`{names[0]}`, `{names[1]}`)" in top.description
     assert top.remedies[0].startswith("lower Dropout's rate: it is the share of units dropped, not kept"), top.remedies
+
+
+@pytest.mark.parametrize("scale", [255.0, 1.0])
+def test_binary_cross_entropy_targets_outside_zero_one_are_named(scale: float) -> None:
+    # A segmentation mask saved as 0/255: the loss goes below zero, which a binary
+    # cross-entropy of probabilities never does.
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(512, 8, 8, 1)).astype("float32")
+    y = (x > 0).astype("float32") * scale
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [keras.Input((8, 8, 1)), keras.layers.Conv2D(8, 3, padding="same", activation="relu")]
+        + [keras.layers.Conv2D(1, 3, padding="same")]
+    )
+    model.compile(optimizer="adam", loss=keras.losses.BinaryCrossentropy(from_logits=True))
+    cb = NeuralDbgCallback()
+    losses = model.fit(x, y, batch_size=32, epochs=2, verbose=0, callbacks=[cb]).history["loss"]
+    found = cb.dbg.explain_failure()
+    if scale == 1.0:
+        assert min(losses) > 0
+        assert not any(h.failure == "data_anomaly" for h in found), found
+        return
+    assert min(losses) < 0, losses
+    top = found[0]
+    assert (top.failure, top.cause, top.step) == ("data_anomaly", "bad_input_data", 0), top
+    assert "the binary cross-entropy's targets span [0, 255]" in top.description

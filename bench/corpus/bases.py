@@ -56,6 +56,15 @@ class Knobs:
     weight_decay: float = 0.0
     # An L2 penalty on every trained weight matrix, written into the loss by the loop.
     weight_penalty: float = 0.0
+    # Gradients clipped to this total norm before each step (None: not clipped).
+    clip_norm: Optional[float] = None
+    # A linear learning-rate warmup over this many optimizer steps, stepped every batch (0: none).
+    warmup_steps: int = 0
+    # The loss rebuilt from its value (`torch.tensor(loss.item(), requires_grad=True)`): the
+    # backward pass never reaches the model.
+    loss_cut: bool = False
+    # Dropout after every hidden activation of an MLP, zeroing this share of the units (0: none).
+    dropout: float = 0.0
 
 
 @dataclass
@@ -118,6 +127,8 @@ def mlp(sizes: List[int], k: Knobs, act: str = "relu", norm: bool = False) -> nn
         if norm:
             layers.append(nn.LayerNorm(widths[i + 1]))
         layers.append(a())
+        if k.dropout:
+            layers.append(nn.Dropout(k.dropout))
     layers.append(nn.Linear(widths[-1], sizes[-1]))
     return nn.Sequential(*layers)
 
@@ -540,7 +551,16 @@ def deep_layernorm(k: Knobs, seed: int) -> Program:
     return _classifier(model, k, seed, (x0.flatten(1), y0, x1.flatten(1), y1), 10, "sgd", 0.05, momentum=0.9)
 
 
-_ALL = {"lr_factor", "init_scale", "zero_grad", "zero_grad_late", "frozen_first", "weight_decay", "weight_penalty"}
+_LOOP = {"clip_norm", "warmup_steps", "loss_cut"}
+_ALL = {
+    "lr_factor",
+    "init_scale",
+    "zero_grad",
+    "zero_grad_late",
+    "frozen_first",
+    "weight_decay",
+    "weight_penalty",
+} | _LOOP
 _MODEL = {"act", "extra_depth", "output_act"}
 
 BASES: List[Base] = [
@@ -548,19 +568,19 @@ BASES: List[Base] = [
         "mlp_classifier",
         "mlp-classification",
         mlp_classifier,
-        frozenset(_ALL | _MODEL | {"raw_inputs", "label_noise", "dead_bias"}),
+        frozenset(_ALL | _MODEL | {"raw_inputs", "label_noise", "dead_bias", "dropout"}),
     ),
     Base(
         "mlp_regression",
         "mlp-regression",
         mlp_regression,
-        frozenset(_ALL | _MODEL | {"raw_inputs", "raw_targets", "uneven_features", "dead_bias"}),
+        frozenset(_ALL | _MODEL | {"raw_inputs", "raw_targets", "uneven_features", "dead_bias", "dropout"}),
     ),
     Base(
         "mlp_binary",
         "mlp-binary-classification",
         mlp_binary,
-        frozenset(_ALL | _MODEL | {"raw_inputs", "uneven_features", "label_noise"}),
+        frozenset(_ALL | _MODEL | {"raw_inputs", "uneven_features", "label_noise", "dropout"}),
     ),
     Base("cnn", "cnn", cnn, frozenset(_ALL | _MODEL | {"raw_inputs", "label_noise", "dead_bias"})),
     Base(
@@ -593,6 +613,7 @@ BASES: List[Base] = [
                 "weight_decay",
                 "weight_penalty",
             }
+            | _LOOP
         ),
     ),
     Base(
@@ -611,13 +632,14 @@ BASES: List[Base] = [
                 "weight_decay",
                 "weight_penalty",
             }
+            | _LOOP
         ),
     ),
     Base(
         "deep_layernorm",
         "deep-mlp-layernorm",
         deep_layernorm,
-        frozenset(_ALL | {"act", "output_act", "raw_inputs", "label_noise", "extra_depth"}),
+        frozenset(_ALL | {"act", "output_act", "raw_inputs", "label_noise", "extra_depth", "dropout"}),
     ),
 ]
 

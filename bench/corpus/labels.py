@@ -27,7 +27,15 @@ MANIFEST_SHARE = 0.25
 # loss says nothing against the base's.
 LOSS_INCOMPARABLE = {"raw_targets", "label_noise", "l2_penalty"}
 # Operators that write a mistake into the program: labelled with their cause whatever the outcome.
-PROGRAM_FAULTS = {"out_softmax", "out_relu", "out_sigmoid", "no_zero_grad", "zero_grad_late", "frozen_first"}
+PROGRAM_FAULTS = {
+    "out_softmax",
+    "out_relu",
+    "out_sigmoid",
+    "no_zero_grad",
+    "zero_grad_late",
+    "frozen_first",
+    "loss_cut",
+}
 CRITERIA = ("quality", "quality+loss", "quality-only")
 
 

@@ -78,6 +78,10 @@ MUTATIONS: List[Mutation] = [
     _m("weight_decay", "over_regularization", paired=False, weight_decay=1.0),
     _m("l2_penalty", "over_regularization", paired=False, weight_penalty=0.1),
     _m("uneven_features", "bad_input_data", paired=False, uneven_features=True),
+    _m("clip_tight", "learning_rate_too_low", paired=False, clip_norm=1e-4),
+    _m("warmup_endless", "learning_rate_too_low", paired=False, warmup_steps=1_000_000),
+    _m("loss_cut", "parameters_not_updated", paired=False, loss_cut=True),
+    _m("dropout_keep", "over_regularization", paired=False, dropout=0.9),
 ]
 
 

@@ -34,10 +34,13 @@ from bench.corpus.mutations import knobs_for, named, pairs, singles
 
 def train(p: Program, k: Knobs) -> Tuple[List[float], Optional[str]]:
     """The user's loop, with the loop-side knobs (zero_grad dropped or called after the
-    backward, eval() mode, a weight penalty written into the loss) applied."""
+    backward, eval() mode, a weight penalty written into the loss, the loss cut from the model,
+    gradients clipped, a learning-rate warmup) applied."""
     losses: List[float] = []
     p.model.train(not k.eval_mode)
     penalized = [w for w in p.model.parameters() if w.requires_grad and w.dim() >= 2]
+    warmup = k.warmup_steps
+    sched = torch.optim.lr_scheduler.LambdaLR(p.optimizer, lambda s: min(1.0, (s + 1) / warmup)) if warmup else None
     try:
         for i in range(p.steps):
             x, y = p.batch(i)
@@ -46,10 +49,16 @@ def train(p: Program, k: Knobs) -> Tuple[List[float], Optional[str]]:
             loss = p.loss(p.model(x), y)
             if k.weight_penalty:
                 loss = loss + k.weight_penalty * sum(w.pow(2).sum() for w in penalized)
+            if k.loss_cut:
+                loss = torch.tensor(loss.item(), requires_grad=True)
             loss.backward()
             if k.zero_grad_late:
                 p.optimizer.zero_grad()
+            if k.clip_norm is not None:
+                torch.nn.utils.clip_grad_norm_(p.model.parameters(), k.clip_norm)
             p.optimizer.step()
+            if sched is not None:
+                sched.step()
             losses.append(float(loss.detach()))
     except Exception as e:  # a crashed program is still diagnosable
         return losses, f"{type(e).__name__}: {e}"

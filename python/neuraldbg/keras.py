@@ -643,6 +643,7 @@ class KerasDbg(Spoke):
         # the loss is computed: whether the loss regresses values, the table's features, and
         # (off JAX) whether they were sent.
         self._regression = False
+        self._binary = False
         # Whether the loss takes class indices (sparse categorical cross-entropy): the targets'
         # range is then the classes'.
         self._class_indices = False
@@ -660,6 +661,7 @@ class KerasDbg(Spoke):
         self._spec_modules = spec["modules"]
         loss = spec.get("loss")
         self._regression = bool(loss) and any(op in _REGRESSION_OPS for op in loss["ops"])
+        self._binary = bool(loss) and any(op.startswith("BinaryCrossEntropy") for op in loss["ops"])
         self._class_indices = bool(loss) and _compiled_loss(self.model)[0] == "sparse_categorical_crossentropy"
         self._features = _table_features(self.model)
         self._start(spec, meta)
@@ -937,7 +939,8 @@ class KerasDbg(Spoke):
 
     def _amend_first_batch(self, v: np.ndarray) -> None:
         """The first batch's facts to the engine (the owner thread; never raises): the targets'
-        range and variance for a loss that regresses values, the output's range, the table's
+        range and variance for a loss that regresses values (the range also for a binary
+        cross-entropy, whose targets must be probabilities), the output's range, the table's
         feature scales (None where not finite)."""
 
         def span(lo: float, hi: float) -> Optional[List[float]]:
@@ -945,10 +948,10 @@ class KerasDbg(Spoke):
 
         v = np.asarray(v, dtype=np.float64).reshape(-1)
         facts: Dict[str, Any] = {}
-        if self._regression:
+        if self._regression or self._binary:
             facts["target_range"] = span(v[0], v[1])
-            if np.isfinite(v[2]) and v[2] >= 0:
-                facts["target_var"] = float(v[2])
+        if self._regression and np.isfinite(v[2]) and v[2] >= 0:
+            facts["target_var"] = float(v[2])
         facts["output_range"] = span(v[3], v[4])
         if self._class_indices:
             facts["class_range"] = span(v[0], v[1])

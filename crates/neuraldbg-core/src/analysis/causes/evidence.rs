@@ -225,6 +225,7 @@ pub(crate) struct EndlessWarmup {
     pub last: (u64, f64),
 }
 
+/// See [`EndlessWarmup`]: the rate's peak is its last value.
 pub(crate) fn endless_warmup(run: &Run) -> Option<EndlessWarmup> {
     let c = run.lr_course;
     let (first, (peak_step, _), last) = (run.lr_first?, c.peak?, c.last?);

@@ -149,11 +149,14 @@ impl CauseRule for OverRegularization {
 
     fn evidence(&self, c: &Case<'_>, v: &mut Votes) {
         // Dropout that zeroes most units trains a different sliver of the network at every
-        // step, too little of it to fit the data: a loss that does not come down.
+        // step, too little of it to fit the data: a loss that stays at its chance level. (A
+        // training loss held up by that much dropout can still hide a model that does well
+        // without it, in eval(): above its chance level, the dropout only leans on it.)
         if let Some(d) = heavy_dropout(c.run).filter(|_| c.e.failure == Failure::LossPlateau) {
             let shown: Vec<String> = d.modules.iter().take(3).map(|m| show(m)).collect();
+            let at_chance = super::super::failures::not_learning(c.run).is_some();
             v.add(
-                3.5,
+                if at_chance { 3.5 } else { 1.5 },
                 format!(
                     "dropout zeroes {:.0}% of the units at every training step ({}{}): each step trains a sliver of the network, too little of it to fit the data",
                     100.0 * d.p,
