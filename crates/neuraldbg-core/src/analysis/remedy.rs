@@ -344,7 +344,7 @@ impl Remedy {
                 "shuffle the training data: fit(..., shuffle=True) on arrays, or dataset.shuffle(len(dataset)) before .batch() in a tf.data pipeline",
                 "shuffle the training data every epoch: index it with jax.random.permutation(key, n) before cutting batches",
             ),
-            Remedy::ZeroGradBeforeBackward => "call optimizer.zero_grad() before loss.backward() (or right after optimizer.step()), never between backward() and step(): there it clears the gradients the step was about to apply".into(),
+            Remedy::ZeroGradBeforeBackward => "in each iteration: optimizer.zero_grad(), the forward pass, loss.backward(), then optimizer.step(); never zero_grad() between backward() and step(), and never step() before backward(): either way the step finds the gradients cleared".into(),
             Remedy::AccumulateOnPurpose => "when accumulating on purpose over k micro-batches, zero after every optimizer.step() and divide the loss by k".into(),
             Remedy::CallTrain => "call model.train() before the training loop (and again after every evaluation that calls model.eval())".into(),
             Remedy::RestoreModeAfterEval => "wrap evaluation in a helper that restores the mode: was = model.training; model.eval(); ...; model.train(was)".into(),

@@ -42,7 +42,7 @@ impl CauseRule for ParametersNotUpdated {
             v.proof(
                 5.0,
                 format!(
-                    "on {:.0}% of the steps the optimizer step received no gradient: .grad was cleared after backward() and before step() (zero_grad() in between), so the steps changed nothing",
+                    "on {:.0}% of the steps the optimizer step received no gradient: .grad was cleared after backward() and before step() (zero_grad() in between, or step() called before backward() in the loop), so the steps changed nothing",
                     100.0 * share
                 ),
             );
