@@ -185,6 +185,19 @@ def hf_train(tmp_path, model, cb, max_steps: int, spy=None, **args):
     return trainer
 
 
+def test_hf_trainer_warmup_longer_than_the_run_is_named(tmp_path):
+    # warmup_steps=1000 on a run of 80 steps (counted in samples, or copied from a longer run):
+    # the rate rises from 0 all run long and never reaches the 1e-3 asked for.
+    cb = HFCallback()
+    trainer = hf_train(tmp_path, HFRegressor(), cb, max_steps=80, warmup_steps=1000)
+    lrs = [r["learning_rate"] for r in trainer.state.log_history if "learning_rate" in r]
+    assert lrs == sorted(lrs) and lrs[-1] < 1e-4, "the Trainer's own schedule: rising, far below 1e-3"
+    top = cb.dbg.explain_failure()[0]
+    assert top.confidence >= 0.5 and top.cause == "learning_rate_too_low", top
+    assert "was still rising at the end: a warmup far longer than the run" in " ".join(top.description.split())
+    assert top.remedies[0].startswith("shorten the learning-rate warmup"), top.remedies
+
+
 def test_hf_trainer_healthy_run_with_accumulation_and_max_grad_norm(tmp_path, capsys):
     cb, spy = HFCallback(), LogSpy()
     trainer = hf_train(

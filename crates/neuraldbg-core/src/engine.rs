@@ -65,6 +65,8 @@ pub(crate) struct Run {
     pub steps_observed: u64,
     pub first_step: Option<u64>,
     pub last_step: Option<u64>,
+    /// The first learning rate above zero (a warmup from zero starts at 0: its first step
+    /// moves nothing, and "it was 0" says nothing of the rate the run trains with).
     pub lr_first: Option<f64>,
     /// The learning rate's course: its peak, its latest value, and where it fell far below
     /// the peak ([`LrCourse`]).
@@ -645,7 +647,9 @@ impl Run {
             }
         }
         if let Some(lr) = v.lr.filter(|lr| lr.is_finite()) {
-            self.lr_first.get_or_insert(lr);
+            if lr > 0.0 {
+                self.lr_first.get_or_insert(lr);
+            }
             self.lr_course.observe(step, lr);
             self.grads.record(self.global_series(Global::Lr), lr as f32);
         }
