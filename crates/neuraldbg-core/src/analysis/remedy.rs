@@ -26,7 +26,7 @@ impl Framework {
     }
 
     /// The one of three wordings for this framework (burn reads `PyTorch`'s).
-    fn pick(self, torch: &str, keras: &str, jax: &str) -> String {
+    pub(crate) fn pick(self, torch: &str, keras: &str, jax: &str) -> String {
         self.pick4(torch, keras, jax, torch)
     }
 

@@ -220,6 +220,15 @@ const INHERITED: f64 = 3.0;
 /// [`Case::stalled_by`]).
 const STALLED: f64 = 3.0;
 
+impl Case<'_> {
+    /// The one of three names for a thing in the user's framework (`PyTorch`'s for burn and
+    /// when the spec names none), for evidence that quotes the user's code.
+    pub fn framework_says(&self, torch: &str, keras: &str, jax: &str) -> String {
+        super::remedy::Framework::of(self.run.model.spec.framework.as_deref())
+            .pick(torch, keras, jax)
+    }
+}
+
 impl<'a> Case<'a> {
     pub fn new(
         run: &'a Run,

@@ -220,13 +220,13 @@ impl CauseRule for OutputLossMismatch {
                 "the softmax on the way to the loss is taken over the batch (dim 0), not over the classes: each sample's probabilities depend on the other samples and do not sum to one over its classes".to_string()
             }
             Mismatch::SoftmaxIntoCrossEntropy => {
-                "softmax probabilities reach a loss that applies log-softmax again (CrossEntropyLoss expects raw logits): its gradient shrinks to almost nothing".to_string()
+                format!("softmax probabilities reach a loss that applies log-softmax again ({} expects raw logits): its gradient shrinks to almost nothing", c.framework_says("CrossEntropyLoss", "a cross-entropy with from_logits=True", "softmax_cross_entropy"))
             }
             Mismatch::SoftmaxIntoNll => {
                 "the model outputs softmax probabilities into NLLLoss, which expects log-probabilities".to_string()
             }
             Mismatch::SigmoidIntoLogitsLoss => {
-                "the model outputs a sigmoid and the loss applies its own sigmoid (BCEWithLogitsLoss expects raw logits): outputs are confined to [0.5, 0.73]".to_string()
+                format!("the model outputs a sigmoid and the loss applies its own sigmoid ({} expects raw logits): outputs are confined to [0.5, 0.73]", c.framework_says("BCEWithLogitsLoss", "a binary cross-entropy with from_logits=True", "sigmoid_binary_cross_entropy"))
             }
             Mismatch::BoundedLogits => format!(
                 "the model's logits come out of {out}, bounded to a range of at most 2, and the loss applies its own softmax/sigmoid: the logit gaps are capped, so the loss cannot approach zero"
