@@ -718,3 +718,36 @@ def test_jax_spoke_runs_without_torch() -> None:
     )
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["3", "False"]
+
+
+def test_a_loss_cut_from_the_models_output_is_named() -> None:
+    # stop_gradient on the model's output: jax.grad returns exact zeros for every parameter,
+    # Adam moves nothing, and the loss never falls.
+    def cut_mse(model: Any, x: Any, y: Any) -> Any:
+        return jnp.mean((jax.lax.stop_gradient(model(x)) - y) ** 2)
+
+    model = MLP(3, 32, nnx.Rngs(0))
+    x, y = data()
+    before = jax.tree_util.tree_leaves(nnx.state(model, nnx.Param))
+    before = [np.asarray(a).copy() for a in before]
+    with NeuralDbg(model) as dbg:
+        optimizer = nnx.Optimizer(model, dbg.wrap(optax.adam(1e-3)), wrt=nnx.Param)
+
+        @nnx.jit
+        def step(model: Any, optimizer: Any, xb: Any, yb: Any) -> Any:
+            loss, grads = nnx.value_and_grad(cut_mse)(model, xb, yb)
+            optimizer.update(model, grads, value=loss)
+            return loss, grads
+
+        for i in range(40):
+            j = (i * 32) % len(x)
+            _, grads = step(model, optimizer, x[j : j + 32], y[j : j + 32])
+            assert all(v == 0.0 for v in truth(grads).values()), "jax.grad gives exact zeros"
+    after = [np.asarray(a) for a in jax.tree_util.tree_leaves(nnx.state(model, nnx.Param))]
+    assert all(np.array_equal(a, b) for a, b in zip(before, after)), "no weight moved"
+    top = dbg.explain_failure()[0]
+    assert (top.failure, top.cause) == ("stalled_layer", "parameters_not_updated"), top
+    assert top.confidence >= 0.8, top
+    assert "every gradient was exactly zero and no weight moved" in top.description
+    assert "jax.grad" in top.remedies[0], top.remedies
+    assert not any(h.cause == "poor_initialization" and h.confidence >= 0.5 for h in dbg.explain_failure())

@@ -943,6 +943,22 @@ def test_gradients_clipped_far_below_their_norm_under_sgd_are_why_the_steps_are_
         assert not any("clip" in r and "raise" in r for h in found for r in h.remedies), found
 
 
+def _fit_adam(model, x, y, loss_fn, *, lr: float, epochs: int, batch: int):
+    """The user's loop: Adam over the data in order, ``epochs`` times; returns the debugger and
+    the loss of every step."""
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    losses = []
+    with NeuralDbg(model) as dbg:
+        for _ in range(epochs):
+            for i in range(0, len(x), batch):
+                opt.zero_grad()
+                loss = loss_fn(model(x[i : i + batch]), y[i : i + batch])
+                loss.backward()
+                opt.step()
+                losses.append(loss.item())
+    return dbg, losses
+
+
 @pytest.mark.parametrize("p", [0.9, 0.1])
 def test_dropout_that_zeroes_most_units_is_why_the_loss_stays_up(p):
     x, y = _classification()
@@ -950,16 +966,7 @@ def test_dropout_that_zeroes_most_units_is_why_the_loss_stays_up(p):
     model = nn.Sequential(
         nn.Linear(20, 64), nn.ReLU(), nn.Dropout(p), nn.Linear(64, 64), nn.ReLU(), nn.Dropout(p), nn.Linear(64, 5)
     )
-    opt = torch.optim.Adam(model.parameters(), lr=5e-3)
-    losses = []
-    with NeuralDbg(model) as dbg:
-        for _ in range(8):
-            for i in range(0, 1024, 64):
-                opt.zero_grad()
-                loss = nn.functional.cross_entropy(model(x[i : i + 64]), y[i : i + 64])
-                loss.backward()
-                opt.step()
-                losses.append(loss.item())
+    dbg, losses = _fit_adam(model, x, y, nn.functional.cross_entropy, lr=5e-3, epochs=8, batch=64)
     found = dbg.explain_failure()
     if p == 0.1:
         assert sum(losses[-16:]) / 16 < 0.5, "the same network with dropout 0.1 learns"
@@ -981,16 +988,8 @@ def test_binary_cross_entropy_targets_outside_zero_one_are_named_from_the_first_
     masks = (images > 0).float() * scale  # a mask saved as 0/255 and one as 0/1
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 1, 3, padding=1))
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    losses = []
-    with NeuralDbg(model) as dbg:
-        for _ in range(3):
-            for i in range(0, 512, 32):
-                opt.zero_grad()
-                loss = nn.functional.binary_cross_entropy_with_logits(model(images[i : i + 32]), masks[i : i + 32])
-                loss.backward()
-                opt.step()
-                losses.append(loss.item())
+    loss_fn = nn.functional.binary_cross_entropy_with_logits
+    dbg, losses = _fit_adam(model, images, masks, loss_fn, lr=1e-3, epochs=3, batch=32)
     found = dbg.explain_failure()
     if scale == 1.0:
         assert min(losses) > 0

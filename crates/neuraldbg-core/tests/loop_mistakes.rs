@@ -134,6 +134,22 @@ fn a_loss_cut_from_the_models_output_is_named_when_no_layer_gets_a_gradient() {
     // Too short a run to say.
     let h = run(spec(), 10, |_, _| None, |_| false, |_| 1.609);
     assert!(!h.iter().any(|x| x.failure == Failure::StalledLayer));
+    // Gradients of exactly zero everywhere (`jax.grad` through a `stop_gradient`): the same
+    // finding, said without the certainty of a gradient that never came.
+    let h = run(spec(), 60, |_, _| Some(0.0), |_| false, |_| 1.609);
+    let top = &h[0];
+    assert_eq!(top.cause, Cause::ParametersNotUpdated, "{top}");
+    assert!(
+        top.description
+            .contains("every gradient was exactly zero and no weight moved"),
+        "{top}"
+    );
+    // ... but not at a loss of exactly zero: a run that starts converged.
+    let h = run(spec(), 60, |_, _| Some(0.0), |_| false, |_| 0.0);
+    assert!(
+        !h.iter().any(|x| x.failure == Failure::StalledLayer),
+        "{h:?}"
+    );
 }
 
 #[test]

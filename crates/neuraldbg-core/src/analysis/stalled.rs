@@ -16,7 +16,7 @@
 //! first one.
 
 use crate::config::Config;
-use crate::engine::Run;
+use crate::engine::{Global, Run};
 
 use super::episodes::Episode;
 use super::vocab::Failure;
@@ -36,10 +36,11 @@ pub(crate) fn episodes(run: &Run, config: &Config) -> Vec<Episode> {
     let span = last - first + 1;
     let mut cut: Vec<usize> = Vec::new();
     let mut frozen: Vec<(usize, u64)> = Vec::new();
-    let any_grad = run.layers.iter().any(|t| t.observed > 0) || cut_from_the_loss(run);
+    let whole = cut_from_the_loss(run);
+    let any_grad = whole || run.layers.iter().any(|t| t.observed > 0);
     for (l, t) in run.layers.iter().enumerate() {
         let m = model.layers[l].module;
-        if t.observed == 0 {
+        if t.observed == 0 || whole {
             // (A layer frozen on purpose gets no gradient: not a cut graph.)
             if any_grad
                 && span >= STILL_STEPS
@@ -100,23 +101,51 @@ pub(crate) fn episodes(run: &Run, config: &Config) -> Vec<Episode> {
     out
 }
 
-/// No layer received a gradient in a run of at least [`STILL_STEPS`] optimizer steps, while
-/// the model ran its forward passes and no layer's weights moved: the backward pass never
-/// reached the model. (A model trained by other means than `.grad`, `torch.func` say, moves
-/// its weights.)
-pub(crate) fn cut_from_the_loss(run: &Run) -> bool {
-    let (Some(first), Some(last)) = (run.first_step, run.last_step) else {
-        return false;
-    };
+/// How the backward pass failed to reach any layer (see [`unreached`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Unreached {
+    /// No parameter got a gradient at all (`PyTorch` leaves `.grad` unset): the loss is cut
+    /// from the model's output.
+    NoGradient,
+    /// Every gradient was exactly zero (`jax.grad` through a `stop_gradient`, or something
+    /// after the last layer whose slope is zero on every sample).
+    ZeroGradient,
+}
+
+/// No layer received a gradient in a run of at least [`STILL_STEPS`] optimizer steps, or only
+/// exact zeros, while the model ran its forward passes, no layer's weights moved, the loss
+/// (where known) was not exactly zero (a run that starts converged has zero gradients too), and
+/// no output that does not fit the loss explains the zeros (a one-unit softmax, a rectified
+/// output cut to 0): the backward pass never reached the model. (A model trained by other means
+/// than `.grad`, `torch.func` say, moves its weights.)
+pub(crate) fn unreached(run: &Run) -> Option<Unreached> {
+    let (first, last) = (run.first_step?, run.last_step?);
     let model = &run.model;
     let trainable =
         |l: usize| model.spec.modules[model.layers[l].module].executed && !model.layer_frozen(l);
-    last - first + 1 >= STILL_STEPS
+    let how = if run.layers.iter().all(|t| t.observed == 0) {
+        Unreached::NoGradient
+    } else if run
+        .grads
+        .max_between(run.global_series(Global::TotalGradNorm), first, last)
+        .is_some_and(|m| m <= 0.0)
+        && super::causes::output_mismatch(run).is_none()
+    {
+        Unreached::ZeroGradient
+    } else {
+        return None;
+    };
+    let converged = run.loss.initial.is_some() && run.loss.best <= 0.0;
+    (last - first + 1 >= STILL_STEPS
         && (0..run.layers.len()).any(trainable)
-        && run
-            .layers
-            .iter()
-            .all(|t| t.observed == 0 && t.weight_moved.is_none())
+        && !converged
+        && run.layers.iter().all(|t| t.weight_moved.is_none()))
+    .then_some(how)
+}
+
+/// See [`unreached`].
+pub(crate) fn cut_from_the_loss(run: &Run) -> bool {
+    unreached(run).is_some()
 }
 
 /// The learning rate of the largest group holding layer `l`'s parameters, when known (None

@@ -49,6 +49,7 @@ pub(crate) use evidence::{
     Evidence, Features, features, forward_growth, measured_update_ratio, outlasted_cut, times,
     uneven_features,
 };
+pub(crate) use output_loss_mismatch::found as output_mismatch;
 pub(crate) use over_regularization::penalty_dominated;
 
 /// Every cause's own run-wide facts.

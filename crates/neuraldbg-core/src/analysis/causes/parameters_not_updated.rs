@@ -7,6 +7,7 @@ use super::super::stalled;
 use super::super::vocab::{Cause, Failure};
 use super::evidence::{lr_collapse, lr_collapse_words};
 use super::{Case, CauseRule, RemedyCase, Votes, fmt_g};
+use crate::analysis::stalled::Unreached;
 use crate::engine::Run;
 
 pub(crate) struct ParametersNotUpdated;
@@ -56,14 +57,26 @@ impl CauseRule for ParametersNotUpdated {
         };
         let track = &run.layers[layer];
         let steps = episode.duration;
-        if episode.no_gradient && crate::analysis::stalled::cut_from_the_loss(run) {
-            v.proof(
-                5.0,
-                format!(
-                    "the model ran its forward pass and the optimizer stepped {steps} times, but no parameter received a gradient and no weight moved: the loss is cut from the model's output"
-                ),
-            );
-            return;
+        match crate::analysis::stalled::unreached(run).filter(|_| episode.no_gradient) {
+            Some(Unreached::NoGradient) => {
+                v.proof(
+                    5.0,
+                    format!(
+                        "the model ran its forward pass and the optimizer stepped {steps} times, but no parameter received a gradient and no weight moved: the loss is cut from the model's output"
+                    ),
+                );
+                return;
+            }
+            Some(Unreached::ZeroGradient) => {
+                v.add(
+                    4.0,
+                    format!(
+                        "the model ran its forward pass and the optimizer stepped {steps} times, but every gradient was exactly zero and no weight moved: the loss does not reach the model's output (a stop_gradient or detach between them), or something after the last layer zeroes every gradient"
+                    ),
+                );
+                return;
+            }
+            None => {}
         }
         if episode.no_gradient {
             v.add(
@@ -103,10 +116,8 @@ impl CauseRule for ParametersNotUpdated {
             return vec![collapse.remedy()];
         }
         let layer = c.layer();
-        if c.e.failure == Failure::StalledLayer
-            && c.e.no_gradient
-            && crate::analysis::stalled::cut_from_the_loss(c.run)
-        {
+        // (Every failure of a model the backward pass never reaches has this one fix.)
+        if crate::analysis::stalled::cut_from_the_loss(c.run) {
             return vec![Remedy::LossFromTheOutput];
         }
         if c.e.failure == Failure::StalledLayer && c.e.no_gradient {

@@ -96,6 +96,13 @@ impl FailureRule for VanishingGradients {
                         && a.onset < e.onset
                         && (a.to_end || e.onset <= a.onset + a.duration)
                 }
+                // Layers the backward pass never reached (a loss cut from the model's output:
+                // `jax.grad` then returns exact zeros): the cut is the finding.
+                Failure::StalledLayer => {
+                    a.no_gradient
+                        && a.onset <= e.onset + l.tol
+                        && e.affected.iter().all(|m| a.affected.contains(m))
+                }
                 _ => more_of_the_same(a, e),
             }
     }
