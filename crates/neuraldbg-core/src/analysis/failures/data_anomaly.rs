@@ -52,7 +52,7 @@ impl FailureRule for DataAnomaly {
                 e.onset
             );
         }
-        format!("{} at step {}", e.failure.phrase(), e.onset)
+        super::phrase_at_step(s)
     }
 
     fn locate(

@@ -107,10 +107,9 @@ pub(crate) trait FailureRule: Sync {
     fn place(&self, s: &Sentence<'_>) -> String {
         in_modules(s)
     }
-    /// How the sentence opens, before the place (the default: the failure's phrase "at step N").
+    /// How the sentence opens, before the place (the default: [`phrase_at_step`]).
     fn opening(&self, s: &Sentence<'_>) -> String {
-        let e = s.episode();
-        format!("{} at step {}", e.failure.phrase(), e.onset)
+        phrase_at_step(s)
     }
     /// The whole sentence, for a failure that reads its own way (the default: the common form).
     fn sentence(&self, _s: &Sentence<'_>) -> Option<String> {
@@ -246,6 +245,13 @@ pub(crate) fn sigmoid(x: f64) -> f64 {
 /// The share of the model's layers the episode reached.
 pub(crate) fn breadth(run: &Run, e: &Episode) -> f64 {
     e.affected.len() as f64 / run.model.layers.len().max(1) as f64
+}
+
+/// "Gradients vanished at step 12": the failure's phrase and the step it began, the common
+/// opening of a hypothesis sentence.
+pub(crate) fn phrase_at_step(s: &Sentence<'_>) -> String {
+    let e = s.episode();
+    format!("{} at step {}", e.failure.phrase(), e.onset)
 }
 
 /// " in `m` (95%) and 2 more module(s)": the sentence's place for failures rooted in one module.

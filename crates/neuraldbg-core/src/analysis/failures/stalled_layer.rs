@@ -40,7 +40,7 @@ impl FailureRule for StalledLayer {
         if e.no_gradient && super::super::stalled::cut_from_the_loss(s.run) {
             return format!("No layer of the model trained from step {}", e.onset);
         }
-        format!("{} at step {}", e.failure.phrase(), e.onset)
+        super::phrase_at_step(s)
     }
 
     fn place(&self, s: &Sentence<'_>) -> String {
