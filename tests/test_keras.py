@@ -820,3 +820,35 @@ def test_binary_cross_entropy_targets_outside_zero_one_are_named(scale: float) -
     top = found[0]
     assert (top.failure, top.cause, top.step) == ("data_anomaly", "bad_input_data", 0), top
     assert "the binary cross-entropy's targets span [0, 255]" in top.description
+
+
+@pytest.mark.parametrize("clip", [1e-4, 1.0])
+def test_gradients_clipped_far_below_their_norm_under_sgd_are_named(clip: float) -> None:
+    # global_clipnorm=1e-4 (a value meant for something else): every SGD step is cut ~10,000x.
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(1024, 20)).astype("float32")
+    y = (x @ rng.normal(size=(20, 5))).argmax(1)
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [keras.Input((20,)), keras.layers.Dense(64, activation="relu"), keras.layers.Dense(64, activation="relu")]
+        + [keras.layers.Dense(5)]
+    )
+    opt = keras.optimizers.SGD(0.05, momentum=0.9, global_clipnorm=clip)
+    model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    cb = NeuralDbgCallback()
+    losses = model.fit(x, y, batch_size=64, epochs=5, verbose=0, callbacks=[cb]).history["loss"]
+    found = cb.dbg.explain_failure()
+    # The gradients the callback read are those before clipping: their global norm, against
+    # the clip, is what the optimizer cut (jax.grad's own, by the norm test above).
+    names = [layer.name for layer in model.layers]
+    norms = np.sqrt(sum(cb.dbg.history(name)[1].astype(np.float64) ** 2 for name in names))
+    if clip == 1.0:
+        assert losses[-1] < 0.5 * losses[0], losses
+        assert not any(h.confidence >= 0.5 for h in found), found
+        return
+    assert norms.min() > 100 * clip, "every step's gradient was cut 100x or more"
+    assert losses[-1] > 0.95 * losses[0], losses
+    top = found[0]
+    assert top.confidence >= 0.5 and str(top.cause) == "learning_rate_too_low", top
+    assert "gradient clipping cut the gradient on 100% of the steps" in top.description, top
+    assert top.remedies[0].startswith("raise the optimizer's clipnorm / global_clipnorm"), top.remedies

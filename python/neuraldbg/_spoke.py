@@ -478,6 +478,7 @@ class Spoke(Results):
                     inputs=r.inputs,
                     loss=self._loss_of(r),
                     lr=r.lr,
+                    facts=self._step_facts(r),
                     measures=None if r.updates is None else {"update_ratio": r.updates},
                 )
             except Exception as e:  # never end the user's run: stop observing, say why
@@ -511,6 +512,10 @@ class Spoke(Results):
         """A step's loss as the engine takes it, in step order (spokes that post something else
         than the value convert it here)."""
         return r.loss
+
+    def _step_facts(self, r: Record) -> Optional[Dict[str, float]]:
+        """A step's facts for the engine, derived from its record (none by default)."""
+        return None
 
     def _after_step(self, step: int) -> None:
         """When the engine has recorded new events: newly confirmed hypotheses go to

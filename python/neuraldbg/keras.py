@@ -1301,6 +1301,24 @@ class KerasDbg(Spoke):
                 self._losses = max(self._losses, ends[-1] + 1)
                 self._loss_seen.notify_all()
 
+    def _step_facts(self, r: Record) -> Optional[Dict[str, float]]:
+        """The share of the gradient's norm the optimizer's own clipping keeps (``clip_ratio``):
+        Keras clips inside ``apply``, after the norms here were read, by the global norm
+        (``global_clipnorm``) or each variable's (``clipnorm``)."""
+        opt = self._optimizer
+        if opt is None or r.grads is None:
+            return None
+        gcn, cn = getattr(opt, "global_clipnorm", None), getattr(opt, "clipnorm", None)
+        if not gcn and not cn:
+            return None
+        g = np.nan_to_num(np.asarray(r.grads, dtype=np.float64), nan=0.0)
+        total = float(np.sqrt(np.sum(g * g)))
+        if not (total > 0.0 and np.isfinite(total)):
+            return None
+        if gcn:
+            return {"clip_ratio": min(1.0, float(gcn) / total)}
+        return {"clip_ratio": float(np.sqrt(np.sum(np.minimum(g, float(cn or 0.0)) ** 2))) / total}
+
     def _loss_of(self, r: Record) -> Optional[float]:
         """The batch's loss from the epoch's running mean ``m_k`` after batch ``k``:
         ``(k+1) m_k - (j+1) m_j`` over the ``k - j`` batches since the last mean ``m_j`` (one
