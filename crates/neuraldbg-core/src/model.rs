@@ -234,6 +234,16 @@ pub struct LossSpec {
     pub penalized_params: Option<u64>,
 }
 
+impl LossSpec {
+    /// A binary cross-entropy, on logits or on probabilities (its targets must be in [0, 1],
+    /// its chance level is ln 2).
+    pub fn is_binary_cross_entropy(&self) -> bool {
+        self.ops
+            .iter()
+            .any(|o| o == "BinaryCrossEntropyWithLogits" || o == "BinaryCrossEntropy")
+    }
+}
+
 impl ModelSpec {
     /// Appends a module (modules are listed in forward-execution order); returns its index.
     pub fn module(&mut self, name: impl Into<String>, kind: impl Into<String>) -> usize {

@@ -276,12 +276,9 @@ pub(crate) struct TargetsOutsideProbabilities {
 
 pub(crate) fn targets_outside_probabilities(run: &Run) -> Option<TargetsOutsideProbabilities> {
     let loss = run.model.spec.loss.as_ref()?;
-    let bce = loss
-        .ops
-        .iter()
-        .any(|o| o == "BinaryCrossEntropyWithLogits" || o == "BinaryCrossEntropy");
     let (lo, hi) = loss.target_range?;
-    (bce && (lo < -0.01 || hi > 1.01)).then_some(TargetsOutsideProbabilities { lo, hi })
+    (loss.is_binary_cross_entropy() && (lo < -0.01 || hi > 1.01))
+        .then_some(TargetsOutsideProbabilities { lo, hi })
 }
 
 impl TargetsOutsideProbabilities {

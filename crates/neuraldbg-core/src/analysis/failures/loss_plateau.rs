@@ -161,7 +161,7 @@ pub(crate) fn chance_level(run: &Run) -> Option<Chance> {
         return None;
     }
     let has = |op: &str| loss.ops.iter().any(|o| o == op);
-    if has("BinaryCrossEntropyWithLogits") || has("BinaryCrossEntropy") {
+    if loss.is_binary_cross_entropy() {
         return Some(Chance {
             level: std::f64::consts::LN_2,
             classes: 2,

@@ -36,15 +36,17 @@ impl FailureRule for StalledLayer {
 
     /// A cut between the loss and the model's output stops every layer: the model did not train.
     fn opening(&self, s: &Sentence<'_>) -> String {
-        let e = s.episode();
-        if e.no_gradient && super::super::stalled::cut_from_the_loss(s.run) {
-            return format!("No layer of the model trained from step {}", e.onset);
+        if whole_model(s) {
+            return format!(
+                "No layer of the model trained from step {}",
+                s.episode().onset
+            );
         }
         super::phrase_at_step(s)
     }
 
     fn place(&self, s: &Sentence<'_>) -> String {
-        if s.episode().no_gradient && super::super::stalled::cut_from_the_loss(s.run) {
+        if whole_model(s) {
             return String::new();
         }
         super::in_modules(s)
@@ -54,4 +56,9 @@ impl FailureRule for StalledLayer {
     fn probability(&self, _: &Run, e: &Episode) -> f64 {
         0.5 + 0.45 * (e.duration as f64 / 60.0).min(1.0)
     }
+}
+
+/// The episode is every layer's: the backward pass reached none (see `stalled::unreached`).
+fn whole_model(s: &Sentence<'_>) -> bool {
+    s.episode().no_gradient && super::super::stalled::cut_from_the_loss(s.run)
 }
