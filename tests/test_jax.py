@@ -751,3 +751,134 @@ def test_a_loss_cut_from_the_models_output_is_named() -> None:
     assert "every gradient was exactly zero and no weight moved" in top.description
     assert "jax.grad" in top.remedies[0], top.remedies
     assert not any(h.cause == "poor_initialization" and h.confidence >= 0.5 for h in dbg.explain_failure())
+
+
+class Classifier(nnx.Module):
+    """A 4-class MLP whose output is what ``head`` makes of its logits (a mistake or none)."""
+
+    def __init__(self, classes: int, head: Any, rngs: Any) -> None:
+        self.l1 = nnx.Linear(8, 32, rngs=rngs)
+        self.l2 = nnx.Linear(32, classes, rngs=rngs)
+        self.head = head
+
+    def __call__(self, x: Any) -> Any:
+        return self.head(self.l2(nnx.relu(self.l1(x))))
+
+
+def classify(
+    head: Any,
+    loss: Any,
+    *,
+    classes: int = 4,
+    lr: float = 1e-2,
+    steps: int = 200,
+    shuffled: bool = False,
+    flat: bool = False,
+) -> Any:
+    """Trains a Classifier on separable classes (the argmax of a fixed linear map; ``shuffled``:
+    the labels permuted away from their inputs; ``flat``: one output's labels of shape ``(N,)``), watched; the loss is an optax loss called by
+    its module attribute, as tutorials write it."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(512, 8)).astype(np.float32)
+    labels = np.argmax(x @ rng.normal(size=(8, max(classes, 2))), 1)[:, None] if classes == 1 else None
+    y = labels.astype(np.float32) if labels is not None else np.argmax(x @ rng.normal(size=(8, classes)), 1)
+    if shuffled:
+        y = y[rng.permutation(len(y))]
+    if flat:
+        y = y[:, 0]
+    model = Classifier(classes, head, nnx.Rngs(0))
+    losses: List[float] = []
+    with NeuralDbg(model) as dbg:
+        optimizer = nnx.Optimizer(model, dbg.wrap(optax.adam(lr)), wrt=nnx.Param)
+
+        @nnx.jit
+        def step(model: Any, optimizer: Any, xb: Any, yb: Any) -> Any:
+            value, grads = nnx.value_and_grad(lambda m: loss(m(xb), yb).mean())(model)
+            optimizer.update(model, grads, value=value)
+            return value
+
+        for i in range(steps):
+            j = (i * 64) % len(x)
+            losses.append(float(step(model, optimizer, x[j : j + 64], y[j : j + 64])))
+    return dbg, losses
+
+
+def ce(logits: Any, labels: Any) -> Any:
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+
+
+def bce(logits: Any, labels: Any) -> Any:
+    return optax.sigmoid_binary_cross_entropy(logits, labels)
+
+
+@pytest.mark.parametrize(
+    "head, loss, classes, says",
+    [
+        (lambda z: nnx.softmax(z), ce, 4, "softmax_cross_entropy expects raw logits"),
+        (lambda z: jax.nn.sigmoid(z), bce, 1, "sigmoid_binary_cross_entropy"),
+    ],
+    ids=["softmax into softmax_cross_entropy", "sigmoid into sigmoid_binary_cross_entropy"],
+)
+def test_an_output_activation_that_does_not_fit_the_optax_loss_is_named(
+    head: Any, loss: Any, classes: int, says: str
+) -> None:
+    # Read while the step is traced: the loss the step calls and the activation that made the
+    # output it was given. Ground truth: the same model without that activation, same data and
+    # seed, reaches a loss several times lower (the loop's own numbers).
+    dbg, losses = classify(head, loss, classes=classes)
+    fixed, fixed_losses = classify(lambda z: z, loss, classes=classes)
+    assert np.mean(losses[-20:]) > 3 * np.mean(fixed_losses[-20:]), (losses[-1], fixed_losses[-1])
+    top = dbg.explain_failure()[0]
+    assert (top.failure, top.cause) == ("loss_plateau", "output_loss_mismatch"), top
+    assert top.confidence >= 0.5 and says in top.description, top
+    assert not [h for h in fixed.explain_failure() if h.confidence >= 0.5], fixed.explain_failure()
+
+
+def test_labels_of_another_shape_broadcast_by_the_optax_loss_are_named() -> None:
+    # One logit per sample, labels of shape (N,): optax.sigmoid_binary_cross_entropy broadcasts
+    # them to (N, N) without a word (its own output's shape, below), so every logit is fitted
+    # to every label; with labels of shape (N, 1) the same run's loss ends far lower.
+    assert optax.sigmoid_binary_cross_entropy(jnp.zeros((64, 1)), jnp.zeros((64,))).shape == (64, 64)
+    dbg, losses = classify(lambda z: z, bce, classes=1, flat=True)
+    fixed, fixed_losses = classify(lambda z: z, bce, classes=1)
+    assert np.mean(losses[-20:]) > 10 * np.mean(fixed_losses[-20:]), (losses[-1], fixed_losses[-1])
+    top = dbg.explain_failure()[0]
+    assert (top.failure, top.cause) == ("loss_plateau", "target_shape_mismatch"), top
+    assert top.confidence >= 0.8 and "compared 4096 pairs from an output of 64 elements" in top.description, top
+    assert top.remedies == [
+        "make the output and the targets the same shape before the loss: loss(logits[:, 0], labels) or "
+        "loss(logits, labels[:, None]) (optax broadcasts them without a word)"
+    ], top.remedies
+    assert not [h for h in fixed.explain_failure() if h.confidence >= 0.5], fixed.explain_failure()
+
+
+def test_a_classifier_at_its_chance_level_is_judged_by_ln_c() -> None:
+    # Labels permuted away from their inputs: the loop's own loss ends within 5% of the
+    # cross-entropy of a uniform guess over 4 classes. The engine knows that level only from the
+    # loss the step calls and its output's units.
+    dbg, losses = classify(lambda z: z, ce, lr=1e-3, steps=120, shuffled=True)
+    assert abs(np.mean(losses[-20:]) / np.log(4) - 1) < 0.05, losses[-20:]
+    top = dbg.explain_failure()[0]
+    assert top.failure == "loss_plateau", top
+    assert "at its chance level (1.386 = ln 4 for 4 classes)" in top.description, top.description
+
+
+def test_the_loss_wrappers_change_nothing_and_are_gone_after_the_block_also_when_it_raises() -> None:
+    originals = (jax.nn.softmax, nnx.relu, optax.softmax_cross_entropy_with_integer_labels, optax.losses.squared_error)
+    z = jnp.asarray(np.random.default_rng(1).normal(size=(4, 3)), jnp.float32)
+    model = Classifier(3, lambda v: v, nnx.Rngs(0))
+    with pytest.raises(RuntimeError, match="the user's own"), NeuralDbg(model):
+        assert jax.nn.softmax is not originals[0] and nnx.relu is not originals[1]
+        assert np.array_equal(np.asarray(jax.nn.softmax(z)), np.asarray(originals[0](z)))
+        labels = jnp.asarray([0, 2, 1, 1])
+        assert np.array_equal(
+            np.asarray(optax.softmax_cross_entropy_with_integer_labels(z, labels)),
+            np.asarray(originals[2](z, labels)),
+        )
+        raise RuntimeError("the user's own")
+    assert (
+        jax.nn.softmax,
+        nnx.relu,
+        optax.softmax_cross_entropy_with_integer_labels,
+        optax.losses.squared_error,
+    ) == originals

@@ -34,7 +34,9 @@ neuraldbg, and torch is not needed.
 from __future__ import annotations
 
 import itertools
+import json
 import math
+import threading
 import warnings
 import weakref
 from typing import Any, Callable, Dict, Iterable, List, Literal, Optional, Tuple, Union
@@ -65,6 +67,7 @@ try:
 except ImportError as _e:  # pragma: no cover - depends on the environment
     raise ImportError("neuraldbg.jax needs jax and optax: pip install jax optax (flax for nnx models)") from _e
 
+from . import _jax_loss
 from ._jax_stats import as_f32, as_i32, squares, write_row
 
 __all__ = ["NeuralDbg", "WatchState"]
@@ -502,6 +505,10 @@ class NeuralDbg(Spoke):
         self._wrapped = False
         self._meta: Optional[Dict[str, Any]] = None
         self._rings: List[_Ring] = []
+        # The loss the traced step computes (`_jax_loss`), once known; sent from the owner thread.
+        self._loss: Optional[Dict[str, Any]] = None
+        self._loss_sent = False
+        self._watching_losses = False
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -522,13 +529,42 @@ class NeuralDbg(Spoke):
         self._meta = meta
         if self._wrapped:
             self._register()
+        _jax_loss.watch()
+        self._watching_losses = True
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
-        self._register()  # (a block that wrapped nothing still leaves its trace and report)
-        self._wait()
-        self._finish()
+        try:
+            self._register()  # (a block that wrapped nothing still leaves its trace and report)
+            self._wait()
+            self._finish()
+        finally:
+            if self._watching_losses:
+                self._watching_losses = False
+                _jax_loss.unwatch()
         return False  # never swallow the user's exception
+
+    def _drain(self, final: bool = False) -> None:
+        self._send_loss()
+        super()._drain(final)
+
+    def _note_loss(self) -> None:
+        """The loss the step being traced computed, when the wrappers of `_jax_loss` saw one
+        (at trace time, before the update: nothing runs in the compiled step)."""
+        if self._loss is None and self._watching_losses:
+            self._loss = _jax_loss.NOTES.take()
+
+    def _send_loss(self) -> None:
+        """The loss's facts to the engine, once, from the owner thread (never raises)."""
+        if self._loss is None or self._loss_sent or not self._started:
+            return
+        if threading.get_ident() != self._owner:
+            return
+        self._loss_sent = True
+        try:
+            self._engine.amend_first_batch(json.dumps({"loss": self._loss}))
+        except Exception as e:  # a fact, never a reason to stop
+            warnings.warn(f"NeuralDBG could not take the loss's facts: {e}", NeuralDbgWarning, stacklevel=2)
 
     def _register(self) -> None:
         """Registers the model, once, inside the block: what is known of the optimizer by then
@@ -612,6 +648,7 @@ class NeuralDbg(Spoke):
             return WatchState(inner.init(params), buf, key)
 
         def update(updates: Any, state: WatchState, params: Any = None, **extra: Any) -> Tuple[Any, WatchState]:
+            self._note_loss()
             new, inner_state = inner.update(updates, state.inner, params, **extra)
             buf = state.ring
             try:

@@ -126,9 +126,13 @@ pub struct ModelSpec {
 /// model (the Keras callback registers it when `fit` starts, before any batch): the targets'
 /// range and variance and the output's range (facts of [`LossSpec`], taken where the spec has
 /// a loss), and the input table's feature scales ([`ModelSpec::input_feature_scales`]). See
-/// [`crate::Engine::amend_first_batch`].
+/// [`crate::Engine::amend_first_batch`]. A spoke that learns the loss itself only when the
+/// step first runs (JAX: while the step is traced) sends it here too.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct FirstBatch {
+    /// The loss, taken where the registered spec has none.
+    #[serde(default)]
+    pub loss: Option<LossSpec>,
     #[serde(default)]
     pub target_range: Option<(f64, f64)>,
     #[serde(default)]
@@ -149,10 +153,14 @@ impl FirstBatch {
     /// Refuses a fact that is not what it says: a range of finite numbers, lowest first; a
     /// finite variance >= 0; feature scales finite and >= 0.
     pub fn check(&self) -> Result<(), EngineError> {
+        let loss = self.loss.as_ref();
         for (what, range) in [
             ("target_range", self.target_range),
             ("output_range", self.output_range),
             ("class_range", self.class_range),
+            ("loss.target_range", loss.and_then(|l| l.target_range)),
+            ("loss.output_range", loss.and_then(|l| l.output_range)),
+            ("loss.class_range", loss.and_then(|l| l.class_range)),
         ] {
             if let Some((lo, hi)) = range {
                 if !(lo.is_finite() && hi.is_finite() && lo <= hi) {
@@ -162,7 +170,8 @@ impl FirstBatch {
                 }
             }
         }
-        if let Some(v) = self.target_var.filter(|v| !(v.is_finite() && *v >= 0.0)) {
+        let var = self.target_var.or(loss.and_then(|l| l.target_var));
+        if let Some(v) = var.filter(|v| !(v.is_finite() && *v >= 0.0)) {
             return Err(EngineError::Model(format!(
                 "target_var is {v}: a variance is a finite number >= 0"
             )));
@@ -286,7 +295,7 @@ impl ModelSpec {
     }
 
     /// Fills the facts of the first training batch the spec does not have yet (a fact it has
-    /// stays; target and output facts need a loss); returns whether any changed. Refuses facts
+    /// stays, the loss too; target and output facts need a loss); returns whether any changed. Refuses facts
     /// that are not what they say ([`FirstBatch::check`]).
     pub fn merge_first_batch(&mut self, facts: &FirstBatch) -> Result<bool, EngineError> {
         fn fill<T>(slot: &mut Option<T>, value: Option<T>) -> bool {
@@ -297,7 +306,7 @@ impl ModelSpec {
             new
         }
         facts.check()?;
-        let mut changed = false;
+        let mut changed = fill(&mut self.loss, facts.loss.clone());
         if let Some(loss) = self.loss.as_mut() {
             changed |= fill(&mut loss.target_range, facts.target_range);
             changed |= fill(&mut loss.target_var, facts.target_var);

@@ -699,6 +699,7 @@ fn first_batch_facts_survive_writing_and_replay() {
         class_range: Some((0.0, 4.0)),
         output_numel: Some(64),
         input_feature_scales: Some(vec![Some(1.5), None, Some(2.0)]),
+        loss: None,
     };
     let mut live = Engine::new(Config::default()).unwrap();
     live.register_model(spec.clone()).unwrap();
@@ -752,6 +753,77 @@ fn first_batch_facts_survive_writing_and_replay() {
     assert!(old.damage.is_none() && old.closed);
     let text = diagnosis(&old.engine)["hypotheses"].to_string();
     assert!(!text.contains("the variance of its targets"), "{text}");
+    std::fs::remove_dir_all(path.parent().unwrap()).unwrap();
+}
+
+/// A loss a spoke learns only once the step runs (JAX: while it is traced) is taken where the
+/// registered spec has none, kept against a later one, and replayed; its facts are checked
+/// like the batch's.
+#[test]
+fn a_loss_learned_after_registration_is_taken_once_and_replayed() {
+    let path = temp_path("late-loss.ndbg");
+    let spec = mlp(3, "ReLU");
+    assert!(spec.loss.is_none());
+    let softmax_into_ce = LossSpec {
+        ops: vec!["NllLoss".into(), "LogSoftmax".into()],
+        output_op: Some("Softmax".into()),
+        output_units: Some(4),
+        ..LossSpec::default()
+    };
+    let facts = FirstBatch {
+        loss: Some(softmax_into_ce.clone()),
+        ..FirstBatch::default()
+    };
+    let mut live = Engine::new(Config::default()).unwrap();
+    live.register_model(spec.clone()).unwrap();
+    let mut w = TraceWriter::create(&path, Map::new(), WriterOptions::default()).unwrap();
+    w.write_header(live.config(), &spec).unwrap();
+    for (k, mut o) in quiet_fc1_run(80).into_iter().enumerate() {
+        o.loss = Some(1.0 + 0.01 * (k % 3) as f64);
+        if o.step == 1 {
+            assert!(live.amend_first_batch(&facts).unwrap());
+            let other = FirstBatch {
+                loss: Some(LossSpec {
+                    ops: vec!["MseLoss".into()],
+                    ..LossSpec::default()
+                }),
+                ..FirstBatch::default()
+            };
+            assert!(
+                !live.amend_first_batch(&other).unwrap(),
+                "the first loss stays"
+            );
+            w.write_first_batch(&facts).unwrap();
+        }
+        live.observe(&o.view()).unwrap();
+        w.write_step(&o.view()).unwrap();
+    }
+    w.close().unwrap();
+    assert_eq!(live.model().unwrap().spec.loss, Some(softmax_into_ce));
+    let live_diag = diagnosis(&live);
+    let text = live_diag["hypotheses"].to_string();
+    assert!(text.contains("output_loss_mismatch"), "{text}");
+    let replay = Replay::read(TraceReader::open(&path).unwrap(), |_| {}).unwrap();
+    assert!(replay.damage.is_none() && replay.closed);
+    assert_eq!(
+        replay.header.model, spec,
+        "the header keeps what registration said"
+    );
+    assert_eq!(diagnosis(&replay.engine), live_diag);
+
+    let mut engine = Engine::new(Config::default()).unwrap();
+    engine.register_model(mlp(2, "Tanh")).unwrap();
+    let bad = FirstBatch {
+        loss: Some(LossSpec {
+            ops: vec!["MseLoss".into()],
+            target_var: Some(-1.0),
+            ..LossSpec::default()
+        }),
+        ..FirstBatch::default()
+    };
+    let err = engine.amend_first_batch(&bad).unwrap_err().to_string();
+    assert!(err.contains("a variance is a finite number >= 0"), "{err}");
+    assert!(engine.model().unwrap().spec.loss.is_none());
     std::fs::remove_dir_all(path.parent().unwrap()).unwrap();
 }
 

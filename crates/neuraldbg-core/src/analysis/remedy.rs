@@ -365,7 +365,11 @@ impl Remedy {
                 "if {} is meant to stay frozen, call requires_grad_(False) on its parameters so no gradient is computed for it",
                 the_layer(layer)
             ),
-            Remedy::MatchTargetShape => "make the output and the target the same shape before the loss: criterion(output.squeeze(-1), y) or criterion(output, y.unsqueeze(-1)) (or y.view_as(output))".into(),
+            Remedy::MatchTargetShape => fw(
+                "make the output and the target the same shape before the loss: criterion(output.squeeze(-1), y) or criterion(output, y.unsqueeze(-1)) (or y.view_as(output))",
+                "give the targets the shape of the model's output: y.reshape(-1, 1) for one output unit",
+                "make the output and the targets the same shape before the loss: loss(logits[:, 0], labels) or loss(logits, labels[:, None]) (optax broadcasts them without a word)",
+            ),
             Remedy::LowerWeightPenalty => "lower the weight penalty's coefficient 100-1000x (L2 of 1e-4 to 1e-5 per weight is usual), or use the optimizer's weight_decay (AdamW) instead of a term in the loss".into(),
             Remedy::LowerWeightDecay => "lower the optimizer's weight_decay 10-100x (5e-4 with SGD is usual), or switch to AdamW, whose decay does not pass through the gradient".into(),
             Remedy::FitWithoutPenalty => "train once without the penalty: the model should fit the training batches; then add it back at a strength that keeps that fit".into(),

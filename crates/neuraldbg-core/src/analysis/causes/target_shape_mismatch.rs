@@ -43,7 +43,12 @@ impl CauseRule for TargetShapeMismatch {
         }
     }
 
-    fn remedies(&self, _: &RemedyCase<'_>) -> Vec<Remedy> {
+    /// `PyTorch` warns of the broadcast (burn's wording is its); optax and Keras do not.
+    fn remedies(&self, c: &RemedyCase<'_>) -> Vec<Remedy> {
+        let framework = c.run.model.spec.framework.as_deref();
+        if matches!(framework, Some("jax" | "keras")) {
+            return vec![Remedy::MatchTargetShape];
+        }
         vec![Remedy::MatchTargetShape, Remedy::KeepShapeWarning]
     }
 }

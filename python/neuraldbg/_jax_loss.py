@@ -1,0 +1,202 @@
+"""What a JAX training step's loss is, learned while the step is traced: nothing is added to the
+compiled step.
+
+While a JAX debugger is in its ``with`` block, optax's losses (``optax.softmax_cross_entropy``,
+``..._with_integer_labels``, ``sigmoid_binary_cross_entropy``, ``squared_error``,
+``huber_loss``) and the activations of ``jax.nn`` (and their ``flax.nnx`` / ``flax.linen``
+names) are replaced by wrappers that call them unchanged and note, per call, what they were
+given: an activation its output, a loss the output it compares and the targets' shape. The
+debugger's wrapped transformation, traced after the loss in the same step, takes those notes
+as the engine's loss facts (``LossSpec``: the operations the loss applies, in the engine's
+names, the activation that made the output the loss was given, the output's units and
+elements, and the elements it compared with the targets once broadcast). So a softmax fed to
+``softmax_cross_entropy``, a ReLU or sigmoid making its logits, a chance level to judge the loss
+by, and ``(N, 1)`` predictions regressed on ``(N,)`` targets are named as in PyTorch.
+
+What is not seen: a loss written out by hand (``-jnp.sum(labels * jax.nn.log_softmax(z))``), an
+activation applied through a reference taken before the block (``nnx.Sequential(...,
+nnx.relu)`` built earlier) or through ``jnp``, and facts that need values (the targets' range
+and variance).
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import importlib
+import math
+import threading
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+
+import numpy as np
+
+# optax's losses, by the operations they apply to the output in the engine's names (PyTorch's
+# autograd names, as `LossSpec.ops` holds them); each takes the output first (`logits` or
+# `predictions`) and the targets second. (`l2_loss` is half a squared error: its level at a
+# constant guess is not the targets' variance, so it is left out.)
+_CROSS_ENTROPY = ("NllLoss", "LogSoftmax")
+LOSSES: Dict[str, Tuple[str, ...]] = {
+    "softmax_cross_entropy": _CROSS_ENTROPY,
+    "softmax_cross_entropy_with_integer_labels": _CROSS_ENTROPY,
+    "safe_softmax_cross_entropy": _CROSS_ENTROPY,
+    "sigmoid_binary_cross_entropy": ("BinaryCrossEntropyWithLogits",),
+    "squared_error": ("MseLoss",),
+    "huber_loss": ("HuberLoss",),
+}
+_OUTPUT_NAMES = ("logits", "predictions")
+_TARGET_NAMES = ("labels", "targets")
+
+# jax.nn's activations as the engine names the operation that made an output.
+ACTIVATIONS: Dict[str, str] = {
+    "softmax": "Softmax",
+    "log_softmax": "LogSoftmax",
+    "sigmoid": "Sigmoid",
+    "hard_sigmoid": "Hardsigmoid",
+    "relu": "Relu",
+    "relu6": "Relu6",
+    "tanh": "Tanh",
+    "hard_tanh": "Hardtanh",
+    "soft_sign": "Softsign",
+    "softplus": "Softplus",
+    "gelu": "GELU",
+    "silu": "SiLU",
+    "swish": "SiLU",
+    "elu": "ELU",
+    "selu": "SELU",
+    "leaky_relu": "LeakyReLU",
+}
+
+# Outputs an activation made lately (the object itself, kept alive so that an identity test
+# cannot mistake another for it): the output a loss is given is the last activation's output
+# in all but very deep chains of activations.
+_RECENT = 8
+
+
+class _Notes:
+    """What the wrappers saw, process-wide, while at least one JAX debugger is watching."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.watchers = 0
+        self.outputs: Deque[Tuple[Any, str]] = collections.deque(maxlen=_RECENT)
+        self.losses: List[Dict[str, Any]] = []
+        # (module, name, original) of every wrapper in place.
+        self.patched: List[Tuple[Any, str, Any]] = []
+
+    def made(self, out: Any, op: str) -> None:
+        if self.watchers and hasattr(out, "shape"):
+            self.outputs.append((out, op))
+
+    def compared(self, ops: Tuple[str, ...], output: Any, targets: Any) -> None:
+        if not self.watchers or not hasattr(output, "shape"):
+            return
+        shape = tuple(output.shape)
+        facts: Dict[str, Any] = {"ops": list(ops)}
+        op = next((op for out, op in reversed(self.outputs) if out is output), None)
+        if op is not None:
+            facts["output_op"] = op
+        if shape and isinstance(shape[-1], int):
+            facts["output_units"] = shape[-1]
+        numel = math.prod(shape)
+        if numel:
+            facts["output_numel"] = numel
+            # Elements compared once the output is broadcast against the targets (integer labels
+            # of a cross-entropy have one dimension less by design).
+            if ops != _CROSS_ENTROPY and hasattr(targets, "shape"):
+                try:
+                    facts["compared_numel"] = math.prod(np.broadcast_shapes(shape, tuple(targets.shape)))
+                except ValueError:
+                    pass
+        with self.lock:
+            if len(self.losses) < 64:
+                self.losses.append(facts)
+
+    def take(self) -> Optional[Dict[str, Any]]:
+        """The loss the calls noted since the last take describe, if they agree (a step that
+        computes two different losses gives none), else None; the notes are cleared."""
+        with self.lock:
+            losses, self.losses = self.losses, []
+        if not losses or any(f != losses[0] for f in losses[1:]):
+            return None
+        return losses[0]
+
+
+NOTES = _Notes()
+
+
+def _activation(fn: Callable[..., Any], op: str) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def activation(*args: Any, **kwargs: Any) -> Any:
+        out = fn(*args, **kwargs)
+        try:
+            NOTES.made(out, op)
+        except Exception:  # a note, never a reason to fail the user's step
+            pass
+        return out
+
+    activation._neuraldbg_inner = fn  # type: ignore[attr-defined]
+    return activation
+
+
+def _loss(fn: Callable[..., Any], ops: Tuple[str, ...]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def loss(*args: Any, **kwargs: Any) -> Any:
+        try:
+            output = args[0] if args else next((kwargs[k] for k in _OUTPUT_NAMES if k in kwargs), None)
+            targets = args[1] if len(args) > 1 else next((kwargs[k] for k in _TARGET_NAMES if k in kwargs), None)
+            NOTES.compared(ops, output, targets)
+        except Exception:  # a note, never a reason to fail the user's step
+            pass
+        return fn(*args, **kwargs)
+
+    loss._neuraldbg_inner = fn  # type: ignore[attr-defined]
+    return loss
+
+
+def _modules(names: Tuple[str, ...]) -> List[Any]:
+    found = []
+    for name in names:
+        try:
+            found.append(importlib.import_module(name))
+        except Exception:  # flax is optional
+            pass
+    return found
+
+
+def watch() -> None:
+    """One more debugger watching: the wrappers go in place with the first."""
+    with NOTES.lock:
+        NOTES.watchers += 1
+        if NOTES.watchers > 1:
+            return
+    import jax.nn
+    import optax.losses
+
+    def patch(canonical: Any, table: Dict[str, Any], make: Callable[[Any, Any], Any], where: List[Any]) -> None:
+        for name, what in table.items():
+            fn = getattr(canonical, name, None)
+            if fn is None or hasattr(fn, "_neuraldbg_inner"):
+                continue
+            wrapper = make(fn, what)
+            for module in [canonical, *where]:
+                if getattr(module, name, None) is fn:
+                    setattr(module, name, wrapper)
+                    NOTES.patched.append((module, name, fn))
+
+    patch(jax.nn, ACTIVATIONS, _activation, _modules(("flax.nnx", "flax.linen")))
+    patch(optax.losses, LOSSES, _loss, _modules(("optax",)))
+
+
+def unwatch() -> None:
+    """One debugger less: the originals are back once none watches (a wrapper someone replaced
+    in the meantime is left to them)."""
+    with NOTES.lock:
+        NOTES.watchers = max(0, NOTES.watchers - 1)
+        if NOTES.watchers:
+            return
+        patched, NOTES.patched = NOTES.patched, []
+        NOTES.outputs.clear()
+        NOTES.losses.clear()
+    for module, name, fn in patched:
+        if getattr(getattr(module, name, None), "_neuraldbg_inner", None) is fn:
+            setattr(module, name, fn)
