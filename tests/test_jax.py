@@ -882,3 +882,87 @@ def test_the_loss_wrappers_change_nothing_and_are_gone_after_the_block_also_when
         optax.softmax_cross_entropy_with_integer_labels,
         optax.losses.squared_error,
     ) == originals
+
+
+class Regressor(nnx.Module):
+    def __init__(self, head: Any, rngs: Any) -> None:
+        self.l1 = nnx.Linear(8, 32, rngs=rngs)
+        self.l2 = nnx.Linear(32, 1, rngs=rngs)
+        self.head = head
+
+    def __call__(self, x: Any) -> Any:
+        return self.head(self.l2(nnx.relu(self.l1(x))))
+
+
+def regress(head: Any, loss: Any, targets: Any, steps: int = 200) -> Any:
+    """Trains a Regressor on ``targets(x)`` with an optax loss, the targets passed to the
+    loss function as an argument of the differentiated function (as the flax tutorials do).
+    ``head`` and ``loss`` call jax.nn and optax by their module attributes (a reference taken
+    before the block is not seen)."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(512, 8)).astype(np.float32)
+    y = targets(x).astype(np.float32)
+    model = Regressor(head, nnx.Rngs(0))
+
+    def loss_fn(m: Any, xb: Any, yb: Any) -> Any:
+        return loss(m(xb), yb).mean()
+
+    losses: List[float] = []
+    with NeuralDbg(model) as dbg:
+        optimizer = nnx.Optimizer(model, dbg.wrap(optax.adam(1e-2)), wrt=nnx.Param)
+
+        @nnx.jit
+        def step(model: Any, optimizer: Any, xb: Any, yb: Any) -> Any:
+            value, grads = nnx.value_and_grad(loss_fn)(model, xb, yb)
+            optimizer.update(model, grads, value=value)
+            return value
+
+        for i in range(steps):
+            j = (i * 64) % len(x)
+            losses.append(float(step(model, optimizer, x[j : j + 64], y[j : j + 64])))
+    return dbg, losses, y
+
+
+def test_a_sigmoid_output_regressing_targets_beyond_one_is_named_from_the_targets_measured() -> None:
+    # Targets around 3: a sigmoid output cannot pass 1, so the loop's own loss cannot go below
+    # the mean of (y - 1)^2 over targets above 1 (computed from the data); a linear output
+    # reaches far lower. The engine learns the targets' range from the first update's row.
+    def targets(x: Any) -> Any:
+        return 3 + x[:, :1] + 0.5 * x[:, 1:2]
+
+    def sigmoid(z: Any) -> Any:
+        return jax.nn.sigmoid(z)
+
+    def squared_error(out: Any, t: Any) -> Any:
+        return optax.squared_error(out, t)
+
+    dbg, losses, y = regress(sigmoid, squared_error, targets)
+    floors = [float(np.mean(np.clip(y[j : j + 64] - 1, 0, None) ** 2)) for j in (np.arange(200) * 64) % 512]
+    assert all(v >= 0.99 * f for v, f in zip(losses, floors)), "a sigmoid output cannot pass 1"
+    _, linear, _ = regress(lambda z: z, squared_error, targets)
+    assert np.mean(linear[-8:]) < 0.1 * np.mean(floors)
+    top = dbg.explain_failure()[0]
+    assert (top.failure, top.cause) == ("loss_plateau", "output_loss_mismatch"), top
+    lo, hi = float(y[:64].min()), float(y[:64].max())
+    assert f"the regression targets span [{lo:.3g}, {hi:.4g}]" in top.description, (top.description, lo, hi)
+
+
+def test_binary_cross_entropy_targets_of_0_and_255_are_named_from_the_first_step() -> None:
+    # A 0/255 mask as sigmoid_binary_cross_entropy's labels: the loop's own loss goes below 0,
+    # which no binary cross-entropy of targets in [0, 1] can.
+    dbg, losses, _ = regress(lambda z: z, bce, lambda x: 255.0 * (x[:, :1] > 0))
+    assert min(losses) < 0, min(losses)
+    top = dbg.explain_failure()[0]
+    assert (top.failure, top.cause, top.step) == ("data_anomaly", "bad_input_data", 0), top
+    assert "targets span [0, 255]" in top.description, top.description
+
+
+def test_targets_traced_inside_a_vmap_of_the_loss_leave_the_update_observed() -> None:
+    # A per-example loss under vmap: its targets are the vmap's, which the update (outside it)
+    # cannot measure. The steps are observed all the same, and the run trains as unwatched.
+    def per_example(out: Any, t: Any) -> Any:
+        return jax.vmap(lambda o, u: optax.squared_error(o, u).mean())(out, t)
+
+    dbg, losses, _ = regress(lambda z: z, per_example, lambda x: x[:, :1])
+    assert dbg.step == 200 and losses[-1] < 0.1 * losses[0]
+    assert dbg._target_facts is None and dbg._loss is not None

@@ -766,6 +766,54 @@ def test_a_flax_script_unchanged(tmp_path: Path) -> None:
     assert data["hypotheses"][0]["failure"] == "exploding_gradients" and data["steps"] < 30
 
 
+FLAX_SOFTMAX = """
+import sys
+import numpy as np
+import jax, optax
+from flax import nnx
+from optax import softmax_cross_entropy_with_integer_labels as xent  # bound at import time
+
+rng = np.random.default_rng(0)
+x = rng.normal(size=(512, 8)).astype(np.float32)
+y = np.argmax(x @ rng.normal(size=(8, 4)), 1)
+
+class Net(nnx.Module):
+    def __init__(self, rngs):
+        self.l1 = nnx.Linear(8, 32, rngs=rngs)
+        self.l2 = nnx.Linear(32, 4, rngs=rngs)
+
+    def __call__(self, v):
+        return nnx.softmax(self.l2(nnx.relu(self.l1(v))))  # probabilities into a loss of logits
+
+model = Net(nnx.Rngs(0))
+opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+@nnx.jit
+def step(model, opt, xb, yb):
+    loss, g = nnx.value_and_grad(lambda m: xent(m(xb), yb).mean())(model)
+    opt.update(model, g, value=loss)
+    return loss
+
+for i in range(200):
+    j = i * 64 % 512
+    loss = step(model, opt, x[j : j + 64], y[j : j + 64])
+print("loss", float(loss))
+"""
+
+
+def test_a_flax_script_that_imports_its_optax_loss_by_name_is_read(tmp_path: Path) -> None:
+    """`from optax import X` binds the loss before any debugger exists: the run command notes
+    optax's losses from the script's import of optax on, so the softmax fed to a loss that
+    applies its own is named."""
+    _needs("flax", "optax")
+    r = run(tmp_path, FLAX_SOFTMAX, "--json", "d.json", "--out", "o", "SCRIPT", timeout=400)
+    assert r.returncode == 0, r.stderr
+    data = json.loads((tmp_path / "d.json").read_text())
+    top = data["hypotheses"][0]
+    assert (top["failure"], top["cause"]) == ("loss_plateau", "output_loss_mismatch"), top
+    assert "softmax_cross_entropy expects raw logits" in top["description"], top
+
+
 def test_halt_on_stops_training_at_a_confirmed_failure(tmp_path: Path) -> None:
     r = run(
         tmp_path,

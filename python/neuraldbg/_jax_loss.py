@@ -13,10 +13,14 @@ elements, and the elements it compared with the targets once broadcast). So a so
 ``softmax_cross_entropy``, a ReLU or sigmoid making its logits, a chance level to judge the loss
 by, and ``(N, 1)`` predictions regressed on ``(N,)`` targets are named as in PyTorch.
 
-What is not seen: a loss written out by hand (``-jnp.sum(labels * jax.nn.log_softmax(z))``), an
-activation applied through a reference taken before the block (``nnx.Sequential(...,
-nnx.relu)`` built earlier) or through ``jnp``, and facts that need values (the targets' range
-and variance).
+The targets a loss was given are kept with the notes: the wrapped transformation measures them
+in the update (where they are the step's own arrays) for the facts that need values, the
+targets' range and variance.
+
+What is not seen: a loss written out by hand (``-jnp.sum(labels * jax.nn.log_softmax(z))``), a
+loss or activation referenced before the first debugger watched (``from optax import X`` at the
+top of a script: ``neuraldbg run`` watches from the script's import of optax on), and an
+activation applied through ``jnp``.
 """
 
 from __future__ import annotations
@@ -79,7 +83,8 @@ class _Notes:
         self.lock = threading.Lock()
         self.watchers = 0
         self.outputs: Deque[Tuple[Any, str]] = collections.deque(maxlen=_RECENT)
-        self.losses: List[Dict[str, Any]] = []
+        # Per loss call: its facts, what its targets are, the targets themselves.
+        self.losses: List[Tuple[Dict[str, Any], Optional[str], Any]] = []
         # (module, name, original) of every wrapper in place.
         self.patched: List[Tuple[Any, str, Any]] = []
 
@@ -107,18 +112,27 @@ class _Notes:
                     facts["compared_numel"] = math.prod(np.broadcast_shapes(shape, tuple(targets.shape)))
                 except ValueError:
                     pass
+        kind = None
+        if hasattr(targets, "shape") and hasattr(targets, "dtype"):
+            if ops != _CROSS_ENTROPY:
+                kind = "values"
+            elif len(targets.shape) == len(shape) - 1:
+                kind = "classes"  # integer labels
         with self.lock:
             if len(self.losses) < 64:
-                self.losses.append(facts)
+                self.losses.append((facts, kind, targets if kind else None))
 
-    def take(self) -> Optional[Dict[str, Any]]:
+    def take(self) -> Optional[Tuple[Dict[str, Any], Optional[str], Any]]:
         """The loss the calls noted since the last take describe, if they agree (a step that
-        computes two different losses gives none), else None; the notes are cleared."""
+        computes two different losses gives none), else None; the notes are cleared. With it,
+        what the targets are (``"classes"``: integer labels; ``"values"``: what the output is
+        compared with; None: other) and the last call's targets (a traced array: the step's
+        own, which the update traced after the loss can measure)."""
         with self.lock:
             losses, self.losses = self.losses, []
-        if not losses or any(f != losses[0] for f in losses[1:]):
+        if not losses or any(f[:2] != losses[0][:2] for f in losses[1:]):
             return None
-        return losses[0]
+        return losses[-1]
 
 
 NOTES = _Notes()

@@ -358,8 +358,10 @@ class Watch:
                 "keras": self._keras,
                 "flax.nnx": self._nnx,
                 "flax.training.train_state": self._train_state,
+                "optax": self._optax,
             }
         )
+        self._losses_watched = False
         self._count_handle: Any = None
         self._remedy: Any = None
         self._jax_kind: Any = None
@@ -468,6 +470,15 @@ class Watch:
             return __init__
 
         self._patch(nnx.Optimizer, "__init__", wrap)
+
+    def _optax(self, optax: ModuleType) -> None:
+        """optax's losses and jax.nn's activations noted from the script's import of optax on
+        (`_jax_loss`): a name the script imports from them (``from optax import X``) is then
+        the noting one, which a debugger entered later could not make it."""
+        from . import _jax_loss
+
+        _jax_loss.watch()
+        self._losses_watched = True
 
     def _train_state(self, module: ModuleType) -> None:
         watch = self
@@ -608,6 +619,11 @@ class Watch:
         for _, _, dbg in self.models:
             if hasattr(dbg, "__exit__"):  # (a Keras fit's ended with the fit)
                 dbg.__exit__(kind, exc, None if exc is None else exc.__traceback__)
+        if self._losses_watched:
+            from . import _jax_loss
+
+            self._losses_watched = False
+            _jax_loss.unwatch()
 
 
 # ------------------------------------------------------------------------- outputs

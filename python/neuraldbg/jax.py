@@ -45,6 +45,7 @@ from ._spoke import (
     HAS_INPUTS,
     HAS_LOSS,
     HAS_LR,
+    HAS_TARGETS,
     HAS_WEIGHTS,
     INPUT_STATS,
     RING_BYTES,
@@ -223,6 +224,18 @@ def _batch_stats(batch: Any) -> Any:
     n = max(x.shape[0], 1)
     mean = total / n
     return jnp.stack([lo, hi, mean, jnp.sqrt(jnp.maximum(squares_ / n - mean * mean, 0.0))])
+
+
+def _as_targets(targets: Any) -> Any:
+    """The targets the step's optax loss was given, as an array the update can measure, or None
+    where they cannot be measured here: not an array of numbers, or traced inside a
+    transformation the update is not in (a ``vmap`` of the loss over examples)."""
+    if targets is None:
+        return None
+    try:
+        return jax.lax.stop_gradient(jnp.asarray(targets))
+    except Exception:
+        return None
 
 
 def _key_name(k: Any) -> str:
@@ -505,8 +518,11 @@ class NeuralDbg(Spoke):
         self._wrapped = False
         self._meta: Optional[Dict[str, Any]] = None
         self._rings: List[_Ring] = []
-        # The loss the traced step computes (`_jax_loss`), once known; sent from the owner thread.
+        # The loss the traced step computes (`_jax_loss`), once known, what its targets are, and
+        # their facts from the first update's row; sent from the owner thread.
         self._loss: Optional[Dict[str, Any]] = None
+        self._targets_kind: Optional[str] = None
+        self._target_facts: Optional[Dict[str, Any]] = None
         self._loss_sent = False
         self._watching_losses = False
 
@@ -548,21 +564,54 @@ class NeuralDbg(Spoke):
         self._send_loss()
         super()._drain(final)
 
-    def _note_loss(self) -> None:
+    def _note_loss(self) -> Any:
         """The loss the step being traced computed, when the wrappers of `_jax_loss` saw one
-        (at trace time, before the update: nothing runs in the compiled step)."""
-        if self._loss is None and self._watching_losses:
-            self._loss = _jax_loss.NOTES.take()
+        (at trace time, before the update: nothing runs in the compiled step); returns the
+        targets it was given, for the update to measure (None: no loss noted in this trace)."""
+        if self._loss is not None or not self._watching_losses:
+            return None
+        noted = _jax_loss.NOTES.take()
+        if noted is None:
+            return None
+        self._loss, self._targets_kind, targets = noted
+        return targets
+
+    def _post_squares(self, step: int, flags: int, row: Any) -> None:
+        if flags & HAS_TARGETS and self._target_facts is None:
+            at = RING_HEAD + 2 * len(self._model.entries) + INPUT_STATS
+            self._target_facts = self._targets_facts(row[at : at + INPUT_STATS])
+        super()._post_squares(step, flags, row)
+
+    def _targets_facts(self, stats: Any) -> Dict[str, Any]:
+        """The engine's facts of the targets' ``[min, max, mean, std]``: a cross-entropy's class
+        indices' range; the range of what a binary cross-entropy or a regression compares the
+        output with, and a regression's variance."""
+        lo, hi, _, std = (float(v) for v in stats)
+        if not (math.isfinite(lo) and math.isfinite(hi) and math.isfinite(std)):
+            return {}
+        if self._targets_kind == "classes":
+            return {"class_range": [lo, hi]}
+        facts: Dict[str, Any] = {"target_range": [lo, hi]}
+        if self._loss is not None and any(op in ("MseLoss", "HuberLoss") for op in self._loss["ops"]):
+            facts["target_var"] = std * std
+        return facts
 
     def _send_loss(self) -> None:
-        """The loss's facts to the engine, once, from the owner thread (never raises)."""
-        if self._loss is None or self._loss_sent or not self._started:
+        """The loss's facts to the engine, once, then its targets' once the first update's row
+        brought them; from the owner thread (never raises)."""
+        if self._loss is None or not self._started or threading.get_ident() != self._owner:
             return
-        if threading.get_ident() != self._owner:
+        facts: Dict[str, Any] = {}
+        if not self._loss_sent:
+            self._loss_sent = True
+            facts["loss"] = self._loss
+        if self._target_facts:
+            facts.update(self._target_facts)
+            self._target_facts = {}  # (sent: an empty dict is not measured again)
+        if not facts:
             return
-        self._loss_sent = True
         try:
-            self._engine.amend_first_batch(json.dumps({"loss": self._loss}))
+            self._engine.amend_first_batch(json.dumps(facts))
         except Exception as e:  # a fact, never a reason to stop
             warnings.warn(f"NeuralDBG could not take the loss's facts: {e}", NeuralDbgWarning, stacklevel=2)
 
@@ -623,7 +672,7 @@ class NeuralDbg(Spoke):
         ):
             raise ConfigError(f"learning_rate must be a number or an optax schedule, got {learning_rate!r}")
         n = len(self._model.entries)
-        width = RING_HEAD + 2 * n + INPUT_STATS
+        width = RING_HEAD + 2 * n + 2 * INPUT_STATS  # (inputs', then the loss's targets' statistics)
         if buffer is None:
             rows = max(16, min(256, 2 ** int(math.log2(max(RING_BYTES // (4 * width), 1)))))
         else:
@@ -648,16 +697,16 @@ class NeuralDbg(Spoke):
             return WatchState(inner.init(params), buf, key)
 
         def update(updates: Any, state: WatchState, params: Any = None, **extra: Any) -> Tuple[Any, WatchState]:
-            self._note_loss()
+            targets = self._note_loss()
             new, inner_state = inner.update(updates, state.inner, params, **extra)
             buf = state.ring
             try:
-                buf = observe(updates, buf, params, extra, inner_state)
+                buf = observe(updates, buf, params, extra, inner_state, targets)
             except Exception as e:  # tracing our statistics failed: train on, unobserved
                 warnings.warn(f"NeuralDBG cannot observe this update: {e}", NeuralDbgWarning, stacklevel=2)
             return new, WatchState(inner_state, buf, key)
 
-        def observe(updates: Any, buf: Any, params: Any, extra: Dict[str, Any], after: Any) -> Any:
+        def observe(updates: Any, buf: Any, params: Any, extra: Dict[str, Any], after: Any, targets: Any) -> Any:
             buf = jnp.asarray(buf)
             count = as_i32(buf[rows, 0])
             leaves, where = model.gather(updates)
@@ -677,21 +726,29 @@ class NeuralDbg(Spoke):
                 inputs = _batch_stats(jax.lax.stop_gradient(batch))
             else:
                 inputs = jnp.full((INPUT_STATS,), jnp.nan, jnp.float32)
+            # The loss's targets, measured on sampled steps with the parameters (the host reads
+            # the first update's): no kernel of their own in the other steps.
+            targets = _as_targets(targets)
+            nothing = jnp.full((INPUT_STATS,), jnp.nan, jnp.float32)
+            if targets is not None:
+                flags |= HAS_TARGETS
             grads = squares(leaves, where)
             if params is not None:
                 flags |= HAS_WEIGHTS
                 sampled = jnp.logical_or(count < dense, count % every == 0)
                 p_leaves, p_where = model.gather(params)
-                weights = jax.lax.cond(
+                weights, measured = jax.lax.cond(
                     sampled,
-                    lambda ls: squares(ls, p_where),
-                    lambda ls: jnp.full((len(p_where),), -1.0, jnp.float32),
+                    lambda ls, t: (squares(ls, p_where), nothing if t is None else _batch_stats(t)),
+                    lambda ls, t: (jnp.full((len(p_where),), -1.0, jnp.float32), nothing),
                     p_leaves,
+                    targets,
                 )
             else:
                 weights = jnp.full((n,), -1.0, jnp.float32)
+                measured = nothing if targets is None else _batch_stats(targets)
             head = jnp.stack([as_f32(count), as_f32(flags), loss, lr if lr is not None else jnp.float32(0)])
-            row = jnp.concatenate([head, grads, weights, inputs])
+            row = jnp.concatenate([head, grads, weights, inputs, measured])
             # One select writes the row and the new count: nnx.jit does not donate the state, so
             # the buffer is copied anyway, and the select is that copy.
             return write_row(buf, count % rows, row, {0: as_f32(count + 1)})
