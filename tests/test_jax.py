@@ -966,3 +966,62 @@ def test_targets_traced_inside_a_vmap_of_the_loss_leave_the_update_observed() ->
     dbg, losses, _ = regress(lambda z: z, per_example, lambda x: x[:, :1])
     assert dbg.step == 200 and losses[-1] < 0.1 * losses[0]
     assert dbg._target_facts is None and dbg._loss is not None
+
+
+class Dropped(nnx.Module):
+    def __init__(self, rate: float, rngs: Any) -> None:
+        self.l1 = nnx.Linear(8, 64, rngs=rngs)
+        self.d1 = nnx.Dropout(rate, rngs=rngs)
+        self.l2 = nnx.Linear(64, 64, rngs=rngs)
+        self.d2 = nnx.Dropout(rate, rngs=rngs)
+        self.l3 = nnx.Linear(64, 5, rngs=rngs)
+
+    def __call__(self, x: Any) -> Any:
+        return self.l3(self.d2(nnx.relu(self.l2(self.d1(nnx.relu(self.l1(x)))))))
+
+
+@pytest.mark.parametrize("rate", [0.9, 0.1])
+def test_nnx_dropout_that_zeroes_most_units_is_why_the_loss_stays_up(rate: float) -> None:
+    # nnx.Dropout(0.9), a keep probability given as the rate: the loop's own loss stays near
+    # ln 5 = 1.61; with 0.1 the same network learns. The engine reads each Dropout's rate from
+    # the model (one set deterministic would drop nothing and is left out).
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(512, 8)).astype(np.float32)
+    y = np.argmax(x @ rng.normal(size=(8, 5)), 1)
+    model = Dropped(rate, nnx.Rngs(0))
+    losses: List[float] = []
+    with NeuralDbg(model) as dbg:
+        optimizer = nnx.Optimizer(model, dbg.wrap(optax.adam(5e-3)), wrt=nnx.Param)
+
+        @nnx.jit
+        def step(model: Any, optimizer: Any, xb: Any, yb: Any) -> Any:
+            loss_fn = lambda m: optax.softmax_cross_entropy_with_integer_labels(m(xb), yb).mean()  # noqa: E731
+            value, grads = nnx.value_and_grad(loss_fn)(model)
+            optimizer.update(model, grads, value=value)
+            return value
+
+        for i in range(64):
+            j = (i * 64) % len(x)
+            losses.append(float(step(model, optimizer, x[j : j + 64], y[j : j + 64])))
+    found = dbg.explain_failure()
+    if rate == 0.1:
+        assert np.mean(losses[-16:]) < 0.5, "the same network with dropout 0.1 learns"
+        assert not any(h.confidence >= 0.5 or "dropout" in h.description for h in found), found
+        return
+    assert np.mean(losses[-16:]) > 1.2, "with dropout 0.9 the loss stays near ln 5"
+    top = found[0]
+    assert top.confidence >= 0.5 and top.cause == "over_regularization", top
+    assert "dropout zeroes 90% of the units at every training step (`d1`, `d2`)" in top.description, top
+    assert top.remedies[0].startswith("lower nnx.Dropout's rate"), top.remedies
+
+
+def test_a_dropout_set_deterministic_is_not_in_the_spec() -> None:
+    model = Dropped(0.9, nnx.Rngs(0))
+    spec = NeuralDbg(model)._model.spec(None)
+    assert [(m["name"], m["attrs"]) for m in spec["modules"] if m["kind"] == "Dropout"] == [
+        ("d1", [["p", 0.9]]),
+        ("d2", [["p", 0.9]]),
+    ]
+    assert [m["name"] for m in spec["modules"]][:4] == ["l1", "d1", "l2", "d2"], "in definition order"
+    model.eval()  # deterministic: drops nothing
+    assert not [m for m in NeuralDbg(model)._model.spec(None)["modules"] if m["kind"] == "Dropout"]

@@ -371,6 +371,19 @@ class _Model:
         order = spec_order(entries)
         self.entries = [entries[i] for i in order]
         self.index = {self._key(e.layer + (e.leaf,)): j for j, e in enumerate(self.entries)}
+        # Modules without parameters the engine reads: an nnx Dropout and the share it drops
+        # (not one set deterministic, which drops nothing).
+        self.extra: List[Tuple[Tuple[str, ...], str, float]] = []
+        self.attrs: Dict[Tuple[str, ...], List[List[Any]]] = {}
+        if self.is_nnx:
+            for path, node in nnx.iter_graph(model):
+                rate = getattr(node, "rate", None)
+                if not isinstance(node, nnx.Dropout) or getattr(node, "deterministic", False) is True:
+                    continue
+                if isinstance(rate, (int, float)) and not isinstance(rate, bool):
+                    names = tuple(str(k) for k in path)
+                    self.extra.append((names, "Dropout", float(ranks.get(names, 1e9))))
+                    self.attrs[names] = [["p", float(rate)]]
 
     def _key(self, names: Tuple[str, ...]) -> str:
         if self.prefix and names[: len(self.prefix)] == self.prefix:
@@ -378,7 +391,7 @@ class _Model:
         return ".".join(names)
 
     def spec(self, optimizer: Optional[str]) -> Dict[str, Any]:
-        return model_spec(self.entries, self.root_kind, optimizer, framework="jax")
+        return model_spec(self.entries, self.root_kind, optimizer, self.extra, framework="jax", attrs=self.attrs)
 
     def gather(self, tree: Any) -> Tuple[List[Any], List[int]]:
         """The leaves of ``tree`` and, per spec parameter, the index of its leaf (-1: absent).
