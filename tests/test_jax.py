@@ -1025,3 +1025,29 @@ def test_a_dropout_set_deterministic_is_not_in_the_spec() -> None:
     assert [m["name"] for m in spec["modules"]][:4] == ["l1", "d1", "l2", "d2"], "in definition order"
     model.eval()  # deterministic: drops nothing
     assert not [m for m in NeuralDbg(model)._model.spec(None)["modules"] if m["kind"] == "Dropout"]
+
+
+def test_the_step_size_is_measured_without_being_told_the_learning_rate() -> None:
+    # optax.adam(1e-6), its rate given nowhere (no learning_rate=, no inject_hyperparams): the
+    # update's size is read from strided samples of the weights in consecutive rows of the
+    # first steps. The truth is how far each jitted step moved the kernels, read from the
+    # model's own parameters around it.
+    model = MLP(3, 32, nnx.Rngs(0))
+    x, y = data()
+    moved: List[float] = []
+    with NeuralDbg(model) as dbg:
+        optimizer = nnx.Optimizer(model, dbg.wrap(optax.adam(1e-6)), wrt=nnx.Param)
+        step = make_step()
+        for i in range(60):
+            before = [np.asarray(layer.kernel.value) for layer in (model.inp, *model.hidden, model.out)]
+            j = (i * 32) % len(x)
+            step(model, optimizer, x[j : j + 32], y[j : j + 32])
+            after = [np.asarray(layer.kernel.value) for layer in (model.inp, *model.hidden, model.out)]
+            if i < 9:
+                moved += [float(np.linalg.norm(a - b) / np.linalg.norm(b)) for a, b in zip(after, before)]
+    top = dbg.explain_failure()[0]
+    assert (str(top.failure), str(top.cause)) == ("loss_plateau", "learning_rate_too_low"), top
+    said = re.search(r"each step moves the weights by ~([0-9.e+-]+) of their size \(measured\)", top.description)
+    assert said is not None, top.description
+    truth = float(np.median(moved))
+    assert truth / 2 < float(said[1]) < truth * 2, (said[1], truth)

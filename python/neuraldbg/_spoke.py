@@ -160,8 +160,9 @@ class Record:
 # The last row of a ring buffer: [update count (int32 bits), this marker (int32 bits), ...].
 RING_MARKER = 0x4E444247
 # Row flags (int32 bits in column 1): the update had a loss, a learning rate, parameter norms;
-# a forward pass's input batch was measured; the loss's targets were (JAX).
-HAS_LOSS, HAS_LR, HAS_WEIGHTS, HAS_INPUTS, HAS_TARGETS = 1, 2, 4, 8, 16
+# a forward pass's input batch was measured; the loss's targets were, samples of the weights
+# were taken (JAX).
+HAS_LOSS, HAS_LR, HAS_WEIGHTS, HAS_INPUTS, HAS_TARGETS, HAS_SAMPLES = 1, 2, 4, 8, 16, 32
 # Statistics of an input batch: min, max, mean, std.
 INPUT_STATS = 4
 # Columns before the gradient norms: step, flags, loss, learning rate.

@@ -41,10 +41,13 @@ import warnings
 import weakref
 from typing import Any, Callable, Dict, Iterable, List, Literal, Optional, Tuple, Union
 
+import numpy as np
+
 from ._spoke import (
     HAS_INPUTS,
     HAS_LOSS,
     HAS_LR,
+    HAS_SAMPLES,
     HAS_TARGETS,
     HAS_WEIGHTS,
     INPUT_STATS,
@@ -52,6 +55,7 @@ from ._spoke import (
     RING_HEAD,
     RING_MARKER,
     ParamEntry,
+    Record,
     RingReader,
     Spoke,
     check_int,
@@ -72,6 +76,13 @@ from . import _jax_loss
 from ._jax_stats import as_f32, as_i32, squares, write_row
 
 __all__ = ["NeuralDbg", "WatchState"]
+
+# Weights whose step size is measured (spread over the model: under a plain gradient step
+# layers move at rates far apart, and the engine takes their median), and the elements of each
+# a sampled step writes into its row; the host reads how far each update moved them from two
+# consecutive rows of the first `dense_steps`. Samples of the update itself would make it an
+# operand of the sampled steps' conditional, out of the fused step that applies it.
+SAMPLE_WEIGHTS, SAMPLE_SIZE = 4, 8
 
 # Path components of a Variable's own value, not of the model.
 _VALUE_KEYS = ("value", "raw_value", "_value")
@@ -226,6 +237,18 @@ def _batch_stats(batch: Any) -> Any:
     return jnp.stack([lo, hi, mean, jnp.sqrt(jnp.maximum(squares_ / n - mean * mean, 0.0))])
 
 
+def _samples(leaves: List[Any], where: List[int], sampled: List[Tuple[int, int]]) -> Any:
+    """Strided samples of the measured weights (``[SAMPLE_WEIGHTS * SAMPLE_SIZE]`` float32, NaN
+    where a weight is absent or smaller)."""
+    parts = []
+    for j, stride in sampled:
+        k = where[j]
+        part = leaves[k].reshape(-1)[::stride][:SAMPLE_SIZE].astype(jnp.float32) if k >= 0 else jnp.zeros((0,))
+        parts.append(jnp.pad(part, (0, SAMPLE_SIZE - part.shape[0]), constant_values=jnp.nan))
+    parts.append(jnp.full(((SAMPLE_WEIGHTS - len(sampled)) * SAMPLE_SIZE,), jnp.nan, jnp.float32))
+    return jnp.concatenate(parts).astype(jnp.float32)
+
+
 def _as_targets(targets: Any) -> Any:
     """The targets the step's optax loss was given, as an array the update can measure, or None
     where they cannot be measured here: not an array of numbers, or traced inside a
@@ -371,6 +394,11 @@ class _Model:
         order = spec_order(entries)
         self.entries = [entries[i] for i in order]
         self.index = {self._key(e.layer + (e.leaf,)): j for j, e in enumerate(self.entries)}
+        # The weights whose step size is measured, by spec index, and each one's sample stride.
+        weights = [j for j, e in enumerate(self.entries) if len(e.shape) >= 2]
+        if len(weights) > SAMPLE_WEIGHTS:
+            weights = [weights[round(k * (len(weights) - 1) / (SAMPLE_WEIGHTS - 1))] for k in range(SAMPLE_WEIGHTS)]
+        self.sampled = [(j, max(1, int(np.prod(self.entries[j].shape)) // SAMPLE_SIZE)) for j in weights]
         # Modules without parameters the engine reads: an nnx Dropout and the share it drops
         # (not one set deterministic, which drops nothing).
         self.extra: List[Tuple[Tuple[str, ...], str, float]] = []
@@ -538,6 +566,8 @@ class NeuralDbg(Spoke):
         self._target_facts: Optional[Dict[str, Any]] = None
         self._loss_sent = False
         self._watching_losses = False
+        # The last sampled step's weight samples (`_step_size`).
+        self._samples: Optional[Tuple[int, Any]] = None
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -590,10 +620,32 @@ class NeuralDbg(Spoke):
         return targets
 
     def _post_squares(self, step: int, flags: int, row: Any) -> None:
+        at = RING_HEAD + 2 * len(self._model.entries) + INPUT_STATS
         if flags & HAS_TARGETS and self._target_facts is None:
-            at = RING_HEAD + 2 * len(self._model.entries) + INPUT_STATS
             self._target_facts = self._targets_facts(row[at : at + INPUT_STATS])
+        if flags & HAS_SAMPLES:
+            at += INPUT_STATS
+            self._step_size(step, row[at : at + SAMPLE_WEIGHTS * SAMPLE_SIZE])
         super()._post_squares(step, flags, row)
+
+    def _step_size(self, step: int, samples: Any) -> None:
+        """How far the update before ``step`` moved each measured weight (``|W_after -
+        W_before| / |W_before|`` on its sample, the PyTorch collector's measure), from this
+        row's samples and the previous step's, on the first ``dense_steps`` updates. Posted
+        with ``step``, before its row (the previous step went to the engine already; the
+        engine reads the first few of these, not their steps)."""
+        now = np.asarray(samples, np.float64).reshape(SAMPLE_WEIGHTS, SAMPLE_SIZE)
+        before, self._samples = self._samples, (step, now)
+        if before is None or before[0] != step - 1 or step > self._dense_steps:
+            return
+        ratios = np.full(len(self._model.entries), np.nan, np.float32)
+        for k, (j, _) in enumerate(self._model.sampled):
+            b, a = before[1][k], now[k]
+            kept = np.isfinite(b) & np.isfinite(a)
+            size = float(np.linalg.norm(b[kept]))
+            if kept.any() and size > 0:
+                ratios[j] = float(np.linalg.norm(a[kept] - b[kept])) / size
+        self._post(Record(step, updates=ratios))
 
     def _targets_facts(self, stats: Any) -> Dict[str, Any]:
         """The engine's facts of the targets' ``[min, max, mean, std]``: a cross-entropy's class
@@ -685,7 +737,8 @@ class NeuralDbg(Spoke):
         ):
             raise ConfigError(f"learning_rate must be a number or an optax schedule, got {learning_rate!r}")
         n = len(self._model.entries)
-        width = RING_HEAD + 2 * n + 2 * INPUT_STATS  # (inputs', then the loss's targets' statistics)
+        # (then the inputs' and the loss's targets' statistics, the weights' samples)
+        width = RING_HEAD + 2 * n + 2 * INPUT_STATS + SAMPLE_WEIGHTS * SAMPLE_SIZE
         if buffer is None:
             rows = max(16, min(256, 2 ** int(math.log2(max(RING_BYTES // (4 * width), 1)))))
         else:
@@ -743,6 +796,7 @@ class NeuralDbg(Spoke):
             # the first update's): no kernel of their own in the other steps.
             targets = _as_targets(targets)
             nothing = jnp.full((INPUT_STATS,), jnp.nan, jnp.float32)
+            no_samples = jnp.full((SAMPLE_WEIGHTS * SAMPLE_SIZE,), jnp.nan, jnp.float32)
             if targets is not None:
                 flags |= HAS_TARGETS
             grads = squares(leaves, where)
@@ -750,18 +804,29 @@ class NeuralDbg(Spoke):
                 flags |= HAS_WEIGHTS
                 sampled = jnp.logical_or(count < dense, count % every == 0)
                 p_leaves, p_where = model.gather(params)
-                weights, measured = jax.lax.cond(
+                flags |= HAS_SAMPLES
+                # One array out of the conditional: the squares, the targets' statistics, the samples.
+                k = len(p_where)
+                packed = jax.lax.cond(
                     sampled,
-                    lambda ls, t: (squares(ls, p_where), nothing if t is None else _batch_stats(t)),
-                    lambda ls, t: (jnp.full((len(p_where),), -1.0, jnp.float32), nothing),
+                    lambda ls, t: jnp.concatenate(
+                        [
+                            squares(ls, p_where),
+                            nothing if t is None else _batch_stats(t),
+                            _samples(ls, p_where, model.sampled),
+                        ]
+                    ),
+                    lambda ls, t: jnp.concatenate([jnp.full((k,), -1.0, jnp.float32), nothing, no_samples]),
                     p_leaves,
                     targets,
                 )
+                weights, measured, samples = packed[:k], packed[k : k + INPUT_STATS], packed[k + INPUT_STATS :]
             else:
                 weights = jnp.full((n,), -1.0, jnp.float32)
                 measured = nothing if targets is None else _batch_stats(targets)
+                samples = no_samples
             head = jnp.stack([as_f32(count), as_f32(flags), loss, lr if lr is not None else jnp.float32(0)])
-            row = jnp.concatenate([head, grads, weights, inputs, measured])
+            row = jnp.concatenate([head, grads, weights, inputs, measured, samples])
             # One select writes the row and the new count: nnx.jit does not donate the state, so
             # the buffer is copied anyway, and the select is that copy.
             return write_row(buf, count % rows, row, {0: as_f32(count + 1)})
