@@ -861,6 +861,7 @@ def test_a_classifier_at_its_chance_level_is_judged_by_ln_c() -> None:
     top = dbg.explain_failure()[0]
     assert top.failure == "loss_plateau", top
     assert "at its chance level (1.386 = ln 4 for 4 classes)" in top.description, top.description
+    assert dbg._target_facts is None, "without inputs= the targets are not measured"
 
 
 def test_the_loss_wrappers_change_nothing_and_are_gone_after_the_block_also_when_it_raises() -> None:
@@ -896,8 +897,8 @@ class Regressor(nnx.Module):
 
 def regress(head: Any, loss: Any, targets: Any, steps: int = 200) -> Any:
     """Trains a Regressor on ``targets(x)`` with an optax loss, the targets passed to the
-    loss function as an argument of the differentiated function (as the flax tutorials do).
-    ``head`` and ``loss`` call jax.nn and optax by their module attributes (a reference taken
+    loss function as an argument of the differentiated function (as the flax tutorials do) and
+    the batch as ``inputs=`` (which has its targets measured too). ``head`` and ``loss`` call jax.nn and optax by their module attributes (a reference taken
     before the block is not seen)."""
     rng = np.random.default_rng(0)
     x = rng.normal(size=(512, 8)).astype(np.float32)
@@ -914,7 +915,7 @@ def regress(head: Any, loss: Any, targets: Any, steps: int = 200) -> Any:
         @nnx.jit
         def step(model: Any, optimizer: Any, xb: Any, yb: Any) -> Any:
             value, grads = nnx.value_and_grad(loss_fn)(model, xb, yb)
-            optimizer.update(model, grads, value=value)
+            optimizer.update(model, grads, value=value, inputs=xb)  # (the batch: its targets too)
             return value
 
         for i in range(steps):

@@ -480,20 +480,35 @@ def optimizer_kind(tx: Any) -> Optional[str]:
     return kinds[0] if kinds else None
 
 
-def _inner_lr(state: Any) -> Any:
+def _held_lr(state: Any) -> Any:
     """The learning rate an ``optax.inject_hyperparams`` transformation holds in its state (the
-    first one met, outermost first), or None."""
+    first one met, outermost first; an array or its abstract value), or None."""
     todo = [state]
     while todo:
         node = todo.pop(0)
         hyper = getattr(node, "hyperparams", None)
         if isinstance(hyper, dict) and hasattr(hyper.get("learning_rate"), "dtype"):
-            return jnp.asarray(hyper["learning_rate"], jnp.float32).reshape(())
+            return hyper["learning_rate"]
         if isinstance(node, dict):
             todo.extend(node.values())
         elif isinstance(node, (list, tuple)):
             todo.extend(node)
     return None
+
+
+def _inner_lr(state: Any) -> Any:
+    """The learning rate the update used, from an ``inject_hyperparams`` state, or None."""
+    lr = _held_lr(state)
+    return None if lr is None else jnp.asarray(lr, jnp.float32).reshape(())
+
+
+def _holds_lr(tx: Any) -> bool:
+    """Whether ``tx``'s state holds its learning rate (built on abstract values)."""
+    try:
+        state = jax.eval_shape(tx.init, {"w": jax.ShapeDtypeStruct((2, 2), jnp.float32)})
+    except Exception:
+        return False
+    return _held_lr(state) is not None
 
 
 class NeuralDbg(Spoke):
@@ -737,13 +752,18 @@ class NeuralDbg(Spoke):
         ):
             raise ConfigError(f"learning_rate must be a number or an optax schedule, got {learning_rate!r}")
         n = len(self._model.entries)
-        # (then the inputs' and the loss's targets' statistics, the weights' samples)
-        width = RING_HEAD + 2 * n + 2 * INPUT_STATS + SAMPLE_WEIGHTS * SAMPLE_SIZE
+        inner = optax.with_extra_args_support(tx)
+        # The weights sampled for the step size, only where the rate is not known (the engine
+        # estimates the step from a known rate): on a small model they make the ring twice as
+        # large. The row: head, gradients, parameters, the inputs' and the loss's targets'
+        # statistics, the samples.
+        step_weights = self._model.sampled if learning_rate is None and not _holds_lr(inner) else []
+        samples_width = SAMPLE_WEIGHTS * SAMPLE_SIZE if step_weights else 0
+        width = RING_HEAD + 2 * n + 2 * INPUT_STATS + samples_width
         if buffer is None:
             rows = max(16, min(256, 2 ** int(math.log2(max(RING_BYTES // (4 * width), 1)))))
         else:
             rows = check_int("buffer", buffer, 1)
-        inner = optax.with_extra_args_support(tx)
         _serializable()
         if not self._wrapped:
             self._wrapped = True
@@ -792,19 +812,18 @@ class NeuralDbg(Spoke):
                 inputs = _batch_stats(jax.lax.stop_gradient(batch))
             else:
                 inputs = jnp.full((INPUT_STATS,), jnp.nan, jnp.float32)
-            # The loss's targets, measured on sampled steps with the parameters (the host reads
-            # the first update's): no kernel of their own in the other steps.
-            targets = _as_targets(targets)
+            # The loss's targets, with the batch (`inputs=`): measured on sampled steps with the
+            # parameters (the host reads the first update's), still a few microseconds a step.
+            targets = _as_targets(targets) if batch is not None else None
             nothing = jnp.full((INPUT_STATS,), jnp.nan, jnp.float32)
-            no_samples = jnp.full((SAMPLE_WEIGHTS * SAMPLE_SIZE,), jnp.nan, jnp.float32)
+            no_samples = jnp.full((samples_width,), jnp.nan, jnp.float32)
             if targets is not None:
                 flags |= HAS_TARGETS
             grads = squares(leaves, where)
             if params is not None:
-                flags |= HAS_WEIGHTS
+                flags |= HAS_WEIGHTS | (HAS_SAMPLES if step_weights else 0)
                 sampled = jnp.logical_or(count < dense, count % every == 0)
                 p_leaves, p_where = model.gather(params)
-                flags |= HAS_SAMPLES
                 # One array out of the conditional: the squares, the targets' statistics, the samples.
                 k = len(p_where)
                 packed = jax.lax.cond(
@@ -813,7 +832,7 @@ class NeuralDbg(Spoke):
                         [
                             squares(ls, p_where),
                             nothing if t is None else _batch_stats(t),
-                            _samples(ls, p_where, model.sampled),
+                            _samples(ls, p_where, step_weights) if step_weights else no_samples,
                         ]
                     ),
                     lambda ls, t: jnp.concatenate([jnp.full((k,), -1.0, jnp.float32), nothing, no_samples]),
