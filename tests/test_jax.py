@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import pickle
 import re
 import subprocess
 import sys
@@ -608,8 +609,6 @@ def test_code_written_for_the_unwrapped_state_runs_on_the_watched_one() -> None:
     its checkpoint loaded by a run watched or not, either way round; the learning rate read and
     changed through ``opt_state.hyperparams`` (optax's way between steps; before: no attribute
     ``hyperparams``); a chain's states by index; the state pickled."""
-    import pickle
-
     serialization = pytest.importorskip("flax.serialization")
     train_state = pytest.importorskip("flax.training.train_state")
     x, y = data(64)
@@ -876,6 +875,8 @@ def test_the_loss_wrappers_change_nothing_and_are_gone_after_the_block_also_when
             np.asarray(optax.softmax_cross_entropy_with_integer_labels(z, labels)),
             np.asarray(originals[2](z, labels)),
         )
+        for fn in (jax.nn.softmax, optax.losses.squared_error):  # pickled by reference, as the originals
+            assert pickle.loads(pickle.dumps(fn)) is fn
         raise RuntimeError("the user's own")
     assert (
         jax.nn.softmax,

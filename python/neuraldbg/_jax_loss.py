@@ -138,33 +138,59 @@ class _Notes:
 NOTES = _Notes()
 
 
-def _activation(fn: Callable[..., Any], op: str) -> Callable[..., Any]:
-    @functools.wraps(fn)
-    def activation(*args: Any, **kwargs: Any) -> Any:
-        out = fn(*args, **kwargs)
+class _Module:
+    """A module, pickled as its import."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __reduce__(self) -> Tuple[Any, Tuple[str]]:
+        return (importlib.import_module, (self.name,))
+
+
+class _Noting:
+    """A function of ``jax.nn`` or ``optax.losses`` that notes what it is given and calls it
+    unchanged. Pickled as that module's attribute, as the function is by its name (a wrapper
+    function would not pickle: its name finds the original)."""
+
+    def __init__(self, fn: Callable[..., Any], module: str, name: str) -> None:
+        functools.update_wrapper(self, fn)
+        self._neuraldbg_inner = fn
+        self._at = (module, name)
+
+    def note(self, args: Tuple[Any, ...], kwargs: Dict[str, Any], out: Any) -> None:
+        raise NotImplementedError
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        out = self._neuraldbg_inner(*args, **kwargs)
         try:
-            NOTES.made(out, op)
+            self.note(args, kwargs, out)
         except Exception:  # a note, never a reason to fail the user's step
             pass
         return out
 
-    activation._neuraldbg_inner = fn  # type: ignore[attr-defined]
-    return activation
+    def __reduce__(self) -> Tuple[Any, Tuple[Any, str]]:
+        return (getattr, (_Module(self._at[0]), self._at[1]))
 
 
-def _loss(fn: Callable[..., Any], ops: Tuple[str, ...]) -> Callable[..., Any]:
-    @functools.wraps(fn)
-    def loss(*args: Any, **kwargs: Any) -> Any:
-        try:
-            output = args[0] if args else next((kwargs[k] for k in _OUTPUT_NAMES if k in kwargs), None)
-            targets = args[1] if len(args) > 1 else next((kwargs[k] for k in _TARGET_NAMES if k in kwargs), None)
-            NOTES.compared(ops, output, targets)
-        except Exception:  # a note, never a reason to fail the user's step
-            pass
-        return fn(*args, **kwargs)
+class _Activation(_Noting):
+    def __init__(self, fn: Callable[..., Any], module: str, name: str, op: str) -> None:
+        super().__init__(fn, module, name)
+        self.op = op
 
-    loss._neuraldbg_inner = fn  # type: ignore[attr-defined]
-    return loss
+    def note(self, args: Tuple[Any, ...], kwargs: Dict[str, Any], out: Any) -> None:
+        NOTES.made(out, self.op)
+
+
+class _Loss(_Noting):
+    def __init__(self, fn: Callable[..., Any], module: str, name: str, ops: Tuple[str, ...]) -> None:
+        super().__init__(fn, module, name)
+        self.ops = ops
+
+    def note(self, args: Tuple[Any, ...], kwargs: Dict[str, Any], out: Any) -> None:
+        output = args[0] if args else next((kwargs[k] for k in _OUTPUT_NAMES if k in kwargs), None)
+        targets = args[1] if len(args) > 1 else next((kwargs[k] for k in _TARGET_NAMES if k in kwargs), None)
+        NOTES.compared(self.ops, output, targets)
 
 
 def _modules(names: Tuple[str, ...]) -> List[Any]:
@@ -186,19 +212,19 @@ def watch() -> None:
     import jax.nn
     import optax.losses
 
-    def patch(canonical: Any, table: Dict[str, Any], make: Callable[[Any, Any], Any], where: List[Any]) -> None:
+    def patch(canonical: Any, table: Dict[str, Any], make: Callable[..., _Noting], where: List[Any]) -> None:
         for name, what in table.items():
             fn = getattr(canonical, name, None)
             if fn is None or hasattr(fn, "_neuraldbg_inner"):
                 continue
-            wrapper = make(fn, what)
+            wrapper = make(fn, canonical.__name__, name, what)
             for module in [canonical, *where]:
                 if getattr(module, name, None) is fn:
                     setattr(module, name, wrapper)
                     NOTES.patched.append((module, name, fn))
 
-    patch(jax.nn, ACTIVATIONS, _activation, _modules(("flax.nnx", "flax.linen")))
-    patch(optax.losses, LOSSES, _loss, _modules(("optax",)))
+    patch(jax.nn, ACTIVATIONS, _Activation, _modules(("flax.nnx", "flax.linen")))
+    patch(optax.losses, LOSSES, _Loss, _modules(("optax",)))
 
 
 def unwatch() -> None:
