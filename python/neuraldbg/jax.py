@@ -398,7 +398,7 @@ class _Model:
         weights = [j for j, e in enumerate(self.entries) if len(e.shape) >= 2]
         if len(weights) > SAMPLE_WEIGHTS:
             weights = [weights[round(k * (len(weights) - 1) / (SAMPLE_WEIGHTS - 1))] for k in range(SAMPLE_WEIGHTS)]
-        self.sampled = [(j, max(1, int(np.prod(self.entries[j].shape)) // SAMPLE_SIZE)) for j in weights]
+        self.step_weights = [(j, max(1, int(np.prod(self.entries[j].shape)) // SAMPLE_SIZE)) for j in weights]
         # Modules without parameters the engine reads: an nnx Dropout and the share it drops
         # (not one set deterministic, which drops nothing).
         self.extra: List[Tuple[Tuple[str, ...], str, float]] = []
@@ -654,7 +654,7 @@ class NeuralDbg(Spoke):
         if before is None or before[0] != step - 1 or step > self._dense_steps:
             return
         ratios = np.full(len(self._model.entries), np.nan, np.float32)
-        for k, (j, _) in enumerate(self._model.sampled):
+        for k, (j, _) in enumerate(self._model.step_weights):
             b, a = before[1][k], now[k]
             kept = np.isfinite(b) & np.isfinite(a)
             size = float(np.linalg.norm(b[kept]))
@@ -757,7 +757,7 @@ class NeuralDbg(Spoke):
         # estimates the step from a known rate): on a small model they make the ring twice as
         # large. The row: head, gradients, parameters, the inputs' and the loss's targets'
         # statistics, the samples.
-        step_weights = self._model.sampled if learning_rate is None and not _holds_lr(inner) else []
+        step_weights = self._model.step_weights if learning_rate is None and not _holds_lr(inner) else []
         samples_width = SAMPLE_WEIGHTS * SAMPLE_SIZE if step_weights else 0
         width = RING_HEAD + 2 * n + 2 * INPUT_STATS + samples_width
         if buffer is None:
