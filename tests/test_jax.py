@@ -97,6 +97,23 @@ def train(lr: float, steps: int, *, nan_at: int = -1, depth: int = 3, **options:
     return dbg, gts, losses
 
 
+def kernels_moved(model: Any, optimizer: Any, *, first: int, steps: int = 60) -> List[float]:
+    """Trains the MLP ``steps`` jitted steps on :func:`data`; returns how far each of the
+    ``first`` steps moved each kernel relative to its size, read from the model's own
+    parameters around the step (the truth a measured or estimated step size is checked by)."""
+    x, y = data()
+    step = make_step()
+    moved: List[float] = []
+    for i in range(steps):
+        before = [np.asarray(layer.kernel.value) for layer in (model.inp, *model.hidden, model.out)]
+        j = (i * 32) % len(x)
+        step(model, optimizer, x[j : j + 32], y[j : j + 32])
+        after = [np.asarray(layer.kernel.value) for layer in (model.inp, *model.hidden, model.out)]
+        if i < first:
+            moved += [float(np.linalg.norm(a - b) / np.linalg.norm(b)) for a, b in zip(after, before)]
+    return moved
+
+
 def history(dbg: Any, layer: str) -> np.ndarray:
     steps, values = dbg.history(layer, "grad_norm")
     assert list(steps) == list(range(len(steps)))
@@ -161,9 +178,7 @@ def test_the_optimizers_kind_makes_the_step_size_right(make: Any, lr: float, kin
     times the gradient. The truth is how
     far each jitted step moved the kernels, from the model's own parameters."""
     model = MLP(3, 32, nnx.Rngs(0))
-    x, y = data()
     registered: List[Dict[str, Any]] = []
-    moved: List[float] = []
     with NeuralDbg(model) as dbg:
         engine = dbg._engine
 
@@ -177,14 +192,7 @@ def test_the_optimizers_kind_makes_the_step_size_right(make: Any, lr: float, kin
 
         dbg._engine = Spy()
         optimizer = nnx.Optimizer(model, dbg.wrap(make(lr), learning_rate=lr), wrt=nnx.Param)
-        step = make_step()
-        for i in range(60):
-            before = [np.asarray(layer.kernel.value) for layer in (model.inp, *model.hidden, model.out)]
-            j = (i * 32) % len(x)
-            step(model, optimizer, x[j : j + 32], y[j : j + 32])
-            after = [np.asarray(layer.kernel.value) for layer in (model.inp, *model.hidden, model.out)]
-            if i < 5:
-                moved += [float(np.linalg.norm(a - b) / np.linalg.norm(b)) for a, b in zip(after, before)]
+        moved = kernels_moved(model, optimizer, first=5)
     assert [spec["optimizer"] for spec in registered] == [kind]
     top = dbg.explain_failure()[0]
     assert (str(top.failure), str(top.cause)) == ("loss_plateau", "learning_rate_too_low"), top
@@ -1035,18 +1043,9 @@ def test_the_step_size_is_measured_without_being_told_the_learning_rate() -> Non
     # first steps. The truth is how far each jitted step moved the kernels, read from the
     # model's own parameters around it.
     model = MLP(3, 32, nnx.Rngs(0))
-    x, y = data()
-    moved: List[float] = []
     with NeuralDbg(model) as dbg:
         optimizer = nnx.Optimizer(model, dbg.wrap(optax.adam(1e-6)), wrt=nnx.Param)
-        step = make_step()
-        for i in range(60):
-            before = [np.asarray(layer.kernel.value) for layer in (model.inp, *model.hidden, model.out)]
-            j = (i * 32) % len(x)
-            step(model, optimizer, x[j : j + 32], y[j : j + 32])
-            after = [np.asarray(layer.kernel.value) for layer in (model.inp, *model.hidden, model.out)]
-            if i < 9:
-                moved += [float(np.linalg.norm(a - b) / np.linalg.norm(b)) for a, b in zip(after, before)]
+        moved = kernels_moved(model, optimizer, first=9)
     top = dbg.explain_failure()[0]
     assert (str(top.failure), str(top.cause)) == ("loss_plateau", "learning_rate_too_low"), top
     said = re.search(r"each step moves the weights by ~([0-9.e+-]+) of their size \(measured\)", top.description)

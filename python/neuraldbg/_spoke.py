@@ -489,6 +489,16 @@ class Spoke(Results):
             self._fed = r.step
             self._after_step(r.step)
 
+    def _give_facts(self, facts: Dict[str, Any], what: str) -> None:
+        """Facts the engine takes after registration (``Engine.amend_first_batch``: the first
+        batch's, a loss learned late), from the owner thread; a problem is a warning."""
+        if not facts:
+            return
+        try:
+            self._engine.amend_first_batch(json.dumps(facts))
+        except Exception as e:  # a fact, never a reason to stop
+            warnings.warn(f"NeuralDBG could not take {what}: {e}", NeuralDbgWarning, stacklevel=3)
+
     def _post_row(self, step: int, flags: int, row: np.ndarray) -> None:
         """One step's row of a ring buffer (see :class:`RingReader`), posted as its record."""
         n = self._n_params

@@ -34,7 +34,6 @@ neuraldbg, and torch is not needed.
 from __future__ import annotations
 
 import itertools
-import json
 import math
 import threading
 import warnings
@@ -688,12 +687,7 @@ class NeuralDbg(Spoke):
         if self._target_facts:
             facts.update(self._target_facts)
             self._target_facts = {}  # (sent: an empty dict is not measured again)
-        if not facts:
-            return
-        try:
-            self._engine.amend_first_batch(json.dumps(facts))
-        except Exception as e:  # a fact, never a reason to stop
-            warnings.warn(f"NeuralDBG could not take the loss's facts: {e}", NeuralDbgWarning, stacklevel=2)
+        self._give_facts(facts, "the loss's facts")
 
     def _register(self) -> None:
         """Registers the model, once, inside the block: what is known of the optimizer by then

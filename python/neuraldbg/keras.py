@@ -30,7 +30,6 @@ Keras is not a dependency of neuraldbg.
 from __future__ import annotations
 
 import functools
-import json
 import os
 import threading
 import warnings
@@ -960,13 +959,7 @@ class KerasDbg(Spoke):
         scales = v[_FACTS_HEAD:]
         if len(scales) and not np.isnan(scales).all():
             facts["input_feature_scales"] = [float(a) if np.isfinite(a) else None for a in scales]
-        facts = {k: f for k, f in facts.items() if f is not None}
-        if not facts:
-            return
-        try:
-            self._engine.amend_first_batch(json.dumps(facts))
-        except Exception as e:  # a fact, never a reason to stop
-            warnings.warn(f"NeuralDBG could not take the first batch's facts: {e}", NeuralDbgWarning, stacklevel=2)
+        self._give_facts({k: f for k, f in facts.items() if f is not None}, "the first batch's facts")
 
     def _layer_call(self, inner: Any, *, row: int) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
