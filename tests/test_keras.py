@@ -867,3 +867,42 @@ def test_gradients_clipped_far_below_their_norm_under_sgd_are_named(clip: float)
     assert top.confidence >= 0.5 and str(top.cause) == "learning_rate_too_low", top
     assert "gradient clipping cut the gradient on 100% of the steps" in top.description, top
     assert top.remedies[0].startswith("raise the optimizer's clipnorm / global_clipnorm"), top.remedies
+
+
+@pytest.mark.parametrize("out_act", ["softmax", None])
+def test_a_subclassed_models_output_activation_is_read_from_its_training_forward_pass(out_act: Any) -> None:
+    """A subclassed model's output layer is not known before it runs; on the first training
+    forward pass the callback finds the activation whose layer call returned the model's
+    output (the same object), so a softmax under ``from_logits=True`` is named as in a
+    Sequential model. Ground truth: Keras' own loss ends higher than the same model's with a
+    linear output."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(640, 16)).astype("float32")
+    y = (x @ rng.normal(size=(16, 5))).argmax(1)
+
+    class Net(keras.Model):
+        def __init__(self, act: Any) -> None:
+            super().__init__()
+            self.hidden = keras.layers.Dense(32, activation="relu")
+            self.out = keras.layers.Dense(5, activation=act)
+
+        def call(self, v: Any) -> Any:
+            return self.out(self.hidden(v))
+
+    def fit(act: Any) -> Any:
+        keras.utils.set_random_seed(0)
+        model = Net(act)
+        model.compile(keras.optimizers.Adam(1e-3), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        cb = NeuralDbgCallback(verbose=False)
+        return model.fit(x, y, epochs=10, batch_size=32, verbose=0, callbacks=[cb]).history, cb
+
+    history, cb = fit(out_act)
+    hyps = cb.dbg.explain_failure()
+    if out_act is None:
+        assert all(h.confidence < 0.5 for h in hyps), hyps
+        return
+    linear, _ = fit(None)
+    assert history["loss"][-1] > linear["loss"][-1] + 0.1, (history["loss"], linear["loss"])
+    top = hyps[0]
+    assert str(top.cause) == "output_loss_mismatch" and top.confidence >= 0.5, hyps
+    assert "a cross-entropy with from_logits=True expects raw logits" in top.description, top

@@ -93,6 +93,11 @@ _ACTIVATIONS = {
 }
 
 
+def _engine_op(kind: str) -> str:
+    """An activation's kind as the engine names the operation that made an output."""
+    return {"ReLU": "Relu", "ReLU6": "Relu6"}.get(kind, kind)
+
+
 def _activation_kind(layer: Any) -> Optional[str]:
     """The kind of the activation a layer applies to its output (``Dense(activation=...)``,
     ``Activation(...)``, ``ReLU()``), or None."""
@@ -181,7 +186,7 @@ def _loss_facts(model: Any) -> Optional[Dict[str, Any]]:
     producer = _output_layer(outputs[0]) if outputs else None
     if producer is not None:  # (a subclassed model's output layer is not known)
         kind = _activation_kind(producer) or "Linear"
-        facts["output_op"] = {"ReLU": "Relu", "ReLU6": "Relu6"}.get(kind, kind)
+        facts["output_op"] = _engine_op(kind)
     units = outputs[0].shape[-1] if outputs else None
     if isinstance(units, int):
         facts["output_units"] = units
@@ -613,6 +618,14 @@ class KerasDbg(Spoke):
         self._replicas = _replicas(model)
         self._collecting: Optional[Dict[int, Any]] = None
         self._forwards = 0
+        # A subclassed model's output activation, read from its training forward passes
+        # (`_note_output`): the layers of the activation probes by row; the kind found, until
+        # given to the engine.
+        self._act_layers: Dict[int, Any] = {}
+        self._output_unknown = False
+        self._output_op: Optional[str] = None
+        # (output, layer) of the layers with an activation called in this forward pass.
+        self._made: Optional[List[Tuple[Any, Any]]] = None
         # JAX: the ring buffer the train step writes each update's numbers into (an optimizer
         # variable for the run), its place in the optimizer's variables, and its reader.
         self._ring_var: Any = None
@@ -659,6 +672,7 @@ class KerasDbg(Spoke):
             spec["loss"] = None
         self._spec_modules = spec["modules"]
         loss = spec.get("loss")
+        self._output_unknown = bool(loss) and "output_op" not in loss
         self._regression = bool(loss) and any(op in _REGRESSION_OPS for op in loss["ops"])
         self._binary = bool(loss) and any(op.startswith("BinaryCrossEntropy") for op in loss["ops"])
         self._class_indices = bool(loss) and _compiled_loss(self.model)[0] == "sparse_categorical_crossentropy"
@@ -848,19 +862,39 @@ class KerasDbg(Spoke):
             if layer is not None:
                 rows.append((row, probe, layer))
         self._act_probes = {row: probe for row, probe, _ in rows}
+        self._act_layers = {row: layer for row, _, layer in rows}
         for row, _, layer in rows:
             _wrap_call(layer, functools.partial(self._layer_call, row=row))
             self._wrapped_layers.append(layer)
+        if self._output_unknown:  # the other layers with an activation: which one makes the output
+            probed = {id(layer) for _, _, layer in rows}
+            for layer in {id(v): v for v in self._model.activation_layers.values()}.values():
+                if id(layer) not in probed:
+                    _wrap_call(layer, functools.partial(self._made_call, layer=layer))
+                    self._wrapped_layers.append(layer)
         if keras.backend.backend() == "jax":
             self._add_activation_ring()
 
         def model_call(inner: Any) -> Callable[..., Any]:
-            def call(*args: Any, **kwargs: Any) -> Any:
-                if kwargs.get("training") is not True or not self._active or self._collecting is not None:
+            def noting(*args: Any, **kwargs: Any) -> Any:
+                """The call, noting which layer made its output while that is unknown (any
+                pass: a subclassed model's ``call`` may take no ``training`` argument)."""
+                if not (self._output_unknown and self._active and self._made is None):
                     return inner(*args, **kwargs)
-                self._collecting = {}
+                self._made = []
                 try:
                     out = inner(*args, **kwargs)
+                finally:
+                    made, self._made = self._made, None
+                self._note_output(out, made)
+                return out
+
+            def call(*args: Any, **kwargs: Any) -> Any:
+                if kwargs.get("training") is not True or not self._active or self._collecting is not None:
+                    return noting(*args, **kwargs)
+                self._collecting = {}
+                try:
+                    out = noting(*args, **kwargs)
                 finally:
                     collected, self._collecting = self._collecting, None
                 try:
@@ -885,6 +919,25 @@ class KerasDbg(Spoke):
         _wrap_call(self.model, model_call)
         self._wrapped_layers.append(self.model)
         _wrap_call(self.model, self._loss_call, "compute_loss")
+
+    def _note_output(self, out: Any, made: List[Tuple[Any, Any]]) -> None:
+        """A subclassed model's output activation (its compiled loss's facts could not say it):
+        that of the layer whose call returned the model's output, the same object. Given to the
+        engine from the owner thread (never raises)."""
+        if not self._output_unknown or self._output_op is not None:
+            return
+        layer = next((layer for value, layer in made if value is out), None)
+        kind = _activation_kind(layer) if layer is not None else None
+        if kind is None and not _symbolic(out):
+            self._output_unknown = False  # made by no activation we know: nothing to claim
+        if kind is not None:
+            self._output_op = _engine_op(kind)
+            self._give_output()
+
+    def _give_output(self) -> None:
+        if self._output_op is not None and self._output_unknown and threading.get_ident() == self._owner:
+            self._output_unknown = False
+            self._give_facts({"output_op": self._output_op}, "the output's activation")
 
     def _loss_call(self, inner: Any) -> Callable[..., Any]:
         """``model.compute_loss`` for the run: in a training step, the first batch's facts
@@ -967,6 +1020,20 @@ class KerasDbg(Spoke):
             collecting = self._collecting
             if collecting is not None and hasattr(out, "shape") and not _symbolic(out):
                 collecting[row] = out
+            if self._made is not None:
+                self._made.append((out, self._act_layers[row]))
+            return out
+
+        return call
+
+    def _made_call(self, inner: Any, *, layer: Any) -> Callable[..., Any]:
+        """A layer with an activation but no probe, while the model's output layer is unknown:
+        its output is noted (`_note_output`)."""
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            out = inner(*args, **kwargs)
+            if self._made is not None:
+                self._made.append((out, layer))
             return out
 
         return call
@@ -1385,6 +1452,7 @@ class KerasDbg(Spoke):
         or ``on_failure`` every batch, and the previous batch's loss is waited for too, so that
         a failure stops fit after the next batch at most."""
         self._measure_updates()
+        self._give_output()
         self._begun += 1
         self._batches += 1
         urgent = self._halt is not None or self._on_failure is not None

@@ -133,6 +133,10 @@ pub struct FirstBatch {
     /// The loss, taken where the registered spec has none.
     #[serde(default)]
     pub loss: Option<LossSpec>,
+    /// The operation that made the model's output ([`LossSpec::output_op`]), where only the
+    /// running model says (the Keras callback: a subclassed model's output layer).
+    #[serde(default)]
+    pub output_op: Option<String>,
     #[serde(default)]
     pub target_range: Option<(f64, f64)>,
     #[serde(default)]
@@ -313,6 +317,7 @@ impl ModelSpec {
             changed |= fill(&mut loss.output_range, facts.output_range);
             changed |= fill(&mut loss.class_range, facts.class_range);
             changed |= fill(&mut loss.output_numel, facts.output_numel);
+            changed |= fill(&mut loss.output_op, facts.output_op.clone());
         }
         changed |= fill(
             &mut self.input_feature_scales,

@@ -700,6 +700,7 @@ fn first_batch_facts_survive_writing_and_replay() {
         output_numel: Some(64),
         input_feature_scales: Some(vec![Some(1.5), None, Some(2.0)]),
         loss: None,
+        output_op: Some("Identity".into()),
     };
     let mut live = Engine::new(Config::default()).unwrap();
     live.register_model(spec.clone()).unwrap();
@@ -725,6 +726,10 @@ fn first_batch_facts_survive_writing_and_replay() {
     assert_eq!(model.loss.as_ref().unwrap().target_range, Some((-2.0, 3.0)));
     assert_eq!(model.loss.as_ref().unwrap().class_range, Some((0.0, 4.0)));
     assert_eq!(model.loss.as_ref().unwrap().output_numel, Some(64));
+    assert_eq!(
+        model.loss.as_ref().unwrap().output_op.as_deref(),
+        Some("Identity")
+    );
     assert_eq!(model.input_feature_scales, facts.input_feature_scales);
     let live_diag = diagnosis(&live);
     let text = live_diag["hypotheses"].to_string();
