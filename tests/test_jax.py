@@ -1052,3 +1052,33 @@ def test_the_step_size_is_measured_without_being_told_the_learning_rate() -> Non
     assert said is not None, top.description
     truth = float(np.median(moved))
     assert truth / 2 < float(said[1]) < truth * 2, (said[1], truth)
+
+
+def test_an_evaluation_step_traced_first_leaves_the_loss_to_the_training_step() -> None:
+    # The loss noted by an evaluation step traced before training (another batch size, no
+    # update) agrees with the training step's on everything but the shapes: the training step's
+    # own call, the last before its update, is the one taken.
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(512, 8)).astype(np.float32)
+    y = np.argmax(x @ rng.normal(size=(8, 4)), 1)
+    model = Classifier(4, lambda z: nnx.softmax(z), nnx.Rngs(0))
+    with NeuralDbg(model) as dbg:
+        optimizer = nnx.Optimizer(model, dbg.wrap(optax.adam(1e-2)), wrt=nnx.Param)
+
+        @nnx.jit
+        def evaluate(model: Any, xb: Any, yb: Any) -> Any:
+            return ce(model(xb), yb).mean()
+
+        @nnx.jit
+        def step(model: Any, optimizer: Any, xb: Any, yb: Any) -> Any:
+            value, grads = nnx.value_and_grad(lambda m: ce(m(xb), yb).mean())(model)
+            optimizer.update(model, grads, value=value)
+            return value
+
+        evaluate(model, x[:128], y[:128])
+        for i in range(200):
+            j = (i * 64) % len(x)
+            step(model, optimizer, x[j : j + 64], y[j : j + 64])
+    assert dbg._loss is not None and dbg._loss["output_numel"] == 64 * 4, dbg._loss
+    top = dbg.explain_failure()[0]
+    assert (top.failure, top.cause) == ("loss_plateau", "output_loss_mismatch"), top

@@ -123,14 +123,21 @@ class _Notes:
                 self.losses.append((facts, kind, targets if kind else None))
 
     def take(self) -> Optional[Tuple[Dict[str, Any], Optional[str], Any]]:
-        """The loss the calls noted since the last take describe, if they agree (a step that
-        computes two different losses gives none), else None; the notes are cleared. With it,
-        what the targets are (``"classes"``: integer labels; ``"values"``: what the output is
-        compared with; None: other) and the last call's targets (a traced array: the step's
-        own, which the update traced after the loss can measure)."""
+        """The loss of the last call noted since the last take (the step being traced calls it
+        just before its update), if every call noted agrees on the loss, the output's
+        activation and units (a step that computes two different losses gives none; an
+        evaluation step traced earlier may differ in batch size only), else None; the notes are
+        cleared. With it, what the targets are (``"classes"``: integer labels; ``"values"``:
+        what the output is compared with; None: other) and that call's targets (a traced array:
+        the step's own, which the update traced after the loss can measure)."""
         with self.lock:
             losses, self.losses = self.losses, []
-        if not losses or any(f[:2] != losses[0][:2] for f in losses[1:]):
+
+        def kind(noted: Tuple[Dict[str, Any], Optional[str], Any]) -> Tuple[Any, ...]:
+            facts = noted[0]
+            return (facts["ops"], facts.get("output_op"), facts.get("output_units"), noted[1])
+
+        if not losses or any(kind(f) != kind(losses[-1]) for f in losses):
             return None
         return losses[-1]
 
