@@ -1082,3 +1082,60 @@ def test_an_evaluation_step_traced_first_leaves_the_loss_to_the_training_step() 
     assert dbg._loss is not None and dbg._loss["output_numel"] == 64 * 4, dbg._loss
     top = dbg.explain_failure()[0]
     assert (top.failure, top.cause) == ("loss_plateau", "output_loss_mismatch"), top
+
+
+class DeepNormed(nnx.Module):
+    """13 BatchNorm + ReLU blocks (the PyTorch scenario `deep_bn_mlp_trained_in_eval_mode`)."""
+
+    def __init__(self, rngs: Any) -> None:
+        self.inp = nnx.Linear(16, 32, rngs=rngs)
+        self.blocks = nnx.List(
+            [nnx.List([nnx.BatchNorm(32, rngs=rngs), nnx.Linear(32, 32, rngs=rngs)]) for _ in range(12)]
+        )
+        self.norm = nnx.BatchNorm(32, rngs=rngs)
+        self.out = nnx.Linear(32, 4, rngs=rngs)
+
+    def __call__(self, x: Any) -> Any:
+        x = self.inp(x)
+        for norm, linear in self.blocks:
+            x = linear(nnx.relu(norm(x)))
+        return self.out(nnx.relu(self.norm(x)))
+
+
+@pytest.mark.parametrize("evaluating", [True, False])
+def test_a_model_trained_after_model_eval_is_named(evaluating: bool) -> None:
+    # model.eval() left over before training: every BatchNorm normalizes with its initial
+    # running statistics, the step is compiled in that mode (read from the modules while it is
+    # traced), and the loop's own loss stays at ln 4 while the same model in training mode
+    # learns; jax.grad's gradient of the first layer is ~100x smaller in eval mode.
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(512, 16)).astype(np.float32)
+    y = np.argmax(x @ rng.normal(size=(16, 4)), 1)
+    model = DeepNormed(nnx.Rngs(0))
+    if evaluating:
+        model.eval()
+    losses: List[float] = []
+    with NeuralDbg(model) as dbg:
+        optimizer = nnx.Optimizer(model, dbg.wrap(optax.sgd(0.05), learning_rate=0.05), wrt=nnx.Param)
+
+        @nnx.jit
+        def step(model: Any, optimizer: Any, xb: Any, yb: Any) -> Any:
+            value, grads = nnx.value_and_grad(lambda m: ce(m(xb), yb).mean())(model)
+            optimizer.update(model, grads, value=value)
+            return value, grads
+
+        for i in range(60):
+            j = (i * 64) % len(x)
+            value, grads = step(model, optimizer, x[j : j + 64], y[j : j + 64])
+            losses.append(float(value))
+    first = truth(grads)["inp"]
+    found = dbg.explain_failure()
+    if not evaluating:
+        assert np.mean(losses[-10:]) < 1.1 and first > 0.1, (losses[-10:], first)
+        assert not any(h.cause == "eval_mode" for h in found), found
+        return
+    assert abs(np.mean(losses[-10:]) / np.log(4) - 1) < 0.03 and first < 0.02, (losses[-10:], first)
+    top = found[0]
+    assert top.cause == "eval_mode" and top.confidence >= 0.5, top
+    assert "in eval() mode on 100% of the training steps" in top.description, top.description
+    assert top.remedies[1].startswith("end every evaluation with model.train()"), top.remedies

@@ -161,8 +161,9 @@ class Record:
 RING_MARKER = 0x4E444247
 # Row flags (int32 bits in column 1): the update had a loss, a learning rate, parameter norms;
 # a forward pass's input batch was measured; the loss's targets were, samples of the weights
-# were taken (JAX).
+# were taken; the step was compiled with its mode-dependent layers in training, in eval mode (JAX).
 HAS_LOSS, HAS_LR, HAS_WEIGHTS, HAS_INPUTS, HAS_TARGETS, HAS_SAMPLES = 1, 2, 4, 8, 16, 32
+IN_TRAINING, IN_EVAL = 64, 128
 # Statistics of an input batch: min, max, mean, std.
 INPUT_STATS = 4
 # Columns before the gradient norms: step, flags, loss, learning rate.

@@ -49,6 +49,8 @@ from ._spoke import (
     HAS_SAMPLES,
     HAS_TARGETS,
     HAS_WEIGHTS,
+    IN_EVAL,
+    IN_TRAINING,
     INPUT_STATS,
     RING_BYTES,
     RING_HEAD,
@@ -402,8 +404,12 @@ class _Model:
         # (not one set deterministic, which drops nothing).
         self.extra: List[Tuple[Tuple[str, ...], str, float]] = []
         self.attrs: Dict[Tuple[str, ...], List[List[Any]]] = {}
+        # The modules whose computation depends on the mode (`model.train()` / `eval()`).
+        self.moded: List[Any] = []
         if self.is_nnx:
             for path, node in nnx.iter_graph(model):
+                if isinstance(node, (nnx.BatchNorm, nnx.Dropout)):
+                    self.moded.append(node)
                 rate = getattr(node, "rate", None)
                 if not isinstance(node, nnx.Dropout) or getattr(node, "deterministic", False) is True:
                     continue
@@ -411,6 +417,18 @@ class _Model:
                     names = tuple(str(k) for k in path)
                     self.extra.append((names, "Dropout", float(ranks.get(names, 1e9))))
                     self.attrs[names] = [["p", float(rate)]]
+
+    def mode(self) -> int:
+        """The mode its mode-dependent modules are in now (a static attribute of each: the one a
+        step traced now is compiled with), as row flags: :data:`IN_EVAL` when any normalizes
+        with running averages or drops nothing, :data:`IN_TRAINING` otherwise, 0 without any."""
+        if not self.moded:
+            return 0
+        evaluating = any(
+            getattr(m, "use_running_average", None) is True or getattr(m, "deterministic", None) is True
+            for m in self.moded
+        )
+        return IN_EVAL if evaluating else IN_TRAINING
 
     def _key(self, names: Tuple[str, ...]) -> str:
         if self.prefix and names[: len(self.prefix)] == self.prefix:
@@ -580,8 +598,9 @@ class NeuralDbg(Spoke):
         self._target_facts: Optional[Dict[str, Any]] = None
         self._loss_sent = False
         self._watching_losses = False
-        # The last sampled step's weight samples (`_step_size`).
+        # The last sampled step's weight samples (`_step_size`); each step's mode, until fed.
         self._samples: Optional[Tuple[int, Any]] = None
+        self._modes: Dict[int, float] = {}
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -634,6 +653,8 @@ class NeuralDbg(Spoke):
         return targets
 
     def _post_squares(self, step: int, flags: int, row: Any) -> None:
+        if flags & (IN_TRAINING | IN_EVAL):
+            self._modes[step] = 1.0 if flags & IN_TRAINING else 0.0
         at = RING_HEAD + 2 * len(self._model.entries) + INPUT_STATS
         if flags & HAS_TARGETS and self._target_facts is None:
             self._target_facts = self._targets_facts(row[at : at + INPUT_STATS])
@@ -641,6 +662,12 @@ class NeuralDbg(Spoke):
             at += INPUT_STATS
             self._step_size(step, row[at : at + SAMPLE_WEIGHTS * SAMPLE_SIZE])
         super()._post_squares(step, flags, row)
+
+    def _step_facts(self, r: Record) -> Optional[Dict[str, float]]:
+        """Whether the step ran in training mode (as the PyTorch collector says it), where the
+        model has modules whose computation depends on it."""
+        mode = self._modes.pop(r.step, None)
+        return None if mode is None else {"training": mode}
 
     def _step_size(self, step: int, samples: Any) -> None:
         """How far the update before ``step`` moved each measured weight (``|W_after -
@@ -799,7 +826,7 @@ class NeuralDbg(Spoke):
                 lr = _inner_lr(after)
             else:
                 lr = jnp.float32(learning_rate)
-            flags = (HAS_LOSS if value is not None else 0) | (HAS_LR if lr is not None else 0)
+            flags = (HAS_LOSS if value is not None else 0) | (HAS_LR if lr is not None else 0) | model.mode()
             batch = _first_float(extra.get("inputs"))
             if batch is not None:
                 flags |= HAS_INPUTS
