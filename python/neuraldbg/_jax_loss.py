@@ -14,8 +14,8 @@ elements, and the elements it compared with the targets once broadcast). So a so
 by, and ``(N, 1)`` predictions regressed on ``(N,)`` targets are named as in PyTorch.
 
 The targets a loss was given are kept with the notes: the wrapped transformation measures them
-in the update (where they are the step's own arrays) for the facts that need values, the
-targets' range and variance.
+in the update, when the loop gives it the batch (``inputs=``) and they are the step's own
+arrays, for the facts that need values, the targets' range and variance.
 
 What is not seen: a loss written out by hand (``-jnp.sum(labels * jax.nn.log_softmax(z))``), a
 loss or activation referenced before the first debugger watched (``from optax import X`` at the
