@@ -838,6 +838,7 @@ def test_an_output_activation_that_does_not_fit_the_optax_loss_is_named(
     top = dbg.explain_failure()[0]
     assert (top.failure, top.cause) == ("loss_plateau", "output_loss_mismatch"), top
     assert top.confidence >= 0.5 and says in top.description, top
+    assert not any("torch" in r or "Loss" in r for r in top.remedies), top.remedies  # in optax's words
     assert not [h for h in fixed.explain_failure() if h.confidence >= 0.5], fixed.explain_failure()
 
 

@@ -391,11 +391,19 @@ impl Remedy {
             ),
             Remedy::RemoveSoftmaxBeforeCrossEntropy => fw(
                 "remove the final Softmax (or .softmax()) from the model: CrossEntropyLoss takes raw logits; apply softmax only at inference",
-                "a cross-entropy with from_logits=True takes raw logits: remove the final softmax (activation=None), or keep it and set from_logits=False",
+                "a cross-entropy with from_logits=True takes raw logits: remove the final softmax (activation=None); apply softmax only at inference",
                 "remove the final softmax from the model: optax.softmax_cross_entropy takes raw logits; apply softmax only at inference",
             ),
-            Remedy::NllOnLogSoftmax => "or keep the model's output and switch to NLLLoss on torch.log_softmax(...) instead of softmax".into(),
-            Remedy::LogSoftmaxForNll => "replace the final Softmax with LogSoftmax(dim=-1), or drop it and use CrossEntropyLoss on the logits".into(),
+            Remedy::NllOnLogSoftmax => fw(
+                "or keep the model's output and switch to NLLLoss on torch.log_softmax(...) instead of softmax",
+                "or keep the softmax and set from_logits=False",
+                "or make the model's last operation jax.nn.log_softmax instead of softmax: the loss's own log-softmax leaves log-probabilities as they are",
+            ),
+            Remedy::LogSoftmaxForNll => fw(
+                "replace the final Softmax with LogSoftmax(dim=-1), or drop it and use CrossEntropyLoss on the logits",
+                "give the output layer activation=\"softmax\" (a cross-entropy with from_logits=False takes the log of probabilities), or keep the raw output and set from_logits=True",
+                "take the log of probabilities (jax.nn.log_softmax as the last operation), or drop the log and use optax.softmax_cross_entropy on the logits",
+            ),
             Remedy::RemoveSigmoidBeforeLogitsLoss => fw(
                 "remove the final Sigmoid (or torch.sigmoid) from the model: BCEWithLogitsLoss applies it; apply sigmoid only at inference",
                 "a binary cross-entropy with from_logits=True applies the sigmoid itself: remove the final sigmoid (activation=None); apply it only at inference",
