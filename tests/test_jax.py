@@ -1140,3 +1140,23 @@ def test_a_model_trained_after_model_eval_is_named(evaluating: bool) -> None:
     assert top.cause == "eval_mode" and top.confidence >= 0.5, top
     assert "in eval() mode on 100% of the training steps" in top.description, top.description
     assert top.remedies[1].startswith("end every evaluation with model.train()"), top.remedies
+
+
+def test_once_the_loss_is_taken_an_eager_loop_is_noted_no_more() -> None:
+    # An eager loop (no jit) calls the loss and its activations at every step: once the update
+    # has taken the loss, nothing more is noted and no array of the loop is kept.
+    from neuraldbg import _jax_loss
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 8)).astype(np.float32)
+    y = np.argmax(x @ rng.normal(size=(8, 4)), 1)
+    model = Classifier(4, lambda z: z, nnx.Rngs(0))
+    with NeuralDbg(model) as dbg:
+        optimizer = nnx.Optimizer(model, dbg.wrap(optax.adam(1e-2)), wrt=nnx.Param)
+        for _ in range(3):
+            value, grads = nnx.value_and_grad(lambda m: ce(m(x), y).mean())(model)
+            optimizer.update(model, grads, value=value)
+            assert dbg._loss is not None
+            assert not _jax_loss.NOTES.losses and not _jax_loss.NOTES.outputs
+        assert _jax_loss.NOTES.wanting == 0
+    assert _jax_loss.NOTES.watchers == 0

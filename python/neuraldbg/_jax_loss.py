@@ -77,11 +77,16 @@ _RECENT = 8
 
 
 class _Notes:
-    """What the wrappers saw, process-wide, while at least one JAX debugger is watching."""
+    """What the wrappers saw, process-wide, while at least one JAX debugger in its block still
+    wants its loss (once every one has it, calls are not noted: an eager loop pays nothing more,
+    and no array of it is kept)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
+        # Who keeps the wrappers in place (debuggers in their block, `neuraldbg run`), and the
+        # debuggers among them that have not taken their loss yet.
         self.watchers = 0
+        self.wanting = 0
         self.outputs: Deque[Tuple[Any, str]] = collections.deque(maxlen=_RECENT)
         # Per loss call: its facts, what its targets are, the targets themselves.
         self.losses: List[Tuple[Dict[str, Any], Optional[str], Any]] = []
@@ -89,11 +94,11 @@ class _Notes:
         self.patched: List[Tuple[Any, str, Any]] = []
 
     def made(self, out: Any, op: str) -> None:
-        if self.watchers and hasattr(out, "shape"):
+        if self.wanting and hasattr(out, "shape"):
             self.outputs.append((out, op))
 
     def compared(self, ops: Tuple[str, ...], output: Any, targets: Any) -> None:
-        if not self.watchers or not hasattr(output, "shape"):
+        if not self.wanting or not hasattr(output, "shape"):
             return
         shape = tuple(output.shape)
         facts: Dict[str, Any] = {"ops": list(ops)}
@@ -139,7 +144,16 @@ class _Notes:
 
         if not losses or any(kind(f) != kind(losses[-1]) for f in losses):
             return None
+        self._served()
         return losses[-1]
+
+    def _served(self) -> None:
+        """One debugger less wants its loss; with none left, what was noted goes."""
+        with self.lock:
+            self.wanting = max(0, self.wanting - 1)
+            if not self.wanting:
+                self.outputs.clear()
+                self.losses.clear()
 
 
 NOTES = _Notes()
@@ -210,10 +224,12 @@ def _modules(names: Tuple[str, ...]) -> List[Any]:
     return found
 
 
-def watch() -> None:
-    """One more debugger watching: the wrappers go in place with the first."""
+def watch(*, wants: bool) -> None:
+    """One more watcher (``wants``: a debugger that wants its loss): the wrappers go in place
+    with the first."""
     with NOTES.lock:
         NOTES.watchers += 1
+        NOTES.wanting += wants
         if NOTES.watchers > 1:
             return
     import jax.nn
@@ -234,16 +250,16 @@ def watch() -> None:
     patch(optax.losses, LOSSES, _Loss, _modules(("optax",)))
 
 
-def unwatch() -> None:
-    """One debugger less: the originals are back once none watches (a wrapper someone replaced
-    in the meantime is left to them)."""
+def unwatch(*, wants: bool) -> None:
+    """One watcher less (``wants``: a debugger that never got its loss): the originals are back
+    once none watches (a wrapper someone replaced in the meantime is left to them)."""
+    if wants:
+        NOTES._served()
     with NOTES.lock:
         NOTES.watchers = max(0, NOTES.watchers - 1)
         if NOTES.watchers:
             return
         patched, NOTES.patched = NOTES.patched, []
-        NOTES.outputs.clear()
-        NOTES.losses.clear()
     for module, name, fn in patched:
         if getattr(getattr(module, name, None), "_neuraldbg_inner", None) is fn:
             setattr(module, name, fn)

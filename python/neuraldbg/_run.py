@@ -477,7 +477,7 @@ class Watch:
         the noting one, which a debugger entered later could not make it."""
         from . import _jax_loss
 
-        _jax_loss.watch()
+        _jax_loss.watch(wants=False)  # (the debuggers made later want their losses)
         self._losses_watched = True
 
     def _train_state(self, module: ModuleType) -> None:
@@ -623,7 +623,7 @@ class Watch:
             from . import _jax_loss
 
             self._losses_watched = False
-            _jax_loss.unwatch()
+            _jax_loss.unwatch(wants=False)
 
 
 # ------------------------------------------------------------------------- outputs

@@ -621,7 +621,7 @@ class NeuralDbg(Spoke):
         self._meta = meta
         if self._wrapped:
             self._register()
-        _jax_loss.watch()
+        _jax_loss.watch(wants=True)
         self._watching_losses = True
         return self
 
@@ -633,7 +633,7 @@ class NeuralDbg(Spoke):
         finally:
             if self._watching_losses:
                 self._watching_losses = False
-                _jax_loss.unwatch()
+                _jax_loss.unwatch(wants=self._loss is None)
         return False  # never swallow the user's exception
 
     def _drain(self, final: bool = False) -> None:

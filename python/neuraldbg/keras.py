@@ -618,10 +618,8 @@ class KerasDbg(Spoke):
         self._replicas = _replicas(model)
         self._collecting: Optional[Dict[int, Any]] = None
         self._forwards = 0
-        # A subclassed model's output activation, read from its training forward passes
-        # (`_note_output`): the layers of the activation probes by row; the kind found, until
-        # given to the engine.
-        self._act_layers: Dict[int, Any] = {}
+        # A subclassed model's output activation, read from its forward passes (`_note_output`):
+        # whether it is still unknown, the kind found until given to the engine.
         self._output_unknown = False
         self._output_op: Optional[str] = None
         # (output, layer) of the layers with an activation called in this forward pass.
@@ -862,9 +860,8 @@ class KerasDbg(Spoke):
             if layer is not None:
                 rows.append((row, probe, layer))
         self._act_probes = {row: probe for row, probe, _ in rows}
-        self._act_layers = {row: layer for row, _, layer in rows}
         for row, _, layer in rows:
-            _wrap_call(layer, functools.partial(self._layer_call, row=row))
+            _wrap_call(layer, functools.partial(self._layer_call, row=row, layer=layer))
             self._wrapped_layers.append(layer)
         if self._output_unknown:  # the other layers with an activation: which one makes the output
             probed = {id(layer) for _, _, layer in rows}
@@ -1014,14 +1011,14 @@ class KerasDbg(Spoke):
             facts["input_feature_scales"] = [float(a) if np.isfinite(a) else None for a in scales]
         self._give_facts({k: f for k, f in facts.items() if f is not None}, "the first batch's facts")
 
-    def _layer_call(self, inner: Any, *, row: int) -> Callable[..., Any]:
+    def _layer_call(self, inner: Any, *, row: int, layer: Any) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
             out = inner(*args, **kwargs)
             collecting = self._collecting
             if collecting is not None and hasattr(out, "shape") and not _symbolic(out):
                 collecting[row] = out
             if self._made is not None:
-                self._made.append((out, self._act_layers[row]))
+                self._made.append((out, layer))
             return out
 
         return call
