@@ -347,11 +347,9 @@ impl Remedy {
             Remedy::ZeroGradBeforeBackward => "in each iteration: optimizer.zero_grad(), the forward pass, loss.backward(), then optimizer.step(); never zero_grad() between backward() and step(), and never step() before backward(): either way the step finds the gradients cleared".into(),
             Remedy::AccumulateOnPurpose => "when accumulating on purpose over k micro-batches, zero after every optimizer.step() and divide the loss by k".into(),
             Remedy::CallTrain => "call model.train() before the training loop (and again after every evaluation that calls model.eval())".into(),
-            Remedy::RestoreModeAfterEval => fw(
-                "wrap evaluation in a helper that restores the mode: was = model.training; model.eval(); ...; model.train(was)",
-                "wrap evaluation in a helper that restores the mode: was = model.training; model.eval(); ...; model.train(was)",
-                "end every evaluation with model.train(): nnx keeps the mode in each BatchNorm (use_running_average) and Dropout (deterministic), and a step jitted after model.eval() is compiled in it",
-            ),
+            // (Keras passes the mode to each call: only PyTorch's and nnx's modules keep one.)
+            Remedy::RestoreModeAfterEval if framework == Framework::Jax => "end every evaluation with model.train(): nnx keeps the mode in each BatchNorm (use_running_average) and Dropout (deterministic), and a step jitted after model.eval() is compiled in it".into(),
+            Remedy::RestoreModeAfterEval => "wrap evaluation in a helper that restores the mode: was = model.training; model.eval(); ...; model.train(was)".into(),
             Remedy::PassToOptimizer { layer } => format!(
                 "pass the parameters of {} to the optimizer: build it from model.parameters() after every layer is created (an optimizer made before a layer was added or replaced does not hold it)",
                 the_layer(layer)

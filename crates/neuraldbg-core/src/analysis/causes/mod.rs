@@ -83,6 +83,11 @@ pub(crate) struct RemedyCase<'a> {
 }
 
 impl RemedyCase<'_> {
+    /// The framework the run was collected from (its remedies name that framework's functions).
+    pub fn framework(&self) -> super::remedy::Framework {
+        super::remedy::Framework::of(self.run.model.spec.framework.as_deref())
+    }
+
     /// The root-cause layer's qualified name.
     pub fn layer(&self) -> Option<String> {
         self.e

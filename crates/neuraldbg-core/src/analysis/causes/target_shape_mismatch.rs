@@ -2,7 +2,7 @@
 //! target (`(N, 1)` against `(N,)` gives `(N, N)`): every output is compared with every target,
 //! so the best it can do is predict their mean.
 
-use super::super::remedy::Remedy;
+use super::super::remedy::{Framework, Remedy};
 use super::super::vocab::{Cause, Failure};
 use super::{Case, CauseRule, RemedyCase, Votes};
 
@@ -45,8 +45,7 @@ impl CauseRule for TargetShapeMismatch {
 
     /// `PyTorch` warns of the broadcast (burn's wording is its); optax and Keras do not.
     fn remedies(&self, c: &RemedyCase<'_>) -> Vec<Remedy> {
-        let framework = c.run.model.spec.framework.as_deref();
-        if matches!(framework, Some("jax" | "keras")) {
+        if matches!(c.framework(), Framework::Jax | Framework::Keras) {
             return vec![Remedy::MatchTargetShape];
         }
         vec![Remedy::MatchTargetShape, Remedy::KeepShapeWarning]
