@@ -1002,3 +1002,73 @@ def test_binary_cross_entropy_targets_outside_zero_one_are_named_from_the_first_
     words = " ".join(top.description.split())
     assert "the binary cross-entropy's targets span [0, 255], and it needs probabilities in [0, 1]" in words, words
     assert "scale the binary cross-entropy's targets into [0, 1] (they span [0, 255])" in top.remedies[0], top.remedies
+
+
+def test_regression_targets_shuffled_apart_from_their_inputs_are_why_nothing_is_learned():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2048, 20, generator=g)
+    t = x[:, :3].sum(1, keepdim=True)
+    runs = {}
+    for name, targets in [("paired", t), ("apart", t[torch.randperm(len(t), generator=g)])]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 1))
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        losses = []
+        with NeuralDbg(model) as dbg:
+            for epoch in range(6):
+                order = torch.randperm(len(x), generator=torch.Generator().manual_seed(epoch))
+                for i in range(0, len(x), 64):
+                    b = order[i : i + 64]
+                    opt.zero_grad()
+                    loss = nn.functional.mse_loss(model(x[b]), targets[b])
+                    loss.backward()
+                    opt.step()
+                    losses.append(loss.item())
+        runs[name] = (float(np.mean(losses[-16:])), dbg.explain_failure())
+    # Ground truth from the loop: paired, the loss falls to a small share of the targets'
+    # variance; apart, it stays at it (what predicting their mean gives).
+    variance = float(t.var())
+    assert runs["paired"][0] < 0.05 * variance and runs["apart"][0] > 0.9 * variance, (runs, variance)
+    assert not [h for h in runs["paired"][1] if h.cause == "bad_input_data"]
+    top = runs["apart"][1][0]
+    assert top.cause == "bad_input_data" and top.confidence >= 0.5, runs["apart"][1][:2]
+    assert "look unrelated to their inputs" in top.description
+    assert "at the variance of its targets" in top.description
+
+
+@pytest.mark.parametrize("labels", ["paired", "apart"])
+def test_labels_shuffled_apart_from_their_inputs_are_why_nothing_is_learned(labels):
+    x, y = _classification()
+    if labels == "apart":
+        y = y[torch.randperm(len(y), generator=torch.Generator().manual_seed(7))]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 5))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    losses = []
+    with NeuralDbg(model) as dbg:
+        for epoch in range(6):
+            order = torch.randperm(len(x), generator=torch.Generator().manual_seed(epoch))
+            for i in range(0, len(x), 64):
+                b = order[i : i + 64]
+                opt.zero_grad()
+                loss = nn.functional.cross_entropy(model(x[b]), y[b])
+                loss.backward()
+                opt.step()
+                losses.append(loss.item())
+    # Ground truth from the loop: paired, the loss falls far below the labels' own entropy (what
+    # predicting the class frequencies gives); apart, it never gets clearly below it.
+    freq = torch.bincount(y, minlength=5).double() / len(y)
+    entropy = float(-(freq * freq.log()).sum())
+    tail = float(np.mean(losses[-16:]))
+    found = dbg.explain_failure()
+    said = [h for h in found if "look unrelated to their inputs" in h.description]
+    if labels == "paired":
+        assert tail < 0.5 * entropy, (tail, entropy)
+        assert not said
+        return
+    assert tail > 0.95 * entropy, (tail, entropy)
+    top = found[0]
+    assert said and top is said[0], found[:2]
+    assert top.cause == "bad_input_data" and top.failure == "loss_plateau" and top.confidence >= 0.5, top
+    assert "each step moves them by" in top.description
+    assert any("one permutation" in r for r in top.remedies), top.remedies

@@ -48,6 +48,9 @@ class Knobs:
     frozen_first: bool = False
     eval_mode: bool = False
     label_noise: float = 0.0
+    # The training targets shuffled apart from their inputs (one permutation of the labels):
+    # what a loader that shuffles x and y separately, or a misaligned join, gives.
+    labels_apart: bool = False
     # Extra hidden layers (each followed by the hidden activation).
     extra_depth: int = 0
     # Biases of the first hidden layer set very negative: its ReLU units start dead.
@@ -176,6 +179,13 @@ def batches(x: torch.Tensor, y: torch.Tensor, size: int, seed: int) -> Callable[
         return x[idx], y[idx]
 
     return at
+
+
+def targets_apart(y: torch.Tensor, k: Knobs, seed: int) -> torch.Tensor:
+    """The training targets, permuted apart from their inputs when ``k.labels_apart``."""
+    if not k.labels_apart:
+        return y
+    return y[torch.randperm(len(y), generator=torch.Generator().manual_seed(seed + 103))]
 
 
 def noisy_labels(y: torch.Tensor, share: float, classes: int, seed: int) -> torch.Tensor:
@@ -320,7 +330,7 @@ def _classifier(
     model: nn.Module, k: Knobs, seed: int, data, classes: int, opt: str, lr: float, steps: int = 150, bs: int = 64, **kw
 ) -> Program:
     xtr, ytr, xte, yte = data
-    ytr = noisy_labels(ytr, k.label_noise, classes, seed)
+    ytr = targets_apart(noisy_labels(ytr, k.label_noise, classes, seed), k, seed)
     model = finish(model, k, seed)
     return Program(
         model,
@@ -337,6 +347,7 @@ def _regressor(
     model: nn.Module, k: Knobs, seed: int, data, opt: str, lr: float, steps: int = 150, bs: int = 64, **kw
 ) -> Program:
     xtr, ytr, xte, yte = data
+    ytr = targets_apart(ytr, k, seed)
     model = finish(model, k, seed)
 
     def loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -366,6 +377,7 @@ def mlp_binary(k: Knobs, seed: int) -> Program:
     ytr, yte = (ytr > 0).float(), (yte > 0).float()
     if k.label_noise > 0:
         ytr = noisy_labels(ytr.long(), k.label_noise, 2, seed).float()
+    ytr = targets_apart(ytr, k, seed)
     model = finish(mlp([12, 32, 32, 1], k, act="tanh"), k, seed)
 
     def loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -568,32 +580,47 @@ BASES: List[Base] = [
         "mlp_classifier",
         "mlp-classification",
         mlp_classifier,
-        frozenset(_ALL | _MODEL | {"raw_inputs", "label_noise", "dead_bias", "dropout"}),
+        frozenset(_ALL | _MODEL | {"raw_inputs", "label_noise", "labels_apart", "dead_bias", "dropout"}),
     ),
     Base(
         "mlp_regression",
         "mlp-regression",
         mlp_regression,
-        frozenset(_ALL | _MODEL | {"raw_inputs", "raw_targets", "uneven_features", "dead_bias", "dropout"}),
+        frozenset(
+            _ALL | _MODEL | {"raw_inputs", "raw_targets", "uneven_features", "labels_apart", "dead_bias", "dropout"}
+        ),
     ),
     Base(
         "mlp_binary",
         "mlp-binary-classification",
         mlp_binary,
-        frozenset(_ALL | _MODEL | {"raw_inputs", "uneven_features", "label_noise", "dropout"}),
+        frozenset(_ALL | _MODEL | {"raw_inputs", "uneven_features", "label_noise", "labels_apart", "dropout"}),
     ),
-    Base("cnn", "cnn", cnn, frozenset(_ALL | _MODEL | {"raw_inputs", "label_noise", "dead_bias"})),
+    Base("cnn", "cnn", cnn, frozenset(_ALL | _MODEL | {"raw_inputs", "label_noise", "labels_apart", "dead_bias"})),
     Base(
         "cnn_batchnorm",
         "cnn-batchnorm",
         cnn_batchnorm,
-        frozenset(_ALL | _MODEL | {"raw_inputs", "label_noise", "eval_mode"}),
+        frozenset(_ALL | _MODEL | {"raw_inputs", "label_noise", "labels_apart", "eval_mode"}),
     ),
     Base(
-        "lstm_classifier", "lstm", lstm_classifier, frozenset(_ALL | {"act", "output_act", "raw_inputs", "label_noise"})
+        "lstm_classifier",
+        "lstm",
+        lstm_classifier,
+        frozenset(_ALL | {"act", "output_act", "raw_inputs", "label_noise", "labels_apart"}),
     ),
-    Base("gru_regression", "gru", gru_regression, frozenset(_ALL | {"act", "output_act", "raw_inputs", "raw_targets"})),
-    Base("transformer", "transformer", transformer, frozenset(_ALL | {"output_act", "label_noise", "extra_depth"})),
+    Base(
+        "gru_regression",
+        "gru",
+        gru_regression,
+        frozenset(_ALL | {"act", "output_act", "raw_inputs", "raw_targets", "labels_apart"}),
+    ),
+    Base(
+        "transformer",
+        "transformer",
+        transformer,
+        frozenset(_ALL | {"output_act", "label_noise", "labels_apart", "extra_depth"}),
+    ),
     Base(
         "autoencoder", "autoencoder", autoencoder, frozenset(_ALL | {"act", "extra_depth", "raw_inputs", "dead_bias"})
     ),
@@ -610,6 +637,7 @@ BASES: List[Base] = [
                 "output_act",
                 "raw_inputs",
                 "label_noise",
+                "labels_apart",
                 "weight_decay",
                 "weight_penalty",
             }
@@ -639,7 +667,7 @@ BASES: List[Base] = [
         "deep_layernorm",
         "deep-mlp-layernorm",
         deep_layernorm,
-        frozenset(_ALL | {"act", "output_act", "raw_inputs", "label_noise", "extra_depth", "dropout"}),
+        frozenset(_ALL | {"act", "output_act", "raw_inputs", "label_noise", "labels_apart", "extra_depth", "dropout"}),
     ),
 ]
 

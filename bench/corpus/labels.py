@@ -25,7 +25,7 @@ from typing import Dict, List, Optional
 MANIFEST_SHARE = 0.25
 # Operators that change the training loss's scale (raw targets) or its floor (noisy labels): their
 # loss says nothing against the base's.
-LOSS_INCOMPARABLE = {"raw_targets", "label_noise", "l2_penalty"}
+LOSS_INCOMPARABLE = {"raw_targets", "label_noise", "labels_apart", "l2_penalty"}
 # Operators that write a mistake into the program: labelled with their cause whatever the outcome.
 PROGRAM_FAULTS = {
     "out_softmax",

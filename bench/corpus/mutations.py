@@ -82,6 +82,7 @@ MUTATIONS: List[Mutation] = [
     _m("warmup_endless", "learning_rate_too_low", paired=False, warmup_steps=1_000_000),
     _m("loss_cut", "parameters_not_updated", paired=False, loss_cut=True),
     _m("dropout_keep", "over_regularization", paired=False, dropout=0.9),
+    _m("labels_apart", "bad_input_data", paired=False, labels_apart=True),
 ]
 
 

@@ -339,15 +339,20 @@ fn units_with_identical_weights_hold_the_loss_above_its_optimum_from_the_first_s
 /// for 60 steps, inputs in [-1, 1], weights at He scale (`std(W) * sqrt(16)` = 1.41), each
 /// step moving them by the measured `update` of their size.
 fn deep_at_chance(norm: bool, update: f32) -> Vec<CausalHypothesis> {
+    at_chance(8, norm, update)
+}
+
+/// [`deep_at_chance`] with `layers` Linear layers.
+fn at_chance(layers: usize, norm: bool, update: f32) -> Vec<CausalHypothesis> {
     let mut spec = ModelSpec::default();
-    for i in 0..8 {
+    for i in 0..layers {
         let m = spec.module(format!("fc{i}"), "Linear");
         spec.param(m, format!("fc{i}.weight"), &[16, 16]);
         spec.param(m, format!("fc{i}.bias"), &[16]);
         if i == 0 && norm {
             spec.module("norm", "LayerNorm");
         }
-        if i < 7 {
+        if i + 1 < layers {
             spec.module(format!("relu{i}"), "ReLU");
         }
     }
@@ -356,11 +361,11 @@ fn deep_at_chance(norm: bool, update: f32) -> Vec<CausalHypothesis> {
     spec.loss = classifier().loss;
     diagnose(spec, 60, |s| {
         let mut o = healthy(s, 2.3 + 0.01 * ((s % 3) as f64));
-        o.grad_norms = [0.03, 0.01].repeat(8);
-        o.weight_norms = Some([5.66, 0.2].repeat(8));
-        o.activations = Some([1.5, 0.0, 0.1, 0.9, 64.0].repeat(7));
+        o.grad_norms = [0.03, 0.01].repeat(layers);
+        o.weight_norms = Some([5.66, 0.2].repeat(layers));
+        o.activations = Some([1.5, 0.0, 0.1, 0.9, 64.0].repeat(layers - 1));
         o.lr = Some(1e-3);
-        o.measures = vec![(Measure::UpdateRatio, vec![update; 16])];
+        o.measures = vec![(Measure::UpdateRatio, vec![update; 2 * layers])];
         o
     })
 }
@@ -387,6 +392,44 @@ fn a_deep_stack_without_normalization_that_does_not_learn_for_no_other_reason() 
         assert!(
             h.iter().all(|h| h.cause != Cause::MissingNormalization),
             "{:?}",
+            shown(&h)
+        );
+    }
+}
+
+#[test]
+fn a_shallow_model_that_learns_nothing_though_everything_measured_works_has_unrelated_targets() {
+    let h = at_chance(3, false, 1.2e-3);
+    let top = &h[0];
+    assert_eq!(
+        (top.failure, top.cause),
+        (Failure::LossPlateau, Cause::BadInputData),
+        "{:?}",
+        shown(&h)
+    );
+    assert!(top.confidence >= 0.5, "{top}");
+    assert!(
+        top.description
+            .contains("each step moves them by 0.0012 of their size as training steps do"),
+        "{}",
+        top.description
+    );
+    assert!(
+        top.remedies[0].contains("one permutation"),
+        "{:?}",
+        top.remedies
+    );
+    // Steps of 2e-2, as small networks under Adam train with, under a loss that does not
+    // bounce: still the targets.
+    let h = at_chance(3, false, 2e-2);
+    assert_eq!(h[0].cause, Cause::BadInputData, "{:?}", shown(&h));
+    // With steps too small to train, the steps are why; with steps far too large, not the
+    // targets either.
+    for update in [1e-5, 2e-4, 0.5] {
+        let h = at_chance(3, false, update);
+        assert!(
+            h.iter().all(|h| h.cause != Cause::BadInputData),
+            "{update}: {:?}",
             shown(&h)
         );
     }

@@ -125,6 +125,8 @@ pub(crate) enum Remedy {
     NormalizeInputs,
     StandardizeEachFeature,
     ShuffleData,
+    PairTargetsWithInputs,
+    OverfitOneBatch,
     // Loop mistakes.
     ZeroGradEachStep,
     ZeroGradBeforeBackward,
@@ -344,6 +346,12 @@ impl Remedy {
                 "shuffle the training data: fit(..., shuffle=True) on arrays, or dataset.shuffle(len(dataset)) before .batch() in a tf.data pipeline",
                 "shuffle the training data every epoch: index it with jax.random.permutation(key, n) before cutting batches",
             ),
+            Remedy::PairTargetsWithInputs => fw(
+                "check that each target belongs to its input: shuffle inputs and targets with one permutation (one Dataset indexed by one index), take the label column the task means, and look at a few samples with their labels",
+                "check that each target belongs to its input: shuffle x and y together (one permutation, or fit(x, y, shuffle=True) on the pair), take the label column the task means, and look at a few samples with their labels",
+                "check that each target belongs to its input: index x and y with one jax.random.permutation, take the label column the task means, and look at a few samples with their labels",
+            ),
+            Remedy::OverfitOneBatch => "train on one small batch (e.g. 32 samples) for a few hundred steps: a model that cannot drive the loss to ~0 there is not being given its targets".into(),
             Remedy::ZeroGradBeforeBackward => "in each iteration: optimizer.zero_grad(), the forward pass, loss.backward(), then optimizer.step(); never zero_grad() between backward() and step(), and never step() before backward(): either way the step finds the gradients cleared".into(),
             Remedy::AccumulateOnPurpose => "when accumulating on purpose over k micro-batches, zero after every optimizer.step() and divide the loss by k".into(),
             Remedy::CallTrain => "call model.train() before the training loop (and again after every evaluation that calls model.eval())".into(),

@@ -7,7 +7,8 @@ use crate::health::{DataHealth, State};
 use super::super::remedy::Remedy;
 use super::super::vocab::{Cause, Failure};
 use super::evidence::{
-    FeatureSpread, MEASURED_TOO_LARGE, earliest, measured_step, times, uneven_features,
+    FeatureSpread, MEASURED_TOO_LARGE, TRAINING_UPDATE, earliest, measured_step, times,
+    uneven_features,
 };
 use super::output_loss_mismatch;
 use super::{Case, CauseRule, Facts, RemedyCase, Votes, facts_of, fmt_g};
@@ -207,6 +208,17 @@ impl CauseRule for BadInputData {
                 if let Some(s) = ev.feature_spread {
                     v.add(3.5, uneven_features_said(s));
                 }
+                // A model that learns nothing though everything measured of its training
+                // works: what is left is the targets.
+                if let Some(step) = targets_unrelated(c) {
+                    v.add(
+                        3.0,
+                        format!(
+                            "the model learns nothing though every part of training that was measured works: the inputs are at a normalized scale, the weights at a variance-preserving one, each step moves them by {} of their size as training steps do, no unit is dead or saturated and the output fits the loss: what is left is the targets, which look unrelated to their inputs",
+                            fmt_g(step)
+                        ),
+                    );
+                }
                 // Inputs far below a normalized range (scaled twice, e.g. /255 then /255
                 // again): with ordinary weights every layer's signal and its gradient are as
                 // small, and each step moves the weights as little.
@@ -257,6 +269,9 @@ impl CauseRule for BadInputData {
         }
         if c.e.failure == Failure::LossPlateau && one_class_batch(c.run).is_some() {
             return vec![Remedy::ShuffleData];
+        }
+        if c.e.failure == Failure::LossPlateau && unrelated_by_facts(c.run) {
+            return vec![Remedy::PairTargetsWithInputs, Remedy::OverfitOneBatch];
         }
         vec![
             Remedy::InspectBatch { step: c.e.onset },
@@ -324,6 +339,82 @@ pub(crate) fn one_class_batch(run: &Run) -> Option<OneClassBatch> {
             classes,
         },
     )
+}
+
+/// A model that does not learn (its loss stays at its chance level, `not_learning`) though
+/// every part of its training that can be measured works: inputs at a normalized scale,
+/// weights at a variance-preserving one, steps of the size that trains, no unit dead or
+/// saturated and no other failure stopping it, a stack shallow (or normalized) enough to
+/// train, and nothing written in the program that holds a model back (an output that does not
+/// fit the loss, a broadcast, heavy dropout, a weight penalty, `eval()` mode, gradients left to
+/// accumulate, batches of one class). Labels shuffled apart from their inputs, the wrong
+/// column, a misaligned join: the targets do not follow from the inputs. The measured step
+/// size, when so.
+fn targets_unrelated(c: &Case<'_>) -> Option<f64> {
+    let (ev, f) = (c.ev, c.f);
+    // Steps a few times smaller than a training one's are the learning rate's to explain, and
+    // so are larger ones where the loss shows them overshooting (it jumped, or it reverses
+    // direction step after step); small networks under Adam train with steps of ~1e-2.
+    let calm = c.run.loss.oscillation().is_none()
+        && super::learning_rate_too_high::loss_peak_ratio(c.run) < 2.0;
+    let largest = if calm {
+        UNRELATED_STEP_MAX
+    } else {
+        MEASURED_TOO_LARGE
+    };
+    let step = ev
+        .update_ratio
+        .filter(|r| ev.update_measured && (TRAINING_UPDATE / 2.0..=largest).contains(r))?;
+    let failing = f.root_cause.is_some()
+        || f.vanishing_or_dead.is_some()
+        || f.saturation.is_some()
+        || c.stalled_by().is_some()
+        || super::saturating_activation::passes_little_gradient(c.run);
+    let shallow =
+        ev.depth < super::missing_normalization::DEEP_STACK || c.run.model.has_normalization;
+    (!failing
+        && shallow
+        && ev.ordinary_inputs()
+        && ev.feature_spread.is_none()
+        && ev.gain_normal()
+        && !ev.steps_are_the_penalty()
+        && unrelated_by_facts(c.run))
+    .then_some(step)
+}
+
+/// The largest measured step that leaves the targets to blame for a calm loss at its chance
+/// level (beyond it every step moves the weights by a tenth of their size).
+const UNRELATED_STEP_MAX: f64 = 10.0 * MEASURED_TOO_LARGE;
+
+/// A classifier's loss that ends within this share of its chance level: one that learned part
+/// of what noisy labels allow ends below it. A regression's loss is noisier, and its level (the
+/// targets' variance) comes from one batch.
+const HELD_AT_CHANCE: f64 = 0.96;
+const HELD_AT_VARIANCE: f64 = 0.8;
+
+/// The part of [`targets_unrelated`] read from the run's facts alone (no episode): a loss held
+/// at its chance level to the end, flat (not creeping down, as under steps too small), and no
+/// mistake written in the program that would hold it there.
+fn unrelated_by_facts(run: &Run) -> bool {
+    use super::super::failures::{creeping, not_learning};
+    let facts = &run.loop_facts;
+    let held = |c: super::super::failures::Chance| {
+        let share = if c.regression {
+            HELD_AT_VARIANCE
+        } else {
+            HELD_AT_CHANCE
+        };
+        run.loss.last_smoothed >= share * c.level
+    };
+    not_learning(run).is_some_and(held)
+        && creeping(run).is_none()
+        && output_loss_mismatch::found(run).is_none()
+        && super::target_shape_mismatch::broadcast(run).is_none()
+        && super::over_regularization::heavy_dropout(run).is_none()
+        && super::over_regularization::penalty_dominated(run).is_none()
+        && one_class_batch(run).is_none()
+        && facts.eval_share().is_none_or(|s| s < 0.5)
+        && facts.accumulated_share().is_none_or(|s| s < 0.5)
 }
 
 /// The evidence of a table whose features are on scales far apart, in words.

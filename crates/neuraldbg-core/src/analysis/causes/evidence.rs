@@ -602,6 +602,14 @@ impl Evidence {
         huge_inputs(self.input_scale_first)
     }
 
+    /// Steps measured at the size that trains (an update-to-weight ratio within 10x of
+    /// [`TRAINING_UPDATE`]): the measured step size, when it is.
+    pub fn training_steps(&self) -> Option<f64> {
+        self.update_ratio.filter(|r| {
+            self.update_measured && (TRAINING_UPDATE / 10.0..=MEASURED_TOO_LARGE).contains(r)
+        })
+    }
+
     /// Inputs measured on the first step, within a normalized scale's reach.
     pub fn ordinary_inputs(&self) -> bool {
         self.input_scale_first

@@ -51,7 +51,7 @@ impl Steps {
 
 /// The loss' largest smoothed value relative to the best before it (at the plateau, when
 /// there is one): how far the steps overshoot.
-fn loss_peak_ratio(run: &Run) -> f64 {
+pub(crate) fn loss_peak_ratio(run: &Run) -> f64 {
     run.loss.peak_at_plateau.unwrap_or(run.loss.peak_ratio)
 }
 

@@ -67,22 +67,21 @@ impl CauseRule for MissingNormalization {
 
 /// Weighted layers from which a stack without normalization is deep enough to learn badly
 /// when nothing else is wrong.
-const DEEP_STACK: usize = 8;
+pub(crate) const DEEP_STACK: usize = 8;
 
 /// A deep stack with no normalization layer that does not learn, where the other causes of a
 /// plateau are each ruled out by a measurement: inputs at a normalized scale, weights at a
 /// variance-preserving one, steps of a size that trains, and no other failure stopping it.
 fn plateau_of_a_deep_stack(c: &Case<'_>, v: &mut Votes) {
     let (ev, f) = (c.ev, c.f);
-    let ordinary_inputs = ev.ordinary_inputs();
-    let ordinary_steps =
-        ev.update_measured && ev.update_ratio.is_some_and(|r| (1e-4..=1e-2).contains(&r));
+    let Some(step) = ev.training_steps() else {
+        return;
+    };
     if ev.depth < DEEP_STACK
         || f.root_cause.is_some()
         || f.vanishing_or_dead.is_some()
-        || !ordinary_inputs
+        || !ev.ordinary_inputs()
         || !ev.gain_normal()
-        || !ordinary_steps
     {
         return;
     }
@@ -91,7 +90,7 @@ fn plateau_of_a_deep_stack(c: &Case<'_>, v: &mut Votes) {
         format!(
             "{} weighted layers with no normalization layer between them do not learn, though the inputs are at a normalized scale, the weights at a variance-preserving one and each step moves them by {} of their size, as training steps do: nothing rescales each layer's input for the next",
             ev.depth,
-            super::fmt_g(ev.update_ratio.unwrap_or_default())
+            super::fmt_g(step)
         ),
     );
 }
