@@ -1071,4 +1071,7 @@ def test_labels_shuffled_apart_from_their_inputs_are_why_nothing_is_learned(labe
     assert said and top is said[0], found[:2]
     assert top.cause == "bad_input_data" and top.failure == "loss_plateau" and top.confidence >= 0.5, top
     assert "each step moves them by" in top.description
+    # The level it sits at is the one of predicting the classes' frequencies, as measured here.
+    said_entropy = float(top.description.split("it: ")[1].split(",")[0])
+    assert said_entropy == pytest.approx(entropy, rel=0.1), (said_entropy, entropy)
     assert any("one permutation" in r for r in top.remedies), top.remedies

@@ -295,9 +295,9 @@ class LoopFacts:
             try:
                 if event is not None and not event.query():
                     event.synchronize()  # (the first step only, once)
-                lo, hi, tlo, thi, clo, chi, tvar = (float(v) for v in host.tolist())
+                lo, hi, tlo, thi, clo, chi, tvar, entropy = (float(v) for v in host.tolist())
             except Exception:  # pragma: no cover - ranges are optional facts
-                lo = hi = tlo = thi = clo = chi = tvar = math.nan
+                lo = hi = tlo = thi = clo = chi = tvar = entropy = math.nan
             if math.isfinite(lo) and math.isfinite(hi):
                 d["output_range"] = [lo, hi]
             if math.isfinite(tlo) and math.isfinite(thi):
@@ -306,6 +306,8 @@ class LoopFacts:
                 d["class_range"] = [clo, chi]
             if math.isfinite(tvar):
                 d["target_var"] = tvar
+            if math.isfinite(entropy):
+                d["class_entropy"] = entropy
         return d
 
 
@@ -440,9 +442,10 @@ def _describe(loss: Any, output_fns: List[Any], output: Any) -> Optional[Dict[st
             ranges.append(t.detach().float().var())
         else:
             ranges.append(torch.full((), float("nan"), device=device))
+        ranges.append(_class_entropy(indices, d.get("output_units"), device))
         values = torch.stack(ranges)
         if values.device.type == "cuda":
-            host = torch.empty(7, dtype=torch.float32, pin_memory=True)
+            host = torch.empty(len(ranges), dtype=torch.float32, pin_memory=True)
             host.copy_(values, non_blocking=True)
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(values.device))
@@ -450,6 +453,22 @@ def _describe(loss: Any, output_fns: List[Any], output: Any) -> Optional[Dict[st
         else:
             d["_ranges"] = (values, None)
     return d
+
+
+def _class_entropy(indices: Any, classes: Optional[int], device: Any) -> Any:
+    """The entropy (nats) of how often each class occurs among class-index targets, on the
+    device (NaN where there are none, or fewer than 2 classes): the loss of a model that
+    predicts those frequencies and nothing of the input. Indices outside ``[0, classes)`` (an
+    ``ignore_index``) are not counted."""
+    import torch
+
+    if indices is None or indices.device != device or not classes or classes < 2:
+        return torch.full((), float("nan"), device=device)
+    idx = indices.detach().flatten()
+    kept = ((idx >= 0) & (idx < classes)).float()
+    counts = torch.zeros(classes, device=device).index_add_(0, idx.clamp(0, classes - 1), kept)
+    p = counts / counts.sum().clamp(min=1.0)
+    return -torch.special.xlogy(p, p).sum()
 
 
 # torch's reduction codes, as autograd saves them (``_saved_reduction``).

@@ -180,6 +180,14 @@ impl FirstBatch {
                 "target_var is {v}: a variance is a finite number >= 0"
             )));
         }
+        if let Some(h) = loss
+            .and_then(|l| l.class_entropy)
+            .filter(|h| !(h.is_finite() && *h >= 0.0))
+        {
+            return Err(EngineError::Model(format!(
+                "loss.class_entropy is {h}: an entropy is a finite number >= 0"
+            )));
+        }
         check_feature_scales(self.input_feature_scales.as_deref())
     }
 }
@@ -230,6 +238,11 @@ pub struct LossSpec {
     /// loss given class indices, as cross-entropy is).
     #[serde(default)]
     pub class_range: Option<(f64, f64)>,
+    /// The entropy (nats) of how often each class occurs among the first step's class-index
+    /// targets: the cross-entropy of a model that predicts those frequencies and nothing of
+    /// the input (ln C when the classes are balanced).
+    #[serde(default)]
+    pub class_entropy: Option<f64>,
     /// Smallest and largest value of the model's output on the first step.
     #[serde(default)]
     pub output_range: Option<(f64, f64)>,

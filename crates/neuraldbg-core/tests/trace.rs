@@ -851,6 +851,17 @@ fn first_batch_facts_that_are_not_what_they_say_are_refused() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("a variance is a finite number >= 0"), "{err}");
+    let err = engine
+        .amend_first_batch(&FirstBatch {
+            loss: Some(LossSpec {
+                class_entropy: Some(f64::NAN),
+                ..LossSpec::default()
+            }),
+            ..FirstBatch::default()
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("an entropy is a finite number >= 0"), "{err}");
     // Without a loss in the spec, target facts have nothing to describe.
     assert!(
         !engine

@@ -211,10 +211,19 @@ impl CauseRule for BadInputData {
                 // A model that learns nothing though everything measured of its training
                 // works: what is left is the targets.
                 if let Some(step) = targets_unrelated(c) {
+                    // Where the first batch's class frequencies are known: the level the loss
+                    // sits at is theirs.
+                    let level = frequencies_level(c.run).map_or(String::new(), |h| {
+                        format!(
+                            " (the loss ends at {}, where predicting only how often each class occurs puts it: {}, the entropy of the first batch's classes)",
+                            fmt_g(c.run.loss.last_smoothed),
+                            fmt_g(h)
+                        )
+                    });
                     v.add(
                         3.0,
                         format!(
-                            "the model learns nothing though every part of training that was measured works: the inputs are at a normalized scale, the weights at a variance-preserving one, each step moves them by {} of their size as training steps do, no unit is dead or saturated and the output fits the loss: what is left is the targets, which look unrelated to their inputs",
+                            "the model learns nothing though every part of training that was measured works: the inputs are at a normalized scale, the weights at a variance-preserving one, each step moves them by {} of their size as training steps do, no unit is dead or saturated and the output fits the loss: what is left is the targets, which look unrelated to their inputs{level}",
                             fmt_g(step)
                         ),
                     );
@@ -386,11 +395,21 @@ fn targets_unrelated(c: &Case<'_>) -> Option<f64> {
 /// level (beyond it every step moves the weights by a tenth of their size).
 const UNRELATED_STEP_MAX: f64 = 10.0 * MEASURED_TOO_LARGE;
 
-/// A classifier's loss that ends within this share of its chance level: one that learned part
-/// of what noisy labels allow ends below it. A regression's loss is noisier, and its level (the
+/// A classifier's loss that ends within this share of its chance level (the entropy of its
+/// classes' frequencies, where known): one that learned part of what noisy labels allow ends
+/// below it. A regression's loss is noisier, and its level (the
 /// targets' variance) comes from one batch.
 const HELD_AT_CHANCE: f64 = 0.96;
 const HELD_AT_VARIANCE: f64 = 0.8;
+
+/// A classifier's loss where it predicts how often each class occurs and nothing of the input:
+/// the entropy of the first batch's class frequencies (`LossSpec::class_entropy`), when known
+/// and not above ln C (the chance level of balanced classes).
+fn frequencies_level(run: &Run) -> Option<f64> {
+    let chance = super::super::failures::chance_level(run).filter(|c| !c.regression)?;
+    let h = run.model.spec.loss.as_ref()?.class_entropy?;
+    (h > 0.0 && h <= 1.01 * chance.level).then_some(h)
+}
 
 /// The part of [`targets_unrelated`] read from the run's facts alone (no episode): a loss held
 /// at its chance level to the end, flat (not creeping down, as under steps too small), and no
@@ -404,7 +423,7 @@ fn unrelated_by_facts(run: &Run) -> bool {
         } else {
             HELD_AT_CHANCE
         };
-        run.loss.last_smoothed >= share * c.level
+        run.loss.last_smoothed >= share * frequencies_level(run).unwrap_or(c.level)
     };
     not_learning(run).is_some_and(held)
         && creeping(run).is_none()
