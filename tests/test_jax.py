@@ -781,9 +781,11 @@ def classify(
     steps: int = 200,
     shuffled: bool = False,
     flat: bool = False,
+    inputs: bool = False,
 ) -> Any:
     """Trains a Classifier on separable classes (the argmax of a fixed linear map; ``shuffled``:
-    the labels permuted away from their inputs; ``flat``: one output's labels of shape ``(N,)``), watched; the loss is an optax loss called by
+    the labels permuted away from their inputs; ``flat``: one output's labels of shape ``(N,)``;
+    ``inputs``: the batch given as ``inputs=``), watched; the loss is an optax loss called by
     its module attribute, as tutorials write it."""
     rng = np.random.default_rng(0)
     x = rng.normal(size=(512, 8)).astype(np.float32)
@@ -801,7 +803,7 @@ def classify(
         @nnx.jit
         def step(model: Any, optimizer: Any, xb: Any, yb: Any) -> Any:
             value, grads = nnx.value_and_grad(lambda m: loss(m(xb), yb).mean())(model)
-            optimizer.update(model, grads, value=value)
+            optimizer.update(model, grads, value=value, **({"inputs": xb} if inputs else {}))
             return value
 
         for i in range(steps):
@@ -870,6 +872,27 @@ def test_a_classifier_at_its_chance_level_is_judged_by_ln_c() -> None:
     assert top.failure == "loss_plateau", top
     assert "at its chance level (1.386 = ln 4 for 4 classes)" in top.description, top.description
     assert dbg._target_facts is None, "without inputs= the targets are not measured"
+
+
+@pytest.mark.parametrize("shuffled", [False, True])
+def test_labels_permuted_away_from_their_inputs_are_named_with_their_classes_entropy(shuffled: bool) -> None:
+    # With the batch (`inputs=`) the update counts the first batch's classes: the loss of
+    # predicting their frequencies is the level a model given unrelated labels sits at.
+    dbg, losses = classify(lambda z: z, ce, lr=1e-3, steps=120, shuffled=shuffled, inputs=True)
+    found = dbg.explain_failure()
+    said = [h for h in found if "look unrelated to their inputs" in h.description]
+    if not shuffled:
+        assert np.mean(losses[-20:]) < 0.75 * np.log(4) and not said, (losses[-20:], found[:2])
+        return
+    rng = np.random.default_rng(0)  # (`classify`'s labels, the first batch of them)
+    x = rng.normal(size=(512, 8))
+    y = np.argmax(x @ rng.normal(size=(8, 4)), 1)[rng.permutation(512)][:64]
+    p = np.bincount(y, minlength=4) / 64
+    entropy = float(-(p[p > 0] * np.log(p[p > 0])).sum())
+    assert said and found[0] is said[0], found[:2]
+    assert found[0].cause == "bad_input_data" and found[0].confidence >= 0.5, found[0]
+    said_entropy = float(found[0].description.split("it: ")[1].split(",")[0])
+    assert said_entropy == pytest.approx(entropy, abs=1e-3), (said_entropy, entropy)
 
 
 def test_the_loss_wrappers_change_nothing_and_are_gone_after_the_block_also_when_it_raises() -> None:

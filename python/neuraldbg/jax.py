@@ -250,6 +250,18 @@ def _samples(leaves: List[Any], where: List[int], sampled: List[Tuple[int, int]]
     return jnp.concatenate(parts).astype(jnp.float32)
 
 
+def _class_stats(targets: Any, classes: int) -> Any:
+    """``[min, max, entropy, NaN]`` of class-index targets: their range, and the entropy (nats)
+    of how often each class occurs among them (indices outside ``[0, classes)`` not counted):
+    the loss of a model that predicts those frequencies and nothing of the input."""
+    idx = targets.reshape(-1).astype(jnp.int32)
+    kept = ((idx >= 0) & (idx < classes)).astype(jnp.float32)
+    counts = jnp.zeros((classes,), jnp.float32).at[jnp.clip(idx, 0, classes - 1)].add(kept)
+    p = counts / jnp.maximum(counts.sum(), 1.0)
+    entropy = -jnp.sum(jax.scipy.special.xlogy(p, p))
+    return jnp.stack([idx.min().astype(jnp.float32), idx.max().astype(jnp.float32), entropy, jnp.float32(jnp.nan)])
+
+
 def _as_targets(targets: Any) -> Any:
     """The targets the step's optax loss was given, as an array the update can measure, or None
     where they cannot be measured here: not an array of numbers, or traced inside a
@@ -595,6 +607,8 @@ class NeuralDbg(Spoke):
         # their facts from the first update's row; sent from the owner thread.
         self._loss: Optional[Dict[str, Any]] = None
         self._targets_kind: Optional[str] = None
+        # Whether the traced update counts the class-index targets' frequencies (`_class_stats`).
+        self._classes_counted = False
         self._target_facts: Optional[Dict[str, Any]] = None
         self._loss_sent = False
         self._watching_losses = False
@@ -690,13 +704,17 @@ class NeuralDbg(Spoke):
 
     def _targets_facts(self, stats: Any) -> Dict[str, Any]:
         """The engine's facts of the targets' ``[min, max, mean, std]``: a cross-entropy's class
-        indices' range; the range of what a binary cross-entropy or a regression compares the
+        indices' range and the entropy of their frequencies (``[min, max, entropy, NaN]``,
+        :func:`_class_stats`); the range of what a binary cross-entropy or a regression compares the
         output with, and a regression's variance."""
-        lo, hi, _, std = (float(v) for v in stats)
-        if not (math.isfinite(lo) and math.isfinite(hi) and math.isfinite(std)):
+        lo, hi, third, std = (float(v) for v in stats)
+        if not (math.isfinite(lo) and math.isfinite(hi)):
             return {}
         if self._targets_kind == "classes":
-            return {"class_range": [lo, hi]}
+            counted = self._classes_counted and math.isfinite(third)  # (`_class_stats`' entropy)
+            return {"class_range": [lo, hi], **({"class_entropy": third} if counted else {})}
+        if not math.isfinite(std):
+            return {}
         facts: Dict[str, Any] = {"target_range": [lo, hi]}
         if self._loss is not None and any(op in ("MseLoss", "HuberLoss") for op in self._loss["ops"]):
             facts["target_var"] = std * std
@@ -836,6 +854,12 @@ class NeuralDbg(Spoke):
             # The loss's targets, with the batch (`inputs=`): measured on sampled steps with the
             # parameters (the host reads the first update's), still a few microseconds a step.
             targets = _as_targets(targets) if batch is not None else None
+            classes = (self._loss or {}).get("output_units") if self._targets_kind == "classes" else None
+            if targets is not None and classes and classes >= 2 and jnp.issubdtype(targets.dtype, jnp.integer):
+                self._classes_counted = True
+                target_stats: Callable[[Any], Any] = lambda t: _class_stats(t, classes)  # noqa: E731
+            else:
+                target_stats = _batch_stats
             nothing = jnp.full((INPUT_STATS,), jnp.nan, jnp.float32)
             no_samples = jnp.full((samples_width,), jnp.nan, jnp.float32)
             if targets is not None:
@@ -852,7 +876,7 @@ class NeuralDbg(Spoke):
                     lambda ls, t: jnp.concatenate(
                         [
                             squares(ls, p_where),
-                            nothing if t is None else _batch_stats(t),
+                            nothing if t is None else target_stats(t),
                             _samples(ls, p_where, step_weights) if step_weights else no_samples,
                         ]
                     ),
@@ -863,7 +887,7 @@ class NeuralDbg(Spoke):
                 weights, measured, samples = packed[:k], packed[k : k + INPUT_STATS], packed[k + INPUT_STATS :]
             else:
                 weights = jnp.full((n,), -1.0, jnp.float32)
-                measured = nothing if targets is None else _batch_stats(targets)
+                measured = nothing if targets is None else target_stats(targets)
                 samples = no_samples
             head = jnp.stack([as_f32(count), as_f32(flags), loss, lr if lr is not None else jnp.float32(0)])
             row = jnp.concatenate([head, grads, weights, inputs, measured, samples])

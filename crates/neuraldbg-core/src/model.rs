@@ -147,6 +147,9 @@ pub struct FirstBatch {
     /// of the model's output (batch x units): facts of [`LossSpec`].
     #[serde(default)]
     pub class_range: Option<(f64, f64)>,
+    /// [`LossSpec::class_entropy`], measured with the first batch.
+    #[serde(default)]
+    pub class_entropy: Option<f64>,
     #[serde(default)]
     pub output_numel: Option<u64>,
     #[serde(default)]
@@ -180,12 +183,13 @@ impl FirstBatch {
                 "target_var is {v}: a variance is a finite number >= 0"
             )));
         }
-        if let Some(h) = loss
-            .and_then(|l| l.class_entropy)
+        if let Some(h) = self
+            .class_entropy
+            .or(loss.and_then(|l| l.class_entropy))
             .filter(|h| !(h.is_finite() && *h >= 0.0))
         {
             return Err(EngineError::Model(format!(
-                "loss.class_entropy is {h}: an entropy is a finite number >= 0"
+                "class_entropy is {h}: an entropy is a finite number >= 0"
             )));
         }
         check_feature_scales(self.input_feature_scales.as_deref())
@@ -329,6 +333,7 @@ impl ModelSpec {
             changed |= fill(&mut loss.target_var, facts.target_var);
             changed |= fill(&mut loss.output_range, facts.output_range);
             changed |= fill(&mut loss.class_range, facts.class_range);
+            changed |= fill(&mut loss.class_entropy, facts.class_entropy);
             changed |= fill(&mut loss.output_numel, facts.output_numel);
             changed |= fill(&mut loss.output_op, facts.output_op.clone());
         }

@@ -697,6 +697,7 @@ fn first_batch_facts_survive_writing_and_replay() {
         target_var: Some(1.0),
         output_range: Some((-0.1, 0.2)),
         class_range: Some((0.0, 4.0)),
+        class_entropy: Some(1.38),
         output_numel: Some(64),
         input_feature_scales: Some(vec![Some(1.5), None, Some(2.0)]),
         loss: None,
@@ -751,7 +752,7 @@ fn first_batch_facts_survive_writing_and_replay() {
         .iter()
         .position(|r| matches!(r, Record::FirstBatch(_)))
         .unwrap();
-    assert_eq!(records[at], Record::FirstBatch(facts));
+    assert_eq!(records[at], Record::FirstBatch(Box::new(facts)));
     assert!(matches!(&records[at + 1], Record::Step(o) if o.step == 1));
     let without = without_record(&bytes, at);
     let old = Replay::read(TraceReader::new(&without[..], "old").unwrap(), |_| {}).unwrap();

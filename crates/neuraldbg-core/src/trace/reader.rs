@@ -43,7 +43,7 @@ pub enum Record {
     ParamLr(Option<Vec<Option<f64>>>),
     /// The first training batch's facts, read after the header, for
     /// [`crate::Engine::amend_first_batch`].
-    FirstBatch(crate::FirstBatch),
+    FirstBatch(Box<crate::FirstBatch>),
 }
 
 /// Reads records in order. Iteration ends at the end of the file or at the first damaged
@@ -352,7 +352,7 @@ impl<R: Read> TraceReader<R> {
         if kind == Kind::FirstBatch && self.header_seen {
             let facts = serde_json::from_slice(payload)
                 .map_err(|e| format!("unreadable first-batch record: {e}"))?;
-            return Ok(Some(Record::FirstBatch(facts)));
+            return Ok(Some(Record::FirstBatch(Box::new(facts))));
         }
         if kind == Kind::End && !self.header_seen && format::decode_end(payload)? == 0 {
             // Closed before any step: the writer ends a header-less trace so that readers
