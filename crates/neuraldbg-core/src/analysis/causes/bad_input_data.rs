@@ -223,7 +223,7 @@ impl CauseRule for BadInputData {
                     v.add(
                         3.0,
                         format!(
-                            "the model learns nothing though every part of training that was measured works: the inputs are at a normalized scale, the weights at a variance-preserving one, each step moves them by {} of their size as training steps do, no unit is dead or saturated and the output fits the loss: what is left is the targets, which look unrelated to their inputs{level}",
+                            "the model learns nothing though every part of training that was measured works: the inputs are at a normalized scale, the weights at a variance-preserving one, each step moves them by {} of their size as training steps do, no unit is dead or saturated and the output fits the loss: what is left is the targets, which look unrelated to their inputs{level}, or inputs that do not reach the output",
                             fmt_g(step)
                         ),
                     );
