@@ -809,6 +809,29 @@ def test_dropout_whose_rate_is_a_keep_probability_is_named(rate: float) -> None:
     assert top.remedies[0].startswith("lower Dropout's rate: it is the share of units dropped, not kept"), top.remedies
 
 
+def test_labels_permuted_away_from_their_inputs_are_named_with_their_classes_entropy() -> None:
+    # The labels of 4,096 rows permuted apart from them: the loss sits where predicting how often
+    # each class occurs puts it, and the first batch's classes give that level.
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(4096, 20)).astype("float32")
+    y = (x @ rng.normal(size=(20, 5))).argmax(1)[rng.permutation(4096)]
+    model = five_class_mlp()
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-3), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
+    cb = NeuralDbgCallback()
+    losses = model.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0, callbacks=[cb]).history["loss"]
+    p = np.bincount(y[:64], minlength=5) / 64  # (the first batch: no shuffling)
+    entropy = float(-(p[p > 0] * np.log(p[p > 0])).sum())
+    assert losses[-1] > 0.95 * entropy, (losses, entropy)
+    top = cb.dbg.explain_failure()[0]
+    assert top.cause == "bad_input_data" and top.confidence >= 0.5, top
+    assert "look unrelated to their inputs" in top.description, top.description
+    said = float(top.description.split("it: ")[1].split(",")[0])
+    assert said == pytest.approx(entropy, abs=1e-3), (said, entropy)
+    assert any("shuffle x and y together" in r for r in top.remedies), top.remedies
+
+
 @pytest.mark.parametrize("scale", [255.0, 1.0])
 def test_binary_cross_entropy_targets_outside_zero_one_are_named(scale: float) -> None:
     # A segmentation mask saved as 0/255: the loss goes below zero, which a binary

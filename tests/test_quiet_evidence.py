@@ -234,8 +234,17 @@ def test_a_scaled_or_broadcast_difference_gives_no_target():
     for loss in (scaled, broadcast):
         d = _describe(loss, [out.grad_fn], out)
         assert d is not None
-        _, _, tlo, thi, _, _, tvar = (float(v) for v in d["_ranges"][0])
-        assert np.isnan([tlo, thi, tvar]).all(), d
+        _, _, tlo, thi, _, _, tvar, entropy = (float(v) for v in d["_ranges"][0])
+        assert np.isnan([tlo, thi, tvar, entropy]).all(), d
+
+
+def test_the_class_indices_entropy_counts_the_classes_a_loss_is_given_and_skips_ignored_ones():
+    from neuraldbg._loop import _describe
+
+    out = torch.randn(4, 3, requires_grad=True) * 1.0
+    loss = nn.functional.cross_entropy(out, torch.tensor([0, 0, 1, -100]))  # (-100: ignore_index)
+    entropy = float(_describe(loss, [out.grad_fn], out)["_ranges"][0][-1])
+    assert entropy == pytest.approx(-(2 / 3) * np.log(2 / 3) - (1 / 3) * np.log(1 / 3), rel=1e-5)
 
 
 def _softmax_over(dim: int):

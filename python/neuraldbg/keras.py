@@ -319,8 +319,9 @@ def _input_stats(x: Any) -> Any:
 
 # Losses whose targets are values to regress (their range and variance are facts of the run).
 _REGRESSION_OPS = {"MseLoss", "L1Loss", "HuberLoss"}
-# The first batch's facts: targets' min, max, variance; output's min, max; then per feature.
-_FACTS_HEAD = 6
+# The first batch's facts: targets' min, max, variance; output's min, max and elements; the
+# entropy of the class indices' frequencies; then per feature.
+_FACTS_HEAD = 7
 
 
 def _table_features(model: Any) -> int:
@@ -334,10 +335,25 @@ def _table_features(model: Any) -> int:
     return f if isinstance(f, int) and 2 <= f <= MAX_FEATURES else 0
 
 
-def _first_batch_stats(x: Any, y: Any, y_pred: Any, features: int) -> Any:
+def _class_entropy(y: Any, y_pred: Any) -> Any:
+    """The entropy (nats) of how often each class occurs among class-index targets ``y``, over
+    the output's units (indices outside them not counted), as a ``(1,)`` float32: the loss of a
+    model that predicts those frequencies and nothing of the input."""
+    units = y_pred.shape[-1]
+    if not isinstance(units, int) or units < 2:
+        return ops.full((1,), float("nan"), "float32")
+    idx = ops.cast(ops.reshape(y, (-1,)), "int32")
+    kept = ops.cast(ops.logical_and(idx >= 0, idx < units), "float32")
+    counts = ops.sum(ops.one_hot(ops.clip(idx, 0, units - 1), units) * ops.expand_dims(kept, 1), axis=0)
+    p = counts / ops.maximum(ops.sum(counts), 1.0)
+    return ops.reshape(-ops.sum(ops.where(p > 0, p * ops.log(ops.where(p > 0, p, 1.0)), 0.0)), (1,))
+
+
+def _first_batch_stats(x: Any, y: Any, y_pred: Any, features: int, classes: bool = False) -> Any:
     """The first batch's facts as one float32 vector (NaN where not measured): the targets'
-    min, max and variance, the output's min and max and its number of elements, and the
-    largest magnitude of each of ``features`` columns of the input table ``x``."""
+    min, max and variance, the output's min and max and its number of elements, the entropy
+    of the targets' class frequencies (``classes``: class indices), and the largest magnitude
+    of each of ``features`` columns of the input table ``x``."""
     nan = ops.full((1,), float("nan"), "float32")
 
     def three(t: Any) -> List[Any]:
@@ -348,6 +364,8 @@ def _first_batch_stats(x: Any, y: Any, y_pred: Any, features: int) -> Any:
 
     parts = three(y) + three(y_pred)[:2]
     parts.append(ops.reshape(ops.cast(ops.size(y_pred), "float32"), (1,)) if hasattr(y_pred, "shape") else nan)
+    counted = classes and hasattr(y, "shape") and hasattr(y_pred, "shape")
+    parts.append(_class_entropy(y, y_pred) if counted else nan)
     if features:
         xf = _first_float(x)
         if xf is not None and len(xf.shape) == 2 and xf.shape[-1] == features:
@@ -963,7 +981,10 @@ class KerasDbg(Spoke):
         if self._act_var is None:
             once = getattr(self._emit, "once", None)  # (none on JAX: there the facts need their variable)
             if once is not None and not self._facts_sent:
-                once(self._receive_first_batch, lambda: (_first_batch_stats(x, y, y_pred, self._features),))
+                once(
+                    self._receive_first_batch,
+                    lambda: (_first_batch_stats(x, y, y_pred, self._features, self._class_indices),),
+                )
             return
         if not in_stateless_scope() or self._facts_var is None:
             return
@@ -973,7 +994,7 @@ class KerasDbg(Spoke):
         old = jnp.asarray(self._facts_var.value)
 
         def measure() -> Any:
-            stats = jnp.asarray(_first_batch_stats(x, y, y_pred, self._features), jnp.float32)
+            stats = jnp.asarray(_first_batch_stats(x, y, y_pred, self._features, self._class_indices), jnp.float32)
             return jax.lax.stop_gradient(jnp.concatenate([jnp.ones((1,), jnp.float32), stats]))
 
         # Once: the first training step's (later steps keep what it wrote).
@@ -1006,6 +1027,8 @@ class KerasDbg(Spoke):
             facts["class_range"] = span(v[0], v[1])
             if np.isfinite(v[5]) and v[5] >= 1:
                 facts["output_numel"] = int(v[5])
+            if np.isfinite(v[6]) and v[6] >= 0:
+                facts["class_entropy"] = float(v[6])
         scales = v[_FACTS_HEAD:]
         if len(scales) and not np.isnan(scales).all():
             facts["input_feature_scales"] = [float(a) if np.isfinite(a) else None for a in scales]

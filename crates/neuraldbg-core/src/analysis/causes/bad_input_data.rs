@@ -395,6 +395,9 @@ fn targets_unrelated(c: &Case<'_>) -> Option<f64> {
 /// level (beyond it every step moves the weights by a tenth of their size).
 const UNRELATED_STEP_MAX: f64 = 10.0 * MEASURED_TOO_LARGE;
 
+/// A loss whose last tenth of the run is below this share of its middle tenth is still falling.
+const STILL_FALLING: f64 = 0.9;
+
 /// A classifier's loss that ends within this share of its chance level (the entropy of its
 /// classes' frequencies, where known): one that learned part of what noisy labels allow ends
 /// below it. A regression's loss is noisier, and its level (the
@@ -412,10 +415,11 @@ fn frequencies_level(run: &Run) -> Option<f64> {
 }
 
 /// The part of [`targets_unrelated`] read from the run's facts alone (no episode): a loss held
-/// at its chance level to the end, flat (not creeping down, as under steps too small), and no
-/// mistake written in the program that would hold it there.
+/// at its chance level to the end, flat (not still falling over the second half of the run, not
+/// creeping down as under steps too small), and no mistake written in the program that would
+/// hold it there.
 fn unrelated_by_facts(run: &Run) -> bool {
-    use super::super::failures::{creeping, not_learning};
+    use super::super::failures::{creeping, not_learning, pace};
     let facts = &run.loop_facts;
     let held = |c: super::super::failures::Chance| {
         let share = if c.regression {
@@ -425,7 +429,11 @@ fn unrelated_by_facts(run: &Run) -> bool {
         };
         run.loss.last_smoothed >= share * frequencies_level(run).unwrap_or(c.level)
     };
+    // Still falling over the second half of the run (a slow start, a bounded output working
+    // its way to its targets): not held anywhere.
+    let falling = pace(run).is_none_or(|p| p.end < STILL_FALLING * p.mid);
     not_learning(run).is_some_and(held)
+        && !falling
         && creeping(run).is_none()
         && output_loss_mismatch::found(run).is_none()
         && super::target_shape_mismatch::broadcast(run).is_none()

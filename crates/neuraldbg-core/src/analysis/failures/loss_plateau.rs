@@ -267,11 +267,9 @@ const STEADY_PACE: f64 = 0.8;
 /// what a warmup makes.
 const WARMING_UP: f64 = 1.5;
 
-/// The loss over a run of at least [`NOT_LEARNING_STEPS`] steps that fell by at least 5% but
-/// ended above [`STEADY_FELL_TO`] of where it began, and fell over the second half at least
-/// [`STEADY_PACE`] times as much as over the first: far from where it levels off, and getting
-/// there slowly. Not while the learning rate was being raised (a warmup).
-pub(crate) fn steady_descent(run: &Run) -> Option<Pace> {
+/// The loss's mean over a tenth of a run of at least [`NOT_LEARNING_STEPS`] steps (3 steps or
+/// more) at its start, its middle and its end.
+pub(crate) fn pace(run: &Run) -> Option<Pace> {
     if run.loss.observed < NOT_LEARNING_STEPS {
         return None;
     }
@@ -285,11 +283,19 @@ pub(crate) fn steady_descent(run: &Run) -> Option<Pace> {
         return None;
     }
     let mean = |from: usize| loss[from..from + w].iter().sum::<f64>() / w as f64;
-    let p = Pace {
+    Some(Pace {
         start: mean(0),
         mid: mean(n / 2 - w / 2),
         end: mean(n - w),
-    };
+    })
+}
+
+/// The loss over a run of at least [`NOT_LEARNING_STEPS`] steps that fell by at least 5% but
+/// ended above [`STEADY_FELL_TO`] of where it began, and fell over the second half at least
+/// [`STEADY_PACE`] times as much as over the first: far from where it levels off, and getting
+/// there slowly. Not while the learning rate was being raised (a warmup).
+pub(crate) fn steady_descent(run: &Run) -> Option<Pace> {
+    let p = pace(run)?;
     let warming_up = match (run.lr_first, run.first_step, run.last_step) {
         (Some(first), Some(from), Some(to)) => run
             .lr_between(from, to)

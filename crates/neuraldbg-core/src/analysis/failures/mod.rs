@@ -21,7 +21,7 @@ mod stalled_layer;
 mod vanishing_gradients;
 
 pub(crate) use dead_neurons::share_at_start as dead_share_at_start;
-pub(crate) use loss_plateau::{Chance, chance_level, creeping, not_learning, steady_descent};
+pub(crate) use loss_plateau::{Chance, chance_level, creeping, not_learning, pace, steady_descent};
 
 use std::fmt::Write as _;
 
