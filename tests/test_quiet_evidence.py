@@ -1013,6 +1013,24 @@ def test_binary_cross_entropy_targets_outside_zero_one_are_named_from_the_first_
     assert "scale the binary cross-entropy's targets into [0, 1] (they span [0, 255])" in top.remedies[0], top.remedies
 
 
+def _epochs(model, x, y, loss_fn, epochs: int = 6):
+    """Shuffled epochs of batches of 64 under Adam 1e-3, watched: the debugger and the loop's
+    own losses."""
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    losses = []
+    with NeuralDbg(model) as dbg:
+        for epoch in range(epochs):
+            order = torch.randperm(len(x), generator=torch.Generator().manual_seed(epoch))
+            for i in range(0, len(x), 64):
+                b = order[i : i + 64]
+                opt.zero_grad()
+                loss = loss_fn(model(x[b]), y[b])
+                loss.backward()
+                opt.step()
+                losses.append(loss.item())
+    return dbg, losses
+
+
 def test_regression_targets_shuffled_apart_from_their_inputs_are_why_nothing_is_learned():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(2048, 20, generator=g)
@@ -1021,18 +1039,7 @@ def test_regression_targets_shuffled_apart_from_their_inputs_are_why_nothing_is_
     for name, targets in [("paired", t), ("apart", t[torch.randperm(len(t), generator=g)])]:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 1))
-        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-        losses = []
-        with NeuralDbg(model) as dbg:
-            for epoch in range(6):
-                order = torch.randperm(len(x), generator=torch.Generator().manual_seed(epoch))
-                for i in range(0, len(x), 64):
-                    b = order[i : i + 64]
-                    opt.zero_grad()
-                    loss = nn.functional.mse_loss(model(x[b]), targets[b])
-                    loss.backward()
-                    opt.step()
-                    losses.append(loss.item())
+        dbg, losses = _epochs(model, x, targets, nn.functional.mse_loss)
         runs[name] = (float(np.mean(losses[-16:])), dbg.explain_failure())
     # Ground truth from the loop: paired, the loss falls to a small share of the targets'
     # variance; apart, it stays at it (what predicting their mean gives).
@@ -1052,18 +1059,7 @@ def test_labels_shuffled_apart_from_their_inputs_are_why_nothing_is_learned(labe
         y = y[torch.randperm(len(y), generator=torch.Generator().manual_seed(7))]
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 5))
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    losses = []
-    with NeuralDbg(model) as dbg:
-        for epoch in range(6):
-            order = torch.randperm(len(x), generator=torch.Generator().manual_seed(epoch))
-            for i in range(0, len(x), 64):
-                b = order[i : i + 64]
-                opt.zero_grad()
-                loss = nn.functional.cross_entropy(model(x[b]), y[b])
-                loss.backward()
-                opt.step()
-                losses.append(loss.item())
+    dbg, losses = _epochs(model, x, y, nn.functional.cross_entropy)
     # Ground truth from the loop: paired, the loss falls far below the labels' own entropy (what
     # predicting the class frequencies gives); apart, it never gets clearly below it.
     freq = torch.bincount(y, minlength=5).double() / len(y)
