@@ -400,9 +400,10 @@ const STILL_FALLING: f64 = 0.9;
 
 /// A classifier's loss that ends within this share of its chance level (the entropy of its
 /// classes' frequencies, where known): one that learned part of what noisy labels allow ends
-/// below it. A regression's loss is noisier, and its level (the
-/// targets' variance) comes from one batch.
+/// below it.
 const HELD_AT_CHANCE: f64 = 0.96;
+/// The same for a regression, whose loss is noisier and whose level (the targets' variance)
+/// comes from one batch.
 const HELD_AT_VARIANCE: f64 = 0.8;
 
 /// A classifier's loss where it predicts how often each class occurs and nothing of the input:
