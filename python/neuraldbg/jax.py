@@ -33,6 +33,7 @@ neuraldbg, and torch is not needed.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import threading
@@ -857,7 +858,7 @@ class NeuralDbg(Spoke):
             classes = (self._loss or {}).get("output_units") if self._targets_kind == "classes" else None
             if targets is not None and classes and classes >= 2 and jnp.issubdtype(targets.dtype, jnp.integer):
                 self._classes_counted = True
-                target_stats: Callable[[Any], Any] = lambda t: _class_stats(t, classes)  # noqa: E731
+                target_stats: Callable[[Any], Any] = functools.partial(_class_stats, classes=classes)
             else:
                 target_stats = _batch_stats
             nothing = jnp.full((INPUT_STATS,), jnp.nan, jnp.float32)
