@@ -464,11 +464,14 @@ def _class_entropy(indices: Any, classes: Optional[int], device: Any) -> Any:
 
     if indices is None or indices.device != device or not classes or classes < 2:
         return torch.full((), float("nan"), device=device)
-    idx = indices.detach().flatten()
-    kept = ((idx >= 0) & (idx < classes)).float()
-    counts = torch.zeros(classes, device=device).index_add_(0, idx.clamp(0, classes - 1), kept)
-    p = counts / counts.sum().clamp(min=1.0)
-    return -torch.special.xlogy(p, p).sum()
+    try:
+        idx = indices.detach().flatten()
+        kept = ((idx >= 0) & (idx < classes)).float()
+        counts = torch.zeros(classes, device=device).index_add_(0, idx.clamp(0, classes - 1), kept)
+        p = counts / counts.sum().clamp(min=1.0)
+        return -torch.special.xlogy(p, p).sum()
+    except Exception:  # pragma: no cover - a device without these ops: this fact only is lost
+        return torch.full((), float("nan"), device=device)
 
 
 # torch's reduction codes, as autograd saves them (``_saved_reduction``).
