@@ -863,6 +863,14 @@ fn first_batch_facts_that_are_not_what_they_say_are_refused() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("an entropy is a finite number >= 0"), "{err}");
+    let err = engine
+        .amend_first_batch(&FirstBatch {
+            class_entropy: Some(-0.5),
+            ..FirstBatch::default()
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("class_entropy is -0.5"), "{err}");
     // Without a loss in the spec, target facts have nothing to describe.
     assert!(
         !engine

@@ -371,9 +371,7 @@ fn targets_unrelated(c: &Case<'_>) -> Option<f64> {
     } else {
         MEASURED_TOO_LARGE
     };
-    let step = ev
-        .update_ratio
-        .filter(|r| ev.update_measured && (TRAINING_UPDATE / 2.0..=largest).contains(r))?;
+    let step = ev.measured_step_within(TRAINING_UPDATE / 2.0, largest)?;
     let failing = f.root_cause.is_some()
         || f.vanishing_or_dead.is_some()
         || f.saturation.is_some()

@@ -602,12 +602,11 @@ impl Evidence {
         huge_inputs(self.input_scale_first)
     }
 
-    /// Steps measured at the size that trains (an update-to-weight ratio within 10x of
-    /// [`TRAINING_UPDATE`]): the measured step size, when it is.
-    pub fn training_steps(&self) -> Option<f64> {
-        self.update_ratio.filter(|r| {
-            self.update_measured && (TRAINING_UPDATE / 10.0..=MEASURED_TOO_LARGE).contains(r)
-        })
+    /// The measured step size (update-to-weight ratio), when it lies within `lo..=hi`: steps of
+    /// the size a rule takes for ones that train.
+    pub fn measured_step_within(&self, lo: f64, hi: f64) -> Option<f64> {
+        self.update_ratio
+            .filter(|r| self.update_measured && (lo..=hi).contains(r))
     }
 
     /// Inputs measured on the first step, within a normalized scale's reach.

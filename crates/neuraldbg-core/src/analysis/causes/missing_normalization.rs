@@ -2,6 +2,7 @@
 
 use super::super::remedy::Remedy;
 use super::super::vocab::{Cause, Failure};
+use super::evidence::{MEASURED_TOO_LARGE, TRAINING_UPDATE};
 use super::{Case, CauseRule, Facts, RemedyCase, Votes};
 
 pub(crate) struct MissingNormalization;
@@ -74,7 +75,8 @@ pub(crate) const DEEP_STACK: usize = 8;
 /// variance-preserving one, steps of a size that trains, and no other failure stopping it.
 fn plateau_of_a_deep_stack(c: &Case<'_>, v: &mut Votes) {
     let (ev, f) = (c.ev, c.f);
-    let Some(step) = ev.training_steps() else {
+    // (Within 10x of a training step's ~1e-3.)
+    let Some(step) = ev.measured_step_within(TRAINING_UPDATE / 10.0, MEASURED_TOO_LARGE) else {
         return;
     };
     if ev.depth < DEEP_STACK
