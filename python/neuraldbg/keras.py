@@ -352,11 +352,11 @@ def _class_entropy(y: Any, y_pred: Any) -> Any:
         return ops.full((1,), float("nan"), "float32")
 
 
-def _first_batch_stats(x: Any, y: Any, y_pred: Any, features: int, classes: bool = False) -> Any:
+def _first_batch_stats(x: Any, y: Any, y_pred: Any, features: int, class_indices: bool = False) -> Any:
     """The first batch's facts as one float32 vector (NaN where not measured): the targets'
     min, max and variance, the output's min and max and its number of elements, the entropy
-    of the targets' class frequencies (``classes``: class indices), and the largest magnitude
-    of each of ``features`` columns of the input table ``x``."""
+    of the targets' class frequencies (when they are ``class_indices``), and the largest
+    magnitude of each of ``features`` columns of the input table ``x``."""
     nan = ops.full((1,), float("nan"), "float32")
 
     def three(t: Any) -> List[Any]:
@@ -367,7 +367,7 @@ def _first_batch_stats(x: Any, y: Any, y_pred: Any, features: int, classes: bool
 
     parts = three(y) + three(y_pred)[:2]
     parts.append(ops.reshape(ops.cast(ops.size(y_pred), "float32"), (1,)) if hasattr(y_pred, "shape") else nan)
-    counted = classes and hasattr(y, "shape") and hasattr(y_pred, "shape")
+    counted = class_indices and hasattr(y, "shape") and hasattr(y_pred, "shape")
     parts.append(_class_entropy(y, y_pred) if counted else nan)
     if features:
         xf = _first_float(x)
