@@ -328,6 +328,65 @@ def test_two_models_on_two_threads_at_once_are_both_observed():
     np.testing.assert_allclose(dbg.history("2")[1], [t[0] for t in truth], rtol=1e-5)
 
 
+def test_a_debugger_entering_and_leaving_while_another_thread_steps_leaves_that_step_alone():
+    """torch walks its global optimizer step hooks (an OrderedDict) while a step runs; a hook
+    registered or removed then, from another thread, ended that thread's step with "OrderedDict
+    mutated during iteration" (seen in CI on the two-thread test above). Made deterministic: the
+    user's own global hook holds thread B inside its step while thread A watches, trains and
+    leaves a model of its own."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    inside, done = threading.Event(), threading.Event()
+    b_opt: list = []
+
+    def users_hook(optimizer, args, kwargs) -> None:
+        if b_opt and optimizer is b_opt[0] and not inside.is_set():
+            inside.set()
+            assert done.wait(60)
+
+    results: dict = {}
+
+    def b_job() -> None:
+        model = mlp(1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        b_opt.append(opt)
+        losses = []
+        with NeuralDbg(model) as dbg:
+            for x, y in batches(10, 1):
+                opt.zero_grad()
+                loss = nn.functional.mse_loss(model(x), y)
+                loss.backward()
+                opt.step()
+                losses.append(float(loss.detach()))
+        results["b"] = (dbg, losses)
+
+    def a_job() -> None:
+        assert inside.wait(60)
+        try:
+            model = mlp(2)
+            with NeuralDbg(model) as dbg:
+                train(model, batches(5, 2))
+            results["a"] = dbg
+        finally:
+            done.set()
+
+    handle = register_optimizer_step_post_hook(users_hook)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", NeuralDbgWarning)
+            threads = [threading.Thread(target=f) for f in (b_job, a_job)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+    finally:
+        handle.remove()
+    assert set(results) == {"a", "b"}  # B's step went on (it raised in B's thread before)
+    dbg, losses = results["b"]
+    assert dbg.step == 10 and len(losses) == 10
+    assert results["a"].step == 5
+
+
 # --------------------------------------------------------------------------- torch.func
 
 

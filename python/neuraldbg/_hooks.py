@@ -14,7 +14,8 @@ when a step is read.
   (for torch's activation classes, ``_record.RECORDED_PROBES``, a call recorder entry), armed
   only on the steps whose activation statistics are measured;
 * the criterion's forward hook (the loss, when a ``criterion`` is given);
-* torch's global optimizer step post hook (the step boundary);
+* torch's global optimizer step post hook (the step boundary), one for every watched model
+  (``_taps.StepTap``);
 * the end of each backward pass that gave the model gradients is where they are read (before
   any clipping or unscaling). On a CPU model whose loss the backward tap takes (no criterion
   given), that is when ``torch.autograd.backward`` returns, and the backward gave the model
@@ -55,7 +56,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence,
 
 from ._measure import Summaries
 from ._record import CALL_RECORDER, RECORDED_PROBES, RecordGroup, is_recorded, make_record, make_slot_record
-from ._taps import BACKWARD_TAP, SCALER_TAP, STATE_TAP, is_retrace_mark
+from ._taps import BACKWARD_TAP, SCALER_TAP, STATE_TAP, STEP_TAP, is_retrace_mark
 
 if TYPE_CHECKING:  # pragma: no cover
     from ._collect import Collector
@@ -187,9 +188,7 @@ class Hooks:
         if c.criterion is not None:
             self._own(c.criterion.register_forward_hook(c.entry_criterion))
         self.hook_grads(c, params)
-        from torch.optim.optimizer import register_optimizer_step_post_hook
-
-        self.handles.append(register_optimizer_step_post_hook(c.entry_optimizer_step))
+        STEP_TAP.add(c.entry_optimizer_step)
         SCALER_TAP.add(c)
         STATE_TAP.add(self)
         self.marked = [m for m in _compiled_entries(self.modules) if retrace_mark(m)]
@@ -360,6 +359,7 @@ class Hooks:
         for m in self.marked:
             retrace_unmark(m)
         self.marked = []
+        STEP_TAP.remove(c.entry_optimizer_step)
         BACKWARD_TAP.remove(c)
         SCALER_TAP.remove(c)
         STATE_TAP.remove(self)

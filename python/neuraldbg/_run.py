@@ -36,6 +36,7 @@ import warnings
 from types import ModuleType
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
+from ._taps import STEP_TAP
 from .errors import ConfigError, NeuralDbgError, NeuralDbgWarning, TrainingFailure
 
 __all__ = ["main"]
@@ -362,7 +363,7 @@ class Watch:
             }
         )
         self._losses_watched = False
-        self._count_handle: Any = None
+        self._counting = False
         self._remedy: Any = None
         self._jax_kind: Any = None
         self.failed: Optional[str] = None
@@ -582,15 +583,12 @@ class Watch:
         self.watched.update(id(p) for p in module.parameters())
 
     def _count_last(self) -> None:
-        """The ``--steps`` counter, registered after every debugger's own step hook so the step
+        """The ``--steps`` counter, called after every debugger's own step hook so the step
         that reaches N is observed before the script is stopped."""
-        if self.steps is None:
+        if self.steps is None or self._counting:
             return
-        from torch.optim.optimizer import register_optimizer_step_post_hook
-
-        if self._count_handle is not None:
-            self._count_handle.remove()
-        self._count_handle = register_optimizer_step_post_hook(self._counted)
+        STEP_TAP.add(self._counted, last=True)
+        self._counting = True
 
     def _counted(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self.steps is not None and self.models and self.step() >= self.steps:
@@ -611,8 +609,9 @@ class Watch:
             else:
                 setattr(owner, name, own)
         self._patched = []
-        if self._count_handle is not None:
-            self._count_handle.remove()
+        if self._counting:
+            STEP_TAP.remove(self._counted)
+            self._counting = False
         if self._remedy is not None:
             self._remedy.remove()
         kind = None if exc is None else type(exc)

@@ -1,19 +1,27 @@
 """Pass-through wrappers of torch functions, installed while a watched model needs them and
 restored when the last leaves: :class:`BackwardTap` (``torch.autograd.backward``: the loss of a
 step, and where its backward ends), :class:`ScalerTap` (``GradScaler.step``: a skipped step and
-the loss scale) and :class:`StateTap` (``nn.Module.__getstate__``: copies of a watched model
-carry none of our hooks).
+the loss scale), :class:`StateTap` (``nn.Module.__getstate__``: copies of a watched model
+carry none of our hooks) and :class:`StepTap` (torch's global optimizer step post hook: the step
+boundary).
+
+Models may be watched on several threads at once: a tap is installed and restored under one
+process-wide lock (two threads entering together would otherwise each take the other's wrapper
+for the original), and the set of those it serves is a tuple replaced whole, so a call on another
+thread walks the set it started with.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any, Callable, List, Optional, Set
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Set, Tuple
 
 if TYPE_CHECKING:  # pragma: no cover
     from ._collect import Collector
     from ._hooks import Hooks
+
+_INSTALL = threading.RLock()
 
 
 def reaches(fn: Any, targets: List[Any], limit: int = 512) -> bool:
@@ -41,25 +49,27 @@ class BackwardTap:
     function is restored when the last collector leaves."""
 
     def __init__(self) -> None:
-        self.collectors: List[Collector] = []
+        self.collectors: Tuple[Collector, ...] = ()
         self.original: Optional[Callable[..., Any]] = None
         self.installed = self._backward  # one bound method, so identity checks work
 
     def add(self, c: Collector) -> None:
         import torch.autograd
 
-        if not self.collectors:
-            self.original = torch.autograd.backward
-            torch.autograd.backward = self.installed  # type: ignore[assignment]
-        self.collectors.append(c)
+        with _INSTALL:
+            if not self.collectors:
+                self.original = torch.autograd.backward
+                torch.autograd.backward = self.installed  # type: ignore[assignment]
+            self.collectors = (*self.collectors, c)
 
     def remove(self, c: Collector) -> None:
         import torch.autograd
 
-        if c in self.collectors:
-            self.collectors.remove(c)
-            if not self.collectors and torch.autograd.backward is self.installed:
-                torch.autograd.backward = self.original  # type: ignore[assignment]
+        with _INSTALL:
+            if c in self.collectors:
+                self.collectors = tuple(k for k in self.collectors if k is not c)
+                if not self.collectors and torch.autograd.backward is self.installed:
+                    torch.autograd.backward = self.original  # type: ignore[assignment]
 
     def _backward(self, tensors: Any, *args: Any, **kwargs: Any) -> Any:
         # Collectors that read their gradients here (see Hooks.tap_reads) answer with what
@@ -97,36 +107,38 @@ class ScalerTap:
     collector leaves."""
 
     def __init__(self) -> None:
-        self.collectors: List[Collector] = []
+        self.collectors: Tuple[Collector, ...] = ()
         self.original: Optional[Callable[..., Any]] = None
         self.cls: Any = None
 
     def add(self, c: Collector) -> None:
-        if not self.collectors:
-            try:
-                from torch.amp.grad_scaler import GradScaler
-            except ImportError:  # pragma: no cover - very old torch
-                return
-            self.cls = GradScaler
-            self.original = GradScaler.step
-            tap = self
+        with _INSTALL:
+            if not self.collectors:
+                try:
+                    from torch.amp.grad_scaler import GradScaler
+                except ImportError:  # pragma: no cover - very old torch
+                    return
+                self.cls = GradScaler
+                self.original = GradScaler.step
+                tap = self
 
-            def step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-                return tap._step(scaler, optimizer, *args, **kwargs)
+                def step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+                    return tap._step(scaler, optimizer, *args, **kwargs)
 
-            step.__wrapped__ = self.original  # type: ignore[attr-defined]
-            GradScaler.step = step  # type: ignore[method-assign, assignment]
-        self.collectors.append(c)
+                step.__wrapped__ = self.original  # type: ignore[attr-defined]
+                GradScaler.step = step  # type: ignore[method-assign, assignment]
+            self.collectors = (*self.collectors, c)
 
     def remove(self, c: Collector) -> None:
-        if c in self.collectors:
-            self.collectors.remove(c)
-            if not self.collectors and self.cls is not None:
-                self.cls.step = self.original
-                self.cls = None
+        with _INSTALL:
+            if c in self.collectors:
+                self.collectors = tuple(k for k in self.collectors if k is not c)
+                if not self.collectors and self.cls is not None:
+                    self.cls.step = self.original
+                    self.cls = None
 
     def _step(self, scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-        collectors = list(self.collectors)
+        collectors = self.collectors
         for c in collectors:
             c.entry_scaler_step(scaler, optimizer)
         assert self.original is not None
@@ -161,6 +173,10 @@ class StateTap:
         self.original: Optional[Callable[..., Any]] = None
 
     def add(self, hooks: Hooks) -> None:
+        with _INSTALL:
+            self._add(hooks)
+
+    def _add(self, hooks: Hooks) -> None:
         if not self.users:
             import torch.nn
 
@@ -185,14 +201,64 @@ class StateTap:
         self.users.append(hooks)
 
     def remove(self, hooks: Hooks) -> None:
-        if hooks in self.users:
-            self.users.remove(hooks)
-            if not self.users and self.original is not None:
-                import torch.nn
+        with _INSTALL:
+            if hooks in self.users:
+                self.users.remove(hooks)
+                if not self.users and self.original is not None:
+                    import torch.nn
 
-                torch.nn.Module.__getstate__ = self.original  # type: ignore[method-assign]
-                self.original = None
-                self.ours.clear()
+                    torch.nn.Module.__getstate__ = self.original  # type: ignore[method-assign]
+                    self.original = None
+                    self.ours.clear()
+
+
+StepCall = Callable[[Any, Any, Any], Any]
+
+
+class StepTap:
+    """Observes every optimizer step of the process through one torch global step post hook
+    (``register_optimizer_step_post_hook``), registered when the first caller arrives and
+    removed when the last leaves. torch walks its global hooks, an ``OrderedDict``, while an
+    optimizer steps: a hook registered or removed then, from another thread, ends that step
+    with "OrderedDict mutated during iteration". One hook for every watched model leaves such
+    changes to the process's first entry and last exit. ``last`` callers run after the others
+    (``neuraldbg run``'s step counter, which stops the script once the watched models have
+    observed the step)."""
+
+    def __init__(self) -> None:
+        self.first: Tuple[StepCall, ...] = ()
+        self.last: Tuple[StepCall, ...] = ()
+        self.calls: Tuple[StepCall, ...] = ()
+        self.handle: Any = None
+
+    def add(self, call: StepCall, last: bool = False) -> None:
+        with _INSTALL:
+            if last:
+                self.last = (*self.last, call)
+            else:
+                self.first = (*self.first, call)
+            self._arrange()
+
+    def remove(self, call: StepCall) -> None:
+        with _INSTALL:
+            # (==: a bound method is a new object at each access, equal to the one added)
+            self.first = tuple(k for k in self.first if k != call)
+            self.last = tuple(k for k in self.last if k != call)
+            self._arrange()
+
+    def _arrange(self) -> None:
+        self.calls = (*self.first, *self.last)
+        if self.calls and self.handle is None:
+            from torch.optim.optimizer import register_optimizer_step_post_hook
+
+            self.handle = register_optimizer_step_post_hook(self._stepped)
+        elif not self.calls and self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+
+    def _stepped(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        for call in self.calls:
+            call(optimizer, args, kwargs)
 
 
 def is_retrace_mark(value: Any) -> bool:
@@ -202,3 +268,4 @@ def is_retrace_mark(value: Any) -> bool:
 
 SCALER_TAP = ScalerTap()
 STATE_TAP = StateTap()
+STEP_TAP = StepTap()
