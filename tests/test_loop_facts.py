@@ -4,6 +4,7 @@ the model's output. Checked against what the loop did, step by step."""
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any, Dict, List
 
@@ -242,6 +243,39 @@ def test_loss_facts_broadcasting_mse_and_target_range():
     assert d["ops"][0] == "MseLoss" and "Expand" in d["ops"]
     assert d["output_numel"] == 8 and d["compared_numel"] == 64
     assert d["target_range"] == pytest.approx([5.0, 9.0])
+
+
+def _raise(*args, **kwargs):
+    raise RuntimeError("not on this device")
+
+
+@pytest.mark.parametrize("broken", ["aminmax", "penalties", "batch softmax"])
+def test_a_loss_fact_that_cannot_be_read_loses_only_itself(broken, monkeypatch):
+    """Each loss statistic is read on its own: one that raises (an op a device or tensor type
+    does not allow) leaves the loss's other facts to the engine. Before, any of them took the
+    whole description (no output/loss mismatch, no chance level) with it."""
+    import neuraldbg._loop as loop
+
+    if broken == "aminmax":
+        monkeypatch.setattr(torch, "aminmax", _raise)
+    elif broken == "penalties":
+        monkeypatch.setattr(loop, "_penalized_parameters", _raise)
+    else:
+        monkeypatch.setattr(loop, "_normalizes_dim0", _raise)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Softmax(dim=1))
+    y = torch.tensor([0, 1, 2, 1] * 4)
+    d = first_loss(model, nn.CrossEntropyLoss(), torch.randn(16, 4), y)
+    assert d["ops"] == ["NllLoss", "LogSoftmax"] and d["output_op"] == "Softmax"
+    assert d["output_units"] == 3 and d["output_numel"] == 48
+    assert d["compared_numel"] == 48 and d["reduction"] == "mean"
+    # The classes' entropy is measured apart from the ranges: [1/4, 1/2, 1/4] -> 1.5 ln 2.
+    assert d["class_entropy"] == pytest.approx(1.5 * math.log(2), rel=1e-5)
+    if broken == "aminmax":
+        assert "output_range" not in d and "class_range" not in d
+    else:
+        assert d["class_range"] == [0.0, 2.0]
+        lo, hi = d["output_range"]
+        assert 0.0 <= lo <= hi <= 1.0
 
 
 def test_loss_facts_see_a_functional_sigmoid_through_indexing():

@@ -353,14 +353,27 @@ def _first_lr(opt: Any) -> Optional[float]:
 
 
 def _describe(loss: Any, output_fns: List[Any], output: Any) -> Optional[Dict[str, Any]]:
-    import torch
-
+    """The loss's facts: the path of operations from the loss to the model's output (without
+    it there are none), then each further fact on its own (:data:`_LOSS_FACTS`): one that
+    cannot be read on this graph or device loses only itself."""
     fn = getattr(loss, "grad_fn", None)
     if fn is None or not output_fns:
         return None
-    targets = {id(t): t for t in output_fns}
-    # Depth-first from the loss to the first model output, keeping the path.
-    path: Optional[List[Any]] = None
+    outputs = {id(t): t for t in output_fns}
+    path = _path_to_output(fn, outputs)
+    if path is None:
+        return None
+    d: Dict[str, Any] = {"ops": [op_name(n) for n in path[:-1]], "output_op": op_name(_producer(path[-1]))}
+    for fact in _LOSS_FACTS:
+        try:
+            fact(d, path, output, outputs)
+        except Exception:  # an optional fact: the others stand
+            pass
+    return d
+
+
+def _path_to_output(fn: Any, targets: Dict[int, Any]) -> Optional[List[Any]]:
+    """Depth-first from the loss's node to the first model output's, the nodes on the way."""
     stack: List[Tuple[Any, List[Any]]] = [(fn, [fn])]
     seen = {id(fn)}
     visited = 0
@@ -368,91 +381,127 @@ def _describe(loss: Any, output_fns: List[Any], output: Any) -> Optional[Dict[st
         node, trail = stack.pop()
         visited += 1
         if id(node) in targets:
-            path = trail
-            break
+            return trail
         for nxt, _ in reversed(getattr(node, "next_functions", ())):
             if nxt is not None and id(nxt) not in seen:
                 seen.add(id(nxt))
                 stack.append((nxt, trail + [nxt]))
-    if path is None:
-        return None
-    ops = [op_name(n) for n in path[:-1]]
-    # The operation that produced the output's values: past indexing and reshaping
-    # (``torch.sigmoid(z)[:, 0]`` is a sigmoid output).
-    producer = path[-1]
+    return None
+
+
+def _producer(node: Any) -> Any:
+    """The operation that produced the output's values: past indexing and reshaping
+    (``torch.sigmoid(z)[:, 0]`` is a sigmoid output)."""
     for _ in range(8):
-        if op_name(producer) not in _VIEWS:
+        if op_name(node) not in _VIEWS:
             break
-        nxt = [f for f, _ in getattr(producer, "next_functions", ()) if f is not None]
+        nxt = [f for f, _ in getattr(node, "next_functions", ()) if f is not None]
         if len(nxt) != 1:
             break
-        producer = nxt[0]
-    d: Dict[str, Any] = {"ops": ops, "output_op": op_name(producer)}
-    # Output and target ranges: four values reduced on the device, read at registration
-    # (LoopFacts.loss_facts), not here in the middle of the first step.
-    bounded: List[Any] = []  # the tensors whose (min, max) are wanted, or None
+        node = nxt[0]
+    return node
+
+
+def _output_shape(d: Dict[str, Any], path: List[Any], output: Any, outputs: Dict[int, Any]) -> None:
+    import torch
+
     if isinstance(output, torch.Tensor):
         d["output_numel"] = int(output.numel())
         if output.dim() >= 1:
             d["output_units"] = int(output.shape[-1])
-    bounded.append(
-        output if isinstance(output, torch.Tensor) and output.is_floating_point() and output.numel() else None
-    )
-    # What the loss compared with the target: the first node on the path that saved its input
-    # (MseLoss, SmoothL1Loss, NllLoss...; Abs for a written-out L1).
+
+
+def _comparison(d: Dict[str, Any], path: List[Any], output: Any, outputs: Dict[int, Any]) -> None:
+    """What the loss compared with the target (the first node on the path that saved its
+    input: MseLoss, SmoothL1Loss, NllLoss...; Abs for a written-out L1), its reduction, and a
+    softmax taken over the batch."""
+    import torch
+
     for node in path[:-1]:
         saved = getattr(node, "_saved_self", None)
         if isinstance(saved, torch.Tensor):
             d["compared_numel"] = int(saved.numel())
             break
+    reduction = next((r for r in (getattr(n, "_saved_reduction", None) for n in path[:-1]) if r is not None), None)
+    if reduction in _REDUCTIONS:
+        d["reduction"] = _REDUCTIONS[reduction]
+    if any(_normalizes_dim0(n) for n in path[:-1]):
+        d["softmax_over_batch"] = True
+
+
+def _penalties(d: Dict[str, Any], path: List[Any], output: Any, outputs: Dict[int, Any]) -> None:
+    penalized = _penalized_parameters(path[0], outputs)
+    if penalized:
+        d["penalized_params"] = penalized
+
+
+def _ranges(d: Dict[str, Any], path: List[Any], output: Any, outputs: Dict[int, Any]) -> None:
+    """Output and target ranges, the targets' variance and their classes' entropy: reduced
+    on the device into one vector, read at registration (``LoopFacts.loss_facts``), not here
+    in the middle of the first step. A value that cannot be computed is NaN (only it lost)."""
+    import torch
+
+    target = _target(path, output)
+    # The tensors whose (min, max) are wanted, or None: the output, a float target, class indices.
+    bounded: List[Any] = [
+        output if isinstance(output, torch.Tensor) and output.is_floating_point() and output.numel() else None,
+        target if isinstance(target, torch.Tensor) and target.is_floating_point() and target.numel() else None,
+        target if isinstance(target, torch.Tensor) and not target.is_floating_point() and target.numel() > 1 else None,
+    ]
+    device = next((t.device for t in bounded if t is not None), None)
+    if device is None:
+        return
+
+    def nan(n: int) -> List[Any]:  # (made on the device: a copy from the host would wait for its queue)
+        return list(torch.full((n,), float("nan"), device=device).unbind())
+
+    def on_device(compute: Callable[[], List[Any]], n: int) -> List[Any]:
+        try:
+            return compute()
+        except Exception:  # a statistic this tensor or device does not allow
+            return nan(n)
+
+    values: List[Any] = []
+    for t in bounded:
+        ok = t is not None and t.device == device
+        values.extend(on_device(lambda t=t: list(torch.aminmax(t.detach().float())), 2) if ok else nan(2))
+    # The targets' variance: the loss of predicting their mean, for a regression loss.
+    t = bounded[1]
+    ok = t is not None and t.device == device and t.numel() > 1
+    values.extend(on_device(lambda: [t.detach().float().var()], 1) if ok else nan(1))
+    values.append(_class_entropy(bounded[2], d.get("output_units"), device))
+    stacked = torch.stack(values)
+    if stacked.device.type == "cuda":
+        host = torch.empty(len(values), dtype=torch.float32, pin_memory=True)
+        host.copy_(stacked, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(stacked.device))
+        d["_ranges"] = (host, event)
+    else:
+        d["_ranges"] = (stacked, None)
+
+
+def _target(path: List[Any], output: Any) -> Any:
+    """The tensor the loss compared the output with: saved by the loss's node, or the other
+    operand of a written-out loss (``((out - y) ** 2).mean()``)."""
+    import torch
+
     target = next(
         (t for t in (getattr(n, "_saved_target", None) for n in path[:-1]) if isinstance(t, torch.Tensor)),
         None,
     )
     if target is None and isinstance(output, torch.Tensor):
         target = _written_out_target(path, output)
-    reduction = next((r for r in (getattr(n, "_saved_reduction", None) for n in path[:-1]) if r is not None), None)
-    if reduction in _REDUCTIONS:
-        d["reduction"] = _REDUCTIONS[reduction]
-    if any(_normalizes_dim0(n) for n in path[:-1]):
-        d["softmax_over_batch"] = True
-    bounded.append(
-        target if isinstance(target, torch.Tensor) and target.is_floating_point() and target.numel() else None
-    )
-    # Class indices (cross-entropy's integer targets): their range, as floats.
-    indices = (
-        target if isinstance(target, torch.Tensor) and not target.is_floating_point() and target.numel() > 1 else None
-    )
-    bounded.append(indices)
-    device = next((t.device for t in bounded if t is not None), None)
-    penalized = _penalized_parameters(fn, targets)
-    if penalized:
-        d["penalized_params"] = penalized
-    if device is not None:
-        ranges: List[Any] = []
-        for t in bounded:
-            if t is not None and t.device == device:
-                ranges.extend(torch.aminmax(t.detach().float()))
-            else:  # (made on the device: a copy from the host would wait for its queue)
-                ranges.extend(torch.full((2,), float("nan"), device=device).unbind())
-        # The targets' variance: the loss of predicting their mean, for a regression loss.
-        # (The range of class indices is the last pair before it.)
-        t = bounded[1]
-        if t is not None and t.device == device and t.numel() > 1:
-            ranges.append(t.detach().float().var())
-        else:
-            ranges.append(torch.full((), float("nan"), device=device))
-        ranges.append(_class_entropy(indices, d.get("output_units"), device))
-        values = torch.stack(ranges)
-        if values.device.type == "cuda":
-            host = torch.empty(len(ranges), dtype=torch.float32, pin_memory=True)
-            host.copy_(values, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(values.device))
-            d["_ranges"] = (host, event)
-        else:
-            d["_ranges"] = (values, None)
-    return d
+    return target
+
+
+# The loss's facts besides its path, each read on its own by :func:`_describe`.
+_LOSS_FACTS: Tuple[Callable[[Dict[str, Any], List[Any], Any, Dict[int, Any]], None], ...] = (
+    _output_shape,
+    _comparison,
+    _penalties,
+    _ranges,
+)
 
 
 def _class_entropy(indices: Any, classes: Optional[int], device: Any) -> Any:
