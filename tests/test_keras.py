@@ -832,6 +832,40 @@ def test_labels_permuted_away_from_their_inputs_are_named_with_their_classes_ent
     assert any("shuffle x and y together" in r for r in top.remedies), top.remedies
 
 
+@pytest.mark.parametrize("mistake", ["batch_mean", "fixed"])
+def test_a_layer_that_averages_over_the_batch_is_why_the_output_ignores_its_input(mistake: str) -> None:
+    # A Lambda meant to average features averages over axis 0, the batch: every sample gets the
+    # batch's mean input, and the model can learn only how often each class occurs.
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(4096, 20)).astype("float32")
+    y = (x @ rng.normal(size=(20, 5))).argmax(1)
+    keras.utils.set_random_seed(0)
+    layers = [keras.Input((20,))]
+    if mistake == "batch_mean":
+        layers.append(keras.layers.Lambda(lambda t: t * 0 + keras.ops.mean(t, axis=0, keepdims=True)))
+    layers += [keras.layers.Dense(64, activation="relu"), keras.layers.Dense(5)]
+    model = keras.Sequential(layers)
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-3), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
+    cb = NeuralDbgCallback()
+    losses = model.fit(x, y, batch_size=64, epochs=2, verbose=0, callbacks=[cb]).history["loss"]
+    found = cb.dbg.explain_failure()
+    # Ground truth from the model itself: its output on four different samples.
+    out = np.asarray(model(x[:4]))
+    if mistake == "fixed":
+        assert np.ptp(out, axis=0).max() > 0.01 and losses[-1] < 0.8 * losses[0], (out, losses)
+        assert not [h for h in found if h.cause == "output_ignores_input"], found[:2]
+        return
+    assert np.ptp(out, axis=0).max() == 0.0, out
+    p = np.bincount(y, minlength=5) / len(y)
+    assert losses[-1] > 0.95 * float(-(p * np.log(p)).sum()), losses
+    top = found[0]
+    assert top.cause == "output_ignores_input" and top.confidence >= 0.7, found[:2]
+    assert "the same for every sample of the batch" in top.description
+    assert any("model.predict(x[:4])" in r for r in top.remedies), top.remedies
+
+
 @pytest.mark.parametrize("scale", [255.0, 1.0])
 def test_binary_cross_entropy_targets_outside_zero_one_are_named(scale: float) -> None:
     # A segmentation mask saved as 0/255: the loss goes below zero, which a binary

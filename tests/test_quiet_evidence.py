@@ -234,7 +234,7 @@ def test_a_scaled_or_broadcast_difference_gives_no_target():
     for loss in (scaled, broadcast):
         d = _describe(loss, [out.grad_fn], out)
         assert d is not None
-        _, _, tlo, thi, _, _, tvar, entropy = (float(v) for v in d["_ranges"][0])
+        _, _, tlo, thi, _, _, tvar, entropy, _ = (float(v) for v in d["_ranges"][0])
         assert np.isnan([tlo, thi, tvar, entropy]).all(), d
 
 
@@ -243,7 +243,7 @@ def test_the_class_indices_entropy_counts_the_classes_a_loss_is_given_and_skips_
 
     out = torch.randn(4, 3, requires_grad=True) * 1.0
     loss = nn.functional.cross_entropy(out, torch.tensor([0, 0, 1, -100]))  # (-100: ignore_index)
-    entropy = float(_describe(loss, [out.grad_fn], out)["_ranges"][0][-1])
+    entropy = float(_describe(loss, [out.grad_fn], out)["_ranges"][0][7])
     assert entropy == pytest.approx(-(2 / 3) * np.log(2 / 3) - (1 / 3) * np.log(1 / 3), rel=1e-5)
 
 
@@ -1079,4 +1079,100 @@ def test_labels_shuffled_apart_from_their_inputs_are_why_nothing_is_learned(labe
     # The level it sits at is the one of predicting the classes' frequencies, as measured here.
     said_entropy = float(top.description.split("it: ")[1].split(",")[0])
     assert said_entropy == pytest.approx(entropy, rel=0.1), (said_entropy, entropy)
+    # Its inputs reach the output (it varies across a batch, as the model computes it here):
+    # said, and the other possibility left out.
+    with torch.no_grad():
+        out = model(x[:64])
+    assert float((out.amax(0) - out.amin(0)).max()) > 0.1 * float(out.abs().max())
+    assert "they reach the output" in top.description and "do not reach" not in top.description
     assert any("one permutation" in r for r in top.remedies), top.remedies
+
+
+class _Net(nn.Module):
+    """A small MLP with one of the forward-pass mistakes that keep a sample's input from its
+    output: ``fixed`` (none), ``batch_mean`` (the input averaged over the batch, as a mean over
+    the wrong dimension does), ``one_value_norm`` (a LayerNorm over a dimension of size 1, which
+    is 0 for every sample)."""
+
+    def __init__(self, mistake: str, outputs: int) -> None:
+        super().__init__()
+        self.mistake = mistake
+        self.l1, self.l2, self.l3 = nn.Linear(20, 64), nn.Linear(64, 64), nn.Linear(64, outputs)
+        self.norm = nn.LayerNorm(1)
+
+    def forward(self, x):
+        if self.mistake == "batch_mean":
+            x = x.mean(0, keepdim=True).expand_as(x)
+        h = torch.relu(self.l2(torch.relu(self.l1(x))))
+        if self.mistake == "one_value_norm":
+            h = self.norm(h.sum(1, keepdim=True)).expand(-1, 64)
+        return self.l3(h)
+
+
+@pytest.mark.parametrize(
+    "mistake, task",
+    [("fixed", "classes"), ("batch_mean", "classes"), ("one_value_norm", "classes"), ("batch_mean", "regression")],
+)
+def test_a_forward_pass_that_gives_every_sample_the_same_output_is_named(mistake, task):
+    x, y = _classification()
+    if task == "regression":
+        y = x[:, :3].sum(1, keepdim=True)
+    loss_fn = nn.functional.cross_entropy if task == "classes" else nn.functional.mse_loss
+    torch.manual_seed(0)
+    model = _Net(mistake, 5 if task == "classes" else 1)
+    with torch.no_grad():
+        first = model(x[:64])
+    dbg, losses = _epochs(model, x, y, loss_fn)
+    found = dbg.explain_failure()
+    named = [h for h in found if h.cause == "output_ignores_input"]
+    # Ground truth from the model itself: the first batch's output rows identical (or not), and
+    # the loop's loss staying where predicting what all samples share puts it (or falling).
+    same = bool((first == first[:1]).all())
+    if mistake == "fixed":
+        assert not same and np.mean(losses[-16:]) < 0.5 * losses[0]
+        assert not named, found[:2]
+        return
+    assert same
+    if task == "classes":
+        freq = torch.bincount(y, minlength=5).double() / len(y)
+        level = float(-(freq * freq.log()).sum())
+    else:
+        level = float(y.var())
+    assert np.mean(losses[-16:]) > 0.9 * level, (losses[-16:], level)
+    top = found[0]
+    assert top.cause == "output_ignores_input" and top.confidence >= 0.7, found[:2]
+    assert "same for every sample of the batch" in top.description
+    assert any("model(x[:4])" in r for r in top.remedies), top.remedies
+    # Not the targets: the unrelated-targets evidence is not given where the output was the same.
+    assert not [h for h in found if "look unrelated to their inputs" in h.description]
+
+
+def test_an_output_layer_initialized_to_zero_is_not_taken_for_a_lost_input():
+    """A last layer initialized to zero gives every sample the same output until it moves (a
+    recipe, not a bug): with a learning rate far too small it never moves, and the run is the
+    learning rate's or the initialization's to explain, not the forward pass'."""
+    x, y = _classification()
+    torch.manual_seed(0)
+    model = _Net("fixed", 5)
+    nn.init.zeros_(model.l3.weight)
+    nn.init.zeros_(model.l3.bias)
+    with torch.no_grad():
+        first = model(x[:64])
+    assert bool((first == 0).all())  # the same for every sample, by the initialization
+    opt = torch.optim.Adam(model.parameters(), lr=1e-7)
+    with NeuralDbg(model) as dbg:
+        for i in range(0, len(x), 32):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x[i : i + 32]), y[i : i + 32]).backward()
+            opt.step()
+    assert not [h for h in dbg.explain_failure() if h.cause == "output_ignores_input"]
+
+
+def test_the_output_batch_spread_is_the_largest_range_over_the_batch_over_the_largest_magnitude():
+    from neuraldbg._loop import _batch_spread
+
+    out = torch.tensor([[1.0, -4.0], [3.0, -4.0], [2.0, -4.0]])
+    assert float(_batch_spread(out, out.device)) == pytest.approx(2.0 / 4.0)
+    assert float(_batch_spread(torch.zeros(5, 3), torch.device("cpu"))) == 0.0
+    assert float(_batch_spread(torch.ones(6, 2, 3), torch.device("cpu"))) == 0.0
+    assert np.isnan(float(_batch_spread(torch.ones(1, 3), torch.device("cpu"))))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from functools import cache
-from typing import Callable, Dict, FrozenSet, List, Optional, Tuple
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -68,6 +68,9 @@ class Knobs:
     loss_cut: bool = False
     # Dropout after every hidden activation of an MLP, zeroing this share of the units (0: none).
     dropout: float = 0.0
+    # The model's forward gives every sample the first sample's input (as if it began with
+    # `x = x[:1].expand_as(x)`): no sample's own input reaches the output (see `lose_input`).
+    input_lost: bool = False
 
 
 @dataclass
@@ -179,6 +182,19 @@ def batches(x: torch.Tensor, y: torch.Tensor, size: int, seed: int) -> Callable[
         return x[idx], y[idx]
 
     return at
+
+
+def lose_input(model: nn.Module, k: Knobs) -> None:
+    """When ``k.input_lost``: the model's forward gives every sample of a batch the first
+    sample's input (a forward pre-hook, so every base loses its input the same way)."""
+    if not k.input_lost:
+        return
+
+    def first_only(module: nn.Module, args: Tuple[Any, ...]) -> Tuple[Any, ...]:
+        x = args[0]
+        return (x[:1].expand_as(x), *args[1:])
+
+    model.register_forward_pre_hook(first_only)
 
 
 def targets_apart(y: torch.Tensor, k: Knobs, seed: int) -> torch.Tensor:
@@ -563,7 +579,7 @@ def deep_layernorm(k: Knobs, seed: int) -> Program:
     return _classifier(model, k, seed, (x0.flatten(1), y0, x1.flatten(1), y1), 10, "sgd", 0.05, momentum=0.9)
 
 
-_LOOP = {"clip_norm", "warmup_steps", "loss_cut"}
+_LOOP = {"clip_norm", "warmup_steps", "loss_cut", "input_lost"}
 _ALL = {
     "lr_factor",
     "init_scale",

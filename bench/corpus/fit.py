@@ -51,6 +51,7 @@ CAUSES = [
     "output_loss_mismatch",
     "target_shape_mismatch",
     "over_regularization",
+    "output_ignores_input",
     "unknown",
 ]
 FAILURES = [

@@ -83,6 +83,7 @@ MUTATIONS: List[Mutation] = [
     _m("loss_cut", "parameters_not_updated", paired=False, loss_cut=True),
     _m("dropout_keep", "over_regularization", paired=False, dropout=0.9),
     _m("labels_apart", "bad_input_data", paired=False, labels_apart=True),
+    _m("input_lost", "output_ignores_input", paired=False, input_lost=True),
 ]
 
 

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch
 
-from bench.corpus.bases import BASES, Knobs, Program, base
+from bench.corpus.bases import BASES, Knobs, Program, base, lose_input
 from bench.corpus.labels import relabel
 from bench.corpus.mutations import knobs_for, named, pairs, singles
 
@@ -73,6 +73,7 @@ def one(base_name: str, ops: Tuple[str, ...], seed: int) -> Dict:
     k = knobs_for(ops)
     torch.manual_seed(seed)
     p = b.build(k, seed)
+    lose_input(p.model, k)
     t0 = time.perf_counter()
     with NeuralDbg(p.model) as dbg:
         losses, error = train(p, k)

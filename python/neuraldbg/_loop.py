@@ -295,9 +295,9 @@ class LoopFacts:
             try:
                 if event is not None and not event.query():
                     event.synchronize()  # (the first step only, once)
-                lo, hi, tlo, thi, clo, chi, tvar, entropy = (float(v) for v in host.tolist())
+                lo, hi, tlo, thi, clo, chi, tvar, entropy, spread = (float(v) for v in host.tolist())
             except Exception:  # pragma: no cover - ranges are optional facts
-                lo = hi = tlo = thi = clo = chi = tvar = entropy = math.nan
+                lo = hi = tlo = thi = clo = chi = tvar = entropy = spread = math.nan
             if math.isfinite(lo) and math.isfinite(hi):
                 d["output_range"] = [lo, hi]
             if math.isfinite(tlo) and math.isfinite(thi):
@@ -308,6 +308,8 @@ class LoopFacts:
                 d["target_var"] = tvar
             if math.isfinite(entropy):
                 d["class_entropy"] = entropy
+            if math.isfinite(spread):
+                d["output_batch_spread"] = spread
         return d
 
 
@@ -436,7 +438,8 @@ def _penalties(d: Dict[str, Any], path: List[Any], output: Any, outputs: Dict[in
 
 
 def _ranges(d: Dict[str, Any], path: List[Any], output: Any, outputs: Dict[int, Any]) -> None:
-    """Output and target ranges, the targets' variance and their classes' entropy: reduced
+    """Output and target ranges, the targets' variance, their classes' entropy and the output's
+    spread across the batch: reduced
     on the device into one vector, read at registration (``LoopFacts.loss_facts``), not here
     in the middle of the first step. A value that cannot be computed is NaN (only it lost)."""
     import torch
@@ -455,21 +458,30 @@ def _ranges(d: Dict[str, Any], path: List[Any], output: Any, outputs: Dict[int, 
     def nan(n: int) -> List[Any]:  # (made on the device: a copy from the host would wait for its queue)
         return list(torch.full((n,), float("nan"), device=device).unbind())
 
-    def on_device(compute: Callable[[], List[Any]], n: int) -> List[Any]:
-        try:
-            return compute()
-        except Exception:  # a statistic this tensor or device does not allow
+    def on_device(compute: Callable[[Any], List[Any]], t: Any, n: int) -> List[Any]:
+        """``compute(t)``, or ``n`` NaNs where ``t`` is absent or elsewhere, or the statistic
+        is one this tensor or device does not allow."""
+        if t is None or t.device != device:
             return nan(n)
+        try:
+            return compute(t)
+        except Exception:
+            return nan(n)
+
+    def aminmax(t: Any) -> List[Any]:
+        return list(torch.aminmax(t.detach().float()))
+
+    def variance(t: Any) -> List[Any]:
+        return [t.detach().float().var()]
 
     values: List[Any] = []
     for t in bounded:
-        ok = t is not None and t.device == device
-        values.extend(on_device(lambda t=t: list(torch.aminmax(t.detach().float())), 2) if ok else nan(2))
+        values.extend(on_device(aminmax, t, 2))
     # The targets' variance: the loss of predicting their mean, for a regression loss.
-    t = bounded[1]
-    ok = t is not None and t.device == device and t.numel() > 1
-    values.extend(on_device(lambda: [t.detach().float().var()], 1) if ok else nan(1))
+    regressed = bounded[1] if bounded[1] is not None and bounded[1].numel() > 1 else None
+    values.extend(on_device(variance, regressed, 1))
     values.append(_class_entropy(bounded[2], d.get("output_units"), device))
+    values.append(_batch_spread(bounded[0], device))
     stacked = torch.stack(values)
     if stacked.device.type == "cuda":
         host = torch.empty(len(values), dtype=torch.float32, pin_memory=True)
@@ -519,6 +531,25 @@ def _class_entropy(indices: Any, classes: Optional[int], device: Any) -> Any:
         counts = torch.zeros(classes, device=device).index_add_(0, idx.clamp(0, classes - 1), kept)
         p = counts / counts.sum().clamp(min=1.0)
         return -torch.special.xlogy(p, p).sum()
+    except Exception:  # pragma: no cover - a device without these ops: this fact only is lost
+        return torch.full((), float("nan"), device=device)
+
+
+def _batch_spread(output: Any, device: Any) -> Any:
+    """How far the output varies across the batch (its first dimension), on the device: the
+    largest range over the batch of any one output element, over the output's largest
+    magnitude; 0 when every sample got the same output, NaN for fewer than 2 samples."""
+    import torch
+
+    if output is None or output.device != device or output.dim() < 1 or output.shape[0] < 2:
+        return torch.full((), float("nan"), device=device)
+    try:
+        flat = output.detach().float().flatten(1) if output.dim() > 1 else output.detach().float()[:, None]
+        lo, hi = torch.aminmax(flat, dim=0)
+        scale = flat.abs().max()
+        spread = (hi - lo).max()
+        # (An output of zeros everywhere is the same for every sample: 0, not 0/0.)
+        return torch.where(scale > 0, spread / scale.clamp(min=torch.finfo(torch.float32).tiny), spread * 0)
     except Exception:  # pragma: no cover - a device without these ops: this fact only is lost
         return torch.full((), float("nan"), device=device)
 

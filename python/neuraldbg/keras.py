@@ -320,8 +320,9 @@ def _input_stats(x: Any) -> Any:
 # Losses whose targets are values to regress (their range and variance are facts of the run).
 _REGRESSION_OPS = {"MseLoss", "L1Loss", "HuberLoss"}
 # The first batch's facts: targets' min, max, variance; output's min, max and elements; the
-# entropy of the class indices' frequencies; then per feature.
-_FACTS_HEAD = 7
+# entropy of the class indices' frequencies; the output's spread across the batch; then per
+# feature.
+_FACTS_HEAD = 8
 
 
 def _table_features(model: Any) -> int:
@@ -352,11 +353,28 @@ def _class_entropy(y: Any, y_pred: Any) -> Any:
         return ops.full((1,), float("nan"), "float32")
 
 
+def _batch_spread(y_pred: Any) -> Any:
+    """How far the output varies across the batch, as a ``(1,)`` float32: the largest range
+    over the batch of any one output element, over the output's largest magnitude (0 when
+    every sample got the same output; NaN for fewer than 2 samples)."""
+    n = y_pred.shape[0] if len(y_pred.shape) else None
+    if not isinstance(n, int) or n < 2:
+        return ops.full((1,), float("nan"), "float32")
+    try:
+        flat = ops.reshape(ops.cast(y_pred, "float32"), (n, -1))
+        spread = ops.max(ops.max(flat, axis=0) - ops.min(flat, axis=0))
+        scale = ops.max(ops.abs(flat))
+        return ops.reshape(ops.where(scale > 0, spread / ops.where(scale > 0, scale, 1.0), 0.0), (1,))
+    except Exception:  # pragma: no cover - a backend without these ops: this fact only is lost
+        return ops.full((1,), float("nan"), "float32")
+
+
 def _first_batch_stats(x: Any, y: Any, y_pred: Any, features: int, class_indices: bool = False) -> Any:
     """The first batch's facts as one float32 vector (NaN where not measured): the targets'
     min, max and variance, the output's min and max and its number of elements, the entropy
-    of the targets' class frequencies (when they are ``class_indices``), and the largest
-    magnitude of each of ``features`` columns of the input table ``x``."""
+    of the targets' class frequencies (when they are ``class_indices``), the output's spread
+    across the batch, and the largest magnitude of each of ``features`` columns of the input
+    table ``x``."""
     nan = ops.full((1,), float("nan"), "float32")
 
     def three(t: Any) -> List[Any]:
@@ -369,6 +387,7 @@ def _first_batch_stats(x: Any, y: Any, y_pred: Any, features: int, class_indices
     parts.append(ops.reshape(ops.cast(ops.size(y_pred), "float32"), (1,)) if hasattr(y_pred, "shape") else nan)
     counted = class_indices and hasattr(y, "shape") and hasattr(y_pred, "shape")
     parts.append(_class_entropy(y, y_pred) if counted else nan)
+    parts.append(_batch_spread(y_pred) if hasattr(y_pred, "shape") else nan)
     if features:
         xf = _first_float(x)
         if xf is not None and len(xf.shape) == 2 and xf.shape[-1] == features:
@@ -1013,8 +1032,8 @@ class KerasDbg(Spoke):
     def _amend_first_batch(self, v: np.ndarray) -> None:
         """The first batch's facts to the engine (the owner thread; never raises): the targets'
         range and variance for a loss that regresses values (the range also for a binary
-        cross-entropy, whose targets must be probabilities), the output's range, the table's
-        feature scales (None where not finite)."""
+        cross-entropy, whose targets must be probabilities), the output's range and its spread
+        across the batch, the table's feature scales (None where not finite)."""
 
         def span(lo: float, hi: float) -> Optional[List[float]]:
             return [float(lo), float(hi)] if np.isfinite(lo) and np.isfinite(hi) and lo <= hi else None
@@ -1032,6 +1051,8 @@ class KerasDbg(Spoke):
                 facts["output_numel"] = int(v[5])
             if np.isfinite(v[6]) and v[6] >= 0:
                 facts["class_entropy"] = float(v[6])
+        if np.isfinite(v[7]) and v[7] >= 0:
+            facts["output_batch_spread"] = float(v[7])
         scales = v[_FACTS_HEAD:]
         if len(scales) and not np.isnan(scales).all():
             facts["input_feature_scales"] = [float(a) if np.isfinite(a) else None for a in scales]

@@ -125,6 +125,7 @@ class Cause(_StrEnum):
     OUTPUT_LOSS_MISMATCH = "output_loss_mismatch"
     TARGET_SHAPE_MISMATCH = "target_shape_mismatch"
     OVER_REGULARIZATION = "over_regularization"
+    OUTPUT_IGNORES_INPUT = "output_ignores_input"
 
 
 def _float(v: Any) -> float:

@@ -150,6 +150,9 @@ pub struct FirstBatch {
     /// [`LossSpec::class_entropy`], measured with the first batch.
     #[serde(default)]
     pub class_entropy: Option<f64>,
+    /// [`LossSpec::output_batch_spread`], measured with the first batch.
+    #[serde(default)]
+    pub output_batch_spread: Option<f64>,
     #[serde(default)]
     pub output_numel: Option<u64>,
     #[serde(default)]
@@ -190,6 +193,15 @@ impl FirstBatch {
         {
             return Err(EngineError::Model(format!(
                 "class_entropy is {h}: an entropy is a finite number >= 0"
+            )));
+        }
+        if let Some(s) = self
+            .output_batch_spread
+            .or(loss.and_then(|l| l.output_batch_spread))
+            .filter(|s| !(s.is_finite() && *s >= 0.0))
+        {
+            return Err(EngineError::Model(format!(
+                "output_batch_spread is {s}: a spread is a finite number >= 0"
             )));
         }
         check_feature_scales(self.input_feature_scales.as_deref())
@@ -250,6 +262,11 @@ pub struct LossSpec {
     /// Smallest and largest value of the model's output on the first step.
     #[serde(default)]
     pub output_range: Option<(f64, f64)>,
+    /// How far the model's output on the first step varies across the batch: the largest
+    /// range over the batch (its first dimension) of any one output element, over the output's
+    /// largest magnitude. 0 when every sample got the same output.
+    #[serde(default)]
+    pub output_batch_spread: Option<f64>,
     /// How the loss reduced over the batch, where the framework says: `mean`, `sum`, `none`.
     #[serde(default)]
     pub reduction: Option<String>,
@@ -334,6 +351,7 @@ impl ModelSpec {
             changed |= fill(&mut loss.output_range, facts.output_range);
             changed |= fill(&mut loss.class_range, facts.class_range);
             changed |= fill(&mut loss.class_entropy, facts.class_entropy);
+            changed |= fill(&mut loss.output_batch_spread, facts.output_batch_spread);
             changed |= fill(&mut loss.output_numel, facts.output_numel);
             changed |= fill(&mut loss.output_op, facts.output_op.clone());
         }

@@ -344,6 +344,20 @@ fn deep_at_chance(norm: bool, update: f32) -> Vec<CausalHypothesis> {
 
 /// [`deep_at_chance`] with `layers` Linear layers.
 fn at_chance(layers: usize, norm: bool, update: f32) -> Vec<CausalHypothesis> {
+    at_chance_with(layers, norm, update, None, "ReLU", |_| {})
+}
+
+/// [`at_chance`] with the first batch's output spread across the batch
+/// (`LossSpec::output_batch_spread`), `act` between the layers, each step's observation changed
+/// by `tweak`.
+fn at_chance_with(
+    layers: usize,
+    norm: bool,
+    update: f32,
+    spread: Option<f64>,
+    act: &str,
+    tweak: impl Fn(&mut Observation),
+) -> Vec<CausalHypothesis> {
     let mut spec = ModelSpec::default();
     for i in 0..layers {
         let m = spec.module(format!("fc{i}"), "Linear");
@@ -353,12 +367,15 @@ fn at_chance(layers: usize, norm: bool, update: f32) -> Vec<CausalHypothesis> {
             spec.module("norm", "LayerNorm");
         }
         if i + 1 < layers {
-            spec.module(format!("relu{i}"), "ReLU");
+            spec.module(format!("act{i}"), act);
         }
     }
     spec.module("", "Net");
     spec.optimizer = Some("Adam".into());
     spec.loss = classifier().loss;
+    if let Some(loss) = spec.loss.as_mut() {
+        loss.output_batch_spread = spread;
+    }
     diagnose(spec, 60, |s| {
         let mut o = healthy(s, 2.3 + 0.01 * ((s % 3) as f64));
         o.grad_norms = [0.03, 0.01].repeat(layers);
@@ -366,6 +383,7 @@ fn at_chance(layers: usize, norm: bool, update: f32) -> Vec<CausalHypothesis> {
         o.activations = Some([1.5, 0.0, 0.1, 0.9, 64.0].repeat(layers - 1));
         o.lr = Some(1e-3);
         o.measures = vec![(Measure::UpdateRatio, vec![update; 2 * layers])];
+        tweak(&mut o);
         o
     })
 }
@@ -433,6 +451,96 @@ fn a_shallow_model_that_learns_nothing_though_everything_measured_works_has_unre
             shown(&h)
         );
     }
+}
+
+#[test]
+fn a_model_whose_output_was_the_same_for_every_sample_ignores_its_input() {
+    let same = |spread: f64, tweak: fn(&mut Observation)| {
+        at_chance_with(3, false, 1.2e-3, Some(spread), "ReLU", tweak)
+    };
+    // The first batch's output identical across the batch, and nothing learned: the forward
+    // pass loses the input, whatever else looks healthy.
+    for spread in [0.0, 3e-7] {
+        let h = same(spread, |_| {});
+        let top = &h[0];
+        assert_eq!(
+            (top.failure, top.cause),
+            (Failure::LossPlateau, Cause::OutputIgnoresInput),
+            "{spread}: {:?}",
+            shown(&h)
+        );
+        assert!(top.confidence >= 0.7, "{top}");
+        assert!(
+            top.description
+                .contains("the same for every sample of the batch"),
+            "{}",
+            top.description
+        );
+        assert!(
+            top.remedies[0].contains("model(x[:4])"),
+            "{:?}",
+            top.remedies
+        );
+        assert!(
+            h.iter().all(|h| h.cause != Cause::BadInputData),
+            "{:?}",
+            shown(&h)
+        );
+    }
+    // Samples all alike at a ReLU layer: about half its units read as dead for the batch,
+    // which the lost input explains.
+    let h = same(0.0, |o| {
+        o.activations = Some([1.5, 0.0, 0.5, 0.9, 64.0].repeat(2));
+    });
+    let dead = h.iter().find(|h| h.failure == Failure::DeadNeurons);
+    assert!(
+        dead.is_some_and(|d| d.cause == Cause::OutputIgnoresInput),
+        "{:?}",
+        shown(&h)
+    );
+    // An output that varied across the batch: the targets, and the sentence says the inputs
+    // reach the output; unmeasured, both possibilities.
+    let h = same(0.4, |_| {});
+    assert_eq!(h[0].cause, Cause::BadInputData, "{:?}", shown(&h));
+    assert!(
+        h[0].description.contains("(they reach the output")
+            && !h[0].description.contains("do not reach"),
+        "{}",
+        h[0].description
+    );
+    let h = at_chance(3, false, 1.2e-3);
+    assert!(
+        h[0].description
+            .contains("or inputs that do not reach the output"),
+        "{}",
+        h[0].description
+    );
+    // What makes an output constant by itself is not the forward pass' doing: a last layer
+    // whose weights start at zero (its initialization), inputs on a raw scale (they saturate
+    // alike), a stack of sigmoids passing back a fifth of the gradient (it contracts the
+    // samples' differences away).
+    let zero_head: fn(&mut Observation) = |o| {
+        if let Some(w) = o.weight_norms.as_mut() {
+            w[4] = 0.0;
+        }
+    };
+    let raw: fn(&mut Observation) = |o| o.inputs = vec![0.0, 255.0, 120.0, 60.0];
+    for (what, tweak) in [("zero head", zero_head), ("raw inputs", raw)] {
+        let h = same(0.0, tweak);
+        assert!(
+            h.iter().all(|h| h.cause != Cause::OutputIgnoresInput),
+            "{what}: {:?}",
+            shown(&h)
+        );
+    }
+    let h = at_chance_with(3, false, 1.2e-3, Some(0.0), "Sigmoid", |o| {
+        o.activations = Some([0.9, 0.0, f32::NAN, 0.2, 64.0].repeat(2));
+    });
+    assert!(
+        h.iter().all(|h| h.cause != Cause::OutputIgnoresInput),
+        "sigmoids: {:?}",
+        shown(&h)
+    );
 }
 
 /// A classifier's loss at its chance level from the first step, bouncing by 20% of it on every

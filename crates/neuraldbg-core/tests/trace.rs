@@ -698,6 +698,7 @@ fn first_batch_facts_survive_writing_and_replay() {
         output_range: Some((-0.1, 0.2)),
         class_range: Some((0.0, 4.0)),
         class_entropy: Some(1.38),
+        output_batch_spread: Some(0.25),
         output_numel: Some(64),
         input_feature_scales: Some(vec![Some(1.5), None, Some(2.0)]),
         loss: None,
@@ -727,6 +728,7 @@ fn first_batch_facts_survive_writing_and_replay() {
     assert_eq!(model.loss.as_ref().unwrap().target_range, Some((-2.0, 3.0)));
     assert_eq!(model.loss.as_ref().unwrap().class_range, Some((0.0, 4.0)));
     assert_eq!(model.loss.as_ref().unwrap().output_numel, Some(64));
+    assert_eq!(model.loss.as_ref().unwrap().output_batch_spread, Some(0.25));
     assert_eq!(
         model.loss.as_ref().unwrap().output_op.as_deref(),
         Some("Identity")
@@ -871,6 +873,19 @@ fn first_batch_facts_that_are_not_what_they_say_are_refused() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("class_entropy is -0.5"), "{err}");
+    for bad in [f64::NAN, -1e-3, f64::INFINITY] {
+        let err = engine
+            .amend_first_batch(&FirstBatch {
+                output_batch_spread: Some(bad),
+                ..FirstBatch::default()
+            })
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("a spread is a finite number >= 0"),
+            "{bad}: {err}"
+        );
+    }
     // Without a loss in the spec, target facts have nothing to describe.
     assert!(
         !engine

@@ -127,6 +127,7 @@ pub(crate) enum Remedy {
     ShuffleData,
     PairTargetsWithInputs,
     OverfitOneBatch,
+    FindWhereInputIsLost,
     // Loop mistakes.
     ZeroGradEachStep,
     ZeroGradBeforeBackward,
@@ -350,6 +351,11 @@ impl Remedy {
                 "check that each target belongs to its input: shuffle inputs and targets with one permutation (one Dataset indexed by one index), take the label column the task means, and look at a few samples with their labels",
                 "check that each target belongs to its input: shuffle x and y together (one permutation, or fit(x, y, shuffle=True) on the pair), take the label column the task means, and look at a few samples with their labels",
                 "check that each target belongs to its input: index x and y with one jax.random.permutation, take the label column the task means, and look at a few samples with their labels",
+            ),
+            Remedy::FindWhereInputIsLost => fw(
+                "print model(x[:4]) for four different samples: identical rows mean the forward pass loses its input; look for a mean, sum or expand over dim 0 (the batch), an input overwritten or replaced by one sample's, a LayerNorm or BatchNorm over a dimension of size 1, features cast to integers",
+                "print model.predict(x[:4]) for four different samples: identical rows mean the forward pass loses its input; look for a reduction over axis 0 (the batch) in a Lambda layer or call(), an input overwritten or replaced by one sample's, a LayerNormalization over a single feature, features cast to integers",
+                "print model(x[:4]) for four different samples: identical rows mean the forward pass loses its input; look for jnp.mean/sum or a broadcast over axis 0 (the batch), an input overwritten or replaced by one sample's, a LayerNorm over a dimension of size 1, features cast to integers",
             ),
             Remedy::OverfitOneBatch => "train on one small batch (e.g. 32 samples) for a few hundred steps: a model that cannot drive the loss to ~0 there is not being given its targets".into(),
             Remedy::ZeroGradBeforeBackward => "in each iteration: optimizer.zero_grad(), the forward pass, loss.backward(), then optimizer.step(); never zero_grad() between backward() and step(), and never step() before backward(): either way the step finds the gradients cleared".into(),

@@ -51,6 +51,9 @@ named_enum! {
         TargetShapeMismatch => "target_shape_mismatch",
         /// A weight penalty written into the loss that outweighs the fit to the data.
         OverRegularization => "over_regularization",
+        /// The forward pass gives every sample the same output: its input does not reach it
+        /// (a reduction over the batch, an input overwritten, a normalization over one value).
+        OutputIgnoresInput => "output_ignores_input",
     }
 }
 

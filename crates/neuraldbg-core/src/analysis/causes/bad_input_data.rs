@@ -10,8 +10,8 @@ use super::evidence::{
     FeatureSpread, MEASURED_TOO_LARGE, TRAINING_UPDATE, earliest, measured_step, times,
     uneven_features,
 };
-use super::output_loss_mismatch;
 use super::{Case, CauseRule, Facts, RemedyCase, Votes, facts_of, fmt_g};
+use super::{output_ignores_input, output_loss_mismatch};
 
 pub(crate) struct BadInputData;
 
@@ -220,10 +220,17 @@ impl CauseRule for BadInputData {
                             fmt_g(h)
                         )
                     });
+                    // Whether the inputs reach the output was measured (its spread across the
+                    // first batch) or is the other possibility.
+                    let inputs = if output_ignores_input::varies_with_input(c.run) {
+                        " (they reach the output: it varied across the first batch)"
+                    } else {
+                        ", or inputs that do not reach the output"
+                    };
                     v.add(
                         3.0,
                         format!(
-                            "the model learns nothing though every part of training that was measured works: the inputs are at a normalized scale, the weights at a variance-preserving one, each step moves them by {} of their size as training steps do, no unit is dead or saturated and the output fits the loss: what is left is the targets, which look unrelated to their inputs{level}, or inputs that do not reach the output",
+                            "the model learns nothing though every part of training that was measured works: the inputs are at a normalized scale, the weights at a variance-preserving one, each step moves them by {} of their size as training steps do, no unit is dead or saturated and the output fits the loss: what is left is the targets, which look unrelated to their inputs{level}{inputs}",
                             fmt_g(step)
                         ),
                     );
@@ -381,6 +388,7 @@ fn targets_unrelated(c: &Case<'_>) -> Option<f64> {
         ev.depth < super::missing_normalization::DEEP_STACK || c.run.model.has_normalization;
     (!failing
         && shallow
+        && output_ignores_input::same_for_every_sample(c.run).is_none()
         && ev.ordinary_inputs()
         && ev.feature_spread.is_none()
         && ev.gain_normal()

@@ -29,6 +29,7 @@ mod missing_normalization;
 mod missing_zero_grad;
 mod network_depth;
 mod numerical_instability;
+mod output_ignores_input;
 mod output_loss_mismatch;
 mod over_regularization;
 mod parameters_not_updated;
@@ -160,6 +161,7 @@ pub(crate) static RULES: &[&dyn CauseRule] = &[
     &output_loss_mismatch::OutputLossMismatch,
     &target_shape_mismatch::TargetShapeMismatch,
     &over_regularization::OverRegularization,
+    &output_ignores_input::OutputIgnoresInput,
     &unknown::Unknown,
 ];
 
