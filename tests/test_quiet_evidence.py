@@ -1147,6 +1147,38 @@ def test_a_forward_pass_that_gives_every_sample_the_same_output_is_named(mistake
     assert not [h for h in found if "look unrelated to their inputs" in h.description]
 
 
+@pytest.mark.parametrize("where", ["data", "forward"])
+def test_features_cast_to_integers_are_named_where_they_were_lost(where):
+    """Standardized features cast to integers (``.long()`` of values below 1 in magnitude) are
+    all 0. Done to the data, the model is given nothing to tell samples apart by (the data's
+    fault); done inside ``forward``, the inputs the model was given do not reach its output."""
+    x, y = _classification()
+    x = x / 10  # (every feature below 1 in magnitude)
+
+    class Cast(_Net):
+        def forward(self, inputs):
+            return super().forward(inputs.long().float())
+
+    if where == "data":
+        x = x.long().float()
+    torch.manual_seed(0)
+    model = Cast("fixed", 5) if where == "forward" else _Net("fixed", 5)
+    dbg, losses = _epochs(model, x, y, nn.functional.cross_entropy)
+    # Ground truth from the loop: what reaches the first layer is all 0, and the loss stays at
+    # the level of predicting the classes' frequencies.
+    assert bool((x.long() == 0).all())
+    freq = torch.bincount(y, minlength=5).double() / len(y)
+    assert np.mean(losses[-16:]) > 0.95 * float(-(freq * freq.log()).sum())
+    top = dbg.explain_failure()[0]
+    assert top.failure == "loss_plateau" and top.confidence >= 0.7, top
+    if where == "data":
+        assert top.cause == "bad_input_data", top
+        assert "every input value of the first batch is 0" in top.description
+        assert top.remedies[0].startswith("print the first few inputs"), top.remedies
+    else:
+        assert top.cause == "output_ignores_input", top
+
+
 def test_an_output_layer_initialized_to_zero_is_not_taken_for_a_lost_input():
     """A last layer initialized to zero gives every sample the same output until it moves (a
     recipe, not a bug): with a learning rate far too small it never moves, and the run is the

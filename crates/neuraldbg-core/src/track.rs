@@ -658,6 +658,9 @@ pub struct DataTrack {
     pub state: DataHealth,
     /// Scale (largest magnitude) of the first batch.
     pub first_scale: Option<f64>,
+    /// The value every input of the first batch had, when they were all the same (all zero,
+    /// say): a batch that gives the model nothing to tell its samples apart by.
+    pub first_constant: Option<f64>,
     scales: Window,
     stds: Window,
 }
@@ -667,6 +670,7 @@ impl Default for DataTrack {
         Self {
             state: DataHealth::Normal,
             first_scale: None,
+            first_constant: None,
             scales: Window::default(),
             stds: Window::default(),
         }
@@ -685,7 +689,10 @@ impl DataTrack {
             return (DataHealth::NonFinite, f64::INFINITY);
         }
         let scale = min.abs().max(max.abs());
-        self.first_scale.get_or_insert(scale);
+        if self.first_scale.is_none() {
+            self.first_scale = Some(scale);
+            self.first_constant = (min == max).then_some(min);
+        }
         let mut ratio = 1.0f64;
         let mut state = DataHealth::Normal;
         if self.scales.len() >= config.data_baseline_batches as usize {

@@ -525,6 +525,20 @@ fn a_model_whose_output_was_the_same_for_every_sample_ignores_its_input() {
         }
     };
     let raw: fn(&mut Observation) = |o| o.inputs = vec![0.0, 255.0, 120.0, 60.0];
+    // Inputs that are all 0: the data gives the model nothing to tell samples apart by.
+    let h = same(0.0, |o| o.inputs = vec![0.0, 0.0, 0.0, 0.0]);
+    assert_eq!(
+        (h[0].failure, h[0].cause),
+        (Failure::LossPlateau, Cause::BadInputData),
+        "{:?}",
+        shown(&h)
+    );
+    assert!(
+        h[0].description
+            .contains("every input value of the first batch is 0"),
+        "{}",
+        h[0].description
+    );
     for (what, tweak) in [("zero head", zero_head), ("raw inputs", raw)] {
         let h = same(0.0, tweak);
         assert!(

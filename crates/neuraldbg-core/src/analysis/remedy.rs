@@ -128,6 +128,7 @@ pub(crate) enum Remedy {
     PairTargetsWithInputs,
     OverfitOneBatch,
     FindWhereInputIsLost,
+    CheckInputsVary,
     // Loop mistakes.
     ZeroGradEachStep,
     ZeroGradBeforeBackward,
@@ -352,6 +353,7 @@ impl Remedy {
                 "check that each target belongs to its input: shuffle x and y together (one permutation, or fit(x, y, shuffle=True) on the pair), take the label column the task means, and look at a few samples with their labels",
                 "check that each target belongs to its input: index x and y with one jax.random.permutation, take the label column the task means, and look at a few samples with their labels",
             ),
+            Remedy::CheckInputsVary => "print the first few inputs as the model receives them (x[:4]): every value the same means the data pipeline lost them; look for values in [0, 1) cast to integers (x.long(), astype(int)), a normalization divided by a spread of 0, a mask or transform that zeroes everything".into(),
             Remedy::FindWhereInputIsLost => fw(
                 "print model(x[:4]) for four different samples: identical rows mean the forward pass loses its input; look for a mean, sum or expand over dim 0 (the batch), an input overwritten or replaced by one sample's, a LayerNorm or BatchNorm over a dimension of size 1, features cast to integers",
                 "print model.predict(x[:4]) for four different samples: identical rows mean the forward pass loses its input; look for a reduction over axis 0 (the batch) in a Lambda layer or call(), an input overwritten or replaced by one sample's, a LayerNormalization over a single feature, features cast to integers",

@@ -190,6 +190,19 @@ impl CauseRule for BadInputData {
                         );
                     }
                 }
+                // Inputs all of one value (all zero: values in [0, 1) cast to integers, a
+                // division by a spread of 0): nothing tells the samples apart.
+                if let Some(x) = c.run.data.first_constant {
+                    if super::super::failures::not_learning(c.run).is_some() {
+                        v.proof(
+                            5.0,
+                            format!(
+                                "every input value of the first batch is {}: the model has nothing to tell its samples apart by, so it can learn only what all of them share",
+                                fmt_g(x)
+                            ),
+                        );
+                    }
+                }
                 // Batches of one class each: the data comes in class order. Each step then
                 // pulls the model toward the class of its batch, and the next class undoes it.
                 if let Some(b) = one_class_batch(c.run) {
@@ -282,6 +295,9 @@ impl CauseRule for BadInputData {
         }
         if c.e.failure == Failure::LossPlateau && uneven_features(c.run).is_some() {
             return vec![Remedy::StandardizeEachFeature];
+        }
+        if c.e.failure == Failure::LossPlateau && c.run.data.first_constant.is_some() {
+            return vec![Remedy::CheckInputsVary];
         }
         if c.e.failure == Failure::LossPlateau && one_class_batch(c.run).is_some() {
             return vec![Remedy::ShuffleData];

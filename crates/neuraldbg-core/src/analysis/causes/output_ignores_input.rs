@@ -86,8 +86,9 @@ impl CauseRule for OutputIgnoresInput {
         let Some(spread) = same_for_every_sample(c.run) else {
             return;
         };
-        // Nor when what the run measured makes the output constant by itself: inputs on a raw
-        // scale (they saturate a recurrent layer's gates alike for every sample), an output that does not fit the loss (a softmax over one unit is 1), a layer
+        // Nor when what the run measured makes the output constant by itself: inputs all of
+        // one value (the data's, see `bad_input_data`), inputs on a raw scale (they saturate a
+        // recurrent layer's gates alike for every sample), an output that does not fit the loss (a softmax over one unit is 1), a layer
         // whose every unit is dead or at its bound for the whole batch.
         let whole_layer_off = c.episodes.iter().any(|e| {
             matches!(
@@ -97,6 +98,7 @@ impl CauseRule for OutputIgnoresInput {
         });
         if not_learning(c.run).is_none()
             || c.ev.huge_inputs().is_some()
+            || c.run.data.first_constant.is_some()
             || whole_layer_off
             || super::output_loss_mismatch::found(c.run).is_some()
         {
