@@ -691,7 +691,8 @@ impl DataTrack {
         let scale = min.abs().max(max.abs());
         if self.first_scale.is_none() {
             self.first_scale = Some(scale);
-            self.first_constant = (min == max).then_some(min);
+            // (min <= max always: equal when every value is the same)
+            self.first_constant = (max <= min).then_some(min);
         }
         let mut ratio = 1.0f64;
         let mut state = DataHealth::Normal;
