@@ -7,8 +7,8 @@
 
 use super::super::failures::not_learning;
 use super::super::remedy::Remedy;
-
 use super::super::vocab::{Cause, Failure};
+use super::evidence::huge_inputs;
 use super::{Case, CauseRule, RemedyCase, Votes, fmt_g};
 use crate::engine::Run;
 
@@ -29,18 +29,27 @@ const WHOLE_LAYER: f64 = 0.99;
 const NEAR_ZERO_GAIN: f64 = 1e-2;
 
 /// The first step's output spread across the batch, when every sample got the same output and
-/// nothing measured makes it so by itself: an output layer whose first weights were (near) zero
-/// (initialized to zero, as some recipes do, or far too small) gives every sample its bias until
-/// its updates grow it, and a stack of bounded activations that pass back little gradient
-/// (sigmoids) contracts the samples' differences layer after layer until none is left: the
-/// initialization's and the activations' to explain, not the forward pass'.
+/// nothing else measured makes it so by itself:
+/// - an output layer whose first weights were (near) zero (initialized to zero, as some recipes
+///   do, or far too small) gives every sample its bias until its updates grow it;
+/// - a stack of bounded activations that pass back little gradient (sigmoids) contracts the
+///   samples' differences layer after layer until none is left;
+/// - inputs all of one value are the data's (`bad_input_data`), and inputs on a raw scale
+///   saturate a recurrent layer's gates alike for every sample;
+/// - an output that does not fit the loss can be constant by itself (a softmax over one unit
+///   is 1).
 pub(crate) fn same_for_every_sample(run: &Run) -> Option<f64> {
     let model = &run.model;
     let output_layer = model.layers.iter().rposition(|l| l.weight.is_some());
     let zero_output_layer = output_layer
         .and_then(|l| run.layers[l].gain_first)
         .is_some_and(|g| g < NEAR_ZERO_GAIN);
-    if zero_output_layer || super::saturating_activation::passes_little_gradient(run) {
+    let explained = zero_output_layer
+        || super::saturating_activation::passes_little_gradient(run)
+        || run.data.first_constant.is_some()
+        || huge_inputs(run.data.first_scale).is_some()
+        || super::output_loss_mismatch::found(run).is_some();
+    if explained {
         return None;
     }
     model
@@ -82,26 +91,19 @@ impl CauseRule for OutputIgnoresInput {
     }
 
     fn evidence(&self, c: &Case<'_>, v: &mut Votes) {
-        // An output the same for every sample at the first step, and nothing learned since.
+        // An output the same for every sample at the first step, and nothing learned since;
+        // not where a layer has every unit dead or at its bound for the whole batch (it passes
+        // on the same values for every sample by itself).
         let Some(spread) = same_for_every_sample(c.run) else {
             return;
         };
-        // Nor when what the run measured makes the output constant by itself: inputs all of
-        // one value (the data's, see `bad_input_data`), inputs on a raw scale (they saturate a
-        // recurrent layer's gates alike for every sample), an output that does not fit the loss (a softmax over one unit is 1), a layer
-        // whose every unit is dead or at its bound for the whole batch.
         let whole_layer_off = c.episodes.iter().any(|e| {
             matches!(
                 e.failure,
                 Failure::DeadNeurons | Failure::SaturatedActivations
             ) && e.fraction >= WHOLE_LAYER
         });
-        if not_learning(c.run).is_none()
-            || c.ev.huge_inputs().is_some()
-            || c.run.data.first_constant.is_some()
-            || whole_layer_off
-            || super::output_loss_mismatch::found(c.run).is_some()
-        {
+        if not_learning(c.run).is_none() || whole_layer_off {
             return;
         }
         let same = if spread > 0.0 {
