@@ -866,6 +866,28 @@ def test_a_layer_that_averages_over_the_batch_is_why_the_output_ignores_its_inpu
     assert any("model.predict(x[:4])" in r for r in top.remedies), top.remedies
 
 
+def test_features_cast_to_integers_are_the_datas_not_dying_relu_units() -> None:
+    # Standardized features divided down and cast to integers: every value is 0. With Keras's
+    # zero biases every ReLU unit of the first layer then outputs 0 for every sample.
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(4096, 20)).astype("float32")
+    y = (x @ rng.normal(size=(20, 5))).argmax(1)
+    x = (x / 10).astype("int32").astype("float32")
+    assert not x.any()  # ground truth: the cast left nothing
+    model = keras.Sequential([keras.Input((20,)), keras.layers.Dense(64, activation="relu"), keras.layers.Dense(5)])
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-3), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
+    cb = NeuralDbgCallback()
+    model.fit(x, y, batch_size=64, epochs=1, verbose=0, callbacks=[cb])
+    found = cb.dbg.explain_failure()
+    top = found[0]
+    assert top.cause == "bad_input_data" and top.confidence >= 0.7, found[:2]
+    assert "every input value of the first batch is 0" in top.description
+    assert top.remedies[0].startswith("print the first few inputs"), top.remedies
+    assert not [h for h in found if h.cause == "dying_relu" and h.confidence >= 0.5], found[:3]
+
+
 @pytest.mark.parametrize("scale", [255.0, 1.0])
 def test_binary_cross_entropy_targets_outside_zero_one_are_named(scale: float) -> None:
     # A segmentation mask saved as 0/255: the loss goes below zero, which a binary

@@ -539,6 +539,18 @@ fn a_model_whose_output_was_the_same_for_every_sample_ignores_its_input() {
         "{}",
         h[0].description
     );
+    // ... and every ReLU unit dead from the first step (biases at zero, as Keras starts them)
+    // is the data's doing too, not dying units'.
+    let h = same(0.0, |o| {
+        o.inputs = vec![0.0, 0.0, 0.0, 0.0];
+        o.activations = Some([0.0, 0.0, 1.0, 0.0, 64.0].repeat(2));
+    });
+    let dead = h.iter().find(|h| h.failure == Failure::DeadNeurons);
+    assert!(
+        dead.is_some_and(|d| d.cause == Cause::BadInputData),
+        "{:?}",
+        shown(&h)
+    );
     for (what, tweak) in [("zero head", zero_head), ("raw inputs", raw)] {
         let h = same(0.0, tweak);
         assert!(

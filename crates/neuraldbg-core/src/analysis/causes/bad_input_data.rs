@@ -122,6 +122,19 @@ impl CauseRule for BadInputData {
                         ),
                     );
                 }
+                // Behind units that inputs of one value killed from the first step.
+                let dead_at_start = c
+                    .episodes
+                    .iter()
+                    .any(|e| e.failure == Failure::DeadNeurons && e.onset <= ev.first_step);
+                if let Some(x) = c
+                    .run
+                    .data
+                    .first_constant
+                    .filter(|_| f.at_start && dead_at_start)
+                {
+                    v.proof(5.0, constant_inputs_said(x));
+                }
                 anomalous_batch(c, v, 3.0);
             }
             Failure::DeadNeurons => {
@@ -139,6 +152,12 @@ impl CauseRule for BadInputData {
                             ),
                         );
                     }
+                }
+                // Inputs all of one value from the first step: each unit of the first layer
+                // computes the same for every sample (its bias alone where the inputs are 0), so
+                // a ReLU after it is off for all of them or none.
+                if let Some(x) = c.run.data.first_constant.filter(|_| f.at_start) {
+                    v.proof(5.0, constant_inputs_said(x));
                 }
                 steps_grown_by_inputs(c, v);
                 anomalous_batch(c, v, 3.0);
@@ -296,7 +315,9 @@ impl CauseRule for BadInputData {
         if c.e.failure == Failure::LossPlateau && uneven_features(c.run).is_some() {
             return vec![Remedy::StandardizeEachFeature];
         }
-        if c.e.failure == Failure::LossPlateau && c.run.data.first_constant.is_some() {
+        if matches!(c.e.failure, Failure::LossPlateau | Failure::DeadNeurons)
+            && c.run.data.first_constant.is_some()
+        {
             return vec![Remedy::CheckInputsVary];
         }
         if c.e.failure == Failure::LossPlateau && one_class_batch(c.run).is_some() {
@@ -411,6 +432,14 @@ fn targets_unrelated(c: &Case<'_>) -> Option<f64> {
         && !ev.steps_are_the_penalty()
         && unrelated_by_facts(c.run))
     .then_some(step)
+}
+
+/// Why inputs all of one value (`x`) kill units and the gradient behind them from the first step.
+fn constant_inputs_said(x: f64) -> String {
+    format!(
+        "every input value of the first batch is {}: each unit computes the same for every sample (its bias alone, where the inputs are 0), so a ReLU unit is zero for all of them or none, and no gradient passes a dead one",
+        fmt_g(x)
+    )
 }
 
 /// The largest measured step that leaves the targets to blame for a calm loss at its chance
