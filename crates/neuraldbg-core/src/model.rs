@@ -161,7 +161,7 @@ pub struct FirstBatch {
 
 impl FirstBatch {
     /// Refuses a fact that is not what it says: a range of finite numbers, lowest first; a
-    /// finite variance >= 0; feature scales finite and >= 0.
+    /// variance, an entropy and a spread finite and >= 0; feature scales finite and >= 0.
     pub fn check(&self) -> Result<(), EngineError> {
         let loss = self.loss.as_ref();
         for (what, range) in [
@@ -180,29 +180,30 @@ impl FirstBatch {
                 }
             }
         }
-        let var = self.target_var.or(loss.and_then(|l| l.target_var));
-        if let Some(v) = var.filter(|v| !(v.is_finite() && *v >= 0.0)) {
-            return Err(EngineError::Model(format!(
-                "target_var is {v}: a variance is a finite number >= 0"
-            )));
-        }
-        if let Some(h) = self
-            .class_entropy
-            .or(loss.and_then(|l| l.class_entropy))
-            .filter(|h| !(h.is_finite() && *h >= 0.0))
-        {
-            return Err(EngineError::Model(format!(
-                "class_entropy is {h}: an entropy is a finite number >= 0"
-            )));
-        }
-        if let Some(s) = self
-            .output_batch_spread
-            .or(loss.and_then(|l| l.output_batch_spread))
-            .filter(|s| !(s.is_finite() && *s >= 0.0))
-        {
-            return Err(EngineError::Model(format!(
-                "output_batch_spread is {s}: a spread is a finite number >= 0"
-            )));
+        // (Each from the record itself or from its loss.)
+        for (what, value, kind) in [
+            (
+                "target_var",
+                self.target_var.or(loss.and_then(|l| l.target_var)),
+                "a variance",
+            ),
+            (
+                "class_entropy",
+                self.class_entropy.or(loss.and_then(|l| l.class_entropy)),
+                "an entropy",
+            ),
+            (
+                "output_batch_spread",
+                self.output_batch_spread
+                    .or(loss.and_then(|l| l.output_batch_spread)),
+                "a spread",
+            ),
+        ] {
+            if let Some(x) = value.filter(|x| !(x.is_finite() && *x >= 0.0)) {
+                return Err(EngineError::Model(format!(
+                    "{what} is {x}: {kind} is a finite number >= 0"
+                )));
+            }
         }
         check_feature_scales(self.input_feature_scales.as_deref())
     }
