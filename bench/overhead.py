@@ -317,12 +317,12 @@ def unwrapped() -> Iterator[None]:
         torch.autograd.backward = tap.original
     from torch.optim import optimizer
 
-    # (A collector's hook, under NeuralDBG's guard: the guard's wrapper holds it as __wrapped__; its
-    # owner is the collector's StepBoundary.)
+    # (The one global hook every watched model's step boundary is called from: `_taps.StepTap`.)
+    step_tap = getattr(sys.modules.get("neuraldbg._taps"), "STEP_TAP", None)
     ours = {
         k: h
         for k, h in optimizer._global_optimizer_post_hooks.items()
-        if type(getattr(getattr(h, "__wrapped__", h), "__self__", None)).__name__ in ("Collector", "StepBoundary")
+        if step_tap is not None and h == step_tap._stepped
     }
     for k in ours:
         del optimizer._global_optimizer_post_hooks[k]
