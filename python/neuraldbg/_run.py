@@ -512,12 +512,26 @@ class Watch:
             class RunJaxDbg(JaxDbg):  # type: ignore[misc]
                 """The host reads a compiled loop's steps when the script hands it a newer
                 state (up to 16 updates after they ran): ``--steps`` and ``--halt-on`` stop the
-                script there, by raising out of that call."""
+                script there, by raising out of that call. The updates the device ran past the
+                ``--steps``-th are not observed (read with it, or at the exit's last read)."""
+
+                last: Optional[int] = None
 
                 def _after_step(self, step: int) -> None:
                     super()._after_step(step)
                     if watch.running and watch.steps is not None and step + 1 >= watch.steps:
+                        self.last = step
                         raise _StopRun()
+
+                def _drain(self, final: bool = False) -> None:
+                    if self.last is not None:
+                        last = self.last
+                        for later in [s for s in self._pending if s > last]:
+                            del self._pending[later]
+                        kept = [r for r in self._inbox if r.step <= last]
+                        self._inbox.clear()
+                        self._inbox.extend(kept)
+                    super()._drain(final)
 
             self._jax_kind = RunJaxDbg
         name = self._name(base)
