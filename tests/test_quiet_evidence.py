@@ -1197,7 +1197,10 @@ def test_an_output_layer_initialized_to_zero_is_not_taken_for_a_lost_input():
             opt.zero_grad()
             nn.functional.cross_entropy(model(x[i : i + 32]), y[i : i + 32]).backward()
             opt.step()
-    assert not [h for h in dbg.explain_failure() if h.cause == "output_ignores_input"]
+    found = dbg.explain_failure()
+    # A failure is diagnosed (the run learns nothing), just not as a lost input.
+    assert found and found[0].failure in ("loss_plateau", "vanishing_gradients"), found[:2]
+    assert not [h for h in found if h.cause == "output_ignores_input"], found[:2]
 
 
 def test_the_output_batch_spread_is_the_largest_range_over_the_batch_over_the_largest_magnitude():

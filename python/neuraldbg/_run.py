@@ -363,7 +363,6 @@ class Watch:
             }
         )
         self._losses_watched = False
-        self._counting = False
         self._remedy: Any = None
         self._jax_kind: Any = None
         self.failed: Optional[str] = None
@@ -515,23 +514,11 @@ class Watch:
                 script there, by raising out of that call. The updates the device ran past the
                 ``--steps``-th are not observed (read with it, or at the exit's last read)."""
 
-                last: Optional[int] = None
-
                 def _after_step(self, step: int) -> None:
                     super()._after_step(step)
                     if watch.running and watch.steps is not None and step + 1 >= watch.steps:
-                        self.last = step
+                        self._stopped_at = step
                         raise _StopRun()
-
-                def _drain(self, final: bool = False) -> None:
-                    if self.last is not None:
-                        last = self.last
-                        for later in [s for s in self._pending if s > last]:
-                            del self._pending[later]
-                        kept = [r for r in self._inbox if r.step <= last]
-                        self._inbox.clear()
-                        self._inbox.extend(kept)
-                    super()._drain(final)
 
             self._jax_kind = RunJaxDbg
         name = self._name(base)
@@ -599,10 +586,8 @@ class Watch:
     def _count_last(self) -> None:
         """The ``--steps`` counter, called after every debugger's own step hook so the step
         that reaches N is observed before the script is stopped."""
-        if self.steps is None or self._counting:
-            return
-        STEP_TAP.add(self._counted, last=True)
-        self._counting = True
+        if self.steps is not None and self._counted not in STEP_TAP.last:
+            STEP_TAP.add(self._counted, last=True)
 
     def _counted(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self.steps is not None and self.models and self.step() >= self.steps:
@@ -623,9 +608,7 @@ class Watch:
             else:
                 setattr(owner, name, own)
         self._patched = []
-        if self._counting:
-            STEP_TAP.remove(self._counted)
-            self._counting = False
+        STEP_TAP.remove(self._counted)
         if self._remedy is not None:
             self._remedy.remove()
         kind = None if exc is None else type(exc)

@@ -349,6 +349,9 @@ class Spoke(Results):
         self._owner = threading.get_ident()
         self._inbox: Deque[Record] = collections.deque()
         self._pending: Dict[int, Record] = {}
+        # The last step to observe, once training was stopped there (``neuraldbg run --steps``):
+        # the updates a compiled loop ran past it are dropped, not observed at the exit.
+        self._stopped_at: Optional[int] = None
         self._fed = -1
         self._posted = -1
         self._n_params = 0
@@ -458,6 +461,9 @@ class Spoke(Results):
                 have.activations = r.activations
             if r.inputs is not None:
                 have.inputs = r.inputs
+        if self._stopped_at is not None:
+            for later in [step for step in pending if step > self._stopped_at]:
+                del pending[later]
         ready = []
         steps = sorted(pending)
         for k, step in enumerate(steps):

@@ -174,31 +174,28 @@ class StateTap:
 
     def add(self, hooks: Hooks) -> None:
         with _INSTALL:
-            self._add(hooks)
+            if not self.users:
+                import torch.nn
 
-    def _add(self, hooks: Hooks) -> None:
-        if not self.users:
-            import torch.nn
+                self.original = torch.nn.Module.__getstate__
+                original = self.original
+                ours = self.ours
 
-            self.original = torch.nn.Module.__getstate__
-            original = self.original
-            ours = self.ours
-
-            def __getstate__(module: Any) -> Any:
-                state = original(module)
-                if not ours or not isinstance(state, dict):
+                def __getstate__(module: Any) -> Any:
+                    state = original(module)
+                    if not ours or not isinstance(state, dict):
+                        return state
+                    if is_retrace_mark(state.get("forward")):
+                        del state["forward"]
+                    for key in _HOOK_DICTS:
+                        d = state.get(key)
+                        if d and any(k in ours for k in d):
+                            state[key] = OrderedDict((k, v) for k, v in d.items() if k not in ours)
                     return state
-                if is_retrace_mark(state.get("forward")):
-                    del state["forward"]
-                for key in _HOOK_DICTS:
-                    d = state.get(key)
-                    if d and any(k in ours for k in d):
-                        state[key] = OrderedDict((k, v) for k, v in d.items() if k not in ours)
-                return state
 
-            __getstate__.__wrapped__ = original  # type: ignore[attr-defined]
-            torch.nn.Module.__getstate__ = __getstate__  # type: ignore[method-assign]
-        self.users.append(hooks)
+                __getstate__.__wrapped__ = original  # type: ignore[attr-defined]
+                torch.nn.Module.__getstate__ = __getstate__  # type: ignore[method-assign]
+            self.users.append(hooks)
 
     def remove(self, hooks: Hooks) -> None:
         with _INSTALL:
