@@ -428,7 +428,7 @@ def test_lazy_reading_never_waits_for_the_step_just_dispatched() -> None:
 
     posted: List[int] = []
     rows, width = 32, 6
-    reader = RingReader(None, rows, width, post=lambda step, flags, row: posted.append(step))  # type: ignore[arg-type]
+    reader = RingReader(None, rows, width, post=lambda steps, flags, rows: posted.extend(steps.tolist()))  # type: ignore[arg-type]
     reader.max_every = 16
     made = []
     for count in range(1, 61):

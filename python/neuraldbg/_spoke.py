@@ -170,6 +170,11 @@ INPUT_STATS = 4
 RING_HEAD = 4
 # Default size of a ring buffer on the device (rows x columns x 4 bytes).
 RING_BYTES = 1 << 18
+# How long lazy reading lets a compiled loop's steps wait before it reads them (seconds), unless
+# their ring would fill first: a read costs about the same whatever its number of rows (the
+# host's code and data are cold after the steps in between), so fast steps are read in batches
+# and slow ones as they come.
+READ_INTERVAL = 0.1
 
 
 def roots(squares: np.ndarray) -> np.ndarray:
@@ -185,18 +190,19 @@ class RingReader:
     width]`` float32: row ``step % rows`` holds that step's numbers (``[step, flags, loss, lr,
     grad norms, parameter norms, input statistics where the flags say]``, the step and flags
     as int32 bits), the last row the number of steps made and :data:`RING_MARKER`.
-    ``post(step, flags, row)`` takes each row read (by default the spoke's
-    :meth:`Spoke._post_row`)."""
+    ``post(steps, flags, rows)`` takes the new rows of each read at once, in step order: a copy
+    of them, with their steps and flags as int arrays (by default the spoke's
+    :meth:`Spoke._post_rows`)."""
 
     def __init__(
         self,
         dbg: Spoke,
         rows: int,
         width: int,
-        post: Optional[Callable[[int, int, np.ndarray], None]] = None,
+        post: Optional[Callable[[np.ndarray, np.ndarray, np.ndarray], None]] = None,
     ) -> None:
         self.dbg = dbg
-        self.post = post if post is not None else dbg._post_row
+        self.post = post if post is not None else dbg._post_rows
         self.rows = rows
         self.width = width
         # The next step to read; steps below it have been posted.
@@ -205,25 +211,29 @@ class RingReader:
         self.last: Any = None
         self.lock = threading.RLock()
         self.missed = 0
-        # Lazy reading: buffers met since the last read, how many to let pass, the newest unread.
+        # Lazy reading: buffers met since the last read, how many to let pass at most, when the
+        # last read was (``time.monotonic``), the newest unread.
         self.added = 0
         self.every = 1
+        self.read_at = time.monotonic()
         self.unread: Any = None
         # Whether the loop donates its state (a buffer was deleted before it was read): lazy
         # reading then waits for the device at each read, before the next step takes the buffer.
         self.donated = False
 
-    # Lazy reading (the caller asks :meth:`due` at each state it meets): a state is read at most
-    # once in this many (a read then waits for the device), fewer when a state brings many
-    # updates (a ``lax.scan``), so that a read always comes before half the ring is overwritten;
-    # 1: every buffer is read as soon as the device is done with it.
+    # Lazy reading (the caller asks :meth:`due` at each state it meets): a state is read once
+    # `interval` seconds have passed since the last read, and at least once in `max_every`
+    # states, fewer when a state brings many updates (a ``lax.scan``), so that a read always
+    # comes before half the ring is overwritten; 1: every buffer is read as soon as the device
+    # is done with it.
     max_every = 1
+    interval = READ_INTERVAL
 
     def due(self) -> bool:
         """Counts a state met: whether lazy reading reads this one (else it is left in
         :attr:`unread`, read by the next :meth:`pump` if no newer one comes)."""
         self.added += 1
-        return self.added >= self.every
+        return self.added >= self.every or time.monotonic() - self.read_at >= self.interval
 
     def add(self, buf: Any) -> None:
         """A device buffer of a newer state (an array with ``is_ready``/``is_deleted``, read
@@ -287,17 +297,19 @@ class RingReader:
                 NeuralDbgWarning,
                 stacklevel=4,
             )
-        for step in range(first, count):
-            row = v[step % self.rows]
-            if int(row[:2].view(np.int32)[0]) != step:
-                continue
-            self.post(step, int(row[:2].view(np.int32)[1]), row)
+        if count > first:
+            steps = np.arange(first, count)
+            rows = v[steps % self.rows]  # (a copy, in step order)
+            head = rows[:, :2].view(np.int32)
+            kept = head[:, 0] == steps  # (a row not written by its step: skipped)
+            self.post(steps[kept], head[kept, 1], rows[kept])
         if self.max_every > 1 and self.added > 0:
             # Updates per state met since the last read; at most doubling the interval at a time,
             # since the first estimate counts the states met while the step was being traced.
             per_state = max(1, -(-(count - self.next) // self.added))
             self.every = max(1, min(self.max_every, 2 * self.every, (self.rows // 2) // per_state))
         self.added = 0
+        self.read_at = time.monotonic()
         self.next = max(self.next, count)
 
 
@@ -432,10 +444,10 @@ class Spoke(Results):
         """Whether parameter norms are measured at ``step``."""
         return step < self._dense_steps or step % self._weight_every == 0
 
-    def _post(self, record: Record) -> None:
-        """Hands over one step's numbers (or part of them: the spoke may post gradients and the
+    def _post(self, *records: Record) -> None:
+        """Hands over steps' numbers (or part of them: the spoke may post gradients and the
         loss apart). Safe from any thread; never raises."""
-        self._inbox.append(record)
+        self._inbox.extend(records)
         if threading.get_ident() == self._owner and self._active:
             self._drain()
 
@@ -506,25 +518,30 @@ class Spoke(Results):
         except Exception as e:  # a fact, never a reason to stop
             warnings.warn(f"NeuralDBG could not take {what}: {e}", NeuralDbgWarning, stacklevel=3)
 
-    def _post_row(self, step: int, flags: int, row: np.ndarray) -> None:
-        """One step's row of a ring buffer (see :class:`RingReader`), posted as its record."""
-        n = self._n_params
-        grads = row[RING_HEAD : RING_HEAD + n].copy()
-        weights = row[RING_HEAD + n : RING_HEAD + 2 * n].copy() if flags & HAS_WEIGHTS and self._sampled(step) else None
-        inputs = row[RING_HEAD + 2 * n : RING_HEAD + 2 * n + INPUT_STATS].copy() if flags & HAS_INPUTS else None
-        loss = float(row[2]) if flags & HAS_LOSS else None
-        lr = float(row[3]) if flags & HAS_LR else None
-        self._post(
-            Record(step, grads=grads, weights=weights, inputs=inputs, loss=loss, lr=lr, has_loss=not self._loss_apart)
-        )
+    def _post_rows(self, steps: np.ndarray, flags: np.ndarray, rows: np.ndarray) -> None:
+        """Rows of a ring buffer (see :class:`RingReader`), each posted as its step's record
+        (parts of ``rows``, which the read copied)."""
+        self._post(*self._records(steps, flags, rows))
 
-    def _post_squares(self, step: int, flags: int, row: np.ndarray) -> None:
-        """A row as a compiled JAX step writes it, with sums of squares where :meth:`_post_row`
-        takes norms: their square roots are taken here (in the step they would be one more
-        kernel); -1 (absent) and NaN stay as they are."""
-        row = row.copy()
-        roots(row[RING_HEAD : RING_HEAD + 2 * self._n_params])
-        self._post_row(step, flags, row)
+    def _records(self, steps: np.ndarray, flags: np.ndarray, rows: np.ndarray) -> List[Record]:
+        """The records of ring rows, their arrays parts of ``rows``."""
+        n = self._n_params
+        grads, weights, inputs = RING_HEAD, RING_HEAD + n, RING_HEAD + 2 * n
+        has_loss = not self._loss_apart
+        out = []
+        for step, f, row in zip(steps.tolist(), flags.tolist(), rows):
+            out.append(
+                Record(
+                    step,
+                    grads=row[grads:weights],
+                    weights=row[weights:inputs] if f & HAS_WEIGHTS and self._sampled(step) else None,
+                    inputs=row[inputs : inputs + INPUT_STATS] if f & HAS_INPUTS else None,
+                    loss=float(row[2]) if f & HAS_LOSS else None,
+                    lr=float(row[3]) if f & HAS_LR else None,
+                    has_loss=has_loss,
+                )
+            )
+        return out
 
     def _loss_of(self, r: Record) -> Optional[float]:
         """A step's loss as the engine takes it, in step order (spokes that post something else

@@ -21,9 +21,9 @@ The wrapped transformation computes each parameter's gradient sum of squares ins
 compiled step (and the parameters' on sampled steps; the host takes the square roots) and
 writes them, with the loss and the learning rate, into a ring buffer that it keeps in its own
 optimizer state, on the device: the compiled step holds no host callback (one would take every
-call off JAX's fast dispatch path and make it synchronous). The host reads the buffer of one
-state in up to 16 it sees, once the device is done with it (the read buffer holds the rows of
-the states skipped): pytrees of the state are flattened and rebuilt by ``jit`` and ``nnx`` at
+call off JAX's fast dispatch path and make it synchronous). The host reads the buffer of a
+state it sees once 0.1 s has passed since its last read (sooner when half the ring would fill
+first), once the device is done with it (the read buffer holds the rows of the states skipped): pytrees of the state are flattened and rebuilt by ``jit`` and ``nnx`` at
 every call, and the wrapper's state is a pytree node that notes its buffer there. It works
 under ``jit``, ``lax.scan`` (up to the buffer's rows of updates per call) and inside
 ``optax.MultiSteps`` (``optax.MultiSteps(dbg.wrap(tx), k)``: one step per accumulated update,
@@ -62,6 +62,7 @@ from ._spoke import (
     Spoke,
     check_int,
     model_spec,
+    roots,
     spec_order,
 )
 from .errors import ConfigError, ModelError, NeuralDbgError, NeuralDbgWarning
@@ -92,9 +93,10 @@ _VALUE_KEYS = ("value", "raw_value", "_value")
 
 class _Ring(RingReader):
     """The host side of one wrapped transformation: the ring buffers of the states it meets,
-    read lazily (at most one in 16 states, once the device is done with it)."""
+    read lazily (:data:`READ_INTERVAL` after the last read, sooner when half the ring would
+    fill first, once the device is done with them)."""
 
-    max_every = 16
+    max_every = 256
 
     def __init__(self, dbg: NeuralDbg, rows: int, width: int) -> None:
         super().__init__(dbg, rows, width, post=dbg._post_squares)
@@ -667,16 +669,27 @@ class NeuralDbg(Spoke):
         self._loss, self._targets_kind, targets = noted
         return targets
 
-    def _post_squares(self, step: int, flags: int, row: Any) -> None:
-        if flags & (IN_TRAINING | IN_EVAL):
-            self._modes[step] = 1.0 if flags & IN_TRAINING else 0.0
-        at = RING_HEAD + 2 * len(self._model.entries) + INPUT_STATS
-        if flags & HAS_TARGETS and self._target_facts is None:
-            self._target_facts = self._targets_facts(row[at : at + INPUT_STATS])
-        if flags & HAS_SAMPLES:
-            at += INPUT_STATS
-            self._step_size(step, row[at : at + SAMPLE_WEIGHTS * SAMPLE_SIZE])
-        super()._post_squares(step, flags, row)
+    def _post_squares(self, steps: np.ndarray, flags: np.ndarray, rows: np.ndarray) -> None:
+        """Rows as the compiled step writes them, with sums of squares where
+        :meth:`Spoke._post_rows` takes norms: their square roots are taken here (in the step they
+        would be one more kernel); -1 (absent) and NaN stay as they are. The flags that only
+        some rows carry (the step's mode, the targets' and weights' samples) are read first."""
+        n = len(self._model.entries)
+        roots(rows[:, RING_HEAD : RING_HEAD + 2 * n])
+        moded = (flags & (IN_TRAINING | IN_EVAL)) != 0
+        if moded.any():
+            self._modes.update(zip(steps[moded].tolist(), ((flags[moded] & IN_TRAINING) != 0).astype(float).tolist()))
+        at = RING_HEAD + 2 * n + INPUT_STATS
+        if self._target_facts is None:
+            for k in np.flatnonzero(flags & HAS_TARGETS)[:1]:
+                self._target_facts = self._targets_facts(rows[k, at : at + INPUT_STATS])
+        at += INPUT_STATS
+        sizes = [
+            self._step_size(int(steps[k]), rows[k, at : at + SAMPLE_WEIGHTS * SAMPLE_SIZE])
+            for k in np.flatnonzero((flags & HAS_SAMPLES) != 0)
+            if steps[k] <= self._dense_steps
+        ]
+        self._post(*[r for r in sizes if r is not None], *self._records(steps, flags, rows))
 
     def _step_facts(self, r: Record) -> Optional[Dict[str, float]]:
         """Whether the step ran in training mode (as the PyTorch collector says it), where the
@@ -684,16 +697,16 @@ class NeuralDbg(Spoke):
         mode = self._modes.pop(r.step, None)
         return None if mode is None else {"training": mode}
 
-    def _step_size(self, step: int, samples: Any) -> None:
+    def _step_size(self, step: int, samples: Any) -> Optional[Record]:
         """How far the update before ``step`` moved each measured weight (``|W_after -
         W_before| / |W_before|`` on its sample, the PyTorch collector's measure), from this
-        row's samples and the previous step's, on the first ``dense_steps`` updates. Posted
-        with ``step``, before its row (the previous step went to the engine already; the
-        engine reads the first few of these, not their steps)."""
+        row's samples and the previous step's, on the first ``dense_steps`` updates: a record
+        of ``step``'s, posted with its row (the engine reads the first few of these, not their
+        steps)."""
         now = np.asarray(samples, np.float64).reshape(SAMPLE_WEIGHTS, SAMPLE_SIZE)
         before, self._samples = self._samples, (step, now)
         if before is None or before[0] != step - 1 or step > self._dense_steps:
-            return
+            return None
         ratios = np.full(len(self._model.entries), np.nan, np.float32)
         for k, (j, _) in enumerate(self._model.step_weights):
             b, a = before[1][k], now[k]
@@ -701,7 +714,7 @@ class NeuralDbg(Spoke):
             size = float(np.linalg.norm(b[kept]))
             if kept.any() and size > 0:
                 ratios[j] = float(np.linalg.norm(a[kept] - b[kept])) / size
-        self._post(Record(step, updates=ratios))
+        return Record(step, updates=ratios)
 
     def _targets_facts(self, stats: Any) -> Dict[str, Any]:
         """The engine's facts of the targets' ``[min, max, mean, std]``: a cross-entropy's class
@@ -759,7 +772,8 @@ class NeuralDbg(Spoke):
         """``tx``, observing each update: the gradient norm of every watched parameter, the
         parameter norms on sampled steps, the loss (optax's ``value=`` extra argument, as
         ``reduce_on_plateau`` takes it) and the learning rate, written into a ring buffer in the
-        transformation's state that the host reads once in up to 16 updates. The updates
+        transformation's state that the host reads about every 0.1 s (more often when the
+        ring would fill first). The updates
         are ``tx``'s own, unchanged. Given the batch as the extra argument ``inputs=``
         (``optimizer.update(model, grads, value=loss, inputs=x)``), the minimum, maximum,
         mean and spread of its first floating-point array too (the scale of the data, a NaN

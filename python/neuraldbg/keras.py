@@ -1212,11 +1212,12 @@ class KerasDbg(Spoke):
         buf = buf.at[rows, 0].set(bits((passes + 1) // self._accumulate))
         var.assign(buf.at[rows, 2].set(bits(passes + 1)))
 
-    def _post_activations(self, step: int, flags: int, row: np.ndarray) -> None:
-        """One training forward pass's row of the activation ring (``[count, flags, input
-        statistics, activation rows]``): paired with the optimizer update that follows it, by
-        count."""
-        self._post_forward(step, bool(flags & HAS_INPUTS), row[2:])
+    def _post_activations(self, steps: np.ndarray, flags: np.ndarray, rows: np.ndarray) -> None:
+        """Training forward passes' rows of the activation ring (``[count, flags, input
+        statistics, activation rows]``): each paired with the optimizer update that follows it,
+        by count."""
+        for step, f, row in zip(steps.tolist(), flags.tolist(), rows):
+            self._post_forward(step, bool(f & HAS_INPUTS), row[2:])
 
     def _receive_activations(self, row: Any) -> None:
         """The host side of a training forward pass (any thread; ``[input measured (1 or 0),
