@@ -457,6 +457,46 @@ def test_lazy_reading_never_waits_for_the_step_just_dispatched() -> None:
     assert posted == list(range(100)) and reader.missed == 0
 
 
+def test_lazy_reading_reads_fast_steps_in_batches_and_slow_ones_as_they_come(monkeypatch: Any) -> None:
+    """A read costs about the same whatever its number of rows, so lazy reading takes a state in
+    once ``READ_INTERVAL`` has passed since the last read: steps faster than that are read
+    together (before half the ring fills, so that none is lost), a slower step at the next state
+    after it, never waiting for the device."""
+    from neuraldbg import _spoke
+
+    clock = [0.0]
+    monkeypatch.setattr(_spoke.time, "monotonic", lambda: clock[0])
+    reads: List[List[int]] = []
+    rows, width = 32, 6
+    reader = _spoke.RingReader(None, rows, width, post=lambda steps, flags, r: reads.append(steps.tolist()))  # type: ignore[arg-type]
+    reader.max_every = 256  # (as the JAX spoke's)
+    made: List[_Buffer] = []
+
+    def state(count: int, seconds: float) -> None:
+        clock[0] += seconds
+        for older in made:
+            older.ready = True  # the device finishes a step by the time the next one is dispatched
+        made.append(_Buffer(count, rows, width))
+        if reader.due():
+            reader.add(made[-1])
+        else:
+            reader.unread = made[-1]
+
+    for count in range(1, 301):  # 1 ms steps: 0.3 s
+        state(count, 0.001)
+    fast = list(reads)
+    posted = [s for r in fast for s in r]
+    assert posted == list(range(len(posted))) and len(posted) >= 250 and reader.missed == 0
+    # Read in batches, each before half the ring filled (the ring holds 32 steps, the interval 100).
+    assert 2 <= len(fast) <= 30 and max(len(r) for r in fast) <= rows // 2 + 1, [len(r) for r in fast]
+    for count in range(301, 311):  # 0.5 s steps: from the second on, each read at the next state
+        reads.clear()
+        state(count, 0.5)
+        if count >= 302:  # (the first two catch up with the fast steps' last rows)
+            assert reads[-1][-1] == count - 2 and (count == 302 or reads == [[count - 2]]), (count, reads)
+    assert not any(b.waited for b in made) and reader.missed == 0
+
+
 def test_nan_halts_on_its_step() -> None:
     """``halt_on``: the loop checks ``dbg.halted`` after each step; once the step's loss has been
     read (the device has finished it), the halt is there, dated at the NaN batch."""

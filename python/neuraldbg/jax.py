@@ -23,8 +23,9 @@ writes them, with the loss and the learning rate, into a ring buffer that it kee
 optimizer state, on the device: the compiled step holds no host callback (one would take every
 call off JAX's fast dispatch path and make it synchronous). The host reads the buffer of a
 state it sees once 0.1 s has passed since its last read (sooner when half the ring would fill
-first), once the device is done with it (the read buffer holds the rows of the states skipped): pytrees of the state are flattened and rebuilt by ``jit`` and ``nnx`` at
-every call, and the wrapper's state is a pytree node that notes its buffer there. It works
+first), once the device is done with it (the read buffer holds the rows of the states
+skipped): pytrees of the state are flattened and rebuilt by ``jit`` and ``nnx`` at every call,
+and the wrapper's state is a pytree node that notes its buffer there. It works
 under ``jit``, ``lax.scan`` (up to the buffer's rows of updates per call) and inside
 ``optax.MultiSteps`` (``optax.MultiSteps(dbg.wrap(tx), k)``: one step per accumulated update,
 with the accumulated gradient). Needs jax and optax (and flax for nnx models); none of them is a dependency of
@@ -773,11 +774,10 @@ class NeuralDbg(Spoke):
         parameter norms on sampled steps, the loss (optax's ``value=`` extra argument, as
         ``reduce_on_plateau`` takes it) and the learning rate, written into a ring buffer in the
         transformation's state that the host reads about every 0.1 s (more often when the
-        ring would fill first). The updates
-        are ``tx``'s own, unchanged. Given the batch as the extra argument ``inputs=``
-        (``optimizer.update(model, grads, value=loss, inputs=x)``), the minimum, maximum,
-        mean and spread of its first floating-point array too (the scale of the data, a NaN
-        batch): what the PyTorch spoke reads at the model's input.
+        ring would fill first). The updates are ``tx``'s own, unchanged. Given the batch as the
+        extra argument ``inputs=`` (``optimizer.update(model, grads, value=loss, inputs=x)``),
+        the minimum, maximum, mean and spread of its first floating-point array too (the scale
+        of the data, a NaN batch): what the PyTorch spoke reads at the model's input.
 
         ``learning_rate``: the rate or schedule ``tx`` was built with (a float or an optax
         schedule, evaluated at the step inside the compiled update), so that the diagnosis
