@@ -130,6 +130,7 @@ bench-distributed: build
 # A jitted flax nnx MLP step and a Keras 3 fit (JAX backend), watched against unwatched.
 bench-jax: build $(STAMPS)/jax
 	$(PY) bench/jax_overhead.py
+	$(PY) bench/jax_reading.py
 
 # Third-party models (torchvision ResNet-18, Hugging Face GPT-2) eager and under torch.compile,
 # each against the same setup unwatched.
