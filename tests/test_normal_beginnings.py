@@ -53,6 +53,47 @@ def test_lora_fine_tuning_is_healthy() -> None:
     assert not any(h.confidence >= 0.5 for h in hyps), hyps[:3]
 
 
+def test_a_lora_beginning_prolonged_by_an_endless_warmup_is_the_learning_rates() -> None:
+    """The same LoRA start under a learning-rate warmup far longer than the run (lr 5e-9
+    rising by 5e-9 a step): `lora_B` moves so slowly that `lora_A`'s gradient stays below the
+    vanishing threshold for more than the first 20 steps before it recovers. That is still the
+    adapter's beginning, prolonged by steps measured far too small; the finding is the learning
+    rate (before: `vanishing_gradients <- poor_initialization` above `loss_plateau <-
+    learning_rate_too_low`)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(LoRALinear(16, 64), nn.ReLU(), LoRALinear(64, 64), nn.ReLU(), nn.Linear(64, 1))
+    model[4].requires_grad_(False)
+    with torch.no_grad():
+        delta = torch.randn(64, 2) @ torch.randn(2, 16) * 0.2
+        x = torch.randn(512, 16)
+        h = torch.relu(F.linear(x, model[0].base.weight + delta, model[0].base.bias))
+        y = model[4](torch.relu(model[2].base(h)))
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=5e-3)
+    warmup = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: (step + 1) / 1_000_000)
+    losses, a_grad, lrs = [], [], []
+    with NeuralDbg(model) as dbg:
+        for step in range(150):
+            i = torch.arange(step * 32, step * 32 + 32) % 512
+            opt.zero_grad()
+            loss = F.mse_loss(model(x[i]), y[i])
+            loss.backward()
+            a_grad.append(float(model[2].lora_A.weight.grad.norm()))
+            lrs.append(opt.param_groups[0]["lr"])
+            opt.step()
+            warmup.step()
+            losses.append(float(loss.detach()))
+    # The case as described, from torch: the second adapter's lora_A gets (almost) no gradient
+    # for more than 20 steps, then recovers; the rate is still rising at the end, below 1e-6.
+    tiny = [g < 1e-6 for g in a_grad]
+    assert all(tiny[:21]) and not any(tiny[-20:]), a_grad[:3] + a_grad[-3:]
+    assert lrs[-1] > lrs[0] and lrs[-1] < 1e-6, (lrs[0], lrs[-1])
+    hyps = dbg.explain_failure()
+    top = hyps[0]
+    assert (str(top.failure), str(top.cause)) == ("loss_plateau", "learning_rate_too_low"), hyps[:3]
+    assert top.confidence >= 0.5 and "still rising at the end" in top.description, top
+    assert all(str(h.failure) != "vanishing_gradients" or h.confidence < 0.3 for h in hyps), hyps[:3]
+
+
 class SelfAttention(nn.Module):
     def __init__(self, d: int, heads: int) -> None:
         super().__init__()

@@ -621,3 +621,46 @@ fn a_plateau_that_outlasts_a_learning_rate_cut_is_not_the_learning_rates() {
         );
     }
 }
+
+/// The first layer's gradient at 1e-9 for its first `zero_for` steps (an adapter whose
+/// zero-initialized other half has not moved yet), then healthy; the loss creeps 40% lower over
+/// 150 steps; each step moves the weights by `update` of their size.
+fn late_adapter(zero_for: u64, update: f32) -> Vec<CausalHypothesis> {
+    diagnose(classifier(), 150, |s| {
+        let mut o = healthy(s, 2.3 * (1.0 - 0.4 * s as f64 / 150.0));
+        if s < zero_for {
+            o.grad_norms[0] = 1e-9;
+            o.grad_norms[1] = 1e-9;
+        }
+        o.measures = vec![(Measure::UpdateRatio, vec![update; 6])];
+        o
+    })
+}
+
+#[test]
+fn an_adapters_zero_start_prolonged_by_steps_far_too_small_is_a_beginning_not_vanishing() {
+    // Steps 1e5x too small keep the other half at zero for 34 steps: still the adapter's
+    // beginning; the run's finding is the learning rate.
+    let slow = late_adapter(34, 1e-8);
+    assert!(
+        slow.iter()
+            .all(|h| h.failure != Failure::VanishingGradients || h.confidence < 0.3),
+        "{:?}",
+        shown(&slow)
+    );
+    assert_eq!(
+        (slow[0].failure, slow[0].cause),
+        (Failure::LossPlateau, Cause::LearningRateTooLow),
+        "{:?}",
+        shown(&slow)
+    );
+    // Under steps of a training size the same 34 steps of no gradient are no beginning.
+    let trained = late_adapter(34, 1e-3);
+    assert!(
+        trained
+            .iter()
+            .any(|h| h.failure == Failure::VanishingGradients && h.confidence >= 0.3),
+        "{:?}",
+        shown(&trained)
+    );
+}

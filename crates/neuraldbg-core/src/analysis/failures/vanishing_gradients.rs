@@ -13,20 +13,27 @@ pub(crate) struct VanishingGradients;
 /// Steps a gradient may stay tiny at the start of a run and still be a normal beginning.
 const BEGINNING_STEPS: u64 = 20;
 
-/// A gradient that is zero or tiny at the first steps and recovers within
-/// [`BEGINNING_STEPS`] while the loss falls is how some models start, not a failure: an
-/// adapter whose other half is zero-initialised (`LoRA`'s `lora_B`) passes no gradient to its
-/// first half until that half moves, and attention's query and key get almost none while the
-/// scores are near uniform at initialization.
+/// Update-to-weight ratio at or below which the optimizer's steps are far too small to train
+/// (a hundredth of a training step's ~1e-3).
+const FAR_TOO_SMALL_UPDATE: f64 = 1e-5;
+
+/// A gradient that is zero or tiny at the first steps and recovers while the loss falls is how
+/// some models start, not a failure: an adapter whose other half is zero-initialised (`LoRA`'s
+/// `lora_B`) passes no gradient to its first half until that half moves, and attention's query
+/// and key get almost none while the scores are near uniform at initialization. It recovers
+/// within [`BEGINNING_STEPS`], or later when the optimizer's steps are measured far too small
+/// to move the other half sooner (a learning rate too low, the run's finding then).
 pub(crate) fn normal_beginning(run: &Run, e: &Episode) -> bool {
     let first = run.first_step.unwrap_or(0);
     let falls = run.loss.initial.is_some_and(|initial| {
         initial.is_finite() && run.loss.best.is_finite() && run.loss.best < 0.9 * initial
     });
+    let slow_steps =
+        super::super::causes::measured_update_ratio(run).is_some_and(|r| r <= FAR_TOO_SMALL_UPDATE);
     e.failure == Failure::VanishingGradients
         && e.onset <= first + 1
         && !e.to_end
-        && e.duration <= BEGINNING_STEPS
+        && (e.duration <= BEGINNING_STEPS || slow_steps)
         && falls
 }
 
