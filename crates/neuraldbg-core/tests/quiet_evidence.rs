@@ -664,3 +664,59 @@ fn an_adapters_zero_start_prolonged_by_steps_far_too_small_is_a_beginning_not_va
         shown(&trained)
     );
 }
+
+/// Three Linear layers at chance, the output the same for every sample (spread 0), the last
+/// layer's weights zero at the first step (growing from there); `biased`: whether that layer
+/// has a bias.
+fn zero_last_layer(biased: bool) -> Vec<CausalHypothesis> {
+    let mut spec = ModelSpec::default();
+    for i in 0..3 {
+        let m = spec.module(format!("fc{i}"), "Linear");
+        spec.param(m, format!("fc{i}.weight"), &[16, 16]);
+        if i < 2 || biased {
+            spec.param(m, format!("fc{i}.bias"), &[16]);
+        }
+        if i < 2 {
+            spec.module(format!("act{i}"), "ReLU");
+        }
+    }
+    spec.module("", "Net");
+    spec.optimizer = Some("Adam".into());
+    spec.loss = classifier().loss;
+    if let Some(loss) = spec.loss.as_mut() {
+        loss.output_batch_spread = Some(0.0);
+    }
+    let n = if biased { 6 } else { 5 };
+    diagnose(spec, 60, |s| {
+        let mut o = healthy(s, 2.3 + 0.01 * ((s % 3) as f64));
+        o.grad_norms = [0.03, 0.01, 0.03, 0.01, 0.03, 0.01][..n].to_vec();
+        let (w, last) = (5.66 + 1e-3 * s as f32, 0.01 * s as f32);
+        o.weight_norms = Some([w, 0.2, w, 0.2, last, 0.2][..n].to_vec());
+        o.activations = Some([1.5, 0.0, 0.1, 0.9, 64.0].repeat(2));
+        o.lr = Some(1e-3);
+        o.measures = vec![(Measure::UpdateRatio, vec![1.2e-3; n])];
+        o
+    })
+}
+
+#[test]
+fn a_zero_layer_without_a_bias_is_beside_the_output_not_its_source() {
+    // With a bias, a zero last layer gives every sample its bias: that is why the output was
+    // the same, not a lost input.
+    let head = zero_last_layer(true);
+    assert!(
+        head.iter().all(|h| h.cause != Cause::OutputIgnoresInput),
+        "{:?}",
+        shown(&head)
+    );
+    // Without one it gives every sample zero, and an output of zeros has no spread measured:
+    // the measured output came from beside it (LoRA's `lora_B` beside its frozen base), so the
+    // same output for every sample is the forward pass's.
+    let beside = zero_last_layer(false);
+    assert_eq!(
+        (beside[0].failure, beside[0].cause),
+        (Failure::LossPlateau, Cause::OutputIgnoresInput),
+        "{:?}",
+        shown(&beside)
+    );
+}

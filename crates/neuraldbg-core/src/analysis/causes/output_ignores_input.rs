@@ -11,6 +11,7 @@ use super::super::vocab::{Cause, Failure};
 use super::evidence::huge_inputs;
 use super::{Case, CauseRule, RemedyCase, Votes, fmt_g};
 use crate::engine::Run;
+use crate::model::ParamRole;
 
 pub(crate) struct OutputIgnoresInput;
 
@@ -31,7 +32,10 @@ const NEAR_ZERO_GAIN: f64 = 1e-2;
 /// The first step's output spread across the batch, when every sample got the same output and
 /// nothing else measured makes it so by itself:
 /// - an output layer whose first weights were (near) zero (initialized to zero, as some recipes
-///   do, or far too small) gives every sample its bias until its updates grow it;
+///   do, or far too small) gives every sample its bias until its updates grow it (one without a
+///   bias gives every sample zero, and an output of zeros has no spread measured: a zero layer
+///   without one whose output was measured is beside another, as `LoRA`'s `lora_B` beside its
+///   frozen base, not the output's source);
 /// - a stack of bounded activations that pass back little gradient (sigmoids) contracts the
 ///   samples' differences layer after layer until none is left;
 /// - inputs all of one value are the data's (`bad_input_data`), and inputs on a raw scale
@@ -41,9 +45,13 @@ const NEAR_ZERO_GAIN: f64 = 1e-2;
 pub(crate) fn same_for_every_sample(run: &Run) -> Option<f64> {
     let model = &run.model;
     let output_layer = model.layers.iter().rposition(|l| l.weight.is_some());
-    let zero_output_layer = output_layer
-        .and_then(|l| run.layers[l].gain_first)
-        .is_some_and(|g| g < NEAR_ZERO_GAIN);
+    let zero_output_layer = output_layer.is_some_and(|l| {
+        let biased = model.layers[l]
+            .params
+            .iter()
+            .any(|&p| model.spec.params[p].role == ParamRole::Bias);
+        biased && run.layers[l].gain_first.is_some_and(|g| g < NEAR_ZERO_GAIN)
+    });
     let explained = zero_output_layer
         || super::saturating_activation::passes_little_gradient(run)
         || run.data.first_constant.is_some()
