@@ -118,10 +118,12 @@ def main() -> None:
             elif k == "tuple":
                 times[k].append(timed(carried))
             else:
+                every = ring.every  # (the reading's own, which every-8 overrides)
                 settings[k]()
                 ring.newest()  # (what the setting before left unread)
                 times[k].append(timed(watched))
                 restore()
+                ring.every = every
     ring.newest()
     observed = dbg.step
     dbg.__exit__(None, None, None)
