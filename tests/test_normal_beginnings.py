@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+from typing import Tuple
 
 import torch
 import torch.nn as nn
@@ -24,16 +25,22 @@ from bench.corpus.bases import LoRALinear
 from neuraldbg import NeuralDbg
 
 
-def test_lora_fine_tuning_is_healthy() -> None:
+def lora_task() -> Tuple[nn.Sequential, torch.Tensor, torch.Tensor]:
+    """Two LoRA layers over frozen ones and a frozen head; the target is the same network with a
+    low-rank change to its first layer (512 samples)."""
     torch.manual_seed(0)
     model = nn.Sequential(LoRALinear(16, 64), nn.ReLU(), LoRALinear(64, 64), nn.ReLU(), nn.Linear(64, 1))
     model[4].requires_grad_(False)
-    # The target: the same network with a low-rank change to its first layer.
     with torch.no_grad():
         delta = torch.randn(64, 2) @ torch.randn(2, 16) * 0.2
         x = torch.randn(512, 16)
         h = torch.relu(F.linear(x, model[0].base.weight + delta, model[0].base.bias))
         y = model[4](torch.relu(model[2].base(h)))
+    return model, x, y
+
+
+def test_lora_fine_tuning_is_healthy() -> None:
+    model, x, y = lora_task()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
     losses, a_grad = [], []
     with NeuralDbg(model) as dbg:
@@ -60,14 +67,7 @@ def test_a_lora_beginning_prolonged_by_an_endless_warmup_is_the_learning_rates()
     adapter's beginning, prolonged by steps measured far too small; the finding is the learning
     rate (before: `vanishing_gradients <- poor_initialization` above `loss_plateau <-
     learning_rate_too_low`)."""
-    torch.manual_seed(0)
-    model = nn.Sequential(LoRALinear(16, 64), nn.ReLU(), LoRALinear(64, 64), nn.ReLU(), nn.Linear(64, 1))
-    model[4].requires_grad_(False)
-    with torch.no_grad():
-        delta = torch.randn(64, 2) @ torch.randn(2, 16) * 0.2
-        x = torch.randn(512, 16)
-        h = torch.relu(F.linear(x, model[0].base.weight + delta, model[0].base.bias))
-        y = model[4](torch.relu(model[2].base(h)))
+    model, x, y = lora_task()
     opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=5e-3)
     warmup = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: (step + 1) / 1_000_000)
     losses, a_grad, lrs = [], [], []
