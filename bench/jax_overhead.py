@@ -13,10 +13,9 @@ a shuffled order, each round ending with ``block_until_ready``. Keras: copies of
 model, each fit for ``--epochs`` epochs per round (shuffled order; ``A/A`` is a second plain
 model, ``no-act`` the callback with ``activations=False``, ``every-act`` measures activations on
 every step rather than on sampled ones, ``before`` is the callback of ``--before REV``, as
-``before`` in JAX is its ``dbg.wrap``; the ``before`` arm, created last, read 5-7% slower than
-``neuraldbg`` on the 4x64 step with the same code (``--before HEAD`` on an unchanged tree,
-BENCHMARKS.md; ``--before same`` measures that arm's A/A): compare a change against that A/A,
-not against ``neuraldbg``); the
+``before`` in JAX is its ``dbg.wrap``; ``--before same`` makes that arm the current spoke, its
+A/A: before the JAX arms had a jit each, the arm created last read 5-7% slower with the same
+code); the
 time of every epoch after the first (compilation excluded) is taken from a timing callback, with
 the calling thread's CPU time over the same epochs, and the whole fit (compilation and the end-of-run report included) is given too, over all
 rounds and for the first fit of each model alone (one sample each: every arm compiles there). Each figure is the

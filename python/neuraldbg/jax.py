@@ -675,15 +675,15 @@ class NeuralDbg(Spoke):
         :meth:`Spoke._post_rows` takes norms: their square roots are taken here (in the step they
         would be one more kernel); -1 (absent) and NaN stay as they are. The flags that only
         some rows carry (the step's mode, the targets' and weights' samples) are read first."""
-        n = len(self._model.entries)
+        n = self._n_params
         roots(rows[:, RING_HEAD : RING_HEAD + 2 * n])
         moded = (flags & (IN_TRAINING | IN_EVAL)) != 0
         if moded.any():
             self._modes.update(zip(steps[moded].tolist(), ((flags[moded] & IN_TRAINING) != 0).astype(float).tolist()))
         at = RING_HEAD + 2 * n + INPUT_STATS
-        if self._target_facts is None:
-            for k in np.flatnonzero(flags & HAS_TARGETS)[:1]:
-                self._target_facts = self._targets_facts(rows[k, at : at + INPUT_STATS])
+        measured = np.flatnonzero(flags & HAS_TARGETS)
+        if self._target_facts is None and measured.size:
+            self._target_facts = self._targets_facts(rows[measured[0], at : at + INPUT_STATS])
         at += INPUT_STATS
         sizes = [
             self._step_size(int(steps[k]), rows[k, at : at + SAMPLE_WEIGHTS * SAMPLE_SIZE])
@@ -701,12 +701,12 @@ class NeuralDbg(Spoke):
     def _step_size(self, step: int, samples: Any) -> Optional[Record]:
         """How far the update before ``step`` moved each measured weight (``|W_after -
         W_before| / |W_before|`` on its sample, the PyTorch collector's measure), from this
-        row's samples and the previous step's, on the first ``dense_steps`` updates: a record
-        of ``step``'s, posted with its row (the engine reads the first few of these, not their
-        steps)."""
+        row's samples and the previous step's, for a step of the first ``dense_steps`` updates
+        (the caller's choice): a record of ``step``'s, posted with its row (the engine reads the
+        first few of these, not their steps)."""
         now = np.asarray(samples, np.float64).reshape(SAMPLE_WEIGHTS, SAMPLE_SIZE)
         before, self._samples = self._samples, (step, now)
-        if before is None or before[0] != step - 1 or step > self._dense_steps:
+        if before is None or before[0] != step - 1:
             return None
         ratios = np.full(len(self._model.entries), np.nan, np.float32)
         for k, (j, _) in enumerate(self._model.step_weights):

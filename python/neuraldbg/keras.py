@@ -1216,8 +1216,10 @@ class KerasDbg(Spoke):
         """Training forward passes' rows of the activation ring (``[count, flags, input
         statistics, activation rows]``): each paired with the optimizer update that follows it,
         by count."""
-        for step, f, row in zip(steps.tolist(), flags.tolist(), rows):
-            self._post_forward(step, bool(f & HAS_INPUTS), row[2:])
+        records = (
+            self._forward(s, bool(f & HAS_INPUTS), row[2:]) for s, f, row in zip(steps.tolist(), flags.tolist(), rows)
+        )
+        self._post(*[r for r in records if r is not None])
 
     def _receive_activations(self, row: Any) -> None:
         """The host side of a training forward pass (any thread; ``[input measured (1 or 0),
@@ -1227,16 +1229,18 @@ class KerasDbg(Spoke):
             step = self._forwards
             self._forwards += 1
             v = np.array(row, dtype=np.float32)
-            self._post_forward(step, bool(v[0] == 1.0), v[1:])
+            record = self._forward(step, bool(v[0] == 1.0), v[1:])
+            if record is not None:
+                self._post(record)
         except Exception as e:  # pragma: no cover - defensive
             warnings.warn(f"NeuralDBG dropped a forward pass: {e}", NeuralDbgWarning, stacklevel=2)
 
-    def _post_forward(self, step: int, has_inputs: bool, v: np.ndarray) -> None:
-        """A forward pass's input statistics (each step) and activation rows (sampled steps)."""
-        inputs = v[:INPUT_STATS].copy() if has_inputs else None
+    def _forward(self, step: int, has_inputs: bool, v: np.ndarray) -> Optional[Record]:
+        """A forward pass's record: its input statistics (each step) and activation rows
+        (sampled steps), parts of ``v`` (a copy of the device's); None when it has neither."""
+        inputs = v[:INPUT_STATS] if has_inputs else None
         acts = v[INPUT_STATS : INPUT_STATS + 5 * len(self._probes)] if self._probes and self._sampled(step) else None
-        if inputs is not None or acts is not None:
-            self._post(Record(step, inputs=inputs, activations=None if acts is None else acts.copy()))
+        return None if inputs is None and acts is None else Record(step, inputs=inputs, activations=acts)
 
     def stop(self) -> None:
         try:
