@@ -15,7 +15,9 @@ model, ``no-act`` the callback with ``activations=False``, ``every-act`` measure
 every step rather than on sampled ones, ``before`` is the callback of ``--before REV``, as
 ``before`` in JAX is its ``dbg.wrap``; ``--before same`` makes that arm the current spoke, its
 A/A: before the JAX arms had a jit each, the arm created last read 5-7% slower with the same
-code); the
+code); the same MLP is also trained the functional way (``nnx.split`` once, a ``jax.jit`` step
+over the parameters and optax's state: ``jax.jit functional``), plain, A/A, watched and
+``before``; the
 time of every epoch after the first (compilation excluded) is taken from a timing callback, with
 the calling thread's CPU time over the same epochs, and the whole fit (compilation and the end-of-run report included) is given too, over all
 rounds and for the first fit of each model alone (one sample each: every arm compiles there). Each figure is the
@@ -271,6 +273,67 @@ def load_before(rev: str, name: str) -> Any:
     return module
 
 
+def bench_jax_split(width: int, depth: int, batch: int, steps: int, rounds: int, before: Any = None) -> None:
+    """The same MLP trained the functional way flax recommends for speed (``nnx.split`` once, a
+    ``jax.jit`` step over the parameters and optax's state, ``nnx.merge`` inside): no nnx graph
+    handling around the call, so what watching costs on the device and on the host shows whole."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    MLP, loss_fn = jax_mlp(width, depth)
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(batch, 64)), jnp.float32)
+    y = jnp.asarray(rng.integers(0, 10, size=batch))
+
+    def make(tx: Any) -> Callable[[], float]:
+        model = MLP(nnx.Rngs(0))
+        graphdef, params = nnx.split(model, nnx.Param)
+
+        @jax.jit
+        def step(p: Any, s: Any) -> Any:
+            loss, grads = jax.value_and_grad(lambda q: loss_fn(nnx.merge(graphdef, q), x, y))(p)
+            updates, s = tx.update(grads, s, p, value=loss)
+            return optax.apply_updates(p, updates), s, loss
+
+        state = [params, tx.init(params)]
+        jax.block_until_ready(step(*state))  # compile
+
+        def run() -> float:
+            t = time.perf_counter()
+            loss = None
+            for _ in range(steps):
+                state[0], state[1], loss = step(*state)
+            jax.block_until_ready(loss)
+            return time.perf_counter() - t
+
+        return run
+
+    dbgs = []
+
+    def watched(module: Any) -> Any:
+        dbg = module.NeuralDbg(MLP(nnx.Rngs(0)))
+        dbg.__enter__()
+        dbgs.append(dbg)
+        return dbg.wrap(optax.adam(1e-3), learning_rate=1e-3)
+
+    import neuraldbg.jax
+
+    arms = {
+        "plain": make(optax.adam(1e-3)),
+        "A/A": make(optax.adam(1e-3)),
+        "neuraldbg": make(watched(neuraldbg.jax)),
+    }
+    if before is not None:
+        arms["before"] = make(watched(before))
+    times, cpu = paired(arms, rounds)
+    for d in dbgs:
+        d.__exit__(None, None, None)
+    report(f"jax.jit functional {depth + 2}x{width}, batch {batch}", times, steps)
+    report("  the same, calling thread's CPU time", cpu, steps)
+
+
 def bench_keras(width: int, depth: int, batch: int, epochs: int, rounds: int, n: int, before: Any = None) -> None:
     import keras
 
@@ -359,6 +422,8 @@ def main() -> None:
         before = load_before(args.before, "jax") if args.before else None
         bench_jax(64, 2, 32, args.steps, args.rounds, before)
         bench_jax(256, 4, 128, args.steps, args.rounds, before)
+        bench_jax_split(64, 2, 32, args.steps * 5, args.rounds, before)
+        bench_jax_split(256, 4, 128, args.steps, args.rounds, before)
         if not args.small:
             bench_jax(1024, 4, 256, max(args.steps // 10, 5), args.rounds, before)
     if args.only in (None, "keras"):

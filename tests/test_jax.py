@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import pickle
 import re
@@ -495,6 +496,44 @@ def test_lazy_reading_reads_fast_steps_in_batches_and_slow_ones_as_they_come(mon
         if count >= 302:  # (the first two catch up with the fast steps' last rows)
             assert reads[-1][-1] == count - 2 and (count == 302 or reads == [[count - 2]]), (count, reads)
     assert not any(b.waited for b in made) and reader.missed == 0
+
+
+def test_a_functional_loop_reads_each_state_once_per_half_ring() -> None:
+    """A ``jax.jit`` step over a params pytree meets each state twice: built from the step's
+    outputs, then flattened as the next step's input. The second sighting is the same state, so
+    lazy reading counts it once and reads once per half ring (32 rows: every 16 steps, after
+    a start that doubles the interval), every update observed."""
+    params = {
+        "l1": {"kernel": jnp.ones((8, 16)) * 0.1, "bias": jnp.zeros(16)},
+        "l2": {"kernel": jnp.ones((16, 1)) * 0.1},
+    }
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(32, 8)), jnp.float32)
+    y = jnp.sum(x, axis=1, keepdims=True)
+    with NeuralDbg(params) as dbg:
+        tx = dbg.wrap(optax.sgd(0.01), learning_rate=0.01, buffer=32)
+        ring = dbg._rings[0]
+        ring.interval = math.inf  # (reads by count only: what the test counts)
+        taken: List[int] = []  # the update count of each state lazy reading takes
+        add = ring.add
+        ring.add = lambda buf: (taken.append(int(np.asarray(buf)[-1, :1].view(np.int32)[0])), add(buf))
+
+        @jax.jit
+        def step(p: Any, s: Any) -> Any:
+            loss, grads = jax.value_and_grad(
+                lambda q: jnp.mean((jnp.tanh(x @ q["l1"]["kernel"] + q["l1"]["bias"]) @ q["l2"]["kernel"] - y) ** 2)
+            )(p)
+            updates, s = tx.update(grads, s, p, value=loss)
+            return optax.apply_updates(p, updates), s
+
+        state = tx.init(params)
+        for _ in range(200):
+            params, state = step(params, state)
+        jax.block_until_ready(params)
+    assert dbg.step == 200 and ring.missed == 0
+    # Half a ring apart (16 steps) once the interval has doubled up to it; counting each state
+    # twice read every 8 steps.
+    apart = np.diff(taken).tolist()
+    assert apart[:3] == [2, 4, 8] and set(apart[3:]) == {16}, apart
 
 
 def test_nan_halts_on_its_step() -> None:

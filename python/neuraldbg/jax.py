@@ -108,6 +108,8 @@ class _Ring(RingReader):
         """A buffer (or the nnx Variable holding one) met in a state pytree: read if lazy
         reading reads this state, else left for later (a Variable's value is only taken then)."""
         try:
+            if leaf is self.last or (leaf is self.unread and isinstance(leaf, jax.Array)):
+                return  # a buffer met again: the state it was built into, flattened for the next step
             holder = not isinstance(leaf, jax.Array) and hasattr(leaf, "get_value")
             if holder:
                 self.holder = leaf
