@@ -113,7 +113,7 @@ class _Ring(RingReader):
             holder = not isinstance(leaf, jax.Array) and hasattr(leaf, "get_value")
             if holder:
                 self.holder = leaf
-            elif not isinstance(leaf, jax.Array) or leaf is self.last or isinstance(leaf, jax.core.Tracer):
+            elif not isinstance(leaf, jax.Array) or isinstance(leaf, jax.core.Tracer):
                 return
             if not self.due():
                 self.unread = leaf
