@@ -292,19 +292,19 @@ def bench_jax_split(width: int, depth: int, batch: int, steps: int, rounds: int,
         graphdef, params = nnx.split(model, nnx.Param)
 
         @jax.jit
-        def step(p: Any, s: Any) -> Any:
+        def step(p: Any, s: Any, x: Any, y: Any) -> Any:
             loss, grads = jax.value_and_grad(lambda q: loss_fn(nnx.merge(graphdef, q), x, y))(p)
             updates, s = tx.update(grads, s, p, value=loss)
             return optax.apply_updates(p, updates), s, loss
 
         state = [params, tx.init(params)]
-        jax.block_until_ready(step(*state))  # compile
+        jax.block_until_ready(step(*state, x, y))  # compile
 
         def run() -> float:
             t = time.perf_counter()
             loss = None
             for _ in range(steps):
-                state[0], state[1], loss = step(*state)
+                state[0], state[1], loss = step(*state, x, y)
             jax.block_until_ready(loss)
             return time.perf_counter() - t
 
