@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import os
 import sys
-from typing import Tuple
+from typing import Any, List, Tuple
 
 import torch
 import torch.nn as nn
@@ -39,19 +39,40 @@ def lora_task() -> Tuple[nn.Sequential, torch.Tensor, torch.Tensor]:
     return model, x, y
 
 
-def test_lora_fine_tuning_is_healthy() -> None:
-    model, x, y = lora_task()
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
-    losses, a_grad = [], []
+def train_lora(
+    task: Tuple[nn.Sequential, torch.Tensor, torch.Tensor],
+    opt: torch.optim.Optimizer,
+    steps: int,
+    adapter: int,
+    **sched: Any,
+) -> Tuple[NeuralDbg, List[float], List[float], List[float]]:
+    """Trains ``task``'s model by ``opt`` (``sched``: a ``lr_lambda`` for a ``LambdaLR``) on
+    batches of 32, watched; returns the debugger, the losses, the gradient norm of layer
+    ``adapter``'s ``lora_A`` and the learning rate at each step."""
+    model, x, y = task
+    warmup = torch.optim.lr_scheduler.LambdaLR(opt, **sched) if sched else None
+    losses: List[float] = []
+    a_grad: List[float] = []
+    lrs: List[float] = []
     with NeuralDbg(model) as dbg:
-        for step in range(120):
+        for step in range(steps):
             i = torch.arange(step * 32, step * 32 + 32) % 512
             opt.zero_grad()
             loss = F.mse_loss(model(x[i]), y[i])
             loss.backward()
-            a_grad.append(float(model[0].lora_A.weight.grad.norm()))
+            a_grad.append(float(model[adapter].lora_A.weight.grad.norm()))
+            lrs.append(opt.param_groups[0]["lr"])
             opt.step()
+            if warmup is not None:
+                warmup.step()
             losses.append(float(loss.detach()))
+    return dbg, losses, a_grad, lrs
+
+
+def test_lora_fine_tuning_is_healthy() -> None:
+    task = lora_task()
+    opt = torch.optim.AdamW([p for p in task[0].parameters() if p.requires_grad], lr=3e-3)
+    dbg, losses, a_grad, _ = train_lora(task, opt, 120, adapter=0)
     # The case as described: lora_A's gradient is exactly zero at step 0, nonzero from step 1,
     # and the loss falls.
     assert a_grad[0] == 0.0 and all(g > 0 for g in a_grad[1:]), a_grad[:5]
@@ -67,21 +88,9 @@ def test_a_lora_beginning_prolonged_by_an_endless_warmup_is_the_learning_rates()
     adapter's beginning, prolonged by steps measured far too small; the finding is the learning
     rate (before: `vanishing_gradients <- poor_initialization` above `loss_plateau <-
     learning_rate_too_low`)."""
-    model, x, y = lora_task()
-    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=5e-3)
-    warmup = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: (step + 1) / 1_000_000)
-    losses, a_grad, lrs = [], [], []
-    with NeuralDbg(model) as dbg:
-        for step in range(150):
-            i = torch.arange(step * 32, step * 32 + 32) % 512
-            opt.zero_grad()
-            loss = F.mse_loss(model(x[i]), y[i])
-            loss.backward()
-            a_grad.append(float(model[2].lora_A.weight.grad.norm()))
-            lrs.append(opt.param_groups[0]["lr"])
-            opt.step()
-            warmup.step()
-            losses.append(float(loss.detach()))
+    task = lora_task()
+    opt = torch.optim.Adam([p for p in task[0].parameters() if p.requires_grad], lr=5e-3)
+    dbg, _, a_grad, lrs = train_lora(task, opt, 150, adapter=2, lr_lambda=lambda step: (step + 1) / 1_000_000)
     # The case as described, from torch: the second adapter's lora_A gets (almost) no gradient
     # for more than 20 steps, then recovers; the rate is still rising at the end, below 1e-6.
     tiny = [g < 1e-6 for g in a_grad]

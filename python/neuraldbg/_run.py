@@ -510,9 +510,10 @@ class Watch:
 
             class RunJaxDbg(JaxDbg):  # type: ignore[misc]
                 """The host reads a compiled loop's steps when the script hands it a newer
-                state (up to 0.1 s, or half the ring's updates, after they ran): ``--steps`` and
-                ``--halt-on`` stop the script there, by raising out of that call. The updates the device ran past the
-                ``--steps``-th are not observed (read with it, or at the exit's last read)."""
+                state (up to 0.1 s, or half the ring's updates, after they ran): ``--steps``
+                and ``--halt-on`` stop the script there, by raising out of that call. The
+                updates the device ran past the ``--steps``-th are not observed (read with it,
+                or at the exit's last read)."""
 
                 def _after_step(self, step: int) -> None:
                     super()._after_step(step)

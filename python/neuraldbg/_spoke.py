@@ -300,9 +300,10 @@ class RingReader:
         if count > first:
             steps = np.arange(first, count)
             rows = v[steps % self.rows]  # (a copy, in step order)
-            head = rows[:, :2].view(np.int32)
-            kept = head[:, 0] == steps  # (a row not written by its step: skipped)
-            self.post(steps[kept], head[kept, 1], rows[kept])
+            kept = rows[:, :1].view(np.int32)[:, 0] == steps
+            if not kept.all():  # (a row not written by its step: skipped)
+                steps, rows = steps[kept], rows[kept]
+            self.post(steps, rows[:, 1:2].view(np.int32)[:, 0], rows)
         if self.max_every > 1 and self.added > 0:
             # Updates per state met since the last read; at most doubling the interval at a time,
             # since the first estimate counts the states met while the step was being traced.

@@ -687,12 +687,12 @@ class NeuralDbg(Spoke):
         if self._target_facts is None and measured.size:
             self._target_facts = self._targets_facts(rows[measured[0], at : at + INPUT_STATS])
         at += INPUT_STATS
-        sizes = [
+        step_sizes = [
             self._step_size(int(steps[k]), rows[k, at : at + SAMPLE_WEIGHTS * SAMPLE_SIZE])
             for k in np.flatnonzero((flags & HAS_SAMPLES) != 0)
             if steps[k] <= self._dense_steps
         ]
-        self._post(*[r for r in sizes if r is not None], *self._records(steps, flags, rows))
+        self._post(*[r for r in step_sizes if r is not None], *self._records(steps, flags, rows))
 
     def _step_facts(self, r: Record) -> Optional[Dict[str, float]]:
         """Whether the step ran in training mode (as the PyTorch collector says it), where the
