@@ -142,6 +142,43 @@ def test_healthy_run_no_alarm_and_norms_match_jax_grad() -> None:
     assert len(w) >= 10  # dense_steps 10, then every 10th
 
 
+@pytest.mark.parametrize("small", [True, False])
+def test_parameter_norms_on_sampled_steps_with_no_conditional_in_a_small_models_step(
+    small: bool, monkeypatch: Any
+) -> None:
+    """A small model's update measures its parameters at every step and keeps the sampled
+    steps' by a select; a large one's (here: the threshold set to 0) under a conditional, which
+    on a GPU waits for the device at every step. Either way the sampled steps get the norms of
+    the parameters each update began from, read from the model around each step."""
+    import neuraldbg.jax as nj
+
+    conds: List[int] = []
+    real = jax.lax.cond
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        conds.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(jax.lax, "cond", spy)
+    if not small:
+        monkeypatch.setattr(nj, "ALWAYS_MEASURED", 0)
+    model = MLP(3, 32, nnx.Rngs(0))
+    x, y = data()
+    expected: List[Dict[str, float]] = []
+    with NeuralDbg(model, dense_steps=2, weight_every=3) as dbg:
+        optimizer = nnx.Optimizer(model, dbg.wrap(optax.sgd(0.1), learning_rate=0.1), wrt=nnx.Param)
+        step = make_step()
+        for i in range(10):
+            expected.append(truth(nnx.state(model, nnx.Param)))  # each layer's, before the update
+            step(model, optimizer, x[i * 32 : (i + 1) * 32], y[i * 32 : (i + 1) * 32])
+    assert (len(conds) > 0) != small
+    sampled = [s for s in range(10) if s < 2 or s % 3 == 0]
+    for layer in LAYERS:
+        steps, norms = dbg.history(layer, "weight_norm")
+        assert list(steps) == sampled
+        np.testing.assert_allclose(norms, [expected[s][layer] for s in sampled], rtol=1e-5)
+
+
 def test_learning_rate_too_high_explosion_named(tmp_path: Any) -> None:
     confirmed: List[Any] = []
     trace = tmp_path / "run.ndbg"

@@ -308,6 +308,52 @@ def test_watched_fits_compile_the_train_step_once() -> None:
     assert int(model.optimizer.iterations.numpy()) == 60
 
 
+@pytest.mark.parametrize("small", [True, False])
+def test_parameter_norms_on_sampled_steps_with_no_conditional_in_a_small_models_step(
+    small: bool, monkeypatch: Any
+) -> None:
+    """A small model's step measures its parameters at every step and keeps the sampled steps'
+    by a select; a large one's (here: the threshold set to 0) under a conditional, which on a
+    GPU waits for the device at every step. Either way the sampled steps get the norms of the
+    weights each update began from, replayed with ``train_on_batch``."""
+    import neuraldbg.keras as nk
+
+    conds: List[str] = []
+    for owner, name in ((keras.ops, "cond"), (jax.lax, "cond")):
+        real = getattr(owner, name)
+
+        def spy(*args: Any, _real: Any = real, **kwargs: Any) -> Any:
+            conds.append(name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, spy)
+    if not small:
+        monkeypatch.setattr(nk, "ALWAYS_MEASURED", 0)
+    model = sigmoid_mlp(2)
+    twin = keras.models.clone_model(model)
+    twin.set_weights(model.get_weights())
+    for m in (model, twin):
+        m.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    x, y = data(320)
+    cb = NeuralDbgCallback(verbose=False, dense_steps=2, weight_every=3)
+    model.fit(x, y, batch_size=32, epochs=1, shuffle=False, callbacks=[cb], verbose=0)
+    assert (len(conds) > 0) != small
+    truth: List[Dict[str, float]] = []
+    for i in range(10):
+        truth.append(
+            {
+                layer.name: float(np.sqrt(sum(np.sum(np.asarray(w, np.float64) ** 2) for w in layer.weights)))
+                for layer in twin.layers
+            }
+        )
+        twin.train_on_batch(x[i * 32 : (i + 1) * 32], y[i * 32 : (i + 1) * 32])
+    sampled = [s for s in range(10) if s < 2 or s % 3 == 0]
+    for layer in cb.dbg.layers:
+        steps, norms = cb.dbg.history(layer, "weight_norm")
+        assert list(steps) == sampled
+        np.testing.assert_allclose(norms, [truth[s][layer] for s in sampled], rtol=1e-5)
+
+
 def test_custom_train_step_subclassed_model() -> None:
     class Net(keras.Model):
         def __init__(self) -> None:

@@ -170,6 +170,10 @@ INPUT_STATS = 4
 RING_HEAD = 4
 # Default size of a ring buffer on the device (rows x columns x 4 bytes).
 RING_BYTES = 1 << 18
+# Models with at most this many parameter elements have their norms taken in the compiled step
+# at every step, the unsampled steps' dropped by a select: the conditional that keeps a larger
+# model's pass over its parameters to the sampled steps costs a small one more than the pass.
+ALWAYS_MEASURED = 1 << 16
 # How long lazy reading lets a compiled loop's steps wait before it reads them (seconds), unless
 # their ring would fill first: a read costs about the same whatever its number of rows (the
 # host's code and data are cold after the steps in between), so fast steps are read in batches

@@ -45,6 +45,7 @@ from typing import Any, Callable, Dict, Iterable, List, Literal, Optional, Tuple
 import numpy as np
 
 from ._spoke import (
+    ALWAYS_MEASURED,
     HAS_INPUTS,
     HAS_LOSS,
     HAS_LR,
@@ -888,19 +889,23 @@ class NeuralDbg(Spoke):
                 p_leaves, p_where = model.gather(params)
                 # One array out of the conditional: the squares, the targets' statistics, the samples.
                 k = len(p_where)
-                packed = jax.lax.cond(
-                    sampled,
-                    lambda ls, t: jnp.concatenate(
+
+                def measure(ls: List[Any], t: Any) -> Any:
+                    return jnp.concatenate(
                         [
                             squares(ls, p_where),
                             nothing if t is None else target_stats(t),
                             _samples(ls, p_where, step_weights) if step_weights else no_samples,
                         ]
-                    ),
-                    lambda ls, t: jnp.concatenate([jnp.full((k,), -1.0, jnp.float32), nothing, no_samples]),
-                    p_leaves,
-                    targets,
-                )
+                    )
+
+                def skip(ls: List[Any], t: Any) -> Any:
+                    return jnp.concatenate([jnp.full((k,), -1.0, jnp.float32), nothing, no_samples])
+
+                if sum(int(np.size(leaf)) for leaf in p_leaves) <= ALWAYS_MEASURED:
+                    packed = jnp.where(sampled, measure(p_leaves, targets), skip(p_leaves, targets))
+                else:
+                    packed = jax.lax.cond(sampled, measure, skip, p_leaves, targets)
                 weights, measured, samples = packed[:k], packed[k : k + INPUT_STATS], packed[k + INPUT_STATS :]
             else:
                 weights = jnp.full((n,), -1.0, jnp.float32)

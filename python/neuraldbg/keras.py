@@ -41,6 +41,7 @@ import numpy as np
 from ._loop import MAX_FEATURES
 from ._measure import update_stride, update_weights
 from ._spoke import (
+    ALWAYS_MEASURED,
     HAS_INPUTS,
     HAS_LR,
     HAS_WEIGHTS,
@@ -1020,7 +1021,7 @@ class KerasDbg(Spoke):
             return jax.lax.stop_gradient(jnp.concatenate([jnp.ones((1,), jnp.float32), stats]))
 
         # Once: the first training step's (later steps keep what it wrote).
-        self._facts_var.assign(jax.lax.cond(old[0] == 1.0, lambda: old, measure))
+        self._facts_var.assign(jnp.where(old[0] == 1.0, old, measure()))
 
     def _receive_first_batch(self, v: Any) -> None:
         """The host side of the first batch's facts (the owner thread: the eager step, or the
@@ -1190,16 +1191,10 @@ class KerasDbg(Spoke):
         count = passes // self._accumulate
         outs = {r: jax.lax.stop_gradient(o) for r, o in outputs.items()}
         size = 5 * len(self._probes)
-        if self._act_every_step or not size:
-            table = jnp.asarray(self._activation_table(outs), jnp.float32)
-        else:
+        table = jnp.asarray(self._activation_table(outs), jnp.float32)
+        if size and not self._act_every_step:
             sampled = jnp.logical_or(count < self._dense_steps, count % self._weight_every == 0)
-            table = jax.lax.cond(
-                sampled,
-                lambda o: jnp.asarray(self._activation_table(o), jnp.float32),
-                lambda o: jnp.full((size,), jnp.nan, jnp.float32),
-                outs,
-            )
+            table = jnp.where(sampled, table, jnp.nan)
 
         def bits(i: Any) -> Any:
             return jax.lax.bitcast_convert_type(jnp.asarray(i, jnp.int32), jnp.float32)
@@ -1330,7 +1325,10 @@ class KerasDbg(Spoke):
         step = ops.convert_to_tensor(opt.iterations)
         base = self._ring_base() if self._ring_var is not None else self._base
         sampled = ops.logical_or(step - base < self._dense_steps, (step - base) % self._weight_every == 0)
-        wn = ops.cond(sampled, norms, skip)
+        if sum(int(np.prod(v.shape)) for v in values) <= ALWAYS_MEASURED:
+            wn = ops.where(sampled, norms(), skip())
+        else:
+            wn = ops.cond(sampled, norms, skip)
         step32 = ops.cast(step, "int32")
         if self._ring_var is not None:
             # Updates made once this one is: with accumulation, a row is complete on the last micro-batch.
