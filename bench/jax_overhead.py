@@ -11,8 +11,7 @@ sharing one share its cache, where the model created later paid 5-10% on the 4x6
 before timing; rounds of ``--steps`` steps alternate between the arms in
 a shuffled order, each round ending with ``block_until_ready``. Keras: copies of one compiled
 model, each fit for ``--epochs`` epochs per round (shuffled order; ``A/A`` is a second plain
-model, ``no-act`` the callback with ``activations=False``, ``every-act`` measures activations on
-every step rather than on sampled ones, ``before`` is the callback of ``--before REV``, as
+model, ``no-act`` the callback with ``activations=False``, ``before`` is the callback of ``--before REV``, as
 ``before`` in JAX is its ``dbg.wrap``; ``--before same`` makes that arm the current spoke, its
 A/A: before the JAX arms had a jit each, the arm created last read 5-7% slower with the same
 code); the same MLP is also trained the functional way (``nnx.split`` once, a ``jax.jit`` step
@@ -337,7 +336,7 @@ def bench_jax_split(width: int, depth: int, batch: int, steps: int, rounds: int,
 def bench_keras(width: int, depth: int, batch: int, epochs: int, rounds: int, n: int, before: Any = None) -> None:
     import keras
 
-    from neuraldbg.keras import KerasDbg, NeuralDbgCallback
+    from neuraldbg.keras import NeuralDbgCallback
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=(n, 64)).astype("float32")
@@ -357,9 +356,8 @@ def bench_keras(width: int, depth: int, batch: int, epochs: int, rounds: int, n:
             self.times.append(time.perf_counter() - self.t)
             self.cpu.append(time.thread_time() - self.c)
 
-    # neuraldbg: activations on sampled steps (lax.cond); every-act: activations measured on
-    # every step; no-act: activations=False; before: the callback of the --before revision.
-    kinds = ["plain", "A/A", "neuraldbg", "every-act", "no-act"] + (["before"] if before is not None else [])
+    # no-act: activations=False; before: the callback of the --before revision.
+    kinds = ["plain", "A/A", "neuraldbg", "no-act"] + (["before"] if before is not None else [])
     models = {k: keras_mlp(width, depth) for k in kinds}
     steady: Dict[str, List[float]] = {k: [] for k in models}
     cpu: Dict[str, List[float]] = {k: [] for k in models}
@@ -370,7 +368,6 @@ def bench_keras(width: int, depth: int, batch: int, epochs: int, rounds: int, n:
         for k in names:
             timer = EpochTimes()
             cbs: List[Any] = [timer]
-            KerasDbg._act_every_step = k == "every-act"
             if k == "before":
                 cbs.append(before.NeuralDbgCallback(verbose=False))
             elif k not in ("plain", "A/A"):
@@ -380,7 +377,6 @@ def bench_keras(width: int, depth: int, batch: int, epochs: int, rounds: int, n:
             whole[k].append(time.perf_counter() - t)
             steady[k].append(float(np.sum(timer.times[1:])))
             cpu[k].append(float(np.sum(timer.cpu[1:])))
-    KerasDbg._act_every_step = False
     per = n // batch
     report(f"keras fit {depth + 2}x{width}, batch {batch}, epochs 2+", steady, per * (epochs - 1))
     report("  the same, calling thread's CPU time", cpu, per * (epochs - 1))

@@ -558,7 +558,9 @@ class NeuralDbg(Spoke):
         threshold_vanishing, threshold_exploding, threshold_saturated: the seed's gradient
             thresholds (1e-6, 1e3, 1.0).
         weight_every: measure parameter norms every this many steps after ``dense_steps``
-            (inside the compiled step, under ``lax.cond``: skipped steps compute nothing).
+            (inside the compiled step: under ``lax.cond`` in a model of more than 65,536
+            parameter elements, where skipped steps compute nothing; a smaller model's are
+            computed at every step and kept on these).
         dense_steps: steps at the start whose parameter norms are always measured.
         trace: a file path to record the run to (``neuraldbg explain``, ``neuraldbg watch``,
             ``neuraldbg.load``).

@@ -625,9 +625,6 @@ class KerasDbg(Spoke):
     ``NeuralDbg`` (``events``, ``explain_failure()``, ``history()``, ``save_report()``, ...)."""
 
     _loss_apart = True
-    # JAX: measure the activations of every training pass rather than of sampled steps only
-    # (under ``lax.cond``); the host keeps sampled steps either way (an arm of the benchmark).
-    _act_every_step = False
 
     def __init__(self, model: Any, *, activations: bool = True, **options: Any) -> None:
         super().__init__(**options)
@@ -1172,7 +1169,6 @@ class KerasDbg(Spoke):
             self._dense_steps,
             self._weight_every,
             self._accumulate,
-            self._act_every_step,
             tuple(sorted((row, repr(sorted(probe.items()))) for row, probe in self._act_probes.items())),
         )
 
@@ -1192,7 +1188,7 @@ class KerasDbg(Spoke):
         outs = {r: jax.lax.stop_gradient(o) for r, o in outputs.items()}
         size = 5 * len(self._probes)
         table = jnp.asarray(self._activation_table(outs), jnp.float32)
-        if size and not self._act_every_step:
+        if size:
             sampled = jnp.logical_or(count < self._dense_steps, count % self._weight_every == 0)
             table = jnp.where(sampled, table, jnp.nan)
 
