@@ -889,7 +889,7 @@ class NeuralDbg(Spoke):
                 flags |= HAS_WEIGHTS | (HAS_SAMPLES if step_weights else 0)
                 sampled = jnp.logical_or(count < dense, count % every == 0)
                 p_leaves, p_where = model.gather(params)
-                # One array out of the conditional: the squares, the targets' statistics, the samples.
+                # One array, selected or out of the conditional: the squares, the targets' statistics, the samples.
                 k = len(p_where)
 
                 def measure(ls: List[Any], t: Any) -> Any:
