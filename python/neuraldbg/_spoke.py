@@ -445,9 +445,10 @@ class Spoke(Results):
 
     # ---------------------------------------------------------------- records
 
-    def _sampled(self, step: int) -> bool:
-        """Whether parameter norms are measured at ``step``."""
-        return step < self._dense_steps or step % self._weight_every == 0
+    def _sampled(self, step: Any) -> Any:
+        """Whether parameter norms are measured at ``step``: a bool for an int, and the same
+        test traced for a step count inside a compiled step (a boolean array)."""
+        return (step < self._dense_steps) | (step % self._weight_every == 0)
 
     def _post(self, *records: Record) -> None:
         """Hands over steps' numbers (or part of them: the spoke may post gradients and the

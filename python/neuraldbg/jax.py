@@ -833,7 +833,6 @@ class NeuralDbg(Spoke):
         key = next(_KEYS)
         _RINGS[key] = ring
         self._rings.append(ring)
-        dense, every = self._dense_steps, self._weight_every
 
         def init(params: Any) -> WatchState:
             buf = jnp.zeros((rows + 1, width), jnp.float32)
@@ -887,7 +886,7 @@ class NeuralDbg(Spoke):
             grads = squares(leaves, where)
             if params is not None:
                 flags |= HAS_WEIGHTS | (HAS_SAMPLES if step_weights else 0)
-                sampled = jnp.logical_or(count < dense, count % every == 0)
+                sampled = self._sampled(count)
                 p_leaves, p_where = model.gather(params)
                 # One array, selected or out of the conditional: the squares, the targets' statistics, the samples.
                 k = len(p_where)

@@ -1186,11 +1186,9 @@ class KerasDbg(Spoke):
         passes = jax.lax.bitcast_convert_type(buf[rows, 2], jnp.int32)
         count = passes // self._accumulate
         outs = {r: jax.lax.stop_gradient(o) for r, o in outputs.items()}
-        size = 5 * len(self._probes)
         table = jnp.asarray(self._activation_table(outs), jnp.float32)
-        if size:
-            sampled = jnp.logical_or(count < self._dense_steps, count % self._weight_every == 0)
-            table = jnp.where(sampled, table, jnp.nan)
+        if self._probes:
+            table = jnp.where(self._sampled(count), table, jnp.nan)
 
         def bits(i: Any) -> Any:
             return jax.lax.bitcast_convert_type(jnp.asarray(i, jnp.int32), jnp.float32)
@@ -1320,7 +1318,7 @@ class KerasDbg(Spoke):
             return
         step = ops.convert_to_tensor(opt.iterations)
         base = self._ring_base() if self._ring_var is not None else self._base
-        sampled = ops.logical_or(step - base < self._dense_steps, (step - base) % self._weight_every == 0)
+        sampled = self._sampled(step - base)
         if sum(int(np.prod(v.shape)) for v in values) <= ALWAYS_MEASURED:
             wn = ops.where(sampled, norms(), skip())
         else:
