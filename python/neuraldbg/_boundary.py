@@ -349,6 +349,12 @@ class StepBoundary:
         if self.c.disabled:
             return
         self.flush()
+        # A Ctrl-C that lands after a step reached the engine and before it was counted (its
+        # KeyboardInterrupt raised at any line of the step's hook) must not leave the trace one
+        # step ahead of dbg.step: the optimizer step completed, so it counts.
+        last = self.c.engine.last_step
+        if last is not None and int(last) >= self.c.step:
+            self.c.step = int(last) + 1
         s = self.c.cur
         unobserved = s.forwards > 0 or s.grad_read or bool(s.raw_inputs)
         if unobserved and (crashed or self.c.origin_search.unobserved_failed()):
