@@ -133,7 +133,9 @@ def test_a_recurrent_regression_that_learned_nothing_under_a_tiny_lr_is_a_confir
 def test_a_layer_half_dead_from_initialization_that_dies_under_a_huge_lr_blames_the_lr() -> None:
     """The LSTM classifier of the corpus at 100x its learning rate (Adam at 0.5): its head's
     ReLU layer has half its units zero for the whole batch at the first step, as the base has
-    (a forward hook counts them), then all of them within 20 steps, and the run learns
+    (a forward hook counts them), then nearly all of them from step 20 (on the Intel Xeon VMs at
+    least 31 of its 32 units at every step to 150; on an AMD EPYC, whose float kernels round
+    differently, at least 30, all 32 at 72% of those steps), and the run learns
     nothing (held-out accuracy at chance; the base reaches 0.97 and keeps 70% of the units).
     The first measurement already counts the layer dead, so "alive at first" does not hold;
     the share that died after updates, with the measured step size, names the learning rate."""
@@ -144,7 +146,7 @@ def test_a_layer_half_dead_from_initialization_that_dies_under_a_huge_lr_blames_
     shares, score, _ = dead_shares("lstm_classifier", "lr_x100", "head.1")
     base_shares, base_score, _ = dead_shares("lstm_classifier", "-", "head.1")
     assert shares[0] >= 0.5 and base_shares[0] >= 0.5, (shares[0], base_shares[0])
-    assert min(shares[20:150]) > 0.95 and max(base_shares[20:150]) < 0.5
+    assert min(shares[20:150]) > 0.9 and max(base_shares[20:150]) < 0.5, (min(shares[20:150]), max(base_shares[20:150]))
     assert score < 0.6 and base_score > 0.9, (score, base_score)
     run = one("lstm_classifier", ("lr_x100",), 0)
     top = run["hypotheses"][0]
