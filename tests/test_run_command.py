@@ -860,8 +860,8 @@ def test_ctrl_c_still_gives_the_diagnosis_trace_and_report(tmp_path: Path) -> No
     assert (tmp_path / "o" / "Sequential.html").exists()
 
 
-def test_ctrl_c_between_backward_and_step_is_not_a_step(tmp_path: Path) -> None:
-    """The in-code API, with Ctrl-C placed exactly between a backward and its optimizer step."""
+def _small_regression() -> Tuple[Any, Any, Any, Any]:
+    """The PLAIN script's model, optimizer and batch, in process."""
     import torch
     import torch.nn as nn
 
@@ -870,6 +870,14 @@ def test_ctrl_c_between_backward_and_step_is_not_a_step(tmp_path: Path) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     x = torch.randn(64, 8)
     y = x.sum(1, keepdim=True)
+    return model, opt, x, y
+
+
+def test_ctrl_c_between_backward_and_step_is_not_a_step(tmp_path: Path) -> None:
+    """The in-code API, with Ctrl-C placed exactly between a backward and its optimizer step."""
+    import torch.nn as nn
+
+    model, opt, x, y = _small_regression()
     completed = 0
     with pytest.raises(KeyboardInterrupt), neuraldbg.NeuralDbg(model, trace=str(tmp_path / "t.ndbg")) as dbg:
         for step in range(10):
@@ -887,7 +895,6 @@ def test_ctrl_c_between_backward_and_step_is_not_a_step(tmp_path: Path) -> None:
 def test_ctrl_c_after_a_step_reached_the_engine_still_counts_it(tmp_path: Path, monkeypatch: Any, where: str) -> None:
     """Ctrl-C raises at whatever line runs: here after step 4 was handed to the engine and
     before it was counted (the CI flake of the command's Ctrl-C test)."""
-    import torch
     import torch.nn as nn
 
     from neuraldbg._boundary import StepBoundary
@@ -902,11 +909,7 @@ def test_ctrl_c_after_a_step_reached_the_engine_still_counts_it(tmp_path: Path, 
         return own(self, *args)
 
     monkeypatch.setattr(StepBoundary, where, interrupted)
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    x = torch.randn(64, 8)
-    y = x.sum(1, keepdim=True)
+    model, opt, x, y = _small_regression()
     completed = 0
     with pytest.raises(KeyboardInterrupt), neuraldbg.NeuralDbg(model, trace=str(tmp_path / "t.ndbg")) as dbg:
         for _ in range(10):
