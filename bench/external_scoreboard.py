@@ -29,10 +29,10 @@ from bench.external import all_programs
 from bench.external.common import Program, TrainResult, train
 
 
-def monitored(p: Program, buggy: bool, steps=None, evidence=None):
+def monitored(p: Program, buggy: bool, steps=None, evidence=None, seed: int = 0):
     from neuraldbg import NeuralDbg
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     run = p.build(buggy, steps)
     with NeuralDbg(run.model) as dbg:
         res = train(run)
@@ -84,6 +84,13 @@ def main() -> int:
     ap.add_argument("names", nargs="*", help="only programs whose name contains one of these")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--steps", type=int, default=None, help="override every program's step count")
+    ap.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="torch's seed before each build (the weights' initialization, dropout; the data stay the "
+        "programs' own): how much a row owes to one draw",
+    )
     ap.add_argument("-v", "--verbose", action="store_true", help="print the top hypotheses")
     ap.add_argument(
         "--evidence",
@@ -116,11 +123,11 @@ def main() -> int:
     controls: dict = {}  # fixed_key -> (result, hypotheses): a shared control is trained once
     evidence = open(args.evidence, "w") if args.evidence else None  # noqa: SIM115 (closed after the loop)
     for p in progs:
-        rb, hb = monitored(p, True, args.steps, evidence)
+        rb, hb = monitored(p, True, args.steps, evidence, args.seed)
         if p.fixed_key is not None and p.fixed_key in controls:
             rf, hf = controls[p.fixed_key]
         else:
-            rf, hf = monitored(p, False, args.steps, evidence)
+            rf, hf = monitored(p, False, args.steps, evidence, args.seed)
             if p.fixed_key is not None:
                 controls[p.fixed_key] = (rf, hf)
         n += 1
@@ -157,7 +164,7 @@ def main() -> int:
         f"external suite: {n} programs; buggy detected (top >= 0.5): {detected}/{n}; "
         f"cause correct where our vocabulary has it: {cause_ok}/{cause_n}; "
         f"false alarms on the fixed versions: {alarms}/{n}; "
-        f"{time.perf_counter() - t0:.0f}s, torch {torch.__version__}, {args.threads} thread(s)"
+        f"{time.perf_counter() - t0:.0f}s, torch {torch.__version__}, {args.threads} thread(s), seed {args.seed}"
     )
     # A report, not a gate: the external suite measures the engine, it does not fail the build.
     return 0
