@@ -1203,6 +1203,50 @@ def test_an_output_layer_initialized_to_zero_is_not_taken_for_a_lost_input():
     assert not [h for h in found if h.cause == "output_ignores_input"], found[:2]
 
 
+def test_a_deep_stack_that_contracts_its_inputs_is_the_depths_not_a_lost_input():
+    """``make demo``'s run: 30 tanh layers at PyTorch's default initialization shrink the
+    samples' differences layer after layer, so the output is the same for every sample to
+    ~5e-7 of its size, and the gradients shrink geometrically towards the input. Nothing in the
+    forward pass mixes or drops the batch (a plain ``nn.Sequential`` of ``Linear`` and
+    ``Tanh``): the finding is the depth's, as the README shows, not a lost input."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "demo_vanishing_gradients.py"
+    spec = importlib.util.spec_from_file_location("demo_vanishing_gradients", path)
+    assert spec is not None and spec.loader is not None
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    torch.manual_seed(0)
+    model = demo.make_model()
+    assert {type(m) for m in model} == {nn.Linear, nn.Tanh}
+    batches = list(demo.train_loader(demo.STEPS))
+    # Ground truth from torch: the spread across the first batch shrinks layer after layer, and
+    # the first backward's gradient norms shrink towards the input by decades.
+    x, y = batches[0]
+    h, spreads = x, []
+    with torch.no_grad():
+        for m in model:
+            h = m(h)
+            if isinstance(m, nn.Linear):
+                spreads.append(float((h.max(0).values - h.min(0).values).max() / h.abs().max()))
+    assert spreads[-1] < 1e-5 < 0.1 < spreads[0], spreads
+    nn.functional.cross_entropy(model(x), y).backward()
+    norms = [float(m.weight.grad.norm()) for m in model if isinstance(m, nn.Linear)]
+    assert np.log10(norms[-1] / norms[0]) > 5, norms
+    model.zero_grad()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with NeuralDbg(model) as dbg:
+        for x, y in batches:
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+    found = dbg.explain_failure()
+    assert found[0].failure == "vanishing_gradients" and found[0].cause == "network_depth", found[:2]
+    assert found[0].confidence >= 0.5, found[0]
+    assert not [h for h in found if h.cause == "output_ignores_input"], found[:3]
+
+
 def test_the_output_batch_spread_is_the_largest_range_over_the_batch_over_the_largest_magnitude():
     from neuraldbg._loop import _batch_spread
 

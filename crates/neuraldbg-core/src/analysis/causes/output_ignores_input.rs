@@ -37,7 +37,10 @@ const NEAR_ZERO_GAIN: f64 = 1e-2;
 ///   without one whose output was measured is beside another, as `LoRA`'s `lora_B` beside its
 ///   frozen base, not the output's source);
 /// - a stack of bounded activations that pass back little gradient (sigmoids) contracts the
-///   samples' differences layer after layer until none is left;
+///   samples' differences layer after layer until none is left, and so does a deep stack whose
+///   gradients shrink geometrically from the first step (`network_depth`: 30 tanh layers at
+///   `PyTorch`'s default initialization leave the output's spread at ~5e-7 of its size), where a
+///   lost input leaves the layers before it their gradient;
 /// - inputs all of one value are the data's (`bad_input_data`), and inputs on a raw scale
 ///   saturate a recurrent layer's gates alike for every sample;
 /// - an output that does not fit the loss can be constant by itself (a softmax over one unit
@@ -52,7 +55,10 @@ pub(crate) fn same_for_every_sample(run: &Run) -> Option<f64> {
             .any(|&p| model.spec.params[p].role == ParamRole::Bias);
         biased && run.layers[l].gain_first.is_some_and(|g| g < NEAR_ZERO_GAIN)
     });
+    let contracting_stack = model.weighted_depth >= super::missing_normalization::DEEP_STACK
+        && super::evidence::gradient_profile(run).is_some_and(|p| p.shrinking());
     let explained = zero_output_layer
+        || contracting_stack
         || super::saturating_activation::passes_little_gradient(run)
         || run.data.first_constant.is_some()
         || huge_inputs(run.data.first_scale).is_some()
