@@ -425,7 +425,7 @@ fn targets_unrelated(c: &Case<'_>) -> Option<f64> {
         ev.depth < super::missing_normalization::DEEP_STACK || c.run.model.has_normalization;
     (!failing
         && shallow
-        && output_ignores_input::same_for_every_sample(c.run).is_none()
+        && output_ignores_input::same_for_every_sample(c.run, ev).is_none()
         && ev.ordinary_inputs()
         && ev.feature_spread.is_none()
         && ev.gain_normal()

@@ -398,36 +398,6 @@ impl Profile {
     }
 }
 
-/// The early gradient profile along the weighted layers with a finite early gradient norm (at
-/// least four), in forward order (see [`Profile`]).
-pub(crate) fn gradient_profile(run: &Run) -> Option<Profile> {
-    let model = &run.model;
-    let points: Vec<(f64, f64)> = model
-        .layers
-        .iter()
-        .enumerate()
-        .filter(|(_, l)| l.weight.is_some())
-        .filter_map(|(l, _)| run.layers[l].early.median())
-        .enumerate()
-        .map(|(pos, norm)| (pos as f64, norm.max(1e-30).log10()))
-        .collect();
-    (points.len() >= 4).then(|| {
-        let x: Vec<f64> = points.iter().map(|p| p.0).collect();
-        let y: Vec<f64> = points.iter().map(|p| p.1).collect();
-        let n = x.len() as f64;
-        let mx = x.iter().sum::<f64>() / n;
-        let my = y.iter().sum::<f64>() / n;
-        let sxy: f64 = x.iter().zip(&y).map(|(a, b)| (a - mx) * (b - my)).sum();
-        let sxx: f64 = x.iter().map(|a| (a - mx) * (a - mx)).sum();
-        let slope = if sxx > 0.0 { sxy / sxx } else { 0.0 };
-        Profile {
-            slope,
-            span: slope * (n - 1.0),
-            monotone: correlation(&ranks(&x), &ranks(&y)),
-        }
-    })
-}
-
 fn ranks(values: &[f64]) -> Vec<f64> {
     let mut idx: Vec<usize> = (0..values.len()).collect();
     idx.sort_by(|&a, &b| values[a].total_cmp(&values[b]));
@@ -466,7 +436,31 @@ impl Evidence {
             .collect();
         gains.sort_by(|a, b| a.0.total_cmp(&b.0));
 
-        let profile = gradient_profile(run);
+        // Depth profile over weighted layers with a finite early gradient norm.
+        let points: Vec<(f64, f64)> = model
+            .layers
+            .iter()
+            .enumerate()
+            .filter(|(_, l)| l.weight.is_some())
+            .filter_map(|(l, _)| run.layers[l].early.median())
+            .enumerate()
+            .map(|(pos, norm)| (pos as f64, norm.max(1e-30).log10()))
+            .collect();
+        let profile = (points.len() >= 4).then(|| {
+            let x: Vec<f64> = points.iter().map(|p| p.0).collect();
+            let y: Vec<f64> = points.iter().map(|p| p.1).collect();
+            let n = x.len() as f64;
+            let mx = x.iter().sum::<f64>() / n;
+            let my = y.iter().sum::<f64>() / n;
+            let sxy: f64 = x.iter().zip(&y).map(|(a, b)| (a - mx) * (b - my)).sum();
+            let sxx: f64 = x.iter().map(|a| (a - mx) * (a - mx)).sum();
+            let slope = if sxx > 0.0 { sxy / sxx } else { 0.0 };
+            Profile {
+                slope,
+                span: slope * (n - 1.0),
+                monotone: correlation(&ranks(&x), &ranks(&y)),
+            }
+        });
 
         let lr_first = run.lr_first;
         let ratios: Vec<f64> = model

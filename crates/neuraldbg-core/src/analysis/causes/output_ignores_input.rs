@@ -8,7 +8,7 @@
 use super::super::failures::not_learning;
 use super::super::remedy::Remedy;
 use super::super::vocab::{Cause, Failure};
-use super::evidence::huge_inputs;
+use super::evidence::{Evidence, huge_inputs};
 use super::{Case, CauseRule, RemedyCase, Votes, fmt_g};
 use crate::engine::Run;
 use crate::model::ParamRole;
@@ -45,7 +45,7 @@ const NEAR_ZERO_GAIN: f64 = 1e-2;
 ///   saturate a recurrent layer's gates alike for every sample;
 /// - an output that does not fit the loss can be constant by itself (a softmax over one unit
 ///   is 1).
-pub(crate) fn same_for_every_sample(run: &Run) -> Option<f64> {
+pub(crate) fn same_for_every_sample(run: &Run, ev: &Evidence) -> Option<f64> {
     let model = &run.model;
     let output_layer = model.layers.iter().rposition(|l| l.weight.is_some());
     let zero_output_layer = output_layer.is_some_and(|l| {
@@ -55,8 +55,8 @@ pub(crate) fn same_for_every_sample(run: &Run) -> Option<f64> {
             .any(|&p| model.spec.params[p].role == ParamRole::Bias);
         biased && run.layers[l].gain_first.is_some_and(|g| g < NEAR_ZERO_GAIN)
     });
-    let contracting_stack = model.weighted_depth >= super::missing_normalization::DEEP_STACK
-        && super::evidence::gradient_profile(run).is_some_and(|p| p.shrinking());
+    let contracting_stack = ev.depth >= super::missing_normalization::DEEP_STACK
+        && ev.geometric_profile(true).is_some();
     let explained = zero_output_layer
         || contracting_stack
         || super::saturating_activation::passes_little_gradient(run)
@@ -108,7 +108,7 @@ impl CauseRule for OutputIgnoresInput {
         // An output the same for every sample at the first step, and nothing learned since;
         // not where a layer has every unit dead or at its bound for the whole batch (it passes
         // on the same values for every sample by itself).
-        let Some(spread) = same_for_every_sample(c.run) else {
+        let Some(spread) = same_for_every_sample(c.run, c.ev) else {
             return;
         };
         let whole_layer_off = c.episodes.iter().any(|e| {
