@@ -713,7 +713,8 @@ FLAX = """
             return linen.Dense(1)(jnp.tanh(linen.Dense(16)(x)))
 
     net = Linen()
-    state = train_state.TrainState.create(apply_fn=net.apply, params=net.init(jax.random.key(0), x[:1]), tx=optax.adam(1e-3))
+    accumulating = optax.MultiSteps(optax.adam(1e-3), every_k_schedule=3)
+    state = train_state.TrainState.create(apply_fn=net.apply, params=net.init(jax.random.key(0), x[:1]), tx=accumulating)
 
     @jax.jit
     def linen_step(state, xb, yb):
@@ -727,8 +728,8 @@ FLAX = """
     from neuraldbg.jax import NeuralDbg  # a model the script watches itself: not twice
     own = MLP(nnx.Rngs(1))
     with NeuralDbg(own) as dbg:
-        own_opt = nnx.Optimizer(own, dbg.wrap(optax.sgd(0.01)), wrt=nnx.Param)
-        for i in range(3):
+        own_opt = nnx.Optimizer(own, optax.MultiSteps(dbg.wrap(optax.sgd(0.01)), every_k_schedule=2), wrt=nnx.Param)
+        for i in range(6):
             step(own, own_opt, x[:32], y[:32])
     print("own steps", dbg.step)
     print("torch imported", "torch" in sys.modules)
@@ -737,7 +738,9 @@ FLAX = """
 
 def test_a_flax_script_unchanged(tmp_path: Path) -> None:
     """An nnx ``Optimizer`` and a linen ``TrainState`` each watched under their model's name,
-    their transformations wrapped: the learning rate far too high is named from the nnx run,
+    their transformations wrapped (the TrainState's ``optax.MultiSteps`` of 3 micro-batches: one
+    step per update; a model the script watches itself inside a ``MultiSteps`` is not watched
+    twice): the learning rate far too high is named from the nnx run,
     whose loss arrives as the step passes it (``value=``); the steps are the script's own.
     ``--steps`` and ``--halt-on`` stop the compiled loop at the script's next call."""
     _needs("flax", "optax")
@@ -746,11 +749,11 @@ def test_a_flax_script_unchanged(tmp_path: Path) -> None:
     assert "nnx steps 30" in r.stdout and "linen steps 12" in r.stdout and "torch imported False" in r.stdout
     assert "own steps 3" in r.stdout
     data = json.loads((tmp_path / "d.json").read_text())
-    assert [(m["name"], m["steps"]) for m in data["models"]] == [("MLP", 30), ("Linen", 12)]
+    assert [(m["name"], m["steps"]) for m in data["models"]] == [("MLP", 30), ("Linen", 4)]
     mlp = [h for h in data["hypotheses"] if h["model"] == "MLP"]
     assert mlp[0]["cause"] == "learning_rate_too_high" and mlp[0]["confidence"] >= 0.5
     # (a TrainState's apply_gradients passes no loss: its steps have none)
-    assert len(data["models"][0]["loss"]) == 30 and data["models"][1]["loss"] in ([], [None] * 12)
+    assert len(data["models"][0]["loss"]) == 30 and data["models"][1]["loss"] in ([], [None] * 4)
     assert neuraldbg.load(str(tmp_path / "o" / "MLP.ndbg")).step == 30
 
     # A compiled loop is stopped where the host reads a newer state: the script's next call.

@@ -500,10 +500,9 @@ class Watch:
         """``tx`` wrapped by a JAX debugger of ``model`` (entered until the script ends), or
         ``tx`` itself when the model cannot be watched (said)."""
         from .jax import NeuralDbg as JaxDbg
+        from .jax import watched
 
-        if any(m is model for _, m, _ in self.models) or getattr(
-            getattr(tx, "init", None), "_neuraldbg_watched", False
-        ):
+        if any(m is model for _, m, _ in self.models) or watched(tx):
             return tx  # watched already (by the script's own debugger too)
         if self._jax_kind is None:
             watch = self

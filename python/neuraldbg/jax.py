@@ -27,13 +27,14 @@ first), once the device is done with it (the read buffer holds the rows of the s
 skipped): pytrees of the state are flattened and rebuilt by ``jit`` and ``nnx`` at every call,
 and the wrapper's state is a pytree node that notes its buffer there. It works
 under ``jit``, ``lax.scan`` (up to the buffer's rows of updates per call) and inside
-``optax.MultiSteps`` (``optax.MultiSteps(dbg.wrap(tx), k)``: one step per accumulated update,
-with the accumulated gradient). Needs jax and optax (and flax for nnx models); none of them is a dependency of
+``optax.MultiSteps`` (``optax.MultiSteps(dbg.wrap(tx), k)`` or ``dbg.wrap(optax.MultiSteps(tx,
+k))``: one step per accumulated update, with the accumulated gradient). Needs jax and optax (and flax for nnx models); none of them is a dependency of
 neuraldbg, and torch is not needed.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import itertools
 import math
@@ -547,6 +548,35 @@ def _holds_lr(tx: Any) -> bool:
     return _held_lr(state) is not None
 
 
+def watched(tx: Any) -> bool:
+    """Whether ``tx`` is a transformation a JAX debugger wrapped (or accumulates one)."""
+    accumulating = _multi_steps(tx)
+    inner = accumulating.inner_opt if accumulating is not None else tx
+    return bool(getattr(getattr(inner, "init", None), "_neuraldbg_watched", False))
+
+
+def _multi_steps(tx: Any) -> Any:
+    """The ``optax.MultiSteps`` that ``tx`` is, or whose ``gradient_transformation()`` it is;
+    else None."""
+    if isinstance(tx, optax.MultiSteps):
+        return tx
+    owner = getattr(getattr(tx, "init", None), "__self__", None)
+    return owner if isinstance(owner, optax.MultiSteps) else None
+
+
+def _with_inner(accumulating: Any, inner: Any) -> Any:
+    """A copy of the ``optax.MultiSteps`` ``accumulating`` (its schedule, mean or sum, skip
+    function and accumulator's type) that accumulates for ``inner``."""
+    outer = copy.copy(accumulating)
+    outer._opt = inner
+    if outer.inner_opt is not inner:  # an optax that keeps its inner transformation elsewhere
+        raise ConfigError(
+            "this optax's MultiSteps cannot be watched from outside: wrap the transformation inside it, "
+            "optax.MultiSteps(dbg.wrap(tx), every_k_schedule=k) (one step per accumulated update)"
+        )
+    return outer
+
+
 class NeuralDbg(Spoke):
     """Watches a JAX training run through its optax transformation and explains why it failed.
 
@@ -770,11 +800,11 @@ class NeuralDbg(Spoke):
 
     def wrap(
         self,
-        tx: optax.GradientTransformation,
+        tx: Union[optax.GradientTransformation, optax.MultiSteps],
         *,
         learning_rate: Union[float, Callable[[Any], Any], None] = None,
         buffer: Optional[int] = None,
-    ) -> optax.GradientTransformationExtraArgs:
+    ) -> Union[optax.GradientTransformationExtraArgs, optax.MultiSteps]:
         """``tx``, observing each update: the gradient norm of every watched parameter, the
         parameter norms on sampled steps, the loss (optax's ``value=`` extra argument, as
         ``reduce_on_plateau`` takes it) and the learning rate, written into a ring buffer in the
@@ -794,13 +824,22 @@ class NeuralDbg(Spoke):
         at least 16 and at most 256. Each update rewrites the whole ring once (the copy that a
         state not donated needs anyway).
 
-        For gradient accumulation wrap the inner transformation:
-        ``optax.MultiSteps(dbg.wrap(tx), every_k_schedule=k)``.
+        Gradient accumulation: ``optax.MultiSteps(dbg.wrap(tx), every_k_schedule=k)``, or
+        ``dbg.wrap`` of the ``MultiSteps`` (or of its ``gradient_transformation()``), which
+        watches the transformation inside it: one step per accumulated update, its gradient
+        the accumulated one.
         """
-        if isinstance(tx, optax.MultiSteps):
-            raise ConfigError(
-                "wrap the transformation inside MultiSteps, not MultiSteps itself: "
-                "optax.MultiSteps(dbg.wrap(tx), every_k_schedule=k) (one step per accumulated update)"
+        accumulating = _multi_steps(tx)
+        if accumulating is not None:
+            if watched(accumulating.inner_opt):
+                return tx
+            outer = _with_inner(
+                accumulating, self.wrap(accumulating.inner_opt, learning_rate=learning_rate, buffer=buffer)
+            )
+            return (
+                outer
+                if isinstance(tx, optax.MultiSteps)
+                else optax.with_extra_args_support(outer.gradient_transformation())
             )
         if not (hasattr(tx, "init") and hasattr(tx, "update")):
             raise ConfigError(f"wrap() takes an optax GradientTransformation, got {type(tx).__qualname__}")
