@@ -421,8 +421,7 @@ fn targets_unrelated(c: &Case<'_>) -> Option<f64> {
         || f.saturation.is_some()
         || c.stalled_by().is_some()
         || super::saturating_activation::passes_little_gradient(c.run);
-    let shallow =
-        ev.depth < super::missing_normalization::DEEP_STACK || c.run.model.has_normalization;
+    let shallow = ev.depth < super::evidence::DEEP_STACK || c.run.model.has_normalization;
     (!failing
         && shallow
         && output_ignores_input::same_for_every_sample(c.run, ev).is_none()

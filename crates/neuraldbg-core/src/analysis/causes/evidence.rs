@@ -11,6 +11,10 @@ use crate::track::{LayerTrack, median};
 use super::super::episodes::{Episode, activation_gap};
 use super::super::vocab::{Cause, Failure};
 
+/// Weighted layers from which a stack is deep: deep enough for its depth alone to compound a
+/// gradient's change, or, without normalization, to learn badly when nothing else is wrong.
+pub(crate) const DEEP_STACK: usize = 8;
+
 /// Run-wide facts that several causes look at.
 #[derive(Clone, Debug, Default, serde::Serialize)]
 pub(crate) struct Evidence {

@@ -2,7 +2,7 @@
 
 use super::super::remedy::Remedy;
 use super::super::vocab::{Cause, Failure};
-use super::evidence::{MEASURED_TOO_LARGE, TRAINING_UPDATE};
+use super::evidence::{DEEP_STACK, MEASURED_TOO_LARGE, TRAINING_UPDATE};
 use super::{Case, CauseRule, Facts, RemedyCase, Votes};
 
 pub(crate) struct MissingNormalization;
@@ -65,10 +65,6 @@ impl CauseRule for MissingNormalization {
         vec![Remedy::AddNormalization, Remedy::InitKeepsScale]
     }
 }
-
-/// Weighted layers from which a stack without normalization is deep enough to learn badly
-/// when nothing else is wrong.
-pub(crate) const DEEP_STACK: usize = 8;
 
 /// A deep stack with no normalization layer that does not learn, where the other causes of a
 /// plateau are each ruled out by a measurement: inputs at a normalized scale, weights at a

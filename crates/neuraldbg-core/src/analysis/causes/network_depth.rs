@@ -30,7 +30,7 @@ impl CauseRule for NetworkDepth {
                 let Some(p) = ev.geometric_profile(shrinking) else {
                     return;
                 };
-                if ev.depth < 8 {
+                if ev.depth < super::evidence::DEEP_STACK {
                     return;
                 }
                 let way = if shrinking { "shrink" } else { "grow" };

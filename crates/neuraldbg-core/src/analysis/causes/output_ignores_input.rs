@@ -55,8 +55,8 @@ pub(crate) fn same_for_every_sample(run: &Run, ev: &Evidence) -> Option<f64> {
             .any(|&p| model.spec.params[p].role == ParamRole::Bias);
         biased && run.layers[l].gain_first.is_some_and(|g| g < NEAR_ZERO_GAIN)
     });
-    let contracting_stack = ev.depth >= super::missing_normalization::DEEP_STACK
-        && ev.geometric_profile(true).is_some();
+    let contracting_stack =
+        ev.depth >= super::evidence::DEEP_STACK && ev.geometric_profile(true).is_some();
     let explained = zero_output_layer
         || contracting_stack
         || super::saturating_activation::passes_little_gradient(run)
