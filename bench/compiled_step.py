@@ -6,7 +6,7 @@ VM's noise move a 4 ms step by more than watching costs (BENCHMARKS.md: +-8% int
 rounds). This script takes the step ``fit`` compiles (``model.train_step`` under ``jax.jit``
 with the state donated, traced with the callback's wrapping in place), and calls it directly on
 one batch, so that only the compiled step is compared. XLA runs on one thread
-(``--xla_cpu_multi_thread_eigen=false``); rounds of ``--steps`` calls alternate between the
+(``--xla_cpu_multi_thread_eigen=false``; ``--default-threads``: XLA's own, as ``fit`` runs it); rounds of ``--steps`` calls alternate between the
 arms (reversed every other round), each ending with ``block_until_ready``, timed by the
 process's CPU time (and by wall time beside it). Arms: ``plain``, ``A/A`` (a second plain model), ``watched``
 (``NeuralDbgCallback()``), ``no-act`` (``activations=False``: gradient and parameter norms only),
@@ -26,6 +26,7 @@ time per step of each kind of kernel (numbered names merged: ``wrapped_multiply.
 
     .venv/bin/python bench/compiled_step.py [keras|jax] [--rounds 30] [--steps 100] [--profile]
         [--ablations rings,squares,abs-squares] [--small-leaf 16384,65536] [--width 256 --depth 4 --batch 128]
+        [--default-threads]
 """
 
 from __future__ import annotations
@@ -43,9 +44,10 @@ import time
 from typing import Any, Dict, List
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
-).strip()
+if "--default-threads" not in sys.argv:
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+    ).strip()
 
 import numpy as np
 
@@ -282,12 +284,14 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="kernel time by kind instead of timing")
     ap.add_argument("--ablations", default="", help=f"comma-separated, of: {', '.join([*ABLATIONS, *WITHOUT])}")
     ap.add_argument("--small-leaf", default="", help="jax: comma-separated SMALL_LEAF values, one watched arm each")
+    ap.add_argument("--default-threads", action="store_true", help="XLA's default threads (read before jax loads)")
     a = ap.parse_args()
     if a.framework == "jax":
         all_arms = jax_arms(a.width, a.depth, a.batch, [int(n) for n in a.small_leaf.split(",") if n])
     else:
         all_arms = arms(a.width, a.depth, a.batch, [x for x in a.ablations.split(",") if x])
-    print(f"{a.framework} {a.depth + 2}x{a.width}, batch {a.batch}, the compiled step on one XLA thread")
+    threads = "XLA's default threads" if a.default_threads else "one XLA thread"
+    print(f"{a.framework} {a.depth + 2}x{a.width}, batch {a.batch}, the compiled step on {threads}")
     if a.profile:
         profiled(all_arms, a.steps)
     else:

@@ -24,7 +24,7 @@ median of the per-round ratios watched/unwatched, with a 95% bootstrap interval,
 ratio of the fastest rounds.
 
     .venv/bin/python bench/jax_overhead.py [--rounds 15] [--steps 200] [--epochs 3] [--small]
-        [--only jax|keras] [--before REV] [--keras-rounds N] [--jit-compile true|false]
+        [--only jax|keras] [--before REV] [--keras-rounds N] [--jit-compile true|false] [--keras-split]
 
 ``KERAS_BACKEND=tensorflow`` (or ``torch``) runs the Keras arms on that backend; ``--jit-compile``
 is passed to ``model.compile`` (default ``auto``: Keras' choice, XLA on JAX, on TensorFlow only
@@ -333,7 +333,50 @@ def bench_jax_split(width: int, depth: int, batch: int, steps: int, rounds: int,
     report("  the same, calling thread's CPU time", cpu, steps)
 
 
-def bench_keras(width: int, depth: int, batch: int, epochs: int, rounds: int, n: int, before: Any = None) -> None:
+def split_callbacks() -> Dict[str, Callable[[], Any]]:
+    """``--keras-split``: where a watched fit's extra time goes. ``empty``: an async-safe
+    callback whose batch hooks do nothing (Keras' own cost of a callback at every batch);
+    ``host-only``: the callback with nothing added to the compiled step (its ``_observe`` and
+    ``_write_activations`` no-ops: the host's bookkeeping alone); ``device-only``: the
+    callback's compiled step with its batch hooks no-ops (nothing read or posted)."""
+    import keras
+
+    from neuraldbg.keras import NeuralDbgCallback
+
+    class Empty(keras.callbacks.Callback):
+        async_safe = True
+
+        def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
+            pass
+
+        def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+            pass
+
+    class HostOnly(NeuralDbgCallback):  # type: ignore[misc]
+        def _begin(self) -> Any:
+            dbg = super()._begin()
+            if dbg is not None:
+                dbg._observe = lambda *a, **k: None  # type: ignore[method-assign]
+                dbg._write_activations = lambda *a, **k: None  # type: ignore[method-assign]
+            return dbg
+
+    class DeviceOnly(NeuralDbgCallback):  # type: ignore[misc]
+        def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
+            pass
+
+        def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+            pass
+
+    return {
+        "empty": Empty,
+        "host-only": lambda: HostOnly(verbose=False),
+        "device-only": lambda: DeviceOnly(verbose=False),
+    }
+
+
+def bench_keras(
+    width: int, depth: int, batch: int, epochs: int, rounds: int, n: int, before: Any = None, split: bool = False
+) -> None:
     import keras
 
     from neuraldbg.keras import NeuralDbgCallback
@@ -357,7 +400,8 @@ def bench_keras(width: int, depth: int, batch: int, epochs: int, rounds: int, n:
             self.cpu.append(time.thread_time() - self.c)
 
     # no-act: activations=False; before: the callback of the --before revision.
-    kinds = ["plain", "A/A", "neuraldbg", "no-act"] + (["before"] if before is not None else [])
+    extra = split_callbacks() if split else {}
+    kinds = ["plain", "A/A", "neuraldbg", "no-act"] + (["before"] if before is not None else []) + list(extra)
     models = {k: keras_mlp(width, depth) for k in kinds}
     steady: Dict[str, List[float]] = {k: [] for k in models}
     cpu: Dict[str, List[float]] = {k: [] for k in models}
@@ -370,6 +414,8 @@ def bench_keras(width: int, depth: int, batch: int, epochs: int, rounds: int, n:
             cbs: List[Any] = [timer]
             if k == "before":
                 cbs.append(before.NeuralDbgCallback(verbose=False))
+            elif k in extra:
+                cbs.append(extra[k]())
             elif k not in ("plain", "A/A"):
                 cbs.append(NeuralDbgCallback(verbose=False, activations=k != "no-act"))
             t = time.perf_counter()
@@ -403,6 +449,11 @@ def main() -> None:
     )
     ap.add_argument("--keras-rounds", type=int, default=None, help="Keras rounds (default: half of --rounds)")
     ap.add_argument("--jit-compile", choices=("auto", "true", "false"), default="auto", help="Keras' jit_compile")
+    ap.add_argument(
+        "--keras-split",
+        action="store_true",
+        help="Keras: add the arms empty, host-only and device-only (see split_callbacks)",
+    )
     args = ap.parse_args()
     random.seed(0)
     global JIT_COMPILE
@@ -425,9 +476,9 @@ def main() -> None:
     if args.only in (None, "keras"):
         before = load_before(args.before, "keras") if args.before else None
         rounds = args.keras_rounds or max(args.rounds // 2, 3)
-        bench_keras(256, 4, 128, args.epochs, rounds, 128 * 100, before)
+        bench_keras(256, 4, 128, args.epochs, rounds, 128 * 100, before, args.keras_split)
         if not args.small:
-            bench_keras(1024, 4, 256, args.epochs, rounds, 256 * 20, before)
+            bench_keras(1024, 4, 256, args.epochs, rounds, 256 * 20, before, args.keras_split)
 
 
 if __name__ == "__main__":
