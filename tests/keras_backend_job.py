@@ -360,7 +360,46 @@ def interrupted(path: str) -> Dict[str, Any]:
     cb = NeuralDbgCallback(verbose=False)
     model.fit(x, y, batch_size=32, epochs=1, callbacks=[cb], verbose=0)
     out["watched_again"] = {"steps": cb.dbg.step}
+    out["first_step"] = first_step_raises(path)
     return out
+
+
+def first_step_raises(path: str) -> Dict[str, Any]:
+    """A fit whose first training step raises (a layer that fails in training only, so the
+    model builds): on JAX fit then holds the state and has emptied the variables, the rings'
+    too. What the watch left behind, and what it said."""
+    import warnings
+
+    x, y = data()
+
+    class FailsInTraining(keras.layers.Layer):
+        def call(self, inputs: Any, training: Any = None) -> Any:
+            if training:
+                raise RuntimeError("fails in training")
+            return inputs
+
+    model = keras.Sequential(
+        [keras.Input((x.shape[1],)), keras.layers.Dense(8), FailsInTraining(), keras.layers.Dense(1)]
+    )
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse", jit_compile=JIT)
+    cb = NeuralDbgCallback(verbose=False, trace=os.path.join(path, "first.ndbg"))
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        try:
+            model.fit(x, y, batch_size=32, epochs=1, callbacks=[cb], verbose=0)
+            raised = ""
+        except RuntimeError as e:
+            raised = str(e)
+    layers = [model, model.optimizer, *model.layers]
+    return {
+        "raised": raised,
+        "active": cb.dbg._active,
+        "trace_steps": neuraldbg.load(os.path.join(path, "first.ndbg")).step,
+        "wrapped": sorted(
+            k for o in layers for k in ("call", "compute_loss", "train_step", "apply") if k in o.__dict__
+        ),
+        "said": sorted({str(w.message) for w in said if "NeuralDBG" in str(w.message) or "trace" in str(w.message)}),
+    }
 
 
 def mirrored() -> Dict[str, Any]:

@@ -114,6 +114,33 @@ def test_healthy_run_no_alarm_and_loss_matches_keras() -> None:
     assert "call" not in again.layers[0].__dict__
 
 
+def test_a_fit_under_a_keras_distribution_is_watched_and_the_next_fits_run() -> None:
+    """``keras.distribution.set_distribution``: fit's train function fixes the shardings of its
+    outputs, one per variable, when it is made (before the callback adds its rings). The
+    watched fits observe every batch with JAX's gradients, and a fit after them, watched or
+    not, runs (before: the first watched fit raised a pytree mismatch of ``out_shardings``;
+    once made again, the next unwatched fit raised it)."""
+    keras.distribution.set_distribution(keras.distribution.DataParallel(devices=jax.devices()))
+    try:
+        keras.utils.set_random_seed(2)
+        model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+        x, y = data(256)
+        truth = grad_norms(model, x[:32], y[:32])
+        cb = NeuralDbgCallback(verbose=False)
+        model.fit(x, y, batch_size=32, epochs=2, shuffle=False, callbacks=[cb], verbose=0)
+        assert cb.dbg.step == 16
+        for layer, norm in truth.items():
+            assert cb.dbg.history(layer, "grad_norm")[1][0] == pytest.approx(norm, rel=1e-4)
+        again = NeuralDbgCallback(verbose=False)
+        model.fit(x, y, batch_size=32, epochs=1, callbacks=[again], verbose=0)
+        assert again.dbg.step == 8
+        hist = model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+        assert np.isfinite(hist.history["loss"][0])
+    finally:
+        keras.distribution.set_distribution(None)
+
+
 def test_activations_in_the_ring_match_keras_own_outputs(tmp_path: Any) -> None:
     """On JAX the activation statistics travel in a ring the forward pass writes (no host
     callback): every sampled step arrives, and its numbers are those of the layers' outputs

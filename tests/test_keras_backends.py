@@ -51,6 +51,12 @@ def assert_interrupted(out: Dict[str, Any]) -> None:
         assert got["optimizer_variables"][0] == got["optimizer_variables"][1], got
     assert out["after"]["steps"] == 5
     assert out["watched_again"]["steps"] == 20
+    # The first step raised: the fit's own error, the watch ended and undone, an empty trace
+    # said as such (before, on JAX: "could not end the watch", the layers left wrapped).
+    first = out["first_step"]
+    assert "fails in training" in first["raised"] and not first["active"] and first["wrapped"] == [], first
+    assert first["trace_steps"] == 0, first
+    assert [m for m in first["said"] if "could not" in m] == [], first
 
 
 @pytest.mark.parametrize(

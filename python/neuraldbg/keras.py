@@ -435,6 +435,14 @@ def _unwrap_call(obj: Any, name: str = "call") -> None:
         object.__setattr__(obj, name, kept)
 
 
+def _distributed() -> bool:
+    """Whether a Keras distribution (``keras.distribution.set_distribution``) is in force."""
+    try:
+        return keras.distribution.distribution() is not None
+    except Exception:  # a Keras without distributions
+        return False
+
+
 def _replicas(model: Any) -> int:
     """The replicas a TensorFlow distribution strategy runs the step on (1 elsewhere)."""
     if keras.backend.backend() != "tensorflow":
@@ -865,7 +873,10 @@ class KerasDbg(Spoke):
             if values is not None and len(values) > index:
                 buf = values[index]
         if buf is None and var is not None:
-            buf = var.value
+            try:
+                buf = var.value
+            except Exception:  # purged by fit, which held the state when its step raised
+                buf = None
         return buf if buf is not None and hasattr(buf, "is_ready") else None
 
     def _wait(self) -> None:
@@ -1236,6 +1247,8 @@ class KerasDbg(Spoke):
             self._measure_updates()
             self._read_ring(wait=True)
             self._read_host()
+        except Exception as e:  # the steps read so far are kept; the watch still ends
+            warnings.warn(f"NeuralDBG could not read the last steps: {e}", NeuralDbgWarning, stacklevel=2)
         finally:
             self._remove_ring()
         for layer in self._wrapped_layers:
@@ -1629,10 +1642,13 @@ class NeuralDbgCallback(keras.callbacks.Callback):
         # the step's state, so the function traces the wrapped optimizer at its first call, or
         # reuses what it compiled for an earlier watched fit of the same key (the next fit
         # compiles nothing new); made again, it would compile once more for every fit. Elsewhere
-        # (and for a step traced with other constants) it is made again.
+        # (and for a step traced with other constants) it is made again; so is a function made
+        # under a Keras distribution for the model's variables before the rings (it fixed the
+        # shardings of the step's outputs then, one per variable).
         key = dbg._trace_key()
         function = model.train_function
-        if key is None or function is None or getattr(function, "_neuraldbg_key", key) != key:
+        made_for = getattr(function, "_neuraldbg_key", None if _distributed() else key)
+        if key is None or function is None or made_for != key:
             model.make_train_function(force=True)
             function = model.train_function
         if key is not None and function is not None:
@@ -1708,9 +1724,10 @@ class NeuralDbgCallback(keras.callbacks.Callback):
             if dbg is None:
                 return
             dbg.stop()
-            if dbg._trace_key() is None:
+            if dbg._trace_key() is None or _distributed():
                 # The next fit traces a train function without the wrapper (on JAX the step's
-                # state, without the rings, tells the two apart).
+                # state, without the rings, tells the two apart; not under a distribution,
+                # where the function fixed its outputs' shardings, the rings' included).
                 model.train_function = None
             if self.verbose:
                 confirmed = [h for h in dbg.explain_failure() if h.confidence >= 0.5]
