@@ -141,6 +141,42 @@ def test_a_fit_under_a_keras_distribution_is_watched_and_the_next_fits_run() -> 
         keras.distribution.set_distribution(None)
 
 
+@pytest.mark.parametrize("order", ["ours first", "early stopping first"])
+def test_early_stopping_that_restores_the_best_weights_runs_with_the_watch(order: str) -> None:
+    """``EarlyStopping(restore_best_weights=True)`` keeps ``model.get_weights()`` of its best
+    epoch and sets them back at the end of fit: the weights restored are the model's own, the
+    epoch's, and every batch trained is a step, whichever callback Keras calls first (before:
+    after ours, its list held our rings too and ``set_weights`` raised out of fit)."""
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+    x, y = data(256)
+
+    class Kept(keras.callbacks.Callback):
+        def __init__(self) -> None:
+            super().__init__()
+            self.epochs: List[List[np.ndarray]] = []
+            self.batches = 0
+
+        def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+            self.batches += 1
+
+        def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+            self.epochs.append([np.array(v.value) for v in self.model.trainable_variables])
+
+    kept = Kept()
+    # The first epoch is the best: no later one improves the loss by 10.
+    stop = keras.callbacks.EarlyStopping(monitor="loss", patience=0, min_delta=10.0, restore_best_weights=True)
+    cb = NeuralDbgCallback(verbose=False)
+    callbacks = [cb, stop] if order == "ours first" else [stop, cb]
+    model.fit(x, y, batch_size=32, epochs=5, callbacks=[kept, *callbacks], verbose=0)
+    assert len(kept.epochs) == 2 and kept.batches == 16
+    assert cb.dbg.step == 16
+    assert len(model.get_weights()) == 4
+    for restored, best in zip(model.trainable_variables, kept.epochs[0]):
+        np.testing.assert_array_equal(np.asarray(restored.value), best)
+
+
 def test_activations_in_the_ring_match_keras_own_outputs(tmp_path: Any) -> None:
     """On JAX the activation statistics travel in a ring the forward pass writes (no host
     callback): every sampled step arrives, and its numbers are those of the layers' outputs

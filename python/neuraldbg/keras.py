@@ -435,6 +435,11 @@ def _unwrap_call(obj: Any, name: str = "call") -> None:
         object.__setattr__(obj, name, kept)
 
 
+# The model's methods replaced for a run on JAX, which leave its rings out of what the model
+# saves, loads, gives and is given as its weights.
+_HIDING = ("save_own_variables", "load_own_variables", "get_weights", "set_weights")
+
+
 def _distributed() -> bool:
     """Whether a Keras distribution (``keras.distribution.set_distribution``) is in force."""
     try:
@@ -829,7 +834,7 @@ class KerasDbg(Spoke):
             model._non_trainable_variables[:] = [
                 v for v in model._non_trainable_variables if v is not act and v is not facts
             ]
-            for name in ("save_own_variables", "load_own_variables"):
+            for name in _HIDING:
                 model.__dict__.pop(name, None)
 
     def _read_ring(self, wait: bool) -> None:
@@ -1116,7 +1121,7 @@ class KerasDbg(Spoke):
         for v in list(model._non_trainable_variables):  # left by a run that raised out of fit
             if getattr(v, "_neuraldbg_ring", False):
                 model._non_trainable_variables.remove(v)
-        for name in ("save_own_variables", "load_own_variables"):
+        for name in _HIDING:
             model.__dict__.pop(name, None)
         width = 2 + INPUT_STATS + 5 * len(self._probes)
         rows = self._ring_rows(width)
@@ -1154,8 +1159,37 @@ class KerasDbg(Spoke):
                 if str(i) in store:
                     v.assign(store[str(i)])
 
-        object.__setattr__(model, "save_own_variables", save_own_variables)
-        object.__setattr__(model, "load_own_variables", load_own_variables)
+        def weights() -> List[Any]:
+            return [v for v in model.weights if all(v is not o for o in ours)]
+
+        # ``get_weights``/``set_weights`` as the model's own, ours left out: a callback that
+        # keeps the best weights (``EarlyStopping(restore_best_weights=True)``) restores a list
+        # taken during the run after it (and must not rewind the rings during it).
+        def get_weights() -> List[Any]:
+            return [v.numpy() for v in weights()]
+
+        def set_weights(values: Any) -> None:
+            mine = weights()
+            if len(mine) != len(values):
+                raise ValueError(
+                    f"You called `set_weights(weights)` on layer '{model.name}' with a weight list of length "
+                    f"{len(values)}, but the layer was expecting {len(mine)} weights."
+                )
+            for v, value in zip(mine, values):
+                if tuple(v.shape) != tuple(np.shape(value)):
+                    raise ValueError(
+                        f"Layer {model.name} weight shape {v.shape} is not compatible with provided weight "
+                        f"shape {np.shape(value)}."
+                    )
+                v.assign(value)
+
+        for name, fn in (
+            ("save_own_variables", save_own_variables),
+            ("load_own_variables", load_own_variables),
+            ("get_weights", get_weights),
+            ("set_weights", set_weights),
+        ):
+            object.__setattr__(model, name, fn)
         self._act_index = next(i for i, v in enumerate(model.non_trainable_variables) if v is var)
         self._facts_index = next(i for i, v in enumerate(model.non_trainable_variables) if v is facts)
         self._act_ring = RingReader(self, rows, width, post=self._post_activations)
