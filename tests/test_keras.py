@@ -177,6 +177,18 @@ def test_early_stopping_that_restores_the_best_weights_runs_with_the_watch(order
         np.testing.assert_array_equal(np.asarray(restored.value), best)
 
 
+def test_a_second_callback_in_the_same_fit_says_so_and_the_first_watches() -> None:
+    """Two ``NeuralDbgCallback`` in one fit (before: the first observed no step, silently)."""
+    keras.utils.set_random_seed(4)
+    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+    x, y = data(256)
+    first, second = NeuralDbgCallback(verbose=False), NeuralDbgCallback(verbose=False)
+    with pytest.warns(neuraldbg.NeuralDbgWarning, match="another NeuralDbgCallback watches this fit"):
+        model.fit(x, y, batch_size=32, epochs=1, callbacks=[first, second], verbose=0)
+    assert first.dbg.step == 8 and second.dbg is None
+
+
 def test_activations_in_the_ring_match_keras_own_outputs(tmp_path: Any) -> None:
     """On JAX the activation statistics travel in a ring the forward pass writes (no host
     callback): every sampled step arrives, and its numbers are those of the layers' outputs

@@ -1661,6 +1661,13 @@ class NeuralDbgCallback(keras.callbacks.Callback):
         if getattr(model, "optimizer", None) is None:
             raise NeuralDbgError("NeuralDbgCallback needs a compiled model (model.compile(optimizer=...))")
         self.dbg = None
+        if any(c._fit_model is model for c in _IN_FIT):
+            warnings.warn(
+                "NeuralDBG: another NeuralDbgCallback watches this fit already; this one does not",
+                NeuralDbgWarning,
+                stacklevel=2,
+            )
+            return
         self._fit_model = model
         _IN_FIT.add(self)
         if not getattr(model, "built", True) and keras.backend.backend() == "tensorflow":
