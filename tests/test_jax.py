@@ -789,6 +789,18 @@ def test_code_written_for_the_unwrapped_state_runs_on_the_watched_one() -> None:
     np.testing.assert_allclose(dbg.history(None, "lr")[1][:2], [0.1, 0.01], rtol=1e-6)
 
 
+def test_a_block_that_wrapped_no_transformation_says_how_to() -> None:
+    """The first-hour mistake: the optimizer given ``optax.adam`` itself, not ``dbg.wrap`` of it.
+    Nothing can be observed; leaving the block says so and how (before: silence, no step)."""
+    model = MLP(1, 4, nnx.Rngs(0))
+    x, y = data(64)
+    said = pytest.warns(neuraldbg.NeuralDbgWarning, match=r"no optax transformation was wrapped.*dbg\.wrap")
+    with said, NeuralDbg(model) as dbg:
+        optimizer = nnx.Optimizer(model, optax.sgd(0.01), wrt=nnx.Param)
+        make_step()(model, optimizer, x[:32], y[:32])
+    assert dbg.step == 0
+
+
 def test_bad_input_is_a_clear_error() -> None:
     with pytest.raises(ModelError, match="no floating-point parameter"):
         NeuralDbg({"step": jnp.zeros((), jnp.int32)})

@@ -679,6 +679,14 @@ class NeuralDbg(Spoke):
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
+        if exc_type is None and not self._wrapped:
+            warnings.warn(
+                f"NeuralDBG watched no update of {type(self.model).__name__}: no optax transformation was "
+                "wrapped; give the optimizer dbg.wrap(tx), e.g. nnx.Optimizer(model, dbg.wrap(optax.adam(1e-3)), "
+                "wrt=nnx.Param)",
+                NeuralDbgWarning,
+                stacklevel=2,
+            )
         try:
             self._register()  # (a block that wrapped nothing still leaves its trace and report)
             self._wait()
