@@ -789,6 +789,41 @@ def test_code_written_for_the_unwrapped_state_runs_on_the_watched_one() -> None:
     np.testing.assert_allclose(dbg.history(None, "lr")[1][:2], [0.1, 0.01], rtol=1e-6)
 
 
+def test_a_pmap_loop_over_replicated_state_is_read_from_its_first_replica() -> None:
+    """Data parallel with ``jax.pmap``: the state carries one ring per device (a leading axis),
+    alike after the gradients' ``pmean``; every update is a step with the gradients JAX gave
+    (before: no step was read, silently). One device here: the axis is there all the same."""
+    rng = np.random.default_rng(5)
+    params = {"l1": {"w": jnp.asarray(rng.normal(size=(8, 16)) * 0.3, jnp.float32)}}
+    params["l2"] = {"w": jnp.asarray(rng.normal(size=(16, 1)) * 0.3, jnp.float32)}
+    x, y = data(256)
+    devices = jax.local_device_count()
+
+    def replicate(tree: Any) -> Any:
+        return jax.tree.map(lambda a: jnp.stack([a] * devices), tree)
+
+    with NeuralDbg(params) as dbg:
+        tx = dbg.wrap(optax.sgd(0.05))
+
+        def step(p: Any, s: Any, xb: Any, yb: Any) -> Any:
+            loss, g = jax.value_and_grad(lambda p: jnp.mean((jnp.tanh(xb @ p["l1"]["w"]) @ p["l2"]["w"] - yb) ** 2))(p)
+            g, loss = jax.lax.pmean(g, "d"), jax.lax.pmean(loss, "d")
+            u, s = tx.update(g, s, p, value=loss)
+            return optax.apply_updates(p, u), s, g
+
+        pstep = jax.pmap(step, axis_name="d")
+        p, s = replicate(params), replicate(tx.init(params))
+        gts = []
+        for i in range(12):
+            j = (i * 32) % len(x)
+            xb, yb = (a[j : j + 32].reshape(devices, -1, a.shape[1]) for a in (x, y))
+            p, s, g = pstep(p, s, xb, yb)
+            gts.append(truth(jax.tree.map(lambda a: a[0], g)))
+    assert dbg.step == 12
+    for layer in ("l1", "l2"):
+        np.testing.assert_allclose(history(dbg, layer), [t[layer] for t in gts], rtol=1e-5)
+
+
 def test_a_block_that_wrapped_no_transformation_says_how_to() -> None:
     """The first-hour mistake: the optimizer given ``optax.adam`` itself, not ``dbg.wrap`` of it.
     Nothing can be observed; leaving the block says so and how (before: silence, no step)."""

@@ -239,6 +239,11 @@ class RingReader:
         self.added += 1
         return self.added >= self.every or time.monotonic() - self.read_at >= self.interval
 
+    def fits(self, buf: Any) -> bool:
+        """Whether ``buf`` is this ring: ``[rows + 1, width]``, or one such per replica."""
+        shape = tuple(getattr(buf, "shape", ()))
+        return shape[-2:] == (self.rows + 1, self.width) and len(shape) <= 3
+
     def add(self, buf: Any) -> None:
         """A device buffer of a newer state (an array with ``is_ready``/``is_deleted``, read
         with ``np.asarray``): read now if the device is done with it, else later. Lazy reading
@@ -246,7 +251,7 @@ class RingReader:
         leaves this one to the next read if the device is still computing it, so that the
         host never waits for the step it just dispatched; once the loop is seen to donate its
         state, it waits for this one too (the next step would delete it unread)."""
-        if buf is self.last or tuple(buf.shape) != (self.rows + 1, self.width):
+        if buf is self.last or not self.fits(buf):
             return
         with self.lock:
             self.last = buf
@@ -265,7 +270,7 @@ class RingReader:
         joins them)."""
         with self.lock:
             unread, self.unread = self.unread, None
-            if unread is not None and unread is not self.last and hasattr(unread, "is_ready"):
+            if unread is not None and unread is not self.last and hasattr(unread, "is_ready") and self.fits(unread):
                 self.last = unread
                 self.pending.append(unread)
             while self.pending:
@@ -288,6 +293,8 @@ class RingReader:
                 self.read(v)
 
     def read(self, v: np.ndarray) -> None:
+        if v.ndim == 3:  # one ring per replica (a state under jax.pmap): alike after a pmean, the first
+            v = v[0]
         tail = v[self.rows, :2].view(np.int32)
         if int(tail[1]) != RING_MARKER:
             return
