@@ -128,6 +128,30 @@ def test_layers_are_parameter_paths_in_definition_order() -> None:
     assert dbg.layers == LAYERS
 
 
+def test_a_module_used_twice_is_one_layer_in_the_place_it_was_defined() -> None:
+    """A tied (shared) module: flax names it by the path its sorted walk meets first
+    (``again``); its place in the layer order is where the model defined it, its gradient the
+    sum of both uses' (before: it came after the output layer)."""
+
+    class Tied(nnx.Module):
+        def __init__(self, rngs: Any) -> None:
+            self.inp = nnx.Linear(8, 16, rngs=rngs)
+            self.shared = nnx.Linear(16, 16, rngs=rngs)
+            self.again = self.shared
+            self.out = nnx.Linear(16, 1, rngs=rngs)
+
+        def __call__(self, x: Any) -> Any:
+            return self.out(jnp.tanh(self.again(jnp.tanh(self.shared(jnp.tanh(self.inp(x)))))))
+
+    model = Tied(nnx.Rngs(0))
+    x, y = data(64)
+    with NeuralDbg(model) as dbg:
+        optimizer = nnx.Optimizer(model, dbg.wrap(optax.sgd(0.01)), wrt=nnx.Param)
+        grads = make_step()(model, optimizer, x[:32], y[:32])[1]
+    assert dbg.layers == ["inp", "again", "out"]
+    assert history(dbg, "again")[0] == pytest.approx(truth(grads)["again"], rel=1e-5)
+
+
 def test_healthy_run_no_alarm_and_norms_match_jax_grad() -> None:
     dbg, gts, losses = train(0.01, 40)
     assert dbg.step == 40

@@ -307,14 +307,20 @@ def _nnx() -> Any:
 def _ranks(root: Any) -> Dict[Tuple[str, ...], int]:
     """Each node's place in a walk of the model in definition order (attributes as assigned,
     lists by index, dicts as inserted): the forward order for the models that define their
-    layers in the order they call them, as most do. flax's own traversal sorts by name."""
+    layers in the order they call them, as most do. flax's own traversal sorts by name, and
+    names a module held twice (tied, or shared) by the path it meets first: that path and the
+    nodes under it take the ranks of the path this walk met first."""
     ranks: Dict[Tuple[str, ...], int] = {}
-    seen = set()
+    first: Dict[int, Tuple[str, ...]] = {}
 
     def walk(obj: Any, path: Tuple[str, ...]) -> None:
-        if id(obj) in seen:
+        if id(obj) in first:
+            was = first[id(obj)]
+            for p, r in list(ranks.items()):
+                if p[: len(was)] == was:
+                    ranks.setdefault(path + p[len(was) :], r)
             return
-        seen.add(id(obj))
+        first[id(obj)] = path
         ranks.setdefault(path, len(ranks))
         if isinstance(obj, dict):
             items: Iterable[Tuple[Any, Any]] = list(obj.items())
