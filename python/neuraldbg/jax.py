@@ -26,9 +26,10 @@ state it sees once 0.1 s has passed since its last read (sooner when half the ri
 first), once the device is done with it (the read buffer holds the rows of the states
 skipped): pytrees of the state are flattened and rebuilt by ``jit`` and ``nnx`` at every call,
 and the wrapper's state is a pytree node that notes its buffer there. It works
-under ``jit``, ``lax.scan`` (up to the buffer's rows of updates per call) and inside
-``optax.MultiSteps`` (``optax.MultiSteps(dbg.wrap(tx), k)`` or ``dbg.wrap(optax.MultiSteps(tx,
-k))``: one step per accumulated update, with the accumulated gradient). Needs jax and optax (and flax for nnx models); none of them is a dependency of
+under ``jit``, ``lax.scan`` (up to the buffer's rows of updates per call), ``pmap`` (one ring
+per device) and inside ``optax.MultiSteps`` (``optax.MultiSteps(dbg.wrap(tx), k)`` or
+``dbg.wrap(optax.MultiSteps(tx, k))``: one step per accumulated update, with the accumulated
+gradient). Needs jax and optax (and flax for nnx models); none of them is a dependency of
 neuraldbg, and torch is not needed.
 """
 
