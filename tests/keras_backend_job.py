@@ -145,6 +145,17 @@ def bounded_output(scaled: bool) -> Dict[str, Any]:
     return {"loss": hist.history["loss"], "top": top(cb), "confirmed": confirmed, "target_max": float(y[:32].max())}
 
 
+class Counted(keras.callbacks.Callback):
+    """The batches fit trained."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batches = 0
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        self.batches += 1
+
+
 def small_mlp() -> Any:
     keras.utils.set_random_seed(0)
     return keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, activation="tanh"), keras.layers.Dense(1)])
@@ -207,11 +218,34 @@ def loops() -> Dict[str, Any]:
     }
 
     model = small_mlp()
+    truth = grad_norms(model, x[:64], y[:64])  # the first update's two batches
     opt = keras.optimizers.SGD(0.01, gradient_accumulation_steps=2)
     model.compile(optimizer=opt, loss="mse", jit_compile=JIT)
     cb = NeuralDbgCallback(verbose=False)
     model.fit(x, y, batch_size=32, epochs=1, shuffle=False, callbacks=[cb], verbose=0)
-    out["accumulation"] = {"steps": cb.dbg.step, "iterations": int(keras.ops.convert_to_numpy(opt.iterations))}
+    out["accumulation"] = {
+        "steps": cb.dbg.step,
+        "iterations": int(keras.ops.convert_to_numpy(opt.iterations)),
+        "first": {n: float(cb.dbg.history(n, "grad_norm")[1][0]) for n in truth},
+        "truth": truth,
+        "input_scale": [float(v) for v in cb.dbg.history(None, "input_scale")[1][:2]],
+        "input_truth": [float(np.abs(x[:64]).max()), float(np.abs(x[64:128]).max())],
+    }
+
+    # A NaN in the first micro-batch of the second update, halt_on: named at that update, and
+    # fit stops there.
+    model = small_mlp()
+    model.compile(optimizer=keras.optimizers.SGD(0.01, gradient_accumulation_steps=2), loss="mse", jit_compile=JIT)
+    xn = x.copy()
+    xn[64:66] = np.nan
+    counted = Counted()
+    cb = NeuralDbgCallback(verbose=False, halt_on="data_anomaly")
+    model.fit(xn, y, batch_size=32, epochs=1, shuffle=False, callbacks=[cb, counted], verbose=0)
+    top = (cb.dbg.halted or [None])[0]
+    out["accumulated_nan"] = {
+        "batches": counted.batches,
+        "halted": None if top is None else [top.failure, top.cause, top.step],
+    }
 
     model = small_mlp()
     truth = grad_norms(model, x[:32], y[:32])

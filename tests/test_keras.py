@@ -722,8 +722,12 @@ def test_gradient_accumulation_one_step_per_update() -> None:
         np.testing.assert_allclose(norms[0], truth[name], rtol=1e-3)
     _, loss = dbg.history(None, "loss")
     np.testing.assert_allclose(loss.reshape(2, 5).mean(axis=1), hist.history["loss"], rtol=1e-5)
-    # The activations of each step arrive too (those of its last micro-batch).
+    # The activations of each step arrive too (those of its last micro-batch); its inputs are
+    # the four micro-batches' together (before: the last one's).
     assert list(dbg.history(dbg.layers[0] + ".activation", "activation_absmax")[0]) == list(range(10))
+    scale = float(np.abs(x[:128]).max())
+    assert scale > float(np.abs(x[96:128]).max())  # (the first update's last micro-batch alone says less)
+    assert dbg.history(None, "input_scale")[1][0] == pytest.approx(scale, rel=1e-6)
 
 
 def test_loss_scale_optimizer_watches_the_inner_updates_unscaled() -> None:

@@ -112,7 +112,16 @@ def test_the_same_diagnosis_on_every_backend(backend: str, args: Any) -> None:
     assert per_call["steps"] == per_call["iterations"] == per_call["losses"] == per_call["inputs"] == 40
     for name, norm in per_call["truth"].items():
         np.testing.assert_allclose(per_call["first"][name], norm, rtol=1e-4, err_msg=name)
-    assert loops["accumulation"]["steps"] == loops["accumulation"]["iterations"] == 10  # 20 batches, 2 each
+    accumulated = loops["accumulation"]
+    assert accumulated["steps"] == accumulated["iterations"] == 10  # 20 batches, 2 each
+    # The update's gradient, and its two micro-batches' inputs together (before: the first
+    # micro-batch's half gradient went to the engine, and its inputs to another step).
+    for name, norm in accumulated["truth"].items():
+        np.testing.assert_allclose(accumulated["first"][name], norm, rtol=1e-4, err_msg=name)
+    np.testing.assert_allclose(accumulated["input_scale"], accumulated["input_truth"], rtol=1e-6)
+    # Named at its update, and fit stopped there (before: every step waited for the end of fit).
+    nan = loops["accumulated_nan"]
+    assert nan["halted"] == ["data_anomaly", "bad_input_data", 1] and nan["batches"] <= 6, nan
     scaled = loops["loss_scale"]
     assert scaled["scale"] > 1000.0  # the loss was scaled
     for name, norm in scaled["truth"].items():

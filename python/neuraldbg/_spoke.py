@@ -336,10 +336,11 @@ class Spoke(Results):
     _model: Any = None
     # Whether a step waits for its loss (posted separately) before it goes to the engine.
     _loss_apart = False
-    # Whether a step may be posted again with newer numbers until the next step shows up
-    # (optax.MultiSteps runs the inner update on every micro-batch, with the running mean, and
-    # keeps the result of the last one): then a step goes to the engine once a later step has
-    # arrived, or when results are read.
+    # Whether a step's gradients may be posted again with newer numbers until the next step's
+    # show up (optax.MultiSteps runs the inner update on every micro-batch, with the running
+    # mean, and keeps the result of the last one; so does Keras's gradient accumulation off
+    # JAX): then a step goes to the engine once a later step's gradients have arrived, or when
+    # results are read.
     _last_wins = False
 
     def __init__(
@@ -472,6 +473,8 @@ class Spoke(Results):
         inbox = self._inbox
         while inbox:
             r = inbox.popleft()
+            if r.step <= self._fed:
+                continue  # a part of a step the engine has: too late to count, never in the way
             have = pending.get(r.step)
             if have is None:
                 pending[r.step] = r
@@ -491,10 +494,13 @@ class Spoke(Results):
                 del pending[later]
         ready = []
         steps = sorted(pending)
-        for k, step in enumerate(steps):
+        # (_last_wins: the newest step with gradients may get newer ones; parts of later steps,
+        # such as their inputs, can come first.)
+        held = max((s for s in steps if pending[s].grads is not None), default=None) if self._last_wins else None
+        for step in steps:
             r = pending[step]
             complete = r.grads is not None and (r.has_loss or not self._loss_apart)
-            if self._last_wins and k == len(steps) - 1:
+            if held is not None and step >= held:
                 complete = False
             if not complete and not final:
                 break

@@ -309,6 +309,16 @@ def _first_float(x: Any) -> Any:
     return None
 
 
+def _pooled_inputs(before: Any, last: Any, j: Any, xp: Any) -> Any:
+    """The ``min, max, mean, std`` of ``j + 1`` equal micro-batches of one update (gradient
+    accumulation) from those of the first ``j`` (``before``) and of the last (``last``); a NaN
+    in either stays (``xp``: numpy, or jax.numpy in the compiled step)."""
+    mean = (before[2] * j + last[2]) / (j + 1)
+    squares = ((before[3] ** 2 + before[2] ** 2) * j + last[3] ** 2 + last[2] ** 2) / (j + 1)
+    spread = xp.sqrt(xp.maximum(squares - mean**2, 0.0))
+    return xp.stack([xp.minimum(before[0], last[0]), xp.maximum(before[1], last[1]), mean, spread])
+
+
 def _input_stats(x: Any) -> Any:
     """``min, max, mean, std`` of an input batch (float32; NaN when ``x`` is None), the
     PyTorch collector's ``input_stats``."""
@@ -652,6 +662,9 @@ class KerasDbg(Spoke):
         # Keras's gradient accumulation: one step per this many batches (micro-batches).
         accumulate = getattr(self._optimizer, "gradient_accumulation_steps", None)
         self._accumulate = accumulate if isinstance(accumulate, int) and accumulate > 1 else 1
+        # Off JAX each micro-batch hands its update's numbers over, the last one complete: a step
+        # goes to the engine once the next one shows up (on JAX the ring's row is complete first).
+        self._last_wins = self._accumulate > 1 and keras.backend.backend() != "jax"
         self._original: Any = None
         self._base = 0
         # Running-mean bookkeeping of the logged loss, per epoch: (last batch, its mean).
@@ -669,6 +682,8 @@ class KerasDbg(Spoke):
         self._replicas = _replicas(model)
         self._collecting: Optional[Dict[int, Any]] = None
         self._forwards = 0
+        # The input statistics of the update's micro-batches so far (gradient accumulation).
+        self._pass_inputs: Optional[np.ndarray] = None
         # A subclassed model's output activation, read from its forward passes (`_note_output`):
         # whether it is still unknown, the kind found until given to the engine.
         self._output_unknown = False
@@ -1240,6 +1255,10 @@ class KerasDbg(Spoke):
 
         flags = 0 if x is None else HAS_INPUTS
         stats = jax.lax.stop_gradient(jnp.asarray(_input_stats(x), jnp.float32))
+        if self._accumulate > 1:
+            # The micro-batches of one update share its row: their inputs pooled.
+            j = passes % self._accumulate
+            stats = jnp.where(j > 0, _pooled_inputs(buf[count % rows, 2 : 2 + INPUT_STATS], stats, j, jnp), stats)
         row = jnp.concatenate([jnp.stack([bits(count), bits(flags)]), stats, table])
         buf = jax.lax.dynamic_update_index_in_dim(buf, row, count % rows, 0)
         # A step's row is complete on its last micro-batch (the activations are that pass's).
@@ -1260,9 +1279,12 @@ class KerasDbg(Spoke):
         input statistics, activation rows]``): paired with the optimizer update that follows
         it, by count. Never raises."""
         try:
-            step = self._forwards
+            step, j = divmod(self._forwards, self._accumulate)  # (micro-batches: the update they make)
             self._forwards += 1
             v = np.array(row, dtype=np.float32)
+            if j > 0 and self._pass_inputs is not None:
+                v[1 : 1 + INPUT_STATS] = _pooled_inputs(self._pass_inputs, v[1 : 1 + INPUT_STATS], j, np)
+            self._pass_inputs = v[1 : 1 + INPUT_STATS].copy()
             record = self._forward(step, bool(v[0] == 1.0), v[1:])
             if record is not None:
                 self._post(record)
