@@ -254,16 +254,9 @@ def test_functional_validation_and_user_callbacks(tmp_path: Any) -> None:
     model = keras.Model(inp, out)
     model.compile(optimizer="adam", loss="mse", metrics=["mae"])
     x, y = data()
+    from keras_backend_job import Counted
 
-    class Counter(keras.callbacks.Callback):
-        def __init__(self) -> None:
-            super().__init__()
-            self.batches = 0
-
-        def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
-            self.batches += 1
-
-    counter = Counter()
+    counter = Counted()
     trace = tmp_path / "keras.ndbg"
     report = tmp_path / "keras.html"
     cb = NeuralDbgCallback(trace=trace, report=report, verbose=False)
