@@ -6,9 +6,10 @@ VM's noise move a 4 ms step by more than watching costs (BENCHMARKS.md: +-8% int
 rounds). This script takes the step ``fit`` compiles (``model.train_step`` under ``jax.jit``
 with the state donated, traced with the callback's wrapping in place), and calls it directly on
 one batch, so that only the compiled step is compared. XLA runs on one thread
-(``--xla_cpu_multi_thread_eigen=false``; ``--default-threads``: XLA's own, as ``fit`` runs it); rounds of ``--steps`` calls alternate between the
-arms (reversed every other round), each ending with ``block_until_ready``, timed by the
-process's CPU time (and by wall time beside it). Arms: ``plain``, ``A/A`` (a second plain model), ``watched``
+(``--xla_cpu_multi_thread_eigen=false``; ``--default-threads``: XLA's own, as ``fit`` runs
+it); rounds of ``--steps`` calls alternate between the arms (reversed every other round),
+each ending with ``block_until_ready``, timed by the process's CPU time (and by wall time
+beside it). Arms: ``plain``, ``A/A`` (a second plain model), ``watched``
 (``NeuralDbgCallback()``), ``no-act`` (``activations=False``: gradient and parameter norms only),
 and the ``--ablations`` asked for, each the callback with its statistics cut down (``rings``:
 the rings written with nothing measured; ``squares``: the gradients' sums of squares as

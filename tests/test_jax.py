@@ -816,7 +816,8 @@ def test_code_written_for_the_unwrapped_state_runs_on_the_watched_one() -> None:
 def test_a_pmap_loop_over_replicated_state_is_read_from_its_first_replica() -> None:
     """Data parallel with ``jax.pmap``: the state carries one ring per device (a leading axis),
     alike after the gradients' ``pmean``; every update is a step with the gradients JAX gave
-    (before: no step was read, silently). One device here: the axis is there all the same."""
+    (before: no step was read, and leaving the block raised an IndexError from the ring
+    reader). One device here: the axis is there all the same."""
     rng = np.random.default_rng(5)
     params = {"l1": {"w": jnp.asarray(rng.normal(size=(8, 16)) * 0.3, jnp.float32)}}
     params["l2"] = {"w": jnp.asarray(rng.normal(size=(16, 1)) * 0.3, jnp.float32)}
@@ -846,6 +847,25 @@ def test_a_pmap_loop_over_replicated_state_is_read_from_its_first_replica() -> N
     assert dbg.step == 12
     for layer in ("l1", "l2"):
         np.testing.assert_allclose(history(dbg, layer), [t[layer] for t in gts], rtol=1e-5)
+
+
+def test_a_transformation_is_watched_once_by_each_debugger() -> None:
+    """Wrapping what a debugger wrapped already gives it back from that debugger; another
+    debugger of the model (nested blocks) wraps it again and reads its own ring: both see every
+    update, with the same norms."""
+    model = MLP(1, 8, nnx.Rngs(0))
+    x, y = data(64)
+    with NeuralDbg(model) as outer, NeuralDbg(model) as inner:
+        tx = outer.wrap(optax.sgd(0.01))
+        assert outer.wrap(tx) is tx
+        both = inner.wrap(tx)
+        assert both is not tx and inner.wrap(both) is both
+        optimizer = nnx.Optimizer(model, both, wrt=nnx.Param)
+        step = make_step()
+        for _ in range(5):
+            step(model, optimizer, x[:32], y[:32])
+    assert outer.step == inner.step == 5
+    np.testing.assert_allclose(history(outer, "inp"), history(inner, "inp"), rtol=1e-6)
 
 
 def test_a_block_that_wrapped_no_transformation_says_how_to() -> None:

@@ -555,11 +555,13 @@ def _holds_lr(tx: Any) -> bool:
     return _held_lr(state) is not None
 
 
-def watched(tx: Any) -> bool:
-    """Whether ``tx`` is a transformation a JAX debugger wrapped (or accumulates one)."""
+def watched(tx: Any, by: Any = None) -> bool:
+    """Whether ``tx`` is a transformation a JAX debugger wrapped (or accumulates one); with
+    ``by``, that debugger."""
     accumulating = _multi_steps(tx)
     inner = accumulating.inner_opt if accumulating is not None else tx
-    return bool(getattr(getattr(inner, "init", None), "_neuraldbg_watched", False))
+    owner = getattr(getattr(inner, "init", None), "_neuraldbg_watched", None)
+    return owner is not None and (by is None or owner() is by)
 
 
 def _multi_steps(tx: Any) -> Any:
@@ -844,10 +846,10 @@ class NeuralDbg(Spoke):
         watches the transformation inside it: one step per accumulated update, its gradient
         the accumulated one.
         """
+        if watched(tx, by=self):
+            return tx  # (another debugger's is wrapped again: each then reads its own ring)
         accumulating = _multi_steps(tx)
         if accumulating is not None:
-            if watched(accumulating.inner_opt):
-                return tx
             outer = _with_inner(
                 accumulating, self.wrap(accumulating.inner_opt, learning_rate=learning_rate, buffer=buffer)
             )
@@ -972,7 +974,8 @@ class NeuralDbg(Spoke):
             # the buffer is copied anyway, and the select is that copy.
             return write_row(buf, count % rows, row, {0: as_f32(count + 1)})
 
-        init._neuraldbg_watched = True  # type: ignore[attr-defined]  # (neuraldbg run wraps it no more)
+        # Its debugger (weakly): `neuraldbg run` wraps it no more, this debugger not twice.
+        init._neuraldbg_watched = weakref.ref(self)  # type: ignore[attr-defined]
         return optax.GradientTransformationExtraArgs(init, update)
 
     @property

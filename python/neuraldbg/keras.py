@@ -1191,12 +1191,7 @@ class KerasDbg(Spoke):
                     f"{len(values)}, but the layer was expecting {len(mine)} weights."
                 )
             for v, value in zip(mine, values):
-                if tuple(v.shape) != tuple(np.shape(value)):
-                    raise ValueError(
-                        f"Layer {model.name} weight shape {v.shape} is not compatible with provided weight "
-                        f"shape {np.shape(value)}."
-                    )
-                v.assign(value)
+                v.assign(value)  # (which says a shape that does not match)
 
         for name, fn in (
             ("save_own_variables", save_own_variables),
@@ -1282,9 +1277,10 @@ class KerasDbg(Spoke):
             step, j = divmod(self._forwards, self._accumulate)  # (micro-batches: the update they make)
             self._forwards += 1
             v = np.array(row, dtype=np.float32)
-            if j > 0 and self._pass_inputs is not None:
-                v[1 : 1 + INPUT_STATS] = _pooled_inputs(self._pass_inputs, v[1 : 1 + INPUT_STATS], j, np)
-            self._pass_inputs = v[1 : 1 + INPUT_STATS].copy()
+            if self._accumulate > 1:
+                if j > 0 and self._pass_inputs is not None:
+                    v[1 : 1 + INPUT_STATS] = _pooled_inputs(self._pass_inputs, v[1 : 1 + INPUT_STATS], j, np)
+                self._pass_inputs = v[1 : 1 + INPUT_STATS].copy()
             record = self._forward(step, bool(v[0] == 1.0), v[1:])
             if record is not None:
                 self._post(record)
