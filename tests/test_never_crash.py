@@ -420,6 +420,44 @@ def test_functional_training_with_vmap_and_grad_is_observed_without_an_internal_
     np.testing.assert_allclose(values, truth, rtol=1e-5)
 
 
+class SpectralConv(nn.Module):
+    """A Fourier layer as Fourier neural operators write it: complex weights on the lowest
+    modes of the signal's FFT."""
+
+    def __init__(self, channels: int, modes: int) -> None:
+        super().__init__()
+        self.modes = modes
+        self.weight = nn.Parameter(0.1 * torch.randn(channels, channels, modes, dtype=torch.cfloat))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = torch.einsum("bix,iox->box", torch.fft.rfft(x, dim=-1)[..., : self.modes], self.weight)
+        return torch.fft.irfft(z, n=x.shape[-1], dim=-1)
+
+
+@pytest.mark.parametrize("path", ["host", "deferred"])
+def test_a_model_with_complex_weights_is_observed_at_every_step(path, monkeypatch):
+    if path == "deferred":
+        monkeypatch.setenv("NEURALDBG_DEVICE_PATH", "deferred")  # the CUDA path's CPU stand-in
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv1d(1, 4, 1), SpectralConv(4, 5), nn.GELU(), nn.Flatten(), nn.Linear(64, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    truth = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NeuralDbgWarning)  # (an internal error would stop observing, with a warning)
+        with NeuralDbg(model, activation_every=1, weight_every=1) as dbg:
+            for x, y in batches(12):
+                opt.zero_grad()
+                nn.functional.mse_loss(model(x.reshape(-1, 1, 8).repeat(1, 1, 2)), y).backward()
+                truth.append(float(model[1].weight.grad.abs().pow(2).sum().sqrt()))
+                opt.step()
+    assert dbg.step == 12
+    steps, values = dbg.history("1")
+    assert list(steps) == list(range(12))
+    np.testing.assert_allclose(values, truth, rtol=1e-5)
+    # (|w|, as torch's norm of a complex tensor)
+    assert dbg.history("1", "weight_norm")[1][-1] == pytest.approx(float(model[1].weight.detach().norm()), rel=1e-5)
+
+
 # ----------------------------------------------------------------- the fault-injection suite
 
 

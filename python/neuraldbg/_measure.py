@@ -412,7 +412,10 @@ class Measurer:
                     continue
                 # A row is zero when its largest and smallest entries are: no |g| copy of the
                 # gradient at the step's peak memory.
-                a = g.detach().reshape(g.shape[0], g.shape[1], -1)
+                d = g.detach()
+                if d.is_complex():  # (a complex entry is zero when both its parts are)
+                    d = torch.view_as_real(d)
+                a = d.reshape(g.shape[0], g.shape[1], -1)
                 rows.append(((a.amax(dim=(1, 2)) == 0) & (a.amin(dim=(1, 2)) == 0)).float().mean())
                 cols.append(((a.amax(dim=(0, 2)) == 0) & (a.amin(dim=(0, 2)) == 0)).float().mean())
                 index.append(i)
