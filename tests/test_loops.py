@@ -124,6 +124,56 @@ def test_lbfgs_counts_one_step_per_optimizer_step():
     assert len(recorded(dbg, "0")) == 5
 
 
+@pytest.mark.parametrize("how", ["no_grad", "data"])
+def test_a_loop_that_updates_the_weights_by_hand_is_observed_step_for_step(how):
+    # PyTorch's "What is torch.nn really?" tutorial (no_grad), and `p.data -= ...` (which
+    # leaves the parameter's version counter as it was).
+    model = mlp()
+    data = batches(10)
+    data[6][0][3, 2] = float("nan")
+    truth = []
+    with NeuralDbg(model) as dbg:
+        for x, y in data:
+            nn.functional.cross_entropy(model(x), y).backward()
+            truth.append(layer_norms(model, "0"))
+            if how == "data":
+                for p in model.parameters():
+                    p.data -= 0.1 * p.grad.data
+            else:
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p -= 0.1 * p.grad
+            model.zero_grad()
+    assert dbg.step == 10
+    np.testing.assert_allclose(recorded(dbg, "0")[:6], truth[:6], rtol=1e-5)
+    top = dbg.explain_failure()[0]
+    assert (top.failure.value, top.cause.value, top.step) == ("data_anomaly", "bad_input_data", 6), top
+
+
+def test_sam_moving_the_weights_up_their_gradients_is_no_update_by_hand():
+    # Sharpness-aware minimization: an ascent step by hand, a second backward there, the
+    # optimizer's step from the first point. The weights moved between two backward passes
+    # with no optimizer step, but up the gradients: not an update by hand.
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    truth = []
+    with NeuralDbg(model) as dbg:
+        for x, y in batches(8):
+            nn.functional.cross_entropy(model(x), y).backward()
+            with torch.no_grad():
+                moves = [0.05 * p.grad / p.grad.norm() for p in model.parameters()]
+                torch._foreach_add_(list(model.parameters()), moves)
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            truth.append(layer_norms(model, "0"))
+            with torch.no_grad():
+                torch._foreach_sub_(list(model.parameters()), moves)
+            opt.step()
+            opt.zero_grad()
+    assert dbg.step == 8
+    np.testing.assert_allclose(recorded(dbg, "0"), truth, rtol=1e-5)
+
+
 def test_gradient_accumulation_is_one_step_with_the_accumulated_gradient():
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)

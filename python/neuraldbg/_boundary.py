@@ -14,6 +14,7 @@ decides what the coming step measures.
 from __future__ import annotations
 
 import json
+import sys
 import warnings
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -26,6 +27,20 @@ from .errors import NeuralDbgWarning
 
 if TYPE_CHECKING:  # pragma: no cover
     from ._collect import Collector
+
+
+def _optimizer_stepping() -> bool:
+    """Whether a torch optimizer's step is running on this thread (the forward of its closure:
+    LBFGS moves the weights between the closure's evaluations). Walks the stack: called only
+    when the weights moved with no step seen."""
+    from torch.optim import Optimizer
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        if isinstance(frame.f_locals.get("self"), Optimizer):
+            return True
+        frame = frame.f_back
+    return False
 
 
 class StepBoundary:
@@ -111,6 +126,10 @@ class StepBoundary:
             if self.c.step_on != "backward" and self._is_relevant(optimizer):
                 self.c.step += 1  # still a step of the run: the trace records it as not observed
             return
+        if self.c.by_hand and self._is_relevant(optimizer):
+            # An optimizer steps the weights after all (SAM moves them by hand before it does):
+            # its steps are the run's from now on.
+            self.c.step_on, self.c.by_hand = "optimizer", False
         if self.c.step_on == "backward" or not self._is_relevant(optimizer):
             return
         if not s.grad_read and not s.forwards:
@@ -286,6 +305,21 @@ class StepBoundary:
 
     def sampled(self, every: int) -> bool:
         return self.c.step < self.c.dense_steps or (every > 0 and self.c.step % every == 0)
+
+    def updated_by_hand(self) -> bool:
+        """Before the first step of a loop counted at its optimizer's steps, as a forward pass
+        of the model begins: whether the weights moved since the last backward pass gave them
+        gradients, with no optimizer step since and none running now. Then the loop updates
+        them down those gradients itself (``with torch.no_grad(): p -= lr * p.grad``,
+        ``p.data.add_(...)``, an optimizer that is not a torch one), and would otherwise never be
+        observed. A move up the gradients is not an update (sharpness-aware minimization's
+        ascent, before its optimizer steps). Read on the sample of the weights taken for the
+        step size (:meth:`update_due`)."""
+        c = self.c
+        s = c.cur
+        if c.step_on != "optimizer" or not s.grad_read or not s.weights_before or not s.grads_before or c.disabled:
+            return False
+        return c.measure.descent(c.params, s.weights_before, s.grads_before) < 0 and not _optimizer_stepping()
 
     def update_due(self) -> bool:
         """Measure how far this step's optimizer update moves the weights: on the dense first

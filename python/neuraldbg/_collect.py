@@ -105,6 +105,9 @@ class Collector:
         self.dense_steps = dense_steps
         self.forward_check = forward_check
         self.step_on = step_on
+        # The loop updates the weights itself, with no torch optimizer: steps end at the end of
+        # each backward pass (see StepBoundary.updated_by_hand), until an optimizer steps them.
+        self.by_hand = False
         self.on_observed = on_observed
         self.any_autocast = _any_autocast
         # Whether the host reader's common steps may be observed by the extension's PlainStep
@@ -293,6 +296,9 @@ class Collector:
                 self.cur.raw_inputs.append(x)
             return
         self.thread = _thread_id()
+        if self.step == 0 and self.boundary.updated_by_hand():
+            # This forward begins the second iteration: the first, stepped by hand, is step 0.
+            self.step_on, self.by_hand, self.backward_due = "backward", True, True
         if self.backward_due:
             self.boundary.run_due()
         if _functorch_active():
@@ -558,9 +564,10 @@ class Collector:
         self.reader.read_gradients()
         self.reader.check_after_backward()
         if self.step_on != "backward" and self.params and self.boundary.update_due():
-            self.cur.weights_before = self.measure.weights_before(
-                local_tensors(self.params) if self.sharded else self.params
-            )
+            weights = local_tensors(self.params) if self.sharded else self.params
+            self.cur.weights_before = self.measure.weights_before(weights)
+            if self.step == 0 and self.dist is None:
+                self.cur.grads_before = self.measure.grads_at([w.grad for w in weights], self.cur.weights_before)
         if self.step_on == "backward":
             if self.thread is not None and _thread_id() != self.thread:
                 # Autograd's device thread (CUDA): the engine is fed from the training thread,

@@ -350,6 +350,43 @@ class Measurer:
                 out.append((i, flat[:: update_stride(flat.numel())].float().clone()))
         return out
 
+    def grads_at(
+        self, grads: Sequence[Any], before: Sequence[Tuple[int, torch.Tensor]]
+    ) -> List[Tuple[int, torch.Tensor]]:
+        """The gradients at the weights' elements :meth:`weights_before` sampled, copied."""
+        out: List[Tuple[int, torch.Tensor]] = []
+        with self.torch.no_grad():
+            for i, old in before:
+                g = grads[i]
+                if g is not None and not g.is_sparse and g.numel() * old.numel() > 0:
+                    flat = g.detach().reshape(-1)
+                    out.append((i, flat[:: update_stride(flat.numel())].float().clone()))
+        return out
+
+    def descent(
+        self,
+        weights: Sequence[Any],
+        before: Sequence[Tuple[int, torch.Tensor]],
+        grads: Sequence[Tuple[int, torch.Tensor]],
+    ) -> float:
+        """How far the weights moved along their gradients since :meth:`weights_before` and
+        :meth:`grads_at` sampled them: the sum of ``(after - before) * gradient`` over the
+        samples. Negative for a step down the gradients (an update), positive for one up them
+        (sharpness-aware minimization's ascent), 0 when nothing moved."""
+        torch = self.torch
+        olds = dict(before)
+        total = 0.0
+        with torch.no_grad():
+            for i, g in grads:
+                old = olds.get(i)
+                flat = weights[i].detach().reshape(-1) if i < len(weights) else None
+                if old is None or flat is None:
+                    continue
+                new = flat[:: update_stride(flat.numel())].float()
+                if new.shape == old.shape == g.shape and new.device == old.device:
+                    total += float(((new - old) * g).sum())
+        return total
+
     def update_ratios(
         self, weights: Sequence[Any], before: Sequence[Tuple[int, torch.Tensor]]
     ) -> Optional[Tuple[torch.Tensor, np.ndarray]]:

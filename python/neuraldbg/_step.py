@@ -47,6 +47,7 @@ class StepState:
         "grad_order",
         "grad_parts",
         "grad_read",
+        "grads_before",
         "host_inputs",
         "inputs",
         "loss_read",
@@ -84,6 +85,9 @@ class StepState:
         # A step whose update is measured: samples of weights as the backward left them, before
         # the optimizer moved them (how far it moved them; see Measurer.update_ratios).
         self.weights_before: Optional[List[Any]] = None
+        # Before the first step: the gradients at those samples (whether the loop moved the
+        # weights down them by hand; see StepBoundary.updated_by_hand).
+        self.grads_before: Optional[List[Any]] = None
         # Inputs: host statistics (4 floats per forward, in a row), device statistics (one
         # tensor per forward), and compiled forwards' inputs (references, measured at the end).
         self.host_inputs: List[float] = []
