@@ -415,6 +415,27 @@ def test_a_loop_without_optimizer_step_is_told_it_did_not_train(tmp_path: Any) -
     assert dbg._untrained is not None and dbg._untrained.startswith("backward passes gave Sequential gradients")
 
 
+def test_a_loop_whose_gradients_never_reach_grad_is_told_what_is_read() -> None:
+    # A meta-learning style loop: torch.autograd.grad and an update by hand, no .grad at all.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    x = torch.randn(16, 4)
+    with (
+        pytest.warns(NeuralDbgWarning, match=r"ran 5 forward passes with gradients on, but no backward pass reached"),
+        NeuralDbg(model) as dbg,
+    ):
+        for _ in range(5):
+            grads = torch.autograd.grad(model(x).pow(2).mean(), list(model.parameters()))
+            with torch.no_grad():
+                for p, g in zip(model.parameters(), grads):
+                    p -= 0.1 * g
+    assert dbg.step == 0 and model[0].weight.grad is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NeuralDbgWarning)
+        with NeuralDbg(model), torch.no_grad():
+            model(x)  # evaluation alone: nothing to say
+
+
 @pytest.mark.parametrize("cut", ["item", "detach"])
 def test_a_loss_cut_from_the_models_output_is_named(cut: str) -> None:
     # The loss rebuilt from a Python float, or computed on a detached output: backward() runs,

@@ -70,8 +70,9 @@ class LoopFacts:
         self.params = params
         # Wraps the probe's tensor hook in the collector's guard (see _guard.py).
         self.guard = guard
-        # Training mode of the grad-enabled forward passes of the current step.
-        self.modes: List[bool] = []
+        # The grad-enabled forward passes of the current step, and how many ran in eval mode.
+        self.grad_forwards = 0
+        self.eval_forwards = 0
         # Gradient accumulation: one parameter is watched. After each optimizer step, its
         # .grad tensor (pointer and version counter) is remembered; when the next backward
         # reaches that parameter, its .grad is still that very tensor, unmodified, only if
@@ -138,7 +139,8 @@ class LoopFacts:
 
     def on_forward(self, training: bool, grad_enabled: bool) -> None:
         if grad_enabled:
-            self.modes.append(bool(training))
+            self.grad_forwards += 1
+            self.eval_forwards += not training
 
     def _on_probe_grad(self, grad: Any) -> None:
         # Runs before autograd adds `grad` into .grad: .grad is what the step starts from.
@@ -190,11 +192,11 @@ class LoopFacts:
     def step_facts(self) -> Dict[str, float]:
         """The facts of the step being observed; resets the per-step state."""
         facts: Dict[str, float] = {}
-        if self.modes:
-            facts["training"] = 1.0 if all(self.modes) else 0.0
+        if self.grad_forwards:
+            facts["training"] = 0.0 if self.eval_forwards else 1.0
         if self.accumulated is not None:
             facts["grad_accumulated"] = 1.0 if self.accumulated else 0.0
-        self.modes = []
+        self.grad_forwards = self.eval_forwards = 0
         self.accumulated = None
         return facts
 

@@ -209,10 +209,8 @@ class NeuralDbg(Results):
         self._trace_rank = trace_rank
         self._collector: Any = None
         self._active = False
-        # Backward passes gave the model gradients, and no optimizer step ever followed; or the
-        # model's optimizer stepped while the model itself never ran (how many times).
-        self._never_stepped = False
-        self._idle_steps = 0
+        # Why no step was observed, when the loop shows it, and what to do (see _no_step).
+        self._no_step: Optional[Tuple[str, str]] = None
         if on_failure is not None and not callable(on_failure):
             raise ConfigError(f"on_failure must be callable, got {type(on_failure).__qualname__}")
         if report is not None and not isinstance(report, (str, os.PathLike)):
@@ -287,8 +285,9 @@ class NeuralDbg(Results):
                 # Ctrl-C is the user stopping the run, not the run failing: a forward it cut
                 # short is no step (dbg.step and the trace's step count agree).
                 crashed = exc_type is not None and not issubclass(exc_type, KeyboardInterrupt)
-                self._never_stepped = int(collector.step) == 0 and bool(collector.cur.grad_read)
-                self._idle_steps = int(collector.idle_steps) if int(collector.step) == 0 else 0
+                self._no_step = (
+                    None if int(collector.step) or crashed else _no_step(collector, type(self.model).__name__)
+                )
                 collector.boundary.finish(crashed=crashed)
                 self._record_unobserved(collector)
         except Exception as e:  # never raise from the exit of the user's block
@@ -434,16 +433,10 @@ class NeuralDbg(Results):
         except NeuralDbgError as e:
             warnings.warn(f"NeuralDBG could not close the trace: {e}", NeuralDbgWarning, stacklevel=3)
             return
-        untrained = self._untrained
-        if untrained is not None:
+        if self._no_step is not None:
+            why, fix = self._no_step
             where = f" (the trace {summary[0]} holds no step)" if summary is not None else ""
-            fix = (
-                "Call optimizer.step() after loss.backward(), with an optimizer built from model.parameters()"
-                if self._never_stepped
-                else "Was the model re-created (or copied) after the optimizer was made? Build the optimizer "
-                "from the parameters of the model the loop calls"
-            )
-            warnings.warn(f"{untrained}{where}. {fix}", NeuralDbgWarning, stacklevel=3)
+            warnings.warn(f"{why}{where}. {fix}", NeuralDbgWarning, stacklevel=3)
         elif summary is not None and not summary[3]:
             warnings.warn(
                 f"the trace {summary[0]} holds no model header: no training step was observed "
@@ -456,18 +449,8 @@ class NeuralDbg(Results):
 
     @property
     def _untrained(self) -> Optional[str]:
-        """After the block, why the model did not train at all, when no step was observed for a
-        reason the loop shows (None otherwise): backward passes gave it gradients and no
-        optimizer step followed, or its optimizer stepped while the model never ran."""
-        name = type(self.model).__name__
-        if self._never_stepped:
-            return f"backward passes gave {name} gradients, but no optimizer.step() on its parameters followed: it did not train"
-        if self._idle_steps:
-            return (
-                f"the optimizer holding {name}'s parameters stepped {self._idle_steps} times, but {name} ran no "
-                "forward pass and got no gradient: the loop trains another model"
-            )
-        return None
+        """After the block, why no step was observed, when the loop shows it (None otherwise)."""
+        return None if self._no_step is None else self._no_step[0]
 
     @property
     def step(self) -> int:
@@ -550,6 +533,31 @@ def _engine_config(options: Dict[str, Any]) -> Dict[str, Any]:
                 raise ConfigError(f"{name} must be a finite number (default {default}), got {number}")
             out[name] = number
     return out
+
+
+def _no_step(collector: Any, name: str) -> Optional[Tuple[str, str]]:
+    """A run that ended without a step observed: why, as the loop shows it, and what to do
+    (None when it does not show: no forward pass with gradients on at all)."""
+    if collector.cur.grad_read:
+        return (
+            f"backward passes gave {name} gradients, but no optimizer.step() on its parameters followed: it did not train",
+            "Call optimizer.step() after loss.backward(), with an optimizer built from model.parameters()",
+        )
+    if collector.idle_steps:
+        return (
+            f"the optimizer holding {name}'s parameters stepped {collector.idle_steps} times, but {name} ran no "
+            "forward pass and got no gradient: the loop trains another model",
+            "Was the model re-created (or copied) after the optimizer was made? Build the optimizer from the "
+            "parameters of the model the loop calls",
+        )
+    if collector.loop.grad_forwards:
+        return (
+            f"{name} ran {collector.loop.grad_forwards} forward passes with gradients on, but no backward pass "
+            "reached its parameters' .grad",
+            "NeuralDBG reads the gradients loss.backward() leaves in .grad; gradients taken with "
+            "torch.autograd.grad(...) are not seen (for evaluation alone, run it under torch.no_grad())",
+        )
+    return None
 
 
 def _halt_rule(halt_on: Any) -> Optional[Callable[[CausalHypothesis], bool]]:
