@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import sys
 import warnings
+from types import FrameType
 from typing import TYPE_CHECKING, Any, Optional
 
 from ._measure import Probe
@@ -35,7 +36,7 @@ def _optimizer_stepping() -> bool:
     when the weights moved with no step seen."""
     from torch.optim import Optimizer
 
-    frame = sys._getframe(1)
+    frame: Optional[FrameType] = sys._getframe(1)
     while frame is not None:
         if isinstance(frame.f_locals.get("self"), Optimizer):
             return True
