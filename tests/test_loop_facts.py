@@ -22,10 +22,12 @@ class Spy:
     def __init__(self, engine: Any) -> None:
         self.engine = engine
         self.facts: List[Dict[str, float]] = []
+        self.measures: List[Dict[str, Any]] = []
         self.specs: List[dict] = []
 
     def observe(self, *args: Any, **kwargs: Any) -> Any:
         self.facts.append(dict(kwargs.get("facts") or {}))
+        self.measures.append(dict(kwargs.get("measures") or {}))
         return self.engine.observe(*args, **kwargs)
 
     def register_model(self, spec: str) -> Any:
@@ -289,3 +291,66 @@ def test_loss_facts_see_a_functional_sigmoid_through_indexing():
 
     d = first_loss(Net(), nn.BCEWithLogitsLoss(), torch.randn(8, 4), torch.ones(8))
     assert d["output_op"] == "Sigmoid" and "BinaryCrossEntropyWithLogits" in d["ops"]
+
+
+def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double().reshape(-1), b.double().reshape(-1)
+    return float(a @ b / (a.norm() * b.norm()))
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_update_direction_is_the_cosine_between_each_step_and_the_gradient_backward_gave(optimizer):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 2))
+    opt = (
+        torch.optim.SGD(model.parameters(), lr=0.05)
+        if optimizer == "sgd"
+        else torch.optim.Adam(model.parameters(), 1e-2)
+    )
+    truth = []
+    with watch(model) as spy:
+        for step in range(6):
+            x, y = data(step)
+            opt.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            grad, before = model[0].weight.grad.clone(), model[0].weight.detach().clone()
+            opt.step()
+            truth.append(_cosine(model[0].weight.detach() - before, grad))
+    measured = [m["update_direction"][0] for m in spy.measures[:6]]  # (parameter 0: model[0].weight)
+    assert measured == pytest.approx(truth, abs=1e-5)
+    assert max(truth) < 0 if optimizer == "adam" else truth == pytest.approx([-1.0] * 6, abs=1e-5)
+
+
+def _blow_up(how: str) -> List[Any]:
+    """A small regression whose steps go up the gradient: negated between backward and step
+    (TheDeepChecker's flipped sign), or an optimizer told to maximize a loss written as the
+    negative of the one to lower (a correct program, blown up by its learning rate)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 2))
+    maximize = how == "maximize"
+    opt = torch.optim.SGD(model.parameters(), lr=1.5 if maximize else 0.05, maximize=maximize)
+    watched = watch(model)
+    with watched as spy:
+        for step in range(40):
+            x, y = data(step)
+            opt.zero_grad()
+            loss = F.mse_loss(model(x), y)
+            (-loss if maximize else loss).backward()
+            if how == "negated":
+                for p in model.parameters():
+                    p.grad.neg_()
+            opt.step()
+    assert spy.measures[0]["update_direction"][0] == pytest.approx(1.0, abs=1e-5) or maximize
+    return watched.dbg.explain_failure()
+
+
+def test_steps_that_climb_the_gradient_are_named_a_flipped_update_sign():
+    top = _blow_up("negated")[0]
+    assert top.cause.value == "flipped_update_sign" and top.confidence >= 0.8, top
+    assert "up their gradients" in top.description and "step down the gradient" in top.remedies[0]
+
+
+def test_an_optimizer_told_to_maximize_climbs_on_purpose():
+    hypotheses = _blow_up("maximize")
+    assert hypotheses and hypotheses[0].confidence >= 0.5, "the learning rate blew it up"
+    assert all(h.cause.value != "flipped_update_sign" for h in hypotheses), hypotheses[0]

@@ -52,6 +52,7 @@ CAUSES = [
     "target_shape_mismatch",
     "over_regularization",
     "output_ignores_input",
+    "flipped_update_sign",
     "unknown",
 ]
 FAILURES = [

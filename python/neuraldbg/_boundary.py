@@ -90,6 +90,7 @@ class StepBoundary:
             if hit:
                 if self.c.optimizer_name is None:
                     self.c.optimizer_name = type(optimizer).__name__
+                self.c.maximized |= self.c.loop.maximized(optimizer)
                 self._new_optimizer(optimizer)
         return hit
 
@@ -318,9 +319,14 @@ class StepBoundary:
         step size (:meth:`update_due`)."""
         c = self.c
         s = c.cur
-        if c.step_on != "optimizer" or not s.grad_read or not s.weights_before or not s.grads_before or c.disabled:
+        if c.step_on != "optimizer" or not s.grad_read or not s.weights_before or not s.grads_before:
             return False
-        return c.measure.descent(c.params, s.weights_before, s.grads_before) < 0 and not _optimizer_stepping()
+        if c.dist is not None or c.disabled:
+            return False
+        moved = c.measure.updates(c.params, s.weights_before, s.grads_before)
+        if moved is None or moved.direction is None:
+            return False
+        return bool(moved.direction.nan_to_num().sum() < 0) and not _optimizer_stepping()
 
     def update_due(self) -> bool:
         """Measure how far this step's optimizer update moves the weights: on the dense first

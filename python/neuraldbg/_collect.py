@@ -25,7 +25,7 @@ from __future__ import annotations
 import operator
 import warnings
 from threading import get_ident as _thread_id
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set, Union
 
 import numpy as np
 
@@ -108,6 +108,9 @@ class Collector:
         # The loop updates the weights itself, with no torch optimizer: steps end at the end of
         # each backward pass (see StepBoundary.updated_by_hand), until an optimizer steps them.
         self.by_hand = False
+        # Parameters whose optimizer maximizes (``maximize=True``): their steps go up the
+        # gradient on purpose.
+        self.maximized: Set[int] = set()
         self.on_observed = on_observed
         self.any_autocast = _any_autocast
         # Whether the host reader's common steps may be observed by the extension's PlainStep
@@ -566,8 +569,7 @@ class Collector:
         if self.step_on != "backward" and self.params and self.boundary.update_due():
             weights = local_tensors(self.params) if self.sharded else self.params
             self.cur.weights_before = self.measure.weights_before(weights)
-            if self.step == 0 and self.dist is None:
-                self.cur.grads_before = self.measure.grads_at([w.grad for w in weights], self.cur.weights_before)
+            self.cur.grads_before = self.measure.grads_at([w.grad for w in weights], self.cur.weights_before)
         if self.step_on == "backward":
             if self.thread is not None and _thread_id() != self.thread:
                 # Autograd's device thread (CUDA): the engine is fed from the training thread,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 # Autograd node names end in "Backward0", "Backward1"...: the operation's name is before it.
 _BACKWARD = re.compile(r"Backward\d*$")
@@ -229,6 +229,18 @@ class LoopFacts:
                 lr = group_lr[id(p)]
                 out.append(lr if lr is not None else fallback)
         return out
+
+    def maximized(self, opt: Any) -> Set[int]:
+        """The watched parameters optimizer ``opt`` moves up their gradients on purpose (a param
+        group with ``maximize=True``)."""
+        ids: Set[int] = set()
+        try:
+            for g in opt.param_groups:
+                if g.get("maximize") is True:
+                    ids.update(id(p) for p in g["params"])
+        except Exception:  # pragma: no cover - an optimizer we cannot read
+            return set()
+        return {i for i, p in enumerate(self.params) if id(p) in ids}
 
     def param_weight_decays(self, opt: Any) -> Optional[List[float]]:
         """Per watched parameter: the weight decay optimizer ``opt`` adds to its gradient (its

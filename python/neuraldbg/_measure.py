@@ -9,7 +9,7 @@ as few kernel launches as possible. Nothing here hooks a module or talks to the 
   by the engine; :class:`Measurer.activation_parts` stacks modules of one output shape);
 * ``min, max, mean, std`` of the model's first floating-point input (:func:`input_stats`);
 * how far an optimizer step moves the weights relative to their size, on a fixed strided sample
-  of up to 64 weights' elements taken before the step (:meth:`Measurer.weights_before`, :meth:`Measurer.update_ratios`);
+  of up to 64 weights' elements taken before the step (:meth:`Measurer.weights_before`, :meth:`Measurer.updates`);
 * whether tensors are finite, batched into one transfer (:func:`finite_flags`).
 
 On CPU (:class:`~._measure_host.HostMeasurer`) the same statistics are read straight from the tensors' memory
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import operator
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Collection, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -54,6 +54,15 @@ def update_stride(numel: int) -> int:
     """The stride of a weight's strided sample: :data:`UPDATE_SAMPLE` elements or more, fewer
     than twice as many (a weight of fewer elements whole)."""
     return max(1, numel // UPDATE_SAMPLE)
+
+
+class Updates(NamedTuple):
+    """How one optimizer step moved the sampled weights (see :meth:`Measurer.updates`): one
+    device vector each, by parameter index."""
+
+    ratio: Any
+    params: np.ndarray
+    direction: Optional[Any]
 
 
 # Input batches up to this many elements get min/max and std/mean in two reductions
@@ -357,43 +366,26 @@ class Measurer:
         out: List[Tuple[int, torch.Tensor]] = []
         with self.torch.no_grad():
             for i, old in before:
-                g = grads[i]
+                g = grads[i] if i < len(grads) else None
                 if g is not None and not g.is_sparse and g.numel() * old.numel() > 0:
                     flat = g.detach().reshape(-1)
                     out.append((i, flat[:: update_stride(flat.numel())].float().clone()))
         return out
 
-    def descent(
+    def updates(
         self,
         weights: Sequence[Any],
         before: Sequence[Tuple[int, torch.Tensor]],
-        grads: Sequence[Tuple[int, torch.Tensor]],
-    ) -> float:
-        """How far the weights moved along their gradients since :meth:`weights_before` and
-        :meth:`grads_at` sampled them: the sum of ``(after - before) * gradient`` over the
-        samples. Negative for a step down the gradients (an update), positive for one up them
-        (sharpness-aware minimization's ascent), 0 when nothing moved."""
+        grads: Sequence[Tuple[int, torch.Tensor]] = (),
+        skip: Collection[int] = (),
+    ) -> Optional[Updates]:
+        """How the optimizer step moved each sampled weight, on the samples
+        :meth:`weights_before` and :meth:`grads_at` took: how far, ``|after - before| /
+        |before|`` (inf where it was all zeros), and in which direction, the cosine between
+        the move and the gradient (-1 straight down it, as SGD steps; NaN where either is zero,
+        without a gradient sample, or for a parameter in ``skip``: its optimizer maximizes)."""
         torch = self.torch
-        olds = dict(before)
-        total = 0.0
-        with torch.no_grad():
-            for i, g in grads:
-                old = olds.get(i)
-                flat = weights[i].detach().reshape(-1) if i < len(weights) else None
-                if old is None or flat is None:
-                    continue
-                new = flat[:: update_stride(flat.numel())].float()
-                if new.shape == old.shape == g.shape and new.device == old.device:
-                    total += float(((new - old) * g).sum())
-        return total
-
-    def update_ratios(
-        self, weights: Sequence[Any], before: Sequence[Tuple[int, torch.Tensor]]
-    ) -> Optional[Tuple[torch.Tensor, np.ndarray]]:
-        """How far the optimizer step moved each sampled weight, ``|after - before| /
-        |before|`` on the sample :meth:`weights_before` took (inf where it was all zeros), as
-        (one device vector, the parameter index of each value)."""
-        torch = self.torch
+        at = dict(grads)
         index: List[int] = []
         olds: List[Any] = []
         news: List[Any] = []
@@ -409,10 +401,21 @@ class Measurer:
                     news.append(new)
             if not index:
                 return None
-            moved = torch._foreach_norm(torch._foreach_sub(news, olds))
-            size = torch._foreach_norm(olds)
-            ratio = torch.stack(list(moved)) / torch.stack(list(size))
-        return ratio.float(), np.asarray(index, dtype=np.intp)
+            deltas = torch._foreach_sub(news, olds)
+            moved = torch.stack(list(torch._foreach_norm(deltas)))
+            ratio = moved / torch.stack(list(torch._foreach_norm(olds)))
+            direction = None
+            if at:
+                nan = torch.full((), float("nan"), device=moved.device)
+                cos = []
+                for i, d in zip(index, deltas):
+                    g = at.get(i)
+                    if g is None or i in skip or g.shape != d.shape or g.device != d.device:
+                        cos.append(nan)
+                    else:
+                        cos.append(torch.dot(d, g) / (d.norm() * g.norm()))
+                direction = torch.stack(cos).float()
+        return Updates(ratio.float(), np.asarray(index, dtype=np.intp), direction)
 
     def output_absmax(
         self, refs: Sequence[Tuple[int, Any, Any]], rank: Dict[int, int]

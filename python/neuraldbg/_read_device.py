@@ -150,9 +150,11 @@ class DeviceReader:
                 order = c.measure.weight_norms(weights, parts)
                 layout.add("weight", parts, order)
                 before = s.weights_before
-                moved = c.measure.update_ratios(weights, before) if before is not None else None
+                moved = c.measure.updates(weights, before, s.grads_before or (), c.maximized) if before else None
                 if moved is not None:
-                    layout.add("update_ratio", [moved[0]], moved[1])
+                    layout.add("update_ratio", [moved.ratio], moved.params)
+                    if moved.direction is not None:
+                        layout.add("update_direction", [moved.direction], moved.params)
             staged = s.act_staged
             if staged is None and c.boundary.probes_due(first):
                 staged = c.measure.activation_parts(c.probes, c.act_out)
@@ -305,10 +307,11 @@ class DeviceReader:
             k = index.size
             out["grad_zero_rows"] = per_parameter(n, index, zeros[:k])
             out["grad_zero_cols"] = per_parameter(n, index, zeros[k:])
-        moved = layout.read(flat, "update_ratio")
-        index = layout.index("update_ratio")
-        if moved is not None and index is not None:
-            out["update_ratio"] = per_parameter(n, index, moved)
+        for name in ("update_ratio", "update_direction"):
+            moved = layout.read(flat, name)
+            index = layout.index(name)
+            if moved is not None and index is not None:
+                out[name] = per_parameter(n, index, moved)
         ranks = layout.index("output_absmax")
         values = layout.read(flat, "output_absmax")
         if ranks is not None and ranks.size and values is not None:

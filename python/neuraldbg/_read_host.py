@@ -469,9 +469,11 @@ class HostReader:
         if weight_sampled:
             step.weight_norms = hm.norms(c.params)
             before = c.cur.weights_before
-            moved = c.measure.update_ratios(c.params, before) if before is not None else None
+            moved = c.measure.updates(c.params, before, c.cur.grads_before or (), c.maximized) if before else None
             if moved is not None:
-                measures["update_ratio"] = per_parameter(len(c.params), moved[1], moved[0].numpy())
+                measures["update_ratio"] = per_parameter(len(c.params), moved.params, moved.ratio.numpy())
+                if moved.direction is not None:
+                    measures["update_direction"] = per_parameter(len(c.params), moved.params, moved.direction.numpy())
         outs = c.cur.out_staged
         if outs is None and first:
             outs = hm.absmax(c.refs, c.watched.rank)

@@ -27,8 +27,9 @@ class Layout:
     of the engine's activation table), ``loss``, ``input`` (4 statistics per forward pass),
     ``clip`` (the clipping check's gradient norm), ``loss_scale``, ``output_absmax``
     (indexed by engine module), ``grad_zero`` (zero-row then zero-column shares, indexed by
-    parameter), ``update_ratio`` (how far the optimizer step moved each sampled parameter,
-    indexed by parameter), ``summary`` (the step's module-call summaries).
+    parameter), ``update_ratio`` and ``update_direction`` (how far, and along or against the
+    gradient, the optimizer step moved each sampled parameter, indexed by parameter),
+    ``summary`` (the step's module-call summaries).
     """
 
     __slots__ = (

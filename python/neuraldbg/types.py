@@ -126,6 +126,7 @@ class Cause(_StrEnum):
     TARGET_SHAPE_MISMATCH = "target_shape_mismatch"
     OVER_REGULARIZATION = "over_regularization"
     OUTPUT_IGNORES_INPUT = "output_ignores_input"
+    FLIPPED_UPDATE_SIGN = "flipped_update_sign"
 
 
 def _float(v: Any) -> float:

@@ -616,7 +616,11 @@ impl Run {
                 Measure::GradZeroRows => true,
                 Measure::GradZeroCols => false,
                 Measure::UpdateRatio => {
-                    self.observe_updates(values);
+                    self.observe_updates(values, |t| &mut t.update_early);
+                    continue;
+                }
+                Measure::UpdateDirection => {
+                    self.observe_updates(values, |t| &mut t.direction_early);
                     continue;
                 }
                 // Read where their analysis needs them (output scale, replicas, input ranks).
@@ -698,13 +702,14 @@ impl Run {
         latest.map(|l| self.model.layers[l].module)
     }
 
-    /// How far the optimizer moved each layer's weight (its `weight` parameter's ratio).
-    fn observe_updates(&mut self, ratios: &[f32]) {
+    /// One per-parameter measure of the optimizer update at each layer's `weight` parameter, kept
+    /// in the layer's `early` record (how far it moved, in which direction).
+    fn observe_updates(&mut self, values: &[f32], early: impl Fn(&mut LayerTrack) -> &mut Early) {
         for (l, layer) in self.model.layers.iter().enumerate() {
             let Some((p, _)) = layer.weight else { continue };
-            let r = f64::from(ratios[p]);
+            let r = f64::from(values[p]);
             if r.is_finite() {
-                self.layers[l].update_early.push(r);
+                early(&mut self.layers[l]).push(r);
             }
         }
     }

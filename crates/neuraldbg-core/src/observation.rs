@@ -72,6 +72,11 @@ named_enum! {
         /// optimizer update moved it relative to its size, `|W_after - W_before| / |W_before|`
         /// (NaN: not measured; infinite: the parameter was all zeros before the step).
         UpdateRatio => "update_ratio",
+        /// Per parameter, on the same steps: the cosine between the optimizer update's move of
+        /// the parameter and the gradient the backward pass gave it (-1: straight down the
+        /// gradient, as SGD steps; above 0: up it). NaN: not measured, or the optimizer was
+        /// told to maximize.
+        UpdateDirection => "update_direction",
 
         // --- Distributed training.
         /// The rank each row of [`StepView::inputs`] came from.
@@ -108,6 +113,7 @@ impl Measure {
             Measure::GradZeroRows
             | Measure::GradZeroCols
             | Measure::UpdateRatio
+            | Measure::UpdateDirection
             | Measure::ReplicaGradSpread
             | Measure::ReplicaWeightSpread => Axis::Params,
             Measure::InputRank | Measure::RankGradSumsq | Measure::RankWeightSumsq => Axis::Free,

@@ -96,6 +96,9 @@ pub struct LayerTrack {
     /// How far the optimizer moved the weight relative to its size: the first finite
     /// measurements.
     pub update_early: Early,
+    /// The cosine between those moves and the weight's gradient: the first finite
+    /// measurements.
+    pub direction_early: Early,
 }
 
 /// The share of a weight gradient's rows or columns that are exactly zero, over the steps it
@@ -142,6 +145,7 @@ impl Default for LayerTrack {
             zero_rows: ZeroShare::default(),
             zero_cols: ZeroShare::default(),
             update_early: Early::default(),
+            direction_early: Early::default(),
         }
     }
 }

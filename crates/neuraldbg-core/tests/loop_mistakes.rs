@@ -4,7 +4,8 @@
 
 use neuraldbg_core::analysis::explain;
 use neuraldbg_core::{
-    CausalHypothesis, Cause, Config, Engine, Fact, Failure, LossSpec, ModelSpec, Observation,
+    CausalHypothesis, Cause, Config, Engine, Fact, Failure, LossSpec, Measure, ModelSpec,
+    Observation,
 };
 
 #[path = "support/mlp.rs"]
@@ -817,4 +818,58 @@ fn a_negative_or_infinite_feature_scale_is_refused() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("input_feature_scales"), "{err}");
+}
+
+/// Weights and gradients that grow from a healthy start until they explode, with each of the
+/// first five steps' update measured `direction` against the gradient (the cosine).
+fn climbing_run(direction: f32) -> Vec<CausalHypothesis> {
+    let mut engine = Engine::new(Config::default()).unwrap();
+    let spec = spec();
+    let params = spec.params.len();
+    engine.register_model(spec).unwrap();
+    for step in 0..60u64 {
+        let g = 0.5 * 1.15f32.powi(step as i32);
+        let w = 2.0 * 1.02f32.powi(step as i32);
+        let mut obs = Observation {
+            step,
+            grad_norms: (0..3).flat_map(|_| [g, g / 4.0]).collect(),
+            weight_norms: Some((0..3).flat_map(|_| [w, 0.1]).collect()),
+            loss: Some(1.0 + 0.1 * step as f64 * step as f64),
+            lr: Some(0.05),
+            ..Observation::default()
+        };
+        if step < 5 {
+            obs.measures = vec![
+                (Measure::UpdateRatio, vec![0.02; params]),
+                (Measure::UpdateDirection, vec![direction; params]),
+            ];
+        }
+        engine.observe(&obs.view()).unwrap();
+    }
+    explain(&engine, None)
+}
+
+#[test]
+fn steps_that_climb_the_gradient_are_a_flipped_update_sign() {
+    let h = climbing_run(0.9);
+    let top = &h[0];
+    assert_eq!(top.cause, Cause::FlippedUpdateSign, "{top}");
+    assert!(top.confidence >= 0.8, "{top}");
+    assert!(top.description.contains("up their gradients"), "{top}");
+    assert!(
+        top.remedies[0].contains("step down the gradient"),
+        "{:?}",
+        top.remedies
+    );
+    // The same blow-up under steps that descend (SGD's -1, Adam's sign-like -0.8): another
+    // cause, and no hypothesis names this one.
+    for direction in [-1.0, -0.8] {
+        let h = climbing_run(direction);
+        assert!(!h.is_empty());
+        assert!(
+            h.iter().all(|h| h.cause != Cause::FlippedUpdateSign),
+            "{}",
+            h[0]
+        );
+    }
 }

@@ -149,6 +149,7 @@ pub(crate) enum Remedy {
     },
     MatchTargetShape,
     KeepShapeWarning,
+    StepDownTheGradient,
     // A weight penalty in the loss.
     LowerWeightPenalty,
     LowerWeightDecay,
@@ -342,6 +343,11 @@ impl Remedy {
             ),
             Remedy::NormalizeInputs => "normalize inputs (zero mean, unit variance) and filter corrupt samples".into(),
             Remedy::StandardizeEachFeature => "standardize each feature on its own (subtract its mean and divide by its standard deviation over the training set, e.g. sklearn's StandardScaler), once: not by one scale for all, not twice".into(),
+            Remedy::StepDownTheGradient => fw(
+                "step down the gradient: remove whatever negates it between loss.backward() and optimizer.step() (p.grad.neg_(), p.grad = -p.grad), write an update by hand as p -= lr * p.grad, and give an optimizer maximize=True only for a quantity meant to grow",
+                "apply the gradients as the tape gives them: optimizer.apply_gradients(zip(grads, model.trainable_variables)), not their negation; an update by hand is variable.assign_sub(lr * grad)",
+                "apply the updates optax returns as they are, optax.apply_updates(params, updates), not their negation; an update by hand is params - lr * grads",
+            ),
             Remedy::ZeroGradEachStep => "call optimizer.zero_grad() once per step, before loss.backward() (or model.zero_grad() when parameters are stepped by hand)".into(),
             Remedy::ShuffleData => fw(
                 "shuffle the training data every epoch: DataLoader(dataset, batch_size=..., shuffle=True)",

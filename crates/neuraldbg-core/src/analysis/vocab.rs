@@ -54,6 +54,9 @@ named_enum! {
         /// The forward pass gives every sample the same output: its input does not reach it
         /// (a reduction over the batch, an input overwritten, a normalization over one value).
         OutputIgnoresInput => "output_ignores_input",
+        /// The optimizer's steps move the weights up their gradients (a negated gradient, an
+        /// update written with `+=`).
+        FlippedUpdateSign => "flipped_update_sign",
     }
 }
 

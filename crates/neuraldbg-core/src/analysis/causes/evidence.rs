@@ -325,6 +325,12 @@ pub(crate) fn measured_update_ratio(run: &Run) -> Option<f64> {
     over_weighted_layers(run, |t| t.update_early.median())
 }
 
+/// Median over the weighted layers of the direction of the first measured optimizer steps:
+/// the cosine between each step's move of the weight and its gradient (-1 straight down it).
+pub(crate) fn measured_update_direction(run: &Run) -> Option<f64> {
+    over_weighted_layers(run, |t| t.direction_early.median())
+}
+
 /// Median over the weighted layers of how far the first measured optimizer step moved their
 /// weights relative to their size.
 fn first_update_ratio(run: &Run) -> Option<f64> {

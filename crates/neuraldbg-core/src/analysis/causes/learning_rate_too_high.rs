@@ -10,7 +10,7 @@ use super::evidence::{
     DIED_AFTER_UPDATES, Evidence, MEASURED_TOO_LARGE, TRAINING_UPDATE, decades_ratio,
     measured_step, outlasted_cut, times,
 };
-use super::{Case, CauseRule, Facts, RemedyCase, Votes, facts_of, fmt_g};
+use super::{Case, CauseRule, Facts, RemedyCase, Votes, climbing, facts_of, fmt_g};
 
 pub(crate) struct LearningRateTooHigh;
 
@@ -73,6 +73,11 @@ impl CauseRule for LearningRateTooHigh {
 
     fn evidence(&self, c: &Case<'_>, v: &mut Votes) {
         let (ev, f) = (c.ev, c.f);
+        if climbing(c.run).is_some() {
+            // Steps that climb the gradient blow up at any learning rate: a lower one climbs
+            // slower, it does not descend.
+            v.against(3.0);
+        }
         let own = Steps::of(c);
         match c.e.failure {
             Failure::ExplodingGradients => {

@@ -23,6 +23,7 @@ mod evidence;
 mod bad_input_data;
 mod dying_relu;
 mod eval_mode;
+mod flipped_update_sign;
 mod learning_rate_too_high;
 mod learning_rate_too_low;
 mod missing_normalization;
@@ -50,6 +51,7 @@ pub(crate) use evidence::{
     Evidence, Features, features, forward_growth, measured_update_ratio, outlasted_cut, times,
     uneven_features,
 };
+pub(crate) use flipped_update_sign::climbing;
 pub(crate) use output_loss_mismatch::found as output_mismatch;
 pub(crate) use over_regularization::penalty_dominated;
 
@@ -162,6 +164,7 @@ pub(crate) static RULES: &[&dyn CauseRule] = &[
     &target_shape_mismatch::TargetShapeMismatch,
     &over_regularization::OverRegularization,
     &output_ignores_input::OutputIgnoresInput,
+    &flipped_update_sign::FlippedUpdateSign,
     &unknown::Unknown,
 ];
 
