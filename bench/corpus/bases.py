@@ -61,6 +61,8 @@ class Knobs:
     weight_penalty: float = 0.0
     # Gradients clipped to this total norm before each step (None: not clipped).
     clip_norm: Optional[float] = None
+    # Every gradient negated between the backward pass and the step: the step climbs the loss.
+    negate_grads: bool = False
     # A linear learning-rate warmup over this many optimizer steps, stepped every batch (0: none).
     warmup_steps: int = 0
     # The loss rebuilt from its value (`torch.tensor(loss.item(), requires_grad=True)`): the
@@ -579,7 +581,7 @@ def deep_layernorm(k: Knobs, seed: int) -> Program:
     return _classifier(model, k, seed, (x0.flatten(1), y0, x1.flatten(1), y1), 10, "sgd", 0.05, momentum=0.9)
 
 
-_LOOP = {"clip_norm", "warmup_steps", "loss_cut", "input_lost"}
+_LOOP = {"clip_norm", "warmup_steps", "loss_cut", "input_lost", "negate_grads"}
 _ALL = {
     "lr_factor",
     "init_scale",

@@ -35,6 +35,7 @@ PROGRAM_FAULTS = {
     "zero_grad_late",
     "frozen_first",
     "loss_cut",
+    "grads_negated",
 }
 CRITERIA = ("quality", "quality+loss", "quality-only")
 

@@ -84,6 +84,7 @@ MUTATIONS: List[Mutation] = [
     _m("dropout_keep", "over_regularization", paired=False, dropout=0.9),
     _m("labels_apart", "bad_input_data", paired=False, labels_apart=True),
     _m("input_lost", "output_ignores_input", paired=False, input_lost=True),
+    _m("grads_negated", "flipped_update_sign", paired=False, negate_grads=True),
 ]
 
 

@@ -34,7 +34,7 @@ from bench.corpus.mutations import knobs_for, named, pairs, singles
 
 def train(p: Program, k: Knobs) -> Tuple[List[float], Optional[str]]:
     """The user's loop, with the loop-side knobs (zero_grad dropped or called after the
-    backward, eval() mode, a weight penalty written into the loss, the loss cut from the model,
+    backward, the gradients negated, eval() mode, a weight penalty written into the loss, the loss cut from the model,
     gradients clipped, a learning-rate warmup) applied."""
     losses: List[float] = []
     p.model.train(not k.eval_mode)
@@ -54,6 +54,10 @@ def train(p: Program, k: Knobs) -> Tuple[List[float], Optional[str]]:
             loss.backward()
             if k.zero_grad_late:
                 p.optimizer.zero_grad()
+            if k.negate_grads:
+                for w in p.model.parameters():
+                    if w.grad is not None:
+                        w.grad.neg_()
             if k.clip_norm is not None:
                 torch.nn.utils.clip_grad_norm_(p.model.parameters(), k.clip_norm)
             p.optimizer.step()
