@@ -211,6 +211,28 @@ def test_a_script_that_never_steps_its_optimizer_is_told_so_and_ends_as_it_would
     assert model["steps"] == 0 and model["loss"] == []
 
 
+def test_a_script_that_updates_its_weights_by_hand_is_told_how_to_watch_it(tmp_path: Path) -> None:
+    # No optimizer to find the model by: `run` says so, and how the script itself watches it.
+    script = """
+        import torch, torch.nn as nn
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+        x = torch.randn(64, 8); y = x.sum(1, keepdim=True)
+        for step in range(10):
+            nn.functional.mse_loss(model(x), y).backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.01 * p.grad
+            model.zero_grad()
+        print("finished")
+    """
+    r = run(tmp_path, script)
+    assert r.returncode == 0, r.stderr
+    assert "finished" in r.stdout and "Traceback" not in r.stderr, r.stderr
+    assert "no model was trained" in r.stderr and "updates the weights by hand" in r.stderr, r.stderr
+    assert "with neuraldbg.NeuralDbg(model)" in r.stderr, r.stderr
+
+
 def test_an_optimizer_made_before_the_model_was_re_created_is_told_so(tmp_path: Path) -> None:
     """The optimizer holds the first model's parameters; the loop trains a second one, which
     no optimizer steps. What is watched is what the optimizer holds: it never runs."""

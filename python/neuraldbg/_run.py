@@ -678,7 +678,8 @@ def _print_diagnosis(watch: Watch, quiet: bool) -> None:
         why = f" ({watch.failed})" if watch.failed else ""
         _say(
             "no model was trained: no torch optimizer was made for one, no Keras model was fitted, "
-            f"no flax nnx.Optimizer or TrainState was made{why}"
+            f"no flax nnx.Optimizer or TrainState was made{why}. A loop that updates the weights by hand "
+            "is watched from inside the script: with neuraldbg.NeuralDbg(model): ..."
         )
         return
     for name, _, dbg in watch.models:
