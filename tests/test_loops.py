@@ -174,6 +174,30 @@ def test_sam_moving_the_weights_up_their_gradients_is_no_update_by_hand():
     np.testing.assert_allclose(recorded(dbg, "0"), truth, rtol=1e-5)
 
 
+def test_weights_moved_between_steps_the_debugger_did_not_see_are_no_update_by_hand():
+    # bench/overhead.py's shared model: another arm steps it with NeuralDBG's hooks set aside,
+    # so the debugger meets gradients of no forward pass of the model and weights that moved
+    # before its first step. That is no loop stepped by hand (it once cost a step, and the
+    # host fast path for the rest of the run: a forward that cannot be replayed).
+    from bench.overhead import suspended, unwrapped
+
+    model = mlp()
+    mine, other = torch.optim.SGD(model.parameters(), lr=0.05), torch.optim.SGD(model.parameters(), lr=0.05)
+
+    def step(opt, x, y):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    with NeuralDbg(model) as dbg:
+        for x, y in batches(12):
+            with unwrapped(), suspended(model):
+                step(other, x, y)
+            step(mine, x, y)
+        c = dbg._collector
+        assert (dbg.step, c.by_hand, c.step_on, c.replay_ok) == (12, False, "optimizer", True)
+
+
 def test_gradient_accumulation_is_one_step_with_the_accumulated_gradient():
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)

@@ -321,8 +321,8 @@ class StepBoundary:
         s = c.cur
         if c.step_on != "optimizer" or not s.grad_read or not s.weights_before or not s.grads_before:
             return False
-        if c.dist is not None or c.disabled:
-            return False
+        if not s.root_seen or c.dist is not None or c.disabled:
+            return False  # (gradients of no forward pass of the model: not an iteration of its loop)
         moved = c.measure.updates(c.params, s.weights_before, s.grads_before)
         if moved is None or moved.direction is None:
             return False
