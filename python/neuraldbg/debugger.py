@@ -79,7 +79,8 @@ class NeuralDbg(Results):
             optimizers stepped after one backward pass are one step); ``"each_optimizer"`` counts
             every ``optimizer.step()``, also several in one iteration (what Lightning's manual
             optimization calls ``global_step``; its callback sets it); ``"backward"`` counts one
-            per backward pass, for loops without a torch optimizer.
+            per backward pass, for loops without a torch optimizer (one that updates the weights
+            by hand is found before its first step and counted so without it).
         halt_on: stop training once a failure is confirmed (opt-in): ``True`` for any failure
             (a hypothesis with confidence >= 0.5), a number for any failure at least that
             confident, or failure names (``"non_finite"``, :class:`~neuraldbg.Failure`, or a list
