@@ -68,8 +68,11 @@ lint: $(STAMPS)/deps
 test-rust:
 	cargo test --workspace --quiet
 
+# One pytest worker per CPU (at most 4: each holds torch, JAX and TensorFlow): much of the suite
+# waits on subprocesses (torchrun jobs, scripts under `neuraldbg run`, a browser, a terminal).
+# Tests of one file share a worker (their module fixtures run once).
 test-python: build browser terminal $(STAMPS)/jax
-	NEURALDBG_CHROMIUM=$(CHROMIUM) $(PY) -m pytest tests
+	NEURALDBG_CHROMIUM=$(CHROMIUM) $(PY) -m pytest tests -n logical --maxprocesses 4 --dist loadfile
 
 test: lint test-rust test-python
 
