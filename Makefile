@@ -7,7 +7,7 @@ PY      := $(VENV)/bin/python
 STAMPS  := .stamps
 SOURCES := $(shell find crates python -type f \( -name '*.rs' -o -name '*.py' -o -name '*.pyi' -o -name 'Cargo.toml' -o -name '*.js' -o -name '*.css' -o -name '*.html' \) 2>/dev/null) Cargo.toml pyproject.toml
 
-.PHONY: all demo demo-burn jax test test-rust test-python lint bench bench-overhead bench-jax bench-models bench-frameworks bench-run bench-confirm bench-distributed bench-engine bench-burn bench-memory bench-diagnosis bench-corpus bench-report bench-trace gpu-check bench-kept-memory build browser terminal report-screenshot watch-screenshot clean
+.PHONY: all demo demo-burn jax test test-rust test-python lint lint-rust lint-python bench bench-overhead bench-jax bench-models bench-frameworks bench-run bench-confirm bench-distributed bench-engine bench-burn bench-memory bench-diagnosis bench-corpus bench-report bench-trace gpu-check bench-kept-memory build browser terminal report-screenshot watch-screenshot clean
 
 all: test
 
@@ -58,10 +58,14 @@ demo: build
 demo-burn:
 	cargo run --release -q -p neuraldbg-burn --example vanishing_gradients
 
-# Python: ruff's formatter and linter under pyproject.toml's configuration.
-lint: $(STAMPS)/deps
+lint: lint-rust lint-python
+
+lint-rust:
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets -- -D warnings
+
+# Python: ruff's formatter and linter under pyproject.toml's configuration.
+lint-python: $(STAMPS)/deps
 	$(VENV)/bin/ruff format --check python tests bench examples
 	$(VENV)/bin/ruff check python tests bench examples
 
@@ -74,7 +78,11 @@ test-rust:
 test-python: build browser terminal $(STAMPS)/jax
 	NEURALDBG_CHROMIUM=$(CHROMIUM) $(PY) -m pytest tests -n logical --maxprocesses 4 --dist loadfile
 
-test: lint test-rust test-python
+# The Rust checks and tests compile while pip downloads the Python dependencies (on a fresh
+# machine each takes minutes); the rest runs in order (pip and maturin write the same .venv).
+test:
+	$(MAKE) -j2 --output-sync=line lint-rust test-rust $(STAMPS)/deps
+	$(MAKE) lint-python test-python
 
 # The scenario suite, then the external suite (published buggy programs, ported; a report).
 bench-diagnosis: build
