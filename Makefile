@@ -81,7 +81,7 @@ test-python: build browser terminal $(STAMPS)/jax
 # The Rust checks and tests compile while pip downloads the Python dependencies (on a fresh
 # machine each takes minutes); the rest runs in order (pip and maturin write the same .venv).
 test:
-	$(MAKE) -j2 lint-rust test-rust $(STAMPS)/deps
+	$(MAKE) -j2 $(STAMPS)/deps lint-rust test-rust
 	$(MAKE) lint-python test-python
 
 # The scenario suite, then the external suite (published buggy programs, ported; a report).
