@@ -79,9 +79,10 @@ test-python: build browser terminal $(STAMPS)/jax
 	NEURALDBG_CHROMIUM=$(CHROMIUM) $(PY) -m pytest tests -n logical --maxprocesses 4 --dist loadfile
 
 # The Rust checks and tests compile while pip downloads the Python dependencies (on a fresh
-# machine each takes minutes); the rest runs in order (pip and maturin write the same .venv).
+# machine each takes minutes; the two cargo commands take turns on cargo's lock, so pip is
+# never left waiting for a slot); the rest runs in order (pip and maturin write one .venv).
 test:
-	$(MAKE) -j2 $(STAMPS)/deps lint-rust test-rust
+	$(MAKE) -j3 $(STAMPS)/deps lint-rust test-rust
 	$(MAKE) lint-python test-python
 
 # The scenario suite, then the external suite (published buggy programs, ported; a report).
