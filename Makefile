@@ -69,8 +69,9 @@ lint-python: $(STAMPS)/deps
 	$(VENV)/bin/ruff format --check python tests bench examples
 	$(VENV)/bin/ruff check python tests bench examples
 
+# (MAKEFLAGS emptied: under `make test`'s parallel part, rustdoc would try make's job server.)
 test-rust:
-	cargo test --workspace --quiet
+	MAKEFLAGS= cargo test --workspace --quiet
 
 # One pytest worker per CPU (at most 4: each holds torch, JAX and TensorFlow): much of the suite
 # waits on subprocesses (torchrun jobs, scripts under `neuraldbg run`, a browser, a terminal).
