@@ -28,6 +28,7 @@
 
 use neuraldbg_core::{Fact, StepView};
 use numpy::{PyArrayDyn, PyArrayMethods};
+use pyo3::exceptions::PyKeyboardInterrupt;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyFloat, PyInt, PyList, PyTuple};
@@ -176,6 +177,14 @@ impl PlainStep {
             Err(e) => {
                 self.reset();
                 self.armed = false;
+                if e.is_instance_of::<PyKeyboardInterrupt>(py) {
+                    // Ctrl-C, landed in Python code this step called: the user's to raise, not
+                    // an error of ours (handed to `fail`, it stopped monitoring and training
+                    // went on). Raised again at the first Python line after we return.
+                    // SAFETY: called with the GIL held (`py`).
+                    unsafe { pyo3::ffi::PyErr_SetInterrupt() };
+                    return done;
+                }
                 let host = self.host.clone_ref(py);
                 if let Err(e) = host
                     .bind(py)
