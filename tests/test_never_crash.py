@@ -10,12 +10,13 @@ import math
 import threading
 import warnings
 import weakref
-from typing import List
+from typing import Any, List
 
 import numpy as np
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import neuraldbg
 from neuraldbg import ModelError, NeuralDbg, NeuralDbgWarning
@@ -720,3 +721,39 @@ def test_on_the_cuda_path_a_recorded_call_keeps_no_tensor(monkeypatch):
         values = c.summaries.vector().numpy()
         assert values[0] == pytest.approx(float(first.abs().max()))
         assert values[1] == pytest.approx(float(x.abs().max()))
+
+
+def test_ctrl_c_landing_in_the_fast_path_stops_the_loop_with_the_diagnosis_kept(monkeypatch):
+    """A Ctrl-C whose KeyboardInterrupt is raised inside Python code the extension's fast path
+    calls during an optimizer step (here: planted in ``HostReader.plain_done`` at step 15, a
+    step the fast path takes) ends the loop from that ``optimizer.step()``, the steps until it
+    observed (before: taken for an internal error, it stopped monitoring and was swallowed, so
+    Ctrl-C did not stop training)."""
+    from neuraldbg._read_host import HostReader
+
+    real = HostReader.plain_done
+    fired: List[int] = []
+
+    def plain_done(self: Any, pending: Any, step: int) -> bool:
+        if step == 15 and not fired:
+            fired.append(step)
+            raise KeyboardInterrupt
+        return real(self, pending, step)
+
+    monkeypatch.setattr(HostReader, "plain_done", plain_done)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    x, y = torch.randn(32, 8), torch.randn(32, 1)
+    stepped: List[int] = []
+    with warnings.catch_warnings(record=True) as said, pytest.raises(KeyboardInterrupt):
+        warnings.simplefilter("always")
+        with NeuralDbg(model) as dbg:
+            for i in range(24):
+                opt.zero_grad()
+                F.mse_loss(model(x), y).backward()
+                opt.step()
+                stepped.append(i)
+    assert fired == [15] and stepped == list(range(15))
+    assert not [w for w in said if issubclass(w.category, NeuralDbgWarning)], [str(w.message) for w in said]
+    assert dbg.step == 16 and list(dbg.history("0")[0]) == list(range(16))
