@@ -757,3 +757,40 @@ def test_ctrl_c_landing_in_the_fast_path_stops_the_loop_with_the_diagnosis_kept(
     assert fired == [15] and stepped == list(range(15))
     assert not [w for w in said if issubclass(w.category, NeuralDbgWarning)], [str(w.message) for w in said]
     assert dbg.step == 16 and list(dbg.history("0")[0]) == list(range(16))
+
+
+def test_a_loop_that_catches_a_ctrl_c_in_the_fast_path_and_trains_on_stays_observed(monkeypatch):
+    """A loop that catches the KeyboardInterrupt of a Ctrl-C (a notebook cell's own handler, a
+    "save and go on" loop) and trains on: the step the Ctrl-C cut short had reached the engine,
+    so it counts, and the steps after it are observed (before: "step 15 is not after the last
+    step", monitoring stopped)."""
+    from neuraldbg._read_host import HostReader
+
+    real = HostReader.plain_done
+    fired: List[int] = []
+
+    def plain_done(self: Any, pending: Any, step: int) -> bool:
+        if step == 15 and not fired:
+            fired.append(step)
+            raise KeyboardInterrupt
+        return real(self, pending, step)
+
+    monkeypatch.setattr(HostReader, "plain_done", plain_done)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    x, y = torch.randn(32, 8), torch.randn(32, 1)
+    interrupted: List[int] = []
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        with NeuralDbg(model) as dbg:
+            for i in range(24):
+                try:
+                    opt.zero_grad()
+                    F.mse_loss(model(x), y).backward()
+                    opt.step()
+                except KeyboardInterrupt:
+                    interrupted.append(i)
+    assert fired == [15] and interrupted == [15]
+    assert not [w for w in said if issubclass(w.category, NeuralDbgWarning)], [str(w.message) for w in said]
+    assert dbg.step == 24 and list(dbg.history("0")[0]) == list(range(24))

@@ -120,6 +120,8 @@ class StepBoundary:
         if plain is not None and plain.step(optimizer):
             self.c.raise_halt()
             return
+        if self.c.registered and not self.c.disabled:
+            self._count_interrupted()
         s = self.c.cur
         if optimizer is reader.plain_optimizer and s.grad_read and reader.plain_step(optimizer):
             self.c.raise_halt()
@@ -346,6 +348,16 @@ class StepBoundary:
         steps, not `persistence` samples)."""
         return self.sampled(self.c.activation_every) or self.c.act_pending
 
+    def _count_interrupted(self) -> None:
+        """A Ctrl-C that lands after a step reached the engine and before it was counted (its
+        KeyboardInterrupt raised at any line of the step's hook) must not leave the trace one
+        step ahead of dbg.step: the optimizer step completed, so it counts. Checked at exit and
+        before each step the fast path does not take (a loop may catch the KeyboardInterrupt
+        and train on)."""
+        last = self.c.engine.last_step
+        if last is not None and int(last) >= self.c.step:
+            self.c.step = int(last) + 1
+
     def _observe(self, lr: Optional[float], final: bool = False, skipped: bool = False) -> None:
         try:
             first = not self.c.registered
@@ -390,12 +402,7 @@ class StepBoundary:
         if self.c.disabled:
             return
         self.flush()
-        # A Ctrl-C that lands after a step reached the engine and before it was counted (its
-        # KeyboardInterrupt raised at any line of the step's hook) must not leave the trace one
-        # step ahead of dbg.step: the optimizer step completed, so it counts.
-        last = self.c.engine.last_step
-        if last is not None and int(last) >= self.c.step:
-            self.c.step = int(last) + 1
+        self._count_interrupted()
         s = self.c.cur
         unobserved = s.forwards > 0 or s.grad_read or bool(s.raw_inputs)
         if unobserved and (crashed or self.c.origin_search.unobserved_failed()):
