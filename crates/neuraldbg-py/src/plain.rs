@@ -28,14 +28,13 @@
 
 use neuraldbg_core::{Fact, StepView};
 use numpy::{PyArrayDyn, PyArrayMethods};
-use pyo3::exceptions::PyKeyboardInterrupt;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyFloat, PyInt, PyList, PyTuple};
 use pyo3::{PyTraverseError, PyVisit};
 
-use crate::PyEngine;
 use crate::reader::{GRAD_NONFINITE, GRAD_ZERO, TensorReader};
+use crate::{PyEngine, interrupt_again};
 
 /// Where the step is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -177,18 +176,16 @@ impl PlainStep {
             Err(e) => {
                 self.reset();
                 self.armed = false;
-                if e.is_instance_of::<PyKeyboardInterrupt>(py) {
-                    // Ctrl-C, landed in Python code this step called: the user's to raise, not
-                    // an error of ours (handed to `fail`, it stopped monitoring and training
-                    // went on). Raised again at the first Python line after we return.
-                    // SAFETY: called with the GIL held (`py`).
-                    unsafe { pyo3::ffi::PyErr_SetInterrupt() };
+                // A Ctrl-C landed in Python code this step called: not an error of ours (handed
+                // to `fail`, it stopped monitoring and training went on).
+                if interrupt_again(py, &e) {
                     return done;
                 }
                 let host = self.host.clone_ref(py);
                 if let Err(e) = host
                     .bind(py)
                     .call_method1(intern!(py, "fail"), (e.into_value(py),))
+                    && !interrupt_again(py, &e)
                 {
                     e.write_unraisable(py, None);
                 }
