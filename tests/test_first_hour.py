@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import neuraldbg
 from neuraldbg import ConfigError, NeuralDbg, NeuralDbgWarning, UnknownNameError
@@ -465,3 +466,25 @@ def test_a_loss_cut_from_the_models_output_is_named(cut: str) -> None:
     assert top.confidence >= 0.8, top
     assert "the optimizer stepped 48 times, but no parameter received a gradient" in " ".join(top.description.split())
     assert "no .item(), .detach()" in top.remedies[0], top.remedies
+
+
+def test_a_frozen_model_watched_while_its_head_trains_is_told_it_has_nothing_that_trains() -> None:
+    """A pretrained backbone frozen and watched by mistake, the loop training a head of its
+    own: the run ends with no step, and the warning says why (before: "no backward pass reached
+    its parameters' .grad ... torch.autograd.grad(...) are not seen", which is not this loop)."""
+    torch.manual_seed(0)
+    backbone = nn.Sequential(nn.Linear(4, 8), nn.ReLU()).requires_grad_(False)
+    head = nn.Linear(8, 1)
+    opt = torch.optim.SGD(head.parameters(), lr=0.1)
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+    with (
+        pytest.warns(
+            NeuralDbgWarning, match=r"Sequential has no parameter that requires a gradient .*NeuralDbg\(head\)"
+        ),
+        NeuralDbg(backbone) as dbg,
+    ):
+        for _ in range(5):
+            opt.zero_grad()
+            F.mse_loss(head(backbone(x)), y).backward()
+            opt.step()
+    assert dbg.step == 0 and head.weight.grad is not None

@@ -551,6 +551,12 @@ def _no_step(collector: Any, name: str) -> Optional[Tuple[str, str]]:
             "Was the model re-created (or copied) after the optimizer was made? Build the optimizer from the "
             "parameters of the model the loop calls",
         )
+    if not any(p.requires_grad for p in collector.params):
+        return (
+            f"{name} has no parameter that requires a gradient (frozen, or none at all): nothing in it trained",
+            "Watch the model the optimizer trains (for a frozen backbone, the head: NeuralDbg(head)), or unfreeze "
+            "it: model.requires_grad_(True)",
+        )
     if collector.loop.grad_forwards:
         return (
             f"{name} ran {collector.loop.grad_forwards} forward passes with gradients on, but no backward pass "
