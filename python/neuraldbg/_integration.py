@@ -129,7 +129,7 @@ class CallbackCore:
         )
         try:
             self.close()
-        except BaseException:  # pragma: no cover - nothing more to do; training goes on
+        except Exception:  # pragma: no cover - nothing more to do; training goes on (a Ctrl-C is raised)
             self._run = None
 
     def log_metrics(self, log: Callable[[Dict[str, float]], None], layers: bool) -> None:
