@@ -245,7 +245,8 @@ class PlainStep:
     """The common host-mode step observed by the extension (``HostReader.make_plain``): the
     collector's hooks hand it the model's forward, the loss's backward and the optimizer step;
     anything else is handed to its :class:`PlainHost`. Errors go to ``PlainHost.fail``;
-    nothing raises."""
+    nothing raises but a ``KeyboardInterrupt`` met in the Python code a step calls (Ctrl-C),
+    which reaches the loop as raised."""
 
     def __new__(
         cls,

@@ -130,21 +130,15 @@ fn warn(py: Python<'_>, message: &str) {
         return;
     };
     let message = CString::new(message.replace('\0', " ")).unwrap_or_default();
-    if let Err(e) = PyErr::warn(py, &category, &message, 2) {
-        interrupt_again(py, &e);
+    if let Err(e) = PyErr::warn(py, &category, &message, 2)
+        && e.is_instance_of::<pyo3::exceptions::PyKeyboardInterrupt>(py)
+    {
+        // A Ctrl-C landed while the warning was shown: the user's, raised again at the first
+        // Python line after we return (where SIGINT is handled by Python; dropped otherwise,
+        // as the signal itself would be).
+        // SAFETY: called with the GIL held (`py`).
+        unsafe { pyo3::ffi::PyErr_SetInterrupt() };
     }
-}
-
-/// A Ctrl-C is the user's to raise, never ours to drop: when `e` (an error of Python code we
-/// called and do not raise, a warning's or an observation's) is a `KeyboardInterrupt`, it is
-/// raised again at the first Python line after we return. True when it was one.
-pub(crate) fn interrupt_again(py: Python<'_>, e: &PyErr) -> bool {
-    if !e.is_instance_of::<pyo3::exceptions::PyKeyboardInterrupt>(py) {
-        return false;
-    }
-    // SAFETY: called with the GIL held (`py`).
-    unsafe { pyo3::ffi::PyErr_SetInterrupt() };
-    true
 }
 
 /// The engine. One per watched model.

@@ -28,13 +28,14 @@
 
 use neuraldbg_core::{Fact, StepView};
 use numpy::{PyArrayDyn, PyArrayMethods};
+use pyo3::exceptions::PyKeyboardInterrupt;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyFloat, PyInt, PyList, PyTuple};
 use pyo3::{PyTraverseError, PyVisit};
 
+use crate::PyEngine;
 use crate::reader::{GRAD_NONFINITE, GRAD_ZERO, TensorReader};
-use crate::{PyEngine, interrupt_again};
 
 /// Where the step is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -164,34 +165,35 @@ impl PlainStep {
     }
 
     /// Runs `f`; an error stops monitoring (`PlainHost.fail`, which warns) and the event
-    /// counts as handled (`done`).
+    /// counts as handled (`done`). A Ctrl-C is not an error of ours: its `KeyboardInterrupt`,
+    /// met in Python code the step called (or in `fail`), goes on to the user's loop as raised
+    /// (handed to `fail`, it stopped monitoring and training went on).
     fn guard<R>(
         &mut self,
         py: Python<'_>,
         done: R,
         f: impl FnOnce(&mut Self, Python<'_>) -> PyResult<R>,
-    ) -> R {
-        match f(self, py) {
-            Ok(r) => r,
-            Err(e) => {
-                self.reset();
-                self.armed = false;
-                // A Ctrl-C landed in Python code this step called: not an error of ours (handed
-                // to `fail`, it stopped monitoring and training went on).
-                if interrupt_again(py, &e) {
-                    return done;
-                }
-                let host = self.host.clone_ref(py);
-                if let Err(e) = host
-                    .bind(py)
-                    .call_method1(intern!(py, "fail"), (e.into_value(py),))
-                    && !interrupt_again(py, &e)
-                {
-                    e.write_unraisable(py, None);
-                }
-                done
-            }
+    ) -> PyResult<R> {
+        let e = match f(self, py) {
+            Ok(r) => return Ok(r),
+            Err(e) => e,
+        };
+        self.reset();
+        self.armed = false;
+        if e.is_instance_of::<PyKeyboardInterrupt>(py) {
+            return Err(e);
         }
+        let host = self.host.clone_ref(py);
+        if let Err(e) = host
+            .bind(py)
+            .call_method1(intern!(py, "fail"), (e.into_value(py),))
+        {
+            if e.is_instance_of::<PyKeyboardInterrupt>(py) {
+                return Err(e);
+            }
+            e.write_unraisable(py, None);
+        }
+        Ok(done)
     }
 
     fn reset(&mut self) {
@@ -580,14 +582,14 @@ impl PlainStep {
 
     /// Whether the coming step may be taken here (`on`), or not: what was seen of a step
     /// under way is then handed to the collector first.
-    fn arm(&mut self, py: Python<'_>, on: bool) {
+    fn arm(&mut self, py: Python<'_>, on: bool) -> PyResult<()> {
         self.guard(py, (), |me, py| {
             if me.st.stage != Stage::Fresh {
                 me.spill(py, true)?;
             }
             me.armed = on;
             Ok(())
-        });
+        })
     }
 
     /// Steps observed here so far.
@@ -605,9 +607,9 @@ impl PlainStep {
         module: &Bound<'_, PyAny>,
         args: &Bound<'_, PyAny>,
         kwargs: &Bound<'_, PyAny>,
-    ) -> bool {
+    ) -> PyResult<bool> {
         if !self.armed {
-            return false;
+            return Ok(false);
         }
         self.guard(py, true, |me, py| {
             me.forward_inner(py, module, args, kwargs)
@@ -617,9 +619,9 @@ impl PlainStep {
     /// A backward starts (`Collector.on_backward`): True when it is this step's loss, taken
     /// here (the collector answers the tap with True, and hands its end to
     /// [`Self::after_backward`]).
-    fn backward(&mut self, py: Python<'_>, tensors: &Bound<'_, PyAny>) -> bool {
+    fn backward(&mut self, py: Python<'_>, tensors: &Bound<'_, PyAny>) -> PyResult<bool> {
         if !self.armed {
-            return false;
+            return Ok(false);
         }
         // (An error answers False: `_fail` has stopped the collector, whose hook returns.)
         self.guard(py, false, |me, py| me.backward_inner(py, tensors))
@@ -627,15 +629,15 @@ impl PlainStep {
 
     /// The backward [`Self::backward`] took has returned: its gradients are read, or the
     /// collector is handed the step.
-    fn after_backward(&mut self, py: Python<'_>) {
-        self.guard(py, (), PlainStep::after_inner);
+    fn after_backward(&mut self, py: Python<'_>) -> PyResult<()> {
+        self.guard(py, (), PlainStep::after_inner)
     }
 
     /// The optimizer stepped (`StepBoundary.on_optimizer_step`): True when the step was
     /// observed here.
-    fn step(&mut self, py: Python<'_>, optimizer: &Bound<'_, PyAny>) -> bool {
+    fn step(&mut self, py: Python<'_>, optimizer: &Bound<'_, PyAny>) -> PyResult<bool> {
         if self.st.stage == Stage::Fresh {
-            return false;
+            return Ok(false);
         }
         self.guard(py, true, |me, py| me.step_inner(py, optimizer))
     }
