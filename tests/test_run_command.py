@@ -868,7 +868,16 @@ def test_ctrl_c_still_gives_the_diagnosis_trace_and_report(tmp_path: Path) -> No
 
     (tmp_path / "train.py").write_text(textwrap.dedent(PLAIN))
     cmd = [sys.executable, "-m", "neuraldbg", "run", "--json", "d.json", "--out", "o", "train.py", "--steps", "100000"]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # A test run started in the background (`make test &`, a CI shell without job control)
+    # ignores SIGINT, and a child inherits that: the script would never see the Ctrl-C. The
+    # child is started with SIGINT handled, as from a terminal.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen(
+            cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert proc.stdout is not None
     for line in proc.stdout:
         if line.startswith("step 3 "):
