@@ -77,7 +77,7 @@ test-rust:
 # waits on subprocesses (torchrun jobs, scripts under `neuraldbg run`, a browser, a terminal).
 # Tests of one file share a worker (their module fixtures run once).
 test-python: build browser terminal $(STAMPS)/jax
-	NEURALDBG_CHROMIUM=$(CHROMIUM) $(PY) -m pytest tests -n logical --maxprocesses 4 --dist loadfile --no-loadscope-reorder
+	NEURALDBG_CHROMIUM=$(CHROMIUM) $(PY) -m pytest tests -n logical --maxprocesses 4 --dist loadfile
 
 # The Rust checks and tests compile while pip downloads the Python dependencies (on a fresh
 # machine each takes minutes; the two cargo commands take turns on cargo's lock, so pip is
