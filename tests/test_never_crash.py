@@ -723,12 +723,10 @@ def test_on_the_cuda_path_a_recorded_call_keeps_no_tensor(monkeypatch):
         assert values[1] == pytest.approx(float(x.abs().max()))
 
 
-def test_ctrl_c_landing_in_the_fast_path_stops_the_loop_with_the_diagnosis_kept(monkeypatch):
-    """A Ctrl-C whose KeyboardInterrupt is raised inside Python code the extension's fast path
-    calls during an optimizer step (here: planted in ``HostReader.plain_done`` at step 15, a
-    step the fast path takes) ends the loop from that ``optimizer.step()``, the steps until it
-    observed (before: taken for an internal error, it stopped monitoring and was swallowed, so
-    Ctrl-C did not stop training)."""
+def _ctrl_c_in_the_fast_path_at_step_15(monkeypatch: Any) -> List[int]:
+    """Plants a KeyboardInterrupt in ``HostReader.plain_done`` (Python code the extension's fast
+    path calls during an optimizer step) at step 15, a step the fast path takes, once; returns
+    the steps it fired at."""
     from neuraldbg._read_host import HostReader
 
     real = HostReader.plain_done
@@ -742,6 +740,21 @@ def test_ctrl_c_landing_in_the_fast_path_stops_the_loop_with_the_diagnosis_kept(
 
     monkeypatch.setattr(HostReader, "plain_done", plain_done)
     torch.manual_seed(0)
+    return fired
+
+
+def _one_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> None:
+    opt.zero_grad()
+    F.mse_loss(model(x), y).backward()
+    opt.step()
+
+
+def test_ctrl_c_landing_in_the_fast_path_stops_the_loop_with_the_diagnosis_kept(monkeypatch):
+    """A Ctrl-C whose KeyboardInterrupt is raised inside Python code the extension's fast path
+    calls ends the loop from that ``optimizer.step()``, the steps until it observed (before:
+    taken for an internal error, it stopped monitoring and was swallowed, so Ctrl-C did not stop
+    training; then re-signalled, which does nothing where SIGINT is ignored)."""
+    fired = _ctrl_c_in_the_fast_path_at_step_15(monkeypatch)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     x, y = torch.randn(32, 8), torch.randn(32, 1)
@@ -750,9 +763,7 @@ def test_ctrl_c_landing_in_the_fast_path_stops_the_loop_with_the_diagnosis_kept(
         warnings.simplefilter("always")
         with NeuralDbg(model) as dbg:
             for i in range(24):
-                opt.zero_grad()
-                F.mse_loss(model(x), y).backward()
-                opt.step()
+                _one_step(model, opt, x, y)
                 stepped.append(i)
     assert fired == [15] and stepped == list(range(15))
     assert not [w for w in said if issubclass(w.category, NeuralDbgWarning)], [str(w.message) for w in said]
@@ -764,19 +775,7 @@ def test_a_loop_that_catches_a_ctrl_c_in_the_fast_path_and_trains_on_stays_obser
     "save and go on" loop) and trains on: the step the Ctrl-C cut short had reached the engine,
     so it counts, and the steps after it are observed (before: "step 15 is not after the last
     step", monitoring stopped)."""
-    from neuraldbg._read_host import HostReader
-
-    real = HostReader.plain_done
-    fired: List[int] = []
-
-    def plain_done(self: Any, pending: Any, step: int) -> bool:
-        if step == 15 and not fired:
-            fired.append(step)
-            raise KeyboardInterrupt
-        return real(self, pending, step)
-
-    monkeypatch.setattr(HostReader, "plain_done", plain_done)
-    torch.manual_seed(0)
+    fired = _ctrl_c_in_the_fast_path_at_step_15(monkeypatch)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     x, y = torch.randn(32, 8), torch.randn(32, 1)
@@ -786,9 +785,7 @@ def test_a_loop_that_catches_a_ctrl_c_in_the_fast_path_and_trains_on_stays_obser
         with NeuralDbg(model) as dbg:
             for i in range(24):
                 try:
-                    opt.zero_grad()
-                    F.mse_loss(model(x), y).backward()
-                    opt.step()
+                    _one_step(model, opt, x, y)
                 except KeyboardInterrupt:
                     interrupted.append(i)
     assert fired == [15] and interrupted == [15]
