@@ -120,8 +120,7 @@ class StepBoundary:
         if plain is not None and plain.step(optimizer):
             self.c.raise_halt()
             return
-        if self.c.registered and not self.c.disabled:
-            self._count_interrupted()
+        self._count_interrupted()
         s = self.c.cur
         if optimizer is reader.plain_optimizer and s.grad_read and reader.plain_step(optimizer):
             self.c.raise_halt()
@@ -355,8 +354,8 @@ class StepBoundary:
         before each step the fast path does not take (a loop may catch the KeyboardInterrupt
         and train on)."""
         last = self.c.engine.last_step
-        if last is not None and int(last) >= self.c.step:
-            self.c.step = int(last) + 1
+        if last is not None and last >= self.c.step:
+            self.c.step = last + 1
 
     def _observe(self, lr: Optional[float], final: bool = False, skipped: bool = False) -> None:
         try:
