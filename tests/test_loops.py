@@ -124,17 +124,25 @@ def test_lbfgs_counts_one_step_per_optimizer_step():
     assert len(recorded(dbg, "0")) == 5
 
 
+def through_layers(model: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
+    for layer in model:  # (the model's own forward never runs, as in a VAE's encode/decode)
+        x = layer(x)
+    return x
+
+
+@pytest.mark.parametrize("call", [nn.Sequential.__call__, through_layers], ids=["model", "its_layers"])
 @pytest.mark.parametrize("how", ["no_grad", "data"])
-def test_a_loop_that_updates_the_weights_by_hand_is_observed_step_for_step(how):
+def test_a_loop_that_updates_the_weights_by_hand_is_observed_step_for_step(how, call):
     # PyTorch's "What is torch.nn really?" tutorial (no_grad), and `p.data -= ...` (which
-    # leaves the parameter's version counter as it was).
+    # leaves the parameter's version counter as it was); the model called, or its layers one
+    # by one.
     model = mlp()
     data = batches(10)
     data[6][0][3, 2] = float("nan")
     truth = []
     with NeuralDbg(model) as dbg:
         for x, y in data:
-            nn.functional.cross_entropy(model(x), y).backward()
+            nn.functional.cross_entropy(call(model, x), y).backward()
             truth.append(layer_norms(model, "0"))
             if how == "data":
                 for p in model.parameters():

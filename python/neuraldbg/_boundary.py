@@ -311,8 +311,9 @@ class StepBoundary:
 
     def updated_by_hand(self) -> bool:
         """Before the first step of a loop counted at its optimizer's steps, as a forward pass
-        of the model begins: whether the weights moved since the last backward pass gave them
-        gradients, with no optimizer step since and none running now. Then the loop updates
+        of the model begins (or a backward ends, in a loop that calls only the model's modules):
+        whether the weights moved since the last backward pass gave them gradients, with no
+        optimizer step since and none running now. Then the loop updates
         them down those gradients itself (``with torch.no_grad(): p -= lr * p.grad``,
         ``p.data.add_(...)``, an optimizer that is not a torch one), and would otherwise never be
         observed. A move up the gradients is not an update (sharpness-aware minimization's
@@ -322,8 +323,8 @@ class StepBoundary:
         s = c.cur
         if c.step_on != "optimizer" or not s.grad_read or not s.weights_before or not s.grads_before:
             return False
-        if not s.root_seen or c.dist is not None or c.disabled:
-            return False  # (gradients of no forward pass of the model: not an iteration of its loop)
+        if c.dist is not None or c.disabled:
+            return False
         moved = c.measure.updates(c.params, s.weights_before, s.grads_before)
         if moved is None or moved.direction is None:
             return False

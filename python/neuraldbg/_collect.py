@@ -299,8 +299,9 @@ class Collector:
                 self.cur.raw_inputs.append(x)
             return
         self.thread = _thread_id()
-        if self.step == 0 and self.boundary.updated_by_hand():
+        if self.step == 0 and self.cur.root_seen and self.boundary.updated_by_hand():
             # This forward begins the second iteration: the first, stepped by hand, is step 0.
+            # (Gradients of no forward pass of the model are not an iteration of its loop.)
             self.step_on, self.by_hand, self.backward_due = "backward", True, True
         if self.backward_due:
             self.boundary.run_due()
@@ -563,6 +564,14 @@ class Collector:
             return
         if not self.registered:
             self.decide_reader()
+        if self.step == 0 and not self.cur.root_seen and self.refs and self.boundary.updated_by_hand():
+            # A loop that calls the model's modules, never the model (``model.encode(x)``), and
+            # updates the weights by hand: found at its second backward, whose iteration is step 1
+            # (the module calls recorded since the first are kept for it).
+            self.step_on, self.by_hand = "backward", True
+            calls = list(self.refs)
+            self.boundary.backward_step()
+            self.refs.extend(calls)
         self.cur.take_loss(self.tap_current, self.criterion is not None)
         self.reader.read_gradients()
         self.reader.check_after_backward()
