@@ -130,12 +130,14 @@ def through_layers(model: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-@pytest.mark.parametrize("call", [nn.Sequential.__call__, through_layers], ids=["model", "its_layers"])
+@pytest.mark.parametrize(
+    "call", [nn.Sequential.__call__, nn.Sequential.forward, through_layers], ids=["model", "its_forward", "its_layers"]
+)
 @pytest.mark.parametrize("how", ["no_grad", "data"])
 def test_a_loop_that_updates_the_weights_by_hand_is_observed_step_for_step(how, call):
     # PyTorch's "What is torch.nn really?" tutorial (no_grad), and `p.data -= ...` (which
-    # leaves the parameter's version counter as it was); the model called, or its layers one
-    # by one.
+    # leaves the parameter's version counter as it was); the model called, its `forward`
+    # called (no forward hook of the model runs), or its layers one by one.
     model = mlp()
     data = batches(10)
     data[6][0][3, 2] = float("nan")
