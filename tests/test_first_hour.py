@@ -488,3 +488,56 @@ def test_a_frozen_model_watched_while_its_head_trains_is_told_it_has_nothing_tha
             F.mse_loss(head(backbone(x)), y).backward()
             opt.step()
     assert dbg.step == 0 and head.weight.grad is not None
+
+
+def _foreign(module: str) -> Any:
+    """An instance of a class defined in ``module`` (another framework's model, as its type says)."""
+    return type("Model", (), {"__module__": module})()
+
+
+@pytest.mark.parametrize(
+    "model, says",
+    [
+        ([torch.zeros(784, 10, requires_grad=True), torch.zeros(10, requires_grad=True)], "bare tensors have none"),
+        (torch.zeros(3, requires_grad=True), "bare tensors have none"),
+        ({"w": torch.zeros(3, requires_grad=True)}, "bare tensors have none"),
+        ([nn.Linear(2, 2), nn.Linear(2, 2)], "NeuralDbg(torch.nn.ModuleList([encoder, decoder]))"),
+        (_foreign("flax.nnx.nn.linear"), "from neuraldbg.jax import NeuralDbg"),
+        (_foreign("keras.src.models.sequential"), "neuraldbg.keras.NeuralDbgCallback()"),
+    ],
+    ids=["tensor_list", "tensor", "tensor_dict", "module_list", "flax", "keras"],
+)
+def test_what_is_not_a_torch_module_is_told_what_to_watch_instead(model: Any, says: str) -> None:
+    # A first hour: the tensors of "What is torch.nn really?", [encoder, decoder], a flax or
+    # Keras model given to the PyTorch debugger.
+    with pytest.raises(neuraldbg.ModelError, match="NeuralDbg watches a torch.nn.Module, got") as e:
+        NeuralDbg(model)
+    assert says in str(e.value), e.value
+
+
+def test_modules_trained_together_are_watched_as_one_module_list() -> None:
+    # What the message above says to do, done: an encoder and a decoder called one after the
+    # other, never a model of both.
+    torch.manual_seed(0)
+    enc, dec = nn.Sequential(nn.Linear(8, 4), nn.Tanh()), nn.Linear(4, 8)
+    opt = torch.optim.Adam([*enc.parameters(), *dec.parameters()], 1e-2)
+    x = torch.randn(64, 8)
+    truth = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NeuralDbgWarning)
+        with NeuralDbg(nn.ModuleList([enc, dec])) as dbg:
+            for i in range(12):
+                batch = x.clone()
+                if i == 7:
+                    batch[2, 2] = float("nan")
+                loss = ((dec(enc(batch)) - batch) ** 2).mean()
+                opt.zero_grad()
+                loss.backward()
+                truth.append(math.hypot(float(dec.weight.grad.norm()), float(dec.bias.grad.norm())))
+                opt.step()
+    assert dbg.step == 12
+    steps, norms = dbg.history("1")  # the decoder's gradient norms
+    assert list(steps) == list(range(12))
+    np.testing.assert_allclose(norms[:7], truth[:7], rtol=1e-5)
+    top = dbg.explain_failure()[0]
+    assert (top.failure.value, top.cause.value, top.step) == ("data_anomaly", "bad_input_data", 7), top

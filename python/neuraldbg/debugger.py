@@ -29,6 +29,31 @@ _STEP_ON = ("optimizer", "each_optimizer", "backward")
 _DISTRIBUTED = ("auto", "off")
 
 
+def _not_a_module(model: Any, torch: Any) -> str:
+    """What to watch instead of ``model``, which is not a ``torch.nn.Module``."""
+    kind = type(model)
+    said = f"NeuralDbg watches a torch.nn.Module, got {kind.__module__}.{kind.__qualname__}"
+    root = kind.__module__.split(".")[0]
+    if root in ("flax", "jax", "jaxlib"):
+        return f"{said}: for a flax or JAX model use `from neuraldbg.jax import NeuralDbg` (docs/jax-keras.md)"
+    if root in ("keras", "tf_keras", "tensorflow"):
+        return f"{said}: for Keras give `model.fit` a `neuraldbg.keras.NeuralDbgCallback()` (docs/jax-keras.md)"
+    items = list(model.values()) if isinstance(model, dict) else model if isinstance(model, (list, tuple)) else [model]
+    if items and all(isinstance(t, torch.Tensor) for t in items):
+        return (
+            f"{said}: NeuralDBG observes a model's layers, and weights kept as bare tensors have none. "
+            "Build the model from torch.nn layers (nn.Linear(784, 10) holds a weight and a bias) and "
+            "watch it: NeuralDbg(model)"
+        )
+    if items and all(isinstance(m, torch.nn.Module) for m in items):
+        return (
+            f"{said}: modules trained together as one model are watched as one, "
+            "NeuralDbg(torch.nn.ModuleList([encoder, decoder])); models trained against each other "
+            "(a GAN's two) each in their own, `with NeuralDbg(g) as dg, NeuralDbg(d) as dd:`"
+        )
+    return said
+
+
 class NeuralDbg(Results):
     """Watches one model's training and explains why it failed.
 
@@ -150,9 +175,7 @@ class NeuralDbg(Results):
         except ImportError as e:  # pragma: no cover - depends on the environment
             raise ModelError("NeuralDbg needs PyTorch: pip install torch") from e
         if not isinstance(model, torch.nn.Module):
-            raise ModelError(
-                f"NeuralDbg watches a torch.nn.Module, got {type(model).__module__}.{type(model).__qualname__}"
-            )
+            raise ModelError(_not_a_module(model, torch))
         # torch.compile(model) returns a wrapper whose only child is the model: watch the model
         # (its own names; its hooks are traced into the compiled graph).
         inner = getattr(model, "_orig_mod", None)
