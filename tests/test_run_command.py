@@ -211,26 +211,67 @@ def test_a_script_that_never_steps_its_optimizer_is_told_so_and_ends_as_it_would
     assert model["steps"] == 0 and model["loss"] == []
 
 
-def test_a_script_that_updates_its_weights_by_hand_is_told_how_to_watch_it(tmp_path: Path) -> None:
-    # No optimizer to find the model by: `run` says so, and how the script itself watches it.
+def test_a_script_that_updates_its_weights_by_hand_is_watched_from_its_first_step(tmp_path: Path) -> None:
+    # No optimizer to find the model by (PyTorch's "What is torch.nn really?" loop): the model
+    # is found at the first backward pass, and every iteration is a step, the first included.
     script = """
         import torch, torch.nn as nn
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
         x = torch.randn(64, 8); y = x.sum(1, keepdim=True)
-        for step in range(10):
-            nn.functional.mse_loss(model(x), y).backward()
+        for step in range(20):
+            batch = x.clone()
+            if step == 12:
+                batch[3, 2] = float("nan")
+            loss = nn.functional.mse_loss(model(batch), y)
+            loss.backward()
+            g = model[0]
+            print("step", step, "loss", float(loss), "grad", float(torch.cat([g.weight.grad.flatten(), g.bias.grad]).norm()))
             with torch.no_grad():
                 for p in model.parameters():
                     p -= 0.01 * p.grad
             model.zero_grad()
         print("finished")
     """
+    r = run(tmp_path, script, "--out", "o", "--json", "d.json")
+    assert r.returncode == 0, r.stderr
+    assert "finished" in r.stdout and "Traceback" not in r.stderr, r.stderr
+    printed = re.findall(r"^step (\d+) loss (\S+) grad (\S+)$", r.stdout, re.M)
+    loaded = neuraldbg.load(str(tmp_path / "o" / "Sequential.ndbg"))
+    assert loaded.step == 20
+    steps, grads = loaded.history("0")
+    assert list(steps) == list(range(20))
+    np.testing.assert_allclose(grads[:12], [float(g) for _, _, g in printed[:12]], rtol=1e-5)
+    steps, loss = loaded.history(None, "loss")
+    np.testing.assert_allclose(loss[:12], [float(v) for _, v, _ in printed[:12]], rtol=1e-5)
+    top = json.loads((tmp_path / "d.json").read_text())["hypotheses"][0]
+    assert (top["failure"], top["cause"], top["step"]) == ("data_anomaly", "bad_input_data", 12), top
+
+    r = run(tmp_path, script, "--steps", "7", "--out", "o7")
+    assert r.returncode == 0, r.stderr
+    assert "stopped the script: --steps 7" in r.stderr and "finished" not in r.stdout, r.stderr
+    assert len(re.findall(r"^step ", r.stdout, re.M)) == 7
+    assert neuraldbg.load(str(tmp_path / "o7" / "Sequential.ndbg")).step == 7
+
+
+def test_a_script_whose_weights_are_bare_tensors_is_told_what_can_be_watched(tmp_path: Path) -> None:
+    # The first loop of "What is torch.nn really?": weights as tensors, no module to watch.
+    script = """
+        import torch
+        torch.manual_seed(0)
+        w = torch.randn(8, 1, requires_grad=True)
+        x = torch.randn(64, 8); y = x.sum(1, keepdim=True)
+        for step in range(5):
+            ((x @ w - y) ** 2).mean().backward()
+            with torch.no_grad():
+                w -= 0.01 * w.grad
+                w.grad.zero_()
+        print("finished")
+    """
     r = run(tmp_path, script)
     assert r.returncode == 0, r.stderr
     assert "finished" in r.stdout and "Traceback" not in r.stderr, r.stderr
-    assert "no model was trained" in r.stderr and "updates the weights by hand" in r.stderr, r.stderr
-    assert "with neuraldbg.NeuralDbg(model)" in r.stderr, r.stderr
+    assert "no model was trained" in r.stderr and "bare tensors" in r.stderr, r.stderr
 
 
 def test_an_optimizer_made_before_the_model_was_re_created_is_told_so(tmp_path: Path) -> None:
@@ -698,6 +739,19 @@ def test_a_keras_script_unchanged(tmp_path: Path, monkeypatch: Any) -> None:
     assert data["stopped"].startswith("halted") and "iterations" not in r.stdout
     assert data["steps"] == 7  # the NaN batch 5, confirmed before batch 6, which Keras still trains
     assert data["hypotheses"][0]["failure"] == "data_anomaly" and data["hypotheses"][0]["step"] == 5
+
+
+def test_a_keras_fit_on_the_torch_backend_is_watched_once(tmp_path: Path, monkeypatch: Any) -> None:
+    """On Keras' torch backend the fit's backward passes are torch's and no torch optimizer is
+    made: the fit is its callback's to watch, not a loop that updates its weights by hand."""
+    _needs("keras", "torch")
+    monkeypatch.setenv("KERAS_BACKEND", "torch")
+    r = run(tmp_path, KERAS, "--json", "d.json", "--out", "o", "SCRIPT", timeout=400)
+    assert r.returncode == 0, r.stderr
+    assert "could not watch" not in r.stderr and "cannot watch" not in r.stderr, r.stderr
+    data = json.loads((tmp_path / "d.json").read_text())
+    (model,) = data["models"]
+    assert (model["name"], model["steps"], data["steps"]) == ("Sequential", 40, 40)
 
 
 FLAX = """

@@ -108,6 +108,10 @@ class Collector:
         # The loop updates the weights itself, with no torch optimizer: steps end at the end of
         # each backward pass (see StepBoundary.updated_by_hand), until an optimizer steps them.
         self.by_hand = False
+        # Entered between an iteration's forward pass and its backward (``neuraldbg run`` finds a
+        # loop that updates by hand at its first backward): that backward's gradients are of a
+        # forward of the model that no hook saw.
+        self.joined_in_backward = False
         # Parameters whose optimizer maximizes (``maximize=True``): their steps go up the
         # gradient on purpose.
         self.maximized: Set[int] = set()
@@ -299,7 +303,7 @@ class Collector:
                 self.cur.raw_inputs.append(x)
             return
         self.thread = _thread_id()
-        if self.step == 0 and self.cur.root_seen and self.boundary.updated_by_hand():
+        if self.step == 0 and (self.cur.root_seen or self.joined_in_backward) and self.boundary.updated_by_hand():
             # This forward begins the second iteration: the first, stepped by hand, is step 0.
             # (Gradients of no forward pass of the model are not an iteration of its loop.)
             self.step_on, self.by_hand, self.backward_due = "backward", True, True

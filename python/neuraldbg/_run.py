@@ -315,6 +315,27 @@ def _modules_training(params: Sequence[Any]) -> List[Any]:
     return list(roots.values())
 
 
+def _graph_parameters(tensors: Any) -> List[Any]:
+    """The tensors that a backward pass of ``tensors`` (a tensor or a sequence of them) would
+    give a ``.grad``: the leaves its graph accumulates into, in the order first met."""
+    import torch
+
+    roots = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    todo: List[Any] = [t.grad_fn for t in roots if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    seen: Set[int] = set()
+    found: Dict[int, Any] = {}
+    while todo:
+        fn = todo.pop()
+        if fn is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        leaf = getattr(fn, "variable", None)  # an AccumulateGrad node
+        if isinstance(leaf, torch.Tensor):
+            found.setdefault(id(leaf), leaf)
+        todo.extend(next_fn for next_fn, _ in fn.next_functions)
+    return list(found.values())
+
+
 def _outermost(m: Any, parents: Dict[int, List[Any]]) -> Any:
     """``m`` widened while a parent trains the same parameters as it (frozen ones aside)."""
 
@@ -367,6 +388,10 @@ class Watch:
         self._jax_kind: Any = None
         self.failed: Optional[str] = None
         self.running = False  # the script runs: --steps and --halt-on may stop it
+        # Whether a torch optimizer was made, and the first backward pass met (a loop with no
+        # optimizer updates its weights by hand: its model is found at that backward).
+        self._optimizer_made = False
+        self._backward_met = False
 
     def start(self) -> None:
         self.running = True
@@ -402,6 +427,28 @@ class Watch:
             return __init__
 
         self._patch(torch.optim.Optimizer, "__init__", wrap)
+
+        def wrap_backward(original: Any) -> Any:
+            @functools.wraps(original)
+            def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
+                if not watch._backward_met and watch._first_backward(tensors):
+                    # Through the watching debugger's own wrapper, now in place (it reads this
+                    # backward; this one only passes calls on from now on).
+                    return torch.autograd.backward(tensors, *args, **kwargs)
+                if (
+                    watch.steps is not None
+                    and not watch._optimizer_made
+                    and watch.models
+                    and watch.step() >= watch.steps
+                ):
+                    # A loop stepped by hand: a step ends with its backward, so --steps stops
+                    # the script as the backward after the last begins.
+                    raise _StopRun()
+                return original(tensors, *args, **kwargs)
+
+            return backward
+
+        self._patch(torch.autograd, "backward", wrap_backward)
 
     def _keras(self, keras: ModuleType) -> None:
         from .keras import NeuralDbgCallback, _guard_fit
@@ -540,9 +587,36 @@ class Watch:
         if self.running:
             raise _HaltRun(TrainingFailure(hypotheses, dbg._fed))
 
+    def _first_backward(self, tensors: Any) -> bool:
+        """The script's first backward pass, before it runs. With no optimizer made, the loop
+        updates the weights by hand (``p -= lr * p.grad``): the modules holding the parameters
+        its graph reaches are watched from now on, and the debugger finds the updates from the
+        next iteration on (the in-code API's "updates written by hand"). Whether a model is
+        watched now."""
+        self._backward_met = True
+        if self._optimizer_made or not self.running:
+            return False
+        found = False
+        try:
+            for module in _modules_training(_graph_parameters(tensors)):
+                if type(module).__module__.startswith("keras."):
+                    continue  # Keras on torch: its fit is watched, by a callback
+                dbg = self._watch(module)
+                if dbg is not None:
+                    dbg._collector.joined_in_backward = True
+                    found = True
+        except NeuralDbgError as e:
+            self.failed = str(e)
+            _say(f"cannot watch this script's model: {e}")
+        except Exception as e:
+            self.failed = f"{type(e).__name__}: {e}"
+            warnings.warn(f"neuraldbg run could not watch a model: {self.failed}", NeuralDbgWarning, stacklevel=3)
+        return found
+
     def _made(self, optimizer: Any) -> None:
         """An optimizer was made: the models it trains that are not watched yet are watched
         from now on. An error here is reported and the script goes on, that model unwatched."""
+        self._optimizer_made = True
         try:
             params = [p for g in optimizer.param_groups for p in g["params"]]
             if all(id(p) in self.watched for p in params):
@@ -561,11 +635,12 @@ class Watch:
             self.failed = f"{type(e).__name__}: {e}"
             warnings.warn(f"neuraldbg run could not watch a model: {self.failed}", NeuralDbgWarning, stacklevel=2)
 
-    def _watch(self, module: Any) -> None:
+    def _watch(self, module: Any) -> Any:
+        """Watches ``module`` from now on: its debugger, None if it was watched already."""
         from .debugger import NeuralDbg
 
         if any(m is module for _, m, _ in self.models):
-            return
+            return None
         name = self._name(type(module).__name__)
         if self.apply is not None and self._remedy is None:
             from ._confirm import Remedy
@@ -582,6 +657,7 @@ class Watch:
         dbg.__enter__()
         self.models.append((name, module, dbg))
         self.watched.update(id(p) for p in module.parameters())
+        return dbg
 
     def _count_last(self) -> None:
         """The ``--steps`` counter, called after every debugger's own step hook so the step
@@ -678,8 +754,9 @@ def _print_diagnosis(watch: Watch, quiet: bool) -> None:
         why = f" ({watch.failed})" if watch.failed else ""
         _say(
             "no model was trained: no torch optimizer was made for one, no Keras model was fitted, "
-            f"no flax nnx.Optimizer or TrainState was made{why}. A loop that updates the weights by hand "
-            "is watched from inside the script: with neuraldbg.NeuralDbg(model): ..."
+            f"no flax nnx.Optimizer or TrainState was made, no backward pass reached a torch module's "
+            f"parameters{why}. Weights kept as bare tensors (no torch.nn module) cannot be watched: "
+            "build the model from torch.nn layers"
         )
         return
     for name, _, dbg in watch.models:
