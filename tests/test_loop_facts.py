@@ -85,6 +85,36 @@ def test_grad_accumulated_says_whether_grads_were_zeroed(zeroing):
     assert got[1:] == [1.0 if zeroing == "none" else 0.0] * 4
 
 
+def _by_layers(model: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
+    for layer in model:
+        x = layer(x)
+    return x
+
+
+@pytest.mark.parametrize("call", [nn.Sequential.__call__, _by_layers], ids=["model", "its_layers"])
+@pytest.mark.parametrize("zeroing", ["none", "model", "zero_"])
+def test_grad_accumulated_in_a_loop_that_updates_the_weights_by_hand(zeroing, call):
+    # The loop is found updating by hand at its second iteration; the gradient its first
+    # update used is read after the loop went on (possibly zeroed), so the fact is known from
+    # the third step on. A loop that never zeroes is a missing zero_grad, as with an optimizer.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    with watch(model) as spy:
+        for step in range(6):
+            x, y = data(step)
+            F.mse_loss(call(model, x), y).backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.01 * p.grad
+            if zeroing == "model":
+                model.zero_grad()
+            elif zeroing == "zero_":
+                for p in model.parameters():
+                    p.grad.zero_()
+    got = [f.get("grad_accumulated") for f in spy.facts]
+    assert got == [None, None] + [1.0 if zeroing == "none" else 0.0] * 4
+
+
 @pytest.mark.parametrize("zeroing", ["none", "set_to_none"])
 def test_grad_accumulated_is_read_on_a_trained_parameter_when_the_optimizer_also_holds_frozen_ones(zeroing):
     # As in LoRA or a frozen backbone: every parameter goes to the optimizer, the first layer's

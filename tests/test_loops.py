@@ -160,6 +160,27 @@ def test_a_loop_that_updates_the_weights_by_hand_is_observed_step_for_step(how, 
     assert (top.failure.value, top.cause.value, top.step) == ("data_anomaly", "bad_input_data", 6), top
 
 
+def test_a_loop_that_updates_by_hand_and_never_zeroes_its_gradients_is_named_a_missing_zero_grad():
+    # The tutorial's loop without its `model.zero_grad()`: each update uses every gradient so
+    # far. Named as the same loop with an optimizer and no `optimizer.zero_grad()` is (before
+    # the loop facts read a loop stepped by hand, it was called dying ReLUs).
+    torch.manual_seed(0)
+    x = torch.randn(512, 20)
+    y = (x @ torch.randn(20, 3)).argmax(1)
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 3))
+    with NeuralDbg(model) as dbg:
+        for _ in range(4):
+            for i in range(0, 512, 16):
+                nn.functional.cross_entropy(model(x[i : i + 16]), y[i : i + 16]).backward()
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p -= 0.05 * p.grad
+    assert dbg.step == 128
+    top = dbg.explain_failure()[0]
+    assert top.cause.value == "missing_zero_grad" and top.confidence >= 0.5, top
+
+
 def test_sam_moving_the_weights_up_their_gradients_is_no_update_by_hand():
     # Sharpness-aware minimization: an ascent step by hand, a second backward there, the
     # optimizer's step from the first point. The weights moved between two backward passes

@@ -69,7 +69,7 @@ class StepBoundary:
     def backward_step(self, halt: bool = True) -> None:
         """``step_on="backward"``: the backward pass that just ended is a step."""
         self._observe(lr=None)
-        self.c.step += 1
+        self._count_step()
         self.arm_probes(self.activations_next())
         if halt:
             self.c.raise_halt()
@@ -242,7 +242,7 @@ class StepBoundary:
         # too, when the backward returns, instead of by hooks that fire inside it.
         tap = self.c.reader.host and self.c in BACKWARD_TAP.collectors and not self.c.hooks.frozen
         self.c.hooks.read_at_tap(self.c, self.c.params, tap)
-        self.c.loop.install_probe(hook=not tap)
+        self.c.loop.install_probe(hook=not tap, by_hand=self.c.by_hand)
         self.c.reader.make_plain()
         registering = self.c.loop.optimizer
         self.c.loop.optimizer = None

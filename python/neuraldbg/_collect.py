@@ -306,7 +306,9 @@ class Collector:
         if self.step == 0 and (self.cur.root_seen or self.joined_in_backward) and self.boundary.updated_by_hand():
             # This forward begins the second iteration: the first, stepped by hand, is step 0.
             # (Gradients of no forward pass of the model are not an iteration of its loop.)
-            self.step_on, self.by_hand, self.backward_due = "backward", True, True
+            self.step_on, self.by_hand = "backward", True
+            self.boundary.backward_step()
+            self.loop.forget_gradient()  # (seen after the loop may have zeroed it, not at its backward's end)
         if self.backward_due:
             self.boundary.run_due()
         if _functorch_active():

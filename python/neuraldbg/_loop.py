@@ -102,18 +102,19 @@ class LoopFacts:
 
     # ------------------------------------------------------------------ per step
 
-    def install_probe(self, hook: bool = True) -> None:
+    def install_probe(self, hook: bool = True, by_hand: bool = False) -> None:
         """Watches one parameter the stepping optimizer holds (its ``zero_grad()`` clears
-        exactly those), from the first optimizer step on: by a tensor hook, or (``hook``
-        False) through :meth:`before_backward` and :meth:`after_backward`, called around
-        each backward pass."""
+        exactly those), from the first optimizer step on, or (``by_hand``: a loop that updates
+        the weights itself, whose ``model.zero_grad()`` clears them all) one of the model's:
+        by a tensor hook, or (``hook`` False) through :meth:`before_backward` and
+        :meth:`after_backward`, called around each backward pass."""
         opt = self.optimizer
-        if opt is None or self.probe is not None:
+        if (opt is None and not by_hand) or self.probe is not None:
             return
-        held = {id(p) for g in opt.param_groups for p in g["params"]}
+        held = None if opt is None else {id(p) for g in opt.param_groups for p in g["params"]}
         for p in self.params:
             # (An optimizer may hold frozen parameters too: they never get a gradient.)
-            if id(p) in held and getattr(p, "is_leaf", False) and getattr(p, "requires_grad", False):
+            if (held is None or id(p) in held) and getattr(p, "is_leaf", False) and getattr(p, "requires_grad", False):
                 self.probe = p
                 if hook:
                     self.hook_probe()
@@ -181,13 +182,20 @@ class LoopFacts:
             self.accumulated = None
 
     def after_optimizer_step(self) -> None:
-        """The optimizer stepped: remember the gradient it used (after any clipping)."""
+        """The optimizer stepped (or a step stepped by hand ended with its backward): remember
+        the gradient it used (after any clipping)."""
         p = self.probe
         if p is None:
             return
         g = p.grad
         self.after_step_grad = None if g is None else _grad_key(g)
         self.armed = self.after_step_grad is not None or g is None
+
+    def forget_gradient(self) -> None:
+        """The gradient :meth:`after_optimizer_step` remembered is not the step's (read after
+        the loop went on): the next backward tells nothing."""
+        self.after_step_grad = None
+        self.armed = False
 
     def step_facts(self) -> Dict[str, float]:
         """The facts of the step being observed; resets the per-step state."""
