@@ -181,6 +181,25 @@ def test_a_loop_that_updates_by_hand_and_never_zeroes_its_gradients_is_named_a_m
     assert top.cause.value == "missing_zero_grad" and top.confidence >= 0.5, top
 
 
+@pytest.mark.parametrize("call", [nn.Sequential.__call__, through_layers], ids=["model", "its_layers"])
+def test_a_loop_that_updates_by_hand_up_the_gradient_is_observed_and_named_a_flipped_update_sign(call):
+    # `p += lr * p.grad`: with no torch optimizer holding the weights, a move up the gradients
+    # is the loop's own update (with one, it is an ascent before the optimizer steps: SAM's,
+    # below). It was never observed: 0 steps, "it did not train".
+    model = mlp()
+    with NeuralDbg(model) as dbg:
+        for x, y in batches(20):
+            nn.functional.cross_entropy(call(model, x), y).backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p += 0.5 * p.grad
+            model.zero_grad()
+    assert dbg.step == 20
+    top = dbg.explain_failure()[0]
+    assert (top.failure.value, top.cause.value) == ("loss_divergence", "flipped_update_sign"), top
+    assert top.confidence >= 0.5, top
+
+
 def test_sam_moving_the_weights_up_their_gradients_is_no_update_by_hand():
     # Sharpness-aware minimization: an ascent step by hand, a second backward there, the
     # optimizer's step from the first point. The weights moved between two backward passes

@@ -13,11 +13,12 @@ decides what the coming step measures.
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 import warnings
 from types import FrameType
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from ._measure import Probe
 from ._model import learn_order
@@ -41,6 +42,19 @@ def _optimizer_stepping() -> bool:
         if isinstance(frame.f_locals.get("self"), Optimizer):
             return True
         frame = frame.f_back
+    return False
+
+
+def _optimizer_holds(params: Sequence[Any]) -> bool:
+    """Whether a torch optimizer that exists now holds one of ``params`` (one that has not
+    stepped yet, such as sharpness-aware minimization's before its first step). Scans every
+    live object: called only when the weights moved up their gradients before any step."""
+    from torch.optim import Optimizer
+
+    want = {id(p) for p in params}
+    for o in gc.get_objects():  # (by type: an object's __class__ may warn, torch.distributed.reduce_op's does)
+        if issubclass(type(o), Optimizer) and any(id(p) in want for g in o.param_groups for p in g["params"]):
+            return True
     return False
 
 
@@ -316,8 +330,9 @@ class StepBoundary:
         optimizer step since and none running now. Then the loop updates
         them down those gradients itself (``with torch.no_grad(): p -= lr * p.grad``,
         ``p.data.add_(...)``, an optimizer that is not a torch one), and would otherwise never be
-        observed. A move up the gradients is not an update (sharpness-aware minimization's
-        ascent, before its optimizer steps). Read on the sample of the weights taken for the
+        observed. A move up the gradients is an update only when no torch optimizer holds the
+        weights (then it is the loop's own, its sign flipped); else it is an ascent before the
+        optimizer steps (sharpness-aware minimization's). Read on the sample of the weights taken for the
         step size (:meth:`update_due`)."""
         c = self.c
         s = c.cur
@@ -328,7 +343,12 @@ class StepBoundary:
         moved = c.measure.updates(c.params, s.weights_before, s.grads_before)
         if moved is None or moved.direction is None:
             return False
-        return bool(moved.direction.nan_to_num().sum() < 0) and not _optimizer_stepping()
+        climb = float(moved.direction.nan_to_num().sum())
+        if climb == 0.0 or _optimizer_stepping():
+            return False
+        # Up the gradients: an update only when no optimizer could be about to step (a loop's
+        # own update with its sign flipped, ``p += lr * p.grad``); else an ascent before the step.
+        return climb < 0.0 or not _optimizer_holds(c.params)
 
     def update_due(self) -> bool:
         """Measure how far this step's optimizer update moves the weights: on the dense first
