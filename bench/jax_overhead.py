@@ -268,6 +268,13 @@ def load_before(rev: str, name: str) -> Any:
     module = importlib.util.module_from_spec(spec)
     module.__package__ = "neuraldbg"
     exec(compile(source, f"{rev}:{name}.py", "exec"), module.__dict__)
+    if "updates=ratios" in source:  # (a spoke from before Record's `measures`: its step sizes as they went then)
+        from neuraldbg._spoke import Record
+
+        def record(step: int, updates: Any = None, **kwargs: Any) -> Any:
+            return Record(step, measures=None if updates is None else {"update_ratio": updates}, **kwargs)
+
+        module.Record = record
     setattr(neuraldbg, f"_{name}_before", module)
     return module
 

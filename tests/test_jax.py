@@ -263,6 +263,77 @@ def test_the_optimizers_kind_makes_the_step_size_right(make: Any, lr: float, kin
     assert truth / 3 < said < truth * 3, (said, truth)
 
 
+def _frozen_but_the_head(params: Any) -> Any:
+    """optax.masked's mask that trains only ``out``: what a user writes to freeze the rest."""
+    return jax.tree_util.tree_map_with_path(lambda path, _: path[0].key == "out", params)
+
+
+@pytest.mark.parametrize("how", ["adam", "masked"])
+def test_update_direction_is_the_cosine_between_each_move_and_its_gradient(how: str) -> None:
+    """From two consecutive sampled rows (the first ``dense_steps`` updates), per measured
+    kernel: the cosine between how the update moved a strided sample of it (every
+    ``size // 8``-th element, the first 8) and the gradient that update was given there, posted
+    with the next step's row, as the step size is. Below 0 under Adam; +1 for the layers a user
+    meant to freeze with ``optax.masked``, which passes their gradients through as their
+    updates, so ``apply_updates`` climbs them: named a flipped update sign (before: a learning
+    rate too high). The truth is each kernel's move read from the model around the step and
+    the gradient the step returned."""
+    model = MLP(3, 32, nnx.Rngs(0))
+    x, y = data()
+    tx = optax.adam(1e-3) if how == "adam" else optax.masked(optax.adam(1e-3), _frozen_but_the_head)
+    seen: Dict[int, np.ndarray] = {}
+    truth_: List[Dict[str, float]] = []
+    with NeuralDbg(model) as dbg:
+        engine = dbg._engine
+
+        class Spy:
+            def __getattr__(self, name: str) -> Any:
+                return getattr(engine, name)
+
+            def observe(self, step: int, *args: Any, **kwargs: Any) -> Any:
+                measures = kwargs.get("measures") or {}
+                if "update_direction" in measures:
+                    seen[step] = np.asarray(measures["update_direction"])
+                return engine.observe(step, *args, **kwargs)
+
+        dbg._engine = Spy()
+        optimizer = nnx.Optimizer(model, dbg.wrap(tx), wrt=nnx.Param)
+        step = make_step()
+        for i in range(40):
+            layers = [model.inp, *model.hidden, model.out]
+            before = [np.asarray(layer.kernel.value, np.float64) for layer in layers]
+            j = (i * 32) % len(x)
+            _, grads = step(model, optimizer, x[j : j + 32], y[j : j + 32])
+            after = [np.asarray(layer.kernel.value, np.float64) for layer in layers]
+            pure = nnx.as_pure(grads)
+            g = [pure["inp"]["kernel"], *(pure["hidden"][k]["kernel"] for k in range(3)), pure["out"]["kernel"]]
+            row = {}
+            for name, b, a, gk in zip(LAYERS, before, after, g):
+                stride = max(1, b.size // 8)
+                move, grad = (a - b).reshape(-1)[::stride][:8], np.asarray(gk, np.float64).reshape(-1)[::stride][:8]
+                row[name] = float(move @ grad / np.sqrt((move @ move) * (grad @ grad)))
+            truth_.append(row)
+    sampled = [s for s in range(40) if s < dbg._dense_steps or s % dbg._weight_every == 0]
+    assert sorted(seen) == [s for s in sampled if s - 1 in sampled and s <= dbg._dense_steps]
+    names = [".".join(e.layer) for e in dbg._model.entries]
+    for s, cosines in seen.items():
+        measured = {names[k]: float(v) for k, v in enumerate(cosines) if np.isfinite(v)}
+        assert len(measured) == 4 and set(measured) <= set(LAYERS), measured
+        for name, value in measured.items():
+            assert value == pytest.approx(truth_[s - 1][name], abs=1e-3), (s, name)
+            if how == "masked" and name != "out":
+                assert value == pytest.approx(1.0, abs=1e-5), (s, name)
+            elif s <= 5:  # the steps the engine reads; Adam's momentum may later turn a sample's cosine
+                assert value < 0, (s, name, value)
+    causes = [str(h.cause) for h in dbg.explain_failure()]
+    if how == "adam":
+        assert "flipped_update_sign" not in causes
+    else:
+        top = dbg.explain_failure()[0]
+        assert str(top.cause) == "flipped_update_sign" and top.confidence >= 0.8, top
+        assert "optax.set_to_zero()" in top.remedies[0]
+
+
 def test_the_kind_of_step_is_read_from_the_transformations_state() -> None:
     from neuraldbg.jax import optimizer_kind
 

@@ -128,7 +128,7 @@ def path_option(name: str, value: Any) -> Optional[str]:
 class Record:
     """One optimizer step's numbers, as a spoke posts them (parameters in spec order)."""
 
-    __slots__ = ("activations", "grads", "has_loss", "inputs", "loss", "lr", "mean", "step", "updates", "weights")
+    __slots__ = ("activations", "grads", "has_loss", "inputs", "loss", "lr", "mean", "measures", "step", "weights")
 
     def __init__(
         self,
@@ -140,14 +140,16 @@ class Record:
         has_loss: bool = False,
         activations: Optional[np.ndarray] = None,
         inputs: Optional[np.ndarray] = None,
-        updates: Optional[np.ndarray] = None,
+        measures: Optional[Dict[str, np.ndarray]] = None,
     ) -> None:
         self.step = step
         self.activations = activations
         # The input batch's ``min, max, mean, std`` (the engine's input row).
         self.inputs = inputs
-        # Per parameter, how far the update moved it relative to its size (NaN: not measured).
-        self.updates = updates
+        # Per parameter measures of the update before this step, by the engine's names (NaN: not
+        # measured): ``update_ratio`` (how far it moved the weights relative to their size) and
+        # ``update_direction`` (the cosine between that move and the gradient).
+        self.measures = measures
         # What a spoke knows of the loss instead of its value (Keras: the running mean).
         self.mean: Any = None
         self.grads = grads
@@ -481,8 +483,8 @@ class Spoke(Results):
                 continue
             if r.grads is not None:
                 have.grads, have.weights, have.lr = r.grads, r.weights, r.lr
-            if r.updates is not None:
-                have.updates = r.updates
+            if r.measures is not None:
+                have.measures = r.measures
             if r.has_loss:
                 have.loss, have.has_loss, have.mean = r.loss, True, r.mean
             if r.activations is not None:
@@ -518,7 +520,7 @@ class Spoke(Results):
                     loss=self._loss_of(r),
                     lr=r.lr,
                     facts=self._step_facts(r),
-                    measures=None if r.updates is None else {"update_ratio": r.updates},
+                    measures=r.measures,
                 )
             except Exception as e:  # never end the user's run: stop observing, say why
                 self._broken = str(e)

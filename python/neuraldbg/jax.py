@@ -738,7 +738,7 @@ class NeuralDbg(Spoke):
             self._target_facts = self._targets_facts(rows[measured[0], at : at + INPUT_STATS])
         at += INPUT_STATS
         step_sizes = [
-            self._step_size(int(steps[k]), rows[k, at : at + SAMPLE_WEIGHTS * SAMPLE_SIZE])
+            self._step_size(int(steps[k]), rows[k, at : at + 2 * SAMPLE_WEIGHTS * SAMPLE_SIZE])
             for k in np.flatnonzero((flags & HAS_SAMPLES) != 0)
             if steps[k] <= self._dense_steps
         ]
@@ -751,23 +751,30 @@ class NeuralDbg(Spoke):
         return None if mode is None else {"training": mode}
 
     def _step_size(self, step: int, samples: Any) -> Optional[Record]:
-        """How far the update before ``step`` moved each measured weight (``|W_after -
-        W_before| / |W_before|`` on its sample, the PyTorch collector's measure), from this
-        row's samples and the previous step's, for a step of the first ``dense_steps`` updates
-        (the caller's choice): a record of ``step``'s, posted with its row (the engine reads the
-        first few of these, not their steps)."""
-        now = np.asarray(samples, np.float64).reshape(SAMPLE_WEIGHTS, SAMPLE_SIZE)
+        """How the update before ``step`` moved each measured weight, from this row's samples
+        and the previous step's, for a step of the first ``dense_steps`` updates (the caller's
+        choice): how far (``|W_after - W_before| / |W_before|``) and which way (the cosine between
+        the move and the gradient that update was given, at the same elements; NaN where either
+        is zero), the PyTorch collector's ``update_ratio`` and ``update_direction``. A record of
+        ``step``'s, posted with its row (the engine reads the first few of these, not their steps)."""
+        now = np.asarray(samples, np.float64).reshape(2, SAMPLE_WEIGHTS, SAMPLE_SIZE)  # weights, gradient
         before, self._samples = self._samples, (step, now)
         if before is None or before[0] != step - 1:
             return None
         ratios = np.full(len(self._model.entries), np.nan, np.float32)
+        directions = ratios.copy()
         for k, (j, _) in enumerate(self._model.step_weights):
-            b, a = before[1][k], now[k]
+            b, a, g = before[1][0, k], now[0, k], before[1][1, k]
             kept = np.isfinite(b) & np.isfinite(a)
             size = float(np.linalg.norm(b[kept]))
             if kept.any() and size > 0:
                 ratios[j] = float(np.linalg.norm(a[kept] - b[kept])) / size
-        return Record(step, updates=ratios)
+            kept &= np.isfinite(g)
+            move, grad = a[kept] - b[kept], g[kept]
+            scale = float(np.linalg.norm(move)) * float(np.linalg.norm(grad))
+            if scale > 0:
+                directions[j] = float(move @ grad) / scale
+        return Record(step, measures={"update_ratio": ratios, "update_direction": directions})
 
     def _targets_facts(self, stats: Any) -> Dict[str, Any]:
         """The engine's facts of the targets' ``[min, max, mean, std]``: a cross-entropy's class
@@ -873,7 +880,8 @@ class NeuralDbg(Spoke):
         # large. The row: head, gradients, parameters, the inputs' and the loss's targets'
         # statistics, the samples.
         step_weights = self._model.step_weights if learning_rate is None and not _holds_lr(inner) else []
-        samples_width = SAMPLE_WEIGHTS * SAMPLE_SIZE if step_weights else 0
+        # The weights' samples, then the gradient's at the same elements.
+        samples_width = 2 * SAMPLE_WEIGHTS * SAMPLE_SIZE if step_weights else 0
         width = RING_HEAD + 2 * n + 2 * INPUT_STATS + samples_width
         if buffer is None:
             rows = max(16, min(256, 2 ** int(math.log2(max(RING_BYTES // (4 * width), 1)))))
@@ -952,7 +960,8 @@ class NeuralDbg(Spoke):
                         [
                             squares(ls, p_where),
                             nothing if t is None else target_stats(t),
-                            _samples(ls, p_where, step_weights) if step_weights else no_samples,
+                            _samples(ls, p_where, step_weights) if step_weights else no_samples[: samples_width // 2],
+                            _samples(leaves, where, step_weights) if step_weights else no_samples[samples_width // 2 :],
                         ]
                     )
 

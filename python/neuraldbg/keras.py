@@ -1530,7 +1530,7 @@ class KerasDbg(Spoke):
             size = float(np.linalg.norm(b))
             moved = float(np.linalg.norm(a - b))
             ratios[j] = moved / size if size > 0 else (np.inf if moved > 0 else np.nan)
-        self._post(Record(done - 1, updates=ratios))
+        self._post(Record(done - 1, measures={"update_ratio": ratios}))
 
     def _weight_samples(self) -> List[Any]:
         """Per watched parameter, a strided sample of its current value (float64, on the host)

@@ -346,7 +346,7 @@ impl Remedy {
             Remedy::StepDownTheGradient => fw(
                 "step down the gradient: remove whatever negates it between loss.backward() and optimizer.step() (p.grad.neg_(), p.grad = -p.grad), write an update by hand as p -= lr * p.grad, and give an optimizer maximize=True only for a quantity meant to grow",
                 "apply the gradients as the tape gives them: optimizer.apply_gradients(zip(grads, model.trainable_variables)), not their negation; an update by hand is variable.assign_sub(lr * grad)",
-                "apply the updates optax returns as they are, optax.apply_updates(params, updates), not their negation; an update by hand is params - lr * grads",
+                "apply the updates optax returns as they are, optax.apply_updates(params, updates), not their negation; an update by hand is params - lr * grads; optax.masked passes the masked-out leaves' gradients through as their updates: freeze them with optax.multi_transform and optax.set_to_zero()",
             ),
             Remedy::ZeroGradEachStep => "call optimizer.zero_grad() once per step, before loss.backward() (or model.zero_grad() when parameters are stepped by hand)".into(),
             Remedy::ShuffleData => fw(
