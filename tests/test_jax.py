@@ -115,6 +115,24 @@ def kernels_moved(model: Any, optimizer: Any, *, first: int, steps: int = 60) ->
     return moved
 
 
+class _Spy:
+    """A debugger's engine whose calls named in ``on`` are seen first, with their arguments."""
+
+    def __init__(self, engine: Any, **on: Any) -> None:
+        self._engine, self._on = engine, on
+
+    def __getattr__(self, name: str) -> Any:
+        attr, seen = getattr(self._engine, name), self._on.get(name)
+        if seen is None:
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            seen(*args, **kwargs)
+            return attr(*args, **kwargs)
+
+        return call
+
+
 def history(dbg: Any, layer: str) -> np.ndarray:
     steps, values = dbg.history(layer, "grad_norm")
     assert list(steps) == list(range(len(steps)))
@@ -242,17 +260,7 @@ def test_the_optimizers_kind_makes_the_step_size_right(make: Any, lr: float, kin
     model = MLP(3, 32, nnx.Rngs(0))
     registered: List[Dict[str, Any]] = []
     with NeuralDbg(model) as dbg:
-        engine = dbg._engine
-
-        class Spy:
-            def __getattr__(self, name: str) -> Any:
-                return getattr(engine, name)
-
-            def register_model(self, spec_json: str) -> str:
-                registered.append(json.loads(spec_json))
-                return engine.register_model(spec_json)
-
-        dbg._engine = Spy()
+        dbg._engine = _Spy(dbg._engine, register_model=lambda spec: registered.append(json.loads(spec)))
         optimizer = nnx.Optimizer(model, dbg.wrap(make(lr), learning_rate=lr), wrt=nnx.Param)
         moved = kernels_moved(model, optimizer, first=5)
     assert [spec["optimizer"] for spec in registered] == [kind]
@@ -283,20 +291,13 @@ def test_update_direction_is_the_cosine_between_each_move_and_its_gradient(how: 
     tx = optax.adam(1e-3) if how == "adam" else optax.masked(optax.adam(1e-3), _frozen_but_the_head)
     seen: Dict[int, np.ndarray] = {}
     truth_: List[Dict[str, float]] = []
+
+    def observed(step: int, *args: Any, measures: Any = None, **kwargs: Any) -> None:
+        if measures and "update_direction" in measures:
+            seen[step] = np.asarray(measures["update_direction"])
+
     with NeuralDbg(model) as dbg:
-        engine = dbg._engine
-
-        class Spy:
-            def __getattr__(self, name: str) -> Any:
-                return getattr(engine, name)
-
-            def observe(self, step: int, *args: Any, **kwargs: Any) -> Any:
-                measures = kwargs.get("measures") or {}
-                if "update_direction" in measures:
-                    seen[step] = np.asarray(measures["update_direction"])
-                return engine.observe(step, *args, **kwargs)
-
-        dbg._engine = Spy()
+        dbg._engine = _Spy(dbg._engine, observe=observed)
         optimizer = nnx.Optimizer(model, dbg.wrap(tx), wrt=nnx.Param)
         step = make_step()
         for i in range(40):

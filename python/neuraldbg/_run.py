@@ -605,12 +605,8 @@ class Watch:
                 if dbg is not None:
                     dbg._collector.joined_in_backward = True
                     found = True
-        except NeuralDbgError as e:
-            self.failed = str(e)
-            _say(f"cannot watch this script's model: {e}")
         except Exception as e:
-            self.failed = f"{type(e).__name__}: {e}"
-            warnings.warn(f"neuraldbg run could not watch a model: {self.failed}", NeuralDbgWarning, stacklevel=3)
+            self._unwatched(e, stacklevel=4)
         return found
 
     def _made(self, optimizer: Any) -> None:
@@ -628,12 +624,20 @@ class Watch:
             if self._remedy is not None:
                 self._remedy.optimizer_made(optimizer)
             self._count_last()
-        except NeuralDbgError as e:
+        except Exception as e:
+            self._unwatched(e, stacklevel=3)
+
+    def _unwatched(self, e: Exception, stacklevel: int) -> None:
+        """A model could not be watched: said (ours, a clear error; else a warning at the
+        script's line ``stacklevel`` frames up), and the script goes on."""
+        if isinstance(e, NeuralDbgError):
             self.failed = str(e)
             _say(f"cannot watch this script's model: {e}")
-        except Exception as e:
+        else:
             self.failed = f"{type(e).__name__}: {e}"
-            warnings.warn(f"neuraldbg run could not watch a model: {self.failed}", NeuralDbgWarning, stacklevel=2)
+            warnings.warn(
+                f"neuraldbg run could not watch a model: {self.failed}", NeuralDbgWarning, stacklevel=stacklevel
+            )
 
     def _watch(self, module: Any) -> Any:
         """Watches ``module`` from now on: its debugger, None if it was watched already."""
