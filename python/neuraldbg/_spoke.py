@@ -146,8 +146,9 @@ class Record:
         self.activations = activations
         # The input batch's ``min, max, mean, std`` (the engine's input row).
         self.inputs = inputs
-        # Per parameter measures of the update before this step, by the engine's names (NaN: not
-        # measured): ``update_ratio`` (how far it moved the weights relative to their size) and
+        # Per parameter measures of one update, by the engine's names (NaN: not measured), posted
+        # with that update's step or the next (the engine reads the first few, not their steps):
+        # ``update_ratio`` (how far it moved the weights relative to their size) and
         # ``update_direction`` (the cosine between that move and the gradient).
         self.measures = measures
         # What a spoke knows of the loss instead of its value (Keras: the running mean).
