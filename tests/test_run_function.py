@@ -11,6 +11,7 @@ import importlib
 import json
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Iterator, List
@@ -50,6 +51,22 @@ TRAINING = """
 
     def raising():
         return train(raise_at=5)
+
+    def by_hand(steps=15):
+        # No optimizer: the weights updated in the loop itself.
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+        x = torch.randn(64, 8); y = x.sum(1, keepdim=True)
+        seen = []
+        for step in range(steps):
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.05 * p.grad
+            model.zero_grad()
+            seen.append(loss.item())
+        return seen
 """
 
 
@@ -87,6 +104,16 @@ def test_a_function_is_run_watched_and_diagnosed_with_its_own_losses(training: M
     assert stopped.steps == 7 and stopped.stopped == "--steps 7" and stopped.value is None
     assert stopped.exit_code == 0 and stopped.load().step == 7
     assert stopped.models[0]["loss"][:7] == pytest.approx(losses[:7], rel=1e-6)
+
+
+def test_a_function_that_updates_its_weights_by_hand_is_watched_with_nothing_to_warn(training: ModuleType) -> None:
+    # Its model is found at its first backward pass, after that iteration's forward: that
+    # forward is not "a forward the hooks did not see" (it once said so).
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always", neuraldbg.NeuralDbgWarning)
+        r = neuraldbg.run(training.by_hand, out="o", quiet=True)
+    assert [str(w.message) for w in said if issubclass(w.category, neuraldbg.NeuralDbgWarning)] == []
+    assert r.steps == 15 and r.models[0]["loss"] == pytest.approx(r.value, rel=1e-6)
 
 
 def test_an_exception_in_the_function_is_kept_with_the_diagnosis(

@@ -305,8 +305,8 @@ class StepBoundary:
         s = self.c.cur
         if self.c.blind_warned or self.c.refs or s.raw_inputs or s.ran:
             return
-        if s.forwards or self.c.hooks.frozen:
-            return
+        if s.forwards or self.c.hooks.frozen or (self.c.joined_in_backward and self.c.step == 0):
+            return  # (the step a debugger joined after its forward: that forward was before it)
         self.c.blind_warned = True
         warnings.warn(
             "NeuralDBG sees this model's gradients but none of its forward passes: the forward "
