@@ -4,7 +4,10 @@ Counts the instructions of the ENTRY computation of the compiled HLO that launch
 (everything but parameter/constant/tuple/get-tuple-element/bitcast), by opcode, plus the
 instructions inside conditional branches, and the bytes of the step's arguments. The models
 and optimizer are ``bench/jax_overhead.py``'s; on a small step the kernel count is most of
-what watching costs (BENCHMARKS.md, "JAX and Keras").
+what watching costs (BENCHMARKS.md, "JAX and Keras"). The JAX step is counted watched as the
+bench times it (``learning_rate=`` given), with the batch as ``inputs=``, and without
+``learning_rate=`` (``measured``: the step's size and direction read from weight and gradient
+samples).
 
     .venv/bin/python bench/jax_kernels.py [jax|keras|all] [DUMP_PREFIX]
 """
@@ -135,6 +138,14 @@ def jax_mlp(width: int, depth: int, batch: int, dump: str = "") -> None:
         itext, _ = compiled(m, opt, inputs=True)
     i = show(label + " inputs=x", itext, wstate)
     print(f"{label}: the batch given as inputs= adds {i['top'] - w['top']} kernels to the watched step")
+    m = MLP(nnx.Rngs(0))
+    with NeuralDbg(m) as dbg:  # no learning_rate=: the step's size and direction are measured
+        mtext, mstate = compiled(m, nnx.Optimizer(m, dbg.wrap(optax.adam(1e-3)), wrt=nnx.Param))
+    s = show(label + " measured", mtext, mstate)
+    print(
+        f"{label}: without learning_rate= (the weights' and the gradient's samples) +{s['top'] - w['top']} kernels, "
+        f"+{arg_bytes(mstate) - arg_bytes(wstate)} B of state over the watched step"
+    )
     if dump:
         for kind, t in (("plain", text), ("watched", wtext)):
             with open(f"{dump}_{label.replace(' ', '_')}_{kind}.txt", "w") as f:
