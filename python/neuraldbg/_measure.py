@@ -41,12 +41,13 @@ UPDATE_SAMPLE = 4096
 UPDATE_WEIGHTS = 64
 
 
-def update_weights(weights: Sequence[bool]) -> List[int]:
+def update_weights(weights: Sequence[bool], most: int = UPDATE_WEIGHTS) -> List[int]:
     """Which parameters' step size is measured, given which are weights (parameters of 2 or
-    more dimensions): at most :data:`UPDATE_WEIGHTS` of them, evenly spread over the model."""
+    more dimensions): at most ``most`` of them, evenly spread over the model (the first and the
+    last among them)."""
     chosen = [i for i, w in enumerate(weights) if w]
-    if len(chosen) > UPDATE_WEIGHTS:
-        chosen = [chosen[round(k * (len(chosen) - 1) / (UPDATE_WEIGHTS - 1))] for k in range(UPDATE_WEIGHTS)]
+    if len(chosen) > most:
+        chosen = [chosen[round(k * (len(chosen) - 1) / (most - 1))] for k in range(most)]
     return chosen
 
 

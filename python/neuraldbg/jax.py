@@ -81,6 +81,7 @@ except ImportError as _e:  # pragma: no cover - depends on the environment
 
 from . import _jax_loss
 from ._jax_stats import as_f32, as_i32, squares, write_row
+from ._measure import update_weights
 
 __all__ = ["NeuralDbg", "WatchState"]
 
@@ -423,9 +424,7 @@ class _Model:
         self.entries = [entries[i] for i in order]
         self.index = {self._key(e.layer + (e.leaf,)): j for j, e in enumerate(self.entries)}
         # The weights whose step size is measured, by spec index, and each one's sample stride.
-        weights = [j for j, e in enumerate(self.entries) if len(e.shape) >= 2]
-        if len(weights) > SAMPLE_WEIGHTS:
-            weights = [weights[round(k * (len(weights) - 1) / (SAMPLE_WEIGHTS - 1))] for k in range(SAMPLE_WEIGHTS)]
+        weights = update_weights([len(e.shape) >= 2 for e in self.entries], SAMPLE_WEIGHTS)
         self.step_weights = [(j, max(1, int(np.prod(self.entries[j].shape)) // SAMPLE_SIZE)) for j in weights]
         # Modules without parameters the engine reads: an nnx Dropout and the share it drops
         # (not one set deterministic, which drops nothing).
