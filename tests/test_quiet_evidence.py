@@ -804,6 +804,94 @@ def test_a_per_epoch_scheduler_stepped_every_batch_is_named_from_the_learning_ra
     assert any("once per epoch, not per batch" in r for r in top.remedies), top.remedies
 
 
+def _train_step_lr(per_batch: bool):
+    """A 10-class classifier under SGD with momentum and ``StepLR(step_size=30, gamma=0.1)``,
+    written for 30-epoch steps, stepped after every batch or once per epoch of 32 batches, for
+    400 batches; returns the debugger, the loop's losses and the learning rates torch set."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2048, 32, generator=g)
+    y = (x @ torch.randn(32, 10, generator=g)).argmax(1)
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=30, gamma=0.1)
+    losses, lrs = [], []
+    with NeuralDbg(model) as dbg:
+        for step in range(400):
+            i = (step * 64) % 2048
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(model(x[i : i + 64]), y[i : i + 64])
+            loss.backward()
+            lrs.append(opt.param_groups[0]["lr"])
+            opt.step()
+            losses.append(loss.item())
+            if per_batch or (step + 1) % 32 == 0:
+                sched.step()
+    return dbg, np.asarray(losses), lrs
+
+
+def test_a_step_schedule_written_for_epochs_stepped_every_batch_freezes_the_loss_where_it_got_to():
+    """``StepLR(step_size=30, gamma=0.1)`` stepped after every batch: the loss falls while the
+    rate is cut 10x every 30 batches, then stops wherever it got to once the rate is below a
+    hundredth of its peak (step 90), far above where the schedule stepped once per epoch takes
+    it (both checked here, from the loops' own losses and torch's own rates). Named a plateau
+    of that schedule from step 90 (before: nothing; the loss had fallen below the level that
+    tells a stuck run from a converged one). Stepped per epoch: nothing."""
+    dbg, losses, lrs = _train_step_lr(per_batch=True)
+    small = next(i for i, lr in enumerate(lrs) if lr < 1e-2 * 0.1)
+    assert small == 90
+    assert losses[small - 50 : small - 25].mean() > 1.05 * losses[small - 25 : small].mean()  # still falling
+    assert losses[-100:].mean() > 0.95 * losses[small - 25 : small].mean()  # and no lower 300 steps on
+    found = dbg.explain_failure()
+    assert found, "no finding"
+    top = found[0]
+    assert (str(top.failure), str(top.cause)) == ("loss_plateau", "learning_rate_too_low"), top
+    assert top.confidence >= 0.5 and top.step == small, top
+    words = " ".join(top.description.split())
+    assert "frozen: it was still falling" in words and "a schedule that decays it far too fast" in words, words
+    assert any("once per epoch, not per batch" in r for r in top.remedies), top.remedies
+
+    per_epoch, trained, _ = _train_step_lr(per_batch=False)
+    assert trained[-100:].mean() < 0.3 * losses[-100:].mean()
+    assert all(h.confidence < 0.5 for h in per_epoch.explain_failure()), per_epoch.explain_failure()
+
+
+@pytest.mark.parametrize("stepped", [False, True])
+def test_a_warmup_scheduler_never_stepped_is_named_with_the_rate_the_optimizer_was_built_with(stepped):
+    """``LinearLR(start_factor=1e-3, total_iters=50)`` made for a warmup, its
+    ``scheduler.step()`` forgotten: every step runs at 1e-4 (torch's own rates, checked here),
+    1/1,000 of the optimizer's 0.1, and the loss creeps. Named a learning rate too low whose
+    remedy steps the scheduler (before: "raise the learning rate 10x (it was 1.00e-4)", which
+    with the scheduler stepped would train at 1.0). Stepped: no such finding."""
+    x, y = _classification()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 5))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.LinearLR(opt, start_factor=1e-3, total_iters=50)
+    lrs = []
+    with NeuralDbg(model) as dbg:
+        for step in range(200):
+            i = (step * 64) % 1024
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x[i : i + 64]), y[i : i + 64]).backward()
+            lrs.append(opt.param_groups[0]["lr"])
+            opt.step()
+            if stepped:
+                sched.step()
+    found = dbg.explain_failure()
+    said = [h for h in found if "never stepped" in h.description or "scheduler.step()" in " ".join(h.remedies)]
+    if stepped:
+        assert lrs[-1] == pytest.approx(0.1) and said == [], found
+        return
+    assert max(lrs) == min(lrs) == pytest.approx(1e-4)
+    assert found, "no finding"
+    top = found[0]
+    assert str(top.cause) == "learning_rate_too_low" and top.confidence >= 0.5, top
+    words = " ".join(top.description.split())
+    assert "the optimizer was built with lr 0.1, but its scheduler set 1.00e-4 (1,000x less)" in words, words
+    assert top.remedies[0].startswith("call scheduler.step() after each optimizer.step()"), top.remedies
+
+
 @pytest.mark.parametrize("schedule", ["cosine", "one_cycle", "linear"])
 def test_schedules_that_end_at_zero_are_not_a_collapse(schedule):
     make = {

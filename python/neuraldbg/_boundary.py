@@ -249,6 +249,7 @@ class StepBoundary:
             self.c.clip_index = max(pool, key=lambda k: sizes[k])
         spec = self.c.watched.spec(executed, self.c.optimizer_name)
         spec["param_lr"] = self.c.loop.param_lrs(self.c.loop.optimizer)
+        spec["base_lr"] = self.c.loop.base_lr(self.c.loop.optimizer)
         spec["param_weight_decay"] = self.c.loop.param_weight_decays(self.c.loop.optimizer)
         spec["loss"] = self.c.loop.loss_facts()
         spec["input_feature_scales"] = self.c.loop.input_feature_scales()

@@ -210,6 +210,17 @@ class LoopFacts:
 
     # ------------------------------------------------------------------ run level
 
+    def base_lr(self, opt: Any) -> Optional[float]:
+        """The lr optimizer ``opt`` was built with, where a scheduler has set another since: its
+        first group's ``initial_lr`` (which torch's ``LRScheduler`` writes when it is made),
+        when that differs from the group's ``lr``; else None."""
+        try:
+            group = opt.param_groups[0]
+        except Exception:  # None, or an optimizer we cannot read
+            return None
+        base, lr = _float(group.get("initial_lr")), _float(group.get("lr"))
+        return base if base is not None and base > 0 and base != lr else None
+
     def param_lrs(self, opt: Any) -> Optional[List[Optional[float]]]:
         """Per watched parameter: the lr of the param group of optimizer ``opt`` that holds it,
         None where it holds none (None overall when ``opt`` is None or its lrs cannot be

@@ -654,7 +654,7 @@ impl Run {
             if lr > 0.0 {
                 self.lr_first.get_or_insert(lr);
             }
-            self.lr_course.observe(step, lr);
+            self.lr_course.observe(step, lr, self.loss.halves());
             self.grads.record(self.global_series(Global::Lr), lr as f32);
         }
         if !all_finite {
@@ -895,20 +895,28 @@ impl Run {
 /// under steps of lr x gradient ~1e-7 of the peak's).
 const LR_COLLAPSED: f64 = 1e-3;
 
+/// A learning rate this far below its peak is small: a run whose loss only levels off once its
+/// rate got there was still learning when the rate was taken away.
+const LR_SMALL: f64 = 1e-2;
+
 /// The learning rate over the run: its peak and where, its latest value, the first step after
 /// the peak at which it was below half of it (a cut: a step schedule's, a reaction to a
-/// plateau's, a decay's), and the first step from which it stayed below [`LR_COLLAPSED`] of
-/// the peak (None while it has not, or once it rose again: a warm restart).
+/// plateau's, a decay's), and the first steps from which it stayed below [`LR_SMALL`] and
+/// [`LR_COLLAPSED`] of the peak (None while it has not, or once it rose again: a warm restart).
+/// With the fall below [`LR_SMALL`], how the loss moved over the window before it (see
+/// `LossTrack::halves`): whether it was still falling when the rate was taken away.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct LrCourse {
     pub peak: Option<(u64, f64)>,
     pub last: Option<(u64, f64)>,
     pub first_cut: Option<u64>,
+    pub small_from: Option<u64>,
     pub collapsed_from: Option<u64>,
+    pub loss_at_small: Option<[(f64, f64); 2]>,
 }
 
 impl LrCourse {
-    fn observe(&mut self, step: u64, lr: f64) {
+    fn observe(&mut self, step: u64, lr: f64, loss: Option<[(f64, f64); 2]>) {
         if self.peak.is_none_or(|(_, p)| lr > p) {
             self.peak = Some((step, lr));
             self.first_cut = None;
@@ -918,10 +926,18 @@ impl LrCourse {
         if lr < 0.5 * peak {
             self.first_cut.get_or_insert(step);
         }
-        if lr < LR_COLLAPSED * peak {
-            self.collapsed_from.get_or_insert(step);
-        } else {
-            self.collapsed_from = None;
+        if lr < LR_SMALL * peak && self.small_from.is_none() {
+            self.loss_at_small = loss;
+        }
+        for (below, from) in [
+            (LR_SMALL, &mut self.small_from),
+            (LR_COLLAPSED, &mut self.collapsed_from),
+        ] {
+            if lr < below * peak {
+                from.get_or_insert(step);
+            } else {
+                *from = None;
+            }
         }
     }
 }
@@ -942,15 +958,15 @@ mod tests {
             (4, 5e-5),
             (5, 1e-6),
         ] {
-            c.observe(step, lr);
+            c.observe(step, lr, None);
         }
         assert_eq!(c.peak, Some((2, 0.1)));
         assert_eq!(c.first_cut, Some(4)); // 0.05 is half the peak, not below it
-        assert_eq!(c.collapsed_from, Some(4));
+        assert_eq!((c.small_from, c.collapsed_from), (Some(4), Some(4)));
         assert_eq!(c.last, Some((5, 1e-6)));
-        c.observe(6, 0.05); // a warm restart
-        assert_eq!(c.collapsed_from, None);
-        c.observe(7, 0.2); // a new peak: its cuts are still to come
+        c.observe(6, 0.05, None); // a warm restart
+        assert_eq!((c.small_from, c.collapsed_from), (None, None));
+        c.observe(7, 0.2, None); // a new peak: its cuts are still to come
         assert_eq!(c.first_cut, None);
     }
     use crate::model::tests::mlp_spec;

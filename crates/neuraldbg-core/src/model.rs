@@ -107,6 +107,11 @@ pub struct ModelSpec {
     /// weights apart from the gradient (`AdamW`). Absent when the collector did not look.
     #[serde(default)]
     pub param_weight_decay: Option<Vec<f64>>,
+    /// The learning rate the optimizer was built with, where a scheduler has set its own since
+    /// (the `initial_lr` of the optimizer's first param group, which a torch `LRScheduler`
+    /// writes when it is made, when it differs from the group's `lr`). Absent without one.
+    #[serde(default)]
+    pub base_lr: Option<f64>,
     /// What the loss does with the model's output, when the collector could see it.
     #[serde(default)]
     pub loss: Option<LossSpec>,
@@ -581,6 +586,11 @@ impl Model {
                 )));
             }
         }
+        if let Some(lr) = spec.base_lr.filter(|lr| !(lr.is_finite() && *lr > 0.0)) {
+            return Err(EngineError::Model(format!(
+                "base_lr is {lr}: the learning rate an optimizer was built with is a finite number > 0"
+            )));
+        }
         check_feature_scales(spec.input_feature_scales.as_deref())?;
         owners.sort_unstable();
         owners.dedup();
@@ -851,5 +861,22 @@ pub(crate) mod tests {
         assert_eq!(spec.param_lr, None);
         assert_eq!(spec.merge_param_lr(Some(&second)), Ok(false));
         assert_eq!(spec.param_lr, None);
+    }
+
+    #[test]
+    fn the_rate_an_optimizer_was_built_with_is_a_positive_number() {
+        for bad in [0.0, -0.1, f64::NAN, f64::INFINITY] {
+            let spec = ModelSpec {
+                base_lr: Some(bad),
+                ..mlp_spec(2, "ReLU")
+            };
+            let err = Model::new(spec).unwrap_err().to_string();
+            assert!(err.contains("base_lr is"), "{err}");
+        }
+        let spec = ModelSpec {
+            base_lr: Some(0.1),
+            ..mlp_spec(2, "ReLU")
+        };
+        assert!(Model::new(spec).is_ok());
     }
 }

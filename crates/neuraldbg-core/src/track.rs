@@ -532,6 +532,21 @@ impl LossTrack {
         (self.diffs >= NOISE_WARMUP && level > 0.0 && level.is_finite()).then(|| self.noise / level)
     }
 
+    /// The loss's level over the older and the newer half of the plateau window: each half's
+    /// mean of the smoothed losses and its standard error (see `window_stats`), once the window
+    /// holds 10 of them. Their difference is how the loss moved over the window.
+    pub fn halves(&self) -> Option<[(f64, f64); 2]> {
+        let n = self.window.len();
+        if n < 10 {
+            return None;
+        }
+        let newer = self.window_stats(n / 2);
+        let all = self.window_stats(0);
+        // The older half's mean from the whole window's and the newer half's.
+        let older = (all.0 * n as f64 - newer.0 * (n - n / 2) as f64) / (n / 2) as f64;
+        Some([(older, newer.1), newer])
+    }
+
     /// Mean of the smoothed losses in the window after its first `skip` entries, and its
     /// standard error from the loss's step-to-step noise (`noise` is the mean absolute
     /// difference of consecutive losses, 2/sqrt(pi) standard deviations for independent

@@ -379,3 +379,111 @@ fn a_loss_still_falling_as_fast_as_it_began_far_from_where_it_started_is_a_learn
         shown(&h)
     );
 }
+
+/// A step schedule that cuts the rate 10x every 30 steps, from 0.1: a per-epoch scheduler
+/// stepped every batch. Below a hundredth of its peak from step 90, a thousandth from 120.
+fn cut_every_30_steps(step: u64) -> f64 {
+    0.1 * 0.1f64.powi(i32::try_from(step / 30).unwrap())
+}
+
+/// A loss that falls from 2.3 towards 0.5 until step `until`, then stays where it got to, with
+/// a little noise.
+fn falls_until(until: u64) -> impl Fn(u64) -> f64 {
+    move |step| {
+        let t = step.min(until) as f64;
+        0.5 + 1.8 * (-t / 40.0).exp() + 0.01 * ((step % 3) as f64)
+    }
+}
+
+#[test]
+fn a_loss_frozen_where_the_schedule_took_the_rate_away_is_a_plateau_of_the_schedule() {
+    // Still falling when the rate reached a hundredth of its peak (step 90), flat from there,
+    // at ~0.9: far from the ~0.5 it was heading for.
+    let h = run_full(
+        spec(None),
+        400,
+        None,
+        1.0,
+        cut_every_30_steps,
+        falls_until(90),
+    );
+    let top = &h[0];
+    assert_eq!(top.failure, Failure::LossPlateau, "{:?}", shown(&h));
+    assert_eq!(top.cause, Cause::LearningRateTooLow, "{top}");
+    assert!(top.confidence >= 0.5, "{top}");
+    assert_eq!(top.step, Some(90), "{top}");
+    for words in [
+        "frozen: it was still falling",
+        "below a thousandth of its peak from step 120 on: a schedule that decays it far too fast",
+    ] {
+        assert!(top.description.contains(words), "{}", top.description);
+    }
+}
+
+#[test]
+fn a_loss_that_levelled_off_before_the_rate_was_taken_away_is_no_failure() {
+    // The same schedule over a loss at its floor by step ~40, while the rate still moved it
+    // (a run that converged): no finding.
+    let converged =
+        |step: u64| 0.5 + 1.8 * (-(step as f64) / 8.0).exp() + 0.01 * ((step % 3) as f64);
+    let h = run_full(spec(None), 400, None, 1.0, cut_every_30_steps, converged);
+    assert!(h.iter().all(|h| h.confidence < 0.5), "{:?}", shown(&h));
+    // A loss flat from step 90 at ~0.9 under a rate cut only from step 150 on (a scheduler
+    // that reacts to a plateau), to a thousandth of its peak from 180: no finding either.
+    let reacting = |step: u64| {
+        if step < 150 {
+            0.1
+        } else {
+            cut_every_30_steps(step - 120)
+        }
+    };
+    let h = run_full(spec(None), 400, None, 1.0, reacting, falls_until(90));
+    assert!(h.iter().all(|h| h.confidence < 0.5), "{:?}", shown(&h));
+}
+
+#[test]
+fn a_rate_a_scheduler_holds_far_below_the_optimizers_is_a_scheduler_never_stepped() {
+    // Tiny steps under a creeping loss at lr 1e-4 every step, where the optimizer was built
+    // with 0.1 (a warmup scheduler made, never stepped): the remedy steps the scheduler.
+    let mut held = spec(None);
+    held.base_lr = Some(0.1);
+    let h = run_full(held.clone(), 200, Some(3e-5), 1.0, |_| 1e-4, creeping);
+    let top = &h[0];
+    assert_eq!(top.cause, Cause::LearningRateTooLow, "{:?}", shown(&h));
+    assert!(top.confidence >= 0.5, "{top}");
+    assert!(
+        top.description
+            .contains("the optimizer was built with lr 0.1, but its scheduler set 1.00e-4 (1,000x less) and never changed it"),
+        "{}",
+        top.description
+    );
+    assert!(
+        top.remedies[0].starts_with("call scheduler.step()"),
+        "{:?}",
+        top.remedies
+    );
+    // Without the optimizer's own rate, or with a rate that moves (a scheduler stepped): the
+    // usual remedy.
+    for (spec, lr) in [(spec(None), 1e-4), (held, 2e-4)] {
+        let h = run_full(
+            spec,
+            200,
+            Some(3e-5),
+            1.0,
+            |s| if s < 100 { 1e-4 } else { lr },
+            creeping,
+        );
+        let top = &h[0];
+        assert_eq!(top.cause, Cause::LearningRateTooLow, "{:?}", shown(&h));
+        assert!(
+            !top.description.contains("never changed"),
+            "{}",
+            top.description
+        );
+        assert!(
+            top.remedies[0].starts_with("raise the learning rate"),
+            "{:?}",
+            top.remedies
+        );
+    }
+}

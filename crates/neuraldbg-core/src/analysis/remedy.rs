@@ -58,6 +58,12 @@ pub(crate) enum Remedy {
         peak: f64,
         last: f64,
     },
+    /// A scheduler holds the rate at `held`, its first value, far below the `base` the
+    /// optimizer was built with: it is never stepped.
+    StepTheScheduler {
+        base: f64,
+        held: f64,
+    },
     /// The warmup had not ended when the run did: after `steps` steps the rate had reached only
     /// `reached`.
     ShortenWarmup {
@@ -228,6 +234,11 @@ impl Remedy {
                 ),
                 num(*peak),
                 num(*last)
+            ),
+            Remedy::StepTheScheduler { base, held } => format!(
+                "call scheduler.step() after each optimizer.step() (or once per epoch, as the scheduler counts): until it is stepped it holds the learning rate at {}, its first value, not the optimizer's {}",
+                num(*held),
+                num(*base)
             ),
             Remedy::ShortenWarmup { steps, reached } => format!(
                 "shorten the learning-rate warmup, counted in optimizer steps (batches), not epochs or samples: after {steps} steps it had reached only {}",

@@ -3,7 +3,8 @@
 use super::super::remedy::Remedy;
 use super::super::vocab::{Cause, Failure};
 use super::evidence::{
-    TRAINING_UPDATE, endless_warmup, lr_collapse, lr_collapse_words, tight_clip, times,
+    TRAINING_UPDATE, endless_warmup, held_by_schedule, lr_collapse, lr_collapse_words, tight_clip,
+    times,
 };
 use super::{Case, CauseRule, RemedyCase, Votes, fmt_g};
 
@@ -62,6 +63,17 @@ impl CauseRule for LearningRateTooLow {
         }
         if let Some(collapse) = lr_collapse(c.run, c.e.onset) {
             v.add(3.0, lr_collapse_words(&collapse));
+        }
+        if let Some(h) = held_by_schedule(c.run) {
+            v.add(
+                2.0,
+                format!(
+                    "the optimizer was built with lr {}, but its scheduler set {} ({}x less) and never changed it: the scheduler is never stepped",
+                    fmt_g(h.base),
+                    fmt_g(h.held),
+                    times(h.base / h.held)
+                ),
+            );
         }
         if let Some(w) = endless_warmup(c.run) {
             v.add(
@@ -127,6 +139,12 @@ impl CauseRule for LearningRateTooLow {
     fn remedies(&self, c: &RemedyCase<'_>) -> Vec<Remedy> {
         if let Some(collapse) = lr_collapse(c.run, c.e.onset) {
             return vec![collapse.remedy()];
+        }
+        if let Some(h) = held_by_schedule(c.run) {
+            return vec![Remedy::StepTheScheduler {
+                base: h.base,
+                held: h.held,
+            }];
         }
         if let Some(w) = endless_warmup(c.run) {
             return vec![Remedy::ShortenWarmup {

@@ -48,8 +48,8 @@ use super::vocab::{Cause, Failure};
 
 pub(crate) use bad_input_data::targets_outside_probabilities;
 pub(crate) use evidence::{
-    Evidence, Features, features, forward_growth, measured_update_ratio, outlasted_cut, times,
-    uneven_features,
+    Evidence, Features, features, forward_growth, lr_collapse, measured_update_ratio,
+    outlasted_cut, times, uneven_features,
 };
 pub(crate) use flipped_update_sign::climbing;
 pub(crate) use output_loss_mismatch::found as output_mismatch;

@@ -51,7 +51,7 @@ impl FailureRule for LossPlateau {
         let since = match (run.loss.flat_since, not_learning(run)) {
             (Some(since), _) if bounded => Some(since),
             (since, Some(_)) => since.or(run.first_step),
-            _ => None,
+            _ => frozen_by_the_schedule(run).map(|f| f.from),
         };
         if let Some(since) = since {
             return vec![Episode {
@@ -92,7 +92,7 @@ impl FailureRule for LossPlateau {
     /// Longer is likelier, up to 100 steps or the whole run, when the run is shorter (down
     /// to the 50 steps a judgment of not learning needs); likelier still when the loss ends
     /// where it began, or at its chance level (a noisy loss can end a little below its first
-    /// value and still be no better than a constant guess).
+    /// value and still be no better than a constant guess), or where a schedule froze it.
     fn probability(&self, run: &Run, e: &Episode) -> f64 {
         let run_len = match (run.first_step, run.last_step) {
             (Some(first), Some(last)) => (last.saturating_sub(first) + 1) as f64,
@@ -103,7 +103,8 @@ impl FailureRule for LossPlateau {
             .loss
             .initial
             .is_some_and(|i| run.loss.last_smoothed >= 0.95 * i)
-            || not_learning(run).is_some();
+            || not_learning(run).is_some()
+            || frozen_by_the_schedule(run).is_some_and(|f| f.from == e.onset);
         let end = if e.to_end { 1.0 } else { 0.0 };
         0.35 + 0.2 * (e.duration as f64 / w).min(1.0) + if stuck { 0.2 } else { 0.0 } + 0.1 * end
     }
@@ -330,6 +331,45 @@ pub(crate) fn creeping(run: &Run) -> Option<Creeping> {
     })
 }
 
+/// A loss the schedule froze (see [`frozen_by_the_schedule`]): the step from which the rate
+/// stayed below a hundredth of its peak, the loss's level over the older and newer half of
+/// the window before it, and its level now.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct Frozen {
+    pub from: u64,
+    pub before: f64,
+    pub then: f64,
+    pub now: f64,
+}
+
+/// A loss still falling over the window before the schedule cut the learning rate below a
+/// hundredth of its peak (its newer half clearly below its older: by 2% and three standard
+/// errors, asked once), that all the steps since took less far than the half window before
+/// it, while the rate sat below a thousandth
+/// for a quarter of the run or more (see `lr_collapse`): frozen wherever it had got to, not
+/// converged (a run that converges levels off while its rate still moves the weights; a
+/// schedule that ends at zero gets there in its last steps; a rate cut in reaction to a
+/// plateau was cut where the loss no longer fell). A per-epoch scheduler stepped every batch
+/// does this after the loss has already fallen a long way. Not for a loss frozen within 5% of
+/// zero (of where it began): that run had fit its data.
+pub(crate) fn frozen_by_the_schedule(run: &Run) -> Option<Frozen> {
+    let c = run.lr_course;
+    let from = c.small_from?;
+    super::super::causes::lr_collapse(run, from)?;
+    let [(before, before_se), (then, then_se)] = c.loss_at_small?;
+    let [_, (now, _)] = run.loss.halves()?;
+    let initial = run.loss.initial?;
+    let fell = before - then > (0.02 * before).max(3.0 * before_se.hypot(then_se));
+    // All the steps since took it less far than the half window before.
+    let held = then - now < before - then;
+    (fell && held && now > 0.05 * initial).then_some(Frozen {
+        from,
+        before,
+        then,
+        now,
+    })
+}
+
 /// A loss that oscillates (see `LossTrack::oscillation`) over a run of at least
 /// [`NOT_LEARNING_STEPS`] steps and ends no lower than the plateau level of where it began:
 /// the steps bounce it around instead of descending.
@@ -360,6 +400,14 @@ fn standing(s: &Sentence<'_>) -> String {
                 c.steps
             );
         }
+    }
+    if let Some(f) = frozen_by_the_schedule(s.run).filter(|f| f.from == s.episode().onset) {
+        return format!(
+            ", frozen: it was still falling ({} to {} over the steps before) when the schedule cut the learning rate below a hundredth of its peak, and fell no further than {} since",
+            num(f.before),
+            num(f.then),
+            num(f.now)
+        );
     }
     not_learning(s.run).map_or(String::new(), |c| {
         if c.regression {
