@@ -654,7 +654,8 @@ impl Run {
             if lr > 0.0 {
                 self.lr_first.get_or_insert(lr);
             }
-            self.lr_course.observe(step, lr, self.loss.halves());
+            let loss = &self.loss;
+            self.lr_course.observe(step, lr, || loss.halves());
             self.grads.record(self.global_series(Global::Lr), lr as f32);
         }
         if !all_finite {
@@ -916,7 +917,9 @@ pub struct LrCourse {
 }
 
 impl LrCourse {
-    fn observe(&mut self, step: u64, lr: f64, loss: Option<[(f64, f64); 2]>) {
+    /// Takes a step's rate; `loss` reads how the loss moved, asked only when the rate first
+    /// falls below [`LR_SMALL`] of its peak.
+    fn observe(&mut self, step: u64, lr: f64, loss: impl FnOnce() -> Option<[(f64, f64); 2]>) {
         if self.peak.is_none_or(|(_, p)| lr > p) {
             self.peak = Some((step, lr));
             self.first_cut = None;
@@ -927,7 +930,7 @@ impl LrCourse {
             self.first_cut.get_or_insert(step);
         }
         if lr < LR_SMALL * peak && self.small_from.is_none() {
-            self.loss_at_small = loss;
+            self.loss_at_small = loss();
         }
         for (below, from) in [
             (LR_SMALL, &mut self.small_from),
@@ -958,15 +961,15 @@ mod tests {
             (4, 5e-5),
             (5, 1e-6),
         ] {
-            c.observe(step, lr, None);
+            c.observe(step, lr, || None);
         }
         assert_eq!(c.peak, Some((2, 0.1)));
         assert_eq!(c.first_cut, Some(4)); // 0.05 is half the peak, not below it
         assert_eq!((c.small_from, c.collapsed_from), (Some(4), Some(4)));
         assert_eq!(c.last, Some((5, 1e-6)));
-        c.observe(6, 0.05, None); // a warm restart
+        c.observe(6, 0.05, || None); // a warm restart
         assert_eq!((c.small_from, c.collapsed_from), (None, None));
-        c.observe(7, 0.2, None); // a new peak: its cuts are still to come
+        c.observe(7, 0.2, || None); // a new peak: its cuts are still to come
         assert_eq!(c.first_cut, None);
     }
     use crate::model::tests::mlp_spec;
