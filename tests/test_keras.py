@@ -1027,6 +1027,60 @@ def test_binary_cross_entropy_targets_outside_zero_one_are_named(scale: float) -
     assert "the binary cross-entropy's targets span [0, 255]" in top.description
 
 
+def _ten_classes_under(schedule: Any, shuffle: bool = False) -> Any:
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(2048, 32)).astype("float32")
+    y = (x @ rng.normal(size=(32, 10))).argmax(1)
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential(
+        [
+            keras.Input((32,)),
+            keras.layers.Dense(128, activation="relu"),
+            keras.layers.Dense(128, activation="relu"),
+            keras.layers.Dense(10),
+        ]
+    )
+    model.compile(
+        optimizer=keras.optimizers.SGD(schedule, momentum=0.9),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    cb = NeuralDbgCallback(verbose=False)
+    hist = model.fit(x, y, batch_size=64, epochs=12, shuffle=shuffle, callbacks=[cb], verbose=0)
+    return cb.dbg, hist.history["loss"]
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_a_decay_counted_in_epochs_given_to_a_per_update_schedule_freezes_the_loss(shuffle: bool) -> None:
+    """``ExponentialDecay(0.1, decay_steps=30, decay_rate=0.1, staircase=True)`` meant as every
+    30 epochs: Keras counts optimizer updates, so the rate is below a hundredth of its peak from
+    update 90 (the schedule's own values, checked here) and the loss stops where it got to (each
+    epoch's mean from the fit's history: flat from the 5th epoch, far above the same schedule
+    counted in updates). The finding is the plateau the schedule froze, from update 90, with
+    Keras' remedy (before: nothing at 0.5 or above), not a learning rate too high (the loss
+    jumped at first under 0.1 with momentum: it then came down as the rate was cut). Shuffled,
+    layers whose weights stop moving later (from update 231) follow from that plateau, in its
+    chain and below it (before: "parameters the optimizer never updates" at 0.95 on top)."""
+    decay = keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=30, decay_rate=0.1, staircase=True)
+    lrs = [float(decay(step)) for step in range(384)]
+    assert next(s for s, lr in enumerate(lrs) if lr < 1e-3) == 90
+    dbg, losses = _ten_classes_under(decay, shuffle)
+    assert max(losses[4:]) - min(losses[4:]) < 0.01 * losses[4]  # per-epoch means, 32 updates each
+    _, trained = _ten_classes_under(
+        keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=30 * 32, decay_rate=0.1, staircase=True)
+    )
+    assert trained[-1] < 0.5 * losses[-1]
+    found = dbg.explain_failure()
+    top = found[0]
+    assert (str(top.failure), str(top.cause), top.step) == ("loss_plateau", "learning_rate_too_low", 90), found
+    assert top.confidence >= 0.5, top
+    assert "frozen: it was still falling" in top.description, top.description
+    assert top.remedies[0].startswith("give the schedule decay_steps counted in optimizer updates"), top.remedies
+    stalled = [h for h in found if str(h.failure) == "stalled_layer"]
+    assert all(h.confidence < top.confidence for h in stalled), found
+    if shuffle:
+        assert stalled and any("a layer stopped training" in line for line in top.causal_chain), top.causal_chain
+
+
 @pytest.mark.parametrize("clip", [1e-4, 1.0])
 def test_gradients_clipped_far_below_their_norm_under_sgd_are_named(clip: float) -> None:
     # global_clipnorm=1e-4 (a value meant for something else): every SGD step is cut ~10,000x.

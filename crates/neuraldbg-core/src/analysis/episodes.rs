@@ -269,6 +269,7 @@ pub(crate) fn activation_gap(run: &Run) -> u64 {
 /// dead layer that blocks it.
 fn link(run: &Run, events: &[SemanticEvent], episodes: &mut [Episode], config: &Config) {
     let ctx = failures::Link {
+        run,
         events,
         tol: config.coupling_window.max(activation_gap(run)),
         config,

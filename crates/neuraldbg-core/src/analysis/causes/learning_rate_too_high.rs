@@ -213,6 +213,14 @@ impl CauseRule for LearningRateTooHigh {
                 }
             }
             Failure::LossPlateau => {
+                if super::super::failures::frozen_by_the_schedule(c.run)
+                    .is_some_and(|f| f.from == c.e.onset)
+                {
+                    // The loss came down while the rate was cut and stopped once it was a
+                    // hundredth of its peak: steps too small to move it, not steps that overshoot.
+                    v.against(3.0);
+                    return;
+                }
                 if outlasted_cut(c.run, c.e).is_some() {
                     // Steps that overshoot bring the loss down once they are 10x smaller; this
                     // loss stayed where it was.

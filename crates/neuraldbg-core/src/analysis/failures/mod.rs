@@ -21,7 +21,9 @@ mod stalled_layer;
 mod vanishing_gradients;
 
 pub(crate) use dead_neurons::share_at_start as dead_share_at_start;
-pub(crate) use loss_plateau::{Chance, chance_level, creeping, not_learning, pace, steady_descent};
+pub(crate) use loss_plateau::{
+    Chance, chance_level, creeping, frozen_by_the_schedule, not_learning, pace, steady_descent,
+};
 
 use std::fmt::Write as _;
 
@@ -37,6 +39,7 @@ use super::vocab::{Cause, Failure};
 
 /// What a rule may look at when it decides whether one episode follows from another.
 pub(crate) struct Link<'a> {
+    pub run: &'a Run,
     pub events: &'a [SemanticEvent],
     /// Steps within which failures count as simultaneous (the coupling window, or the gap
     /// between activation measurements when wider).

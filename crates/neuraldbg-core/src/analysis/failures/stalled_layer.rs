@@ -7,7 +7,7 @@ use crate::event::SemanticEvent;
 
 use super::super::episodes::Episode;
 use super::super::vocab::Failure;
-use super::{FailureRule, Sentence, first_at_onset};
+use super::{FailureRule, Link, Sentence, after_bad_data, first_at_onset};
 
 pub(crate) struct StalledLayer;
 
@@ -50,6 +50,17 @@ impl FailureRule for StalledLayer {
             return String::new();
         }
         super::in_modules(s)
+    }
+
+    /// Weights that stopped moving once the schedule had taken the learning rate away follow
+    /// from the loss it froze (see `frozen_by_the_schedule`): one collapse, seen in the loss
+    /// first and in the weights once steps no longer change them.
+    fn follows_from(&self, a: &Episode, e: &Episode, l: &Link<'_>) -> bool {
+        after_bad_data(a, e, l)
+            || a.failure == Failure::LossPlateau
+                && !e.no_gradient
+                && a.onset <= e.onset
+                && super::frozen_by_the_schedule(l.run).is_some_and(|f| f.from == a.onset)
     }
 
     /// Detected only over at least 20 steps (see `stalled`); surer the longer it lasts.
