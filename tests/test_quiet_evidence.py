@@ -1040,6 +1040,48 @@ def test_gradients_clipped_far_below_their_norm_under_sgd_are_why_the_steps_are_
         assert not any("clip" in r and "raise" in r for h in found for r in h.remedies), found
 
 
+@pytest.mark.parametrize("unscaled", [False, True])
+def test_a_clip_before_the_gradients_are_unscaled_is_named_with_the_loss_scale(unscaled):
+    """Mixed precision with ``GradScaler``: ``clip_grad_norm_(..., 1.0)`` before
+    ``scaler.unscale_(optimizer)`` clips gradients still multiplied by the loss scale (65,536
+    here: torch's own, read after the run; the norms clip_grad_norm_ saw are checked to be that
+    scale times the unscaled ones), so every SGD step is cut ~10^4 times. Named a learning
+    rate too low from the clip, whose remedy unscales before clipping (before: "raise max_norm").
+    Unscaled first, the same clip trains: nothing said of it."""
+    x, y = _classification()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 5))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu")
+    seen, losses = [], []
+    with NeuralDbg(model) as dbg:
+        for _ in range(5):
+            for i in range(0, 1024, 64):
+                opt.zero_grad()
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = nn.functional.cross_entropy(model(x[i : i + 64]), y[i : i + 64])
+                scaler.scale(loss).backward()
+                if unscaled:
+                    scaler.unscale_(opt)
+                seen.append(float(nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
+                scaler.step(opt)
+                scaler.update()
+                losses.append(loss.item())
+    scale = scaler.get_scale()
+    found = dbg.explain_failure()
+    if unscaled:
+        assert max(seen) < 100 and np.mean(losses[-16:]) < 0.7 * np.mean(losses[:16])
+        assert not any("unscale_" in r or ("clip" in r and "raise" in r) for h in found for r in h.remedies), found
+        return
+    assert scale == 65536.0 and min(seen) > 1000.0, (scale, min(seen))  # the clip saw scaled norms
+    assert found, "no finding"
+    top = found[0]
+    assert top.confidence >= 0.5 and str(top.cause) == "learning_rate_too_low", top
+    words = " ".join(top.description.split())
+    assert "that cut is what the loss scale (65536) makes of ordinary gradients" in words, words
+    assert top.remedies[0].startswith("call scaler.unscale_(optimizer) before clip_grad_norm_"), top.remedies
+
+
 def _fit_adam(model, x, y, loss_fn, *, lr: float, epochs: int, batch: int):
     """The user's loop: Adam over the data in order, ``epochs`` times; returns the debugger and
     the loss of every step."""

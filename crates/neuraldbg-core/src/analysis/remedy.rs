@@ -80,6 +80,12 @@ pub(crate) enum Remedy {
     LoosenClip {
         ratio: f64,
     },
+    /// The clip ran on gradients still multiplied by the loss scale `scale`, cutting them
+    /// `1 / ratio` times.
+    UnscaleBeforeClip {
+        scale: f64,
+        ratio: f64,
+    },
     /// Clip gradient norms before the optimizer step.
     ClipGradients,
     /// Clip while the cause of an explosion is fixed.
@@ -258,6 +264,10 @@ impl Remedy {
                 ),
                 num(*p),
                 100.0 * p
+            ),
+            Remedy::UnscaleBeforeClip { scale, ratio } => format!(
+                "call scaler.unscale_(optimizer) before clip_grad_norm_, then scaler.step(optimizer): the clip saw the gradients multiplied by the loss scale ({scale:.0}) and cut them ~{}x",
+                super::causes::times(1.0 / ratio)
             ),
             Remedy::LoosenClip { ratio } => format!(
                 "{} (it cut the gradient ~{}x on almost every step): clip near the gradient norms the run produces, or not at all",

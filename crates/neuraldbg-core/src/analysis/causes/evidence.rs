@@ -209,6 +209,10 @@ pub(crate) struct TightClip {
     /// Share of the steps clipped, and the typical ratio of clipped to produced norm.
     pub share: f64,
     pub ratio: f64,
+    /// The loss scale, when the cut is what that scale makes of gradients of an ordinary norm:
+    /// the clip ran on gradients still multiplied by a mixed-precision loss scale (before
+    /// `scaler.unscale_(optimizer)`), see [`scaled_clip`].
+    pub loss_scale: Option<f64>,
 }
 
 /// See [`TightClip`]: at least 10 steps checked, 90% of them clipped, typically to a tenth of
@@ -216,8 +220,20 @@ pub(crate) struct TightClip {
 pub(crate) fn tight_clip(run: &Run) -> Option<TightClip> {
     let t = &run.loop_track;
     let (share, ratio) = (t.clipped_share()?, t.clip_ratio_typical()?);
-    (!run.model.adaptive_optimizer && t.checked_steps >= 10 && share >= 0.9 && ratio <= 0.1)
-        .then_some(TightClip { share, ratio })
+    (!run.model.adaptive_optimizer && t.checked_steps >= 10 && share >= 0.9 && ratio <= 0.1).then(
+        || TightClip {
+            share,
+            ratio,
+            loss_scale: scaled_clip(t.loss_scale_first, ratio),
+        },
+    )
+}
+
+/// A loss scale of 16 or more under which the clip's cut is the scale's: the clip's max norm
+/// within 100x of the unscaled gradient's norm (`ratio x scale` in 0.01-100, where a clip on
+/// unscaled gradients that tight would cut them 10^3-10^7 times).
+fn scaled_clip(loss_scale: Option<f64>, ratio: f64) -> Option<f64> {
+    loss_scale.filter(|s| *s >= 16.0 && (0.01..=100.0).contains(&(ratio * s)))
 }
 
 /// A learning rate still rising at the last step, at least 10x above where it began, 10 steps
@@ -789,5 +805,21 @@ pub(crate) fn features(
         saturation,
         vanishing_or_dead,
         root_cause: None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::scaled_clip;
+
+    #[test]
+    fn a_clip_is_the_loss_scales_only_where_the_scale_accounts_for_its_cut() {
+        // Clipped at 1.0, gradients of norm ~0.4 under a scale of 65,536: cut ~26,000x.
+        assert_eq!(scaled_clip(Some(65536.0), 1.0 / 26_000.0), Some(65536.0));
+        // The same cut without a loss scale, or under a scale of 1 (no scaler at work).
+        assert_eq!(scaled_clip(None, 1.0 / 26_000.0), None);
+        assert_eq!(scaled_clip(Some(1.0), 1.0 / 26_000.0), None);
+        // A clip 10x tight on unscaled gradients under that scale: the clip's own doing.
+        assert_eq!(scaled_clip(Some(65536.0), 0.1), None);
     }
 }

@@ -90,9 +90,12 @@ impl CauseRule for LearningRateTooLow {
             v.add(
                 2.5,
                 format!(
-                    "gradient clipping cut the gradient on {:.0}% of the steps, typically to 1/{} of its norm, and each SGD step is the clipped gradient's: the clip keeps the steps small",
+                    "gradient clipping cut the gradient on {:.0}% of the steps, typically to 1/{} of its norm, and each SGD step is the clipped gradient's: the clip keeps the steps small{}",
                     100.0 * clip.share,
-                    times(1.0 / clip.ratio)
+                    times(1.0 / clip.ratio),
+                    clip.loss_scale.map_or(String::new(), |s| format!(
+                        "; that cut is what the loss scale ({s:.0}) makes of ordinary gradients: the clip ran before scaler.unscale_(optimizer)"
+                    ))
                 ),
             );
         }
@@ -153,6 +156,12 @@ impl CauseRule for LearningRateTooLow {
             }];
         }
         if let Some(clip) = tight_clip(c.run) {
+            if let Some(scale) = clip.loss_scale {
+                return vec![Remedy::UnscaleBeforeClip {
+                    scale,
+                    ratio: clip.ratio,
+                }];
+            }
             return vec![Remedy::LoosenClip { ratio: clip.ratio }];
         }
         vec![
