@@ -456,6 +456,62 @@ def test_plain_jit_loop_last_partial_buffer_arrives_at_exit() -> None:
     np.testing.assert_allclose(loss, [float(v) for v in out], rtol=1e-6)
 
 
+@pytest.mark.parametrize("mistake", ["updates not applied", "parameters re-initialized", "none"])
+def test_updates_that_never_reach_the_parameters_are_named_with_optax_remedy(mistake: str) -> None:
+    """A functional ``jax.jit`` loop under Adam 1e-3 that computes its updates and returns the
+    parameters it was given, or one that re-initializes them before each step: the weights
+    never move (checked here against the parameters the loop ends with) and the loss stays at
+    its start. Named `parameters_not_updated` from the measured step size of exactly 0, with the
+    remedy that applies and carries the updates (before: a learning rate too low, "raise the
+    learning rate 10x"). Applied and carried: no such finding."""
+    x, y = data()
+
+    def init() -> Any:
+        g = np.random.default_rng(0)
+        return {
+            "l1": {"kernel": jnp.asarray(g.normal(size=(8, 64)) / np.sqrt(8), jnp.float32), "bias": jnp.zeros(64)},
+            "l2": {"kernel": jnp.asarray(g.normal(size=(64, 64)) / 8, jnp.float32), "bias": jnp.zeros(64)},
+            "out": {"kernel": jnp.asarray(g.normal(size=(64, 1)) / 8, jnp.float32), "bias": jnp.zeros(1)},
+        }
+
+    def loss_fn(p: Any, xb: Any, yb: Any) -> Any:
+        h = jnp.tanh(jnp.tanh(xb @ p["l1"]["kernel"] + p["l1"]["bias"]) @ p["l2"]["kernel"] + p["l2"]["bias"])
+        return jnp.mean((h @ p["out"]["kernel"] + p["out"]["bias"] - yb) ** 2)
+
+    p = start = init()
+    losses = []
+    with NeuralDbg(p) as dbg:
+        tx = dbg.wrap(optax.adam(1e-3))
+        state = tx.init(p)
+
+        @jax.jit
+        def step(p: Any, s: Any, xb: Any, yb: Any) -> Any:
+            loss, g = jax.value_and_grad(loss_fn)(p, xb, yb)
+            u, s = tx.update(g, s, p, value=loss)
+            return (p if mistake == "updates not applied" else optax.apply_updates(p, u)), s, loss
+
+        for i in range(150):
+            if mistake == "parameters re-initialized":
+                p = init()
+            j = (i * 32) % len(x)
+            p, state, loss = step(p, state, x[j : j + 32], y[j : j + 32])
+            losses.append(float(loss))
+    found = dbg.explain_failure()
+    said = [h for h in found if "never reached the weights" in h.description]
+    if mistake == "none":
+        assert np.mean(losses[-20:]) < 0.5 * np.mean(losses[:20]) and said == [], found
+        return
+    assert np.mean(losses[-20:]) > 0.9 * np.mean(losses[:20])  # it did not learn
+    if mistake == "updates not applied":
+        assert not np.any(np.asarray(p["l1"]["kernel"] - start["l1"]["kernel"]))
+    assert found, "no finding"
+    top = found[0]
+    assert (str(top.failure), str(top.cause)) == ("loss_plateau", "parameters_not_updated"), found
+    assert top.confidence >= 0.5 and said and said[0] is top, top
+    assert top.remedies[0].startswith("apply the updates and carry them: params = optax.apply_updates(params, updates)")
+    assert not any(str(h.cause) == "learning_rate_too_low" and h.confidence >= 0.2 for h in found), found
+
+
 def test_donating_loop_loses_no_step() -> None:
     """A jax.jit loop that donates its state (each step deletes the buffers it was given) and
     never waits: lazy reading sees a buffer deleted before it was read, then waits for the

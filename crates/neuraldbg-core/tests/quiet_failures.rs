@@ -487,3 +487,35 @@ fn a_rate_a_scheduler_holds_far_below_the_optimizers_is_a_scheduler_never_steppe
         );
     }
 }
+
+#[test]
+fn updates_that_never_reach_the_weights_are_parameters_not_updated_whatever_the_rate() {
+    // A step size of exactly 0 on every measured update under healthy gradients and a rate of
+    // 1e-3: the optimizer's updates were computed and never applied. Not a rate too low, whose
+    // steps are small, not zero.
+    let h = run_full(spec(None), 200, Some(0.0), 1.0, |_| 1e-3, creeping);
+    let top = &h[0];
+    assert_eq!(
+        (top.failure, top.cause),
+        (Failure::LossPlateau, Cause::ParametersNotUpdated),
+        "{:?}",
+        shown(&h)
+    );
+    assert!(top.confidence >= 0.5, "{top}");
+    assert!(
+        top.description.contains("never reached the weights"),
+        "{}",
+        top.description
+    );
+    not_the_learning_rate_too_low(&h);
+    // Under a rate of 0, or one too small to change float32 weights: the rate's doing.
+    for lr in [0.0, 1e-9] {
+        let h = run_full(spec(None), 200, Some(0.0), 1.0, |_| lr, creeping);
+        assert!(
+            h.iter()
+                .all(|h| !h.description.contains("never reached the weights")),
+            "{lr}: {:?}",
+            shown(&h)
+        );
+    }
+}

@@ -86,6 +86,8 @@ pub(crate) enum Remedy {
         scale: f64,
         ratio: f64,
     },
+    /// The optimizer's updates were computed and never applied to the weights the model runs with.
+    ApplyTheUpdates,
     /// Clip gradient norms before the optimizer step.
     ClipGradients,
     /// Clip while the cause of an explosion is fixed.
@@ -387,6 +389,12 @@ impl Remedy {
                 "print model(x[:4]) for four different samples: identical rows mean the forward pass loses its input; look for jnp.mean/sum or a broadcast over axis 0 (the batch), an input overwritten or replaced by one sample's, a LayerNorm over a dimension of size 1, features cast to integers",
             ),
             Remedy::OverfitOneBatch => "train on one small batch (e.g. 32 samples) for a few hundred steps: a model that cannot drive the loss to ~0 there is not being given its targets".into(),
+            Remedy::ApplyTheUpdates => fw4(
+                "make optimizer.step() move the weights the model runs with: build the optimizer from this model's parameters after the model is final (not from a copy or an earlier instance), and do not reload or reassign the weights inside the loop",
+                "apply the gradients to the weights the model runs with (optimizer.apply(grads, model.trainable_variables)), and do not reset them (set_weights, load_weights) between batches",
+                "apply the updates and carry them: params = optax.apply_updates(params, updates), returned from the step and passed into the next one with the new optimizer state (nnx: optimizer.update(model, grads)); do not re-initialize the parameters inside the loop",
+                "assign the optimizer's result: model = optimizer.step(lr, model, grads), and train the model it returns",
+            ),
             Remedy::ZeroGradBeforeBackward => "in each iteration: optimizer.zero_grad(), the forward pass, loss.backward(), then optimizer.step(); never zero_grad() between backward() and step(), and never step() before backward(): either way the step finds the gradients cleared".into(),
             Remedy::AccumulateOnPurpose => "when accumulating on purpose over k micro-batches, zero after every optimizer.step() and divide the loss by k".into(),
             Remedy::CallTrain => "call model.train() before the training loop (and again after every evaluation that calls model.eval())".into(),

@@ -99,8 +99,11 @@ impl CauseRule for LearningRateTooLow {
                 ),
             );
         }
-        if super::parameters_not_updated::cleared(c.run).is_some() {
-            // The steps are zero because the optimizer found no gradient, whatever the rate.
+        if super::parameters_not_updated::cleared(c.run).is_some()
+            || super::parameters_not_updated::unmoved(c.run)
+        {
+            // The steps are zero because the optimizer found no gradient, or its updates never
+            // reached the weights, whatever the rate: a rate too low still moves them.
             v.against(5.0);
             return;
         }

@@ -1,6 +1,7 @@
 //! `parameters_not_updated`: parameters the optimizer never changes: in no optimizer, in a
-//! param group with lr 0, cut from the graph so they never receive a gradient, or with their
-//! gradients cleared between the backward pass and the optimizer step.
+//! param group with lr 0, cut from the graph so they never receive a gradient, with their
+//! gradients cleared between the backward pass and the optimizer step, or updates computed and
+//! never applied to the weights the model runs with.
 
 use super::super::remedy::Remedy;
 use super::super::stalled;
@@ -46,6 +47,13 @@ impl CauseRule for ParametersNotUpdated {
                     "on {:.0}% of the steps the optimizer step received no gradient: .grad was cleared after backward() and before step() (zero_grad() in between, or step() called before backward() in the loop), so the steps changed nothing",
                     100.0 * share
                 ),
+            );
+            return;
+        }
+        if unmoved(run) {
+            v.proof(
+                5.0,
+                "every measured update left every measured weight exactly where it was (a step size of 0, read from the weights themselves), though the gradients were healthy: the updates the optimizer computed never reached the weights the model runs with",
             );
             return;
         }
@@ -112,6 +120,9 @@ impl CauseRule for ParametersNotUpdated {
         if cleared(c.run).is_some() {
             return vec![Remedy::ZeroGradBeforeBackward];
         }
+        if unmoved(c.run) {
+            return vec![Remedy::ApplyTheUpdates];
+        }
         if let Some(collapse) = lr_collapse(c.run, c.e.onset) {
             return vec![collapse.remedy()];
         }
@@ -136,6 +147,47 @@ impl CauseRule for ParametersNotUpdated {
             Remedy::FreezeOnPurpose { layer, cut: false },
         ]
     }
+}
+
+/// The measured step size is exactly 0 on every weighted layer (the median of each layer's
+/// first measurements) though every one of them got gradients (a median of its first norms of
+/// at least 1e-6) and the rate was not too small to show: unknown or peaking at 1e-6 or more,
+/// and under a plain gradient step (SGD) one that makes steps of at least 1e-5 of the weights
+/// (`lr x gradient / weight`, median over the layers: float32 weights register that). Not when
+/// the step found the gradients cleared ([`cleared`]). An update computed and never applied: a
+/// JAX step that does not return `optax.apply_updates`' result, parameters re-initialized
+/// inside the loop, a model whose weights are reloaded between steps.
+pub(crate) fn unmoved(run: &Run) -> bool {
+    let weighted: Vec<_> = run
+        .model
+        .layers
+        .iter()
+        .zip(&run.layers)
+        .filter(|(layer, _)| layer.weight.is_some())
+        .map(|(_, t)| t)
+        .collect();
+    let measured = weighted.iter().any(|t| t.update_early.median().is_some());
+    let still = weighted
+        .iter()
+        .filter_map(|t| t.update_early.median())
+        .all(|r| r == 0.0);
+    let fed = weighted
+        .iter()
+        .all(|t| t.early.median().is_some_and(|g| g >= 1e-6));
+    let lr = run.lr_course.peak.map(|(_, lr)| lr);
+    let shows = match lr {
+        None => true,
+        Some(lr) if lr < 1e-6 => false,
+        Some(_) if run.model.adaptive_optimizer => true,
+        Some(lr) => {
+            let steps: Vec<f64> = weighted
+                .iter()
+                .filter_map(|t| Some(lr * t.early.median()? / t.weight_first.filter(|w| *w > 0.0)?))
+                .collect();
+            crate::track::median(&steps).is_some_and(|s| s >= 1e-5)
+        }
+    };
+    measured && still && fed && shows && cleared(run).is_none()
 }
 
 /// The share of the steps whose optimizer step received no gradient, when it is most of them
