@@ -15,6 +15,7 @@ import pickle
 import re
 import subprocess
 import sys
+import warnings
 from typing import Any, Dict, List
 
 import numpy as np
@@ -510,6 +511,34 @@ def test_updates_that_never_reach_the_parameters_are_named_with_optax_remedy(mis
     assert top.confidence >= 0.5 and said and said[0] is top, top
     assert top.remedies[0].startswith("apply the updates and carry them: params = optax.apply_updates(params, updates)")
     assert not any(str(h.cause) == "learning_rate_too_low" and h.confidence >= 0.2 for h in found), found
+
+
+@pytest.mark.parametrize("value", [False, True])
+def test_updates_given_no_loss_are_said_at_the_end(value: bool) -> None:
+    """An update not given its loss (``value=``) leaves the engine no loss to judge a plateau
+    or a divergence by: said once at the end of the block, with the call that gives it (before:
+    nothing, and a learning rate 1,000x too low went unnamed). Given: not said."""
+    model = MLP(1, 16, nnx.Rngs(0))
+    x, y = data()
+
+    @nnx.jit
+    def step(model: Any, optimizer: Any, xb: Any, yb: Any) -> Any:
+        loss, grads = nnx.value_and_grad(mse)(model, xb, yb)
+        optimizer.update(model, grads, **({"value": loss} if value else {}))
+        return loss
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with NeuralDbg(model) as dbg:
+            optimizer = nnx.Optimizer(model, dbg.wrap(optax.sgd(1e-3)), wrt=nnx.Param)
+            for i in range(12):
+                step(model, optimizer, x[i * 32 : (i + 1) * 32], y[i * 32 : (i + 1) * 32])
+    said = [str(w.message) for w in caught if "none of their losses" in str(w.message)]
+    assert dbg.step == 12
+    if value:
+        assert said == []
+    else:
+        assert len(said) == 1 and "optimizer.update(model, grads, value=loss)" in said[0], said
 
 
 def test_donating_loop_loses_no_step() -> None:

@@ -662,6 +662,8 @@ class NeuralDbg(Spoke):
         # The last sampled step's weight samples (`_step_size`); each step's mode, until fed.
         self._samples: Optional[Tuple[int, Any]] = None
         self._modes: Dict[int, float] = {}
+        # Whether any update brought its loss (optax's `value=`).
+        self._had_loss = False
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -699,6 +701,14 @@ class NeuralDbg(Spoke):
             self._register()  # (a block that wrapped nothing still leaves its trace and report)
             self._wait()
             self._finish()
+            if exc_type is None and self.step >= 10 and not self._had_loss:
+                warnings.warn(
+                    f"NeuralDBG saw {self.step} updates of {type(self.model).__name__} but none of their losses: "
+                    "a plateau or a divergence cannot be told without them. Give the update its loss, "
+                    "tx.update(grads, state, params, value=loss) (nnx: optimizer.update(model, grads, value=loss))",
+                    NeuralDbgWarning,
+                    stacklevel=2,
+                )
         finally:
             if self._watching_losses:
                 self._watching_losses = False
@@ -727,6 +737,7 @@ class NeuralDbg(Spoke):
         would be one more kernel); -1 (absent) and NaN stay as they are. The flags that only
         some rows carry (the step's mode, the targets' and weights' samples) are read first."""
         n = self._n_params
+        self._had_loss = self._had_loss or bool((flags & HAS_LOSS).any())
         roots(rows[:, RING_HEAD : RING_HEAD + 2 * n])
         moded = (flags & (IN_TRAINING | IN_EVAL)) != 0
         if moded.any():
