@@ -376,15 +376,18 @@ fn first_update_ratio(run: &Run) -> Option<f64> {
 
 /// Median over the layers that have a weight of what `of` reads from their track.
 fn over_weighted_layers(run: &Run, of: impl Fn(&LayerTrack) -> Option<f64>) -> Option<f64> {
-    let values: Vec<f64> = run
-        .model
+    let values: Vec<f64> = weighted_tracks(run).filter_map(of).collect();
+    median(&values)
+}
+
+/// The tracks of the layers that have a weight.
+pub(crate) fn weighted_tracks(run: &Run) -> impl Iterator<Item = &LayerTrack> {
+    run.model
         .layers
         .iter()
         .zip(&run.layers)
         .filter(|(l, _)| l.weight.is_some())
-        .filter_map(|(_, t)| of(t))
-        .collect();
-    median(&values)
+        .map(|(_, t)| t)
 }
 
 /// Median initial gain (`std(W)·sqrt(fan_in)`) below which the weights are far below a

@@ -6,7 +6,7 @@
 use super::super::remedy::Remedy;
 use super::super::stalled;
 use super::super::vocab::{Cause, Failure};
-use super::evidence::{lr_collapse, lr_collapse_words};
+use super::evidence::{lr_collapse, lr_collapse_words, weighted_tracks};
 use super::{Case, CauseRule, RemedyCase, Votes, fmt_g};
 use crate::analysis::stalled::Unreached;
 use crate::engine::Run;
@@ -158,14 +158,7 @@ impl CauseRule for ParametersNotUpdated {
 /// JAX step that does not return `optax.apply_updates`' result, parameters re-initialized
 /// inside the loop, a model whose weights are reloaded between steps.
 pub(crate) fn unmoved(run: &Run) -> bool {
-    let weighted: Vec<_> = run
-        .model
-        .layers
-        .iter()
-        .zip(&run.layers)
-        .filter(|(layer, _)| layer.weight.is_some())
-        .map(|(_, t)| t)
-        .collect();
+    let weighted: Vec<_> = weighted_tracks(run).collect();
     let measured = weighted.iter().any(|t| t.update_early.median().is_some());
     let still = weighted
         .iter()
