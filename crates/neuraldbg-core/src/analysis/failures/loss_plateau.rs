@@ -345,9 +345,8 @@ pub(crate) struct Frozen {
 /// A loss still falling over the window before the schedule cut the learning rate below a
 /// hundredth of its peak (its newer half clearly below its older: by 2% and three standard
 /// errors, asked once), that all the steps since took less far than the half window before
-/// it, while the rate sat below a thousandth
-/// for a quarter of the run or more (see `lr_collapse`): frozen wherever it had got to, not
-/// converged (a run that converges levels off while its rate still moves the weights; a
+/// it, while the rate sat below a thousandth for a quarter of the run or more (see
+/// `lr_collapse`): frozen wherever it had got to, not converged (a run that converges levels off while its rate still moves the weights; a
 /// schedule that ends at zero gets there in its last steps; a rate cut in reaction to a
 /// plateau was cut where the loss no longer fell). A per-epoch scheduler stepped every batch
 /// does this after the loss has already fallen a long way. Not for a loss frozen within 5% of
