@@ -519,3 +519,22 @@ fn updates_that_never_reach_the_weights_are_parameters_not_updated_whatever_the_
         );
     }
 }
+
+#[test]
+fn steps_that_left_the_weights_where_they_were_are_said_so_not_infinitely_small() {
+    // A rate of 0 (a param group given lr 0): the step size is measured at exactly 0.
+    let h = run_full(spec(None), 200, Some(0.0), 1.0, |_| 0.0, creeping);
+    let top = &h[0];
+    assert_eq!(top.cause, Cause::LearningRateTooLow, "{:?}", shown(&h));
+    assert!(
+        top.description
+            .contains("each step left the weights exactly where they were (measured"),
+        "{}",
+        top.description
+    );
+    assert!(
+        h.iter().all(|h| !h.description.contains("infx")),
+        "{:?}",
+        shown(&h)
+    );
+}

@@ -131,14 +131,18 @@ impl CauseRule for LearningRateTooLow {
             let lr = ev
                 .lr_first
                 .map_or(String::new(), |lr| format!(", lr {}", fmt_g(lr)));
-            v.add(
-                weight,
+            let words = if r > 0.0 {
                 format!(
                     "each step moves the weights by ~{} of their size ({how}{lr}): about {}x less than the ~1e-3 of a learning rate that trains",
                     fmt_g(r),
                     times(TRAINING_UPDATE / r)
-                ),
-            );
+                )
+            } else {
+                format!(
+                    "each step left the weights exactly where they were ({how}{lr}), where a learning rate that trains moves them by ~1e-3 of their size"
+                )
+            };
+            v.add(weight, words);
         }
     }
 
