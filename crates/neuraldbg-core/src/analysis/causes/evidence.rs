@@ -255,7 +255,7 @@ pub(crate) fn endless_warmup(run: &Run) -> Option<EndlessWarmup> {
 
 /// A scheduler that set the rate far below the one the optimizer was built with and never
 /// changed it: `base` (the optimizer's), `held` (the rate of every step), at most a hundredth
-/// of it, over 10 steps or more. A warmup whose `scheduler.step()` is never called holds its
+/// of it, over 10 observed steps or more. A warmup whose `scheduler.step()` is never called holds its
 /// first factor (`LinearLR(start_factor=1e-3)`, a `LambdaLR` ramp).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(crate) struct HeldBySchedule {
@@ -268,10 +268,10 @@ pub(crate) struct HeldBySchedule {
 pub(crate) fn held_by_schedule(run: &Run) -> Option<HeldBySchedule> {
     let base = run.model.spec.base_lr?;
     let c = run.lr_course;
-    let (held, (peak_step, peak), (last_step, last)) = (run.lr_first?, c.peak?, c.last?);
+    let (held, (_, peak), (_, last)) = (run.lr_first?, c.peak?, c.last?);
     let never_changed = peak == held && last == held && c.first_cut.is_none();
-    let steps = last_step.saturating_sub(peak_step.min(run.first_step.unwrap_or(0))) + 1;
-    (never_changed && held <= 1e-2 * base && steps >= 10).then_some(HeldBySchedule { base, held })
+    (never_changed && held <= 1e-2 * base && run.steps_observed >= 10)
+        .then_some(HeldBySchedule { base, held })
 }
 
 /// The collapse in words: "the learning rate fell from 0.1 (step 0) to 8.3e-26 (step 79),

@@ -213,9 +213,7 @@ impl CauseRule for LearningRateTooHigh {
                 }
             }
             Failure::LossPlateau => {
-                if super::super::failures::frozen_by_the_schedule(c.run)
-                    .is_some_and(|f| f.from == c.e.onset)
-                {
+                if super::super::failures::frozen_plateau(c.run, c.e.onset).is_some() {
                     // The loss came down while the rate was cut and stopped once it was a
                     // hundredth of its peak: steps too small to move it, not steps that overshoot.
                     v.against(3.0);

@@ -104,7 +104,7 @@ impl FailureRule for LossPlateau {
             .initial
             .is_some_and(|i| run.loss.last_smoothed >= 0.95 * i)
             || not_learning(run).is_some()
-            || frozen_by_the_schedule(run).is_some_and(|f| f.from == e.onset);
+            || frozen_plateau(run, e.onset).is_some();
         let end = if e.to_end { 1.0 } else { 0.0 };
         0.35 + 0.2 * (e.duration as f64 / w).min(1.0) + if stuck { 0.2 } else { 0.0 } + 0.1 * end
     }
@@ -369,6 +369,11 @@ pub(crate) fn frozen_by_the_schedule(run: &Run) -> Option<Frozen> {
     })
 }
 
+/// [`frozen_by_the_schedule`], when the plateau that begins at `onset` is the one it makes.
+pub(crate) fn frozen_plateau(run: &Run, onset: u64) -> Option<Frozen> {
+    frozen_by_the_schedule(run).filter(|f| f.from == onset)
+}
+
 /// A loss that oscillates (see `LossTrack::oscillation`) over a run of at least
 /// [`NOT_LEARNING_STEPS`] steps and ends no lower than the plateau level of where it began:
 /// the steps bounce it around instead of descending.
@@ -400,7 +405,7 @@ fn standing(s: &Sentence<'_>) -> String {
             );
         }
     }
-    if let Some(f) = frozen_by_the_schedule(s.run).filter(|f| f.from == s.episode().onset) {
+    if let Some(f) = frozen_plateau(s.run, s.episode().onset) {
         return format!(
             ", frozen: it was still falling ({} to {} over the steps before) when the schedule cut the learning rate below a hundredth of its peak, and fell no further than {} since",
             num(f.before),

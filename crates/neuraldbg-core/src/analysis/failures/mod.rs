@@ -22,7 +22,7 @@ mod vanishing_gradients;
 
 pub(crate) use dead_neurons::share_at_start as dead_share_at_start;
 pub(crate) use loss_plateau::{
-    Chance, chance_level, creeping, frozen_by_the_schedule, not_learning, pace, steady_descent,
+    Chance, chance_level, creeping, frozen_plateau, not_learning, pace, steady_descent,
 };
 
 use std::fmt::Write as _;

@@ -60,7 +60,7 @@ impl FailureRule for StalledLayer {
             || a.failure == Failure::LossPlateau
                 && !e.no_gradient
                 && a.onset <= e.onset
-                && super::frozen_by_the_schedule(l.run).is_some_and(|f| f.from == a.onset)
+                && super::frozen_plateau(l.run, a.onset).is_some()
     }
 
     /// Detected only over at least 20 steps (see `stalled`); surer the longer it lasts.
