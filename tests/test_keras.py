@@ -1153,3 +1153,81 @@ def test_a_subclassed_models_output_activation_is_read_from_its_training_forward
     top = hyps[0]
     assert str(top.cause) == "output_loss_mismatch" and top.confidence >= 0.5, hyps
     assert "a cross-entropy with from_logits=True expects raw logits" in top.description, top
+
+
+def _classes_model(units: int, out_act: Any = None) -> Any:
+    keras.utils.set_random_seed(1)
+    return keras.Sequential(
+        [
+            keras.Input((32,)),
+            keras.layers.Dense(64, activation="relu"),
+            keras.layers.Dense(64, activation="relu"),
+            keras.layers.Dense(units, activation=out_act),
+        ]
+    )
+
+
+def _classes_under(loss: Any, units: int) -> Any:
+    """A 2x64 ReLU MLP with ``units`` outputs fitted 6 epochs under ``loss`` (Adam 1e-3) on
+    2,048 Gaussian rows labelled by a random linear map (10 classes by its argmax, or 2 by
+    one column's sign); returns the callback and the per-epoch losses."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(2048, 32)).astype("float32")
+    w = rng.normal(size=(32, 10))
+    y = (x @ w).argmax(1) if units > 1 else (x @ w[:, 0] > 0).astype("float32")
+    model = _classes_model(units)
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss)
+    cb = NeuralDbgCallback(verbose=False)
+    return cb, model.fit(x, y, batch_size=64, epochs=6, callbacks=[cb], verbose=0).history["loss"]
+
+
+def test_a_linear_output_under_the_default_cross_entropy_is_the_loss_not_a_learning_rate() -> None:
+    """``loss="sparse_categorical_crossentropy"`` (``from_logits=False``, the default) on a
+    ``Dense(10)`` with no activation: Keras divides the raw outputs by their sum and takes the
+    log, so where that sum nears zero the output layer's gradient blows up (Adam 1e-3, nothing
+    else wrong). The explosion begins in the output layer and is the loss's (before:
+    ``learning_rate_too_high`` at 0.85 on top, remedy "lower the learning rate"). Ground truth
+    by ``jax.grad`` of Keras' own losses at the initial weights, one sample at a time: the
+    output kernel's gradient reaches thousands under this loss and stays below 10 under the
+    same loss ``from_logits=True``; the loss never falls, the from-logits run learns."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(2048, 32)).astype("float32")
+    y = (x @ rng.normal(size=(32, 10))).argmax(1)
+    largest = {}
+    for from_logits in (False, True):
+        model = _classes_model(10)
+        loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=from_logits)
+        tv = [v.value for v in model.trainable_variables]
+
+        def one(xi: Any, yi: Any, tv: Any = tv, model: Any = model, loss_fn: Any = loss_fn) -> Any:
+            def loss(tv: Any) -> Any:
+                return loss_fn(yi[None], model.stateless_call(tv, [], xi[None])[0])
+
+            return jnp.linalg.norm(jax.grad(loss)(tv)[-2])  # the output kernel's
+
+        largest[from_logits] = float(jax.vmap(one)(x, y).max())
+    assert largest[False] > 1000 and largest[True] < 10, largest
+    cb, losses = _classes_under("sparse_categorical_crossentropy", 10)
+    _, matched = _classes_under(keras.losses.SparseCategoricalCrossentropy(from_logits=True), 10)
+    assert matched[-1] < 0.5 * matched[0] and losses[-1] > 0.9 * losses[0], (losses, matched)
+    found = cb.dbg.explain_failure()
+    top = found[0]
+    assert str(top.cause) == "output_loss_mismatch" and top.confidence >= 0.5, found
+    assert not any(str(h.cause) == "learning_rate_too_high" and h.confidence >= 0.5 for h in found), found
+    assert "set from_logits=True" in top.remedies[0], top.remedies
+    explosions = [h for h in found if str(h.failure) == "exploding_gradients"]
+    assert explosions and str(explosions[0].cause) == "output_loss_mismatch", found
+    assert "the blow-up begins in the output layer" in explosions[0].description, explosions[0]
+
+
+def test_a_linear_output_under_the_default_binary_cross_entropy_is_told_to_end_in_a_sigmoid() -> None:
+    """The binary case of the same mistake (``Dense(1)`` under ``BinaryCrossentropy()``): its
+    remedy is a sigmoid or ``from_logits=True`` (before: "activation=softmax", which on one unit
+    is the constant 1). Ground truth: the from-logits run ends lower."""
+    cb, losses = _classes_under(keras.losses.BinaryCrossentropy(), 1)
+    _, matched = _classes_under(keras.losses.BinaryCrossentropy(from_logits=True), 1)
+    assert matched[-1] < 0.5 * losses[-1], (losses, matched)
+    named = [h for h in cb.dbg.explain_failure() if str(h.cause) == "output_loss_mismatch"]
+    assert named and named[0].confidence >= 0.5, named
+    assert named[0].remedies[0].startswith('give the output layer activation="sigmoid"'), named[0].remedies
+    assert "softmax" not in " ".join(named[0].remedies)

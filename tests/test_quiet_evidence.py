@@ -1385,3 +1385,142 @@ def test_the_output_batch_spread_is_the_largest_range_over_the_batch_over_the_la
     assert float(_batch_spread(torch.zeros(5, 3), torch.device("cpu"))) == 0.0
     assert float(_batch_spread(torch.ones(6, 2, 3), torch.device("cpu"))) == 0.0
     assert np.isnan(float(_batch_spread(torch.ones(1, 3), torch.device("cpu"))))
+
+
+class _ListedLayers(nn.Module):
+    """Hidden layers kept in ``holder``: a plain Python list (never registered, so
+    ``model.parameters()`` does not return them) or an ``nn.ModuleList``."""
+
+    def __init__(self, holder) -> None:
+        super().__init__()
+        self.hidden = holder([nn.Linear(32, 64), nn.Linear(64, 64)])
+        self.out = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.hidden:
+            x = torch.relu(layer(x))
+        return self.out(x)
+
+
+def _ten_classes() -> tuple:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2048, 32, generator=g)
+    return x, (x @ torch.randn(32, 10, generator=g)).argmax(1)
+
+
+@pytest.mark.parametrize("holder", ["list", "ModuleList", "list, trained by its own optimizer"])
+def test_layers_kept_in_a_plain_list_are_named_as_never_registered(holder: str) -> None:
+    """Hidden layers in a plain Python list: the model uses them, ``model.parameters()`` never
+    returns them, so the optimizer built from it never moves them and only the output layer
+    learns, on random features (the loss stays near ln 10). Before: ``bad_input_data`` at 0.64
+    ("check that each target belongs to its input"). The collector finds the parameters below
+    the model's output that are not the model's and that no optimizer holds (their shapes);
+    the plateau is theirs, with the fix. Ground truth from torch: the listed layers' weights
+    are bitwise what they were made, and the same network with ``nn.ModuleList`` learns. The
+    listed layers given to an optimizer of their own are trained, and no fact is sent."""
+    x, y = _ten_classes()
+    torch.manual_seed(1)
+    model = _ListedLayers(nn.ModuleList if holder == "ModuleList" else list)
+    hidden = [layer.weight.detach().clone() for layer in model.hidden]
+    params = list(model.parameters())
+    if holder.endswith("own optimizer"):
+        params += [p for layer in model.hidden for p in layer.parameters()]
+    dbg, spy, losses = _watched_fit(model, torch.optim.Adam(params, 1e-3), nn.CrossEntropyLoss(), x, y, 192)
+    unregistered = spy.spec.get("unregistered_params")
+    found = dbg.explain_failure()
+    if holder != "list":
+        assert unregistered is None, unregistered
+        assert sum(losses[-32:]) < 0.5 * sum(losses[:32]), (losses[:3], losses[-3:])
+        assert not any(h.confidence >= 0.5 for h in found), found
+        return
+    assert all(torch.equal(w, layer.weight) for w, layer in zip(hidden, model.hidden))
+    assert sum(losses[-32:]) > 0.9 * sum(losses[:32]), (losses[:3], losses[-3:])
+    assert sorted(unregistered) == sorted([[64, 32], [64], [64, 64], [64]]), unregistered
+    top = found[0]
+    assert (str(top.failure), str(top.cause)) == ("loss_plateau", "parameters_not_updated"), found
+    assert top.confidence >= 0.5, top
+    assert "depends on 4 parameter tensor(s) (6,272 values" in top.description, top.description
+    assert "nn.ModuleList" in top.remedies[0], top.remedies
+
+
+def test_what_requires_a_gradient_but_is_no_parameter_of_the_output_is_no_stray() -> None:
+    """Inputs made to require a gradient (adversarial training takes their gradient) and a
+    teacher whose logits the loss compares with, run outside ``no_grad``: neither is a
+    parameter below the model's output that the model does not hold."""
+    x, y = _ten_classes()
+    torch.manual_seed(1)
+    model = _ListedLayers(nn.ModuleList)
+    teacher = nn.Linear(32, 10)
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    with NeuralDbg(model) as dbg:
+        spy = SpecSpy(dbg._collector.engine)
+        spy_engine(dbg, spy)
+        for k in range(0, 640, 64):
+            xb = x[k : k + 64].clone().requires_grad_()
+            out = model(xb)
+            soft = torch.softmax(teacher(xb), dim=1)
+            loss = nn.functional.cross_entropy(out, y[k : k + 64]) + nn.functional.cross_entropy(out, soft)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert xb.grad is not None and teacher.weight.grad is not None
+    assert spy.spec.get("unregistered_params") is None, spy.spec.get("unregistered_params")
+
+
+def test_a_loss_that_follows_from_a_layer_cut_from_the_graph_has_the_cuts_remedy() -> None:
+    """``relu(l1(x)).detach()`` in the forward: ``l1`` never gets a gradient (torch's own
+    ``.grad`` stays None and its weights stay as made). The stalled layer's remedy is to find
+    the cut; a plateau that follows from it had "pass the parameters of the layer to the
+    optimizer" (which holds them already): it now has the stalled layer's remedy."""
+
+    class Cut(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l1, self.l2, self.out = nn.Linear(32, 64), nn.Linear(64, 64), nn.Linear(64, 10)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.relu(self.l1(x)).detach()
+            return self.out(torch.relu(self.l2(h)))
+
+    x, y = _ten_classes()
+    torch.manual_seed(1)
+    model = Cut()
+    made = model.l1.weight.detach().clone()
+    dbg, _, _ = _watched_fit(model, torch.optim.Adam(model.parameters(), 1e-3), nn.CrossEntropyLoss(), x, y, 192)
+    assert model.l1.weight.grad is None and torch.equal(made, model.l1.weight)
+    found = dbg.explain_failure()
+    top = found[0]
+    assert (str(top.failure), str(top.cause), top.layer) == ("stalled_layer", "parameters_not_updated", "l1"), found
+    cut = top.remedies[0]
+    assert cut.startswith("find where the output of `l1` leaves the graph"), top.remedies
+    following = [h for h in found if str(h.cause) == "parameters_not_updated" and h is not top]
+    assert following and all(h.remedies[0] == cut for h in following), found
+
+
+
+def test_a_layer_built_inside_forward_is_named_as_never_registered() -> None:
+    """``nn.Linear(64, 10)(h)`` written in ``forward()``: a new, untrained head every call, which
+    no optimizer holds (each step's parameters are new objects, checked here), so the loss stays
+    at ln 10. Before: ``bad_input_data``. Now the plateau is the unregistered parameters'."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l1 = nn.Linear(32, 64)
+            self.heads: List[nn.Linear] = []
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            head = nn.Linear(64, 10)
+            self.heads.append(head)  # (kept only to check they are new objects)
+            return head(torch.relu(self.l1(x)))
+
+    x, y = _ten_classes()
+    torch.manual_seed(1)
+    model = Net()
+    dbg, spy, losses = _watched_fit(model, torch.optim.Adam(model.parameters(), 1e-3), nn.CrossEntropyLoss(), x, y, 192)
+    assert len({id(h.weight) for h in model.heads}) == 192
+    assert abs(sum(losses[-32:]) / 32 - np.log(10)) < 0.1, losses[-3:]
+    assert sorted(spy.spec["unregistered_params"]) == [[10], [10, 64]], spy.spec["unregistered_params"]
+    top = dbg.explain_failure()[0]
+    assert (str(top.failure), str(top.cause)) == ("loss_plateau", "parameters_not_updated"), top
+    assert "create them in __init__ (not in forward())" in top.remedies[0], top.remedies

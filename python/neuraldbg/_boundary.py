@@ -13,13 +13,13 @@ decides what the coming step measures.
 
 from __future__ import annotations
 
-import gc
 import json
 import sys
 import warnings
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
+from ._loop import live_optimizers
 from ._measure import Probe
 from ._model import learn_order
 from ._read_host import lr_of
@@ -49,13 +49,8 @@ def _optimizer_holds(params: Sequence[Any]) -> bool:
     """Whether a torch optimizer that exists now holds one of ``params`` (one that has not
     stepped yet, such as sharpness-aware minimization's before its first step). Scans every
     live object: called only when the weights moved up their gradients before any step."""
-    from torch.optim import Optimizer
-
     want = {id(p) for p in params}
-    for o in gc.get_objects():  # (by type: an object's __class__ may warn, torch.distributed.reduce_op's does)
-        if issubclass(type(o), Optimizer) and any(id(p) in want for g in o.param_groups for p in g["params"]):
-            return True
-    return False
+    return any(any(id(p) in want for g in o.param_groups for p in g["params"]) for o in live_optimizers())
 
 
 class StepBoundary:
@@ -252,6 +247,7 @@ class StepBoundary:
         spec["base_lr"] = self.c.loop.base_lr(self.c.loop.optimizer)
         spec["param_weight_decay"] = self.c.loop.param_weight_decays(self.c.loop.optimizer)
         spec["loss"] = self.c.loop.loss_facts()
+        spec["unregistered_params"] = self.c.loop.unregistered_params()
         spec["input_feature_scales"] = self.c.loop.input_feature_scales()
         # A CPU model whose loss is taken at the backward tap has its gradients read there
         # too, when the backward returns, instead of by hooks that fire inside it.

@@ -13,9 +13,12 @@ loss), the output's and target's min/max and the target's variance (one host rea
 
 from __future__ import annotations
 
+import gc
 import math
 import re
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
+
+from ._distributed import has_shards
 
 # Autograd node names end in "Backward0", "Backward1"...: the operation's name is before it.
 _BACKWARD = re.compile(r"Backward\d*$")
@@ -45,6 +48,10 @@ _VIEWS = frozenset(
 
 # Autograd nodes visited at most when looking for the model's output from the loss.
 _WALK_LIMIT = 64
+
+# Autograd nodes visited at most when looking below the model's output for parameters it
+# does not hold (once, on the first step).
+_STRAY_WALK_LIMIT = 50_000
 
 # Features of a table whose per-feature scales are told to the engine: tabular data has a few
 # dozen; a flattened image (784 pixels for MNIST) is no table.
@@ -90,6 +97,9 @@ class LoopFacts:
         # Run-level facts, described once.
         self.loss: Optional[Dict[str, Any]] = None
         self.loss_tried = False
+        # Parameters the first step's output depended on that are not the model's (see
+        # :func:`_stray_parameters`), until registration asks the optimizers about them.
+        self.stray: List[Any] = []
         self.first_output: Any = None
         # Per feature of the first input batch of a table (see :meth:`note_input`): a device
         # tensor until registration reads it; False once an input was seen that is no table.
@@ -292,6 +302,26 @@ class LoopFacts:
         except Exception:  # pragma: no cover - a graph we cannot read: no facts
             self.loss = None
         self.first_output = None
+        try:
+            # (Sharded parameters run as other, unsharded ones in the forward: not strays.)
+            if not has_shards(self.params):
+                self.stray = _stray_parameters(output_fns, {id(p) for p in self.params})
+        except Exception:  # pragma: no cover - an optional fact
+            self.stray = []
+
+    def unregistered_params(self) -> Optional[List[List[int]]]:
+        """The shapes of the parameters the first step's output depended on that are not the
+        model's and that no optimizer holds (at registration: the optimizers that stepped so
+        far, then, for what is left, every optimizer that exists); None when there are none."""
+        stray, self.stray = self.stray, []
+        for opt in [self.optimizer, *self.waiting]:
+            if stray and opt is not None:
+                held = _held_by(opt)
+                stray = [p for p in stray if id(p) not in held]
+        for o in live_optimizers() if stray else ():
+            held = _held_by(o)
+            stray = [p for p in stray if id(p) not in held]
+        return [list(p.shape) for p in stray[:64]] or None
 
     def note_input(self, x: Any) -> None:
         """The first input batch (before registration): for a table, a 2-D batch of at most
@@ -405,6 +435,49 @@ def _describe(loss: Any, output_fns: List[Any], output: Any) -> Optional[Dict[st
         except Exception:  # an optional fact: the others stand
             pass
     return d
+
+
+def _stray_parameters(output_fns: List[Any], own: Set[int]) -> List[Any]:
+    """The ``nn.Parameter`` leaves below the model's output nodes (what the output depends on)
+    that are not among the model's parameters (``own``: their ids): layers kept in a plain
+    Python list or built inside ``forward()``, which ``model.parameters()`` never returns. Not
+    tensors that merely require a gradient (an input made to, for adversarial examples), and
+    not what the loss adds beside the output (a teacher's logits, a penalty)."""
+    import torch
+
+    found: Dict[int, Any] = {}
+    stack = [f for f in output_fns if f is not None]
+    seen = {id(f) for f in stack}
+    while stack and len(seen) < _STRAY_WALK_LIMIT:
+        node = stack.pop()
+        if op_name(node) == "AccumulateGrad":
+            v = getattr(node, "variable", None)
+            if isinstance(v, torch.nn.Parameter) and id(v) not in own:
+                found[id(v)] = v
+            continue
+        for nxt, _ in getattr(node, "next_functions", ()):
+            if nxt is not None and id(nxt) not in seen:
+                seen.add(id(nxt))
+                stack.append(nxt)
+    return list(found.values())
+
+
+def live_optimizers() -> Iterator[Any]:
+    """Every torch optimizer that exists now, including those that have not stepped. Scans
+    every live object: only where a fact cannot be had otherwise."""
+    from torch.optim import Optimizer
+
+    for o in gc.get_objects():  # (by type: an object's __class__ may warn, torch.distributed.reduce_op's does)
+        if issubclass(type(o), Optimizer):
+            yield o
+
+
+def _held_by(opt: Any) -> Set[int]:
+    """The ids of the tensors optimizer ``opt`` holds (none when it cannot be read)."""
+    try:
+        return {id(p) for g in opt.param_groups for p in g["params"]}
+    except Exception:  # pragma: no cover - an optimizer we cannot read
+        return set()
 
 
 def _path_to_output(fn: Any, targets: Dict[int, Any]) -> Optional[List[Any]]:

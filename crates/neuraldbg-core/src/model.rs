@@ -112,6 +112,12 @@ pub struct ModelSpec {
     /// writes when it is made, when it differs from the group's `lr`). Absent without one.
     #[serde(default)]
     pub base_lr: Option<f64>,
+    /// Shapes of parameters the model's output depends on that are not among the model's
+    /// parameters and that no optimizer holds (layers kept in a plain Python list or built
+    /// inside `forward()`: never registered, so never trained). Absent when the collector did
+    /// not look or found none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unregistered_params: Option<Vec<Vec<u64>>>,
     /// What the loss does with the model's output, when the collector could see it.
     #[serde(default)]
     pub loss: Option<LossSpec>,

@@ -538,3 +538,41 @@ fn steps_that_left_the_weights_where_they_were_are_said_so_not_infinitely_small(
         shown(&h)
     );
 }
+
+#[test]
+fn a_loss_held_at_chance_by_parameters_no_one_trains_is_theirs() {
+    // A 10-class cross-entropy held at ln 10 under steps of a training size, where the output
+    // also depends on parameters the model does not hold and no optimizer steps (layers kept
+    // in a plain list): the plateau is theirs, with the fix that registers them. A few such
+    // values beside the model's (under a tenth of the total) explain nothing.
+    let ce = || LossSpec {
+        ops: vec!["NllLoss".into(), "LogSoftmax".into()],
+        output_op: Some("Addmm".into()),
+        output_units: Some(10),
+        class_entropy: Some(10f64.ln()),
+        ..LossSpec::default()
+    };
+    let at_chance = |step: u64| 10f64.ln() + 0.01 * ((step % 3) as f64);
+    let mut stray = spec(Some(ce()));
+    stray.unregistered_params = Some(vec![vec![64, 32], vec![64], vec![64, 64], vec![64]]);
+    let h = run(stray, 200, Some(2e-3), at_chance);
+    let top = &h[0];
+    assert_eq!(top.failure, Failure::LossPlateau, "{:?}", shown(&h));
+    assert_eq!(top.cause, Cause::ParametersNotUpdated, "{:?}", shown(&h));
+    assert!(top.confidence >= 0.5, "{top}");
+    assert!(
+        top.description
+            .contains("depends on 4 parameter tensor(s) (6,272 values, 88% of those it depends on; shapes 64x32, 64, 64x64, 64)"),
+        "{}",
+        top.description
+    );
+    assert!(top.remedies[0].contains("nn.ModuleList"), "{:?}", top.remedies);
+    let mut few = spec(Some(ce()));
+    few.unregistered_params = Some(vec![vec![1]]);
+    let h = run(few, 200, Some(2e-3), at_chance);
+    assert!(
+        h.iter().all(|h| h.cause != Cause::ParametersNotUpdated),
+        "{:?}",
+        shown(&h)
+    );
+}

@@ -283,7 +283,11 @@ impl<'a> Analysis<'a> {
                 ) + &recurred;
                 let mut remedies = failures::rule(e.failure).remedies(
                     scored.cause,
-                    causes::rule(scored.cause).remedies(&causes::RemedyCase { run: self.run, e }),
+                    causes::rule(scored.cause).remedies(&causes::RemedyCase {
+                        run: self.run,
+                        e,
+                        by: e.explained_by.map(|j| &self.episodes[j]),
+                    }),
                 );
                 let mut h = CausalHypothesis {
                     failure: e.failure,

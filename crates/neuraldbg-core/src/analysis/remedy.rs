@@ -175,6 +175,10 @@ pub(crate) enum Remedy {
     RemoveSoftmaxBeforeCrossEntropy,
     NllOnLogSoftmax,
     LogSoftmaxForNll,
+    /// Layers the model uses but does not hold (unregistered parameters).
+    RegisterLayers,
+    /// The log of a binary cross-entropy taken of raw outputs.
+    SigmoidForBinaryLog,
     RemoveSigmoidBeforeLogitsLoss,
     KeepSigmoidUseBce,
     /// `output`: the bounding operation, as the framework names it.
@@ -452,6 +456,16 @@ impl Remedy {
                 "replace the final Softmax with LogSoftmax(dim=-1), or drop it and use CrossEntropyLoss on the logits",
                 "give the output layer activation=\"softmax\" (a cross-entropy with from_logits=False takes the log of probabilities), or keep the raw output and set from_logits=True",
                 "take the log of probabilities (jax.nn.log_softmax as the last operation), or drop the log and use optax.softmax_cross_entropy on the logits",
+            ),
+            Remedy::RegisterLayers => fw(
+                "register every layer the forward uses: keep sub-layers in nn.ModuleList / nn.ModuleDict (not a Python list or dict), create them in __init__ (not in forward()), and wrap a bare tensor weight in nn.Parameter; then build the optimizer from model.parameters()",
+                "create every layer the model calls in __init__ or build(), as an attribute of the model, so that model.trainable_variables holds it",
+                "keep every parameter the model uses in the pytree (or nnx Module) that the optimizer updates",
+            ),
+            Remedy::SigmoidForBinaryLog => fw(
+                "end the model with a sigmoid (the binary cross-entropy takes probabilities), or drop the hand-written log and use BCEWithLogitsLoss on the raw output",
+                "give the output layer activation=\"sigmoid\" (a binary cross-entropy with from_logits=False takes probabilities), or keep the raw output and set from_logits=True",
+                "use optax.sigmoid_binary_cross_entropy on the raw output, or apply jax.nn.sigmoid before taking the log",
             ),
             Remedy::RemoveSigmoidBeforeLogitsLoss => fw(
                 "remove the final Sigmoid (or torch.sigmoid) from the model: BCEWithLogitsLoss applies it; apply sigmoid only at inference",

@@ -321,7 +321,12 @@ pub(crate) fn times(x: f64) -> String {
     if !(1e3..1e6).contains(&x) {
         return super::fmt_g(if x < 1e3 { x.round() } else { x });
     }
-    let s = ((x / 100.0).round() as u64 * 100).to_string();
+    thousands((x / 100.0).round() as u64 * 100)
+}
+
+/// An integer with its thousands grouped: `6272` -> "6,272".
+pub(crate) fn thousands(n: u64) -> String {
+    let s = n.to_string();
     let mut out = String::new();
     for (i, ch) in s.chars().enumerate() {
         if i > 0 && (s.len() - i) % 3 == 0 {

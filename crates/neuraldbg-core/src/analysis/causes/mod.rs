@@ -83,6 +83,8 @@ pub(crate) struct Case<'a> {
 pub(crate) struct RemedyCase<'a> {
     pub run: &'a Run,
     pub e: &'a Episode,
+    /// The episode that explains `e`, when one does (`e` follows from it).
+    pub by: Option<&'a Episode>,
 }
 
 impl RemedyCase<'_> {

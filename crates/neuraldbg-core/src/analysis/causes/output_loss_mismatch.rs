@@ -53,7 +53,7 @@ pub(crate) enum Mismatch {
 
 /// A regression loss, by the framework's operation names: a named one, or a mean of absolute
 /// or squared differences written out.
-fn is_regression(ops: &[&str]) -> bool {
+pub(crate) fn is_regression(ops: &[&str]) -> bool {
     let has = |name: &str| ops.contains(&name);
     ["MseLoss", "L1Loss", "SmoothL1Loss", "HuberLoss"]
         .iter()
@@ -162,25 +162,39 @@ pub(crate) fn raw_data_targets(run: &Run) -> Option<String> {
 pub(crate) fn raw_data_explains(c: &Case<'_>) -> Option<String> {
     let (m, loss) = found(c.run)?;
     let out = loss.output_op.as_deref().unwrap_or("?");
-    explains_failure(m, out, c.e.failure)
+    explains_failure(m, out, c)
         .then(|| raw_data_targets(c.run))
         .flatten()
 }
 
-/// Whether mismatch `m` of output `out` explains `failure`. The one-unit softmax makes every
-/// gradient zero, and so does a rectified output once its units are cut to 0: they explain
-/// vanishing gradients. The others make learning slow or impossible: a plateau, or
-/// saturated/dead outputs.
-fn explains_failure(m: Mismatch, out: &str, failure: Failure) -> bool {
+/// Whether mismatch `m` of output `out` explains the failure of episode `c.e`. The one-unit
+/// softmax makes every gradient zero, and so does a rectified output once its units are cut to
+/// 0: they explain vanishing gradients. The others make learning slow or impossible: a
+/// plateau, or saturated/dead outputs. A log of raw outputs also blows gradients up where it
+/// begins: the log's gradient is 1/p, unbounded as an output (or, where the loss divides the
+/// outputs by their sum to make them "probabilities", as Keras' does, that sum) nears zero,
+/// so an explosion or a NaN that begins in the output layer is the loss's.
+fn explains_failure(m: Mismatch, out: &str, c: &Case<'_>) -> bool {
     let rectified = matches!(out, "Relu" | "Relu6");
-    match failure {
+    match c.e.failure {
         Failure::LossPlateau => true,
         Failure::VanishingGradients => m == Mismatch::OneUnitSoftmax || rectified,
         Failure::SaturatedActivations | Failure::DeadNeurons | Failure::LossDivergence => {
             m != Mismatch::OneUnitSoftmax
         }
+        Failure::ExplodingGradients | Failure::NonFinite => {
+            m == Mismatch::LogOfRawOutput && begins_at_the_output(c)
+        }
         _ => false,
     }
+}
+
+/// The episode's root is the model's output layer (its last layer with weights).
+fn begins_at_the_output(c: &Case<'_>) -> bool {
+    let model = &c.run.model;
+    let output = model.layers.iter().rposition(|l| l.weight.is_some());
+    let root = c.e.root.and_then(|m| model.module_layer[m]);
+    root.is_some() && root == output
 }
 
 impl CauseRule for OutputLossMismatch {
@@ -200,6 +214,8 @@ impl CauseRule for OutputLossMismatch {
                 | Failure::SaturatedActivations
                 | Failure::DeadNeurons
                 | Failure::LossDivergence
+                | Failure::ExplodingGradients
+                | Failure::NonFinite
         )
     }
 
@@ -248,9 +264,19 @@ impl CauseRule for OutputLossMismatch {
                 )
             }
         };
-        if !explains_failure(m, out, c.e.failure) {
+        if !explains_failure(m, out, c) {
             return;
         }
+        let why = if matches!(
+            c.e.failure,
+            Failure::ExplodingGradients | Failure::NonFinite
+        ) {
+            format!(
+                "{why}; the log's gradient (1/p) is unbounded as an output nears zero, so the blow-up begins in the output layer"
+            )
+        } else {
+            why
+        };
         // On raw data the mismatch is true but the data's (see `bad_input_data`).
         if raw_data_targets(c.run).is_some() {
             v.add(2.0, why);
@@ -271,6 +297,9 @@ impl CauseRule for OutputLossMismatch {
                 Remedy::RemoveSoftmaxBeforeCrossEntropy,
                 Remedy::NllOnLogSoftmax,
             ],
+            Mismatch::LogOfRawOutput if loss.is_binary_cross_entropy() => {
+                vec![Remedy::SigmoidForBinaryLog]
+            }
             Mismatch::SoftmaxIntoNll | Mismatch::LogOfRawOutput => vec![Remedy::LogSoftmaxForNll],
             Mismatch::SigmoidIntoLogitsLoss => vec![
                 Remedy::RemoveSigmoidBeforeLogitsLoss,

@@ -6,7 +6,7 @@
 use super::super::remedy::Remedy;
 use super::super::stalled;
 use super::super::vocab::{Cause, Failure};
-use super::evidence::{lr_collapse, lr_collapse_words, weighted_tracks};
+use super::evidence::{lr_collapse, lr_collapse_words, thousands, weighted_tracks};
 use super::{Case, CauseRule, RemedyCase, Votes, fmt_g};
 use crate::analysis::stalled::Unreached;
 use crate::engine::Run;
@@ -55,6 +55,10 @@ impl CauseRule for ParametersNotUpdated {
                 5.0,
                 "every measured update left every measured weight exactly where it was (a step size of 0, read from the weights themselves), though the gradients were healthy: the updates the optimizer computed never reached the weights the model runs with",
             );
+            return;
+        }
+        if let Some(stray) = unregistered(run).filter(|_| episode.failure == Failure::LossPlateau) {
+            v.proof(5.0, stray.words());
             return;
         }
         if episode.failure != Failure::StalledLayer {
@@ -123,15 +127,23 @@ impl CauseRule for ParametersNotUpdated {
         if unmoved(c.run) {
             return vec![Remedy::ApplyTheUpdates];
         }
+        if c.e.failure == Failure::LossPlateau && unregistered(c.run).is_some() {
+            return vec![Remedy::RegisterLayers];
+        }
         if let Some(collapse) = lr_collapse(c.run, c.e.onset) {
             return vec![collapse.remedy()];
         }
-        let layer = c.layer();
+        // A failure that follows from a stalled layer has that layer's remedies.
+        let e = c
+            .by
+            .filter(|b| b.failure == Failure::StalledLayer)
+            .unwrap_or(c.e);
+        let layer = e.root.map(|m| c.run.model.module_name(m).to_string());
         // (Every failure of a model the backward pass never reaches has this one fix.)
         if crate::analysis::stalled::cut_from_the_loss(c.run) {
             return vec![Remedy::LossFromTheOutput];
         }
-        if c.e.failure == Failure::StalledLayer && c.e.no_gradient {
+        if e.failure == Failure::StalledLayer && e.no_gradient {
             return vec![
                 Remedy::FindGraphCut {
                     layer: layer.clone(),
@@ -188,4 +200,44 @@ pub(crate) fn unmoved(run: &Run) -> bool {
 /// [`crate::training_loop::LoopTrack::cleared_share`]).
 pub(crate) fn cleared(run: &Run) -> Option<f64> {
     run.loop_track.cleared_share().filter(|s| *s >= 0.5)
+}
+
+/// Parameters the model's output depends on that are not the model's and that no optimizer
+/// holds ([`crate::ModelSpec::unregistered_params`]), when they are at least a tenth of the
+/// values the output depends on: they keep their initial values whatever the loss says.
+pub(crate) struct Unregistered {
+    shapes: Vec<Vec<u64>>,
+    values: u64,
+    share: f64,
+}
+
+pub(crate) fn unregistered(run: &Run) -> Option<Unregistered> {
+    let shapes = run.model.spec.unregistered_params.clone()?;
+    let values: u64 = shapes.iter().map(|s| s.iter().product::<u64>()).sum();
+    let own: u64 = run.model.spec.params.iter().map(|p| p.numel).sum();
+    let share = values as f64 / (values + own).max(1) as f64;
+    (!shapes.is_empty() && share >= 0.1).then_some(Unregistered {
+        shapes,
+        values,
+        share,
+    })
+}
+
+impl Unregistered {
+    fn words(&self) -> String {
+        let shown: Vec<String> = self
+            .shapes
+            .iter()
+            .take(6)
+            .map(|s| s.iter().map(u64::to_string).collect::<Vec<_>>().join("x"))
+            .collect();
+        let more = if self.shapes.len() > shown.len() { ", ..." } else { "" };
+        format!(
+            "the model's output depends on {} parameter tensor(s) ({} values, {:.0}% of those it depends on; shapes {}{more}) that are not among the model's parameters and that no optimizer holds: they keep their initial values, whatever the loss says",
+            self.shapes.len(),
+            thousands(self.values),
+            100.0 * self.share,
+            shown.join(", ")
+        )
+    }
 }
