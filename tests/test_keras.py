@@ -1231,3 +1231,39 @@ def test_a_linear_output_under_the_default_binary_cross_entropy_is_told_to_end_i
     assert named and named[0].confidence >= 0.5, named
     assert named[0].remedies[0].startswith('give the output layer activation="sigmoid"'), named[0].remedies
     assert "softmax" not in " ".join(named[0].remedies)
+
+
+def test_regression_targets_on_their_raw_scale_are_told_to_be_standardized() -> None:
+    """Prices of ~2e5 fitted as they are (``loss="mse"``, Adam 1e-3) by a network whose output
+    starts near 0: the loss stays at the prices' square. Named bad input data with the targets'
+    range against the first outputs', and the remedy standardizes the targets. Ground truth:
+    Keras' own history, and the same model fitted on the standardized targets ending below a
+    tenth of their variance."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(2048, 12)).astype("float32")
+    signal = (x @ rng.normal(size=(12, 1)) / 3.5).astype("float32")
+    raw = 2e5 + 5e4 * signal
+
+    def fit(y: Any) -> Any:
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential(
+            [
+                keras.Input((12,)),
+                keras.layers.Dense(64, activation="relu"),
+                keras.layers.Dense(64, activation="relu"),
+                keras.layers.Dense(1),
+            ]
+        )
+        model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+        cb = NeuralDbgCallback(verbose=False)
+        return cb, model.fit(x, y, batch_size=32, epochs=4, callbacks=[cb], verbose=0).history["loss"]
+
+    cb, losses = fit(raw)
+    _, standardized = fit((raw - raw.mean()) / raw.std())
+    assert standardized[-1] < 0.1 and losses[-1] > 0.5 * float(np.mean(raw**2)), (standardized, losses)
+    found = cb.dbg.explain_failure()
+    top = found[0]
+    assert str(top.cause) == "bad_input_data" and top.confidence >= 0.5, found
+    assert "they are on their raw scale" in top.description, top.description
+    assert top.remedies[0].startswith("standardize the regression targets"), top.remedies
+    assert "bias_initializer" in top.remedies[0], top.remedies

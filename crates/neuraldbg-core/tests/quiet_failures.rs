@@ -576,3 +576,52 @@ fn a_loss_held_at_chance_by_parameters_no_one_trains_is_theirs() {
         shown(&h)
     );
 }
+
+#[test]
+fn regression_targets_far_beyond_the_first_outputs_are_on_their_raw_scale() {
+    // Prices of ~2e5 regressed by a network whose first outputs are within 0.3 of zero: the
+    // loss sits at the targets' own square, far above their variance, and the steps train.
+    // The plateau is the data's, with the remedy that standardizes the targets (not "check
+    // that each target belongs to its input"). Targets of a few units: no such evidence.
+    let prices = LossSpec {
+        target_range: Some((1.4e5, 2.6e5)),
+        output_range: Some((-0.2, 0.3)),
+        ..mse(2.1e9)
+    };
+    let h = run(spec(Some(prices)), 200, Some(2e-3), |step| {
+        4.1e10 + 1e8 * ((step % 3) as f64)
+    });
+    let top = &h[0];
+    assert_eq!(
+        (top.failure, top.cause),
+        (Failure::LossPlateau, Cause::BadInputData),
+        "{:?}",
+        shown(&h)
+    );
+    assert!(top.confidence >= 0.5, "{top}");
+    assert!(
+        top.description.contains(
+            "the regression targets span [1.40e5, 2.60e5], 866,700x the model's first outputs ([-0.2, 0.3]): they are on their raw scale"
+        ),
+        "{}",
+        top.description
+    );
+    assert!(
+        top.remedies[0].starts_with("standardize the regression targets"),
+        "{:?}",
+        top.remedies
+    );
+    let units = LossSpec {
+        target_range: Some((-3.0, 3.0)),
+        output_range: Some((-0.2, 0.3)),
+        ..mse(1.0)
+    };
+    let h = run(spec(Some(units)), 200, Some(2e-3), |step| {
+        1.0 + 0.01 * ((step % 3) as f64)
+    });
+    assert!(
+        h.iter().all(|h| !h.description.contains("raw scale")),
+        "{:?}",
+        shown(&h)
+    );
+}

@@ -189,6 +189,8 @@ pub(crate) enum Remedy {
         output: Option<String>,
     },
     ScaleTargetsIntoRange,
+    /// Regression targets on their raw scale.
+    StandardizeTargets,
     /// A binary cross-entropy's targets span [`lo`, `hi`], outside [0, 1].
     TargetsIntoProbabilities {
         lo: f64,
@@ -483,6 +485,14 @@ impl Remedy {
                 "remove the final {} so the output is unbounded ({}) for regression",
                 op(output),
                 fw("a plain Linear", "a Dense with no activation", "a plain Linear")
+            ),
+            Remedy::StandardizeTargets => format!(
+                "standardize the regression targets with the training set's statistics, y = (y - y.mean()) / y.std(), and invert it on the predictions (pred * std + mean); or {}",
+                fw(
+                    "start the output layer's bias at the targets' mean",
+                    "give the output Dense bias_initializer=keras.initializers.Constant(the targets' mean)",
+                    "start the output layer's bias at the targets' mean",
+                )
             ),
             Remedy::ScaleTargetsIntoRange => "or scale the targets into the output's range (e.g. min-max to [0, 1] for a sigmoid) and invert the scaling at inference".into(),
             Remedy::TargetsIntoProbabilities { lo, hi } => format!(

@@ -109,6 +109,9 @@ impl CauseRule for BadInputData {
                         );
                     }
                 }
+                if let Some(t) = raw_targets(c.run).filter(|_| f.at_start) {
+                    v.add(2.0, t.said());
+                }
                 steps_grown_by_inputs(c, v);
                 anomalous_batch(c, v, 4.0);
             }
@@ -208,6 +211,11 @@ impl CauseRule for BadInputData {
                             ),
                         );
                     }
+                }
+                // Regression targets far beyond what the output starts at: the network must
+                // grow its output that many times before the error says anything else.
+                if let Some(t) = raw_targets(c.run) {
+                    v.add(3.5, t.said());
                 }
                 // Inputs all of one value (all zero: values in [0, 1) cast to integers, a
                 // division by a spread of 0): nothing tells the samples apart.
@@ -312,6 +320,14 @@ impl CauseRule for BadInputData {
         if output_loss_mismatch::raw_data_targets(c.run).is_some() {
             return vec![Remedy::NormalizeInputs, Remedy::ScaleTargetsIntoRange];
         }
+        if raw_targets(c.run).is_some()
+            && matches!(
+                c.e.failure,
+                Failure::LossPlateau | Failure::ExplodingGradients | Failure::NonFinite
+            )
+        {
+            return vec![Remedy::StandardizeTargets];
+        }
         if c.e.failure == Failure::LossPlateau && uneven_features(c.run).is_some() {
             return vec![Remedy::StandardizeEachFeature];
         }
@@ -361,6 +377,49 @@ impl TargetsOutsideProbabilities {
             "the binary cross-entropy's targets span [{}, {}], and it needs probabilities in [0, 1]: beyond them the loss has no minimum and falls without end as the logits grow{below}",
             fmt_g(self.lo),
             fmt_g(self.hi)
+        )
+    }
+}
+
+/// Regression targets on their raw scale: the first batch's targets reach at least
+/// [`RAW_TARGETS_MIN`] in magnitude and at least [`RAW_TARGETS_RATIO`] times the model's
+/// first outputs (a price in dollars, a count, a temperature in kelvin, under a network whose
+/// output starts near 0). The loss is then the targets' own square at first, its gradient as
+/// large, and the network must grow its output that many times before the error says anything
+/// about the inputs.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct RawTargets {
+    pub target: (f64, f64),
+    pub output: (f64, f64),
+}
+
+const RAW_TARGETS_MIN: f64 = 10.0;
+const RAW_TARGETS_RATIO: f64 = 100.0;
+
+pub(crate) fn raw_targets(run: &Run) -> Option<RawTargets> {
+    let loss = run.model.spec.loss.as_ref()?;
+    let ops: Vec<&str> = loss.ops.iter().map(String::as_str).collect();
+    if !output_loss_mismatch::is_regression(&ops) {
+        return None;
+    }
+    let target = loss.target_range?;
+    let output = loss.output_range?;
+    let t = target.0.abs().max(target.1.abs());
+    let o = output.0.abs().max(output.1.abs());
+    (t >= RAW_TARGETS_MIN && t >= RAW_TARGETS_RATIO * o).then_some(RawTargets { target, output })
+}
+
+impl RawTargets {
+    fn said(self) -> String {
+        let t = self.target.0.abs().max(self.target.1.abs());
+        let o = self.output.0.abs().max(self.output.1.abs());
+        format!(
+            "the regression targets span [{}, {}], {}x the model's first outputs ([{}, {}]): they are on their raw scale, so the error is theirs at first and the network must grow its output that much before it says anything about the inputs",
+            fmt_g(self.target.0),
+            fmt_g(self.target.1),
+            times(t / o.max(f64::MIN_POSITIVE)),
+            fmt_g(self.output.0),
+            fmt_g(self.output.1)
         )
     }
 }
@@ -491,6 +550,7 @@ fn unrelated_by_facts(run: &Run) -> bool {
         && super::over_regularization::heavy_dropout(run).is_none()
         && super::over_regularization::penalty_dominated(run).is_none()
         && one_class_batch(run).is_none()
+        && raw_targets(run).is_none()
         && facts.eval_share().is_none_or(|s| s < 0.5)
         && facts.accumulated_share().is_none_or(|s| s < 0.5)
 }
