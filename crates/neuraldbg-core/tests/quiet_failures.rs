@@ -566,7 +566,11 @@ fn a_loss_held_at_chance_by_parameters_no_one_trains_is_theirs() {
         "{}",
         top.description
     );
-    assert!(top.remedies[0].contains("nn.ModuleList"), "{:?}", top.remedies);
+    assert!(
+        top.remedies[0].contains("nn.ModuleList"),
+        "{:?}",
+        top.remedies
+    );
     let mut few = spec(Some(ce()));
     few.unregistered_params = Some(vec![vec![1]]);
     let h = run(few, 200, Some(2e-3), at_chance);

@@ -134,10 +134,9 @@ impl CauseRule for ParametersNotUpdated {
             return vec![collapse.remedy()];
         }
         // A failure that follows from a stalled layer has that layer's remedies.
-        let e = c
-            .by
-            .filter(|b| b.failure == Failure::StalledLayer)
-            .unwrap_or(c.e);
+        let e =
+            c.by.filter(|b| b.failure == Failure::StalledLayer)
+                .unwrap_or(c.e);
         let layer = e.root.map(|m| c.run.model.module_name(m).to_string());
         // (Every failure of a model the backward pass never reaches has this one fix.)
         if crate::analysis::stalled::cut_from_the_loss(c.run) {
@@ -231,7 +230,11 @@ impl Unregistered {
             .take(6)
             .map(|s| s.iter().map(u64::to_string).collect::<Vec<_>>().join("x"))
             .collect();
-        let more = if self.shapes.len() > shown.len() { ", ..." } else { "" };
+        let more = if self.shapes.len() > shown.len() {
+            ", ..."
+        } else {
+            ""
+        };
         format!(
             "the model's output depends on {} parameter tensor(s) ({} values, {:.0}% of those it depends on; shapes {}{more}) that are not among the model's parameters and that no optimizer holds: they keep their initial values, whatever the loss says",
             self.shapes.len(),
