@@ -1267,3 +1267,42 @@ def test_regression_targets_on_their_raw_scale_are_told_to_be_standardized() -> 
     assert "they are on their raw scale" in top.description, top.description
     assert top.remedies[0].startswith("standardize the regression targets"), top.remedies
     assert "bias_initializer" in top.remedies[0], top.remedies
+
+
+@pytest.mark.parametrize("out_act", ["sigmoid", None])
+def test_one_output_unit_under_a_cross_entropy_over_classes_is_named(out_act: Any) -> None:
+    """A binary target fitted by ``Dense(1)`` under ``sparse_categorical_crossentropy`` (a
+    sigmoid output) or its ``from_logits=True`` form (a linear one): over one class the one
+    probability is the constant 1, so Keras' loss is 0 at every batch and no weight moves.
+    Before: "no layer trained ... the loss does not reach the model's output" at 0.93 (sigmoid),
+    nothing at 0.5 (linear). Ground truth by ``jax.grad`` of Keras' own loss at the first
+    weights: every gradient exactly zero; the same model with 2 units reaches 90% accuracy."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(2048, 16)).astype("float32")
+    y = (x[:, 0] + 0.5 * x[:, 1] > 0).astype("int32")
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=out_act is None)
+
+    def build(units: int) -> Any:
+        keras.utils.set_random_seed(1)
+        return keras.Sequential(
+            [
+                keras.Input((16,)),
+                keras.layers.Dense(32, activation="relu"),
+                keras.layers.Dense(units, activation=out_act),
+            ]
+        )
+
+    model = build(1)
+    tv = [v.value for v in model.trainable_variables]
+    grads = jax.grad(lambda tv: loss(y[:256], model.stateless_call(tv, [], x[:256])[0]))(tv)
+    assert all(float(jnp.abs(g).max()) == 0.0 for g in grads)
+    model.compile(optimizer="adam", loss=loss)
+    cb = NeuralDbgCallback(verbose=False)
+    assert max(model.fit(x, y, batch_size=64, epochs=2, callbacks=[cb], verbose=0).history["loss"]) < 1e-6
+    two = build(2)
+    two.compile(optimizer="adam", loss=loss, metrics=["accuracy"])
+    assert two.fit(x, y, batch_size=64, epochs=6, verbose=0).history["accuracy"][-1] > 0.9
+    top = cb.dbg.explain_failure()[0]
+    assert str(top.cause) == "output_loss_mismatch" and top.confidence >= 0.5, top
+    assert "a cross-entropy over classes taken of 1 output unit" in top.description, top.description
+    assert "Dense(2)" in top.remedies[0], top.remedies

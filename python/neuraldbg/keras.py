@@ -111,8 +111,9 @@ def _activation_kind(layer: Any) -> Optional[str]:
 
 # Keras losses as the engine's loss facts: the operations each applies to the model's output,
 # named as the engine names them (PyTorch's autograd names, `LossSpec.ops`), for logits and for
-# probabilities (`from_logits=False`: the loss takes the log of the output itself).
-_CROSS_ENTROPY = (["NllLoss", "LogSoftmax"], ["Mean", "Neg", "Sum", "Mul", "Log"])
+# probabilities (`from_logits=False`: the loss divides the output by its sum over the classes,
+# then takes its log).
+_CROSS_ENTROPY = (["NllLoss", "LogSoftmax"], ["Mean", "Neg", "Sum", "Mul", "Log", "Div"])
 _LOSS_OPS = {
     "categorical_crossentropy": _CROSS_ENTROPY,
     "sparse_categorical_crossentropy": _CROSS_ENTROPY,

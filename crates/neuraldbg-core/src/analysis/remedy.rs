@@ -171,6 +171,7 @@ pub(crate) enum Remedy {
     // Output activation and loss.
     CheckOutputActivation,
     OneUnitSoftmax,
+    OneUnitCrossEntropy,
     SoftmaxOverClasses,
     RemoveSoftmaxBeforeCrossEntropy,
     NllOnLogSoftmax,
@@ -438,6 +439,11 @@ impl Remedy {
                 "use BCEWithLogitsLoss on the single logit, or output 2 units with CrossEntropyLoss",
                 "use BinaryCrossentropy(from_logits=True) on the single logit, or output 2 units with a categorical cross-entropy",
                 "use optax.sigmoid_binary_cross_entropy on the single logit, or output 2 units with optax.softmax_cross_entropy",
+            )),
+            Remedy::OneUnitCrossEntropy => format!("a cross-entropy over classes needs one output unit per class: {}", fw(
+                "output 2 units for a binary target (CrossEntropyLoss), or keep 1 and use BCEWithLogitsLoss",
+                "give the output layer one unit per class (Dense(2) for a binary target, with a sparse categorical cross-entropy), or keep Dense(1) and use a binary cross-entropy (from_logits=True on a linear output, or a sigmoid with from_logits=False)",
+                "output one unit per class for optax.softmax_cross_entropy, or keep 1 and use optax.sigmoid_binary_cross_entropy",
             )),
             Remedy::SoftmaxOverClasses => fw(
                 "take the softmax over the classes, the last dimension (softmax(logits, dim=-1) or dim=1), not over the batch (dim=0)",

@@ -44,6 +44,9 @@ pub(crate) enum Mismatch {
     /// made positive.
     LogOfRawOutput,
     OneUnitSoftmax,
+    /// A cross-entropy over classes (its own log-softmax, or Keras' division of probabilities
+    /// by their sum) taken of one output unit: that one class's probability is the constant 1.
+    OneUnitCrossEntropy,
     SoftmaxOverBatch,
     BoundedRegression {
         lo: f64,
@@ -77,6 +80,10 @@ pub(crate) fn mismatch(loss: &LossSpec) -> Option<Mismatch> {
     let has = |name: &str| ops.contains(&name);
     if out == "Softmax" && loss.output_units == Some(1) {
         return Some(Mismatch::OneUnitSoftmax);
+    }
+    let over_classes = has("LogSoftmax") || (has("Log") && has("Div"));
+    if loss.output_units == Some(1) && over_classes && !loss.is_binary_cross_entropy() {
+        return Some(Mismatch::OneUnitCrossEntropy);
     }
     if loss.softmax_over_batch {
         return Some(Mismatch::SoftmaxOverBatch);
@@ -176,12 +183,13 @@ pub(crate) fn raw_data_explains(c: &Case<'_>) -> Option<String> {
 /// so an explosion or a NaN that begins in the output layer is the loss's.
 fn explains_failure(m: Mismatch, out: &str, c: &Case<'_>) -> bool {
     let rectified = matches!(out, "Relu" | "Relu6");
+    let one_unit = matches!(m, Mismatch::OneUnitSoftmax | Mismatch::OneUnitCrossEntropy);
     match c.e.failure {
         Failure::LossPlateau => true,
-        Failure::VanishingGradients => m == Mismatch::OneUnitSoftmax || rectified,
-        Failure::SaturatedActivations | Failure::DeadNeurons | Failure::LossDivergence => {
-            m != Mismatch::OneUnitSoftmax
-        }
+        Failure::VanishingGradients => one_unit || rectified,
+        // Every gradient exactly zero: no layer moves.
+        Failure::StalledLayer => one_unit,
+        Failure::SaturatedActivations | Failure::DeadNeurons | Failure::LossDivergence => !one_unit,
         Failure::ExplodingGradients | Failure::NonFinite => {
             m == Mismatch::LogOfRawOutput && begins_at_the_output(c)
         }
@@ -216,6 +224,7 @@ impl CauseRule for OutputLossMismatch {
                 | Failure::LossDivergence
                 | Failure::ExplodingGradients
                 | Failure::NonFinite
+                | Failure::StalledLayer
         )
     }
 
@@ -231,6 +240,9 @@ impl CauseRule for OutputLossMismatch {
         let why = match m {
             Mismatch::OneUnitSoftmax => {
                 "the model's output is a softmax over 1 unit: it is the constant 1, so every gradient is exactly zero".to_string()
+            }
+            Mismatch::OneUnitCrossEntropy => {
+                "the loss is a cross-entropy over classes taken of 1 output unit: that one class's probability is the constant 1, so the loss is exactly 0 and every gradient exactly zero".to_string()
             }
             Mismatch::SoftmaxOverBatch => {
                 "the softmax on the way to the loss is taken over the batch (dim 0), not over the classes: each sample's probabilities depend on the other samples and do not sum to one over its classes".to_string()
@@ -292,6 +304,7 @@ impl CauseRule for OutputLossMismatch {
         let output = loss.output_op.clone();
         match m {
             Mismatch::OneUnitSoftmax => vec![Remedy::OneUnitSoftmax],
+            Mismatch::OneUnitCrossEntropy => vec![Remedy::OneUnitCrossEntropy],
             Mismatch::SoftmaxOverBatch => vec![Remedy::SoftmaxOverClasses],
             Mismatch::SoftmaxIntoCrossEntropy => vec![
                 Remedy::RemoveSoftmaxBeforeCrossEntropy,
@@ -313,5 +326,45 @@ impl CauseRule for OutputLossMismatch {
                 Remedy::ScaleTargetsIntoRange,
             ],
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Mismatch, mismatch};
+    use crate::model::LossSpec;
+
+    fn loss(ops: &[&str], output_op: &str, units: u64) -> LossSpec {
+        LossSpec {
+            ops: ops.iter().map(ToString::to_string).collect(),
+            output_op: Some(output_op.into()),
+            output_units: Some(units),
+            ..LossSpec::default()
+        }
+    }
+
+    #[test]
+    fn a_cross_entropy_over_classes_of_one_unit_is_a_mismatch_a_binary_one_is_not() {
+        // Its own log-softmax (logits), or Keras' division of probabilities by their sum.
+        let logits = ["NllLoss", "LogSoftmax"];
+        let keras_probabilities = ["Mean", "Neg", "Sum", "Mul", "Log", "Div"];
+        for (ops, out, fits) in [
+            (&logits[..], "Addmm", "Addmm"),
+            (&keras_probabilities[..], "Sigmoid", "Softmax"),
+        ] {
+            assert_eq!(
+                mismatch(&loss(ops, out, 1)),
+                Some(Mismatch::OneUnitCrossEntropy)
+            );
+            assert_eq!(mismatch(&loss(ops, fits, 10)), None);
+        }
+        assert_eq!(
+            mismatch(&loss(&["BinaryCrossEntropy", "Log"], "Sigmoid", 1)),
+            None
+        );
+        assert_eq!(
+            mismatch(&loss(&["BinaryCrossEntropyWithLogits"], "Addmm", 1)),
+            None
+        );
     }
 }
