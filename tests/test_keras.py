@@ -834,7 +834,11 @@ def test_the_output_activation_is_read_past_dropout_and_not_guessed_in_a_subclas
 
     seq = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="softmax"), keras.layers.Dropout(0.1)])
     seq.compile(loss="categorical_crossentropy")
-    assert _loss_facts(seq) == {"ops": ["Mean", "Neg", "Sum", "Mul", "Log"], "output_op": "Softmax", "output_units": 3}
+    assert _loss_facts(seq) == {
+        "ops": ["Mean", "Neg", "Sum", "Mul", "Log", "Div"],
+        "output_op": "Softmax",
+        "output_units": 3,
+    }
 
     class Subclassed(keras.Model):
         def __init__(self) -> None:
