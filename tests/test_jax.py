@@ -1557,3 +1557,45 @@ def test_once_the_loss_is_taken_an_eager_loop_is_noted_no_more() -> None:
             assert not _jax_loss.NOTES.losses and not _jax_loss.NOTES.outputs
         assert _jax_loss.NOTES.wanting == 0
     assert _jax_loss.NOTES.watchers == 0
+
+
+@pytest.mark.parametrize(("units", "classes"), [(1, 2), (5, 10), (10, 10)])
+def test_class_indices_with_no_output_unit_are_the_outputs_not_the_initialization(units: int, classes: int) -> None:
+    """``optax.softmax_cross_entropy_with_integer_labels`` on ``units`` logits for labels
+    0..``classes``-1: a label with no unit takes no logit, and optax fills its loss with NaN
+    from the first step (checked here on the first batch). Before: ``non_finite <-
+    poor_initialization`` at 0.42 (a binary target on one unit). The one-unit output, and class
+    indices beyond the output's units (read from the targets given with ``inputs=``), are
+    named with the fix; with a unit per class: no finding."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(1024, 16)).astype(np.float32)
+    y = np.argmax(x @ rng.normal(size=(16, classes)), 1)
+    model = nnx.Sequential(nnx.Linear(16, 32, rngs=nnx.Rngs(0)), nnx.relu, nnx.Linear(32, units, rngs=nnx.Rngs(1)))
+    first = optax.softmax_cross_entropy_with_integer_labels(model(x[:64]), y[:64])
+    assert bool(jnp.isnan(first).any()) == (classes > units)
+    with NeuralDbg(model) as dbg:
+        optimizer = nnx.Optimizer(model, dbg.wrap(optax.adam(1e-3)), wrt=nnx.Param)
+
+        @nnx.jit
+        def step(model: Any, optimizer: Any, xb: Any, yb: Any) -> Any:
+            loss_fn = lambda m: optax.softmax_cross_entropy_with_integer_labels(m(xb), yb).mean()  # noqa: E731
+            value, grads = nnx.value_and_grad(loss_fn)(model)
+            optimizer.update(model, grads, value=value, inputs=xb)
+            return value
+
+        for i in range(32):
+            j = (i * 64) % len(x)
+            step(model, optimizer, x[j : j + 64], y[j : j + 64])
+    found = dbg.explain_failure()
+    if classes == units:
+        assert not any(h.confidence >= 0.5 for h in found), found
+        return
+    top = found[0]
+    assert (top.failure, top.cause) == ("non_finite", "output_loss_mismatch"), found
+    assert top.confidence >= 0.5, top
+    if units == 1:
+        assert "a cross-entropy over classes taken of 1 output unit" in top.description, top
+        assert "optax.sigmoid_binary_cross_entropy" in top.remedies[0], top.remedies
+    else:
+        assert "the targets' class indices reach 9 but the output has 5 units" in top.description, top
+        assert top.remedies[0].startswith("give the output one unit per class (10 for class indices up to 9)")

@@ -172,6 +172,11 @@ pub(crate) enum Remedy {
     CheckOutputActivation,
     OneUnitSoftmax,
     OneUnitCrossEntropy,
+    /// Class indices reach `hi`, the output has `units`.
+    OneUnitPerClass {
+        hi: f64,
+        units: u64,
+    },
     SoftmaxOverClasses,
     RemoveSoftmaxBeforeCrossEntropy,
     NllOnLogSoftmax,
@@ -445,6 +450,11 @@ impl Remedy {
                 "give the output layer one unit per class (Dense(2) for a binary target, with a sparse categorical cross-entropy), or keep Dense(1) and use a binary cross-entropy (from_logits=True on a linear output, or a sigmoid with from_logits=False)",
                 "output one unit per class for optax.softmax_cross_entropy, or keep 1 and use optax.sigmoid_binary_cross_entropy",
             )),
+            Remedy::OneUnitPerClass { hi, units } => format!(
+                "give the output one unit per class ({} for class indices up to {}), or count the labels from 0 if they were counted from 1 (y - 1), so that every index names a unit (the output has {units})",
+                *hi as u64 + 1,
+                num(*hi)
+            ),
             Remedy::SoftmaxOverClasses => fw(
                 "take the softmax over the classes, the last dimension (softmax(logits, dim=-1) or dim=1), not over the batch (dim=0)",
                 "take the softmax over the classes, the last axis (axis=-1), not over the batch (axis=0)",

@@ -47,6 +47,13 @@ pub(crate) enum Mismatch {
     /// A cross-entropy over classes (its own log-softmax, or Keras' division of probabilities
     /// by their sum) taken of one output unit: that one class's probability is the constant 1.
     OneUnitCrossEntropy,
+    /// The first batch's class indices reach `hi`, beyond the last of the output's `units`
+    /// (labels counted from 1, a class count that is off): those samples have no logit, and
+    /// the loss is NaN for them (optax) or ignores them (Keras).
+    ClassesBeyondOutput {
+        hi: f64,
+        units: u64,
+    },
     SoftmaxOverBatch,
     BoundedRegression {
         lo: f64,
@@ -75,16 +82,22 @@ fn bounds(op: &str) -> Option<(f64, f64)> {
 }
 
 pub(crate) fn mismatch(loss: &LossSpec) -> Option<Mismatch> {
-    let out = loss.output_op.as_deref()?;
     let ops: Vec<&str> = loss.ops.iter().map(String::as_str).collect();
     let has = |name: &str| ops.contains(&name);
-    if out == "Softmax" && loss.output_units == Some(1) {
+    if loss.output_op.as_deref() == Some("Softmax") && loss.output_units == Some(1) {
         return Some(Mismatch::OneUnitSoftmax);
     }
+    // What a loss over classes does with the output's units, whatever operation made them.
     let over_classes = has("LogSoftmax") || (has("Log") && has("Div"));
     if loss.output_units == Some(1) && over_classes && !loss.is_binary_cross_entropy() {
         return Some(Mismatch::OneUnitCrossEntropy);
     }
+    if let (Some((_, hi)), Some(units)) = (loss.class_range, loss.output_units) {
+        if over_classes && hi >= units as f64 {
+            return Some(Mismatch::ClassesBeyondOutput { hi, units });
+        }
+    }
+    let out = loss.output_op.as_deref()?;
     if loss.softmax_over_batch {
         return Some(Mismatch::SoftmaxOverBatch);
     }
@@ -190,6 +203,12 @@ fn explains_failure(m: Mismatch, out: &str, c: &Case<'_>) -> bool {
         // Every gradient exactly zero: no layer moves.
         Failure::StalledLayer => one_unit,
         Failure::SaturatedActivations | Failure::DeadNeurons | Failure::LossDivergence => !one_unit,
+        // A class with no logit: NaN in the loss from the first step (optax fills it).
+        Failure::NonFinite
+            if c.f.at_start && (one_unit || matches!(m, Mismatch::ClassesBeyondOutput { .. })) =>
+        {
+            true
+        }
         Failure::ExplodingGradients | Failure::NonFinite => {
             m == Mismatch::LogOfRawOutput && begins_at_the_output(c)
         }
@@ -244,6 +263,11 @@ impl CauseRule for OutputLossMismatch {
             Mismatch::OneUnitCrossEntropy => {
                 "the loss is a cross-entropy over classes taken of 1 output unit: that one class's probability is the constant 1, so the loss is exactly 0 and every gradient exactly zero".to_string()
             }
+            Mismatch::ClassesBeyondOutput { hi, units } => format!(
+                "the targets' class indices reach {} but the output has {units} units (classes 0 to {}): a target beyond the last unit has no logit, so its loss is NaN or nothing at all",
+                fmt_g(hi),
+                units - 1
+            ),
             Mismatch::SoftmaxOverBatch => {
                 "the softmax on the way to the loss is taken over the batch (dim 0), not over the classes: each sample's probabilities depend on the other samples and do not sum to one over its classes".to_string()
             }
@@ -305,6 +329,9 @@ impl CauseRule for OutputLossMismatch {
         match m {
             Mismatch::OneUnitSoftmax => vec![Remedy::OneUnitSoftmax],
             Mismatch::OneUnitCrossEntropy => vec![Remedy::OneUnitCrossEntropy],
+            Mismatch::ClassesBeyondOutput { hi, units } => {
+                vec![Remedy::OneUnitPerClass { hi, units }]
+            }
             Mismatch::SoftmaxOverBatch => vec![Remedy::SoftmaxOverClasses],
             Mismatch::SoftmaxIntoCrossEntropy => vec![
                 Remedy::RemoveSoftmaxBeforeCrossEntropy,
@@ -366,5 +393,21 @@ mod tests {
             mismatch(&loss(&["BinaryCrossEntropyWithLogits"], "Addmm", 1)),
             None
         );
+    }
+
+    #[test]
+    fn class_indices_beyond_the_last_output_unit_are_a_mismatch() {
+        let with_classes = |hi: f64, units: u64| LossSpec {
+            class_range: Some((0.0, hi)),
+            ..loss(&["NllLoss", "LogSoftmax"], "Addmm", units)
+        };
+        assert_eq!(
+            mismatch(&with_classes(10.0, 10)),
+            Some(Mismatch::ClassesBeyondOutput {
+                hi: 10.0,
+                units: 10
+            })
+        );
+        assert_eq!(mismatch(&with_classes(9.0, 10)), None);
     }
 }
