@@ -1159,11 +1159,12 @@ def test_a_subclassed_models_output_activation_is_read_from_its_training_forward
     assert "a cross-entropy with from_logits=True expects raw logits" in top.description, top
 
 
-def _classes_model(units: int, out_act: Any = None) -> Any:
+def _relu_mlp(inputs: int, units: int, out_act: Any = None) -> Any:
+    """Two ReLU layers of 64 and an output of ``units``, seeded."""
     keras.utils.set_random_seed(1)
     return keras.Sequential(
         [
-            keras.Input((32,)),
+            keras.Input((inputs,)),
             keras.layers.Dense(64, activation="relu"),
             keras.layers.Dense(64, activation="relu"),
             keras.layers.Dense(units, activation=out_act),
@@ -1179,7 +1180,7 @@ def _classes_under(loss: Any, units: int) -> Any:
     x = rng.normal(size=(2048, 32)).astype("float32")
     w = rng.normal(size=(32, 10))
     y = (x @ w).argmax(1) if units > 1 else (x @ w[:, 0] > 0).astype("float32")
-    model = _classes_model(units)
+    model = _relu_mlp(32, units)
     model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss)
     cb = NeuralDbgCallback(verbose=False)
     return cb, model.fit(x, y, batch_size=64, epochs=6, callbacks=[cb], verbose=0).history["loss"]
@@ -1199,7 +1200,7 @@ def test_a_linear_output_under_the_default_cross_entropy_is_the_loss_not_a_learn
     y = (x @ rng.normal(size=(32, 10))).argmax(1)
     largest = {}
     for from_logits in (False, True):
-        model = _classes_model(10)
+        model = _relu_mlp(32, 10)
         loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=from_logits)
         tv = [v.value for v in model.trainable_variables]
 
@@ -1249,15 +1250,7 @@ def test_regression_targets_on_their_raw_scale_are_told_to_be_standardized() -> 
     raw = 2e5 + 5e4 * signal
 
     def fit(y: Any) -> Any:
-        keras.utils.set_random_seed(1)
-        model = keras.Sequential(
-            [
-                keras.Input((12,)),
-                keras.layers.Dense(64, activation="relu"),
-                keras.layers.Dense(64, activation="relu"),
-                keras.layers.Dense(1),
-            ]
-        )
+        model = _relu_mlp(12, 1)
         model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
         cb = NeuralDbgCallback(verbose=False)
         return cb, model.fit(x, y, batch_size=32, epochs=4, callbacks=[cb], verbose=0).history["loss"]
