@@ -1565,3 +1565,32 @@ def test_a_layer_built_inside_forward_is_named_as_never_registered() -> None:
     top = dbg.explain_failure()[0]
     assert (str(top.failure), str(top.cause)) == ("loss_plateau", "parameters_not_updated"), top
     assert "create them in __init__ (not in forward())" in top.remedies[0], top.remedies
+
+
+@pytest.mark.parametrize("log_softmax", [False, True])
+def test_raw_logits_into_nll_loss_are_a_loss_with_no_minimum(log_softmax: bool) -> None:
+    """``F.nll_loss(logits, y)`` with no ``log_softmax``: the loss is minus the target's logit,
+    which has no minimum. It falls below zero without end (torch's own loss, checked) while the
+    accuracy stays at chance. Before: nothing at 0.5 or above ("gradient norms ran high", 0.32).
+    Now the loss diverges from the first step, the cause is the output/loss mismatch, and the
+    remedy takes ``log_softmax`` first. With it the same model learns and nothing is said."""
+    x, y = _ten_classes()
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return nn.functional.nll_loss(nn.functional.log_softmax(out, 1) if log_softmax else out, target)
+
+    dbg, _, losses = _watched_fit(model, torch.optim.Adam(model.parameters(), 1e-3), loss_fn, x, y, 128)
+    with torch.no_grad():
+        accuracy = float((model(x).argmax(1) == y).float().mean())
+    found = dbg.explain_failure()
+    if log_softmax:
+        assert accuracy > 0.6 and not any(h.confidence >= 0.5 for h in found), (accuracy, found)
+        return
+    assert losses[-1] < -10 and accuracy < 0.2, (losses[-1], accuracy)
+    top = found[0]
+    assert (str(top.failure), str(top.cause), top.step) == ("loss_divergence", "output_loss_mismatch", 0), found
+    assert top.confidence >= 0.5, top
+    assert "NLLLoss takes log-probabilities and is given the raw output of Addmm" in top.description, top
+    assert top.remedies[0].startswith("take log_softmax of the logits before NLLLoss"), top.remedies

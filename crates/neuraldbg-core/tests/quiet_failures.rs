@@ -629,3 +629,34 @@ fn regression_targets_far_beyond_the_first_outputs_are_on_their_raw_scale() {
         shown(&h)
     );
 }
+
+#[test]
+fn a_loss_with_no_minimum_falling_below_zero_diverges_from_the_first_step() {
+    // Raw logits into a negative log-likelihood: the loss is minus the target's logit, and it
+    // falls without end below zero. A divergence from the first step, the mismatch's; not a
+    // plateau "held above its optimum". The same loss on log-probabilities: no finding.
+    let nll = |output_op: &str| LossSpec {
+        ops: vec!["NllLoss".into()],
+        output_op: Some(output_op.into()),
+        output_units: Some(10),
+        ..LossSpec::default()
+    };
+    let falling = |step: u64| -0.1 * step as f64;
+    let h = run(spec(Some(nll("Addmm"))), 200, Some(2e-3), falling);
+    let top = &h[0];
+    assert_eq!(
+        (top.failure, top.cause, top.step),
+        (Failure::LossDivergence, Cause::OutputLossMismatch, Some(0)),
+        "{:?}",
+        shown(&h)
+    );
+    assert!(top.confidence >= 0.5, "{top}");
+    assert!(
+        h.iter().all(|h| h.failure != Failure::LossPlateau),
+        "{:?}",
+        shown(&h)
+    );
+    let learns = |step: u64| 2.3 * (-(step as f64) / 50.0).exp() + 0.05;
+    let h = run(spec(Some(nll("LogSoftmax"))), 200, Some(2e-3), learns);
+    assert!(h.iter().all(|h| h.confidence < 0.5), "{:?}", shown(&h));
+}

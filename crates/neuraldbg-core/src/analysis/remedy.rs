@@ -181,6 +181,7 @@ pub(crate) enum Remedy {
     RemoveSoftmaxBeforeCrossEntropy,
     NllOnLogSoftmax,
     LogSoftmaxForNll,
+    LogSoftmaxBeforeNll,
     /// Layers the model uses but does not hold (unregistered parameters).
     RegisterLayers,
     /// The log of a binary cross-entropy taken of raw outputs.
@@ -474,6 +475,11 @@ impl Remedy {
                 "replace the final Softmax with LogSoftmax(dim=-1), or drop it and use CrossEntropyLoss on the logits",
                 "give the output layer activation=\"softmax\" (a cross-entropy with from_logits=False takes the log of probabilities), or keep the raw output and set from_logits=True",
                 "take the log of probabilities (jax.nn.log_softmax as the last operation), or drop the log and use optax.softmax_cross_entropy on the logits",
+            ),
+            Remedy::LogSoftmaxBeforeNll => fw(
+                "take log_softmax of the logits before NLLLoss (F.nll_loss(F.log_softmax(logits, dim=1), y)), or use CrossEntropyLoss / F.cross_entropy on the logits, which does both",
+                "use a cross-entropy with from_logits=True on the logits",
+                "use optax.softmax_cross_entropy_with_integer_labels on the logits, or take jax.nn.log_softmax before the negative log-likelihood",
             ),
             Remedy::RegisterLayers => fw(
                 "register every layer the forward uses: keep sub-layers in nn.ModuleList / nn.ModuleDict (not a Python list or dict), create them in __init__ (not in forward()), and wrap a bare tensor weight in nn.Parameter; then build the optimizer from model.parameters()",

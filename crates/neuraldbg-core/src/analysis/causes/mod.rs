@@ -52,7 +52,7 @@ pub(crate) use evidence::{
     outlasted_cut, times, uneven_features,
 };
 pub(crate) use flipped_update_sign::climbing;
-pub(crate) use output_loss_mismatch::found as output_mismatch;
+pub(crate) use output_loss_mismatch::{falls_without_end, found as output_mismatch};
 pub(crate) use over_regularization::penalty_dominated;
 
 /// Every cause's own run-wide facts.
@@ -385,7 +385,8 @@ pub(crate) fn rank_causes(
 /// output does not fit the loss, or the loss broadcasts the target), or in the model (layers
 /// whose units all have the same weights train like a single unit).
 pub(crate) fn loss_bounded_by_mistake(run: &Run) -> bool {
-    output_loss_mismatch::found(run).is_some()
+    output_loss_mismatch::found(run)
+        .is_some_and(|(m, _)| m != output_loss_mismatch::Mismatch::NllOfRawOutput)
         || target_shape_mismatch::broadcast(run).is_some()
         || poor_initialization::identical_units(run).is_some()
         || over_regularization::loss_held_by_penalty(run).is_some()

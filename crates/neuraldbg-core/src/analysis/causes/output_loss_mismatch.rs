@@ -44,6 +44,9 @@ pub(crate) enum Mismatch {
     /// made positive.
     LogOfRawOutput,
     OneUnitSoftmax,
+    /// Raw outputs (no log-softmax) fed to a negative log-likelihood: the loss is minus the
+    /// target's output, which has no minimum.
+    NllOfRawOutput,
     /// A cross-entropy over classes (its own log-softmax, or Keras' division of probabilities
     /// by their sum) taken of one output unit: that one class's probability is the constant 1.
     OneUnitCrossEntropy,
@@ -113,6 +116,32 @@ pub(crate) fn mismatch(loss: &LossSpec) -> Option<Mismatch> {
     if out == "Softmax" && has("NllLoss") && !has("Log") {
         return Some(Mismatch::SoftmaxIntoNll);
     }
+    // Nothing between the output and the negative log-likelihood but reshapes (anything else
+    // may be a log-softmax written out, `x - x.logsumexp(1, keepdim=True)`).
+    let reshapes_only = ops.iter().all(|o| {
+        matches!(
+            *o,
+            "NllLoss"
+                | "View"
+                | "Reshape"
+                | "UnsafeView"
+                | "Squeeze"
+                | "Unsqueeze"
+                | "Transpose"
+                | "Permute"
+                | "Select"
+                | "Slice"
+                | "Index"
+                | "Clone"
+                | "ToCopy"
+                | "Alias"
+                | "T"
+        )
+    });
+    let log_probabilities = matches!(out, "LogSoftmax" | "Log" | "LogSigmoid");
+    if has("NllLoss") && reshapes_only && !log_probabilities {
+        return Some(Mismatch::NllOfRawOutput);
+    }
     if out == "Sigmoid" && has("BinaryCrossEntropyWithLogits") {
         return Some(Mismatch::SigmoidIntoLogitsLoss);
     }
@@ -153,6 +182,12 @@ pub(crate) fn mismatch(loss: &LossSpec) -> Option<Mismatch> {
 pub(crate) fn found(run: &Run) -> Option<(Mismatch, &LossSpec)> {
     let loss = run.model.spec.loss.as_ref()?;
     mismatch(loss).map(|m| (m, loss))
+}
+
+/// A loss with no minimum that went below zero: it falls without end (raw outputs into a
+/// negative log-likelihood) rather than being held above its optimum.
+pub(crate) fn falls_without_end(run: &Run) -> bool {
+    matches!(found(run), Some((Mismatch::NllOfRawOutput, _))) && run.loss.best < 0.0
 }
 
 /// A bounded output regressing targets on the raw scale of the inputs themselves (an
@@ -277,6 +312,10 @@ impl CauseRule for OutputLossMismatch {
             Mismatch::SoftmaxIntoNll => {
                 "the model outputs softmax probabilities into NLLLoss, which expects log-probabilities".to_string()
             }
+            Mismatch::NllOfRawOutput => format!(
+                "NLLLoss takes log-probabilities and is given the raw output of {out}: the loss is minus the target class's output, which has no minimum, so it falls without end as that output grows (it reached {}) and never pushes the other classes' outputs down",
+                fmt_g(c.run.loss.best)
+            ),
             Mismatch::SigmoidIntoLogitsLoss => {
                 format!("the model outputs a sigmoid and the loss applies its own sigmoid ({} expects raw logits): outputs are confined to [0.5, 0.73]", c.framework_says("BCEWithLogitsLoss", "a binary cross-entropy with from_logits=True", "sigmoid_binary_cross_entropy"))
             }
@@ -341,6 +380,7 @@ impl CauseRule for OutputLossMismatch {
                 vec![Remedy::SigmoidForBinaryLog]
             }
             Mismatch::SoftmaxIntoNll | Mismatch::LogOfRawOutput => vec![Remedy::LogSoftmaxForNll],
+            Mismatch::NllOfRawOutput => vec![Remedy::LogSoftmaxBeforeNll],
             Mismatch::SigmoidIntoLogitsLoss => vec![
                 Remedy::RemoveSigmoidBeforeLogitsLoss,
                 Remedy::KeepSigmoidUseBce,
@@ -409,5 +449,28 @@ mod tests {
             })
         );
         assert_eq!(mismatch(&with_classes(9.0, 10)), None);
+    }
+
+    #[test]
+    fn raw_outputs_into_a_negative_log_likelihood_are_a_mismatch_log_probabilities_are_not() {
+        assert_eq!(
+            mismatch(&loss(&["NllLoss"], "Addmm", 10)),
+            Some(Mismatch::NllOfRawOutput)
+        );
+        assert_eq!(mismatch(&loss(&["NllLoss"], "LogSoftmax", 10)), None);
+        // A log-softmax written out: the path to the output passes its subtraction.
+        assert_eq!(mismatch(&loss(&["NllLoss", "Sub"], "Addmm", 10)), None);
+        assert_eq!(
+            mismatch(&loss(&["NllLoss", "View"], "Addmm", 10)),
+            Some(Mismatch::NllOfRawOutput)
+        );
+        assert_eq!(
+            mismatch(&loss(&["NllLoss", "LogSoftmax"], "Addmm", 10)),
+            None
+        );
+        assert_eq!(
+            mismatch(&loss(&["NllLoss"], "Softmax", 10)),
+            Some(Mismatch::SoftmaxIntoNll)
+        );
     }
 }

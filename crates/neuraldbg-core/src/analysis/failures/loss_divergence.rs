@@ -1,5 +1,6 @@
 //! `loss_divergence`: the loss rose far above its best.
 
+use crate::config::Config;
 use crate::engine::Run;
 use crate::event::SemanticEvent;
 
@@ -16,6 +17,24 @@ impl FailureRule for LossDivergence {
 
     fn precedence(&self) -> u8 {
         6
+    }
+
+    /// A loss with no minimum, below zero and falling without end (see
+    /// `output_loss_mismatch::falls_without_end`), diverges from the first step.
+    fn episodes(&self, run: &Run, _: &Config, found: &[Episode]) -> Vec<Episode> {
+        if found.iter().any(|e| e.failure == Failure::LossDivergence)
+            || !super::super::causes::falls_without_end(run)
+        {
+            return Vec::new();
+        }
+        match (run.first_step, run.last_step) {
+            (Some(first), Some(last)) => vec![Episode {
+                duration: last.saturating_sub(first) + 1,
+                to_end: true,
+                ..Episode::new(Failure::LossDivergence, first)
+            }],
+            _ => Vec::new(),
+        }
     }
 
     fn locate(
