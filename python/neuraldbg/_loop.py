@@ -147,6 +147,7 @@ class LoopFacts:
         self.feature_scales = None
         self.optimizer = None
         self.waiting = []
+        self.stray = []
 
     def on_forward(self, training: bool, grad_enabled: bool) -> None:
         if grad_enabled:

@@ -14,7 +14,11 @@
 //!   with no gradient, so the loss can only lower a class by killing its unit;
 //! - a log taken of outputs that are not probabilities (a hand-written cross-entropy on raw
 //!   logits): outputs at or below zero are clipped or undefined, and carry no gradient;
+//! - raw outputs into a negative log-likelihood with no log-softmax: the loss is minus the
+//!   target's output and has no minimum;
 //! - a softmax over one unit: the output is the constant 1, every gradient is exactly zero;
+//!   so is a cross-entropy over classes taken of one unit;
+//! - class indices beyond the output's last unit: those targets have no logit;
 //! - a softmax taken over the batch rather than the classes: each sample's "probabilities"
 //!   depend on the other samples of the batch and do not sum to one over its classes;
 //! - a bounded output (sigmoid, tanh, `ReLU`...) regressing targets outside its range: the
@@ -342,10 +346,11 @@ impl CauseRule for OutputLossMismatch {
         if !explains_failure(m, out, c) {
             return;
         }
-        let why = if matches!(
-            c.e.failure,
-            Failure::ExplodingGradients | Failure::NonFinite
-        ) {
+        let why = if m == Mismatch::LogOfRawOutput
+            && matches!(
+                c.e.failure,
+                Failure::ExplodingGradients | Failure::NonFinite
+            ) {
             format!(
                 "{why}; the log's gradient (1/p) is unbounded as an output nears zero, so the blow-up begins in the output layer"
             )
