@@ -1303,3 +1303,22 @@ def test_one_output_unit_under_a_cross_entropy_over_classes_is_named(out_act: An
     assert str(top.cause) == "output_loss_mismatch" and top.confidence >= 0.5, top
     assert "a cross-entropy over classes taken of 1 output unit" in top.description, top.description
     assert "Dense(2)" in top.remedies[0], top.remedies
+
+
+def test_a_confident_sigmoid_output_under_binary_cross_entropy_is_no_saturation() -> None:
+    """``Dense(1, activation="sigmoid")`` under ``binary_crossentropy`` that learned its task:
+    most outputs sit within 0.05 of 0 or 1 (Keras' own predictions), as confident predictions
+    do. Before: ``saturated_activations <- saturating_activation`` at 0.61 on this healthy run."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(2048, 16)).astype("float32")
+    y = (x[:, 0] + 0.5 * x[:, 1] > 0).astype("float32")
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential(
+        [keras.Input((16,)), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(1, activation="sigmoid")]
+    )
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="binary_crossentropy", metrics=["accuracy"])
+    cb = NeuralDbgCallback(verbose=False)
+    assert model.fit(x, y, batch_size=64, epochs=6, callbacks=[cb], verbose=0).history["accuracy"][-1] > 0.95
+    p = model.predict(x, verbose=0)
+    assert float((np.abs(p - 0.5) > 0.45).mean()) > 0.5
+    assert not any(h.confidence >= 0.5 for h in cb.dbg.explain_failure()), cb.dbg.explain_failure()

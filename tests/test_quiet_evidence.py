@@ -1594,3 +1594,48 @@ def test_raw_logits_into_nll_loss_are_a_loss_with_no_minimum(log_softmax: bool) 
     assert top.confidence >= 0.5, top
     assert "NLLLoss takes log-probabilities and is given the raw output of Addmm" in top.description, top
     assert top.remedies[0].startswith("take log_softmax of the logits before NLLLoss"), top.remedies
+
+
+def _binary_fit(double_sigmoid: bool) -> tuple:
+    """A 2-layer MLP ending in ``nn.Sigmoid`` under ``F.binary_cross_entropy`` (Adam 1e-2, 128
+    steps) on a linearly separable binary target; ``double_sigmoid``: ``torch.sigmoid`` applied
+    once more before the loss. Returns the debugger, the losses and the model's outputs."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2048, 16, generator=g)
+    y = (x[:, 0] + 0.5 * x[:, 1] > 0).float()[:, None]
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1), nn.Sigmoid())
+
+    def loss_fn(p: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return nn.functional.binary_cross_entropy(torch.sigmoid(p) if double_sigmoid else p, target)
+
+    dbg, _, losses = _watched_fit(model, torch.optim.Adam(model.parameters(), 1e-2), loss_fn, x, y, 128)
+    with torch.no_grad():
+        return dbg, losses, model(x), y
+
+
+def test_a_confident_sigmoid_output_under_binary_cross_entropy_is_no_saturation() -> None:
+    """A binary classifier that learned its task: most of its sigmoid outputs sit within 0.05
+    of 0 or 1 (torch's own outputs), which is what confident predictions look like; under a
+    binary cross-entropy the gradient at the logits is p - y whatever the sigmoid's slope.
+    Before: ``saturated_activations <- saturating_activation`` at 0.61, "replace tanh/sigmoid
+    with ReLU" (a false alarm on a healthy run). The output activation under a loss that
+    takes its log is not taken for saturated."""
+    dbg, losses, p, y = _binary_fit(False)
+    assert float(((p > 0.5).float() == y).float().mean()) > 0.95 and losses[-1] < 0.15
+    assert float(((p - 0.5).abs() > 0.45).float().mean()) > 0.5
+    assert not any(h.confidence >= 0.5 for h in dbg.explain_failure()), dbg.explain_failure()
+
+
+def test_a_sigmoid_output_put_through_a_second_sigmoid_is_named() -> None:
+    """``F.binary_cross_entropy(torch.sigmoid(model(x)))`` on a model that ends in
+    ``nn.Sigmoid``: what the loss sees is confined to [0.5, 0.73], and its loss stays above
+    0.45 (torch's own) where the single sigmoid's goes below 0.15. Named from the first step as
+    the output/loss mismatch with the remedy that applies the sigmoid once (before: the
+    saturated output sigmoid, "replace tanh/sigmoid with ReLU")."""
+    dbg, losses, p, _ = _binary_fit(True)
+    assert min(losses[-16:]) > 0.45 and float(torch.sigmoid(p).min()) >= 0.5
+    top = dbg.explain_failure()[0]
+    assert str(top.cause) == "output_loss_mismatch" and top.confidence >= 0.5, top
+    assert "a second sigmoid is applied to it" in top.description, top.description
+    assert top.remedies[0].startswith("apply the sigmoid once"), top.remedies

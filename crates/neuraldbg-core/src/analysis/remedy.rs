@@ -187,6 +187,7 @@ pub(crate) enum Remedy {
     /// The log of a binary cross-entropy taken of raw outputs.
     SigmoidForBinaryLog,
     RemoveSigmoidBeforeLogitsLoss,
+    OneSigmoid,
     KeepSigmoidUseBce,
     /// `output`: the bounding operation, as the framework names it.
     RemoveBoundedLogits {
@@ -495,6 +496,11 @@ impl Remedy {
                 "remove the final Sigmoid (or torch.sigmoid) from the model: BCEWithLogitsLoss applies it; apply sigmoid only at inference",
                 "a binary cross-entropy with from_logits=True applies the sigmoid itself: remove the final sigmoid (activation=None); apply it only at inference",
                 "remove the final sigmoid from the model: optax.sigmoid_binary_cross_entropy applies it; apply sigmoid only at inference",
+            ),
+            Remedy::OneSigmoid => fw(
+                "apply the sigmoid once: the model already ends in one, so drop the torch.sigmoid before the loss (or end the model on the logits and use BCEWithLogitsLoss)",
+                "apply the sigmoid once: the model already ends in one, so drop the second (or give the output layer no activation and set from_logits=True)",
+                "apply the sigmoid once: the model already ends in one, so drop the second (or output logits and use optax.sigmoid_binary_cross_entropy)",
             ),
             Remedy::KeepSigmoidUseBce => fw("or keep the sigmoid and use BCELoss", "or keep the sigmoid and set from_logits=False", "or keep the sigmoid and take the binary cross-entropy of probabilities"),
             Remedy::RemoveBoundedLogits { output } => format!(

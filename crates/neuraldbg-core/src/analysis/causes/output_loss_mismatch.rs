@@ -6,8 +6,9 @@
 //!   the logits the loss needs are squeezed into [0, 1], its gradient shrinks to almost nothing
 //!   once one class leads, and the loss cannot go below a floor;
 //! - probabilities fed to a negative log-likelihood without the log;
-//! - a sigmoid output fed to a loss that applies its own sigmoid (BCE with logits): outputs
-//!   live in [0.5, 0.73], the loss has a floor of ~0.31 per sample;
+//! - a sigmoid output fed to a loss that applies its own sigmoid (BCE with logits), or put
+//!   through a second sigmoid on the way: outputs live in [0.5, 0.73], the loss has a floor of
+//!   ~0.31 per sample;
 //! - a bounded activation (tanh, sigmoid) making the logits of such a loss: the logit gaps,
 //!   and with them how confident the loss can get, are capped;
 //! - a rectifier (`ReLU`) making the logits of such a loss: a logit pushed below zero is cut to 0
@@ -39,6 +40,8 @@ pub(crate) enum Mismatch {
     SoftmaxIntoCrossEntropy,
     SoftmaxIntoNll,
     SigmoidIntoLogitsLoss,
+    /// A sigmoid output passed through a second sigmoid on its way to the loss.
+    SigmoidTwice,
     /// A bounded activation (tanh, sigmoid...) producing the logits of a loss that applies its
     /// own softmax or sigmoid: the logit gaps are capped, so the loss has a floor above zero.
     BoundedLogits,
@@ -148,6 +151,9 @@ pub(crate) fn mismatch(loss: &LossSpec) -> Option<Mismatch> {
     }
     if out == "Sigmoid" && has("BinaryCrossEntropyWithLogits") {
         return Some(Mismatch::SigmoidIntoLogitsLoss);
+    }
+    if out == "Sigmoid" && has("Sigmoid") {
+        return Some(Mismatch::SigmoidTwice);
     }
     let logits_loss = has("LogSoftmax") || has("BinaryCrossEntropyWithLogits");
     if logits_loss && bounds(out).is_some_and(|(lo, hi)| hi - lo <= 2.0) {
@@ -323,6 +329,9 @@ impl CauseRule for OutputLossMismatch {
             Mismatch::SigmoidIntoLogitsLoss => {
                 format!("the model outputs a sigmoid and the loss applies its own sigmoid ({} expects raw logits): outputs are confined to [0.5, 0.73]", c.framework_says("BCEWithLogitsLoss", "a binary cross-entropy with from_logits=True", "sigmoid_binary_cross_entropy"))
             }
+            Mismatch::SigmoidTwice => {
+                "the model's output is a sigmoid and a second sigmoid is applied to it on the way to the loss: its values are confined to [0.5, 0.73], so the loss has a floor far above zero".to_string()
+            }
             Mismatch::BoundedLogits => format!(
                 "the model's logits come out of {out}, bounded to a range of at most 2, and the loss applies its own softmax/sigmoid: the logit gaps are capped, so the loss cannot approach zero"
             ),
@@ -390,6 +399,7 @@ impl CauseRule for OutputLossMismatch {
                 Remedy::RemoveSigmoidBeforeLogitsLoss,
                 Remedy::KeepSigmoidUseBce,
             ],
+            Mismatch::SigmoidTwice => vec![Remedy::OneSigmoid],
             Mismatch::BoundedLogits | Mismatch::RectifiedLogits => {
                 vec![Remedy::RemoveBoundedLogits { output }]
             }
@@ -477,5 +487,14 @@ mod tests {
             mismatch(&loss(&["NllLoss"], "Softmax", 10)),
             Some(Mismatch::SoftmaxIntoNll)
         );
+    }
+
+    #[test]
+    fn a_sigmoid_output_put_through_a_second_sigmoid_is_a_mismatch() {
+        assert_eq!(
+            mismatch(&loss(&["BinaryCrossEntropy", "Sigmoid"], "Sigmoid", 1)),
+            Some(Mismatch::SigmoidTwice)
+        );
+        assert_eq!(mismatch(&loss(&["BinaryCrossEntropy"], "Sigmoid", 1)), None);
     }
 }

@@ -30,6 +30,9 @@ impl FailureRule for SaturatedActivations {
     }
 
     fn probability(&self, run: &Run, e: &Episode) -> f64 {
+        if e.root.is_some_and(|m| confident_output(run, m)) {
+            return 0.0;
+        }
         let t = 0.5;
         // Severity: the share of saturated outputs, or how little gradient the activation
         // still passes back (1 - 2 x mean slope), whichever is worse.
@@ -55,4 +58,26 @@ impl FailureRule for SaturatedActivations {
                 _ => more_of_the_same(a, e),
             }
     }
+}
+
+/// Module `m` is the model's output activation, under a loss that takes its log: a sigmoid
+/// under a binary cross-entropy of probabilities, a softmax under the log of a negative
+/// log-likelihood or cross-entropy. The loss's gradient at the logits is then the error itself
+/// (p - y) whatever the activation's slope, so outputs at its bounds are confident predictions,
+/// not a saturation that stops learning.
+fn confident_output(run: &Run, m: usize) -> bool {
+    let model = &run.model;
+    let (Some(loss), Some(a)) = (model.spec.loss.as_ref(), model.module_activation[m]) else {
+        return false;
+    };
+    let kind = model.activations[a].kind.as_str();
+    let has = |op: &str| loss.ops.iter().any(|o| o == op);
+    let last = model.activations.last().is_some_and(|l| l.module == m)
+        && model.layers.iter().all(|l| l.module < m);
+    let cancels = match kind {
+        "Sigmoid" => has("BinaryCrossEntropy"),
+        "Softmax" => has("Log") && !has("LogSoftmax"),
+        _ => false,
+    };
+    last && cancels && loss.output_op.as_deref() == Some(kind)
 }
