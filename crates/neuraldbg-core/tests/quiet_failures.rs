@@ -91,6 +91,16 @@ fn shown(h: &[CausalHypothesis]) -> Vec<String> {
     h.iter().map(ToString::to_string).collect()
 }
 
+/// The top hypothesis is `failure <- cause` at 0.5 or above, its sentence holds `words` and
+/// its first remedy holds `remedy`.
+fn assert_top(h: &[CausalHypothesis], failure: Failure, cause: Cause, words: &str, remedy: &str) {
+    let top = &h[0];
+    assert_eq!((top.failure, top.cause), (failure, cause), "{:?}", shown(h));
+    assert!(top.confidence >= 0.5, "{top}");
+    assert!(top.description.contains(words), "{}", top.description);
+    assert!(top.remedies[0].contains(remedy), "{:?}", top.remedies);
+}
+
 /// No hypothesis blames the learning rate being too low above a trace (0.2).
 fn not_the_learning_rate_too_low(h: &[CausalHypothesis]) {
     assert!(
@@ -556,20 +566,12 @@ fn a_loss_held_at_chance_by_parameters_no_one_trains_is_theirs() {
     let mut stray = spec(Some(ce()));
     stray.unregistered_params = Some(vec![vec![64, 32], vec![64], vec![64, 64], vec![64]]);
     let h = run(stray, 200, Some(2e-3), at_chance);
-    let top = &h[0];
-    assert_eq!(top.failure, Failure::LossPlateau, "{:?}", shown(&h));
-    assert_eq!(top.cause, Cause::ParametersNotUpdated, "{:?}", shown(&h));
-    assert!(top.confidence >= 0.5, "{top}");
-    assert!(
-        top.description
-            .contains("depends on 4 parameter tensor(s) (6,272 values, 88% of those it depends on; shapes 64x32, 64, 64x64, 64)"),
-        "{}",
-        top.description
-    );
-    assert!(
-        top.remedies[0].contains("nn.ModuleList"),
-        "{:?}",
-        top.remedies
+    assert_top(
+        &h,
+        Failure::LossPlateau,
+        Cause::ParametersNotUpdated,
+        "depends on 4 parameter tensor(s) (6,272 values, 88% of those it depends on; shapes 64x32, 64, 64x64, 64)",
+        "nn.ModuleList",
     );
     let mut few = spec(Some(ce()));
     few.unregistered_params = Some(vec![vec![1]]);
@@ -595,25 +597,12 @@ fn regression_targets_far_beyond_the_first_outputs_are_on_their_raw_scale() {
     let h = run(spec(Some(prices)), 200, Some(2e-3), |step| {
         4.1e10 + 1e8 * ((step % 3) as f64)
     });
-    let top = &h[0];
-    assert_eq!(
-        (top.failure, top.cause),
-        (Failure::LossPlateau, Cause::BadInputData),
-        "{:?}",
-        shown(&h)
-    );
-    assert!(top.confidence >= 0.5, "{top}");
-    assert!(
-        top.description.contains(
-            "the regression targets span [1.40e5, 2.60e5], 866,700x the model's first outputs ([-0.2, 0.3]): they are on their raw scale"
-        ),
-        "{}",
-        top.description
-    );
-    assert!(
-        top.remedies[0].starts_with("standardize the regression targets"),
-        "{:?}",
-        top.remedies
+    assert_top(
+        &h,
+        Failure::LossPlateau,
+        Cause::BadInputData,
+        "the regression targets span [1.40e5, 2.60e5], 866,700x the model's first outputs ([-0.2, 0.3]): they are on their raw scale",
+        "standardize the regression targets",
     );
     let units = LossSpec {
         target_range: Some((-3.0, 3.0)),
