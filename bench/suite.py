@@ -11,6 +11,7 @@ import torch.nn as nn
 
 from .recorder import EXPLODING, VANISHING, Record
 from .scenarios import (
+    Batch,
     ConvNet,
     LSTMClassifier,
     NormalizedMLP,
@@ -873,6 +874,16 @@ def healthy_runs() -> List[Scenario]:
         opt.step = clipped_step  # type: ignore[method-assign]
         return Setup(model, opt, CE(), teacher_data(16, 4, 64), 100)
 
+    def h_binary() -> Setup:
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1), nn.Sigmoid())
+        teacher = teacher_data(16, 2, 64)
+
+        def batch_at(i: int) -> Batch:
+            x, y = teacher(i)
+            return x, y.float()[:, None]
+
+        return Setup(model, torch.optim.Adam(model.parameters(), lr=1e-2), nn.BCELoss(), batch_at, 150)
+
     def h_long() -> Setup:
         model = ConvNet([3, 8, 16], 5, norm=True)
         return Setup(
@@ -890,6 +901,13 @@ def healthy_runs() -> List[Scenario]:
             0.9,
         ),
         healthy("healthy_mlp_adam", "MLP 2x ReLU", "a ReLU MLP with Adam", h_mlp),
+        healthy(
+            "healthy_binary_sigmoid_bce",
+            "MLP 1x ReLU + Sigmoid output",
+            "a binary classifier ending in a sigmoid under BCELoss, trained to confident outputs: its output sigmoid at its bounds is not a saturation",
+            h_binary,
+            0.5,
+        ),
         healthy("healthy_cnn_bn", "CNN + BatchNorm", "Conv-BN-ReLU with SGD+momentum", h_cnn),
         healthy("healthy_lstm", "LSTM", "an LSTM classifier with Adam", h_lstm, 0.1),
         healthy(
