@@ -198,8 +198,6 @@ impl CauseRule for LearningRateTooHigh {
                             ),
                         );
                     }
-                    // Steps that large push the pre-activations out to the bounds.
-                    step_size(c, &own, v);
                 }
             }
             Failure::LossDivergence => {
