@@ -1639,3 +1639,25 @@ def test_a_sigmoid_output_put_through_a_second_sigmoid_is_named() -> None:
     assert str(top.cause) == "output_loss_mismatch" and top.confidence >= 0.5, top
     assert "a second sigmoid is applied to it" in top.description, top.description
     assert top.remedies[0].startswith("apply the sigmoid once"), top.remedies
+
+
+def test_tanh_units_at_their_bounds_in_a_run_that_learns_are_no_alarm() -> None:
+    """SGD at lr 1 (momentum 0.9) on a tanh MLP for a binary target, under BCE with logits: steps
+    far larger than a training one's push most of the last tanh layer's outputs to their bounds
+    (torch's own activations), yet the loss falls below a fifth of its start and the accuracy
+    passes 0.9. A saturation beside a loss that learned is a warning, below 0.5 (before: an
+    alarm; the corpus's `mlp_binary init_x10`, healthy by its test accuracy, read 0.51)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2048, 12, generator=g)
+    y = (x @ torch.randn(12, 1, generator=g) > 0).float()
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(12, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.9)
+    dbg, _, losses = _watched_fit(model, opt, nn.BCEWithLogitsLoss(), x, y, 150)
+    with torch.no_grad():
+        last_tanh = model[3](model[2](model[1](model[0](x))))
+        accuracy = float(((model(x) > 0).float() == y).float().mean())
+    start, end = sum(losses[:5]) / 5, sum(losses[-10:]) / 10
+    assert end < 0.2 * start and accuracy > 0.9, (start, end, accuracy)
+    assert float((last_tanh.abs() > 0.99).float().mean()) > 0.5
+    assert not any(h.confidence >= 0.5 for h in dbg.explain_failure()), dbg.explain_failure()

@@ -10,6 +10,11 @@ use super::{FailureRule, Link, after_bad_data, more_of_the_same, persistence, si
 
 pub(crate) struct SaturatedActivations;
 
+/// A loss that ended at this share of its start or below has learned.
+const LEARNED_SHARE: f64 = 0.2;
+/// What a saturation beside such a loss is at most: a warning.
+const LEARNED_CAP: f64 = 0.4;
+
 impl FailureRule for SaturatedActivations {
     fn failure(&self) -> Failure {
         Failure::SaturatedActivations
@@ -46,7 +51,16 @@ impl FailureRule for SaturatedActivations {
             0.0
         };
         let base = ((e.fraction - t) / (1.0 - t)).clamp(0.0, 1.0).max(by_slope);
-        sigmoid(6.0 * (base - 0.5)) * persistence(e)
+        let p = sigmoid(6.0 * (base - 0.5)) * persistence(e);
+        // Units at their bounds while the loss fell to a fifth of its first value (not of a
+        // jump in the first steps) and is off its chance level: the network learns around
+        // them, a warning rather than a failure that stops training.
+        let learned = run
+            .loss
+            .first()
+            .is_some_and(|i| i > 0.0 && run.loss.last_smoothed <= LEARNED_SHARE * i)
+            && super::not_learning(run).is_none();
+        if learned { p.min(LEARNED_CAP) } else { p }
     }
 
     fn follows_from(&self, a: &Episode, e: &Episode, l: &Link<'_>) -> bool {
