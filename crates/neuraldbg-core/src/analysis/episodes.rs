@@ -71,6 +71,15 @@ impl Episode {
             no_gradient: false,
         }
     }
+
+    /// An episode of `failure` from `onset` to the run's last step `last`, still on there.
+    pub fn to_end(failure: Failure, onset: u64, last: u64) -> Self {
+        Self {
+            duration: last.saturating_sub(onset) + 1,
+            to_end: true,
+            ..Self::new(failure, onset)
+        }
+    }
 }
 
 /// The failure an event signals, if any (recoveries and warnings that are not failures map to

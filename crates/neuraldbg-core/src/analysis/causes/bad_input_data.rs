@@ -402,17 +402,23 @@ pub(crate) fn raw_targets(run: &Run) -> Option<RawTargets> {
     if !output_loss_mismatch::is_regression(&ops) {
         return None;
     }
-    let target = loss.target_range?;
-    let output = loss.output_range?;
-    let t = target.0.abs().max(target.1.abs());
-    let o = output.0.abs().max(output.1.abs());
-    (t >= RAW_TARGETS_MIN && t >= RAW_TARGETS_RATIO * o).then_some(RawTargets { target, output })
+    let raw = RawTargets {
+        target: loss.target_range?,
+        output: loss.output_range?,
+    };
+    let (t, o) = raw.reach();
+    (t >= RAW_TARGETS_MIN && t >= RAW_TARGETS_RATIO * o).then_some(raw)
 }
 
 impl RawTargets {
+    /// The largest magnitude of the targets and of the first outputs.
+    fn reach(self) -> (f64, f64) {
+        let most = |(lo, hi): (f64, f64)| lo.abs().max(hi.abs());
+        (most(self.target), most(self.output))
+    }
+
     fn said(self) -> String {
-        let t = self.target.0.abs().max(self.target.1.abs());
-        let o = self.output.0.abs().max(self.output.1.abs());
+        let (t, o) = self.reach();
         format!(
             "the regression targets span [{}, {}], {}x the model's first outputs ([{}, {}]): they are on their raw scale, so the error is theirs at first and the network must grow its output that much before it says anything about the inputs",
             fmt_g(self.target.0),

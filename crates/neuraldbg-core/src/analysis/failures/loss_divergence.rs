@@ -28,11 +28,9 @@ impl FailureRule for LossDivergence {
             return Vec::new();
         }
         match (run.first_step, run.last_step) {
-            (Some(first), Some(last)) => vec![Episode {
-                duration: last.saturating_sub(first) + 1,
-                to_end: true,
-                ..Episode::new(Failure::LossDivergence, first)
-            }],
+            (Some(first), Some(last)) => {
+                vec![Episode::to_end(Failure::LossDivergence, first, last)]
+            }
             _ => Vec::new(),
         }
     }

@@ -38,11 +38,7 @@ impl FailureRule for LossPlateau {
         if let (true, Some(first), Some(last)) =
             (bouncing(run, config), run.first_step, run.last_step)
         {
-            return vec![Episode {
-                duration: last.saturating_sub(first) + 1,
-                to_end: true,
-                ..Episode::new(Failure::LossPlateau, first)
-            }];
+            return vec![Episode::to_end(Failure::LossPlateau, first, last)];
         }
         let Some(last) = run.last_step else {
             return Vec::new();
@@ -54,27 +50,15 @@ impl FailureRule for LossPlateau {
             _ => frozen_by_the_schedule(run).map(|f| f.from),
         };
         if let Some(since) = since {
-            return vec![Episode {
-                duration: last.saturating_sub(since) + 1,
-                to_end: true,
-                ..Episode::new(Failure::LossPlateau, since)
-            }];
+            return vec![Episode::to_end(Failure::LossPlateau, since, last)];
         }
         // A loss that provably cannot reach its optimum is held above it from the first step,
         // even while it still falls.
         if let (true, Some(first)) = (bounded, run.first_step) {
-            return vec![Episode {
-                duration: last.saturating_sub(first) + 1,
-                to_end: true,
-                ..Episode::new(Failure::LossPlateau, first)
-            }];
+            return vec![Episode::to_end(Failure::LossPlateau, first, last)];
         }
         match (creeping(run), run.first_step) {
-            (Some(_), Some(first)) => vec![Episode {
-                duration: last.saturating_sub(first) + 1,
-                to_end: true,
-                ..Episode::new(Failure::LossPlateau, first)
-            }],
+            (Some(_), Some(first)) => vec![Episode::to_end(Failure::LossPlateau, first, last)],
             _ => Vec::new(),
         }
     }
