@@ -1592,6 +1592,7 @@ def test_raw_logits_into_nll_loss_are_a_loss_with_no_minimum(log_softmax: bool) 
     top = found[0]
     assert (str(top.failure), str(top.cause), top.step) == ("loss_divergence", "output_loss_mismatch", 0), found
     assert top.confidence >= 0.5, top
+    assert top.description.startswith("The loss fell without bound from step 0"), top
     assert "NLLLoss takes log-probabilities and is given the raw output of Addmm" in top.description, top
     assert top.remedies[0].startswith("take log_softmax of the logits before NLLLoss"), top.remedies
 

@@ -641,6 +641,11 @@ fn a_loss_with_no_minimum_falling_below_zero_diverges_from_the_first_step() {
     );
     assert!(top.confidence >= 0.5, "{top}");
     assert!(
+        top.description
+            .starts_with("The loss fell without bound from step 0"),
+        "{top}"
+    );
+    assert!(
         h.iter().all(|h| h.failure != Failure::LossPlateau),
         "{:?}",
         shown(&h)

@@ -6,7 +6,7 @@ use crate::event::SemanticEvent;
 
 use super::super::episodes::Episode;
 use super::super::vocab::Failure;
-use super::{FailureRule, Link, after_bad_data, first_at_onset, near};
+use super::{FailureRule, Link, Sentence, after_bad_data, first_at_onset, near, phrase_at_step};
 
 pub(crate) struct LossDivergence;
 
@@ -43,6 +43,17 @@ impl FailureRule for LossDivergence {
         onset: u64,
     ) -> (Option<usize>, Option<usize>) {
         first_at_onset(events, cluster, onset)
+    }
+
+    /// A loss with no minimum did not rise: it fell without end.
+    fn opening(&self, s: &Sentence<'_>) -> String {
+        if super::super::causes::falls_without_end(s.run) {
+            return format!(
+                "The loss fell without bound from step {}",
+                s.episode().onset
+            );
+        }
+        phrase_at_step(s)
     }
 
     fn probability(&self, _: &Run, e: &Episode) -> f64 {

@@ -369,9 +369,20 @@ pub(crate) fn bouncing(run: &Run, config: &Config) -> bool {
             .is_some_and(|i| i > 0.0 && l.last_smoothed >= config.loss_plateau_level * i)
 }
 
+/// A loss that was zero (within 1e-6) at its first step and still is: not a converged run (a
+/// loss starts above its optimum) but one computed so that it cannot move, whose relative
+/// changes are noise.
+fn at_zero(run: &Run) -> bool {
+    let l = &run.loss;
+    l.first().is_some_and(|f| f.abs() <= 1e-6) && l.last_smoothed.abs() <= 1e-6
+}
+
 /// Where a plateaued loss stands: held above its optimum by a mistake, creeping, or at its
 /// chance level.
 fn standing(s: &Sentence<'_>) -> String {
+    if at_zero(s.run) {
+        return ", at zero from the first step: a loss that is 0 whatever the weights gives the model nothing to learn from".into();
+    }
     if s.run.loss.flat_since.is_none() && super::super::causes::loss_bounded_by_mistake(s.run) {
         return ", held above its optimum from the first step (it may still fall, but not to where it should)".into();
     }
