@@ -1662,3 +1662,69 @@ def test_tanh_units_at_their_bounds_in_a_run_that_learns_are_no_alarm() -> None:
     assert end < 0.2 * start and accuracy > 0.9, (start, end, accuracy)
     assert float((last_tanh.abs() > 0.99).float().mean()) > 0.5
     assert not any(h.confidence >= 0.5 for h in dbg.explain_failure()), dbg.explain_failure()
+
+
+class _SequenceClassifier(nn.Module):
+    """An LSTM (or a transformer encoder layer) over a sequence, a linear head on its last step.
+    ``layout``: ``wrong``, batch-first data into a layer built without ``batch_first=True``
+    (PyTorch's default); ``batch_first``, the same data into a layer built with it;
+    ``sequence_first``, the data transposed to ``(sequence, batch, features)`` for the default
+    layer, its last step read along dim 0."""
+
+    def __init__(self, kind: str, layout: str) -> None:
+        super().__init__()
+        self.layout = layout
+        first = layout == "batch_first"
+        if kind == "lstm":
+            self.seq: nn.Module = nn.LSTM(8, 32, batch_first=first)
+        else:
+            self.seq = nn.Sequential(
+                nn.Linear(8, 32), nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=first)
+            )
+        self.kind = kind
+        self.head = nn.Linear(32, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.layout == "sequence_first":
+            x = x.transpose(0, 1)
+        out = self.seq(x)
+        out = out[0] if self.kind == "lstm" else out
+        return self.head(out[-1] if self.layout == "sequence_first" else out[:, -1])
+
+
+@pytest.mark.parametrize("kind", ["lstm", "transformer"])
+@pytest.mark.parametrize("layout", ["wrong", "batch_first", "sequence_first"])
+def test_a_sequence_layer_that_reads_the_batch_as_the_sequence_is_named(kind: str, layout: str) -> None:
+    """``nn.LSTM(8, 32)`` (or a ``TransformerEncoderLayer``), built without
+    ``batch_first=True``, given batch-first data ``(64, 20, 8)``: it runs across the batch, so
+    one sample's output changes when another sample of the batch changes (torch's own forward,
+    checked), and the classifier stays near chance. Before: ``bad_input_data`` ("check that
+    each target belongs to its input") at 0.61. Now ``batch_axis_mismatch`` at the top with the
+    remedy ``batch_first=True``. The same model built with ``batch_first=True``, or given the
+    data transposed to ``(sequence, batch, features)``, learns (accuracy > 0.9), keeps its
+    samples apart, and nothing is said."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4096, 20, 8, generator=g)
+    y = (x[:, :, 0].sum(1) > 0).long()
+    torch.manual_seed(1)
+    model = _SequenceClassifier(kind, layout)
+    with torch.no_grad():
+        other = x[:64].clone()
+        other[0] += 1.0
+        mixed = not torch.allclose(model(x[:64])[1:], model(other)[1:])
+    assert mixed == (layout == "wrong")
+    dbg, spy, _ = _watched_fit(model, torch.optim.Adam(model.parameters(), 3e-3), nn.CrossEntropyLoss(), x, y, 192)
+    with torch.no_grad():
+        accuracy = float((model(x[:512]).argmax(1) == y[:512]).float().mean())
+    found = dbg.explain_failure()
+    if layout != "wrong":
+        assert accuracy > 0.9, accuracy
+        assert not any(h.confidence >= 0.5 for h in found), found
+        return
+    assert accuracy < 0.75, accuracy
+    assert spy.spec["sequence_first_inputs"][0]["shape"][:2] == [64, 20], spy.spec["sequence_first_inputs"]
+    top = found[0]
+    assert (str(top.failure), str(top.cause)) == ("loss_plateau", "batch_axis_mismatch"), found
+    assert top.confidence >= 0.5, top
+    assert "64 samples by 20 steps" in top.description, top.description
+    assert "batch_first=True" in top.remedies[0], top.remedies

@@ -53,6 +53,7 @@ CAUSES = [
     "over_regularization",
     "output_ignores_input",
     "flipped_update_sign",
+    "batch_axis_mismatch",
     "unknown",
 ]
 FAILURES = [

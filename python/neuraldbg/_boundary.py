@@ -248,6 +248,7 @@ class StepBoundary:
         spec["param_weight_decay"] = self.c.loop.param_weight_decays(self.c.loop.optimizer)
         spec["loss"] = self.c.loop.loss_facts()
         spec["unregistered_params"] = self.c.loop.unregistered_params()
+        spec["sequence_first_inputs"] = self.c.loop.sequence_first_inputs()
         spec["input_feature_scales"] = self.c.loop.input_feature_scales()
         # A CPU model whose loss is taken at the backward tap has its gradients read there
         # too, when the backward returns, instead of by hooks that fire inside it.

@@ -187,6 +187,11 @@ class Hooks:
         self._hook_root_post()
         if c.criterion is not None:
             self._own(c.criterion.register_forward_hook(c.entry_criterion))
+        # Modules that read their input's first dimension as the sequence: the shape they
+        # are given (a fact for the engine's batch_axis_mismatch).
+        for i, m in enumerate(self.modules):
+            if i > 0 and getattr(m, "batch_first", None) is False:
+                self._own(m.register_forward_pre_hook(c.loop.sequence_first_hook(c.watched.names[i])))
         self.hook_grads(c, params)
         STEP_TAP.add(c.entry_optimizer_step)
         SCALER_TAP.add(c)

@@ -104,6 +104,9 @@ class LoopFacts:
         # Per feature of the first input batch of a table (see :meth:`note_input`): a device
         # tensor until registration reads it; False once an input was seen that is no table.
         self.feature_scales: Any = None
+        # The shape of the first input of each module that reads its input's first dimension
+        # as the sequence (see :meth:`sequence_first_hook`), by module name.
+        self.sequence_first: Dict[str, List[int]] = {}
         self.optimizer: Any = None
         # Every optimizer of the model's parameters tells the engine which it holds and at
         # what lr, once (a model trained by several: an encoder's and a decoder's, a head's, one
@@ -334,6 +337,28 @@ class LoopFacts:
         if x.dim() == 2 and 2 <= x.shape[1] <= MAX_FEATURES and x.shape[0] >= 2 and x.is_floating_point():
             self.feature_scales = x.detach().abs().amax(dim=0)
 
+    def sequence_first_hook(self, name: str) -> Callable[..., None]:
+        """A forward pre-hook for module ``name``, one that reads its input's first dimension
+        as the sequence (``batch_first=False``): notes the shape of the first input it is
+        given (outside a compiled graph), then nothing."""
+        from torch.compiler import is_compiling
+
+        seen = self.sequence_first
+
+        def hook(module: Any, args: Any) -> None:
+            if name in seen or is_compiling():
+                return
+            shape = getattr(args[0], "shape", None) if args else None
+            if shape is not None:
+                seen[name] = [int(s) for s in shape]
+
+        return hook
+
+    def sequence_first_inputs(self) -> Optional[List[Dict[str, Any]]]:
+        """The engine's ``sequence_first_inputs``: each module noted by
+        :meth:`sequence_first_hook` with the shape of its first input; None when none ran."""
+        return [{"module": m, "shape": s} for m, s in self.sequence_first.items()] or None
+
     def input_feature_scales(self) -> Optional[List[Optional[float]]]:
         """The first table batch's per-feature largest magnitudes, read now (at
         registration), None for a feature whose values were not all finite; None when the
@@ -516,6 +541,7 @@ def _output_shape(d: Dict[str, Any], path: List[Any], output: Any, outputs: Dict
 
     if isinstance(output, torch.Tensor):
         d["output_numel"] = int(output.numel())
+        d["output_shape"] = [int(s) for s in output.shape]
         if output.dim() >= 1:
             d["output_units"] = int(output.shape[-1])
 

@@ -127,6 +127,7 @@ class Cause(_StrEnum):
     OVER_REGULARIZATION = "over_regularization"
     OUTPUT_IGNORES_INPUT = "output_ignores_input"
     FLIPPED_UPDATE_SIGN = "flipped_update_sign"
+    BATCH_AXIS_MISMATCH = "batch_axis_mismatch"
 
 
 def _float(v: Any) -> float:

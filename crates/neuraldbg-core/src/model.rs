@@ -31,6 +31,15 @@ fn yes() -> bool {
     true
 }
 
+/// A module that reads its input's first dimension as the sequence, and the shape of the input
+/// it was first given ([`ModelSpec::sequence_first_inputs`]).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SequenceFirstInput {
+    /// The module's qualified name, as in [`ModuleSpec::name`].
+    pub module: String,
+    pub shape: Vec<u64>,
+}
+
 /// What a parameter is to its layer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -118,6 +127,11 @@ pub struct ModelSpec {
     /// not look or found none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub unregistered_params: Option<Vec<Vec<u64>>>,
+    /// Modules that read their input's first dimension as the sequence (`PyTorch`'s RNNs and
+    /// attention layers without `batch_first=True`), with the shape of the input each was
+    /// first given. Absent when the collector did not look or the model has none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sequence_first_inputs: Option<Vec<SequenceFirstInput>>,
     /// What the loss does with the model's output, when the collector could see it.
     #[serde(default)]
     pub loss: Option<LossSpec>,
@@ -246,6 +260,9 @@ pub struct LossSpec {
     /// The operation that produced the model's output (`Softmax`, `Sigmoid`, `Addmm`...).
     #[serde(default)]
     pub output_op: Option<String>,
+    /// The shape of the model's output on the first step.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output_shape: Option<Vec<u64>>,
     /// Size of the output's last dimension.
     #[serde(default)]
     pub output_units: Option<u64>,

@@ -654,3 +654,46 @@ fn a_loss_with_no_minimum_falling_below_zero_diverges_from_the_first_step() {
     let h = run(spec(Some(nll("LogSoftmax"))), 200, Some(2e-3), learns);
     assert!(h.iter().all(|h| h.confidence < 0.5), "{:?}", shown(&h));
 }
+
+#[test]
+fn a_sequence_layer_given_the_batch_as_its_sequence_holds_the_loss_at_chance() {
+    // An LSTM built without batch_first=True given (64 samples, 20 steps, 8 features): it reads
+    // the 64 samples as the steps of 20 sequences, and the classifier's loss stays at ln 2.
+    // Named with the remedy batch_first=True. The same loss with the data laid out as the layer
+    // reads it (20, 64, 8), with an output that keeps the layout (a sequence-first tagger's
+    // (64, 20, 2)), or with a square input (64, 64, 8) that says nothing: no finding of it.
+    let case = |input: [u64; 3], output: Vec<u64>| {
+        let mut s = spec(Some(LossSpec {
+            ops: vec!["NllLoss".into(), "LogSoftmax".into()],
+            output_op: Some("Addmm".into()),
+            output_units: output.last().copied(),
+            output_shape: Some(output),
+            ..LossSpec::default()
+        }));
+        s.module("rnn", "LSTM");
+        s.sequence_first_inputs = Some(vec![neuraldbg_core::SequenceFirstInput {
+            module: "rnn".into(),
+            shape: input.to_vec(),
+        }]);
+        run(s, 200, Some(2e-3), |step| 0.69 + 0.01 * ((step % 3) as f64))
+    };
+    assert_top(
+        &case([64, 20, 8], vec![64, 2]),
+        Failure::LossPlateau,
+        Cause::BatchAxisMismatch,
+        "64 samples by 20 steps, read as 20 sequences of 64 steps",
+        "with batch_first=True",
+    );
+    for (input, output) in [
+        ([20, 64, 8], vec![64, 2]),
+        ([64, 20, 8], vec![64, 20, 2]),
+        ([64, 64, 8], vec![64, 2]),
+    ] {
+        let h = case(input, output);
+        assert!(
+            h.iter().all(|h| h.cause != Cause::BatchAxisMismatch),
+            "{input:?}: {:?}",
+            shown(&h)
+        );
+    }
+}

@@ -184,6 +184,10 @@ pub(crate) enum Remedy {
     LogSoftmaxBeforeNll,
     /// Layers the model uses but does not hold (unregistered parameters).
     RegisterLayers,
+    /// `module` reads the batch as the sequence.
+    BatchFirst {
+        module: String,
+    },
     /// The log of a binary cross-entropy taken of raw outputs.
     SigmoidForBinaryLog,
     RemoveSigmoidBeforeLogitsLoss,
@@ -481,6 +485,11 @@ impl Remedy {
                 "take log_softmax of the logits before NLLLoss (F.nll_loss(F.log_softmax(logits, dim=1), y)), or use CrossEntropyLoss / F.cross_entropy on the logits, which does both",
                 "use a cross-entropy with from_logits=True on the logits",
                 "use optax.softmax_cross_entropy_with_integer_labels on the logits, or take jax.nn.log_softmax before the negative log-likelihood",
+            ),
+            Remedy::BatchFirst { module } => fw(
+                &format!("build {} with batch_first=True, so that it reads (batch, sequence, features) as your data is laid out (nn.LSTM(..., batch_first=True); its output then comes back the same way), or give it x.transpose(0, 1) and take its output's steps along dim 0", show(module)),
+                &format!("give {} its input as (batch, sequence, features)", show(module)),
+                &format!("give {} its input as (batch, sequence, features), or scan it over the sequence axis", show(module)),
             ),
             Remedy::RegisterLayers => fw(
                 "register every layer the forward uses: keep sub-layers in nn.ModuleList / nn.ModuleDict (not a Python list or dict), create them in __init__ (not in forward()), and wrap a bare tensor weight in nn.Parameter; then build the optimizer from model.parameters()",

@@ -57,6 +57,10 @@ named_enum! {
         /// The optimizer's steps move the weights up their gradients (a negated gradient, an
         /// update written with `+=`).
         FlippedUpdateSign => "flipped_update_sign",
+        /// A layer that reads its input's first dimension as the sequence (an RNN or attention
+        /// layer built without `batch_first=True`) was given the batch there: it runs across
+        /// the samples instead of along each one.
+        BatchAxisMismatch => "batch_axis_mismatch",
     }
 }
 

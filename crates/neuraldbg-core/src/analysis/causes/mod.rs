@@ -21,6 +21,7 @@
 mod evidence;
 
 mod bad_input_data;
+mod batch_axis_mismatch;
 mod dying_relu;
 mod eval_mode;
 mod flipped_update_sign;
@@ -167,6 +168,7 @@ pub(crate) static RULES: &[&dyn CauseRule] = &[
     &over_regularization::OverRegularization,
     &output_ignores_input::OutputIgnoresInput,
     &flipped_update_sign::FlippedUpdateSign,
+    &batch_axis_mismatch::BatchAxisMismatch,
     &unknown::Unknown,
 ];
 
@@ -390,6 +392,7 @@ pub(crate) fn loss_bounded_by_mistake(run: &Run) -> bool {
         || target_shape_mismatch::broadcast(run).is_some()
         || poor_initialization::identical_units(run).is_some()
         || over_regularization::loss_held_by_penalty(run).is_some()
+        || batch_axis_mismatch::found(run).is_some()
 }
 
 pub(crate) fn fmt_g(v: f64) -> String {
