@@ -1728,3 +1728,39 @@ def test_a_sequence_layer_that_reads_the_batch_as_the_sequence_is_named(kind: st
     assert top.confidence >= 0.5, top
     assert "64 samples by 20 steps" in top.description, top.description
     assert "batch_first=True" in top.remedies[0], top.remedies
+
+
+@pytest.mark.parametrize("softmax", [True, False])
+def test_softmax_probabilities_into_a_binary_cross_entropy_on_logits_are_named(softmax: bool) -> None:
+    """A multi-label classifier (5 labels per sample, not exclusive) ending in ``nn.Softmax``
+    under ``BCEWithLogitsLoss``: the loss applies a sigmoid to each output again, so each
+    predicted probability lies in [0.5, 0.73] and the outputs sum to one (torch's own forward,
+    checked); the loss stays near ln 2. Before: ``loss_plateau <- unknown`` at 0.46. Now the
+    output/loss mismatch, with the remedy to drop the softmax. Without it the same model learns
+    (per-label accuracy > 0.9) and nothing is said."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4096, 32, generator=g)
+    y = (x @ torch.randn(32, 5, generator=g) > 0.5).float()
+    torch.manual_seed(1)
+    layers: List[nn.Module] = [nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 5)]
+    model = nn.Sequential(*layers, *([nn.Softmax(dim=1)] if softmax else []))
+    with torch.no_grad():
+        out = model(x[:256])
+    if softmax:
+        p = torch.sigmoid(out)
+        assert p.min() >= 0.5 and p.max() <= 0.7311, (p.min(), p.max())
+        assert torch.allclose(out.sum(1), torch.ones(256), atol=1e-5)
+    dbg, _, _ = _watched_fit(model, torch.optim.Adam(model.parameters(), 1e-3), nn.BCEWithLogitsLoss(), x, y, 192)
+    with torch.no_grad():
+        accuracy = float(((torch.sigmoid(model(x)) > 0.5).float() == y).float().mean())
+    found = dbg.explain_failure()
+    if not softmax:
+        assert accuracy > 0.9, accuracy
+        assert not any(h.confidence >= 0.5 for h in found), found
+        return
+    assert accuracy < 0.8, accuracy
+    top = found[0]
+    assert (str(top.failure), str(top.cause)) == ("loss_plateau", "output_loss_mismatch"), found
+    assert top.confidence >= 0.5, top
+    assert "the model outputs softmax probabilities and the loss applies its own sigmoid" in top.description, top
+    assert top.remedies[0].startswith("remove the final Softmax from the model"), top.remedies

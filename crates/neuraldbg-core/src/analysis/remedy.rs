@@ -191,6 +191,7 @@ pub(crate) enum Remedy {
     /// The log of a binary cross-entropy taken of raw outputs.
     SigmoidForBinaryLog,
     RemoveSigmoidBeforeLogitsLoss,
+    RemoveSoftmaxBeforeLogitsLoss,
     OneSigmoid,
     KeepSigmoidUseBce,
     /// `output`: the bounding operation, as the framework names it.
@@ -506,6 +507,11 @@ impl Remedy {
                 "a binary cross-entropy with from_logits=True applies the sigmoid itself: remove the final sigmoid (activation=None); apply it only at inference",
                 "remove the final sigmoid from the model: optax.sigmoid_binary_cross_entropy applies it; apply sigmoid only at inference",
             ),
+            Remedy::RemoveSoftmaxBeforeLogitsLoss => fw(
+                "remove the final Softmax from the model: BCEWithLogitsLoss applies a sigmoid to each raw logit on its own (labels that are not exclusive); for one class per sample, use CrossEntropyLoss on the logits instead",
+                "remove the final softmax (activation=None): a binary cross-entropy with from_logits=True applies a sigmoid to each logit on its own; for one class per sample, use a categorical cross-entropy with from_logits=True instead",
+                "remove the final softmax: optax.sigmoid_binary_cross_entropy applies a sigmoid to each logit on its own; for one class per sample, use optax.softmax_cross_entropy on the logits instead",
+            ),
             Remedy::OneSigmoid => fw(
                 "apply the sigmoid once: the model already ends in one, so drop the torch.sigmoid before the loss (or end the model on the logits and use BCEWithLogitsLoss)",
                 "apply the sigmoid once: the model already ends in one, so drop the second (or give the output layer no activation and set from_logits=True)",
@@ -584,6 +590,7 @@ mod tests {
             Remedy::SoftmaxOverClasses,
             Remedy::RemoveSoftmaxBeforeCrossEntropy,
             Remedy::RemoveSigmoidBeforeLogitsLoss,
+            Remedy::RemoveSoftmaxBeforeLogitsLoss,
             Remedy::KeepSigmoidUseBce,
             Remedy::RemoveBoundedLogits {
                 output: output.clone(),

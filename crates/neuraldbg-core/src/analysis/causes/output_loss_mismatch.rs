@@ -8,7 +8,8 @@
 //! - probabilities fed to a negative log-likelihood without the log;
 //! - a sigmoid output fed to a loss that applies its own sigmoid (BCE with logits), or put
 //!   through a second sigmoid on the way: outputs live in [0.5, 0.73], the loss has a floor of
-//!   ~0.31 per sample;
+//!   ~0.31 per sample; so does a softmax output fed to it (and its outputs sum to one, so a
+//!   multi-label target cannot be met);
 //! - a bounded activation (tanh, sigmoid) making the logits of such a loss: the logit gaps,
 //!   and with them how confident the loss can get, are capped;
 //! - a rectifier (`ReLU`) making the logits of such a loss: a logit pushed below zero is cut to 0
@@ -40,6 +41,9 @@ pub(crate) enum Mismatch {
     SoftmaxIntoCrossEntropy,
     SoftmaxIntoNll,
     SigmoidIntoLogitsLoss,
+    /// Softmax probabilities fed to a binary cross-entropy on logits (a multi-label loss): each
+    /// output's sigmoid lies in [0.5, 0.73], and the outputs sum to one.
+    SoftmaxIntoLogitsLoss,
     /// A sigmoid output passed through a second sigmoid on its way to the loss.
     SigmoidTwice,
     /// A bounded activation (tanh, sigmoid...) producing the logits of a loss that applies its
@@ -151,6 +155,9 @@ pub(crate) fn mismatch(loss: &LossSpec) -> Option<Mismatch> {
     }
     if out == "Sigmoid" && has("BinaryCrossEntropyWithLogits") {
         return Some(Mismatch::SigmoidIntoLogitsLoss);
+    }
+    if out == "Softmax" && has("BinaryCrossEntropyWithLogits") {
+        return Some(Mismatch::SoftmaxIntoLogitsLoss);
     }
     if out == "Sigmoid" && has("Sigmoid") {
         return Some(Mismatch::SigmoidTwice);
@@ -329,6 +336,9 @@ impl CauseRule for OutputLossMismatch {
             Mismatch::SigmoidIntoLogitsLoss => {
                 format!("the model outputs a sigmoid and the loss applies its own sigmoid ({} expects raw logits): outputs are confined to [0.5, 0.73]", c.framework_says("BCEWithLogitsLoss", "a binary cross-entropy with from_logits=True", "sigmoid_binary_cross_entropy"))
             }
+            Mismatch::SoftmaxIntoLogitsLoss => {
+                format!("the model outputs softmax probabilities and the loss applies its own sigmoid to each ({} expects raw logits): each output's sigmoid is confined to [0.5, 0.73], and since the outputs sum to one no two labels can both be predicted", c.framework_says("BCEWithLogitsLoss", "a binary cross-entropy with from_logits=True", "sigmoid_binary_cross_entropy"))
+            }
             Mismatch::SigmoidTwice => {
                 "the model's output is a sigmoid and a second sigmoid is applied to it on the way to the loss: its values are confined to [0.5, 0.73], so the loss has a floor far above zero".to_string()
             }
@@ -399,6 +409,7 @@ impl CauseRule for OutputLossMismatch {
                 Remedy::RemoveSigmoidBeforeLogitsLoss,
                 Remedy::KeepSigmoidUseBce,
             ],
+            Mismatch::SoftmaxIntoLogitsLoss => vec![Remedy::RemoveSoftmaxBeforeLogitsLoss],
             Mismatch::SigmoidTwice => vec![Remedy::OneSigmoid],
             Mismatch::BoundedLogits | Mismatch::RectifiedLogits => {
                 vec![Remedy::RemoveBoundedLogits { output }]
@@ -487,6 +498,18 @@ mod tests {
             mismatch(&loss(&["NllLoss"], "Softmax", 10)),
             Some(Mismatch::SoftmaxIntoNll)
         );
+    }
+
+    #[test]
+    fn softmax_probabilities_into_a_binary_cross_entropy_on_logits_are_a_mismatch() {
+        let logits_bce = ["BinaryCrossEntropyWithLogits"];
+        assert_eq!(
+            mismatch(&loss(&logits_bce, "Softmax", 5)),
+            Some(Mismatch::SoftmaxIntoLogitsLoss)
+        );
+        assert_eq!(mismatch(&loss(&logits_bce, "Addmm", 5)), None);
+        // On probabilities (BCELoss), a softmax output is a probability and fits.
+        assert_eq!(mismatch(&loss(&["BinaryCrossEntropy"], "Softmax", 5)), None);
     }
 
     #[test]
