@@ -8,6 +8,7 @@ from typing import List
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from .recorder import EXPLODING, VANISHING, Record
 from .scenarios import (
@@ -795,6 +796,31 @@ def warmup_too_high() -> Scenario:
 # ============================================================================ healthy
 
 
+class TwoTowers(nn.Module):
+    """Two MLP towers over the two halves of a paired input, their unit-norm embeddings
+    stacked: ``(batch, 2, dim)``."""
+
+    def __init__(self, half: int, hidden: int, dim: int) -> None:
+        super().__init__()
+        self.half = half
+        self.a = nn.Sequential(nn.Linear(half, hidden), nn.ReLU(), nn.Linear(hidden, dim))
+        self.b = nn.Sequential(nn.Linear(half, hidden), nn.ReLU(), nn.Linear(hidden, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        za = F.normalize(self.a(x[:, : self.half]), dim=1)
+        zb = F.normalize(self.b(x[:, self.half :]), dim=1)
+        return torch.stack([za, zb], 1)
+
+
+class ClipLoss(nn.Module):
+    """CLIP's symmetric cross-entropy over the similarities of the two views, at temperature
+    0.1; the targets are each sample's place in the batch."""
+
+    def forward(self, z: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logits = z[:, 0] @ z[:, 1].T / 0.1
+        return (F.cross_entropy(logits, y) + F.cross_entropy(logits.T, y)) / 2
+
+
 def healthy(name: str, arch: str, story: str, build, min_drop: float = 0.3) -> Scenario:
     return Scenario(name, arch, story, build, Truth(None), healthy_check(min_drop))
 
@@ -884,6 +910,19 @@ def healthy_runs() -> List[Scenario]:
 
         return Setup(model, torch.optim.Adam(model.parameters(), lr=1e-2), nn.BCELoss(), batch_at, 150)
 
+    def h_contrastive() -> Setup:
+        model = TwoTowers(16, 32, 8)
+        g = torch.Generator().manual_seed(5)
+        mix = torch.randn(16, 16, generator=g)
+
+        def batch_at(i: int) -> Batch:
+            gi = torch.Generator().manual_seed(5 * 100_003 + i)
+            a = torch.randn(64, 16, generator=gi)
+            b = a @ mix + 0.1 * torch.randn(64, 16, generator=gi)
+            return torch.cat([a, b], 1), torch.arange(64)
+
+        return Setup(model, torch.optim.Adam(model.parameters(), lr=1e-3), ClipLoss(), batch_at, 150)
+
     def h_long() -> Setup:
         model = ConvNet([3, 8, 16], 5, norm=True)
         return Setup(
@@ -907,6 +946,12 @@ def healthy_runs() -> List[Scenario]:
             "a binary classifier ending in a sigmoid under BCELoss, trained to confident outputs: its output sigmoid at its bounds is not a saturation",
             h_binary,
             0.5,
+        ),
+        healthy(
+            "healthy_contrastive_clip",
+            "two MLP towers, CLIP loss",
+            "a contrastive (CLIP-style) loss: each sample's class index is its place in the batch and its logits are the similarities to the batch's other view, not the model's output units",
+            h_contrastive,
         ),
         healthy("healthy_cnn_bn", "CNN + BatchNorm", "Conv-BN-ReLU with SGD+momentum", h_cnn),
         healthy("healthy_lstm", "LSTM", "an LSTM classifier with Adam", h_lstm, 0.1),

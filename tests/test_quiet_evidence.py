@@ -1764,3 +1764,45 @@ def test_softmax_probabilities_into_a_binary_cross_entropy_on_logits_are_named(s
     assert top.confidence >= 0.5, top
     assert "the model outputs softmax probabilities and the loss applies its own sigmoid" in top.description, top
     assert top.remedies[0].startswith("remove the final Softmax from the model"), top.remedies
+
+
+def test_a_contrastive_loss_over_the_batch_is_no_mismatch() -> None:
+    """CLIP's symmetric cross-entropy: two towers embed the two views of each sample, the logits
+    are their similarities (``z_a @ z_b.T``) and each sample's class index is its place in the
+    batch (0..63, against a 16-unit output). It learns: the loss falls from ~ln 64 and each
+    view retrieves its pair (torch's own argmax, > 90%). Before: ``loss_plateau <-
+    target_shape_mismatch`` / "class indices beyond the output's units" at 0.64, a false
+    alarm. Now nothing at 0.5 or above, and no chance level read from the output's units."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(4096, 32, generator=g)
+    b = a @ torch.randn(32, 32, generator=g) + 0.1 * torch.randn(4096, 32, generator=g)
+    torch.manual_seed(1)
+
+    class Towers(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fa = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16))
+            self.fb = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            za = nn.functional.normalize(self.fa(x[:, :32]), dim=1)
+            zb = nn.functional.normalize(self.fb(x[:, 32:]), dim=1)
+            return torch.stack([za, zb], 1)
+
+    def clip_loss(z: torch.Tensor, _: torch.Tensor) -> torch.Tensor:
+        logits = z[:, 0] @ z[:, 1].T / 0.1
+        y = torch.arange(len(z))
+        return (nn.functional.cross_entropy(logits, y) + nn.functional.cross_entropy(logits.T, y)) / 2
+
+    model = Towers()
+    x = torch.cat([a, b], 1)
+    places = torch.zeros(4096, dtype=torch.long)
+    dbg, spy, losses = _watched_fit(model, torch.optim.Adam(model.parameters(), 1e-3), clip_loss, x, places, 192)
+    with torch.no_grad():
+        z = model(x[:64])
+        retrieved = float(((z[:, 0] @ z[:, 1].T).argmax(1) == torch.arange(64)).float().mean())
+    assert losses[0] > 3.5 and sum(losses[-16:]) / 16 < 1.0 and retrieved > 0.9, (losses[0], losses[-1], retrieved)
+    assert "Mm" in spy.spec["loss"]["ops"], spy.spec["loss"]
+    found = dbg.explain_failure()
+    assert not any(h.confidence >= 0.5 for h in found), found
+    assert not any("chance level" in h.description for h in found), found

@@ -311,6 +311,19 @@ pub struct LossSpec {
 }
 
 impl LossSpec {
+    /// Whether the loss reads the output's units as its own, element for element: its classes,
+    /// its elements compared with the targets. Not when a matrix product lies between them: a
+    /// contrastive loss (CLIP, `InfoNCE`) scores every sample against every other with `z @ z.T`,
+    /// and a head applied outside the model (tied embeddings, `h @ emb.T`) makes the classes.
+    pub fn reads_output_units(&self) -> bool {
+        !self.ops.iter().any(|o| {
+            matches!(
+                o.as_str(),
+                "Mm" | "Bmm" | "Addmm" | "Baddbmm" | "Matmul" | "Mv" | "Addmv" | "Dot" | "Linear"
+            )
+        })
+    }
+
     /// A binary cross-entropy, on logits or on probabilities (its targets must be in [0, 1],
     /// its chance level is ln 2).
     pub fn is_binary_cross_entropy(&self) -> bool {

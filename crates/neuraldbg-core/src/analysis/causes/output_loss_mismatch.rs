@@ -102,7 +102,8 @@ pub(crate) fn mismatch(loss: &LossSpec) -> Option<Mismatch> {
         return Some(Mismatch::OneUnitSoftmax);
     }
     // What a loss over classes does with the output's units, whatever operation made them.
-    let over_classes = has("LogSoftmax") || (has("Log") && has("Div"));
+    let over_classes =
+        (has("LogSoftmax") || (has("Log") && has("Div"))) && loss.reads_output_units();
     if loss.output_units == Some(1) && over_classes && !loss.is_binary_cross_entropy() {
         return Some(Mismatch::OneUnitCrossEntropy);
     }
@@ -498,6 +499,28 @@ mod tests {
             mismatch(&loss(&["NllLoss"], "Softmax", 10)),
             Some(Mismatch::SoftmaxIntoNll)
         );
+    }
+
+    #[test]
+    fn a_contrastive_loss_whose_classes_are_the_batch_is_no_mismatch() {
+        // CLIP / InfoNCE: logits = z_a @ z_b.T, class indices 0..N-1 against a 16-unit output.
+        let contrastive = LossSpec {
+            class_range: Some((0.0, 63.0)),
+            compared_numel: Some(64 * 64),
+            output_numel: Some(64 * 16),
+            ..loss(&["NllLoss", "LogSoftmax", "Mul", "Mm"], "Div", 16)
+        };
+        assert!(!contrastive.reads_output_units());
+        assert_eq!(mismatch(&contrastive), None);
+        let direct = LossSpec {
+            ops: vec!["NllLoss".into(), "LogSoftmax".into()],
+            ..contrastive
+        };
+        assert!(direct.reads_output_units());
+        assert!(matches!(
+            mismatch(&direct),
+            Some(Mismatch::ClassesBeyondOutput { .. })
+        ));
     }
 
     #[test]

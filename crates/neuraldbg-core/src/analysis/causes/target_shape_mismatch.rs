@@ -11,6 +11,9 @@ pub(crate) struct TargetShapeMismatch;
 /// Output elements and the (larger) number the loss compared, when the loss broadcast.
 pub(crate) fn broadcast(c: &crate::engine::Run) -> Option<(u64, u64)> {
     let loss = c.model.spec.loss.as_ref()?;
+    if !loss.reads_output_units() {
+        return None;
+    }
     let (out, compared) = (loss.output_numel?, loss.compared_numel?);
     (out > 1 && compared >= 2 * out).then_some((out, compared))
 }

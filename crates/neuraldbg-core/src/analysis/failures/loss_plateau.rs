@@ -160,7 +160,9 @@ pub(crate) fn chance_level(run: &Run) -> Option<Chance> {
         || has("Log") && (loss.output_op.as_deref() == Some("Softmax") || has("Softmax"));
     let written_out = logs_probabilities && has("Mean");
     if has("NllLoss") || written_out {
-        let classes = loss.output_units.filter(|&c| c >= 2)?;
+        let classes = loss
+            .output_units
+            .filter(|&c| c >= 2 && loss.reads_output_units())?;
         return Some(Chance {
             level: (classes as f64).ln(),
             classes,
