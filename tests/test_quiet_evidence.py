@@ -1802,7 +1802,27 @@ def test_a_contrastive_loss_over_the_batch_is_no_mismatch() -> None:
         z = model(x[:64])
         retrieved = float(((z[:, 0] @ z[:, 1].T).argmax(1) == torch.arange(64)).float().mean())
     assert losses[0] > 3.5 and sum(losses[-16:]) / 16 < 1.0 and retrieved > 0.9, (losses[0], losses[-1], retrieved)
-    assert "Mm" in spy.spec["loss"]["ops"], spy.spec["loss"]
+    assert "Mm" in spy.spec["loss"]["ops"] and spy.spec["loss"]["class_units"] == 64, spy.spec["loss"]
     found = dbg.explain_failure()
     assert not any(h.confidence >= 0.5 for h in found), found
     assert not any("chance level" in h.description for h in found), found
+
+
+def test_a_segmentation_map_s_classes_are_its_channels() -> None:
+    """Per-pixel cross-entropy over 21 classes on an ``(N, 21, 8, 8)`` map: the classes are dim
+    1, not the output's last dimension (8). The run learns (torch's own loss falls by a
+    third). Before: "the targets' class indices reach 20 but the output has 8 units" at 0.64, a
+    false alarm. Now the collector sends the loss's class axis (``class_units``) and nothing
+    is said."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1024, 3, 8, 8, generator=g)
+    y = ((x[:, 0] * 3).round().clamp(-10, 10) + 10).long()
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 21, 1))
+    dbg, spy, losses = _watched_fit(
+        model, torch.optim.Adam(model.parameters(), 3e-3), nn.CrossEntropyLoss(), x, y, 128, batch=32
+    )
+    assert int(y.max()) == 20 and sum(losses[-16:]) / 16 < 0.75 * sum(losses[:4]) / 4, (losses[:4], losses[-4:])
+    assert spy.spec["loss"]["class_units"] == 21 and spy.spec["loss"]["output_units"] == 8, spy.spec["loss"]
+    found = dbg.explain_failure()
+    assert not any(h.confidence >= 0.5 for h in found), found

@@ -548,14 +548,18 @@ def _output_shape(d: Dict[str, Any], path: List[Any], output: Any, outputs: Dict
 
 def _comparison(d: Dict[str, Any], path: List[Any], output: Any, outputs: Dict[int, Any]) -> None:
     """What the loss compared with the target (the first node on the path that saved its
-    input: MseLoss, SmoothL1Loss, NllLoss...; Abs for a written-out L1), its reduction, and a
-    softmax taken over the batch."""
+    input: MseLoss, SmoothL1Loss, NllLoss...; Abs for a written-out L1), and for a negative
+    log-likelihood its classes (dim 1 of its input, torch's class axis: the channels of a
+    segmentation map, the similarities of a contrastive loss); its reduction, and a softmax
+    taken over the batch."""
     import torch
 
     for node in path[:-1]:
         saved = getattr(node, "_saved_self", None)
         if isinstance(saved, torch.Tensor):
             d["compared_numel"] = int(saved.numel())
+            if op_name(node).startswith("NllLoss") and saved.dim() >= 1:
+                d["class_units"] = int(saved.shape[1] if saved.dim() >= 2 else saved.shape[0])
             break
     reduction = next((r for r in (getattr(n, "_saved_reduction", None) for n in path[:-1]) if r is not None), None)
     if reduction in _REDUCTIONS:
@@ -613,7 +617,7 @@ def _ranges(d: Dict[str, Any], path: List[Any], output: Any, outputs: Dict[int, 
     # The targets' variance: the loss of predicting their mean, for a regression loss.
     regressed = bounded[1] if bounded[1] is not None and bounded[1].numel() > 1 else None
     values.extend(on_device(variance, regressed, 1))
-    values.append(_class_entropy(bounded[2], d.get("output_units"), device))
+    values.append(_class_entropy(bounded[2], d.get("class_units", d.get("output_units")), device))
     values.append(_batch_spread(bounded[0], device))
     stacked = torch.stack(values)
     if stacked.device.type == "cuda":

@@ -263,6 +263,11 @@ pub struct LossSpec {
     /// The shape of the model's output on the first step.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub output_shape: Option<Vec<u64>>,
+    /// The classes of a negative log-likelihood, where the framework says: the size of its
+    /// input's class axis (`PyTorch`: dim 1), which is not the output's last dimension for a
+    /// segmentation map `(N, C, H, W)` or a contrastive loss's similarities `(N, N)`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub class_units: Option<u64>,
     /// Size of the output's last dimension.
     #[serde(default)]
     pub output_units: Option<u64>,
@@ -322,6 +327,13 @@ impl LossSpec {
                 "Mm" | "Bmm" | "Addmm" | "Baddbmm" | "Matmul" | "Mv" | "Addmv" | "Dot" | "Linear"
             )
         })
+    }
+
+    /// The classes of a loss over classes: where the framework said ([`LossSpec::class_units`]),
+    /// else the output's last dimension when the loss reads the output's units as its own.
+    pub fn classes(&self) -> Option<u64> {
+        self.class_units
+            .or(self.output_units.filter(|_| self.reads_output_units()))
     }
 
     /// A binary cross-entropy, on logits or on probabilities (its targets must be in [0, 1],

@@ -446,14 +446,9 @@ const ONE_CLASS_MIN_BATCH: u64 = 16;
 /// The first step's targets, class indices of a loss over at least 3 classes, all one class
 /// in a batch of at least 16: the data comes in class order (`LossSpec::class_range`).
 pub(crate) fn one_class_batch(run: &Run) -> Option<OneClassBatch> {
-    let loss = run
-        .model
-        .spec
-        .loss
-        .as_ref()
-        .filter(|l| l.reads_output_units())?;
+    let loss = run.model.spec.loss.as_ref()?;
     let (lo, hi) = loss.class_range?;
-    let classes = loss.output_units?;
+    let classes = loss.classes()?;
     let batch = loss.compared_numel.or(loss.output_numel)? / classes.max(1);
     (hi - lo < 0.5 && classes >= ONE_CLASS_MIN_CLASSES && batch >= ONE_CLASS_MIN_BATCH).then_some(
         OneClassBatch {

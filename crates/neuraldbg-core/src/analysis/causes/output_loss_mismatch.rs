@@ -102,12 +102,11 @@ pub(crate) fn mismatch(loss: &LossSpec) -> Option<Mismatch> {
         return Some(Mismatch::OneUnitSoftmax);
     }
     // What a loss over classes does with the output's units, whatever operation made them.
-    let over_classes =
-        (has("LogSoftmax") || (has("Log") && has("Div"))) && loss.reads_output_units();
-    if loss.output_units == Some(1) && over_classes && !loss.is_binary_cross_entropy() {
+    let over_classes = has("LogSoftmax") || (has("Log") && has("Div"));
+    if loss.classes() == Some(1) && over_classes && !loss.is_binary_cross_entropy() {
         return Some(Mismatch::OneUnitCrossEntropy);
     }
-    if let (Some((_, hi)), Some(units)) = (loss.class_range, loss.output_units) {
+    if let (Some((_, hi)), Some(units)) = (loss.class_range, loss.classes()) {
         if over_classes && hi >= units as f64 {
             return Some(Mismatch::ClassesBeyondOutput { hi, units });
         }
@@ -521,6 +520,14 @@ mod tests {
             mismatch(&direct),
             Some(Mismatch::ClassesBeyondOutput { .. })
         ));
+        // The classes the loss says it has come first: a segmentation map (N, 21, 8, 8).
+        let segmentation = LossSpec {
+            class_range: Some((0.0, 20.0)),
+            class_units: Some(21),
+            ..loss(&["NllLoss2D", "LogSoftmax"], "Convolution", 8)
+        };
+        assert_eq!(segmentation.classes(), Some(21));
+        assert_eq!(mismatch(&segmentation), None);
     }
 
     #[test]

@@ -159,10 +159,8 @@ pub(crate) fn chance_level(run: &Run) -> Option<Chance> {
     let logs_probabilities = has("LogSoftmax")
         || has("Log") && (loss.output_op.as_deref() == Some("Softmax") || has("Softmax"));
     let written_out = logs_probabilities && has("Mean");
-    if has("NllLoss") || written_out {
-        let classes = loss
-            .output_units
-            .filter(|&c| c >= 2 && loss.reads_output_units())?;
+    if has("NllLoss") || has("NllLoss2D") || written_out {
+        let classes = loss.classes().filter(|&c| c >= 2)?;
         return Some(Chance {
             level: (classes as f64).ln(),
             classes,
