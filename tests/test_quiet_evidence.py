@@ -1826,3 +1826,41 @@ def test_a_segmentation_map_s_classes_are_its_channels() -> None:
     assert spy.spec["loss"]["class_units"] == 21 and spy.spec["loss"]["output_units"] == 8, spy.spec["loss"]
     found = dbg.explain_failure()
     assert not any(h.confidence >= 0.5 for h in found), found
+
+
+def test_logits_made_outside_the_model_by_tied_embeddings_are_no_broadcast() -> None:
+    """A language model that returns hidden states (16 units) and whose loss makes the logits
+    with the embedding matrix, ``h @ emb.weight.T`` (64 tokens), as tied-embedding models do:
+    the loss compares more elements than the output has and its classes are not the output's
+    units, by design. It learns the task (next token = this one + 1; torch's own accuracy
+    > 90%). Before: ``loss_plateau <- target_shape_mismatch`` at 0.64, a false alarm; now
+    nothing at 0.5 or above."""
+    vocab, steps = 64, 12
+    tokens = (
+        torch.randint(0, vocab, (2048, 1), generator=torch.Generator().manual_seed(0)) + torch.arange(steps + 1)
+    ) % vocab
+    torch.manual_seed(1)
+
+    class Body(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(vocab, 16)
+            self.rnn = nn.GRU(16, 16, batch_first=True)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.rnn(self.emb(x))[0]
+
+    model = Body()
+
+    def tied_loss(h: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        logits = h @ model.emb.weight.T
+        return nn.functional.cross_entropy(logits.reshape(-1, vocab), target.reshape(-1))
+
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    dbg, spy, _ = _watched_fit(model, torch.optim.Adam(model.parameters(), 3e-3), tied_loss, x, y, 256, batch=32)
+    with torch.no_grad():
+        accuracy = float(((model(x[:256]) @ model.emb.weight.T).argmax(-1) == y[:256]).float().mean())
+    assert accuracy > 0.9, accuracy
+    assert spy.spec["loss"]["output_units"] == 16 and spy.spec["loss"]["class_units"] == vocab, spy.spec["loss"]
+    found = dbg.explain_failure()
+    assert not any(h.confidence >= 0.5 for h in found), found
