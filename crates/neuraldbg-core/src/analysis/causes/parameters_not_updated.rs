@@ -210,12 +210,16 @@ pub(crate) struct Unregistered {
     share: f64,
 }
 
+/// The share of the values the output depends on from which unregistered parameters hold it
+/// back: a stray scale or bias of a few values beside a network of thousands does not.
+const UNREGISTERED_SHARE: f64 = 0.1;
+
 pub(crate) fn unregistered(run: &Run) -> Option<Unregistered> {
     let shapes = run.model.spec.unregistered_params.clone()?;
     let values: u64 = shapes.iter().map(|s| s.iter().product::<u64>()).sum();
     let own: u64 = run.model.spec.params.iter().map(|p| p.numel).sum();
     let share = values as f64 / (values + own).max(1) as f64;
-    (!shapes.is_empty() && share >= 0.1).then_some(Unregistered {
+    (!shapes.is_empty() && share >= UNREGISTERED_SHARE).then_some(Unregistered {
         shapes,
         values,
         share,
