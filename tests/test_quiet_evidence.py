@@ -1714,6 +1714,15 @@ def test_a_sequence_layer_that_reads_the_batch_as_the_sequence_is_named(kind: st
         mixed = not torch.allclose(model(x[:64])[1:], model(other)[1:])
     assert mixed == (layout == "wrong")
     dbg, spy, _ = _watched_fit(model, torch.optim.Adam(model.parameters(), 3e-3), nn.CrossEntropyLoss(), x, y, 192)
+    assert not any(m._forward_pre_hooks for m in model.modules()), "a hook left behind"
+    # The sequence modules' pre-hooks go once the first step is read.
+    sequence_modules = [m for m in model.modules() if getattr(m, "batch_first", None) is False]
+    with NeuralDbg(model):
+        for _ in range(2):
+            opt = torch.optim.SGD(model.parameters(), 0.0)
+            nn.functional.cross_entropy(model(x[:64]), y[:64]).backward()
+            opt.step()
+        assert not any(m._forward_pre_hooks for m in sequence_modules)
     with torch.no_grad():
         accuracy = float((model(x[:512]).argmax(1) == y[:512]).float().mean())
     found = dbg.explain_failure()
@@ -1864,3 +1873,36 @@ def test_logits_made_outside_the_model_by_tied_embeddings_are_no_broadcast() -> 
     assert spy.spec["loss"]["output_units"] == 16 and spy.spec["loss"]["class_units"] == vocab, spy.spec["loss"]
     found = dbg.explain_failure()
     assert not any(h.confidence >= 0.5 for h in found), found
+
+
+@pytest.mark.parametrize("output", ["softmax", "sigmoid"])
+def test_a_softmax_over_labels_that_are_not_exclusive_is_named(output: str) -> None:
+    """A multi-label task (5 labels, up to 5 present in a sample) fitted by a model ending in
+    ``nn.Softmax`` under ``BCELoss``: the probabilities sum to one (torch's own forward,
+    checked), so two present labels cannot both reach 1 and the loss keeps a floor. Before:
+    nothing at 0.5 or above. Now the output/loss mismatch, with the remedy of one sigmoid per
+    label. The same model ending in ``nn.Sigmoid`` learns (per-label accuracy > 0.9) and
+    nothing is said."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4096, 32, generator=g)
+    y = (x @ torch.randn(32, 5, generator=g) > 0.5).float()
+    assert int(y.sum(1).max()) >= 2
+    torch.manual_seed(1)
+    act = nn.Softmax(dim=1) if output == "softmax" else nn.Sigmoid()
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 5), act)
+    dbg, spy, _ = _watched_fit(model, torch.optim.Adam(model.parameters(), 1e-3), nn.BCELoss(), x, y, 192)
+    with torch.no_grad():
+        p = model(x)
+        accuracy = float(((p > 0.5).float() == y).float().mean())
+    found = dbg.explain_failure()
+    assert spy.spec["loss"]["labels_per_sample"] >= 2, spy.spec["loss"]
+    if output == "sigmoid":
+        assert accuracy > 0.9, accuracy
+        assert not any(h.confidence >= 0.5 for h in found), found
+        return
+    assert torch.allclose(p.sum(1), torch.ones(len(x)), atol=1e-4) and accuracy < 0.85, accuracy
+    top = found[0]
+    assert (str(top.failure), str(top.cause)) == ("loss_plateau", "output_loss_mismatch"), found
+    assert top.confidence >= 0.5, top
+    assert "a multi-label task" in top.description, top.description
+    assert "the labels are not exclusive" in top.remedies[0], top.remedies

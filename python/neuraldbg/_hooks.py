@@ -169,6 +169,8 @@ class Hooks:
         self.root_post: Any = None
         # Modules given a retrace mark (see retrace_mark), taken off by remove().
         self.marked: List[Any] = []
+        # The pre-hooks of the modules that read their input's first dimension as the sequence.
+        self.sequence_handles: List[Any] = []
 
     @property
     def frozen(self) -> bool:
@@ -188,10 +190,12 @@ class Hooks:
         if c.criterion is not None:
             self._own(c.criterion.register_forward_hook(c.entry_criterion))
         # Modules that read their input's first dimension as the sequence: the shape they
-        # are given (a fact for the engine's batch_axis_mismatch).
-        for i, m in enumerate(self.modules):
-            if i > 0 and getattr(m, "batch_first", None) is False:
-                self._own(m.register_forward_pre_hook(c.loop.sequence_first_hook(c.watched.names[i])))
+        # are given (a fact for the engine's batch_axis_mismatch), until registration.
+        self.sequence_handles = [
+            self._own(m.register_forward_pre_hook(c.loop.sequence_first_hook(c.watched.names[i])))
+            for i, m in enumerate(self.modules)
+            if i > 0 and getattr(m, "batch_first", None) is False
+        ]
         self.hook_grads(c, params)
         STEP_TAP.add(c.entry_optimizer_step)
         SCALER_TAP.add(c)
@@ -199,6 +203,14 @@ class Hooks:
         self.marked = [m for m in _compiled_entries(self.modules) if retrace_mark(m)]
         if c.criterion is None:
             BACKWARD_TAP.add(c)
+
+    def unhook_sequences(self) -> None:
+        """The first step's shapes are read: the sequence modules' pre-hooks go (not from a
+        compiled graph, where removing a hook recompiles it)."""
+        if not self.frozen:
+            for h in self.sequence_handles:
+                h.remove()
+        self.sequence_handles = []
 
     def hook_grads(self, c: Collector, params: List[Any]) -> bool:
         """Chooses two sentinels, the first and the last trainable parameter that has a

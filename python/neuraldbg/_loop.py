@@ -384,9 +384,9 @@ class LoopFacts:
             try:
                 if event is not None and not event.query():
                     event.synchronize()  # (the first step only, once)
-                lo, hi, tlo, thi, clo, chi, tvar, entropy, spread = (float(v) for v in host.tolist())
+                lo, hi, tlo, thi, clo, chi, tvar, entropy, spread, labels = (float(v) for v in host.tolist())
             except Exception:  # pragma: no cover - ranges are optional facts
-                lo = hi = tlo = thi = clo = chi = tvar = entropy = spread = math.nan
+                lo = hi = tlo = thi = clo = chi = tvar = entropy = spread = labels = math.nan
             if math.isfinite(lo) and math.isfinite(hi):
                 d["output_range"] = [lo, hi]
             if math.isfinite(tlo) and math.isfinite(thi):
@@ -399,6 +399,8 @@ class LoopFacts:
                 d["class_entropy"] = entropy
             if math.isfinite(spread):
                 d["output_batch_spread"] = spread
+            if math.isfinite(labels):
+                d["labels_per_sample"] = int(labels)
         return d
 
 
@@ -619,6 +621,10 @@ def _ranges(d: Dict[str, Any], path: List[Any], output: Any, outputs: Dict[int, 
     values.extend(on_device(variance, regressed, 1))
     values.append(_class_entropy(bounded[2], d.get("class_units", d.get("output_units")), device))
     values.append(_batch_spread(bounded[0], device))
+    # A binary cross-entropy's labels: the most marked present (>= 0.5) in one sample.
+    binary = any(op.startswith("BinaryCrossEntropy") for op in d["ops"])
+    labels = bounded[1] if binary and bounded[1] is not None and bounded[1].dim() >= 2 else None
+    values.extend(on_device(lambda t: [(t.detach() >= 0.5).sum(-1).amax().float()], labels, 1))
     stacked = torch.stack(values)
     if stacked.device.type == "cuda":
         host = torch.empty(len(values), dtype=torch.float32, pin_memory=True)

@@ -263,6 +263,10 @@ pub struct LossSpec {
     /// The shape of the model's output on the first step.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub output_shape: Option<Vec<u64>>,
+    /// A binary cross-entropy's targets: the most labels marked present (>= 0.5) in one sample
+    /// of the first batch (along their last dimension). 2 or more: a multi-label task.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub labels_per_sample: Option<u64>,
     /// The classes of a negative log-likelihood, where the framework says: the size of its
     /// input's class axis (`PyTorch`: dim 1), which is not the output's last dimension for a
     /// segmentation map `(N, C, H, W)` or a contrastive loss's similarities `(N, N)`.

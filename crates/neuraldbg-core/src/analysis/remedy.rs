@@ -192,6 +192,8 @@ pub(crate) enum Remedy {
     SigmoidForBinaryLog,
     RemoveSigmoidBeforeLogitsLoss,
     RemoveSoftmaxBeforeLogitsLoss,
+    /// Labels that are not exclusive: one sigmoid each.
+    SigmoidPerLabel,
     OneSigmoid,
     KeepSigmoidUseBce,
     /// `output`: the bounding operation, as the framework names it.
@@ -512,6 +514,11 @@ impl Remedy {
                 "remove the final softmax (activation=None): a binary cross-entropy with from_logits=True applies a sigmoid to each logit on its own; for one class per sample, use a categorical cross-entropy with from_logits=True instead",
                 "remove the final softmax: optax.sigmoid_binary_cross_entropy applies a sigmoid to each logit on its own; for one class per sample, use optax.softmax_cross_entropy on the logits instead",
             ),
+            Remedy::SigmoidPerLabel => fw(
+                "the labels are not exclusive: end the model with nn.Sigmoid (one probability per label) under BCELoss, or drop the softmax and use BCEWithLogitsLoss on the raw logits",
+                "the labels are not exclusive: give the output layer activation=\"sigmoid\" (one probability per label) under the binary cross-entropy, or no activation with from_logits=True",
+                "the labels are not exclusive: use jax.nn.sigmoid per label, or optax.sigmoid_binary_cross_entropy on the raw logits, not a softmax",
+            ),
             Remedy::OneSigmoid => fw(
                 "apply the sigmoid once: the model already ends in one, so drop the torch.sigmoid before the loss (or end the model on the logits and use BCEWithLogitsLoss)",
                 "apply the sigmoid once: the model already ends in one, so drop the second (or give the output layer no activation and set from_logits=True)",
@@ -591,6 +598,7 @@ mod tests {
             Remedy::RemoveSoftmaxBeforeCrossEntropy,
             Remedy::RemoveSigmoidBeforeLogitsLoss,
             Remedy::RemoveSoftmaxBeforeLogitsLoss,
+            Remedy::SigmoidPerLabel,
             Remedy::KeepSigmoidUseBce,
             Remedy::RemoveBoundedLogits {
                 output: output.clone(),

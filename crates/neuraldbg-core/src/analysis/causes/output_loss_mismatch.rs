@@ -9,7 +9,8 @@
 //! - a sigmoid output fed to a loss that applies its own sigmoid (BCE with logits), or put
 //!   through a second sigmoid on the way: outputs live in [0.5, 0.73], the loss has a floor of
 //!   ~0.31 per sample; so does a softmax output fed to it (and its outputs sum to one, so a
-//!   multi-label target cannot be met);
+//!   multi-label target cannot be met); a softmax under a binary cross-entropy of
+//!   probabilities whose targets mark several labels present in a sample cannot meet them either;
 //! - a bounded activation (tanh, sigmoid) making the logits of such a loss: the logit gaps,
 //!   and with them how confident the loss can get, are capped;
 //! - a rectifier (`ReLU`) making the logits of such a loss: a logit pushed below zero is cut to 0
@@ -44,6 +45,11 @@ pub(crate) enum Mismatch {
     /// Softmax probabilities fed to a binary cross-entropy on logits (a multi-label loss): each
     /// output's sigmoid lies in [0.5, 0.73], and the outputs sum to one.
     SoftmaxIntoLogitsLoss,
+    /// A softmax output under a binary cross-entropy of probabilities whose targets mark
+    /// `labels` present in one sample: the outputs sum to one, so no two labels can both be 1.
+    SoftmaxForMultiLabel {
+        labels: u64,
+    },
     /// A sigmoid output passed through a second sigmoid on its way to the loss.
     SigmoidTwice,
     /// A bounded activation (tanh, sigmoid...) producing the logits of a loss that applies its
@@ -158,6 +164,12 @@ pub(crate) fn mismatch(loss: &LossSpec) -> Option<Mismatch> {
     }
     if out == "Softmax" && has("BinaryCrossEntropyWithLogits") {
         return Some(Mismatch::SoftmaxIntoLogitsLoss);
+    }
+    if let (true, Some(labels)) = (
+        out == "Softmax" && has("BinaryCrossEntropy"),
+        loss.labels_per_sample.filter(|&n| n >= 2),
+    ) {
+        return Some(Mismatch::SoftmaxForMultiLabel { labels });
     }
     if out == "Sigmoid" && has("Sigmoid") {
         return Some(Mismatch::SigmoidTwice);
@@ -339,6 +351,9 @@ impl CauseRule for OutputLossMismatch {
             Mismatch::SoftmaxIntoLogitsLoss => {
                 format!("the model outputs softmax probabilities and the loss applies its own sigmoid to each ({} expects raw logits): each output's sigmoid is confined to [0.5, 0.73], and since the outputs sum to one no two labels can both be predicted", c.framework_says("BCEWithLogitsLoss", "a binary cross-entropy with from_logits=True", "sigmoid_binary_cross_entropy"))
             }
+            Mismatch::SoftmaxForMultiLabel { labels } => format!(
+                "the model's output is a softmax, whose probabilities sum to one over the labels, but the binary cross-entropy's targets mark up to {labels} labels of a sample present (a multi-label task): no two labels can both reach 1, so the loss cannot go below a floor"
+            ),
             Mismatch::SigmoidTwice => {
                 "the model's output is a sigmoid and a second sigmoid is applied to it on the way to the loss: its values are confined to [0.5, 0.73], so the loss has a floor far above zero".to_string()
             }
@@ -410,6 +425,7 @@ impl CauseRule for OutputLossMismatch {
                 Remedy::KeepSigmoidUseBce,
             ],
             Mismatch::SoftmaxIntoLogitsLoss => vec![Remedy::RemoveSoftmaxBeforeLogitsLoss],
+            Mismatch::SoftmaxForMultiLabel { .. } => vec![Remedy::SigmoidPerLabel],
             Mismatch::SigmoidTwice => vec![Remedy::OneSigmoid],
             Mismatch::BoundedLogits | Mismatch::RectifiedLogits => {
                 vec![Remedy::RemoveBoundedLogits { output }]
@@ -538,8 +554,24 @@ mod tests {
             Some(Mismatch::SoftmaxIntoLogitsLoss)
         );
         assert_eq!(mismatch(&loss(&logits_bce, "Addmm", 5)), None);
-        // On probabilities (BCELoss), a softmax output is a probability and fits.
-        assert_eq!(mismatch(&loss(&["BinaryCrossEntropy"], "Softmax", 5)), None);
+        // On probabilities (BCELoss), a softmax output is a probability and fits one label per
+        // sample; not several.
+        let probabilities = |labels: u64| LossSpec {
+            labels_per_sample: Some(labels),
+            ..loss(&["BinaryCrossEntropy"], "Softmax", 5)
+        };
+        assert_eq!(mismatch(&probabilities(1)), None);
+        assert_eq!(
+            mismatch(&probabilities(3)),
+            Some(Mismatch::SoftmaxForMultiLabel { labels: 3 })
+        );
+        assert_eq!(
+            mismatch(&LossSpec {
+                labels_per_sample: Some(3),
+                ..loss(&["BinaryCrossEntropy"], "Sigmoid", 5)
+            }),
+            None
+        );
     }
 
     #[test]
