@@ -1326,3 +1326,35 @@ def test_a_confident_sigmoid_output_under_binary_cross_entropy_is_no_saturation(
     p = model.predict(x, verbose=0)
     assert float((np.abs(p - 0.5) > 0.45).mean()) > 0.5
     assert not any(h.confidence >= 0.5 for h in cb.dbg.explain_failure()), cb.dbg.explain_failure()
+
+
+@pytest.mark.parametrize("act", ["softmax", "sigmoid"])
+def test_a_softmax_over_labels_that_are_not_exclusive_is_named(act: str) -> None:
+    """A multi-label task (5 labels, up to 5 present in a sample) under
+    ``loss="binary_crossentropy"`` with ``Dense(5, activation="softmax")``: Keras' own
+    predictions sum to one, so two present labels cannot both reach 1. Before: nothing at
+    0.5 or above. Now the output/loss mismatch (the callback reads the most labels present in
+    one sample of the first batch), remedy a sigmoid per label; with ``activation="sigmoid"``
+    the same model learns (binary accuracy > 0.85) and nothing is said."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(4096, 32)).astype("float32")
+    y = (x @ rng.normal(size=(32, 5)) > 0.5).astype("float32")
+    assert y.sum(1).max() >= 2
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential(
+        [keras.Input((32,)), keras.layers.Dense(64, activation="relu"), keras.layers.Dense(5, activation=act)]
+    )
+    model.compile(optimizer="adam", loss="binary_crossentropy", metrics=["binary_accuracy"])
+    cb = NeuralDbgCallback(verbose=False)
+    history = model.fit(x, y, batch_size=64, epochs=3, callbacks=[cb], verbose=0).history
+    found = cb.dbg.explain_failure()
+    if act == "sigmoid":
+        assert history["binary_accuracy"][-1] > 0.85, history
+        assert not any(h.confidence >= 0.5 for h in found), found
+        return
+    np.testing.assert_allclose(np.asarray(model.predict(x[:64], verbose=0)).sum(1), 1.0, atol=1e-4)
+    assert history["binary_accuracy"][-1] < 0.7, history
+    top = found[0]
+    assert (str(top.failure), str(top.cause)) == ("loss_plateau", "output_loss_mismatch"), found
+    assert top.confidence >= 0.5 and "a multi-label task" in top.description, top
+    assert 'activation="sigmoid"' in top.remedies[0], top.remedies

@@ -334,7 +334,7 @@ _REGRESSION_OPS = {"MseLoss", "L1Loss", "HuberLoss"}
 # The first batch's facts: targets' min, max, variance; output's min, max and elements; the
 # entropy of the class indices' frequencies; the output's spread across the batch; then per
 # feature.
-_FACTS_HEAD = 8
+_FACTS_HEAD = 9
 
 
 def _table_features(model: Any) -> int:
@@ -381,11 +381,14 @@ def _batch_spread(y_pred: Any) -> Any:
         return ops.full((1,), float("nan"), "float32")
 
 
-def _first_batch_stats(x: Any, y: Any, y_pred: Any, features: int, class_indices: bool = False) -> Any:
+def _first_batch_stats(
+    x: Any, y: Any, y_pred: Any, features: int, class_indices: bool = False, labels: bool = False
+) -> Any:
     """The first batch's facts as one float32 vector (NaN where not measured): the targets'
     min, max and variance, the output's min and max and its number of elements, the entropy
     of the targets' class frequencies (when they are ``class_indices``), the output's spread
-    across the batch, and the largest magnitude of each of ``features`` columns of the input
+    across the batch, the most targets >= 0.5 in one sample (``labels``: a binary
+    cross-entropy's), and the largest magnitude of each of ``features`` columns of the input
     table ``x``."""
     nan = ops.full((1,), float("nan"), "float32")
 
@@ -400,6 +403,11 @@ def _first_batch_stats(x: Any, y: Any, y_pred: Any, features: int, class_indices
     counted = class_indices and hasattr(y, "shape") and hasattr(y_pred, "shape")
     parts.append(_class_entropy(y, y_pred) if counted else nan)
     parts.append(_batch_spread(y_pred) if hasattr(y_pred, "shape") else nan)
+    if labels and hasattr(y, "shape") and len(y.shape) >= 2:
+        present = ops.sum(ops.cast(ops.greater_equal(ops.cast(y, "float32"), 0.5), "float32"), axis=-1)
+        parts.append(ops.reshape(ops.max(present), (1,)))
+    else:
+        parts.append(nan)
     if features:
         xf = _first_float(x)
         if xf is not None and len(xf.shape) == 2 and xf.shape[-1] == features:
@@ -1035,7 +1043,7 @@ class KerasDbg(Spoke):
             if once is not None and not self._facts_sent:
                 once(
                     self._receive_first_batch,
-                    lambda: (_first_batch_stats(x, y, y_pred, self._features, self._class_indices),),
+                    lambda: (_first_batch_stats(x, y, y_pred, self._features, self._class_indices, self._binary),),
                 )
             return
         if not in_stateless_scope() or self._facts_var is None:
@@ -1046,7 +1054,7 @@ class KerasDbg(Spoke):
         old = jnp.asarray(self._facts_var.value)
 
         def measure() -> Any:
-            stats = jnp.asarray(_first_batch_stats(x, y, y_pred, self._features, self._class_indices), jnp.float32)
+            stats = jnp.asarray(_first_batch_stats(x, y, y_pred, self._features, self._class_indices, self._binary), jnp.float32)
             return jax.lax.stop_gradient(jnp.concatenate([jnp.ones((1,), jnp.float32), stats]))
 
         # Once: the first training step's (later steps keep what it wrote).
@@ -1083,6 +1091,8 @@ class KerasDbg(Spoke):
                 facts["class_entropy"] = float(v[6])
         if np.isfinite(v[7]) and v[7] >= 0:
             facts["output_batch_spread"] = float(v[7])
+        if self._binary and np.isfinite(v[8]) and v[8] >= 0:
+            facts["labels_per_sample"] = int(v[8])
         scales = v[_FACTS_HEAD:]
         if len(scales) and not np.isnan(scales).all():
             facts["input_feature_scales"] = [float(a) if np.isfinite(a) else None for a in scales]

@@ -180,6 +180,9 @@ pub struct FirstBatch {
     pub output_batch_spread: Option<f64>,
     #[serde(default)]
     pub output_numel: Option<u64>,
+    /// [`LossSpec::labels_per_sample`], measured with the first batch.
+    #[serde(default)]
+    pub labels_per_sample: Option<u64>,
     #[serde(default)]
     pub input_feature_scales: Option<Vec<Option<f64>>>,
 }
@@ -411,6 +414,7 @@ impl ModelSpec {
             changed |= fill(&mut loss.class_entropy, facts.class_entropy);
             changed |= fill(&mut loss.output_batch_spread, facts.output_batch_spread);
             changed |= fill(&mut loss.output_numel, facts.output_numel);
+            changed |= fill(&mut loss.labels_per_sample, facts.labels_per_sample);
             changed |= fill(&mut loss.output_op, facts.output_op.clone());
         }
         changed |= fill(
