@@ -700,6 +700,7 @@ fn first_batch_facts_survive_writing_and_replay() {
         class_entropy: Some(1.38),
         output_batch_spread: Some(0.25),
         output_numel: Some(64),
+        labels_per_sample: Some(2),
         input_feature_scales: Some(vec![Some(1.5), None, Some(2.0)]),
         loss: None,
         output_op: Some("Identity".into()),
@@ -728,6 +729,7 @@ fn first_batch_facts_survive_writing_and_replay() {
     assert_eq!(model.loss.as_ref().unwrap().target_range, Some((-2.0, 3.0)));
     assert_eq!(model.loss.as_ref().unwrap().class_range, Some((0.0, 4.0)));
     assert_eq!(model.loss.as_ref().unwrap().output_numel, Some(64));
+    assert_eq!(model.loss.as_ref().unwrap().labels_per_sample, Some(2));
     assert_eq!(model.loss.as_ref().unwrap().output_batch_spread, Some(0.25));
     assert_eq!(
         model.loss.as_ref().unwrap().output_op.as_deref(),
