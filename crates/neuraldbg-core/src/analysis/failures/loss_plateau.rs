@@ -383,7 +383,11 @@ fn standing(s: &Sentence<'_>) -> String {
     if at_zero(s.run) {
         return ", at zero from the first step: a loss that is 0 whatever the weights gives the model nothing to learn from".into();
     }
-    if s.run.loss.flat_since.is_none() && super::super::causes::loss_bounded_by_mistake(s.run) {
+    // (A loss held at its chance level says more than "above its optimum": it is said below.)
+    if s.run.loss.flat_since.is_none()
+        && super::super::causes::loss_bounded_by_mistake(s.run)
+        && not_learning(s.run).is_none()
+    {
         return ", held above its optimum from the first step (it may still fall, but not to where it should)".into();
     }
     if not_learning(s.run).is_none() {
