@@ -332,8 +332,8 @@ def _input_stats(x: Any) -> Any:
 # Losses whose targets are values to regress (their range and variance are facts of the run).
 _REGRESSION_OPS = {"MseLoss", "L1Loss", "HuberLoss"}
 # The first batch's facts: targets' min, max, variance; output's min, max and elements; the
-# entropy of the class indices' frequencies; the output's spread across the batch; then per
-# feature.
+# entropy of the class indices' frequencies; the output's spread across the batch; the most
+# labels present in one sample (a binary cross-entropy's); then per feature.
 _FACTS_HEAD = 9
 
 
