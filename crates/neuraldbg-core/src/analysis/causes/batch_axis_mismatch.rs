@@ -1,9 +1,9 @@
 //! `batch_axis_mismatch`: a layer that reads its input's first dimension as the sequence
 //! (`PyTorch`'s `nn.LSTM`, `nn.GRU`, `nn.RNN`, `nn.MultiheadAttention` and the transformer
 //! layers, all built with `batch_first=False` unless told otherwise) was given batch-first
-//! data, `(batch, sequence, features)`. It then runs one sequence whose steps are the samples
-//! of the batch: each sample's output depends on the samples before it and on one step of its
-//! own, and the loss cannot reach its optimum. Nothing fails loudly (the shapes line up);
+//! data, `(batch, sequence, features)`. It then runs along the batch, one sequence whose steps
+//! are the samples (an LSTM: each sample's output depends on the samples before it; attention:
+//! on every sample of the batch), and the loss cannot reach its optimum. Nothing fails loudly (the shapes line up);
 //! the loss stays near its chance level. Read from the facts the collector sends: the shape
 //! each such module was first given ([`crate::ModelSpec::sequence_first_inputs`]) against the
 //! model's output ([`crate::LossSpec::output_shape`]).
@@ -69,7 +69,7 @@ impl CauseRule for BatchAxisMismatch {
         v.proof(
             5.0,
             format!(
-                "{} ({}) reads its input's first dimension as the sequence (batch_first=False) and was given the batch there: {} samples by {} steps, read as {} sequences of {} steps, so each sample's output depends on the samples before it in the batch and on one step of its own",
+                "{} ({}) reads its input's first dimension as the sequence (batch_first=False) and was given the batch there: {} samples by {} steps, read as {} sequences of {} steps: it runs along the batch, mixing the samples, instead of along each sample's sequence",
                 super::super::text::show(f.module),
                 f.kind,
                 f.batch,
