@@ -1054,7 +1054,9 @@ class KerasDbg(Spoke):
         old = jnp.asarray(self._facts_var.value)
 
         def measure() -> Any:
-            stats = jnp.asarray(_first_batch_stats(x, y, y_pred, self._features, self._class_indices, self._binary), jnp.float32)
+            stats = jnp.asarray(
+                _first_batch_stats(x, y, y_pred, self._features, self._class_indices, self._binary), jnp.float32
+            )
             return jax.lax.stop_gradient(jnp.concatenate([jnp.ones((1,), jnp.float32), stats]))
 
         # Once: the first training step's (later steps keep what it wrote).
