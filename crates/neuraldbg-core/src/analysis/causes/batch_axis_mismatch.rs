@@ -3,8 +3,8 @@
 //! layers, all built with `batch_first=False` unless told otherwise) was given batch-first
 //! data, `(batch, sequence, features)`. It then runs along the batch, one sequence whose steps
 //! are the samples (an LSTM: each sample's output depends on the samples before it; attention:
-//! on every sample of the batch), and the loss cannot reach its optimum. Nothing fails loudly (the shapes line up);
-//! the loss stays near its chance level. Read from the facts the collector sends: the shape
+//! on every sample of the batch), and the loss cannot reach its optimum. Nothing fails loudly
+//! (the shapes line up); the loss stays near its chance level. Read from the facts the collector sends: the shape
 //! each such module was first given ([`crate::ModelSpec::sequence_first_inputs`]) against the
 //! model's output ([`crate::LossSpec::output_shape`]).
 
@@ -34,9 +34,11 @@ pub(crate) fn found(run: &Run) -> Option<Found<'_>> {
     let rows = *out.first()?;
     spec.sequence_first_inputs.as_deref()?.iter().find_map(|s| {
         let (&a, &b) = (s.shape.first()?, s.shape.get(1)?);
-        let reads_batch = s.shape.len() >= 3 && a == rows && a != b && out.get(1) != Some(&b);
+        if s.shape.len() < 3 || a != rows || a == b || out.get(1) == Some(&b) {
+            return None;
+        }
         let m = run.model.module_index(&s.module)?;
-        reads_batch.then(|| Found {
+        Some(Found {
             module: &s.module,
             kind: &spec.modules[m].kind,
             batch: a,
