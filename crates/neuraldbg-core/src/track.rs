@@ -370,11 +370,6 @@ impl Default for LossTrack {
 }
 
 impl LossTrack {
-    /// The first finite loss.
-    pub fn first(&self) -> Option<f64> {
-        self.first.first().copied()
-    }
-
     /// The first finite loss: the one computed before any update.
     pub fn first_value(&self) -> Option<f64> {
         self.first.first().copied()

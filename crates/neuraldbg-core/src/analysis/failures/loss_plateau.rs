@@ -374,7 +374,7 @@ pub(crate) fn bouncing(run: &Run, config: &Config) -> bool {
 /// changes are noise.
 fn at_zero(run: &Run) -> bool {
     let l = &run.loss;
-    l.first().is_some_and(|f| f.abs() <= 1e-6) && l.last_smoothed.abs() <= 1e-6
+    l.first_value().is_some_and(|f| f.abs() <= 1e-6) && l.last_smoothed.abs() <= 1e-6
 }
 
 /// Where a plateaued loss stands: held above its optimum by a mistake, creeping, or at its

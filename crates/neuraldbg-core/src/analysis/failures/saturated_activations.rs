@@ -57,7 +57,7 @@ impl FailureRule for SaturatedActivations {
         // them, a warning rather than a failure that stops training.
         let learned = run
             .loss
-            .first()
+            .first_value()
             .is_some_and(|i| i > 0.0 && run.loss.last_smoothed <= LEARNED_SHARE * i)
             && super::not_learning(run).is_none();
         if learned { p.min(LEARNED_CAP) } else { p }
