@@ -1358,3 +1358,37 @@ def test_a_softmax_over_labels_that_are_not_exclusive_is_named(act: str) -> None
     assert (str(top.failure), str(top.cause)) == ("loss_plateau", "output_loss_mismatch"), found
     assert top.confidence >= 0.5 and "a multi-label task" in top.description, top
     assert 'activation="sigmoid"' in top.remedies[0], top.remedies
+
+
+@pytest.mark.parametrize("related", [False, True])
+def test_a_binary_classifier_that_learns_only_how_often_a_label_is_1_is_at_chance(related: bool) -> None:
+    """A quarter of the targets are 1 and they do not follow from the inputs: Keras' loss
+    settles at the entropy of that frequency (~0.56 nats, computed from the labels), below
+    ln 2, where the chance level read at ln 2 saw a model that learned. Now a plateau "at its
+    chance level", the frequency's entropy as measured on the first batch of 256. Labels
+    that follow from the inputs, about as unbalanced: the loss falls below 80% of it and
+    nothing is said."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(8192, 20)).astype("float32")
+    if related:
+        y = ((x[:, 0] + 0.3 * rng.normal(size=8192)) > 0.7).astype("float32")
+    else:
+        y = (rng.random(8192) < 0.25).astype("float32")
+    p = float(y.mean())
+    prior = -(p * np.log(p) + (1 - p) * np.log(1 - p))
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential(
+        [keras.Input((20,)), keras.layers.Dense(64, activation="relu"), keras.layers.Dense(1, activation="sigmoid")]
+    )
+    model.compile(optimizer="adam", loss="binary_crossentropy")
+    cb = NeuralDbgCallback(verbose=False)
+    end = model.fit(x, y, batch_size=256, epochs=5, callbacks=[cb], verbose=0).history["loss"][-1]
+    found = cb.dbg.explain_failure()
+    if related:
+        assert end < 0.8 * prior, (end, prior)
+        assert not any("chance level" in h.description for h in found), found
+        return
+    assert abs(end - prior) < 0.05 * prior, (end, prior)
+    top = found[0]
+    assert str(top.failure) == "loss_plateau", found
+    assert "the model learned how often a target is 1 and nothing of its input" in top.description, top

@@ -234,7 +234,7 @@ def test_a_scaled_or_broadcast_difference_gives_no_target():
     for loss in (scaled, broadcast):
         d = _describe(loss, [out.grad_fn], out)
         assert d is not None
-        _, _, tlo, thi, _, _, tvar, entropy, _, _ = (float(v) for v in d["_ranges"][0])
+        _, _, tlo, thi, _, _, tvar, entropy, _, _, _ = (float(v) for v in d["_ranges"][0])
         assert np.isnan([tlo, thi, tvar, entropy]).all(), d
 
 
@@ -243,8 +243,29 @@ def test_the_class_indices_entropy_counts_the_classes_a_loss_is_given_and_skips_
 
     out = torch.randn(4, 3, requires_grad=True) * 1.0
     loss = nn.functional.cross_entropy(out, torch.tensor([0, 0, 1, -100]))  # (-100: ignore_index)
-    entropy = float(_describe(loss, [out.grad_fn], out)["_ranges"][0][7])
-    assert entropy == pytest.approx(-(2 / 3) * np.log(2 / 3) - (1 / 3) * np.log(1 / 3), rel=1e-5)
+    entropy, se = (float(v) for v in _describe(loss, [out.grad_fn], out)["_ranges"][0][7:9])
+    p = np.array([2 / 3, 1 / 3])
+    h = -(p * np.log(p)).sum()
+    assert entropy == pytest.approx(h, rel=1e-5)
+    # Its standard error on 3 counted targets: the spread of -ln p over them, over sqrt(3).
+    assert se == pytest.approx(np.sqrt(((p * np.log(p) ** 2).sum() - h**2) / 3), rel=1e-4)
+
+
+def test_a_binary_cross_entropy_s_frequency_is_read_from_hard_targets_only():
+    """The entropy of how often a binary cross-entropy's target is 1 (over every target of the
+    batch), with its standard error; soft targets (label smoothing, an autoencoder's pixels)
+    have none: their constant guess is not that entropy."""
+    from neuraldbg._loop import _describe
+
+    out = torch.randn(8, 2, requires_grad=True) * 1.0
+    hard = torch.tensor([[1.0, 0.0]] * 2 + [[0.0, 0.0]] * 6)
+    d = _describe(nn.functional.binary_cross_entropy_with_logits(out, hard), [out.grad_fn], out)
+    entropy, se = (float(v) for v in d["_ranges"][0][7:9])
+    q = np.array([2 / 16, 14 / 16])
+    assert entropy == pytest.approx(-(q * np.log(q)).sum(), rel=1e-5)
+    assert se == pytest.approx(np.sqrt(((q * np.log(q) ** 2).sum() - entropy**2) / 16), rel=1e-4)
+    soft = nn.functional.binary_cross_entropy_with_logits(out, hard * 0.9 + 0.05)
+    assert np.isnan(float(_describe(soft, [out.grad_fn], out)["_ranges"][0][7]))
 
 
 def _softmax_over(dim: int):
@@ -1906,3 +1927,46 @@ def test_a_softmax_over_labels_that_are_not_exclusive_is_named(output: str) -> N
     assert top.confidence >= 0.5, top
     assert "a multi-label task" in top.description, top.description
     assert "the labels are not exclusive" in top.remedies[0], top.remedies
+
+
+@pytest.mark.parametrize("related", [False, True])
+def test_a_classifier_that_learns_only_how_often_each_class_occurs_is_at_chance(related: bool) -> None:
+    """Four classes, one of them 80% of the targets, given labels that do not follow from the
+    inputs: the model learns how often each class occurs and nothing else, and its loss settles
+    at their entropy (~0.70 nats, measured on the labels), half of ln 4. Before, the chance
+    level was ln 4 and the run a model that learned: nothing was said. Now a plateau at the
+    frequencies' entropy, "the model learned how often each class occurs and nothing of its
+    input". The first batch's entropy and its standard error reach the engine (the error checked
+    against the spread of the entropy over 200 other batches of the same size). Labels that
+    follow from the inputs, as unbalanced: the loss falls below 80% of it, and nothing is said."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8192, 20, generator=g)
+    if related:
+        y = torch.bucketize(x[:, 0] + 0.2 * torch.randn(8192, generator=g), torch.tensor([0.84, 1.28, 1.64]))
+    else:
+        y = torch.multinomial(torch.tensor([0.8, 0.1, 0.05, 0.05]), 8192, replacement=True, generator=g)
+    freq = torch.bincount(y, minlength=4).float() / len(y)
+    prior = float(-(freq * freq.log()).sum())
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 4))
+    dbg, spy, losses = _watched_fit(
+        model, torch.optim.Adam(model.parameters(), 1e-3), nn.CrossEntropyLoss(), x, y, 160, batch=256
+    )
+    loss = spy.spec["loss"]
+    spread = []
+    for _ in range(200):
+        f = torch.bincount(y[torch.randint(0, len(y), (256,), generator=g)], minlength=4).float() / 256
+        spread.append(float(-torch.special.xlogy(f, f).sum()))
+    assert abs(loss["class_entropy"] - prior) < 3 * float(torch.tensor(spread).std())
+    assert loss["class_entropy_se"] == pytest.approx(float(torch.tensor(spread).std()), rel=0.3)
+    end = sum(losses[-20:]) / 20
+    found = dbg.explain_failure()
+    if related:
+        assert end < 0.8 * prior, (end, prior)
+        assert not any("chance level" in h.description for h in found), found
+        return
+    assert abs(end - prior) < 0.1 * prior, (end, prior)
+    top = found[0]
+    assert str(top.failure) == "loss_plateau", found
+    assert "the model learned how often each class occurs and nothing of its input" in top.description, top
+    assert "ln 4 = 1.386 were they balanced" in top.description, top

@@ -384,9 +384,11 @@ class LoopFacts:
             try:
                 if event is not None and not event.query():
                     event.synchronize()  # (the first step only, once)
-                lo, hi, tlo, thi, clo, chi, tvar, entropy, spread, labels = (float(v) for v in host.tolist())
+                lo, hi, tlo, thi, clo, chi, tvar, entropy, entropy_se, spread, labels = (
+                    float(v) for v in host.tolist()
+                )
             except Exception:  # pragma: no cover - ranges are optional facts
-                lo = hi = tlo = thi = clo = chi = tvar = entropy = spread = labels = math.nan
+                lo = hi = tlo = thi = clo = chi = tvar = entropy = entropy_se = spread = labels = math.nan
             if math.isfinite(lo) and math.isfinite(hi):
                 d["output_range"] = [lo, hi]
             if math.isfinite(tlo) and math.isfinite(thi):
@@ -397,6 +399,8 @@ class LoopFacts:
                 d["target_var"] = tvar
             if math.isfinite(entropy):
                 d["class_entropy"] = entropy
+            if math.isfinite(entropy) and math.isfinite(entropy_se):
+                d["class_entropy_se"] = entropy_se
             if math.isfinite(spread):
                 d["output_batch_spread"] = spread
             if math.isfinite(labels):
@@ -619,10 +623,13 @@ def _ranges(d: Dict[str, Any], path: List[Any], output: Any, outputs: Dict[int, 
     # The targets' variance: the loss of predicting their mean, for a regression loss.
     regressed = bounded[1] if bounded[1] is not None and bounded[1].numel() > 1 else None
     values.extend(on_device(variance, regressed, 1))
-    values.append(_class_entropy(bounded[2], d.get("class_units", d.get("output_units")), device))
+    binary = any(op.startswith("BinaryCrossEntropy") for op in d["ops"])
+    if binary:
+        values.extend(_binary_entropy(bounded[1], device))
+    else:
+        values.extend(_class_entropy(bounded[2], d.get("class_units", d.get("output_units")), device))
     values.append(_batch_spread(bounded[0], device))
     # A binary cross-entropy's labels: the most marked present (>= 0.5) in one sample.
-    binary = any(op.startswith("BinaryCrossEntropy") for op in d["ops"])
     labels = bounded[1] if binary and bounded[1] is not None and bounded[1].dim() >= 2 else None
     values.extend(on_device(lambda t: [(t.detach() >= 0.5).sum(-1).amax().float()], labels, 1))
     stacked = torch.stack(values)
@@ -659,23 +666,52 @@ _LOSS_FACTS: Tuple[Callable[[Dict[str, Any], List[Any], Any, Dict[int, Any]], No
 )
 
 
-def _class_entropy(indices: Any, classes: Optional[int], device: Any) -> Any:
-    """The entropy (nats) of how often each class occurs among class-index targets, on the
-    device (NaN where there are none, or fewer than 2 classes): the loss of a model that
-    predicts those frequencies and nothing of the input. Indices outside ``[0, classes)`` (an
-    ``ignore_index``) are not counted."""
+def _class_entropy(indices: Any, classes: Optional[int], device: Any) -> List[Any]:
+    """The entropy (nats) of how often each class occurs among class-index targets, and its
+    standard error as an estimate from this batch, on the device (NaN where there are none, or
+    fewer than 2 classes): the loss of a model that predicts those frequencies and nothing of
+    the input. Indices outside ``[0, classes)`` (an ``ignore_index``) are not counted."""
     import torch
 
     if indices is None or indices.device != device or not classes or classes < 2:
-        return torch.full((), float("nan"), device=device)
+        return list(torch.full((2,), float("nan"), device=device).unbind())
     try:
         idx = indices.detach().flatten()
         kept = ((idx >= 0) & (idx < classes)).float()
         counts = torch.zeros(classes, device=device).index_add_(0, idx.clamp(0, classes - 1), kept)
-        p = counts / counts.sum().clamp(min=1.0)
-        return -torch.special.xlogy(p, p).sum()
+        return _entropy_and_error(counts / counts.sum().clamp(min=1.0), counts.sum())
     except Exception:  # pragma: no cover - a device without these ops: this fact only is lost
-        return torch.full((), float("nan"), device=device)
+        return list(torch.full((2,), float("nan"), device=device).unbind())
+
+
+def _binary_entropy(targets: Any, device: Any) -> List[Any]:
+    """A binary cross-entropy's counterpart of :func:`_class_entropy`: the entropy (nats) of
+    how often a target is 1, over all of the batch's targets, where every one is 0 or 1 (NaN
+    for soft targets, whose constant guess is judged otherwise), and its standard error."""
+    import torch
+
+    if targets is None or targets.device != device:
+        return list(torch.full((2,), float("nan"), device=device).unbind())
+    try:
+        t = targets.detach().float()
+        p = t.mean()
+        h, se = _entropy_and_error(torch.stack([p, 1 - p]), torch.tensor(float(t.numel()), device=device))
+        hard = ((t == 0) | (t == 1)).all()
+        return [torch.where(hard, h, torch.full_like(h, float("nan"))), se]
+    except Exception:  # pragma: no cover - a device without these ops: this fact only is lost
+        return list(torch.full((2,), float("nan"), device=device).unbind())
+
+
+def _entropy_and_error(p: Any, n: Any) -> List[Any]:
+    """The entropy of frequencies ``p`` measured on ``n`` samples, and its standard error
+    (the delta method: the variance of ``-ln p`` over the samples, over ``n``)."""
+    import torch
+
+    logs = torch.special.xlogy(p, p)
+    h = -logs.sum()
+    second = torch.where(p > 0, p * torch.log(p.clamp(min=1e-30)) ** 2, torch.zeros_like(p)).sum()
+    se = ((second - h * h).clamp(min=0.0) / n.clamp(min=1.0)).sqrt()
+    return [h, se]
 
 
 def _batch_spread(output: Any, device: Any) -> Any:

@@ -332,9 +332,10 @@ def _input_stats(x: Any) -> Any:
 # Losses whose targets are values to regress (their range and variance are facts of the run).
 _REGRESSION_OPS = {"MseLoss", "L1Loss", "HuberLoss"}
 # The first batch's facts: targets' min, max, variance; output's min, max and elements; the
-# entropy of the class indices' frequencies; the output's spread across the batch; the most
+# entropy of the class indices' frequencies (or of a binary cross-entropy's 0/1 targets) and its
+# standard error; the output's spread across the batch; the most
 # labels present in one sample (a binary cross-entropy's); then per feature.
-_FACTS_HEAD = 9
+_FACTS_HEAD = 10
 
 
 def _table_features(model: Any) -> int:
@@ -350,19 +351,43 @@ def _table_features(model: Any) -> int:
 
 def _class_entropy(y: Any, y_pred: Any) -> Any:
     """The entropy (nats) of how often each class occurs among class-index targets ``y``, over
-    the output's units (indices outside them not counted), as a ``(1,)`` float32: the loss of a
-    model that predicts those frequencies and nothing of the input."""
+    the output's units (indices outside them not counted), and its standard error as an
+    estimate from this batch, as a ``(2,)`` float32: the loss of a model that predicts those
+    frequencies and nothing of the input."""
     units = y_pred.shape[-1]
     if not isinstance(units, int) or units < 2:
-        return ops.full((1,), float("nan"), "float32")
+        return ops.full((2,), float("nan"), "float32")
     try:
         idx = ops.cast(ops.reshape(y, (-1,)), "int32")
         kept = ops.cast(ops.logical_and(idx >= 0, idx < units), "float32")
         counts = ops.sum(ops.one_hot(ops.clip(idx, 0, units - 1), units) * ops.expand_dims(kept, 1), axis=0)
-        p = counts / ops.maximum(ops.sum(counts), 1.0)
-        return ops.reshape(-ops.sum(ops.where(p > 0, p * ops.log(ops.where(p > 0, p, 1.0)), 0.0)), (1,))
+        return _entropy_and_error(counts / ops.maximum(ops.sum(counts), 1.0), ops.sum(counts))
     except Exception:  # pragma: no cover - a backend without these ops: this fact only is lost
-        return ops.full((1,), float("nan"), "float32")
+        return ops.full((2,), float("nan"), "float32")
+
+
+def _binary_entropy(y: Any) -> Any:
+    """A binary cross-entropy's counterpart of :func:`_class_entropy`: the entropy of how often
+    a target is 1, over all of the batch's targets, and its standard error, where every target
+    is 0 or 1 (NaN for soft targets)."""
+    try:
+        t = ops.cast(y, "float32")
+        p = ops.mean(t)
+        out = _entropy_and_error(ops.stack([p, 1.0 - p]), ops.cast(ops.size(t), "float32"))
+        hard = ops.all(ops.logical_or(ops.equal(t, 0.0), ops.equal(t, 1.0)))
+        return ops.where(hard, out, float("nan"))
+    except Exception:  # pragma: no cover - a backend without these ops: this fact only is lost
+        return ops.full((2,), float("nan"), "float32")
+
+
+def _entropy_and_error(p: Any, n: Any) -> Any:
+    """The entropy of frequencies ``p`` measured on ``n`` samples and its standard error (the
+    delta method: the variance of ``-ln p`` over the samples, over ``n``), as a ``(2,)``."""
+    logs = ops.where(p > 0, ops.log(ops.where(p > 0, p, 1.0)), 0.0)
+    h = -ops.sum(p * logs)
+    second = ops.sum(p * logs * logs)
+    se = ops.sqrt(ops.maximum(second - h * h, 0.0) / ops.maximum(n, 1.0))
+    return ops.stack([h, se])
 
 
 def _batch_spread(y_pred: Any) -> Any:
@@ -386,7 +411,8 @@ def _first_batch_stats(
 ) -> Any:
     """The first batch's facts as one float32 vector (NaN where not measured): the targets'
     min, max and variance, the output's min and max and its number of elements, the entropy
-    of the targets' class frequencies (when they are ``class_indices``), the output's spread
+    of the targets' class frequencies and its standard error (when they are ``class_indices``,
+    or a binary cross-entropy's ``labels``), the output's spread
     across the batch, the most targets >= 0.5 in one sample (``labels``: a binary
     cross-entropy's), and the largest magnitude of each of ``features`` columns of the input
     table ``x``."""
@@ -401,7 +427,12 @@ def _first_batch_stats(
     parts = three(y) + three(y_pred)[:2]
     parts.append(ops.reshape(ops.cast(ops.size(y_pred), "float32"), (1,)) if hasattr(y_pred, "shape") else nan)
     counted = class_indices and hasattr(y, "shape") and hasattr(y_pred, "shape")
-    parts.append(_class_entropy(y, y_pred) if counted else nan)
+    if counted:
+        parts.append(_class_entropy(y, y_pred))
+    elif labels and hasattr(y, "shape"):
+        parts.append(_binary_entropy(y))
+    else:
+        parts.append(ops.full((2,), float("nan"), "float32"))
     parts.append(_batch_spread(y_pred) if hasattr(y_pred, "shape") else nan)
     if labels and hasattr(y, "shape") and len(y.shape) >= 2:
         present = ops.sum(ops.cast(ops.greater_equal(ops.cast(y, "float32"), 0.5), "float32"), axis=-1)
@@ -1087,14 +1118,17 @@ class KerasDbg(Spoke):
         facts["output_range"] = span(v[3], v[4])
         if self._class_indices:
             facts["class_range"] = span(v[0], v[1])
+        if self._class_indices or self._binary:
             if np.isfinite(v[5]) and v[5] >= 1:
                 facts["output_numel"] = int(v[5])
             if np.isfinite(v[6]) and v[6] >= 0:
                 facts["class_entropy"] = float(v[6])
-        if np.isfinite(v[7]) and v[7] >= 0:
-            facts["output_batch_spread"] = float(v[7])
-        if self._binary and np.isfinite(v[8]) and v[8] >= 0:
-            facts["labels_per_sample"] = int(v[8])
+                if np.isfinite(v[7]) and v[7] >= 0:
+                    facts["class_entropy_se"] = float(v[7])
+        if np.isfinite(v[8]) and v[8] >= 0:
+            facts["output_batch_spread"] = float(v[8])
+        if self._binary and np.isfinite(v[9]) and v[9] >= 0:
+            facts["labels_per_sample"] = int(v[9])
         scales = v[_FACTS_HEAD:]
         if len(scales) and not np.isnan(scales).all():
             facts["input_feature_scales"] = [float(a) if np.isfinite(a) else None for a in scales]

@@ -175,6 +175,9 @@ pub struct FirstBatch {
     /// [`LossSpec::class_entropy`], measured with the first batch.
     #[serde(default)]
     pub class_entropy: Option<f64>,
+    /// [`LossSpec::class_entropy_se`], measured with the first batch.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub class_entropy_se: Option<f64>,
     /// [`LossSpec::output_batch_spread`], measured with the first batch.
     #[serde(default)]
     pub output_batch_spread: Option<f64>,
@@ -219,6 +222,12 @@ impl FirstBatch {
                 "class_entropy",
                 self.class_entropy.or(loss.and_then(|l| l.class_entropy)),
                 "an entropy",
+            ),
+            (
+                "class_entropy_se",
+                self.class_entropy_se
+                    .or(loss.and_then(|l| l.class_entropy_se)),
+                "a standard error",
             ),
             (
                 "output_batch_spread",
@@ -300,6 +309,10 @@ pub struct LossSpec {
     /// the input (ln C when the classes are balanced).
     #[serde(default)]
     pub class_entropy: Option<f64>,
+    /// The standard error of [`LossSpec::class_entropy`] as an estimate of the classes'
+    /// frequencies over the run, from the one batch it was measured on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub class_entropy_se: Option<f64>,
     /// Smallest and largest value of the model's output on the first step.
     #[serde(default)]
     pub output_range: Option<(f64, f64)>,
@@ -412,6 +425,7 @@ impl ModelSpec {
             changed |= fill(&mut loss.output_range, facts.output_range);
             changed |= fill(&mut loss.class_range, facts.class_range);
             changed |= fill(&mut loss.class_entropy, facts.class_entropy);
+            changed |= fill(&mut loss.class_entropy_se, facts.class_entropy_se);
             changed |= fill(&mut loss.output_batch_spread, facts.output_batch_spread);
             changed |= fill(&mut loss.output_numel, facts.output_numel);
             changed |= fill(&mut loss.labels_per_sample, facts.labels_per_sample);

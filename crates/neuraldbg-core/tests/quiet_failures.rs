@@ -697,3 +697,80 @@ fn a_sequence_layer_given_the_batch_as_its_sequence_holds_the_loss_at_chance() {
         );
     }
 }
+
+#[test]
+fn a_classifier_held_at_its_unbalanced_classes_frequencies_is_not_learning() {
+    // Four classes of which one is 80%: a model that learns how often each occurs and nothing
+    // of its input ends at their entropy (0.70 nats), far below ln 4 (1.39), where the chance
+    // level read at ln C sees a loss that fell by half. Measured on 256 targets, to within
+    // 0.06: the plateau is at its chance level, said as the frequencies' entropy.
+    let ce = |entropy: f64, se: f64| LossSpec {
+        ops: vec!["NllLoss".into(), "LogSoftmax".into()],
+        output_op: Some("Addmm".into()),
+        output_units: Some(4),
+        output_numel: Some(1024),
+        compared_numel: Some(1024),
+        class_entropy: Some(entropy),
+        class_entropy_se: Some(se),
+        ..LossSpec::default()
+    };
+    // ln 4 at the start, the frequencies' entropy from step 40 on (or half of it: learning).
+    let settles_at = |end: f64| {
+        move |step: u64| {
+            let t = (step as f64 / 40.0).min(1.0);
+            4f64.ln() * (1.0 - t) + end * t + 0.01 * ((step % 3) as f64)
+        }
+    };
+    let h = run(
+        spec(Some(ce(0.70, 0.06))),
+        200,
+        Some(2e-3),
+        settles_at(0.71),
+    );
+    let top = &h[0];
+    // (No cause is measured in this run: the failure, with its level corrected for the
+    // batch's size, 0.70 + 3 / 512.)
+    assert_eq!(top.failure, Failure::LossPlateau, "{:?}", shown(&h));
+    assert!(
+        top.description.contains(
+            "at its chance level (0.7059: the entropy of how often each class occurs in its targets, which are unbalanced; ln 4 = 1.386 were they balanced)"
+        ),
+        "{}",
+        top.description
+    );
+    // The same loss where the classes are balanced is a model that learned (ln 4 -> 0.71).
+    let quiet = |h: &[CausalHypothesis]| {
+        assert!(
+            h.iter().all(|h| !h.description.contains("chance level")),
+            "{:?}",
+            shown(h)
+        );
+    };
+    quiet(&run(
+        spec(Some(ce(1.38, 0.01))),
+        200,
+        Some(2e-3),
+        settles_at(0.71),
+    ));
+    // A frequency measured too roughly (a rare class counted on one small batch) is not read.
+    quiet(&run(
+        spec(Some(ce(0.70, 0.2))),
+        200,
+        Some(2e-3),
+        settles_at(0.71),
+    ));
+    // Nor one entropy of a first batch of one class or two (labels sorted): not a level.
+    quiet(&run(
+        spec(Some(ce(0.1, 0.01))),
+        200,
+        Some(2e-3),
+        settles_at(0.1),
+    ));
+    // Unbalanced classes and a model that learned beyond their frequencies: quiet.
+    quiet(&run(
+        spec(Some(ce(0.70, 0.06))),
+        200,
+        Some(2e-3),
+        settles_at(0.35),
+    ));
+}

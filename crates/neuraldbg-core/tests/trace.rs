@@ -698,6 +698,7 @@ fn first_batch_facts_survive_writing_and_replay() {
         output_range: Some((-0.1, 0.2)),
         class_range: Some((0.0, 4.0)),
         class_entropy: Some(1.38),
+        class_entropy_se: Some(0.02),
         output_batch_spread: Some(0.25),
         output_numel: Some(64),
         labels_per_sample: Some(2),
@@ -730,6 +731,7 @@ fn first_batch_facts_survive_writing_and_replay() {
     assert_eq!(model.loss.as_ref().unwrap().class_range, Some((0.0, 4.0)));
     assert_eq!(model.loss.as_ref().unwrap().output_numel, Some(64));
     assert_eq!(model.loss.as_ref().unwrap().labels_per_sample, Some(2));
+    assert_eq!(model.loss.as_ref().unwrap().class_entropy_se, Some(0.02));
     assert_eq!(model.loss.as_ref().unwrap().output_batch_spread, Some(0.25));
     assert_eq!(
         model.loss.as_ref().unwrap().output_op.as_deref(),
@@ -875,6 +877,17 @@ fn first_batch_facts_that_are_not_what_they_say_are_refused() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("class_entropy is -0.5"), "{err}");
+    let err = engine
+        .amend_first_batch(&FirstBatch {
+            class_entropy_se: Some(f64::INFINITY),
+            ..FirstBatch::default()
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("class_entropy_se is inf: a standard error is a finite number >= 0"),
+        "{err}"
+    );
     for bad in [f64::NAN, -1e-3, f64::INFINITY] {
         let err = engine
             .amend_first_batch(&FirstBatch {

@@ -523,9 +523,15 @@ const HELD_AT_VARIANCE: f64 = 0.8;
 
 /// A classifier's loss where it predicts how often each class occurs and nothing of the input:
 /// the entropy of the first batch's class frequencies (`LossSpec::class_entropy`), when known
-/// and not above ln C (the chance level of balanced classes).
+/// and not above ln C (the chance level of balanced classes). A binary cross-entropy's is its
+/// chance level: one batch's count of two values (balanced ones read ~0.67 for ln 2 = 0.69 on
+/// 64 targets) is too rough to hold a loss within 4% of, unless measured well enough to be
+/// its level (see `failures::chance_level`).
 fn frequencies_level(run: &Run) -> Option<f64> {
     let chance = super::super::failures::chance_level(run).filter(|c| !c.regression)?;
+    if chance.binary {
+        return Some(chance.level);
+    }
     let h = run.model.spec.loss.as_ref()?.class_entropy?;
     (h > 0.0 && h <= 1.01 * chance.level).then_some(h)
 }

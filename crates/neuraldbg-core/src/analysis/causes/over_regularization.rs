@@ -101,13 +101,15 @@ pub(crate) fn heavy_dropout(run: &Run) -> Option<HeavyDropout> {
 }
 
 /// The penalty `p` still holds most of the loss at the end, or it shrank the model to a
-/// constant guess (the loss ends at its chance level): the loss cannot reach the data's
+/// constant guess (the loss ends at its chance level, or at ln C): the loss cannot reach the data's
 /// optimum (a plateau from the first step, see `loss_bounded_by_mistake`).
 fn holds_the_loss(run: &Run, p: &Penalty) -> bool {
     p.share_last >= MIN_SHARE
         || chance_level(run).is_some_and(|c| {
             let end = run.loss.last_smoothed;
-            (0.9 * c.level..=1.1 * c.level).contains(&end)
+            [c.level, c.uniform]
+                .iter()
+                .any(|level| (0.9 * level..=1.1 * level).contains(&end))
         })
 }
 

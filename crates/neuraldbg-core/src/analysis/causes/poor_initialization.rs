@@ -278,7 +278,7 @@ fn confidently_wrong_start(c: &Case<'_>, v: &mut Votes) {
         .run
         .loss
         .first_value()
-        .filter(|l| *l >= 2.0 * chance.level)
+        .filter(|l| *l >= 2.0 * chance.uniform)
     {
         if ordinary_inputs {
             v.add(
@@ -286,9 +286,9 @@ fn confidently_wrong_start(c: &Case<'_>, v: &mut Votes) {
                 format!(
                     "the loss starts at {}, {:.1}x its chance level (ln {} = {}), before any update: the initial weights make confident wrong predictions",
                     fmt_g(l),
-                    l / chance.level,
+                    l / chance.uniform,
                     chance.classes,
-                    fmt_g(chance.level)
+                    fmt_g(chance.uniform)
                 ),
             );
         }

@@ -7,6 +7,7 @@ use crate::config::Config;
 use crate::engine::{Global, Run};
 use crate::event::SemanticEvent;
 use crate::history::Reduce;
+use crate::model::LossSpec;
 
 use super::super::episodes::Episode;
 use super::super::text::num;
@@ -130,15 +131,24 @@ impl FailureRule for LossPlateau {
 /// a mean squared error the targets' variance (predicting their mean).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(crate) struct Chance {
+    /// The loss of a model that learned how often each answer occurs and nothing of its input.
     pub level: f64,
+    /// The loss of a model that gives every class the same probability (ln C; a regression's
+    /// `level`): where an untrained classifier starts.
+    pub uniform: f64,
     pub classes: u64,
     pub binary: bool,
     pub regression: bool,
+    /// `level` is the entropy of the targets' frequencies, well below `uniform`: the classes
+    /// (or a binary target's two values) are unbalanced.
+    pub unbalanced: bool,
 }
 
 /// The chance level of the run's loss, when the engine recognizes the loss: cross-entropy or
 /// negative log-likelihood over the output's last dimension (also written out as the log of a
 /// softmax), binary cross-entropy, or a mean squared error whose targets' variance is known.
+/// A classifier's is the entropy of its targets' frequencies where they are unbalanced (see
+/// [`unbalanced_level`]), else ln C.
 pub(crate) fn chance_level(run: &Run) -> Option<Chance> {
     let loss = run.model.spec.loss.as_ref()?;
     // (A loss summed over the batch sits at the batch size times the level.)
@@ -146,13 +156,20 @@ pub(crate) fn chance_level(run: &Run) -> Option<Chance> {
         return None;
     }
     let has = |op: &str| loss.ops.iter().any(|o| o == op);
-    if loss.is_binary_cross_entropy() {
-        return Some(Chance {
-            level: std::f64::consts::LN_2,
-            classes: 2,
-            binary: true,
+    let classifier = |classes: u64, binary: bool| {
+        let uniform = (classes as f64).ln();
+        let prior = unbalanced_level(loss, classes, uniform);
+        Chance {
+            level: prior.unwrap_or(uniform),
+            uniform,
+            classes,
+            binary,
             regression: false,
-        });
+            unbalanced: prior.is_some(),
+        }
+    };
+    if loss.is_binary_cross_entropy() {
+        return Some(classifier(2, true));
     }
     // A cross-entropy written out (`-(onehot * log_softmax(z)).sum(1)`, or the log of a
     // softmax), averaged over the batch somewhere (without a mean it is summed over it).
@@ -161,23 +178,58 @@ pub(crate) fn chance_level(run: &Run) -> Option<Chance> {
     let written_out = logs_probabilities && has("Mean");
     if has("NllLoss") || has("NllLoss2D") || written_out {
         let classes = loss.classes().filter(|&c| c >= 2)?;
-        return Some(Chance {
-            level: (classes as f64).ln(),
-            classes,
-            binary: false,
-            regression: false,
-        });
+        return Some(classifier(classes, false));
     }
     if has("MseLoss") {
         let level = loss.target_var.filter(|v| v.is_finite() && *v > 0.0)?;
         return Some(Chance {
             level,
+            uniform: level,
             classes: 0,
             binary: false,
             regression: true,
+            unbalanced: false,
         });
     }
     None
+}
+
+/// Targets' frequencies this far below balanced ones (their entropy over ln C) are unbalanced.
+const UNBALANCED: f64 = 0.9;
+/// ... and not further than this: a first batch of one class or two (a dataset sorted by its
+/// labels) says nothing of the classes' frequencies over the run.
+const UNBALANCED_FLOOR: f64 = 0.15;
+
+/// The largest standard error of the frequencies' entropy, over the entropy, that is read as
+/// the level: a rare class counted on one batch is too uncertain (10% of 64 binary targets
+/// gives ~25%).
+const UNBALANCED_ERROR: f64 = 0.1;
+
+/// The loss of a classifier that learned only how often each class occurs: the entropy of the
+/// first batch's class frequencies (`LossSpec::class_entropy`; a binary cross-entropy's, of how
+/// often a target is 1), where it is well below ln C and the batch measured it to within
+/// [`UNBALANCED_ERROR`]. The plug-in entropy of one batch is low by about (C - 1) / 2n over n
+/// targets (Miller and Madow): that much is added back, counting every class, and a batch of
+/// fewer than 2C targets is not read.
+fn unbalanced_level(loss: &LossSpec, classes: u64, uniform: f64) -> Option<f64> {
+    let h = loss.class_entropy.filter(|h| h.is_finite() && *h > 0.0)?;
+    let se = loss.class_entropy_se.filter(|se| se.is_finite())?;
+    if se > UNBALANCED_ERROR * h {
+        return None;
+    }
+    // Targets counted: a binary cross-entropy's are its compared elements, a negative
+    // log-likelihood's its input's elements over the classes.
+    let per_target = if loss.is_binary_cross_entropy() {
+        1
+    } else {
+        classes
+    };
+    let n = loss.compared_numel.or(loss.output_numel)? / per_target;
+    if n < 2 * classes {
+        return None;
+    }
+    let level = h + (classes - 1) as f64 / (2 * n) as f64;
+    (level < UNBALANCED * uniform && level >= UNBALANCED_FLOOR * uniform).then_some(level)
 }
 
 /// Steps a run must have before it can be judged not to learn.
@@ -189,9 +241,27 @@ const WORSE_THAN_MEAN: f64 = 1.3;
 
 /// The chance level of a model whose loss stayed flat at or above it (never clearly below,
 /// and at least 90% of it at the end; a regression's 70%) over at least half of a run of
-/// [`NOT_LEARNING_STEPS`] steps or more.
+/// [`NOT_LEARNING_STEPS`] steps or more. Unbalanced classes are judged at ln C first (as
+/// balanced ones: a loss at or above it learned nothing, not even the frequencies), then at
+/// their frequencies' entropy, within 10% of it: a model that learned how often each class
+/// occurs and nothing of its input (one that always answers the majority class).
 pub(crate) fn not_learning(run: &Run) -> Option<Chance> {
     let chance = chance_level(run)?;
+    let uniform = Chance {
+        level: chance.uniform,
+        unbalanced: false,
+        ..chance
+    };
+    held_at(run, uniform, false).or_else(|| {
+        chance
+            .unbalanced
+            .then(|| held_at(run, chance, true))
+            .flatten()
+    })
+}
+
+/// [`not_learning`] at `chance.level`; `band`: ending within 10% of it, never above.
+fn held_at(run: &Run, chance: Chance, band: bool) -> Option<Chance> {
     let (first, last) = (run.first_step?, run.last_step?);
     let l = &run.loss;
     // Flat over most of the run; a noisy loss may never count as flat (or only over a late
@@ -215,7 +285,8 @@ pub(crate) fn not_learning(run: &Run) -> Option<Chance> {
     let (at_chance, best) = if chance.regression {
         (at_level >= 0.7, 0.5)
     } else {
-        (at_level >= 0.9 && (at_level <= 1.1 || !risen), 0.8)
+        let above = !risen && !band;
+        (at_level >= 0.9 && (at_level <= 1.1 || above), 0.8)
     };
     (l.observed >= NOT_LEARNING_STEPS && flat_most && l.best >= best * chance.level && at_chance)
         .then_some(chance)
@@ -424,6 +495,19 @@ fn standing(s: &Sentence<'_>) -> String {
             return format!(
                 ", at the variance of its targets ({}): the model predicts no better than their mean",
                 num(c.level)
+            );
+        }
+        if c.unbalanced {
+            let what = if c.binary {
+                "how often a target is 1"
+            } else {
+                "how often each class occurs"
+            };
+            return format!(
+                ", at its chance level ({}: the entropy of {what} in its targets, which are unbalanced; ln {} = {} were they balanced): the model learned {what} and nothing of its input",
+                num(c.level),
+                c.classes,
+                num(c.uniform)
             );
         }
         let (at, worse) = if s.run.loss.last_smoothed > 1.1 * c.level {
