@@ -1599,3 +1599,17 @@ def test_class_indices_with_no_output_unit_are_the_outputs_not_the_initializatio
     else:
         assert "the targets' class indices reach 9 but the output has 5 units" in top.description, top
         assert top.remedies[0].startswith("give the output one unit per class (10 for class indices up to 9)")
+
+
+def test_the_class_counts_give_the_frequencies_entropy_and_its_standard_error() -> None:
+    # [0, 0, 0, 1, 2] counted over 4 classes (5 is outside them): frequencies [3/5, 1/5, 1/5,
+    # 0]; the entropy's standard error as an estimate from 5 targets is the spread of -ln p
+    # over them, over sqrt(5) (numpy here, the compiled step's jnp there).
+    from neuraldbg.jax import _class_stats
+
+    lo, hi, entropy, se = (float(v) for v in _class_stats(jnp.asarray([0, 0, 0, 1, 2, 5]), 4))
+    p = np.array([0.6, 0.2, 0.2])
+    h = float(-(p * np.log(p)).sum())
+    assert (lo, hi) == (0.0, 5.0)
+    assert entropy == pytest.approx(h, rel=1e-5)
+    assert se == pytest.approx(np.sqrt(((p * np.log(p) ** 2).sum() - h * h) / 5), rel=1e-4)

@@ -261,15 +261,18 @@ def _samples(leaves: List[Any], where: List[int], sampled: List[Tuple[int, int]]
 
 
 def _class_stats(targets: Any, classes: int) -> Any:
-    """``[min, max, entropy, NaN]`` of class-index targets: their range, and the entropy (nats)
-    of how often each class occurs among them (indices outside ``[0, classes)`` not counted):
-    the loss of a model that predicts those frequencies and nothing of the input."""
+    """``[min, max, entropy, standard error]`` of class-index targets: their range, the entropy
+    (nats) of how often each class occurs among them (indices outside ``[0, classes)`` not
+    counted), the loss of a model that predicts those frequencies and nothing of the input, and
+    its standard error as an estimate from these targets (the delta method)."""
     idx = targets.reshape(-1).astype(jnp.int32)
     kept = ((idx >= 0) & (idx < classes)).astype(jnp.float32)
     counts = jnp.zeros((classes,), jnp.float32).at[jnp.clip(idx, 0, classes - 1)].add(kept)
     p = counts / jnp.maximum(counts.sum(), 1.0)
-    entropy = -jnp.sum(jax.scipy.special.xlogy(p, p))
-    return jnp.stack([idx.min().astype(jnp.float32), idx.max().astype(jnp.float32), entropy, jnp.float32(jnp.nan)])
+    logs = jnp.log(jnp.where(p > 0, p, 1.0))
+    entropy = -jnp.sum(p * logs)
+    se = jnp.sqrt(jnp.maximum(jnp.sum(p * logs * logs) - entropy * entropy, 0.0) / jnp.maximum(counts.sum(), 1.0))
+    return jnp.stack([idx.min().astype(jnp.float32), idx.max().astype(jnp.float32), entropy, se])
 
 
 def _as_targets(targets: Any) -> Any:
@@ -788,18 +791,23 @@ class NeuralDbg(Spoke):
 
     def _targets_facts(self, stats: Any) -> Dict[str, Any]:
         """The engine's facts of the targets' ``[min, max, mean, std]``: a cross-entropy's class
-        indices' range and the entropy of their frequencies (``[min, max, entropy, NaN]``,
-        :func:`_class_stats`); the range of what a binary cross-entropy or a regression compares the
+        indices' range and the entropy of their frequencies with its standard error (``[min,
+        max, entropy, error]``, :func:`_class_stats`); the range of what a binary cross-entropy or a regression compares the
         output with, and a regression's variance."""
         lo, hi, third, std = (float(v) for v in stats)
         if not (math.isfinite(lo) and math.isfinite(hi)):
             return {}
         if self._targets_kind == "classes":
             counted = self._classes_counted and math.isfinite(third)  # (`_class_stats`' entropy)
-            return {"class_range": [lo, hi], **({"class_entropy": third} if counted else {})}
+            facts: Dict[str, Any] = {"class_range": [lo, hi]}
+            if counted:
+                facts["class_entropy"] = third
+                if math.isfinite(std):
+                    facts["class_entropy_se"] = std
+            return facts
         if not math.isfinite(std):
             return {}
-        facts: Dict[str, Any] = {"target_range": [lo, hi]}
+        facts = {"target_range": [lo, hi]}
         if self._loss is not None and any(op in ("MseLoss", "HuberLoss") for op in self._loss["ops"]):
             facts["target_var"] = std * std
         return facts
