@@ -670,6 +670,59 @@ def unscaled_targets() -> Scenario:
     )
 
 
+# Four classes, one of them 70% of the targets: H = -(0.7 ln 0.7 + 3 x 0.1 ln 0.1) = 0.94 nats.
+UNBALANCED = (0.7, 0.1, 0.1, 0.1)
+
+
+def unbalanced_entropy() -> float:
+    return -sum(p * math.log(p) for p in UNBALANCED)
+
+
+def majority_class_only() -> Scenario:
+    truth = Truth("loss_plateau", "bad_input_data", None, None)
+
+    def make(related: bool) -> Setup:
+        model = mlp([16, 64, 64, 4], nn.ReLU)
+        g = torch.Generator().manual_seed(6)
+        w = torch.randn(16, 4, generator=g)
+        # A teacher whose bias makes class 0 about as common as in UNBALANCED.
+        bias = torch.tensor([5.5, 0.0, 0.0, 0.0])
+
+        def data(i: int) -> Batch:
+            gi = torch.Generator().manual_seed(6 * 100_003 + i)
+            x = torch.randn(256, 16, generator=gi)
+            if related:
+                return x, (x @ w + bias).argmax(1)
+            return x, torch.multinomial(torch.tensor(UNBALANCED), 256, replacement=True, generator=gi)
+
+        return Setup(model, torch.optim.Adam(model.parameters(), lr=1e-3), CE(), data, 150)
+
+    def check(r: Record) -> None:
+        end = sum(r.loss[-20:]) / 20
+        level = unbalanced_entropy()
+        assert abs(end - level) < 0.05 * level, f"the loss ends at the classes' entropy: {end:.3f} vs {level:.3f}"
+        assert end < 0.75 * math.log(4), "far below ln 4: the loss fell, to the frequencies"
+
+    def counter_check(r: Record) -> None:
+        learns(0.3)(r)
+        freq = torch.bincount(make(True).batch(0)[1], minlength=4).float() / 256
+        assert freq.max() > 0.6, "the counterfactual's classes are as unbalanced"
+        assert sum(r.loss[-5:]) / 5 < 0.6 * unbalanced_entropy(), "it learns beyond the frequencies"
+
+    return Scenario(
+        "mlp_majority_class_only",
+        "MLP 2x ReLU",
+        "four classes, one 70% of them, drawn apart from the inputs: the loss falls from ln 4 to the "
+        "classes' entropy (0.94) and stays: the model learned how often each class occurs and "
+        "nothing of its input",
+        lambda: make(False),
+        truth,
+        check,
+        lambda: make(True),
+        counter_check,
+    )
+
+
 def double_he_init() -> Scenario:
     truth = Truth("exploding_gradients", "poor_initialization", None, 0)
 
@@ -910,6 +963,19 @@ def healthy_runs() -> List[Scenario]:
 
         return Setup(model, torch.optim.Adam(model.parameters(), lr=1e-2), nn.BCELoss(), batch_at, 150)
 
+    def h_unbalanced() -> Setup:
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+        g = torch.Generator().manual_seed(7)
+        w = torch.randn(16, generator=g)
+
+        def batch_at(i: int) -> Batch:
+            gi = torch.Generator().manual_seed(7 * 100_003 + i)
+            x = torch.randn(256, 16, generator=gi)
+            # One in five is positive: above the 84th percentile of a standard normal.
+            return x, ((x @ w) / w.norm() > 0.84).float()[:, None]
+
+        return Setup(model, torch.optim.Adam(model.parameters(), lr=3e-3), nn.BCEWithLogitsLoss(), batch_at, 150)
+
     def h_contrastive() -> Setup:
         model = TwoTowers(16, 32, 8)
         g = torch.Generator().manual_seed(5)
@@ -945,6 +1011,13 @@ def healthy_runs() -> List[Scenario]:
             "MLP 1x ReLU + Sigmoid output",
             "a binary classifier ending in a sigmoid under BCELoss, trained to confident outputs: its output sigmoid at its bounds is not a saturation",
             h_binary,
+            0.5,
+        ),
+        healthy(
+            "healthy_unbalanced_binary",
+            "MLP 1x ReLU, BCEWithLogits",
+            "a binary classifier whose targets are one in five positive: it learns past the entropy of that frequency (0.50), which is its chance level",
+            h_unbalanced,
             0.5,
         ),
         healthy(
@@ -998,6 +1071,7 @@ def all_scenarios() -> List[Scenario]:
         lstm_nan_input(),
         softmax_overflow(),
         unscaled_targets(),
+        majority_class_only(),
         double_he_init(),
         unnormalized_pixels(),
         zero_batch(),
