@@ -1613,3 +1613,48 @@ def test_the_class_counts_give_the_frequencies_entropy_and_its_standard_error() 
     assert (lo, hi) == (0.0, 5.0)
     assert entropy == pytest.approx(h, rel=1e-5)
     assert se == pytest.approx(np.sqrt(((p * np.log(p) ** 2).sum() - h * h) / 5), rel=1e-4)
+
+
+def test_a_binary_cross_entropy_s_frequency_comes_from_its_targets_mean_and_spread() -> None:
+    # Targets all 0 or 1 have the largest variance values in [0, 1] can have at their mean,
+    # mean * (1 - mean): the entropy of how often one is 1 and its standard error follow from
+    # the two (numpy's own, on the targets). Smoothed labels (0.05 / 0.95) have less: none.
+    from neuraldbg.jax import _batch_stats, _binary_frequency
+
+    y = (np.random.default_rng(0).random(256) < 0.25).astype(np.float32)
+    facts = _binary_frequency(*(float(v) for v in _batch_stats(jnp.asarray(y))), 256)
+    p = np.array([y.mean(), 1 - y.mean()])
+    h = float(-(p * np.log(p)).sum())
+    assert facts["class_entropy"] == pytest.approx(h, rel=1e-4)
+    assert facts["class_entropy_se"] == pytest.approx(np.sqrt(((p * np.log(p) ** 2).sum() - h * h) / 256), rel=1e-3)
+    assert _binary_frequency(*(float(v) for v in _batch_stats(jnp.asarray(0.05 + 0.9 * y))), 256) == {}
+
+
+def test_a_binary_classifier_that_learns_only_how_often_a_label_is_1_is_at_chance() -> None:
+    # A quarter of the labels are 1, drawn apart from the inputs: the loop's own loss settles
+    # within 5% of the entropy of that frequency (numpy's, on the labels), far below ln 2.
+    # Given the batch (`inputs=`), the update measures the first batch's targets, and the
+    # plateau is at that chance level.
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(400 * 256, 8)).astype(np.float32)  # (a new batch each step)
+    y = (rng.random((400 * 256, 1)) < 0.25).astype(np.float32)
+    p = float(y.mean())
+    entropy = -(p * np.log(p) + (1 - p) * np.log(1 - p))
+    model = Classifier(1, lambda z: z, nnx.Rngs(0))
+    losses: List[float] = []
+    with NeuralDbg(model) as dbg:
+        optimizer = nnx.Optimizer(model, dbg.wrap(optax.adam(1e-3)), wrt=nnx.Param)
+
+        @nnx.jit
+        def step(model: Any, optimizer: Any, xb: Any, yb: Any) -> Any:
+            value, grads = nnx.value_and_grad(lambda m: bce(m(xb), yb).mean())(model)
+            optimizer.update(model, grads, value=value, inputs=xb)
+            return value
+
+        for i in range(400):
+            j = i * 256
+            losses.append(float(step(model, optimizer, x[j : j + 256], y[j : j + 256])))
+    assert abs(np.mean(losses[-20:]) / entropy - 1) < 0.05, (losses[-20:], entropy)
+    top = dbg.explain_failure()[0]
+    assert top.failure == "loss_plateau", top
+    assert "the model learned how often a target is 1 and nothing of its input" in top.description, top

@@ -275,6 +275,20 @@ def _class_stats(targets: Any, classes: int) -> Any:
     return jnp.stack([idx.min().astype(jnp.float32), idx.max().astype(jnp.float32), entropy, se])
 
 
+def _binary_frequency(lo: float, hi: float, mean: float, std: float, n: Optional[int]) -> Dict[str, float]:
+    """A binary cross-entropy's ``class_entropy`` and ``class_entropy_se`` from its targets'
+    ``[min, max, mean, std]`` over ``n`` of them, where every target is 0 or 1: values in
+    [0, 1] whose variance is ``mean * (1 - mean)``, the most they can have (soft targets have
+    less). The entropy of how often a target is 1, and its standard error (the delta method)."""
+    spread = mean * (1.0 - mean)
+    if not n or lo < 0.0 or hi > 1.0 or not 0.0 < mean < 1.0 or abs(std * std - spread) > 1e-3 * spread:
+        return {}
+    logs = (math.log(mean), math.log(1.0 - mean))
+    h = -(mean * logs[0] + (1.0 - mean) * logs[1])
+    second = mean * logs[0] ** 2 + (1.0 - mean) * logs[1] ** 2
+    return {"class_entropy": h, "class_entropy_se": math.sqrt(max(second - h * h, 0.0) / n)}
+
+
 def _as_targets(targets: Any) -> Any:
     """The targets the step's optax loss was given, as an array the update can measure, or None
     where they cannot be measured here: not an array of numbers, or traced inside a
@@ -810,6 +824,8 @@ class NeuralDbg(Spoke):
         facts = {"target_range": [lo, hi]}
         if self._loss is not None and any(op in ("MseLoss", "HuberLoss") for op in self._loss["ops"]):
             facts["target_var"] = std * std
+        if self._loss is not None and "BinaryCrossEntropyWithLogits" in self._loss["ops"]:
+            facts.update(_binary_frequency(lo, hi, third, std, self._loss.get("output_numel")))
         return facts
 
     def _send_loss(self) -> None:
