@@ -729,8 +729,14 @@ fn a_classifier_held_at_its_unbalanced_classes_frequencies_is_not_learning() {
     );
     let top = &h[0];
     // (No cause is measured in this run: the failure, with its level corrected for the
-    // batch's size, 0.70 + 3 / 512.)
+    // batch's size, 0.70 + 3 / 512, and the check that tells a pipeline that does not give the
+    // model its targets from a model that cannot learn them.)
     assert_eq!(top.failure, Failure::LossPlateau, "{:?}", shown(&h));
+    assert!(
+        top.remedies[0].contains("train on one small batch"),
+        "{:?}",
+        top.remedies
+    );
     assert!(
         top.description.contains(
             "at its chance level (0.7059: the entropy of how often each class occurs in its targets, which are unbalanced; ln 4 = 1.386 were they balanced)"

@@ -22,7 +22,16 @@ impl CauseRule for Unknown {
 
     fn evidence(&self, _: &Case<'_>, _: &mut Votes) {}
 
-    fn remedies(&self, _: &RemedyCase<'_>) -> Vec<Remedy> {
-        vec![Remedy::InspectHistory, Remedy::DetectAnomaly]
+    /// A model that learns nothing (its loss at its chance level) and no named cause: first
+    /// the check that tells a pipeline that does not give the model its targets from a model
+    /// that cannot learn them; a NaN's anomaly check is for the failures that have one.
+    fn remedies(&self, c: &RemedyCase<'_>) -> Vec<Remedy> {
+        let at_chance = c.e.failure == Failure::LossPlateau
+            && super::super::failures::not_learning(c.run).is_some();
+        if at_chance {
+            vec![Remedy::OverfitOneBatch, Remedy::InspectHistory]
+        } else {
+            vec![Remedy::InspectHistory, Remedy::DetectAnomaly]
+        }
     }
 }
