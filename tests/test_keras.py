@@ -1392,3 +1392,49 @@ def test_a_binary_classifier_that_learns_only_how_often_a_label_is_1_is_at_chanc
     top = found[0]
     assert str(top.failure) == "loss_plateau", found
     assert "the model learned how often a target is 1 and nothing of its input" in top.description, top
+
+
+def test_one_hot_targets_give_their_classes_entropy_and_smoothed_ones_none() -> None:
+    from neuraldbg.keras import _one_hot_entropy
+
+    y = keras.utils.to_categorical([0, 0, 0, 1, 2], 4)
+    entropy, se = (float(v) for v in np.asarray(_one_hot_entropy(y)))
+    p = np.array([0.6, 0.2, 0.2])
+    h = float(-(p * np.log(p)).sum())
+    assert entropy == pytest.approx(h, rel=1e-5)
+    assert se == pytest.approx(np.sqrt(((p * np.log(p) ** 2).sum() - h * h) / 5), rel=1e-4)
+    assert np.isnan(np.asarray(_one_hot_entropy(0.9 * y + 0.025))).all()
+
+
+@pytest.mark.parametrize("related", [False, True])
+def test_one_hot_classes_learned_only_as_frequencies_are_at_chance(related: bool) -> None:
+    """``loss="categorical_crossentropy"`` on one-hot labels (``to_categorical``), 4 classes of
+    which one is ~70%, drawn apart from the inputs: Keras' loss ends within 5% of their
+    entropy (computed from the labels), far below ln 4, and the plateau is named at that
+    level. Labels of a teacher as unbalanced: the loss falls below 60% of it, nothing said."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(8192, 20)).astype("float32")
+    if related:
+        labels = np.argmax(x @ rng.normal(size=(20, 4)) + np.array([5.5, 0.0, 0.0, 0.0]), 1)
+    else:
+        labels = rng.choice(4, size=8192, p=[0.7, 0.1, 0.1, 0.1])
+    f = np.bincount(labels, minlength=4) / len(labels)
+    entropy = float(-(f * np.log(f)).sum())
+    assert f.max() > 0.6
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential(
+        [keras.Input((20,)), keras.layers.Dense(64, activation="relu"), keras.layers.Dense(4, activation="softmax")]
+    )
+    model.compile(optimizer="adam", loss="categorical_crossentropy")
+    cb = NeuralDbgCallback(verbose=False)
+    y = keras.utils.to_categorical(labels, 4)
+    end = model.fit(x, y, batch_size=256, epochs=5, callbacks=[cb], verbose=0).history["loss"][-1]
+    found = cb.dbg.explain_failure()
+    if related:
+        assert end < 0.6 * entropy, (end, entropy)
+        assert not any("chance level" in h.description for h in found), found
+        return
+    assert abs(end - entropy) < 0.05 * entropy, (end, entropy)
+    top = found[0]
+    assert str(top.failure) == "loss_plateau", found
+    assert "the model learned how often each class occurs and nothing of its input" in top.description, top

@@ -366,6 +366,23 @@ def _class_entropy(y: Any, y_pred: Any) -> Any:
         return ops.full((2,), float("nan"), "float32")
 
 
+def _one_hot_entropy(y: Any) -> Any:
+    """:func:`_class_entropy` of one-hot targets ``y`` (a categorical cross-entropy's, classes
+    along the last axis), where every row is one 1 and zeros (NaN for smoothed labels)."""
+    try:
+        t = ops.cast(y, "float32")
+        rows = ops.reshape(t, (-1, t.shape[-1]))
+        counts = ops.sum(rows, axis=0)
+        out = _entropy_and_error(counts / ops.maximum(ops.sum(counts), 1.0), ops.sum(counts))
+        hard = ops.logical_and(
+            ops.all(ops.logical_or(ops.equal(rows, 0.0), ops.equal(rows, 1.0))),
+            ops.all(ops.equal(ops.sum(rows, 1), 1.0)),
+        )
+        return ops.where(hard, out, float("nan"))
+    except Exception:  # pragma: no cover - a backend without these ops: this fact only is lost
+        return ops.full((2,), float("nan"), "float32")
+
+
 def _binary_entropy(y: Any) -> Any:
     """A binary cross-entropy's counterpart of :func:`_class_entropy`: the entropy of how often
     a target is 1, over all of the batch's targets, and its standard error, where every target
@@ -406,16 +423,14 @@ def _batch_spread(y_pred: Any) -> Any:
         return ops.full((1,), float("nan"), "float32")
 
 
-def _first_batch_stats(
-    x: Any, y: Any, y_pred: Any, features: int, class_indices: bool = False, labels: bool = False
-) -> Any:
+def _first_batch_stats(x: Any, y: Any, y_pred: Any, features: int, targets: str = "") -> Any:
     """The first batch's facts as one float32 vector (NaN where not measured): the targets'
     min, max and variance, the output's min and max and its number of elements, the entropy
-    of the targets' class frequencies and its standard error (when they are ``class_indices``,
-    or a binary cross-entropy's ``labels``), the output's spread
-    across the batch, the most targets >= 0.5 in one sample (``labels``: a binary
-    cross-entropy's), and the largest magnitude of each of ``features`` columns of the input
-    table ``x``."""
+    of the targets' class frequencies and its standard error (``targets``: ``"indices"``, a
+    sparse cross-entropy's; ``"one_hot"``, a categorical cross-entropy's; ``"labels"``, a
+    binary cross-entropy's), the output's spread across the batch, the most targets >= 0.5 in
+    one sample (a binary cross-entropy's ``labels``), and the largest magnitude of each of
+    ``features`` columns of the input table ``x``."""
     nan = ops.full((1,), float("nan"), "float32")
 
     def three(t: Any) -> List[Any]:
@@ -426,9 +441,11 @@ def _first_batch_stats(
 
     parts = three(y) + three(y_pred)[:2]
     parts.append(ops.reshape(ops.cast(ops.size(y_pred), "float32"), (1,)) if hasattr(y_pred, "shape") else nan)
-    counted = class_indices and hasattr(y, "shape") and hasattr(y_pred, "shape")
-    if counted:
+    labels = targets == "labels"
+    if targets == "indices" and hasattr(y, "shape") and hasattr(y_pred, "shape"):
         parts.append(_class_entropy(y, y_pred))
+    elif targets == "one_hot" and hasattr(y, "shape"):
+        parts.append(_one_hot_entropy(y))
     elif labels and hasattr(y, "shape"):
         parts.append(_binary_entropy(y))
     else:
@@ -763,6 +780,8 @@ class KerasDbg(Spoke):
         # Whether the loss takes class indices (sparse categorical cross-entropy): the targets'
         # range is then the classes'.
         self._class_indices = False
+        # What the targets' class frequencies are counted from (see `_first_batch_stats`).
+        self._counted = ""
         self._features = 0
         self._facts_sent = False
 
@@ -779,7 +798,10 @@ class KerasDbg(Spoke):
         self._output_unknown = bool(loss) and "output_op" not in loss
         self._regression = bool(loss) and any(op in _REGRESSION_OPS for op in loss["ops"])
         self._binary = bool(loss) and any(op.startswith("BinaryCrossEntropy") for op in loss["ops"])
-        self._class_indices = bool(loss) and _compiled_loss(self.model)[0] == "sparse_categorical_crossentropy"
+        name = _compiled_loss(self.model)[0] if loss else None
+        self._class_indices = name == "sparse_categorical_crossentropy"
+        one_hot = name == "categorical_crossentropy"
+        self._counted = "indices" if self._class_indices else "one_hot" if one_hot else "labels" if self._binary else ""
         self._features = _table_features(self.model)
         self._start(spec, meta)
         self._base = int(ops.convert_to_numpy(opt.iterations)) if opt is not None else 0
@@ -1074,7 +1096,7 @@ class KerasDbg(Spoke):
             if once is not None and not self._facts_sent:
                 once(
                     self._receive_first_batch,
-                    lambda: (_first_batch_stats(x, y, y_pred, self._features, self._class_indices, self._binary),),
+                    lambda: (_first_batch_stats(x, y, y_pred, self._features, self._counted),),
                 )
             return
         if not in_stateless_scope() or self._facts_var is None:
@@ -1085,9 +1107,7 @@ class KerasDbg(Spoke):
         old = jnp.asarray(self._facts_var.value)
 
         def measure() -> Any:
-            stats = jnp.asarray(
-                _first_batch_stats(x, y, y_pred, self._features, self._class_indices, self._binary), jnp.float32
-            )
+            stats = jnp.asarray(_first_batch_stats(x, y, y_pred, self._features, self._counted), jnp.float32)
             return jax.lax.stop_gradient(jnp.concatenate([jnp.ones((1,), jnp.float32), stats]))
 
         # Once: the first training step's (later steps keep what it wrote).
@@ -1118,7 +1138,7 @@ class KerasDbg(Spoke):
         facts["output_range"] = span(v[3], v[4])
         if self._class_indices:
             facts["class_range"] = span(v[0], v[1])
-        if self._class_indices or self._binary:
+        if self._counted:
             if np.isfinite(v[5]) and v[5] >= 1:
                 facts["output_numel"] = int(v[5])
             if np.isfinite(v[6]) and v[6] >= 0:

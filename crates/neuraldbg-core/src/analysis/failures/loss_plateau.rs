@@ -142,6 +142,8 @@ pub(crate) struct Chance {
     /// `level` is the entropy of the targets' frequencies, well below `uniform`: the classes
     /// (or a binary target's two values) are unbalanced.
     pub unbalanced: bool,
+    /// The standard error of an unbalanced `level`, as one batch measured it (else 0).
+    pub error: f64,
 }
 
 /// The chance level of the run's loss, when the engine recognizes the loss: cross-entropy or
@@ -160,12 +162,13 @@ pub(crate) fn chance_level(run: &Run) -> Option<Chance> {
         let uniform = (classes as f64).ln();
         let prior = unbalanced_level(loss, classes, uniform);
         Chance {
-            level: prior.unwrap_or(uniform),
+            level: prior.map_or(uniform, |p| p.0),
             uniform,
             classes,
             binary,
             regression: false,
             unbalanced: prior.is_some(),
+            error: prior.map_or(0.0, |p| p.1),
         }
     };
     if loss.is_binary_cross_entropy() {
@@ -189,6 +192,7 @@ pub(crate) fn chance_level(run: &Run) -> Option<Chance> {
             binary: false,
             regression: true,
             unbalanced: false,
+            error: 0.0,
         });
     }
     None
@@ -210,8 +214,8 @@ const UNBALANCED_ERROR: f64 = 0.1;
 /// often a target is 1), where it is well below ln C and the batch measured it to within
 /// [`UNBALANCED_ERROR`]. The plug-in entropy of one batch is low by about (C - 1) / 2n over n
 /// targets (Miller and Madow): that much is added back, counting every class, and a batch of
-/// fewer than 2C targets is not read.
-fn unbalanced_level(loss: &LossSpec, classes: u64, uniform: f64) -> Option<f64> {
+/// fewer than 2C targets is not read. The level, and its standard error.
+fn unbalanced_level(loss: &LossSpec, classes: u64, uniform: f64) -> Option<(f64, f64)> {
     let h = loss.class_entropy.filter(|h| h.is_finite() && *h > 0.0)?;
     let se = loss.class_entropy_se.filter(|se| se.is_finite())?;
     if se > UNBALANCED_ERROR * h {
@@ -229,7 +233,7 @@ fn unbalanced_level(loss: &LossSpec, classes: u64, uniform: f64) -> Option<f64> 
         return None;
     }
     let level = h + (classes - 1) as f64 / (2 * n) as f64;
-    (level < UNBALANCED * uniform && level >= UNBALANCED_FLOOR * uniform).then_some(level)
+    (level < UNBALANCED * uniform && level >= UNBALANCED_FLOOR * uniform).then_some((level, se))
 }
 
 /// Steps a run must have before it can be judged not to learn.
@@ -250,6 +254,7 @@ pub(crate) fn not_learning(run: &Run) -> Option<Chance> {
     let uniform = Chance {
         level: chance.uniform,
         unbalanced: false,
+        error: 0.0,
         ..chance
     };
     held_at(run, uniform, false).or_else(|| {
@@ -260,7 +265,10 @@ pub(crate) fn not_learning(run: &Run) -> Option<Chance> {
     })
 }
 
-/// [`not_learning`] at `chance.level`; `band`: ending within 10% of it, never above.
+/// [`not_learning`] at `chance.level`; `band`: ending within 10% of it, never above (above by
+/// up to twice its standard error more: a level measured on one batch may be that low; a loss
+/// above the true level learned nothing either), flat over most of the run or there from its
+/// middle tenth on.
 fn held_at(run: &Run, chance: Chance, band: bool) -> Option<Chance> {
     let (first, last) = (run.first_step?, run.last_step?);
     let l = &run.loss;
@@ -282,14 +290,24 @@ fn held_at(run: &Run, chance: Chance, band: bool) -> Option<Chance> {
     // diverged, another failure.
     let at_level = l.last_smoothed / chance.level;
     let risen = l.initial.is_none_or(|i| l.last_smoothed > i);
+    let highest = 1.1 * (chance.level + 2.0 * chance.error) / chance.level;
     let (at_chance, best) = if chance.regression {
         (at_level >= 0.7, 0.5)
     } else {
         let above = !risen && !band;
-        (at_level >= 0.9 && (at_level <= 1.1 || above), 0.8)
+        (at_level >= 0.9 && (at_level <= highest || above), 0.8)
     };
-    (l.observed >= NOT_LEARNING_STEPS && flat_most && l.best >= best * chance.level && at_chance)
-        .then_some(chance)
+    // A loss at unbalanced classes' level fell there from ln C first, and a noisy one may
+    // count as flat only late: the means of the run's middle and last tenths at the level
+    // say as much.
+    let band_held = band
+        && pace(run).is_some_and(|p| {
+            [p.mid, p.end]
+                .iter()
+                .all(|v| (0.9..=highest).contains(&(v / chance.level)))
+        });
+    let held = flat_most && at_chance || band_held;
+    (l.observed >= NOT_LEARNING_STEPS && l.best >= best * chance.level && held).then_some(chance)
 }
 
 /// A loss that creeps: over a run of at least [`NOT_LEARNING_STEPS`] steps it never got below
