@@ -1438,3 +1438,16 @@ def test_one_hot_classes_learned_only_as_frequencies_are_at_chance(related: bool
     top = found[0]
     assert str(top.failure) == "loss_plateau", found
     assert "the model learned how often each class occurs and nothing of its input" in top.description, top
+
+
+def test_sample_weights_leave_the_frequencies_uncounted() -> None:
+    # Under `class_weight` (sample weights in `compute_loss`) a constant guess's loss is not the
+    # frequencies' entropy: the first batch's facts leave it out.
+    from neuraldbg.keras import _first_batch_stats
+
+    y = keras.utils.to_categorical([0, 0, 0, 1, 2], 4)
+    pred = np.full((5, 4), 0.25, np.float32)
+    plain = np.asarray(_first_batch_stats(None, y, pred, 0, "one_hot"))
+    weighted = np.asarray(_first_batch_stats(None, y, pred, 0, "one_hot", weighted=True))
+    assert np.isfinite(plain[6:8]).all() and np.isnan(weighted[6:8]).all()
+    assert np.array_equal(np.delete(plain, [6, 7]), np.delete(weighted, [6, 7]), equal_nan=True)

@@ -1970,3 +1970,20 @@ def test_a_classifier_that_learns_only_how_often_each_class_occurs_is_at_chance(
     assert str(top.failure) == "loss_plateau", found
     assert "the model learned how often each class occurs and nothing of its input" in top.description, top
     assert "ln 4 = 1.386 were they balanced" in top.description, top
+
+
+def test_a_weighted_loss_gives_no_frequencies_entropy():
+    """Class weights (``weight=``) or a positives' weight (``pos_weight=``) change the loss of
+    a constant guess: the frequencies' entropy is then no level, and is not sent."""
+    from neuraldbg._loop import _describe
+
+    out = torch.randn(8, 3, requires_grad=True) * 1.0
+    y = torch.tensor([0, 0, 0, 0, 0, 1, 2, 0])
+    plain = _describe(nn.functional.cross_entropy(out, y), [out.grad_fn], out)
+    weighted = _describe(nn.functional.cross_entropy(out, y, weight=torch.tensor([1.0, 4.0, 4.0])), [out.grad_fn], out)
+    assert np.isfinite([float(v) for v in plain["_ranges"][0][7:9]]).all()
+    assert np.isnan([float(v) for v in weighted["_ranges"][0][7:9]]).all()
+    logit = torch.randn(8, 1, requires_grad=True) * 1.0
+    t = (y[:, None] > 0).float()
+    bce = nn.functional.binary_cross_entropy_with_logits(logit, t, pos_weight=torch.tensor([3.0]))
+    assert np.isnan([float(v) for v in _describe(bce, [logit.grad_fn], logit)["_ranges"][0][7:9]]).all()

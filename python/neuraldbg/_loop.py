@@ -624,7 +624,9 @@ def _ranges(d: Dict[str, Any], path: List[Any], output: Any, outputs: Dict[int, 
     regressed = bounded[1] if bounded[1] is not None and bounded[1].numel() > 1 else None
     values.extend(on_device(variance, regressed, 1))
     binary = any(op.startswith("BinaryCrossEntropy") for op in d["ops"])
-    if binary:
+    if _weighted(path):  # (its constant guess's loss is not the frequencies' entropy)
+        values.extend(nan(2))
+    elif binary:
         values.extend(_binary_entropy(bounded[1], device))
     else:
         values.extend(_class_entropy(bounded[2], d.get("class_units", d.get("output_units")), device))
@@ -641,6 +643,18 @@ def _ranges(d: Dict[str, Any], path: List[Any], output: Any, outputs: Dict[int, 
         d["_ranges"] = (host, event)
     else:
         d["_ranges"] = (stacked, None)
+
+
+def _weighted(path: List[Any]) -> bool:
+    """Whether the loss weighs its classes (``CrossEntropyLoss(weight=...)``) or its positives
+    (``BCEWithLogitsLoss(pos_weight=...)``) unequally: the tensors its node saved."""
+    import torch
+
+    return any(
+        isinstance(getattr(n, attr, None), torch.Tensor)
+        for n in path[:-1]
+        for attr in ("_saved_weight", "_saved_pos_weight")
+    )
 
 
 def _target(path: List[Any], output: Any) -> Any:

@@ -423,14 +423,15 @@ def _batch_spread(y_pred: Any) -> Any:
         return ops.full((1,), float("nan"), "float32")
 
 
-def _first_batch_stats(x: Any, y: Any, y_pred: Any, features: int, targets: str = "") -> Any:
+def _first_batch_stats(x: Any, y: Any, y_pred: Any, features: int, targets: str = "", weighted: bool = False) -> Any:
     """The first batch's facts as one float32 vector (NaN where not measured): the targets'
     min, max and variance, the output's min and max and its number of elements, the entropy
     of the targets' class frequencies and its standard error (``targets``: ``"indices"``, a
     sparse cross-entropy's; ``"one_hot"``, a categorical cross-entropy's; ``"labels"``, a
     binary cross-entropy's), the output's spread across the batch, the most targets >= 0.5 in
     one sample (a binary cross-entropy's ``labels``), and the largest magnitude of each of
-    ``features`` columns of the input table ``x``."""
+    ``features`` columns of the input table ``x``. Under sample weights (``class_weight``) no
+    frequencies: the weighted loss of a constant guess is not their entropy."""
     nan = ops.full((1,), float("nan"), "float32")
 
     def three(t: Any) -> List[Any]:
@@ -442,7 +443,9 @@ def _first_batch_stats(x: Any, y: Any, y_pred: Any, features: int, targets: str 
     parts = three(y) + three(y_pred)[:2]
     parts.append(ops.reshape(ops.cast(ops.size(y_pred), "float32"), (1,)) if hasattr(y_pred, "shape") else nan)
     labels = targets == "labels"
-    if targets == "indices" and hasattr(y, "shape") and hasattr(y_pred, "shape"):
+    if weighted:
+        parts.append(ops.full((2,), float("nan"), "float32"))
+    elif targets == "indices" and hasattr(y, "shape") and hasattr(y_pred, "shape"):
         parts.append(_class_entropy(y, y_pred))
     elif targets == "one_hot" and hasattr(y, "shape"):
         parts.append(_one_hot_entropy(y))
@@ -1074,11 +1077,12 @@ class KerasDbg(Spoke):
         def compute_loss(*args: Any, **kwargs: Any) -> Any:
             loss = inner(*args, **kwargs)
             if kwargs.get("training") is True and self._active:
-                named = dict(zip(("x", "y", "y_pred"), args))
-                named.update({k: kwargs[k] for k in ("x", "y", "y_pred") if k in kwargs})
+                named = dict(zip(("x", "y", "y_pred", "sample_weight"), args))
+                named.update({k: kwargs[k] for k in ("x", "y", "y_pred", "sample_weight") if k in kwargs})
                 try:
                     if not _symbolic(named.get("y_pred")):
-                        self._first_batch(named.get("x"), named.get("y"), named.get("y_pred"))
+                        weighted = named.get("sample_weight") is not None
+                        self._first_batch(named.get("x"), named.get("y"), named.get("y_pred"), weighted)
                 except Exception as e:  # our statistics failed to build: train on, without them
                     self._facts_sent = True
                     warnings.warn(f"NeuralDBG cannot read the first batch: {e}", NeuralDbgWarning, stacklevel=2)
@@ -1086,7 +1090,7 @@ class KerasDbg(Spoke):
 
         return compute_loss
 
-    def _first_batch(self, x: Any, y: Any, y_pred: Any) -> None:
+    def _first_batch(self, x: Any, y: Any, y_pred: Any, weighted: bool = False) -> None:
         """On JAX, traced in the training step: the facts go into their variable on the first
         training step (later steps keep it; the host reads it once). Elsewhere the step hands
         them over once (the emitter's ``once``: eagerly, the first step only; a traced
@@ -1096,7 +1100,7 @@ class KerasDbg(Spoke):
             if once is not None and not self._facts_sent:
                 once(
                     self._receive_first_batch,
-                    lambda: (_first_batch_stats(x, y, y_pred, self._features, self._counted),),
+                    lambda: (_first_batch_stats(x, y, y_pred, self._features, self._counted, weighted),),
                 )
             return
         if not in_stateless_scope() or self._facts_var is None:
@@ -1107,7 +1111,7 @@ class KerasDbg(Spoke):
         old = jnp.asarray(self._facts_var.value)
 
         def measure() -> Any:
-            stats = jnp.asarray(_first_batch_stats(x, y, y_pred, self._features, self._counted), jnp.float32)
+            stats = jnp.asarray(_first_batch_stats(x, y, y_pred, self._features, self._counted, weighted), jnp.float32)
             return jax.lax.stop_gradient(jnp.concatenate([jnp.ones((1,), jnp.float32), stats]))
 
         # Once: the first training step's (later steps keep what it wrote).
