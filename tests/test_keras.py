@@ -1361,37 +1361,49 @@ def test_a_softmax_over_labels_that_are_not_exclusive_is_named(act: str) -> None
 
 
 @pytest.mark.parametrize("related", [False, True])
-def test_a_binary_classifier_that_learns_only_how_often_a_label_is_1_is_at_chance(related: bool) -> None:
-    """A quarter of the targets are 1 and they do not follow from the inputs: Keras' loss
-    settles at the entropy of that frequency (~0.56 nats, computed from the labels), below
-    ln 2, where the chance level read at ln 2 saw a model that learned. Now a plateau "at its
-    chance level", the frequency's entropy as measured on the first batch of 256. Labels
-    that follow from the inputs, about as unbalanced: the loss falls below 80% of it and
-    nothing is said."""
+@pytest.mark.parametrize("loss", ["binary_crossentropy", "categorical_crossentropy"])
+def test_a_classifier_that_learns_only_how_often_each_class_occurs_is_at_chance(loss: str, related: bool) -> None:
+    """Unbalanced targets drawn apart from the inputs: a quarter of binary labels 1 under
+    ``binary_crossentropy``, or one-hot labels (``to_categorical``) of 4 classes, one of them
+    ~70%, under ``categorical_crossentropy``. Keras' loss ends within 5% of the entropy of
+    those frequencies (computed from the labels), below ln 2 or ln 4, where the chance level
+    read at ln C saw a model that learned. Now a plateau "at its chance level", the
+    frequencies' entropy as measured on the first batch of 256. Labels that follow from the
+    inputs, about as unbalanced: the loss falls below 80% of it and nothing is said."""
     rng = np.random.default_rng(0)
     x = rng.normal(size=(8192, 20)).astype("float32")
-    if related:
-        y = ((x[:, 0] + 0.3 * rng.normal(size=8192)) > 0.7).astype("float32")
+    binary = loss == "binary_crossentropy"
+    if binary:
+        truth = x[:, 0] + 0.3 * rng.normal(size=8192) > 0.7 if related else rng.random(8192) < 0.25
+        y = truth.astype("float32")
+        f = np.array([y.mean(), 1 - y.mean()])
     else:
-        y = (rng.random(8192) < 0.25).astype("float32")
-    p = float(y.mean())
-    prior = -(p * np.log(p) + (1 - p) * np.log(1 - p))
+        bias = np.array([5.5, 0.0, 0.0, 0.0])
+        labels = (
+            np.argmax(x @ rng.normal(size=(20, 4)) + bias, 1)
+            if related
+            else rng.choice(4, 8192, p=[0.7, 0.1, 0.1, 0.1])
+        )
+        y = keras.utils.to_categorical(labels, 4)
+        f = np.bincount(labels, minlength=4) / len(labels)
+        assert f.max() > 0.6
+    entropy = float(-(f * np.log(f)).sum())
     keras.utils.set_random_seed(1)
-    model = keras.Sequential(
-        [keras.Input((20,)), keras.layers.Dense(64, activation="relu"), keras.layers.Dense(1, activation="sigmoid")]
-    )
-    model.compile(optimizer="adam", loss="binary_crossentropy")
+    head = keras.layers.Dense(1, activation="sigmoid") if binary else keras.layers.Dense(4, activation="softmax")
+    model = keras.Sequential([keras.Input((20,)), keras.layers.Dense(64, activation="relu"), head])
+    model.compile(optimizer="adam", loss=loss)
     cb = NeuralDbgCallback(verbose=False)
     end = model.fit(x, y, batch_size=256, epochs=5, callbacks=[cb], verbose=0).history["loss"][-1]
     found = cb.dbg.explain_failure()
     if related:
-        assert end < 0.8 * prior, (end, prior)
+        assert end < 0.8 * entropy, (end, entropy)
         assert not any("chance level" in h.description for h in found), found
         return
-    assert abs(end - prior) < 0.05 * prior, (end, prior)
+    assert abs(end - entropy) < 0.05 * entropy, (end, entropy)
     top = found[0]
     assert str(top.failure) == "loss_plateau", found
-    assert "the model learned how often a target is 1 and nothing of its input" in top.description, top
+    what = "how often a target is 1" if binary else "how often each class occurs"
+    assert f"the model learned {what} and nothing of its input" in top.description, top
 
 
 def test_one_hot_targets_give_their_classes_entropy_and_smoothed_ones_none() -> None:
@@ -1404,40 +1416,6 @@ def test_one_hot_targets_give_their_classes_entropy_and_smoothed_ones_none() -> 
     assert entropy == pytest.approx(h, rel=1e-5)
     assert se == pytest.approx(np.sqrt(((p * np.log(p) ** 2).sum() - h * h) / 5), rel=1e-4)
     assert np.isnan(np.asarray(_one_hot_entropy(0.9 * y + 0.025))).all()
-
-
-@pytest.mark.parametrize("related", [False, True])
-def test_one_hot_classes_learned_only_as_frequencies_are_at_chance(related: bool) -> None:
-    """``loss="categorical_crossentropy"`` on one-hot labels (``to_categorical``), 4 classes of
-    which one is ~70%, drawn apart from the inputs: Keras' loss ends within 5% of their
-    entropy (computed from the labels), far below ln 4, and the plateau is named at that
-    level. Labels of a teacher as unbalanced: the loss falls below 60% of it, nothing said."""
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(8192, 20)).astype("float32")
-    if related:
-        labels = np.argmax(x @ rng.normal(size=(20, 4)) + np.array([5.5, 0.0, 0.0, 0.0]), 1)
-    else:
-        labels = rng.choice(4, size=8192, p=[0.7, 0.1, 0.1, 0.1])
-    f = np.bincount(labels, minlength=4) / len(labels)
-    entropy = float(-(f * np.log(f)).sum())
-    assert f.max() > 0.6
-    keras.utils.set_random_seed(1)
-    model = keras.Sequential(
-        [keras.Input((20,)), keras.layers.Dense(64, activation="relu"), keras.layers.Dense(4, activation="softmax")]
-    )
-    model.compile(optimizer="adam", loss="categorical_crossentropy")
-    cb = NeuralDbgCallback(verbose=False)
-    y = keras.utils.to_categorical(labels, 4)
-    end = model.fit(x, y, batch_size=256, epochs=5, callbacks=[cb], verbose=0).history["loss"][-1]
-    found = cb.dbg.explain_failure()
-    if related:
-        assert end < 0.6 * entropy, (end, entropy)
-        assert not any("chance level" in h.description for h in found), found
-        return
-    assert abs(end - entropy) < 0.05 * entropy, (end, entropy)
-    top = found[0]
-    assert str(top.failure) == "loss_plateau", found
-    assert "the model learned how often each class occurs and nothing of its input" in top.description, top
 
 
 def test_sample_weights_leave_the_frequencies_uncounted() -> None:

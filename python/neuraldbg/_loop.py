@@ -624,12 +624,14 @@ def _ranges(d: Dict[str, Any], path: List[Any], output: Any, outputs: Dict[int, 
     regressed = bounded[1] if bounded[1] is not None and bounded[1].numel() > 1 else None
     values.extend(on_device(variance, regressed, 1))
     binary = any(op.startswith("BinaryCrossEntropy") for op in d["ops"])
+    classes = int(d.get("class_units", d.get("output_units")) or 0)
     if _weighted(path):  # (its constant guess's loss is not the frequencies' entropy)
         values.extend(nan(2))
     elif binary:
-        values.extend(_binary_entropy(bounded[1], device))
+        values.extend(on_device(_binary_entropy, bounded[1], 2))
     else:
-        values.extend(_class_entropy(bounded[2], d.get("class_units", d.get("output_units")), device))
+        indices = bounded[2] if classes >= 2 else None
+        values.extend(on_device(lambda t: _class_entropy(t, classes), indices, 2))
     values.append(_batch_spread(bounded[0], device))
     # A binary cross-entropy's labels: the most marked present (>= 0.5) in one sample.
     labels = bounded[1] if binary and bounded[1] is not None and bounded[1].dim() >= 2 else None
@@ -680,40 +682,30 @@ _LOSS_FACTS: Tuple[Callable[[Dict[str, Any], List[Any], Any, Dict[int, Any]], No
 )
 
 
-def _class_entropy(indices: Any, classes: Optional[int], device: Any) -> List[Any]:
+def _class_entropy(indices: Any, classes: int) -> List[Any]:
     """The entropy (nats) of how often each class occurs among class-index targets, and its
-    standard error as an estimate from this batch, on the device (NaN where there are none, or
-    fewer than 2 classes): the loss of a model that predicts those frequencies and nothing of
-    the input. Indices outside ``[0, classes)`` (an ``ignore_index``) are not counted."""
+    standard error as an estimate from this batch: the loss of a model that predicts those
+    frequencies and nothing of the input. Indices outside ``[0, classes)`` (an
+    ``ignore_index``) are not counted."""
     import torch
 
-    if indices is None or indices.device != device or not classes or classes < 2:
-        return list(torch.full((2,), float("nan"), device=device).unbind())
-    try:
-        idx = indices.detach().flatten()
-        kept = ((idx >= 0) & (idx < classes)).float()
-        counts = torch.zeros(classes, device=device).index_add_(0, idx.clamp(0, classes - 1), kept)
-        return _entropy_and_error(counts / counts.sum().clamp(min=1.0), counts.sum())
-    except Exception:  # pragma: no cover - a device without these ops: this fact only is lost
-        return list(torch.full((2,), float("nan"), device=device).unbind())
+    idx = indices.detach().flatten()
+    kept = ((idx >= 0) & (idx < classes)).float()
+    counts = torch.zeros(classes, device=idx.device).index_add_(0, idx.clamp(0, classes - 1), kept)
+    return _entropy_and_error(counts / counts.sum().clamp(min=1.0), counts.sum())
 
 
-def _binary_entropy(targets: Any, device: Any) -> List[Any]:
-    """A binary cross-entropy's counterpart of :func:`_class_entropy`: the entropy (nats) of
-    how often a target is 1, over all of the batch's targets, where every one is 0 or 1 (NaN
-    for soft targets, whose constant guess is judged otherwise), and its standard error."""
+def _binary_entropy(targets: Any) -> List[Any]:
+    """A binary cross-entropy's counterpart of :func:`_class_entropy`: the entropy of how often
+    a target is 1, over all of the batch's targets, where every one is 0 or 1 (NaN for soft
+    targets, whose constant guess is judged otherwise), and its standard error."""
     import torch
 
-    if targets is None or targets.device != device:
-        return list(torch.full((2,), float("nan"), device=device).unbind())
-    try:
-        t = targets.detach().float()
-        p = t.mean()
-        h, se = _entropy_and_error(torch.stack([p, 1 - p]), torch.tensor(float(t.numel()), device=device))
-        hard = ((t == 0) | (t == 1)).all()
-        return [torch.where(hard, h, torch.full_like(h, float("nan"))), se]
-    except Exception:  # pragma: no cover - a device without these ops: this fact only is lost
-        return list(torch.full((2,), float("nan"), device=device).unbind())
+    t = targets.detach().float()
+    p = t.mean()
+    h, se = _entropy_and_error(torch.stack([p, 1 - p]), torch.tensor(float(t.numel()), device=t.device))
+    hard = ((t == 0) | (t == 1)).all()
+    return [torch.where(hard, h, torch.full_like(h, float("nan"))), se]
 
 
 def _entropy_and_error(p: Any, n: Any) -> List[Any]:
@@ -721,10 +713,9 @@ def _entropy_and_error(p: Any, n: Any) -> List[Any]:
     (the delta method: the variance of ``-ln p`` over the samples, over ``n``)."""
     import torch
 
-    logs = torch.special.xlogy(p, p)
-    h = -logs.sum()
-    second = torch.where(p > 0, p * torch.log(p.clamp(min=1e-30)) ** 2, torch.zeros_like(p)).sum()
-    se = ((second - h * h).clamp(min=0.0) / n.clamp(min=1.0)).sqrt()
+    logs = torch.log(torch.where(p > 0, p, torch.ones_like(p)))
+    h = -(p * logs).sum()
+    se = (((p * logs * logs).sum() - h * h).clamp(min=0.0) / n.clamp(min=1.0)).sqrt()
     return [h, se]
 
 

@@ -443,13 +443,12 @@ def _first_batch_stats(x: Any, y: Any, y_pred: Any, features: int, targets: str 
     parts = three(y) + three(y_pred)[:2]
     parts.append(ops.reshape(ops.cast(ops.size(y_pred), "float32"), (1,)) if hasattr(y_pred, "shape") else nan)
     labels = targets == "labels"
-    if weighted:
-        parts.append(ops.full((2,), float("nan"), "float32"))
-    elif targets == "indices" and hasattr(y, "shape") and hasattr(y_pred, "shape"):
+    counted = "" if weighted or not hasattr(y, "shape") else targets
+    if counted == "indices" and hasattr(y_pred, "shape"):
         parts.append(_class_entropy(y, y_pred))
-    elif targets == "one_hot" and hasattr(y, "shape"):
+    elif counted == "one_hot":
         parts.append(_one_hot_entropy(y))
-    elif labels and hasattr(y, "shape"):
+    elif counted == "labels":
         parts.append(_binary_entropy(y))
     else:
         parts.append(ops.full((2,), float("nan"), "float32"))
@@ -780,10 +779,9 @@ class KerasDbg(Spoke):
         # (off JAX) whether they were sent.
         self._regression = False
         self._binary = False
-        # Whether the loss takes class indices (sparse categorical cross-entropy): the targets'
-        # range is then the classes'.
-        self._class_indices = False
-        # What the targets' class frequencies are counted from (see `_first_batch_stats`).
+        # What the targets' class frequencies are counted from (see `_first_batch_stats`):
+        # "indices" (a sparse categorical cross-entropy's: the targets' range is then the
+        # classes'), "one_hot", "labels" (a binary cross-entropy's), or "" (none).
         self._counted = ""
         self._features = 0
         self._facts_sent = False
@@ -802,9 +800,8 @@ class KerasDbg(Spoke):
         self._regression = bool(loss) and any(op in _REGRESSION_OPS for op in loss["ops"])
         self._binary = bool(loss) and any(op.startswith("BinaryCrossEntropy") for op in loss["ops"])
         name = _compiled_loss(self.model)[0] if loss else None
-        self._class_indices = name == "sparse_categorical_crossentropy"
-        one_hot = name == "categorical_crossentropy"
-        self._counted = "indices" if self._class_indices else "one_hot" if one_hot else "labels" if self._binary else ""
+        counted = {"sparse_categorical_crossentropy": "indices", "categorical_crossentropy": "one_hot"}
+        self._counted = counted.get(name or "", "labels" if self._binary else "")
         self._features = _table_features(self.model)
         self._start(spec, meta)
         self._base = int(ops.convert_to_numpy(opt.iterations)) if opt is not None else 0
@@ -1140,7 +1137,7 @@ class KerasDbg(Spoke):
         if self._regression and np.isfinite(v[2]) and v[2] >= 0:
             facts["target_var"] = float(v[2])
         facts["output_range"] = span(v[3], v[4])
-        if self._class_indices:
+        if self._counted == "indices":
             facts["class_range"] = span(v[0], v[1])
         if self._counted:
             if np.isfinite(v[5]) and v[5] >= 1:

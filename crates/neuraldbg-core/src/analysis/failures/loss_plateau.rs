@@ -139,11 +139,16 @@ pub(crate) struct Chance {
     pub classes: u64,
     pub binary: bool,
     pub regression: bool,
-    /// `level` is the entropy of the targets' frequencies, well below `uniform`: the classes
-    /// (or a binary target's two values) are unbalanced.
-    pub unbalanced: bool,
     /// The standard error of an unbalanced `level`, as one batch measured it (else 0).
     pub error: f64,
+}
+
+impl Chance {
+    /// `level` is the entropy of the targets' frequencies, below `uniform`: the classes (or a
+    /// binary target's two values) are unbalanced.
+    pub fn unbalanced(&self) -> bool {
+        self.level < self.uniform
+    }
 }
 
 /// The chance level of the run's loss, when the engine recognizes the loss: cross-entropy or
@@ -167,7 +172,6 @@ pub(crate) fn chance_level(run: &Run) -> Option<Chance> {
             classes,
             binary,
             regression: false,
-            unbalanced: prior.is_some(),
             error: prior.map_or(0.0, |p| p.1),
         }
     };
@@ -191,7 +195,6 @@ pub(crate) fn chance_level(run: &Run) -> Option<Chance> {
             classes: 0,
             binary: false,
             regression: true,
-            unbalanced: false,
             error: 0.0,
         });
     }
@@ -253,23 +256,18 @@ pub(crate) fn not_learning(run: &Run) -> Option<Chance> {
     let chance = chance_level(run)?;
     let uniform = Chance {
         level: chance.uniform,
-        unbalanced: false,
         error: 0.0,
         ..chance
     };
-    held_at(run, uniform, false).or_else(|| {
-        chance
-            .unbalanced
-            .then(|| held_at(run, chance, true))
-            .flatten()
-    })
+    held_at(run, uniform).or_else(|| chance.unbalanced().then(|| held_at(run, chance)).flatten())
 }
 
-/// [`not_learning`] at `chance.level`; `band`: ending within 10% of it, never above (above by
-/// up to twice its standard error more: a level measured on one batch may be that low; a loss
-/// above the true level learned nothing either), flat over most of the run or there from its
-/// middle tenth on.
-fn held_at(run: &Run, chance: Chance, band: bool) -> Option<Chance> {
+/// [`not_learning`] at `chance.level`; an unbalanced level (`band`): ending within 10% of it,
+/// never above (above by up to twice its standard error more: a level measured on one batch
+/// may be that low; a loss above the true level learned nothing either), flat over most of the
+/// run or there from its middle tenth on.
+fn held_at(run: &Run, chance: Chance) -> Option<Chance> {
+    let band = chance.unbalanced();
     let (first, last) = (run.first_step?, run.last_step?);
     let l = &run.loss;
     // Flat over most of the run; a noisy loss may never count as flat (or only over a late
@@ -515,7 +513,7 @@ fn standing(s: &Sentence<'_>) -> String {
                 num(c.level)
             );
         }
-        if c.unbalanced {
+        if c.unbalanced() {
             let what = if c.binary {
                 "how often a target is 1"
             } else {
