@@ -276,14 +276,17 @@ class ResNetMLP(nn.Module):
 
 
 class LSTMClassifier(nn.Module):
-    def __init__(self, features: int, hidden: int, classes: int, layers: int = 1) -> None:
+    """An LSTM over batch-first sequences, a linear head on its output at step ``read``."""
+
+    def __init__(self, features: int, hidden: int, classes: int, layers: int = 1, read: int = -1) -> None:
         super().__init__()
         self.lstm = nn.LSTM(features, hidden, num_layers=layers, batch_first=True)
         self.head = nn.Linear(hidden, classes)
+        self.read = read
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out, _ = self.lstm(x)
-        return self.head(out[:, -1])
+        return self.head(out[:, self.read])
 
 
 class TinyTransformer(nn.Module):

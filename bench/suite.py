@@ -723,6 +723,31 @@ def majority_class_only() -> Scenario:
     )
 
 
+def lstm_first_step_readout() -> Scenario:
+    truth = Truth("loss_plateau", "sequence_start_readout", None, None)
+
+    def make(read: int) -> Setup:
+        model = LSTMClassifier(8, 32, 4, read=read)
+        return Setup(model, torch.optim.Adam(model.parameters(), lr=3e-3), CE(), float_sequences(8, 20, 4, 64), 150)
+
+    def check(r: Record) -> None:
+        end = sum(r.loss[-20:]) / 20
+        assert end > 0.9 * math.log(4), f"the loss stays near ln 4: {end:.3f}"
+
+    return Scenario(
+        "lstm_first_step_readout",
+        "LSTM",
+        "the head reads the LSTM's output at the first step (out[:, 0]) where the last was meant: "
+        "a one-way LSTM has seen one of the 20 steps there, and the class depends on all of them: "
+        "the loss stays near ln 4",
+        lambda: make(0),
+        truth,
+        check,
+        lambda: make(-1),
+        learns(0.3),
+    )
+
+
 def double_he_init() -> Scenario:
     truth = Truth("exploding_gradients", "poor_initialization", None, 0)
 
@@ -1072,6 +1097,7 @@ def all_scenarios() -> List[Scenario]:
         softmax_overflow(),
         unscaled_targets(),
         majority_class_only(),
+        lstm_first_step_readout(),
         double_he_init(),
         unnormalized_pixels(),
         zero_batch(),

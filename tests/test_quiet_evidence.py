@@ -1760,6 +1760,74 @@ def test_a_sequence_layer_that_reads_the_batch_as_the_sequence_is_named(kind: st
     assert "batch_first=True" in top.remedies[0], top.remedies
 
 
+class _Readout(nn.Module):
+    """A recurrent layer over batch-first sequences, a linear head on one of its outputs:
+    ``first``, its output at the first step (``out[:, 0]``); ``last``, at the last; ``state``,
+    its final hidden state (``h_n[-1]``)."""
+
+    def __init__(self, kind: str, read: str, bidirectional: bool = False) -> None:
+        super().__init__()
+        self.read = read
+        rnn = nn.LSTM if kind == "lstm" else nn.GRU
+        self.rnn = rnn(8, 32, batch_first=True, bidirectional=bidirectional)
+        self.head = nn.Linear(64 if bidirectional else 32, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, state = self.rnn(x)
+        h = state[0] if isinstance(state, tuple) else state
+        return self.head({"first": out[:, 0], "last": out[:, -1], "state": h[-1]}[self.read])
+
+
+@pytest.mark.parametrize(
+    "kind, read, bidirectional",
+    [
+        ("lstm", "first", False),
+        ("gru", "first", False),
+        ("lstm", "last", False),
+        ("lstm", "state", False),
+        ("lstm", "first", True),
+    ],
+)
+def test_a_recurrent_layer_read_at_the_start_of_its_sequence_is_named(
+    kind: str, read: str, bidirectional: bool
+) -> None:
+    """A head on ``out[:, 0]`` of a one-way LSTM or GRU (``out[:, -1]`` was meant) over 20
+    steps, whose label is the sign of a feature summed over the last 10 steps: the output
+    there has seen only the first step, so the classifier stays at chance (accuracy by torch's
+    own forward). Before: ``bad_input_data`` ("check that each target belongs to its input")
+    at 0.61. Now ``sequence_start_readout`` at the top, with the steps read (the fact, from the
+    first step's autograd graph) and the remedy to read the last step. Read at the last step,
+    by its final state, or at the first step of a bidirectional layer (whose backward half has
+    seen every step), it learns (accuracy > 0.85), and nothing is said."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4096, 20, 8, generator=g)
+    y = (x[:, 10:, 0].sum(1) > 0).long()
+    torch.manual_seed(1)
+    model = _Readout(kind, read, bidirectional)
+    dbg, spy, _ = _watched_fit(model, torch.optim.Adam(model.parameters(), 3e-3), nn.CrossEntropyLoss(), x, y, 240)
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()), "a hook left behind"
+    with torch.no_grad():
+        accuracy = float((model(x[:1024]).argmax(1) == y[:1024]).float().mean())
+    readouts = spy.spec.get("sequence_readouts")
+    found = dbg.explain_failure()
+    if read == "state":
+        assert readouts is None, readouts
+    else:
+        assert readouts == [
+            {"module": "rnn", "steps": 20, "steps_read": [0 if read == "first" else 19], "bidirectional": bidirectional}
+        ], readouts
+    if read != "first" or bidirectional:
+        assert accuracy > 0.85, accuracy
+        assert not any(h.confidence >= 0.5 for h in found), found
+        return
+    assert accuracy < 0.6, accuracy
+    top = found[0]
+    assert (str(top.failure), str(top.cause)) == ("loss_plateau", "sequence_start_readout"), found
+    assert top.confidence >= 0.5, top
+    assert "only at its first step" in top.description and "of the 20 input steps" in top.description, top.description
+    assert "out[:, -1]" in top.remedies[0], top.remedies
+
+
 @pytest.mark.parametrize("softmax", [True, False])
 def test_softmax_probabilities_into_a_binary_cross_entropy_on_logits_are_named(softmax: bool) -> None:
     """A multi-label classifier (5 labels per sample, not exclusive) ending in ``nn.Softmax``

@@ -73,6 +73,9 @@ class Knobs:
     # The model's forward gives every sample the first sample's input (as if it began with
     # `x = x[:1].expand_as(x)`): no sample's own input reaches the output (see `lose_input`).
     input_lost: bool = False
+    # A recurrent model's head reads the first step of the sequence (`out[:, 0]`) instead of
+    # the last: a one-way layer's output there has seen only the first input step.
+    readout_first: bool = False
 
 
 @dataclass
@@ -447,10 +450,11 @@ class RecurrentClassifier(nn.Module):
         rnn = nn.LSTM if cell == "lstm" else nn.GRU
         self.rnn = rnn(1, 32, num_layers=1 + k.extra_depth, batch_first=True)
         self.head = mlp([32, 32, out], Knobs(act=k.act))
+        self.readout_first = k.readout_first
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h, _ = self.rnn(x)
-        return self.head(h[:, -1])
+        return self.head(h[:, 0] if self.readout_first else h[:, -1])
 
 
 def lstm_classifier(k: Knobs, seed: int) -> Program:
@@ -625,13 +629,13 @@ BASES: List[Base] = [
         "lstm_classifier",
         "lstm",
         lstm_classifier,
-        frozenset(_ALL | {"act", "output_act", "raw_inputs", "label_noise", "labels_apart"}),
+        frozenset(_ALL | {"act", "output_act", "raw_inputs", "label_noise", "labels_apart", "readout_first"}),
     ),
     Base(
         "gru_regression",
         "gru",
         gru_regression,
-        frozenset(_ALL | {"act", "output_act", "raw_inputs", "raw_targets", "labels_apart"}),
+        frozenset(_ALL | {"act", "output_act", "raw_inputs", "raw_targets", "labels_apart", "readout_first"}),
     ),
     Base(
         "transformer",

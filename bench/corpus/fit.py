@@ -54,6 +54,7 @@ CAUSES = [
     "output_ignores_input",
     "flipped_update_sign",
     "batch_axis_mismatch",
+    "sequence_start_readout",
     "unknown",
 ]
 FAILURES = [

@@ -85,6 +85,7 @@ MUTATIONS: List[Mutation] = [
     _m("labels_apart", "bad_input_data", paired=False, labels_apart=True),
     _m("input_lost", "output_ignores_input", paired=False, input_lost=True),
     _m("grads_negated", "flipped_update_sign", paired=False, negate_grads=True),
+    _m("readout_first", "sequence_start_readout", paired=False, readout_first=True),
 ]
 
 

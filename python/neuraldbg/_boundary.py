@@ -249,6 +249,7 @@ class StepBoundary:
         spec["loss"] = self.c.loop.loss_facts()
         spec["unregistered_params"] = self.c.loop.unregistered_params()
         spec["sequence_first_inputs"] = self.c.loop.sequence_first_inputs()
+        spec["sequence_readouts"] = self.c.loop.sequence_readouts()
         self.c.hooks.unhook_sequences()
         spec["input_feature_scales"] = self.c.loop.input_feature_scales()
         # A CPU model whose loss is taken at the backward tap has its gradients read there

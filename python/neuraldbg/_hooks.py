@@ -169,7 +169,8 @@ class Hooks:
         self.root_post: Any = None
         # Modules given a retrace mark (see retrace_mark), taken off by remove().
         self.marked: List[Any] = []
-        # The pre-hooks of the modules that read their input's first dimension as the sequence.
+        # The pre-hooks of the modules that read their input's first dimension as the sequence,
+        # and the forward hooks of the recurrent ones.
         self.sequence_handles: List[Any] = []
 
     @property
@@ -178,6 +179,8 @@ class Hooks:
         return self.trace.compiled
 
     def install(self, c: Collector, params: List[Any]) -> None:
+        from torch.nn.modules.rnn import RNNBase
+
         # Until the first step is observed every module is hooked, to learn the forward order.
         for i in range(1, len(self.modules)):
             self.hook_module(i, keep=True)
@@ -196,6 +199,13 @@ class Hooks:
             for i, m in enumerate(self.modules)
             if i > 0 and getattr(m, "batch_first", None) is False
         ]
+        # Recurrent modules: their first output's autograd nodes (which of its steps the
+        # model reads: a fact for the engine's sequence_start_readout), until registration.
+        self.sequence_handles += [
+            self._own(m.register_forward_hook(c.loop.recurrent_hook(c.watched.names[i])))
+            for i, m in enumerate(self.modules)
+            if i > 0 and isinstance(m, RNNBase)
+        ]
         self.hook_grads(c, params)
         STEP_TAP.add(c.entry_optimizer_step)
         SCALER_TAP.add(c)
@@ -205,8 +215,8 @@ class Hooks:
             BACKWARD_TAP.add(c)
 
     def unhook_sequences(self) -> None:
-        """The first step's shapes are read: the sequence modules' pre-hooks go (not from a
-        compiled graph, where removing a hook recompiles it)."""
+        """The first step's shapes and outputs are read: the sequence modules' hooks go (not
+        from a compiled graph, where removing a hook recompiles it)."""
         if not self.frozen:
             for h in self.sequence_handles:
                 h.remove()

@@ -16,7 +16,7 @@ from __future__ import annotations
 import gc
 import math
 import re
-from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Set, Tuple
 
 from ._distributed import has_shards
 
@@ -107,6 +107,11 @@ class LoopFacts:
         # The shape of the first input of each module that reads its input's first dimension
         # as the sequence (see :meth:`sequence_first_hook`), by module name.
         self.sequence_first: Dict[str, List[int]] = {}
+        # Each recurrent module's first output with autograd (see :meth:`recurrent_hook`), by
+        # module name, until the first loss is described; then which of its time steps the
+        # model reads (:func:`_sequence_readouts`), until registration takes them.
+        self.recurrent: Dict[str, _Recurrent] = {}
+        self.readouts: List[Dict[str, Any]] = []
         self.optimizer: Any = None
         # Every optimizer of the model's parameters tells the engine which it holds and at
         # what lr, once (a model trained by several: an encoder's and a decoder's, a head's, one
@@ -148,6 +153,7 @@ class LoopFacts:
             self.probe_handle = None
         self.first_output = None
         self.feature_scales = None
+        self.recurrent = {}
         self.optimizer = None
         self.waiting = []
         self.stray = []
@@ -306,6 +312,11 @@ class LoopFacts:
         except Exception:  # pragma: no cover - a graph we cannot read: no facts
             self.loss = None
         self.first_output = None
+        recurrent, self.recurrent = self.recurrent, {}
+        try:
+            self.readouts = _sequence_readouts(output_fns, recurrent) if recurrent else []
+        except Exception:  # pragma: no cover - an optional fact
+            self.readouts = []
         try:
             # (Sharded parameters run as other, unsharded ones in the forward: not strays.)
             if not has_shards(self.params):
@@ -358,6 +369,36 @@ class LoopFacts:
         """The engine's ``sequence_first_inputs``: each module noted by
         :meth:`sequence_first_hook` with the shape of its first input; None when none ran."""
         return [{"module": m, "shape": s} for m, s in self.sequence_first.items()] or None
+
+    def recurrent_hook(self, name: str) -> Callable[..., None]:
+        """A forward hook for recurrent module ``name`` (``nn.RNN``, ``nn.LSTM``, ``nn.GRU``):
+        on its first call with autograd on a batch of sequences (outside a compiled graph),
+        notes the autograd nodes of its output and of its final state, its time axis, its
+        steps and whether it runs both ways; then nothing."""
+        from torch.compiler import is_compiling
+
+        seen = self.recurrent
+
+        def hook(module: Any, args: Any, output: Any) -> None:
+            if name in seen or is_compiling() or not isinstance(output, tuple) or len(output) != 2:
+                return
+            out, state = output
+            fn, shape = getattr(out, "grad_fn", None), getattr(out, "shape", None)
+            if fn is None or shape is None or len(shape) != 3:  # (a PackedSequence, one unbatched sequence)
+                return
+            axis = 1 if getattr(module, "batch_first", False) else 0
+            states = [getattr(s, "grad_fn", None) for s in (state if isinstance(state, tuple) else (state,))]
+            seen[name] = _Recurrent(
+                fn, [f for f in states if f is not None], axis, int(shape[axis]), bool(module.bidirectional)
+            )
+
+        return hook
+
+    def sequence_readouts(self) -> Optional[List[Dict[str, Any]]]:
+        """The engine's ``sequence_readouts`` (see :func:`_sequence_readouts`); None when
+        there are none."""
+        found, self.readouts = self.readouts, []
+        return found or None
 
     def input_feature_scales(self) -> Optional[List[Optional[float]]]:
         """The first table batch's per-feature largest magnitudes, read now (at
@@ -467,6 +508,69 @@ def _describe(loss: Any, output_fns: List[Any], output: Any) -> Optional[Dict[st
         except Exception:  # an optional fact: the others stand
             pass
     return d
+
+
+class _Recurrent(NamedTuple):
+    """A recurrent module's first output, as :meth:`LoopFacts.recurrent_hook` noted it."""
+
+    output_fn: Any
+    state_fns: List[Any]
+    axis: int
+    steps: int
+    bidirectional: bool
+
+
+def _sequence_readouts(output_fns: List[Any], recurrent: Dict[str, _Recurrent]) -> List[Dict[str, Any]]:
+    """Each recurrent module whose output the model's output reads only at chosen time steps
+    (``out[:, -1]``, ``out[:, 0]``: a select along its time axis) and whose final state it does
+    not read: the module's name, its steps, the steps read (from 0) and whether it runs both
+    ways. A walk of the autograd graph below the model's output that stops at each module's
+    output; nothing when it could not be walked to its end."""
+    owner = {id(r.output_fn): name for name, r in recurrent.items()}
+    state_owner = {id(f): name for name, r in recurrent.items() for f in r.state_fns}
+    # Per module: the steps read so far, None once it is read otherwise.
+    reads: Dict[str, Optional[Set[int]]] = {}
+    stack = [f for f in output_fns if f is not None]
+    seen = {id(f) for f in stack}
+    while stack:
+        if len(seen) > _STRAY_WALK_LIMIT:
+            return []
+        node = stack.pop()
+        if id(node) in state_owner:
+            reads[state_owner[id(node)]] = None
+        for nxt, _ in getattr(node, "next_functions", ()):
+            name = owner.get(id(nxt))
+            if name is not None:
+                step = _selected_step(node, recurrent[name])
+                got = reads.setdefault(name, set())
+                if step is None:
+                    reads[name] = None
+                elif got is not None:
+                    got.add(step)
+            elif nxt is not None and id(nxt) not in seen:
+                seen.add(id(nxt))
+                stack.append(nxt)
+    return [
+        {
+            "module": name,
+            "steps": recurrent[name].steps,
+            "steps_read": sorted(got),
+            "bidirectional": recurrent[name].bidirectional,
+        }
+        for name, got in reads.items()
+        if got
+    ]
+
+
+def _selected_step(node: Any, r: _Recurrent) -> Optional[int]:
+    """The time step autograd node ``node`` selects from a recurrent output (a ``Select``
+    along its time axis), from 0; None when it reads the output otherwise."""
+    if op_name(node) != "Select" or int(node._saved_dim) % 3 != r.axis:
+        return None
+    index = int(node._saved_index)
+    index -= (1 << 64) if index >= (1 << 63) else 0  # (a negative index, saved as unsigned)
+    index += r.steps if index < 0 else 0
+    return index if 0 <= index < r.steps else None
 
 
 def _stray_parameters(output_fns: List[Any], own: Set[int]) -> List[Any]:

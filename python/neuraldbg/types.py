@@ -128,6 +128,7 @@ class Cause(_StrEnum):
     OUTPUT_IGNORES_INPUT = "output_ignores_input"
     FLIPPED_UPDATE_SIGN = "flipped_update_sign"
     BATCH_AXIS_MISMATCH = "batch_axis_mismatch"
+    SEQUENCE_START_READOUT = "sequence_start_readout"
 
 
 def _float(v: Any) -> float:

@@ -143,6 +143,6 @@ pub use health::{
 pub use history::{Bucket, History, Reduce};
 pub use model::{
     ActivationProbe, FirstBatch, LossSpec, Model, ModelSpec, ModuleSpec, ParamRole, ParamSpec,
-    SequenceFirstInput, activation_traits, display_name,
+    SequenceFirstInput, SequenceReadout, activation_traits, display_name,
 };
 pub use observation::{ACTIVATION_STATS, Axis, Fact, INPUT_STATS, Measure, Observation, StepView};

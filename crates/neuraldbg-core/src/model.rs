@@ -40,6 +40,21 @@ pub struct SequenceFirstInput {
     pub shape: Vec<u64>,
 }
 
+/// A recurrent module whose output the model reads only at chosen time steps
+/// ([`ModelSpec::sequence_readouts`]).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SequenceReadout {
+    /// The module's qualified name, as in [`ModuleSpec::name`].
+    pub module: String,
+    /// The time steps of the sequence it was first given.
+    pub steps: u64,
+    /// The steps the model reads its output at, from 0.
+    pub steps_read: Vec<u64>,
+    /// Whether it runs both ways along the sequence.
+    #[serde(default)]
+    pub bidirectional: bool,
+}
+
 /// What a parameter is to its layer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -132,6 +147,11 @@ pub struct ModelSpec {
     /// first given. Absent when the collector did not look or the model has none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sequence_first_inputs: Option<Vec<SequenceFirstInput>>,
+    /// Recurrent modules whose output the model's output reads only at chosen time steps
+    /// (`out[:, -1]`, `out[:, 0]`), never their final state, as the first step's autograd
+    /// graph shows it. Absent when the collector did not look or found none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sequence_readouts: Option<Vec<SequenceReadout>>,
     /// What the loss does with the model's output, when the collector could see it.
     #[serde(default)]
     pub loss: Option<LossSpec>,

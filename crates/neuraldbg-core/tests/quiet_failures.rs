@@ -699,6 +699,53 @@ fn a_sequence_layer_given_the_batch_as_its_sequence_holds_the_loss_at_chance() {
 }
 
 #[test]
+fn a_recurrent_layer_read_at_the_start_of_its_sequence_holds_the_loss_at_chance() {
+    // A classifier's head on out[:, 0] of a one-way LSTM over 20 steps: its output there has
+    // seen only the first step, and the loss stays at ln 2. Named with the remedy to read the
+    // last step. Read at the last step, at two steps of which the later has seen more than
+    // half of the sequence, or at the first step of a bidirectional layer: no finding of it.
+    let case = |steps_read: Vec<u64>, bidirectional: bool| {
+        let mut s = spec(Some(LossSpec {
+            ops: vec!["NllLoss".into(), "LogSoftmax".into()],
+            output_op: Some("Addmm".into()),
+            output_units: Some(2),
+            output_shape: Some(vec![64, 2]),
+            ..LossSpec::default()
+        }));
+        s.module("rnn", "LSTM");
+        s.sequence_readouts = Some(vec![neuraldbg_core::SequenceReadout {
+            module: "rnn".into(),
+            steps: 20,
+            steps_read,
+            bidirectional,
+        }]);
+        run(s, 200, Some(2e-3), |step| 0.69 + 0.01 * ((step % 3) as f64))
+    };
+    assert_top(
+        &case(vec![0], false),
+        Failure::LossPlateau,
+        Cause::SequenceStartReadout,
+        "only at its first step: a layer that runs one way has seen only the first of the 20 input steps",
+        "out[:, -1]",
+    );
+    assert_top(
+        &case(vec![0, 4], false),
+        Failure::LossPlateau,
+        Cause::SequenceStartReadout,
+        "only up to step 4: a layer that runs one way has seen only the first 5 of the 20",
+        "h_n[-1]",
+    );
+    for (read, bidirectional) in [(vec![19], false), (vec![0, 12], false), (vec![0], true)] {
+        let h = case(read.clone(), bidirectional);
+        assert!(
+            h.iter().all(|h| h.cause != Cause::SequenceStartReadout),
+            "{read:?} {bidirectional}: {:?}",
+            shown(&h)
+        );
+    }
+}
+
+#[test]
 fn a_classifier_held_at_its_unbalanced_classes_frequencies_is_not_learning() {
     // Four classes of which one is 80%: a model that learns how often each occurs and nothing
     // of its input ends at their entropy (0.70 nats), far below ln 4 (1.39), where the chance

@@ -188,6 +188,10 @@ pub(crate) enum Remedy {
     BatchFirst {
         module: String,
     },
+    /// The model reads `module`'s output at the start of the sequence only.
+    ReadLastStep {
+        module: String,
+    },
     /// The log of a binary cross-entropy taken of raw outputs.
     SigmoidForBinaryLog,
     RemoveSigmoidBeforeLogitsLoss,
@@ -493,6 +497,11 @@ impl Remedy {
                 &format!("build {} with batch_first=True, so that it reads (batch, sequence, features) as your data is laid out (nn.LSTM(..., batch_first=True); its output then comes back the same way), or give it x.transpose(0, 1) and take its output's steps along dim 0", show(module)),
                 &format!("give {} its input as (batch, sequence, features)", show(module)),
                 &format!("give {} its input as (batch, sequence, features), or scan it over the sequence axis", show(module)),
+            ),
+            Remedy::ReadLastStep { module } => fw(
+                &format!("read {}'s output at the last step, where it has seen the whole sequence (out[:, -1] with batch_first=True, out[-1] otherwise), or its final hidden state (h_n[-1]); if the first step must be read, build it with bidirectional=True", show(module)),
+                &format!("give {} return_sequences=False (its output is then the last step's), or read output[:, -1]", show(module)),
+                &format!("read {}'s carry after the last step (the final state of its scan), or outputs[:, -1]", show(module)),
             ),
             Remedy::RegisterLayers => fw(
                 "register every layer the forward uses: keep sub-layers in nn.ModuleList / nn.ModuleDict (not a Python list or dict), create them in __init__ (not in forward()), and wrap a bare tensor weight in nn.Parameter; then build the optimizer from model.parameters()",

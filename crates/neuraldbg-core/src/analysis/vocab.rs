@@ -61,6 +61,9 @@ named_enum! {
         /// layer built without `batch_first=True`) was given the batch there: it runs across
         /// the samples instead of along each one.
         BatchAxisMismatch => "batch_axis_mismatch",
+        /// The model reads a recurrent layer's output at the start of the sequence only
+        /// (`out[:, 0]`): a layer that runs one way has seen only the first steps there.
+        SequenceStartReadout => "sequence_start_readout",
     }
 }
 

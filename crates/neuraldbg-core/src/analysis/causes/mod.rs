@@ -37,6 +37,7 @@ mod over_regularization;
 mod parameters_not_updated;
 mod poor_initialization;
 mod saturating_activation;
+mod sequence_start_readout;
 mod target_shape_mismatch;
 mod unknown;
 
@@ -169,6 +170,7 @@ pub(crate) static RULES: &[&dyn CauseRule] = &[
     &output_ignores_input::OutputIgnoresInput,
     &flipped_update_sign::FlippedUpdateSign,
     &batch_axis_mismatch::BatchAxisMismatch,
+    &sequence_start_readout::SequenceStartReadout,
     &unknown::Unknown,
 ];
 
@@ -393,6 +395,7 @@ pub(crate) fn loss_bounded_by_mistake(run: &Run) -> bool {
         || poor_initialization::identical_units(run).is_some()
         || over_regularization::loss_held_by_penalty(run).is_some()
         || batch_axis_mismatch::found(run).is_some()
+        || sequence_start_readout::found(run).is_some()
 }
 
 pub(crate) fn fmt_g(v: f64) -> String {
