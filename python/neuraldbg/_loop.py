@@ -425,11 +425,11 @@ class LoopFacts:
             try:
                 if event is not None and not event.query():
                     event.synchronize()  # (the first step only, once)
-                lo, hi, tlo, thi, clo, chi, tvar, entropy, entropy_se, spread, labels = (
+                lo, hi, tlo, thi, clo, chi, tvar, entropy, entropy_se, spread, labels, own = (
                     float(v) for v in host.tolist()
                 )
             except Exception:  # pragma: no cover - ranges are optional facts
-                lo = hi = tlo = thi = clo = chi = tvar = entropy = entropy_se = spread = labels = math.nan
+                lo = hi = tlo = thi = clo = chi = tvar = entropy = entropy_se = spread = labels = own = math.nan
             if math.isfinite(lo) and math.isfinite(hi):
                 d["output_range"] = [lo, hi]
             if math.isfinite(tlo) and math.isfinite(thi):
@@ -446,6 +446,8 @@ class LoopFacts:
                 d["output_batch_spread"] = spread
             if math.isfinite(labels):
                 d["labels_per_sample"] = int(labels)
+            if math.isfinite(own):
+                d["target_entropy"] = own
         return d
 
 
@@ -740,6 +742,7 @@ def _ranges(d: Dict[str, Any], path: List[Any], output: Any, outputs: Dict[int, 
     # A binary cross-entropy's labels: the most marked present (>= 0.5) in one sample.
     labels = bounded[1] if binary and bounded[1] is not None and bounded[1].dim() >= 2 else None
     values.extend(on_device(lambda t: [(t.detach() >= 0.5).sum(-1).amax().float()], labels, 1))
+    values.extend(on_device(_targets_own_entropy, bounded[1] if binary else None, 1))
     stacked = torch.stack(values)
     if stacked.device.type == "cuda":
         host = torch.empty(len(values), dtype=torch.float32, pin_memory=True)
@@ -810,6 +813,18 @@ def _binary_entropy(targets: Any) -> List[Any]:
     h, se = _entropy_and_error(torch.stack([p, 1 - p]), torch.tensor(float(t.numel()), device=t.device))
     hard = ((t == 0) | (t == 1)).all()
     return [torch.where(hard, h, torch.full_like(h, float("nan"))), se]
+
+
+def _targets_own_entropy(targets: Any) -> List[Any]:
+    """A binary cross-entropy's targets' own entropy: the mean of each target's binary entropy
+    (nats), the loss of a model that predicts every one exactly (0 for 0/1 targets; NaN where
+    a target is outside [0, 1])."""
+    import torch
+
+    t = targets.detach().float()
+    h = -(torch.special.xlogy(t, t) + torch.special.xlogy(1 - t, 1 - t)).mean()
+    inside = ((t >= 0) & (t <= 1)).all()
+    return [torch.where(inside, h, torch.full_like(h, float("nan")))]
 
 
 def _entropy_and_error(p: Any, n: Any) -> List[Any]:

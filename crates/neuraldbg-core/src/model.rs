@@ -333,6 +333,12 @@ pub struct LossSpec {
     /// frequencies over the run, from the one batch it was measured on.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub class_entropy_se: Option<f64>,
+    /// A binary cross-entropy's targets' own entropy: the mean, over the first batch's targets,
+    /// of each one's binary entropy (nats), the loss of a model that predicts every target
+    /// exactly; 0 for targets that are all 0 or 1, more for soft ones (probabilities, pixel
+    /// intensities).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target_entropy: Option<f64>,
     /// Smallest and largest value of the model's output on the first step.
     #[serde(default)]
     pub output_range: Option<(f64, f64)>,

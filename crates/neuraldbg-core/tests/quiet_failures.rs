@@ -699,6 +699,36 @@ fn a_sequence_layer_given_the_batch_as_its_sequence_holds_the_loss_at_chance() {
 }
 
 #[test]
+fn a_binary_cross_entropy_on_soft_targets_has_no_chance_level_near_their_own_entropy() {
+    // An autoencoder's binary cross-entropy on grey pixels: a model that reconstructs every
+    // pixel exactly ends at the targets' own entropy (0.65), near ln 2 (0.69). A loss flat at
+    // 0.67 says nothing of a constant guess there. On 0/1 targets (their entropy 0) the same
+    // loss is at its chance level.
+    let bce = |own: f64| LossSpec {
+        ops: vec!["BinaryCrossEntropy".into()],
+        output_op: Some("Sigmoid".into()),
+        output_units: Some(64),
+        target_range: Some((0.0, 1.0)),
+        target_entropy: Some(own),
+        ..LossSpec::default()
+    };
+    let flat = |step: u64| 0.67 + 0.005 * ((step % 3) as f64);
+    let h = run(spec(Some(bce(0.65))), 200, Some(2e-3), flat);
+    assert!(
+        h.iter().all(|h| !h.description.contains("chance level")),
+        "{:?}",
+        shown(&h)
+    );
+    let h = run(spec(Some(bce(0.0))), 200, Some(2e-3), flat);
+    assert!(
+        h[0].description
+            .contains("at its chance level (0.6931 = ln 2 for 2 classes, binary cross-entropy)"),
+        "{:?}",
+        shown(&h)
+    );
+}
+
+#[test]
 fn a_recurrent_layer_read_at_the_start_of_its_sequence_holds_the_loss_at_chance() {
     // A classifier's head on out[:, 0] of a one-way LSTM over 20 steps: its output there has
     // seen only the first step, and the loss stays at ln 2. Named with the remedy to read the

@@ -176,7 +176,12 @@ pub(crate) fn chance_level(run: &Run) -> Option<Chance> {
         }
     };
     if loss.is_binary_cross_entropy() {
-        return Some(classifier(2, true));
+        // Soft targets (probabilities, pixel intensities) have an entropy of their own, the
+        // loss of a model that predicts each exactly: where it is a large share of the chance
+        // level, a loss near that level says nothing of whether the model learned.
+        let chance = classifier(2, true);
+        let floor = loss.target_entropy.filter(|f| f.is_finite()).unwrap_or(0.0);
+        return (floor < SOFT_TARGETS_FLOOR * chance.level).then_some(chance);
     }
     // A cross-entropy written out (`-(onehot * log_softmax(z)).sum(1)`, or the log of a
     // softmax), averaged over the batch somewhere (without a mean it is summed over it).
@@ -200,6 +205,11 @@ pub(crate) fn chance_level(run: &Run) -> Option<Chance> {
     }
     None
 }
+
+/// A binary cross-entropy's targets' own entropy ([`LossSpec::target_entropy`]) at or above
+/// this share of its chance level leaves no chance level to judge the loss by: a model that
+/// predicts every soft target exactly ends at it, one that learned nothing not far above.
+const SOFT_TARGETS_FLOOR: f64 = 0.5;
 
 /// Targets' frequencies this far below balanced ones (their entropy over ln C) are unbalanced.
 const UNBALANCED: f64 = 0.9;
