@@ -293,7 +293,8 @@ def test_an_autoencoder_near_its_targets_own_entropy_is_not_at_chance():
     against ln 2 = 0.69, so a loss that learned most of what it could (the gap to that entropy
     shrinks to under a third, from the data) still ends within 10% of ln 2. Before: "plateaued
     at its chance level (ln 2) ... no better than a constant guess" at 0.46. Now the targets'
-    own entropy reaches the engine and no chance level is claimed."""
+    own entropy reaches the engine: no chance level is claimed, and a loss that came most of
+    the way down to that entropy settled there."""
     g = torch.Generator().manual_seed(0)
     x = torch.sigmoid(0.25 * torch.randn(4096, 6, generator=g) @ torch.randn(6, 64, generator=g))
     own = float(-(x * x.log() + (1 - x) * (1 - x).log()).mean())
@@ -317,7 +318,8 @@ def test_an_autoencoder_near_its_targets_own_entropy_is_not_at_chance():
     assert end - own < 0.35 * (math.log(2) - own), "it learned most of what it could"
     found = dbg.explain_failure()
     assert not any("chance level" in h.description for h in found), found
-    assert not any(h.confidence >= 0.5 for h in found), found
+    # A loss settled near the least it can reach converged: no plateau worth a hypothesis.
+    assert all(h.confidence < 0.2 for h in found), found
 
 
 def _softmax_over(dim: int):

@@ -726,6 +726,20 @@ fn a_binary_cross_entropy_on_soft_targets_has_no_chance_level_near_their_own_ent
         "{:?}",
         shown(&h)
     );
+    // From ln 2 down to 0.657 and flat there: over 80% of the way to the targets' own
+    // entropy, a converged run, not a plateau worth a hypothesis. Were that entropy 0.5, the
+    // same loss would have come 19% of the way: a plateau.
+    let settling =
+        |step: u64| 0.657 + 0.036 * (-(step as f64) / 15.0).exp() + 0.001 * ((step % 3) as f64);
+    let h = run(spec(Some(bce(0.65))), 200, Some(2e-3), settling);
+    assert!(h.iter().all(|h| h.confidence < 0.2), "{:?}", shown(&h));
+    let h = run(spec(Some(bce(0.5))), 200, Some(2e-3), settling);
+    assert!(
+        h.iter()
+            .any(|h| h.failure == Failure::LossPlateau && h.confidence >= 0.3),
+        "{:?}",
+        shown(&h)
+    );
 }
 
 #[test]

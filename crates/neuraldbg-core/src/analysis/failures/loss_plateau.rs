@@ -79,6 +79,9 @@ impl FailureRule for LossPlateau {
     /// where it began, or at its chance level (a noisy loss can end a little below its first
     /// value and still be no better than a constant guess), or where a schedule froze it.
     fn probability(&self, run: &Run, e: &Episode) -> f64 {
+        if settled_at_own_entropy(run) {
+            return SETTLED;
+        }
         let run_len = match (run.first_step, run.last_step) {
             (Some(first), Some(last)) => (last.saturating_sub(first) + 1) as f64,
             _ => 100.0,
@@ -204,6 +207,30 @@ pub(crate) fn chance_level(run: &Run) -> Option<Chance> {
         });
     }
     None
+}
+
+/// A binary cross-entropy on soft targets that ended within this share of the way from where
+/// it began down to the targets' own entropy, the least it can reach, converged.
+const SETTLED_SHARE: f64 = 0.2;
+
+/// The probability of a plateau where the loss settled at its soft targets' own entropy.
+const SETTLED: f64 = 0.1;
+
+/// A loss that ended near the least it can reach: a binary cross-entropy whose soft targets
+/// (probabilities, pixel intensities) have an entropy of their own, `LossSpec::target_entropy`,
+/// having come at least 80% of the way from its first value down to it. It flattens there as
+/// any converged run does, however close to its start that is.
+fn settled_at_own_entropy(run: &Run) -> bool {
+    let Some(loss) = run.model.spec.loss.as_ref() else {
+        return false;
+    };
+    let own = loss.target_entropy.filter(|f| f.is_finite() && *f > 0.0);
+    match (own, run.loss.initial) {
+        (Some(own), Some(first)) if loss.is_binary_cross_entropy() && first > own => {
+            run.loss.last_smoothed - own <= SETTLED_SHARE * (first - own)
+        }
+        _ => false,
+    }
 }
 
 /// A binary cross-entropy's targets' own entropy ([`LossSpec::target_entropy`]) at or above
