@@ -158,7 +158,8 @@ impl Chance {
 /// negative log-likelihood over the output's last dimension (also written out as the log of a
 /// softmax), binary cross-entropy, or a mean squared error whose targets' variance is known.
 /// A classifier's is the entropy of its targets' frequencies where they are unbalanced (see
-/// [`unbalanced_level`]), else ln C.
+/// [`unbalanced_level`]), else ln C. A binary cross-entropy whose soft targets' own entropy
+/// is half of its level or more has none (see [`SOFT_TARGETS_FLOOR`]).
 pub(crate) fn chance_level(run: &Run) -> Option<Chance> {
     let loss = run.model.spec.loss.as_ref()?;
     // (A loss summed over the batch sits at the batch size times the level.)
