@@ -16,7 +16,7 @@ from __future__ import annotations
 import gc
 import math
 import re
-from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Set, Tuple
+from typing import AbstractSet, Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Set, Tuple
 
 from ._distributed import has_shards
 
@@ -49,9 +49,9 @@ _VIEWS = frozenset(
 # Autograd nodes visited at most when looking for the model's output from the loss.
 _WALK_LIMIT = 64
 
-# Autograd nodes visited at most when looking below the model's output for parameters it
-# does not hold (once, on the first step).
-_STRAY_WALK_LIMIT = 50_000
+# Autograd nodes visited at most when looking below the model's output (once, on the first
+# step): for parameters it does not hold, and for how it reads its recurrent layers.
+_BELOW_WALK_LIMIT = 50_000
 
 # Features of a table whose per-feature scales are told to the engine: tabular data has a few
 # dozen; a flattened image (784 pixels for MNIST) is no table.
@@ -425,11 +425,11 @@ class LoopFacts:
             try:
                 if event is not None and not event.query():
                     event.synchronize()  # (the first step only, once)
-                lo, hi, tlo, thi, clo, chi, tvar, entropy, entropy_se, spread, labels, own = (
+                lo, hi, tlo, thi, clo, chi, tvar, entropy, entropy_se, own, spread, labels = (
                     float(v) for v in host.tolist()
                 )
             except Exception:  # pragma: no cover - ranges are optional facts
-                lo = hi = tlo = thi = clo = chi = tvar = entropy = entropy_se = spread = labels = own = math.nan
+                lo = hi = tlo = thi = clo = chi = tvar = entropy = entropy_se = own = spread = labels = math.nan
             if math.isfinite(lo) and math.isfinite(hi):
                 d["output_range"] = [lo, hi]
             if math.isfinite(tlo) and math.isfinite(thi):
@@ -526,32 +526,28 @@ def _sequence_readouts(output_fns: List[Any], recurrent: Dict[str, _Recurrent]) 
     """Each recurrent module whose output the model's output reads only at chosen time steps
     (``out[:, -1]``, ``out[:, 0]``: a select along its time axis) and whose final state it does
     not read: the module's name, its steps, the steps read (from 0) and whether it runs both
-    ways. A walk of the autograd graph below the model's output that stops at each module's
-    output; nothing when it could not be walked to its end."""
+    ways. A walk below the model's output that stops at each module's output; nothing when it
+    could not be walked to its end."""
     owner = {id(r.output_fn): name for name, r in recurrent.items()}
     state_owner = {id(f): name for name, r in recurrent.items() for f in r.state_fns}
     # Per module: the steps read so far, None once it is read otherwise.
     reads: Dict[str, Optional[Set[int]]] = {}
-    stack = [f for f in output_fns if f is not None]
-    seen = {id(f) for f in stack}
-    while stack:
-        if len(seen) > _STRAY_WALK_LIMIT:
-            return []
-        node = stack.pop()
-        if id(node) in state_owner:
-            reads[state_owner[id(node)]] = None
-        for nxt, _ in getattr(node, "next_functions", ()):
-            name = owner.get(id(nxt))
-            if name is not None:
+    try:
+        for node in _nodes_below(output_fns, stop=owner.keys()):
+            if id(node) in state_owner:
+                reads[state_owner[id(node)]] = None
+            for nxt, _ in getattr(node, "next_functions", ()):
+                name = owner.get(id(nxt))
+                if name is None:
+                    continue
                 step = _selected_step(node, recurrent[name])
                 got = reads.setdefault(name, set())
                 if step is None:
                     reads[name] = None
                 elif got is not None:
                     got.add(step)
-            elif nxt is not None and id(nxt) not in seen:
-                seen.add(id(nxt))
-                stack.append(nxt)
+    except _WalkTooLong:
+        return []
     return [
         {
             "module": name,
@@ -584,20 +580,37 @@ def _stray_parameters(output_fns: List[Any], own: Set[int]) -> List[Any]:
     import torch
 
     found: Dict[int, Any] = {}
-    stack = [f for f in output_fns if f is not None]
-    seen = {id(f) for f in stack}
-    while stack and len(seen) < _STRAY_WALK_LIMIT:
-        node = stack.pop()
-        if op_name(node) == "AccumulateGrad":
-            v = getattr(node, "variable", None)
+    try:
+        for node in _nodes_below(output_fns):
+            v = getattr(node, "variable", None) if op_name(node) == "AccumulateGrad" else None
             if isinstance(v, torch.nn.Parameter) and id(v) not in own:
                 found[id(v)] = v
+    except _WalkTooLong:  # (what was found so far stands)
+        pass
+    return list(found.values())
+
+
+class _WalkTooLong(Exception):
+    """:func:`_nodes_below` met more than :data:`_BELOW_WALK_LIMIT` nodes."""
+
+
+def _nodes_below(output_fns: List[Any], stop: AbstractSet[int] = frozenset()) -> Iterator[Any]:
+    """Each autograd node below the model's output nodes (what the output depends on), once,
+    depth first, not below the nodes whose ids are in ``stop``; raises :class:`_WalkTooLong`
+    past :data:`_BELOW_WALK_LIMIT` of them (once, at the first step)."""
+    stack = [f for f in output_fns if f is not None]
+    seen = {id(f) for f in stack}
+    while stack:
+        node = stack.pop()
+        yield node
+        if id(node) in stop:
             continue
         for nxt, _ in getattr(node, "next_functions", ()):
             if nxt is not None and id(nxt) not in seen:
+                if len(seen) >= _BELOW_WALK_LIMIT:
+                    raise _WalkTooLong
                 seen.add(id(nxt))
                 stack.append(nxt)
-    return list(found.values())
 
 
 def live_optimizers() -> Iterator[Any]:
@@ -731,18 +744,19 @@ def _ranges(d: Dict[str, Any], path: List[Any], output: Any, outputs: Dict[int, 
     values.extend(on_device(variance, regressed, 1))
     binary = any(op.startswith("BinaryCrossEntropy") for op in d["ops"])
     classes = int(d.get("class_units", d.get("output_units")) or 0)
-    if _weighted(path):  # (its constant guess's loss is not the frequencies' entropy)
-        values.extend(nan(2))
+    # (A weighted loss's constant guess is not at the frequencies' entropy, nor its exact
+    # prediction at the targets' own.)
+    if _weighted(path):
+        values.extend(nan(3))
     elif binary:
-        values.extend(on_device(_binary_entropy, bounded[1], 2))
+        values.extend(on_device(_binary_entropy, bounded[1], 3))
     else:
         indices = bounded[2] if classes >= 2 else None
-        values.extend(on_device(lambda t: _class_entropy(t, classes), indices, 2))
+        values.extend(on_device(lambda t: _class_entropy(t, classes), indices, 2) + nan(1))
     values.append(_batch_spread(bounded[0], device))
     # A binary cross-entropy's labels: the most marked present (>= 0.5) in one sample.
     labels = bounded[1] if binary and bounded[1] is not None and bounded[1].dim() >= 2 else None
     values.extend(on_device(lambda t: [(t.detach() >= 0.5).sum(-1).amax().float()], labels, 1))
-    values.extend(on_device(_targets_own_entropy, bounded[1] if binary else None, 1))
     stacked = torch.stack(values)
     if stacked.device.type == "cuda":
         host = torch.empty(len(values), dtype=torch.float32, pin_memory=True)
@@ -804,27 +818,20 @@ def _class_entropy(indices: Any, classes: int) -> List[Any]:
 
 def _binary_entropy(targets: Any) -> List[Any]:
     """A binary cross-entropy's counterpart of :func:`_class_entropy`: the entropy of how often
-    a target is 1, over all of the batch's targets, where every one is 0 or 1 (NaN for soft
-    targets, whose constant guess is judged otherwise), and its standard error."""
+    a target is 1, over all of the batch's targets, where every one is 0 or 1, and its standard
+    error; then the targets' own entropy, the mean of each target's binary entropy (nats): the
+    loss of a model that predicts every one exactly, exactly 0 for 0/1 targets (NaN where a
+    target is outside [0, 1]). Soft targets have no frequencies' entropy: their constant
+    guess is judged by their own."""
     import torch
 
     t = targets.detach().float()
     p = t.mean()
     h, se = _entropy_and_error(torch.stack([p, 1 - p]), torch.tensor(float(t.numel()), device=t.device))
-    hard = ((t == 0) | (t == 1)).all()
-    return [torch.where(hard, h, torch.full_like(h, float("nan"))), se]
-
-
-def _targets_own_entropy(targets: Any) -> List[Any]:
-    """A binary cross-entropy's targets' own entropy: the mean of each target's binary entropy
-    (nats), the loss of a model that predicts every one exactly (0 for 0/1 targets; NaN where
-    a target is outside [0, 1])."""
-    import torch
-
-    t = targets.detach().float()
-    h = -(torch.special.xlogy(t, t) + torch.special.xlogy(1 - t, 1 - t)).mean()
-    inside = ((t >= 0) & (t <= 1)).all()
-    return [torch.where(inside, h, torch.full_like(h, float("nan")))]
+    nan = torch.full_like(h, float("nan"))
+    own = -(torch.special.xlogy(t, t) + torch.special.xlogy(1 - t, 1 - t)).mean()
+    own = torch.where(((t >= 0) & (t <= 1)).all(), own, nan)
+    return [torch.where(own == 0, h, nan), se, own]
 
 
 def _entropy_and_error(p: Any, n: Any) -> List[Any]:
